@@ -1,0 +1,262 @@
+"""The decoder core shared by both families (pre-norm RMSNorm, rotate-half RoPE, GQA, SwiGLU).
+
+Families differ only in parameter names (kept identical to the HF checkpoints, so loading, LoRA
+merging and saving are plain state-dict operations) and in small numeric conventions:
+
+- Qwen2 family (Dream, DiffuCoder, D2F, Qwen2.5): RoPE cos/sin computed in fp32 and cast to the model
+  dtype before rotating (as HF Qwen2 does); q/k/v have biases.
+- LLaDA: RoPE applied in fp32 and cast back (`rope_full_precision`); no biases.
+
+The one entry point decoders use is `DecoderLM.forward_window` (see its docstring); `model(input_ids)`
+is the cache-free forward under the family's own attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lopa_fast import ops
+from lopa_fast.models.config import ModelConfig
+from lopa_fast.models.kv_cache import KVCache
+
+MASK_MODES = ("full", "block_causal", "causal")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back, then scale (HF Qwen2 / LLaDA order)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    """Views of one layer's parameters under engine names (nn.Linear weights are [out, in])."""
+
+    attn_norm: torch.Tensor
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+    mlp_norm: torch.Tensor
+    gate: nn.Linear
+    up: nn.Linear
+    down: nn.Linear
+
+
+class DecoderLM(nn.Module):
+    """Base class; subclasses define the parameters under HF names and `layer(i)` / `embed` / `head`."""
+
+    config: ModelConfig
+    rope_in_fp32: bool = False
+
+    # ---- family properties ----------------------------------------------------------------------
+    @property
+    def attention(self) -> str:
+        """"full" (Dream, DiffuCoder, LLaDA) or "causal" (Qwen2.5 AR)."""
+        return self.config.attention
+
+    @property
+    def logits_shift(self) -> bool:
+        """True when the raw logit at position j predicts token j+1."""
+        return self.config.logits_shift
+
+    @property
+    def mask_token_id(self):
+        return self.config.mask_token_id
+
+    @property
+    def eos_token_id(self):
+        return self.config.eos_token_id
+
+    @property
+    def pad_token_id(self):
+        return self.config.pad_token_id
+
+    @property
+    def bos_token_id(self):
+        return self.config.bos_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight().device
+
+    def embed_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_norm_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer(self, i: int) -> LayerWeights:
+        raise NotImplementedError
+
+    # ---- RoPE -----------------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] in fp32 for int positions [n] (computed per call: n is a window, D small)."""
+        cfg = self.config
+        d = cfg.head_dim
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d)
+        )
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [B, n, H, D]; cos/sin: [n, D]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        if self.rope_in_fp32:
+            xf = x.float()
+            return (xf * c + rotate_half(xf) * s).to(x.dtype)
+        c, s = c.to(x.dtype), s.to(x.dtype)
+        return x * c + rotate_half(x) * s
+
+    # ---- cache ----------------------------------------------------------------------------------
+    def new_cache(self, max_len: int, dtype: torch.dtype | None = None, device=None) -> KVCache:
+        """A static KV cache for one request of up to `max_len` positions."""
+        cfg = self.config
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"new_cache: max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}"
+            )
+        return KVCache(
+            cfg.num_layers,
+            max_len,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+        )
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, mask: str | None = None, block_ids=None, **kw) -> torch.Tensor:
+        """Cache-free forward: raw (unshifted) logits [B, n, V] under the family's attention
+        (or `mask` if given: "full" | "block_causal" (needs block_ids [B, n]) | "causal")."""
+        return self.forward_window(input_ids, mask=mask, block_ids=block_ids, **kw)
+
+    def forward_window(
+        self,
+        tokens: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        start: int | None = None,
+        mask: str | None = None,
+        block_ids: torch.Tensor | None = None,
+        win_lens: torch.Tensor | None = None,
+        commit: int = 0,
+        commit_branch=0,
+        rows: torch.Tensor | None = None,
+        output: str = "logits",
+    ) -> torch.Tensor:
+        """Forward a window of tokens (one or several branches) over a shared static KV cache.
+
+        tokens:    LongTensor [B, n] (or [n]) -- B branch windows, padded to a common n.
+        cache:     KVCache or None. Positions are `start + arange(n)`; `start` defaults to cache.length.
+                   * start == cache.length (append mode): queries attend to cache[:length] plus their own
+                     window (the window's K/V go to the cache's scratch, `cache.window_kv(layer)`).
+                   * start < cache.length (in-place mode, Fast-dLLM dual cache; B must be 1 and
+                     start + n <= cache.length): the window's K/V overwrite cache positions
+                     [start, start+n) and queries attend to the whole cache[:length] with full attention.
+        mask:      "full" | "block_causal" | "causal" for the window part (the prefix is always visible);
+                   default: the family's attention. block_causal needs block_ids [B, n] (int, the block
+                   index of each window position; query i sees key j iff block_ids[j] <= block_ids[i]).
+        win_lens:  LongTensor [B] valid lengths of ragged windows (keys beyond are masked), or None.
+        commit:    u > 0 appends the first u window positions of branch `commit_branch` (int or 0-d
+                   tensor) to the cache after the forward. The decoder may instead call
+                   `cache.commit_window(branch, u)` itself once it knows the winner.
+        rows:      LongTensor [R] of flat row indices into the B*n window rows: compute the output only
+                   for these rows (the LM head on the rows a round needs). None = all rows.
+        output:    "logits" (raw, unshifted; [B, n, V] or [R, V]) or "hidden" (final-normed hidden states,
+                   [B, n, H] or [R, H]).
+        """
+        cfg = self.config
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2:
+            raise ValueError(f"forward_window: tokens must be [B, n], got shape {tuple(tokens.shape)}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"forward_window: tokens.dtype={tokens.dtype}; expected an integer tensor")
+        B, n = tokens.shape
+        mask = mask or self.attention
+        if mask not in MASK_MODES:
+            raise ValueError(f"forward_window: mask={mask!r}; allowed: {MASK_MODES}")
+        if mask == "block_causal" and block_ids is None:
+            raise ValueError("forward_window: mask='block_causal' needs block_ids [B, n]")
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"forward_window: output={output!r}; allowed: 'logits', 'hidden'")
+        if block_ids is not None and block_ids.dim() == 1:
+            block_ids = block_ids[None].expand(B, n)
+        cache_len = 0 if cache is None else cache.length
+        start = cache_len if start is None else int(start)
+        inplace = cache is not None and start < cache_len
+        if cache is None and start != 0:
+            raise ValueError(f"forward_window: start={start} without a cache; positions start at 0")
+        if cache is not None and start > cache_len:
+            raise ValueError(f"forward_window: start={start} is past the cache end {cache_len} (positions are contiguous)")
+        if inplace and (B != 1 or start + n > cache_len or mask != "full"):
+            raise ValueError(
+                f"forward_window: in-place mode (start={start} < cache.length={cache_len}) needs B=1, "
+                f"start+n <= cache.length and mask='full'; got B={B}, n={n}, mask={mask!r}"
+            )
+        if start + n > cfg.max_position_embeddings:
+            raise ValueError(
+                f"forward_window: positions up to {start + n} exceed max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+        if cache is not None and not inplace:
+            if cache_len + n > cache.max_len:
+                raise ValueError(f"forward_window: window end {cache_len + n} exceeds cache.max_len={cache.max_len}")
+            cache.reserve_window(B, n)
+        if commit and cache is None:
+            raise ValueError("forward_window: commit > 0 needs a cache")
+
+        positions = torch.arange(start, start + n, device=tokens.device)
+        cos, sin = self._rope(positions)
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.embedding(tokens, self.embed_weight())
+        empty = h.new_zeros((0, Hkv, D))
+        for i in range(cfg.num_layers):
+            w = self.layer(i)
+            x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
+            q = w.q(x).view(B, n, Hq, D)
+            k = w.k(x).view(B, n, Hkv, D)
+            v = w.v(x).view(B, n, Hkv, D)
+            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+            if cache is None:
+                attn = ops.branch_attention(q, empty, empty, 0, k, v, win_lens, block_ids, mask)
+            elif inplace:
+                cache.k[i, start : start + n] = k[0]
+                cache.v[i, start : start + n] = v[0]
+                no_window = torch.zeros(1, dtype=torch.long, device=tokens.device)
+                attn = ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, k, v, no_window, None, "full")
+            else:
+                kw, vw = cache.window_kv(i)
+                kw.copy_(k)
+                vw.copy_(v)
+                attn = ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, kw, vw, win_lens, block_ids, mask)
+            h = h + w.o(attn.reshape(B, n, Hq * D))
+            x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
+            h = h + w.down(F.silu(w.gate(x)) * w.up(x))
+        if rows is not None:
+            h = h.reshape(B * n, -1).index_select(0, rows)
+        h = rms_norm(h, self.final_norm_weight(), cfg.rms_norm_eps)
+        if commit:
+            cache.commit_window(commit_branch, commit)
+        if output == "hidden":
+            return h
+        return F.linear(h, self.head_weight())

@@ -1,0 +1,21 @@
+"""Build for lopa_fast.
+
+The pure-Python package always installs. The top-level `kernels/` directory is installed as
+`lopa_fast.kernels` (a bare top-level `kernels` package would collide in site-packages).
+No CUDA is compiled here: CUDA kernels are compiled at first use on a GPU machine (NVRTC via CuPy),
+because a torch-header CUDA build costs minutes of scarce GPU time (TOOLCHAIN.md).
+"""
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["lopa_fast", "lopa_fast.*"])
+packages += ["lopa_fast.kernels", "lopa_fast.kernels.triton"]
+
+setup(
+    packages=packages,
+    package_dir={"lopa_fast.kernels": "kernels"},
+    package_data={
+        "lopa_fast": ["assets/**/*"],
+        "lopa_fast.kernels": ["cuda/*.cu", "cuda/*.cuh"],
+    },
+    include_package_data=True,
+)
