@@ -1,0 +1,120 @@
+"""Tiny random models and checkpoints for tests and benchmarks (no network, no real weights).
+
+`tiny_hf_config` returns a config.json dict in the real checkpoints' format (Dream / qwen2 / llada);
+`random_model` builds a seeded random model from it. Random tiny models have near-uniform softmax, so
+only decoding fallbacks would ever run: `sharpen` scales the output head so that confident predictions
+(p_max > 0.9) occur, which makes threshold accepts, multi-token rounds and lookahead wins reachable.
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.models.config import parse_config
+from lopa_fast.models.loading import build_model
+from lopa_fast.models.transformer import DecoderLM
+
+
+def tiny_hf_config(
+    kind: str = "dream",
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    mask_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+) -> dict:
+    """config.json dict for kind in {"dream", "qwen2", "llada"}; special ids default to the top of the vocab."""
+    mask = vocab_size - 1 if mask_token_id is None else mask_token_id
+    eos = vocab_size - 2 if eos_token_id is None else eos_token_id
+    pad = eos if pad_token_id is None else pad_token_id
+    bos = vocab_size - 3 if bos_token_id is None else bos_token_id
+    if kind in ("dream", "qwen2"):
+        cfg = {
+            "model_type": "Dream" if kind == "dream" else "qwen2",
+            "architectures": ["DreamModel" if kind == "dream" else "Qwen2ForCausalLM"],
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "intermediate_size": intermediate_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "max_position_embeddings": max_position_embeddings,
+            "rope_theta": rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": tie_word_embeddings,
+            "hidden_act": "silu",
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "bos_token_id": bos,
+        }
+        if kind == "dream":
+            cfg["mask_token_id"] = mask
+        return cfg
+    if kind == "llada":
+        return {
+            "model_type": "llada",
+            "architectures": ["LLaDAModelLM"],
+            "d_model": hidden_size,
+            "n_heads": num_heads,
+            "n_kv_heads": num_kv_heads,
+            "n_layers": num_layers,
+            "mlp_hidden_size": intermediate_size,
+            "mlp_ratio": 4,
+            "embedding_size": vocab_size,
+            "vocab_size": vocab_size,
+            "max_sequence_length": max_position_embeddings,
+            "rope_theta": rope_theta,
+            "rms_norm_eps": 1e-5,
+            "layer_norm_type": "rms",
+            "block_type": "llama",
+            "include_bias": False,
+            "include_qkv_bias": False,
+            "weight_tying": tie_word_embeddings,
+            "mask_token_id": mask,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+        }
+    raise ValueError(f"tiny_hf_config: kind={kind!r}; allowed: 'dream', 'qwen2', 'llada'")
+
+
+def random_model(
+    hf_config: dict,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    sharpen: float = 1.0,
+    zero_mask_row: bool = True,
+    std: float = 0.2,
+) -> DecoderLM:
+    """A seeded random model for `hf_config` (eval mode, no grad).
+
+    sharpen: multiplies the output head (logit temperature 1/sharpen); 4-10 gives peaked softmaxes.
+    zero_mask_row: zero the head row of the mask token (so argmax never emits the mask id); note the
+    embedding row stays random so masks still carry information.
+    """
+    cfg = parse_config(hf_config)
+    g = torch.Generator().manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_f." in name or name.endswith("_norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        head = model.head_weight()
+        if not cfg.tie_word_embeddings:
+            head.mul_(sharpen)
+            if zero_mask_row and cfg.mask_token_id is not None and cfg.mask_token_id < cfg.vocab_size:
+                head[cfg.mask_token_id].zero_()
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    return model
