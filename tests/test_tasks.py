@@ -1,0 +1,68 @@
+"""The embedded task: deterministic generator, parameter-disjoint splits, tokenizer round trip."""
+import pytest
+
+from lopa_fast import tasks
+from lopa_fast.tasks import arith
+
+
+def test_generator_is_deterministic():
+    a = tasks.generate("train", 50, seed=3)
+    b = tasks.generate("train", 50, seed=3)
+    c = tasks.generate("train", 50, seed=4)
+    assert a == b
+    assert a != c
+    assert tasks.generate("test", 20, seed=0) == tasks.generate("test", 20, seed=0)
+
+
+def test_splits_disjoint_on_parameters():
+    train = set(tasks.all_tuples("train"))
+    test = set(tasks.all_tuples("test"))
+    assert not train & test
+    total = (arith.A_RANGE[1] - arith.A_RANGE[0] + 1) * (arith.B_RANGE[1] - arith.B_RANGE[0] + 1) * (
+        arith.C_RANGE[1] - arith.C_RANGE[0] + 1) * (arith.D_RANGE[1] - arith.D_RANGE[0] + 1)
+    assert len(train) + len(test) == total
+    assert 0.07 < len(test) / total < 0.13
+    # sampled problems respect their split
+    assert all(p.numbers in train for p in tasks.generate("train", 300, seed=1))
+    assert all(p.numbers in test for p in tasks.generate("test", 300, seed=1))
+
+
+@pytest.mark.parametrize("template", arith.TEMPLATES)
+def test_solution_is_correct_arithmetic(template):
+    p = arith.render(template, 45, 4, 8, 15, "Anna", "She", "pens", "boxes")
+    assert p.answer == 45 + 32 - 15
+    for eq in p.solution.split(" . ")[:3]:
+        lhs, rhs = eq.rstrip(" .").split(" = ")
+        assert eval(lhs) == int(rhs)  # noqa: S307 - our own "x op y" strings
+    assert tasks.extract_answer(p.solution) == p.answer
+
+
+def test_tokenizer_round_trip_and_lengths():
+    tok = tasks.build_tokenizer()
+    for p in tasks.generate("test", 200, seed=2):
+        prompt, target = tasks.encode_problem(tok, p, gen_len=40)
+        assert prompt[0] == tasks.BOS_ID and tasks.tokenizer.UNK_ID not in prompt + target
+        n_sol = target.index(tasks.EOS_ID) + 1
+        assert n_sol <= arith.MAX_SOLUTION_TOKENS and len(target) == 40
+        text = tok.decode(target, skip_special_tokens=True)
+        assert tasks.extract_answer(text) == p.answer
+        assert tasks.join_digits(text) == p.solution
+
+
+def test_tokenizer_loads_through_lopa_fast(tmp_path):
+    import lopa_fast
+
+    tasks.save_tokenizer(tmp_path)
+    tok = lopa_fast.load_tokenizer(tmp_path)
+    assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, tok.bos_token_id) == (0, 0, 1, 2)
+    ids = tok("Lily has 23 apples .")["input_ids"]
+    assert ids[0] == tasks.BOS_ID and tok.decode(ids, skip_special_tokens=True) == "Lily has 2 3 apples ."
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="split"):
+        tasks.generate("dev", 3)
+    with pytest.raises(ValueError, match="n="):
+        tasks.generate("train", -1)
+    with pytest.raises(ValueError, match="template"):
+        arith.render("nope", 20, 2, 2, 2, "Tom", "He", "pens", "bags")
