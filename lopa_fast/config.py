@@ -1,0 +1,308 @@
+"""The decoding knobs as one validated dataclass (knob names are upstream's).
+
+`GenerateConfig.validate()` checks every knob on its own (no model needed) and raises ValueError /
+TypeError naming the knob, the value and what is allowed. `bind(model)` fills the model-dependent
+defaults (mask / EOS ids, the round cap) and returns a new, fully resolved config; strategies and the
+fast decoder receive only resolved configs.
+
+Fields the fast decoder (lopa_fast.decode) needs for d2f / lopa, all resolved by `bind`:
+    max_new_tokens, block_size, block_add_threshold (tau_add), decoded_token_threshold (tau_act),
+    skip_threshold (tau_conf, strict `p_max > tau`), sampling_strategy, branching_factor (k: a round
+    verifies k+1 sequences for k >= 2, one for k = 1), branch_topp, selection_conf_alpha,
+    use_full_attention, temperature, top_p, top_k, mask_token_id (int), eos_token_id (int or None),
+    seed, return_trace, max_rounds (int), on_round_cap ("warn" | "error"), suppress_mask_token (bool).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+STRATEGIES = ("vanilla", "threshold", "d2f", "lopa")
+BACKENDS = ("reference", "fast", "auto")
+SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
+ROUND_CAP_ACTIONS = ("warn", "error")
+REMASKING = ("low_confidence", "random")
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+CACHE_MODES = (None, "prefix", "dual")
+
+# strategy-specific knobs (passed through generate's **strategy_specific); None = "not given"
+LLADA_VANILLA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
+DREAM_VANILLA_KNOBS = ("steps", "alg", "alg_temp", "eps")
+THRESHOLD_KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
+STRATEGY_KNOBS = {
+    "vanilla": tuple(dict.fromkeys(LLADA_VANILLA_KNOBS + DREAM_VANILLA_KNOBS)),
+    "threshold": THRESHOLD_KNOBS,
+    "d2f": (),
+    "lopa": (),
+}
+ALL_SPECIFIC_KNOBS = tuple(dict.fromkeys(k for v in STRATEGY_KNOBS.values() for k in v))
+
+
+class RoundCapError(RuntimeError):
+    """Raised when a decoding loop hits `max_rounds` and `on_round_cap="error"`."""
+
+
+def _num(name, value, *, allow_none=False, integer=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected {kind}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}; expected a finite number")
+
+
+def _prob(name, value, *, allow_none=False):
+    _num(name, value, allow_none=allow_none)
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value!r}; allowed: a probability in [0, 1]")
+
+
+def _positive_int(name, value, *, allow_none=False):
+    _num(name, value, allow_none=allow_none, integer=True)
+    if value is not None and value <= 0:
+        raise ValueError(f"{name}={value!r}; allowed: an int >= 1")
+
+
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected True or False")
+
+
+def _choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Every knob of `lopa_fast.generate` (see its docstring and docs/decoding.md)."""
+
+    strategy: str = "lopa"
+    backend: str = "reference"
+    max_new_tokens: int = 512
+    block_size: int = 32
+    # D2F / LoPA (spec lopa_d2f.md section 2-3)
+    block_add_threshold: float = 0.1
+    decoded_token_threshold: float = 0.95
+    skip_threshold: float = 0.9
+    sampling_strategy: str = "neg_entropy"
+    branching_factor: int = 4
+    branch_topp: float = 1.0
+    selection_conf_alpha: float = 0.0
+    use_full_attention: bool = True
+    # sampling
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    # ids (None: the model's)
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None
+    seed: int | None = None
+    return_trace: bool = False
+    # loop caps and deliberate deviations from upstream (all off = upstream-exact)
+    max_rounds: int | None = None
+    on_round_cap: str = "warn"
+    suppress_mask_token: bool = False
+    # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
+    #          Dream: steps, alg, alg_temp, eps) and threshold (Fast-dLLM / dParallel)
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str | None = None
+    cfg_scale: float | None = None
+    logits_eos_inf: bool | None = None
+    confidence_eos_eot_inf: bool | None = None
+    alg: str | None = None
+    alg_temp: float | None = None
+    eps: float | None = None
+    threshold: float | None = None
+    factor: float | None = None
+    entropy_threshold: float | None = None
+    cache: str | None = None
+    count_noop_forward: bool | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    def replace(self, **kw) -> "GenerateConfig":
+        return dataclasses.replace(self, **kw)
+
+    def validate(self) -> "GenerateConfig":
+        """Check every knob that needs no model; raise ValueError/TypeError before any work."""
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("backend", self.backend, BACKENDS)
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        _positive_int("block_size", self.block_size)
+        for name in ("block_add_threshold", "decoded_token_threshold", "skip_threshold"):
+            _prob(name, getattr(self, name))
+        _choice("sampling_strategy", self.sampling_strategy, SAMPLING_STRATEGIES)
+        _positive_int("branching_factor", self.branching_factor)
+        _prob("branch_topp", self.branch_topp)
+        _prob("selection_conf_alpha", self.selection_conf_alpha)
+        _bool("use_full_attention", self.use_full_attention)
+        _num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}; allowed: >= 0 (0 = greedy)")
+        _prob("top_p", self.top_p, allow_none=True)
+        _positive_int("top_k", self.top_k, allow_none=True)
+        for name in ("mask_token_id", "eos_token_id", "seed"):
+            v = getattr(self, name)
+            _num(name, v, allow_none=True, integer=True)
+            if v is not None and v < 0:
+                raise ValueError(f"{name}={v!r}; allowed: an int >= 0")
+        _bool("return_trace", self.return_trace)
+        _positive_int("max_rounds", self.max_rounds, allow_none=True)
+        _choice("on_round_cap", self.on_round_cap, ROUND_CAP_ACTIONS)
+        _bool("suppress_mask_token", self.suppress_mask_token)
+
+        allowed = STRATEGY_KNOBS[self.strategy]
+        for knob in ALL_SPECIFIC_KNOBS:
+            if getattr(self, knob) is not None and knob not in allowed:
+                owners = [s for s, ks in STRATEGY_KNOBS.items() if knob in ks]
+                raise ValueError(
+                    f"{knob}={getattr(self, knob)!r} does not apply to strategy={self.strategy!r}; "
+                    f"it is a knob of {' / '.join(owners)}"
+                )
+        if self.strategy in ("d2f", "lopa") and self.max_new_tokens % self.block_size:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} must be a multiple of block_size={self.block_size} "
+                f"for strategy={self.strategy!r} (blocks of block_size tokens are appended)"
+            )
+        _positive_int("steps", self.steps, allow_none=True)
+        _positive_int("block_length", self.block_length, allow_none=True)
+        if self.remasking is not None:
+            _choice("remasking", self.remasking, REMASKING)
+        _num("cfg_scale", self.cfg_scale, allow_none=True)
+        if self.cfg_scale is not None and self.cfg_scale < 0:
+            raise ValueError(f"cfg_scale={self.cfg_scale!r}; allowed: >= 0 (0 = off)")
+        for name in ("logits_eos_inf", "confidence_eos_eot_inf", "count_noop_forward"):
+            if getattr(self, name) is not None:
+                _bool(name, getattr(self, name))
+        if self.alg is not None:
+            _choice("alg", self.alg, DREAM_ALGS)
+        _num("alg_temp", self.alg_temp, allow_none=True)
+        if self.alg_temp is not None and self.alg_temp < 0:
+            raise ValueError(f"alg_temp={self.alg_temp!r}; allowed: >= 0 (None or 0 = deterministic top-k)")
+        _num("eps", self.eps, allow_none=True)
+        if self.eps is not None and not 0.0 <= self.eps < 1.0:
+            raise ValueError(f"eps={self.eps!r}; allowed: a number in [0, 1)")
+        _prob("threshold", self.threshold, allow_none=True)
+        _num("factor", self.factor, allow_none=True)
+        if self.factor is not None and self.factor <= 0:
+            raise ValueError(f"factor={self.factor!r}; allowed: a number > 0")
+        _num("entropy_threshold", self.entropy_threshold, allow_none=True)
+        if self.entropy_threshold is not None and self.entropy_threshold < 0:
+            raise ValueError(f"entropy_threshold={self.entropy_threshold!r}; allowed: >= 0 (nats)")
+        if self.cache is not None:
+            _choice("cache", self.cache, CACHE_MODES)
+        if self.strategy == "threshold":
+            given = [k for k in ("threshold", "factor", "entropy_threshold") if getattr(self, k) is not None]
+            if len(given) > 1:
+                raise ValueError(
+                    f"threshold strategy: {' and '.join(f'{k}={getattr(self, k)!r}' for k in given)} given; "
+                    "allowed: exactly one of threshold=, factor=, entropy_threshold="
+                )
+            if not given:
+                raise ValueError(
+                    "threshold strategy: none of threshold=, factor=, entropy_threshold= given; pass exactly one"
+                )
+        if self.strategy in ("vanilla", "threshold"):
+            self._check_blocks()
+        return self
+
+    def _check_blocks(self) -> None:
+        """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0."""
+        bl = self.block_length if self.block_length is not None else None
+        if bl is None:
+            return  # vanilla Dream has no blocks; LLaDA/threshold default block_length is resolved in bind()
+        if self.max_new_tokens % bl:
+            raise ValueError(
+                f"block_length={bl} must divide max_new_tokens={self.max_new_tokens} "
+                f"(strategy={self.strategy!r} decodes max_new_tokens in blocks of block_length)"
+            )
+        nb = self.max_new_tokens // bl
+        if self.steps is not None and self.steps % nb:
+            raise ValueError(
+                f"steps={self.steps} must be a multiple of the number of blocks {nb} "
+                f"(= max_new_tokens {self.max_new_tokens} / block_length {bl})"
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    def bind(self, model) -> "GenerateConfig":
+        """Resolve the model-dependent defaults; returns a new validated config.
+
+        mask/eos ids default to the model's; the round cap defaults to 2 * max_new_tokens + 64 (a round
+        fills at least one position unless the mask token itself is emitted, so the cap is only hit by
+        such a stall); family-specific vanilla knobs are checked against the model's family.
+        """
+        self.validate()
+        kind = model.config.kind
+        mask = self.mask_token_id if self.mask_token_id is not None else model.mask_token_id
+        if mask is None:
+            raise ValueError("mask_token_id=None and the model config has none; pass mask_token_id=")
+        vocab = model.config.vocab_size
+        if not 0 <= mask < vocab:
+            raise ValueError(f"mask_token_id={mask}; allowed: an id in [0, vocab_size={vocab})")
+        eos = self.eos_token_id if self.eos_token_id is not None else model.eos_token_id
+        if eos is not None and not 0 <= eos < vocab:
+            raise ValueError(f"eos_token_id={eos}; allowed: an id in [0, vocab_size={vocab})")
+        if eos is not None and eos == mask:
+            raise ValueError(f"eos_token_id={eos} equals mask_token_id; they must differ")
+        if self.top_k is not None and self.top_k > vocab:
+            raise ValueError(f"top_k={self.top_k}; allowed: 1..vocab_size={vocab}")
+        if kind == "qwen2":
+            raise ValueError(
+                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
+                "use a Dream / D2F / DiffuCoder / LLaDA model"
+            )
+        kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
+        kw["max_rounds"] = self.max_rounds if self.max_rounds is not None else 2 * self.max_new_tokens + 64
+        if self.strategy == "vanilla":
+            if kind == "llada":
+                bad = [k for k in ("alg", "alg_temp", "eps") if getattr(self, k) is not None]
+                if bad:
+                    raise ValueError(
+                        f"{bad[0]}={getattr(self, bad[0])!r} is a Dream vanilla knob, but the model is LLaDA; "
+                        f"LLaDA vanilla knobs: {', '.join(LLADA_VANILLA_KNOBS)}"
+                    )
+                if self.top_p is not None or self.top_k is not None:
+                    raise ValueError(
+                        f"top_p={self.top_p!r} / top_k={self.top_k!r}: LLaDA vanilla sampling is Gumbel-max on raw "
+                        "logits (no top-p/top-k); leave them None"
+                    )
+                bl = self.block_length if self.block_length is not None else self.max_new_tokens
+                kw.update(
+                    block_length=bl,
+                    steps=self.steps if self.steps is not None else self.max_new_tokens,
+                    remasking=self.remasking or "low_confidence",
+                    cfg_scale=self.cfg_scale if self.cfg_scale is not None else 0.0,
+                    logits_eos_inf=bool(self.logits_eos_inf),
+                    confidence_eos_eot_inf=bool(self.confidence_eos_eot_inf),
+                )
+            else:
+                bad = [k for k in LLADA_VANILLA_KNOBS if k != "steps" and getattr(self, k) is not None]
+                if bad:
+                    raise ValueError(
+                        f"{bad[0]}={getattr(self, bad[0])!r} is a LLaDA vanilla knob, but the model is Dream-family; "
+                        f"Dream vanilla knobs: {', '.join(DREAM_VANILLA_KNOBS)}"
+                    )
+                kw.update(
+                    steps=self.steps if self.steps is not None else self.max_new_tokens,
+                    alg=self.alg or "origin",
+                    eps=self.eps if self.eps is not None else 1e-3,
+                )
+        elif self.strategy == "threshold":
+            bl = self.block_length if self.block_length is not None else self.block_size
+            kw.update(
+                block_length=bl,
+                steps=self.steps if self.steps is not None else self.max_new_tokens // bl,
+                count_noop_forward=bool(self.count_noop_forward),
+            )
+        out = self.replace(**kw)
+        out.validate()
+        return out
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+LopaConfig = GenerateConfig  # the name ARCHITECTURE.md uses
