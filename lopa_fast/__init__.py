@@ -1,5 +1,11 @@
 """lopa_fast: fast, faithful decoding for diffusion LLMs (LoPA, D2F, Fast-dLLM, APD, dParallel)."""
+from lopa_fast.api import generate
+from lopa_fast.config import GenerateConfig, LopaConfig, RoundCapError
 from lopa_fast.models import KVCache, load_model, load_tokenizer
+from lopa_fast.output import GenerateOutput
 
 __version__ = "0.1.0"
-__all__ = ["KVCache", "load_model", "load_tokenizer"]
+__all__ = [
+    "GenerateConfig", "GenerateOutput", "KVCache", "LopaConfig", "RoundCapError", "generate", "load_model",
+    "load_tokenizer",
+]  # fmt: skip
