@@ -17,14 +17,16 @@ def test_generator_is_deterministic():
 def test_splits_disjoint_on_parameters():
     train = set(tasks.all_tuples("train"))
     test = set(tasks.all_tuples("test"))
-    assert not train & test
+    dev = set(tasks.all_tuples("dev"))
+    assert not train & test and not train & dev and not dev & test
     total = (arith.A_RANGE[1] - arith.A_RANGE[0] + 1) * (arith.B_RANGE[1] - arith.B_RANGE[0] + 1) * (
         arith.C_RANGE[1] - arith.C_RANGE[0] + 1) * (arith.D_RANGE[1] - arith.D_RANGE[0] + 1)
-    assert len(train) + len(test) == total
+    assert len(train) + len(test) + len(dev) == total
     assert 0.07 < len(test) / total < 0.13
     # sampled problems respect their split
     assert all(p.numbers in train for p in tasks.generate("train", 300, seed=1))
     assert all(p.numbers in test for p in tasks.generate("test", 300, seed=1))
+    assert all(p.numbers in dev for p in tasks.generate("dev", 100, seed=1))
 
 
 @pytest.mark.parametrize("template", arith.TEMPLATES)
@@ -61,7 +63,7 @@ def test_tokenizer_loads_through_lopa_fast(tmp_path):
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="split"):
-        tasks.generate("dev", 3)
+        tasks.generate("valid", 3)
     with pytest.raises(ValueError, match="n="):
         tasks.generate("train", -1)
     with pytest.raises(ValueError, match="template"):

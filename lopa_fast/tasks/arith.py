@@ -13,8 +13,8 @@ not), yet a ~1M-parameter model learns it in tens of CPU minutes. Numbers are sp
 digits by the tokenizer (as Qwen's tokenizer does).
 
 Splits are disjoint on the numeric parameters (a, b, c, d), not only on the text: a tuple is held
-out iff a keyed hash of it falls in the test bucket (10% of tuples), whatever template, name or item
-it is rendered with. The generator is seeded and deterministic (Python's `random.Random(seed)`;
+out iff a keyed hash of it falls in the test bucket (10% of tuples) or the dev bucket (5%, used only
+to monitor training), whatever template, name or item it is rendered with. The generator is seeded and deterministic (Python's `random.Random(seed)`;
 no global state).
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ B_RANGE = (2, 9)
 C_RANGE = (2, 9)
 D_RANGE = (2, 19)
 TEST_PERCENT = 10  # share of (a, b, c, d) tuples held out for the test split
+DEV_PERCENT = 5  # a further share held out for monitoring during training (never trained on)
 
 NAMES = [("Lily", "She"), ("Tom", "He"), ("Anna", "She"), ("Ben", "He"),
          ("Mia", "She"), ("Sam", "He"), ("Zoe", "She"), ("Max", "He")]
@@ -40,7 +41,7 @@ CONTAINERS = ["boxes", "bags", "packs", "jars"]
 # Three templates with different operation orders; each renders (prompt, [(x, op, y, z), ...]).
 TEMPLATES = ("buy", "find", "lose")
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "dev", "test")
 MAX_SOLUTION_TOKENS = 33  # longest solution incl. the final EOS, in tokens (checked in tests)
 
 
@@ -66,10 +67,12 @@ class Problem:
 
 
 def split_of(a: int, b: int, c: int, d: int) -> str:
-    """"train" or "test" for a numeric tuple (keyed hash, stable across Python versions and runs)."""
+    """"train", "dev" or "test" for a numeric tuple (keyed hash, stable across Python versions and runs)."""
     key = f"lopa-arith-v1:{a}:{b}:{c}:{d}".encode()
     bucket = int.from_bytes(hashlib.sha256(key).digest()[:4], "little") % 100
-    return "test" if bucket < TEST_PERCENT else "train"
+    if bucket < TEST_PERCENT:
+        return "test"
+    return "dev" if bucket < TEST_PERCENT + DEV_PERCENT else "train"
 
 
 def all_tuples(split: str) -> list[tuple[int, int, int, int]]:
@@ -122,7 +125,8 @@ def generate(split: str, n: int, seed: int = 0) -> list[Problem]:
 
     train: numeric tuples drawn with replacement from the train tuples (an endless stream for
     training is `generate("train", n, seed=step)`). test: a fixed seeded sample *without*
-    replacement from the held-out tuples (so n <= len(all_tuples("test")) = a few thousand).
+    replacement from the held-out tuples (so n <= len(all_tuples("test")) = a few thousand); dev
+    likewise.
     """
     if split not in SPLITS:
         raise ValueError(f"generate: split={split!r}; allowed: {SPLITS}")
@@ -130,7 +134,7 @@ def generate(split: str, n: int, seed: int = 0) -> list[Problem]:
         raise ValueError(f"generate: n={n!r}; expected an int >= 0")
     rng = random.Random(f"{split}:{seed}")
     tuples = _tuples_cached(split)
-    if split == "test":
+    if split != "train":
         if n > len(tuples):
             raise ValueError(f"generate: n={n} exceeds the {len(tuples)} held-out tuples")
         chosen = rng.sample(tuples, n)
