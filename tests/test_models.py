@@ -1,0 +1,189 @@
+"""Model runtime vs independent implementations, and the cache / window interface.
+
+- Qwen2 family vs transformers' own Qwen2 modules on the same weights (causal for qwen2; the causal mask
+  replaced by an all-zero 4-D mask for Dream's bidirectional attention).
+- LLaDA vs a plain forward written here from the public modeling_llada.py equations.
+- Prefix-in-cache + window == the no-cache forward over the same visible context (full / block-causal,
+  single and batched windows), row selection, in-place (dual cache) writes, commits by device index.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lopa_fast.testing import random_model, tiny_hf_config
+
+KINDS_HEADS = [("dream", 4, 2), ("dream", 4, 4), ("qwen2", 4, 1), ("llada", 4, 4), ("llada", 4, 2)]
+
+
+def _hf_qwen2(hf_cfg, model):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(**{k: v for k, v in hf_cfg.items() if k not in ("model_type", "architectures")})
+    cfg._attn_implementation = "eager"
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    missing, unexpected = ref.load_state_dict(model.state_dict(), strict=False)
+    tied_ok = ("lm_head.weight",) if hf_cfg["tie_word_embeddings"] else ()
+    assert not unexpected and all("rotary" in k or k in tied_ok for k in missing), (missing, unexpected)
+    return ref
+
+
+@pytest.mark.parametrize("kind, kv_heads, tied", [("dream", 2, False), ("dream", 4, False), ("qwen2", 1, True)])
+def test_qwen2_family_matches_transformers(kind, kv_heads, tied):
+    hf_cfg = tiny_hf_config(kind, num_kv_heads=kv_heads, tie_word_embeddings=tied, vocab_size=71)
+    model = random_model(hf_cfg, seed=3)
+    ref = _hf_qwen2(hf_cfg, model)
+    ids = torch.randint(0, 71, (2, 11))
+    with torch.no_grad():
+        if kind == "dream":  # bidirectional: an all-zero additive 4-D mask replaces the causal one
+            expected = ref(ids, attention_mask=torch.zeros(2, 1, 11, 11)).logits
+        else:
+            expected = ref(ids).logits
+        got = model(ids)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert model.attention == ("full" if kind == "dream" else "causal")
+    assert model.logits_shift
+
+
+def _llada_plain_forward(sd: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
+    """modeling_llada.py (LLaDALlamaBlock) equations, written out with explicit per-head loops."""
+    H, nh, nkv = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
+    d = H // nh
+    eps = cfg["rms_norm_eps"]
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [n, d]
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+        f = pos[:, None].float() * inv[None]
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        x1, x2 = x[:, : d // 2], x[:, d // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    p = "model.transformer."
+    x = sd[p + "wte.weight"][ids[0]]
+    n = x.shape[0]
+    pos = torch.arange(n)
+    for layer in range(cfg["n_layers"]):
+        b = f"{p}blocks.{layer}."
+        h = rms(x, sd[b + "attn_norm.weight"])
+        q = h @ sd[b + "q_proj.weight"].T
+        k = h @ sd[b + "k_proj.weight"].T
+        v = h @ sd[b + "v_proj.weight"].T
+        heads = []
+        for hq in range(nh):
+            hk = hq // (nh // nkv)
+            qh = rope(q[:, hq * d : (hq + 1) * d], pos)
+            kh = rope(k[:, hk * d : (hk + 1) * d], pos)
+            att = torch.softmax(qh @ kh.T / math.sqrt(d), -1)  # bidirectional: no mask
+            heads.append(att @ v[:, hk * d : (hk + 1) * d])
+        x = x + torch.cat(heads, -1) @ sd[b + "attn_out.weight"].T
+        h = rms(x, sd[b + "ff_norm.weight"])
+        act = F.silu(h @ sd[b + "ff_proj.weight"].T) * (h @ sd[b + "up_proj.weight"].T)
+        x = x + act @ sd[b + "ff_out.weight"].T
+    x = rms(x, sd[p + "ln_f.weight"])
+    return (x @ sd[p + "ff_out.weight"].T)[None]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_llada_matches_plain_forward(kv_heads):
+    hf_cfg = tiny_hf_config("llada", num_kv_heads=kv_heads, vocab_size=53)
+    model = random_model(hf_cfg, seed=5)
+    ids = torch.randint(0, 53, (1, 9))
+    with torch.no_grad():
+        got = model(ids)
+    expected = _llada_plain_forward(model.state_dict(), hf_cfg, ids)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert model.attention == "full" and not model.logits_shift
+    assert model.mask_token_id == 52
+
+
+def _no_cache_logits(model, seq, block_ids, mask="block_causal"):
+    return model(seq[None], mask=mask, block_ids=torch.tensor(block_ids)[None])[0]
+
+
+@pytest.mark.parametrize("kind, heads, kv_heads", KINDS_HEADS)
+@pytest.mark.parametrize("mode", ["full", "block_causal"])
+def test_cached_prefix_plus_window_equals_no_cache(kind, heads, kv_heads, mode):
+    """Prefix committed to the cache, then a window over it == one no-cache forward where the prefix
+    is block 0 (it never saw the window) and the window is block 1 (full) or blocks 1, 2 (block-causal)."""
+    model = random_model(tiny_hf_config(kind, num_heads=heads, num_kv_heads=kv_heads), seed=7)
+    P, n = 5, 6
+    seq = torch.randint(0, 60, (P + n,))
+    cache = model.new_cache(32)
+    with torch.no_grad():
+        prefix_logits = model.forward_window(seq[None, :P], cache=cache, commit=P, mask="full")
+        assert cache.length == P
+        win_blocks = [1] * n if mode == "full" else [1, 1, 1, 2, 2, 2]
+        got = model.forward_window(
+            seq[None, P:], cache=cache, mask=mode, block_ids=torch.tensor(win_blocks)[None]
+        )
+        expected = _no_cache_logits(model, seq, [0] * P + win_blocks)
+    torch.testing.assert_close(prefix_logits[0], expected[:P], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], expected[P:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dream", "llada"])
+def test_batched_ragged_windows_equal_single_windows(kind):
+    """Three branches of different lengths over one shared cache == three separate single-window runs;
+    rows= selects the same logits; commit_window with a device index commits that branch's K/V."""
+    model = random_model(tiny_hf_config(kind), seed=11)
+    P, n = 4, 7
+    prompt = torch.randint(0, 60, (P,))
+    lens = [7, 5, 3]
+    wins = torch.randint(0, 60, (3, n))
+    cache = model.new_cache(32)
+    with torch.no_grad():
+        model.forward_window(prompt[None], cache=cache, commit=P)
+        batched = model.forward_window(wins, cache=cache, win_lens=torch.tensor(lens))
+        rows = torch.tensor([0, 6, n + 1, 2 * n + 2])
+        picked = model.forward_window(wins, cache=cache, win_lens=torch.tensor(lens), rows=rows)
+        torch.testing.assert_close(picked, batched.reshape(3 * n, -1)[rows], atol=1e-6, rtol=1e-6)
+        hidden = model.forward_window(wins, cache=cache, win_lens=torch.tensor(lens), rows=rows, output="hidden")
+        assert hidden.shape == (4, model.config.hidden_size)
+        singles = []
+        for b, L in enumerate(lens):
+            singles.append(model.forward_window(wins[b : b + 1, :L], cache=cache))
+            torch.testing.assert_close(batched[b, :L], singles[-1][0], atol=1e-5, rtol=1e-5)
+        model.forward_window(wins, cache=cache, win_lens=torch.tensor(lens))
+        expected_k = cache.win_k[:, 1, :3].clone()
+        cache.commit_window(torch.tensor(1), 3)
+    assert cache.length == P + 3
+    torch.testing.assert_close(cache.k[:, P : P + 3], expected_k)
+
+
+def test_inplace_window_for_dual_cache():
+    model = random_model(tiny_hf_config("dream"), seed=13)
+    seq = torch.randint(0, 60, (12,))
+    cache = model.new_cache(16)
+    with torch.no_grad():
+        full = model.forward_window(seq[None], cache=cache, commit=12)
+        same = model.forward_window(seq[None, 4:8], cache=cache, start=4)
+        torch.testing.assert_close(same[0], full[0, 4:8], atol=1e-5, rtol=1e-5)
+        k_before = cache.k[:, 4:8].clone()
+        changed = seq.clone()
+        changed[4:8] = (changed[4:8] + 1) % 60
+        model.forward_window(changed[None, 4:8], cache=cache, start=4)
+    assert cache.length == 12
+    assert not torch.allclose(cache.k[:, 4:8], k_before)
+    with pytest.raises(ValueError, match="in-place"):
+        model.forward_window(torch.zeros(1, 4, dtype=torch.long), cache=cache, start=10)
+
+
+def test_forward_window_bad_input():
+    model = random_model(tiny_hf_config("dream", max_position_embeddings=16), seed=0)
+    cache = model.new_cache(16)
+    with pytest.raises(ValueError, match="mask="):
+        model.forward_window(torch.zeros(1, 3, dtype=torch.long), mask="diagonal")
+    with pytest.raises(ValueError, match="block_ids"):
+        model.forward_window(torch.zeros(1, 3, dtype=torch.long), mask="block_causal")
+    with pytest.raises(TypeError, match="dtype"):
+        model.forward_window(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.new_cache(17)
+    with pytest.raises(ValueError, match="cache.max_len"):
+        small = model.new_cache(4)
+        model.forward_window(torch.zeros(1, 5, dtype=torch.long), cache=small)
