@@ -18,10 +18,9 @@ from lopa_fast.config import GenerateConfig
 from lopa_fast.output import GenerateOutput
 
 
-def _reference_strategies() -> dict:
-    from lopa_fast.reference import d2f, lopa, threshold, vanilla
-
-    return {"vanilla": vanilla.generate, "threshold": threshold.generate, "d2f": d2f.generate, "lopa": lopa.generate}
+def _reference_strategy(strategy: str):
+    """The reference implementation `lopa_fast.reference.<strategy>.generate` (imported on first use)."""
+    return importlib.import_module(f"lopa_fast.reference.{strategy}").generate
 
 
 def _fast_strategies() -> dict:
@@ -95,7 +94,7 @@ def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
 def resolve_backend(strategy: str, backend: str):
     """Return (callable, backend name that runs)."""
     if backend == "reference":
-        return _reference_strategies()[strategy], "reference"
+        return _reference_strategy(strategy), "reference"
     fast = _fast_strategies()
     if strategy in fast:
         return fast[strategy], "fast"
@@ -105,7 +104,7 @@ def resolve_backend(strategy: str, backend: str):
             f"backend='fast' does not cover strategy={strategy!r}; the fast backend covers: {covered}. "
             "Use backend='reference' or backend='auto' (fast where available, else reference)"
         )
-    return _reference_strategies()[strategy], "reference"
+    return _reference_strategy(strategy), "reference"
 
 
 def generate(
