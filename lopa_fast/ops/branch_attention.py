@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
 from lopa_fast.reference.ops import ATTENTION_MODES
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+
 
 def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode):
-    if q.dim() != 4:
-        raise ValueError(f"branch_attention: q must be [B, n, Hq, D], got shape {tuple(q.shape)}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"branch_attention: q must be a [B, n, Hq, D] tensor, got {getattr(q, 'shape', type(q))}")
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"branch_attention: q.dtype={q.dtype}; allowed: {_FLOATS}")
     B, n, Hq, D = q.shape
     if k_win.shape[:2] != (B, n) or k_win.shape[3] != D or k_win.shape != v_win.shape:
         raise ValueError(
@@ -17,7 +24,7 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
             f"{tuple(v_win.shape)}"
         )
     Hkv = k_win.shape[2]
-    if Hq % Hkv:
+    if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"branch_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
     if k_cache.dim() != 3 or k_cache.shape[1:] != (Hkv, D) or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -35,9 +42,19 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
         raise ValueError(f"branch_attention: win_lens must be [B={B}], got {tuple(win_lens.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_win", k_win), ("v_win", v_win)):
         if t.dtype != q.dtype:
-            raise ValueError(f"branch_attention: {name}.dtype={t.dtype} differs from q.dtype={q.dtype}")
+            raise TypeError(f"branch_attention: {name}.dtype={t.dtype} differs from q.dtype={q.dtype}")
         if t.device != q.device:
             raise ValueError(f"branch_attention: {name} is on {t.device}, q on {q.device}")
+    for name, t in (("win_lens", win_lens), ("block_ids", block_ids)):
+        if t is None:
+            continue
+        if t.dtype not in _INTS:
+            raise TypeError(f"branch_attention: {name}.dtype={t.dtype}; allowed: {_INTS}")
+        if t.device != q.device:
+            raise ValueError(f"branch_attention: {name} is on {t.device}, q on {q.device}")
+    _backend.check_last_dim_contiguous(
+        "branch_attention", q=q, k_cache=k_cache, v_cache=v_cache, k_win=k_win, v_win=v_win, block_ids=block_ids
+    )
 
 
 def branch_attention(
@@ -53,12 +70,29 @@ def branch_attention(
     scale: float | None = None,
     return_lse: bool = False,
     check: bool = True,
+    backend: str | None = None,
 ):
-    """q [B, n, Hq, D] attends to k/v_cache[:cache_len] ([Lmax, Hkv, D], shared) + its own window
-    k/v_win [B, n, Hkv, D] under `mode` (full | block_causal | causal, from win_lens [B] / block_ids [B, n]).
-    Returns o [B, n, Hq, D] (and lse [B, n, Hq] fp32). Matches lopa_fast.reference.ops.branch_attention."""
+    """Attention of B branch windows over a shared committed prefix plus each branch's own window.
+
+    q [B, n, Hq, D] attends to k/v_cache[:cache_len] ([Lmax, Hkv, D], shared by all branches, always fully
+    visible) plus its own window k/v_win [B, n, Hkv, D] under `mode`:
+      full: every valid window key | block_causal: key j iff block_ids[b, j] <= block_ids[b, i] |
+      causal: key j iff j <= i;  window keys j >= win_lens[b] are padding (never visible).
+    GQA: query head h reads kv head h // (Hq // Hkv). softmax(q k^T * scale), scale = 1/sqrt(D) by default.
+    dtypes: fp16 | bf16 | fp32 (fp64 on the torch backend); fp32 accumulation.
+    Returns o [B, n, Hq, D] in q.dtype, and lse [B, n, Hq] fp32 (natural log) if return_lse.
+    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch".
+    Matches lopa_fast.reference.ops.branch_attention (the torch backend is that reference).
+    """
     if check:
         _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode)
-    return ref.branch_attention(
+    b = _backend.resolve("branch_attention", backend, q.device)
+    if b == "torch":
+        return ref.branch_attention(
+            q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse
+        )
+    if q.dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"branch_attention: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
+    return _backend.kernel("branch_attention", b)(
         q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse
     )

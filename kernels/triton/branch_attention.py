@@ -1,0 +1,231 @@
+"""Triton `branch_attention`: B branch windows over one shared prefix KV cache (Hydragen/cascade style).
+
+Two launches, merged by log-sum-exp:
+  1. `_prefix_kernel`: the prefix part as one dense problem. The queries of all branches and all query
+     heads of a GQA group are stacked into R = B * n * G rows per kv head, so each prefix K/V tile is
+     read once per (kv head, row tile, split) instead of once per branch and head. The prefix is cut
+     into `num_splits` chunks (flash-decoding) so that B=1, n=32 (224 rows, 4 kv heads = 16 row tiles)
+     still fills the GPU; each split writes a normalised partial o [R, D] and its lse (fp32).
+  2. `_window_kernel`: per (branch, kv head, row tile) the window part under the structural mask
+     (full | block_causal | causal, from block_ids / win_lens; padded keys masked), then merges the
+     prefix partials by LSE and writes o in q.dtype (+ lse).
+Bytes (prefix 2048, B 16, n 32, bf16, Dream-7B): prefix K/V 4 MB read once per row tile;
+partials 2 * splits * R * D * 4 B. Softmax runs in base 2 (exp2) with scale * log2(e) folded in.
+Matches lopa_fast.reference.ops.branch_attention.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lopa_fast.kernels.triton._common import is_interpreter
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_MODES = {"full": 0, "block_causal": 1, "causal": 2}
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    cache_len, R, n, chunk, qk_scale,
+    s_qb, s_qn, s_qh, s_kl, s_kh, s_vl, s_vh,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    H = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked (b, i, g) rows of this kv head
+    g = rows % G
+    bi = rows // G
+    b = bi // n
+    i = bi % n
+    od = tl.arange(0, BLOCK_D)
+    dmask = od < D
+    rmask = rows < R
+    q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + (kvh * G + g).to(tl.int64) * s_qh
+    q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, cache_len)
+    k_base = k_ptr + kvh.to(tl.int64) * s_kh
+    v_base = v_ptr + kvh.to(tl.int64) * s_vh
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_kl + od[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vl + od[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    # an empty split (lo >= cache_len) leaves l_i = 0: lse2 = -inf, o = 0 (weight 0 in the merge)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    part = (split * H + kvh).to(tl.int64) * R + rows
+    tl.store(o_ptr + part[:, None] * BLOCK_D + od[None, :], out, mask=rmask[:, None])
+    tl.store(lse_ptr + part, lse2, mask=rmask)
+
+
+@triton.jit
+def _window_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, wl_ptr, blk_ptr,
+    n, R, num_splits, qk_scale,
+    s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_ob, s_on, s_oh, s_blk,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, HAS_WL: tl.constexpr,
+    RETURN_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    H = tl.num_programs(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (i, g) rows of branch b, kv head kvh
+    g = rows % G
+    i = rows // G
+    rmask = i < n
+    od = tl.arange(0, BLOCK_D)
+    dmask = od < D
+    q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + (kvh * G + g).to(tl.int64) * s_qh
+    q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    if HAS_WL:
+        wl = tl.load(wl_ptr + b).to(tl.int32)
+    else:
+        wl = n
+    if MODE == 1:
+        bq = tl.load(blk_ptr + b.to(tl.int64) * s_blk + i, mask=rmask, other=0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_base = k_ptr + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh
+    v_base = v_ptr + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh
+    for start in range(0, wl, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < wl
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_kn + od[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vn + od[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        vis = nmask[None, :] & rmask[:, None]
+        if MODE == 1:
+            bk = tl.load(blk_ptr + b.to(tl.int64) * s_blk + offs_n, mask=nmask, other=0)
+            vis = vis & (bk[None, :] <= bq[:, None])
+        elif MODE == 2:
+            vis = vis & (offs_n[None, :] <= i[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row saw no key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    # merge the prefix partials (normalised o_s, base-2 lse_s) by log-sum-exp
+    prow = (b * n + i) * G + g  # this row's index in the stacked prefix layout
+    for sp in range(num_splits):
+        part = (sp * H + kvh).to(tl.int64) * R + prow
+        lse_s = tl.load(plse_ptr + part, mask=rmask, other=float("-inf"))
+        o_s = tl.load(po_ptr + part[:, None] * BLOCK_D + od[None, :], mask=rmask[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lse_s - m_safe)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_off = b.to(tl.int64) * s_ob + i.to(tl.int64) * s_on + (kvh * G + g).to(tl.int64) * s_oh
+    tl.store(o_ptr + o_off[:, None] + od[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+    if RETURN_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+        tl.store(lse_ptr + (b * n + i) * (H * G) + kvh * G + g, lse, mask=rmask)
+
+
+def default_num_splits(rows_tiles: int, cache_len: int, block_n: int, n_sm: int = 132) -> int:
+    """Prefix splits so that row tiles x kv heads x splits covers ~2 waves of 132 SMs (H200), each split
+    keeping >= 4 key tiles (shorter splits cost more in partial traffic than they win in parallelism)."""
+    if cache_len <= 0:
+        return 0
+    max_splits = max(1, triton.cdiv(cache_len, 4 * block_n))
+    return max(1, min(max_splits, triton.cdiv(2 * n_sm, max(1, rows_tiles))))
+
+
+def _block_sizes(D: int):
+    if is_interpreter():
+        return 32, 32
+    # D=128 fp16/bf16: 64x64 tiles, 4 warps, 2 stages fit 228 KB smem/SM on sm_90 without spills
+    return 64, 64
+
+
+def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
+                     scale=None, return_lse=False, num_splits=None):
+    """Shapes as lopa_fast.reference.ops.branch_attention; inputs need a contiguous last dim."""
+    B, n, Hq, D = q.shape
+    Hkv = k_win.shape[2]
+    G = Hq // Hkv
+    cache_len = int(cache_len)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qk_scale = scale * _LOG2E
+    dev = q.device
+    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
+    BLOCK_M, BLOCK_N = _block_sizes(D)
+    upcast = is_interpreter() and q.dtype == torch.bfloat16  # the interpreter's bf16 dot is garbage
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no silent TF32 rounding
+    o = torch.empty_like(q)
+    lse = torch.empty(B, n, Hq, dtype=torch.float32, device=dev) if return_lse else o
+    R = B * n * G
+    m_tiles = triton.cdiv(R, BLOCK_M)
+    if num_splits is None:
+        num_splits = default_num_splits(m_tiles * Hkv, cache_len, BLOCK_N)
+    num_splits = min(num_splits, triton.cdiv(cache_len, BLOCK_N)) if cache_len > 0 else 0
+    if num_splits > 0:
+        chunk = triton.cdiv(triton.cdiv(cache_len, num_splits), BLOCK_N) * BLOCK_N
+        num_splits = triton.cdiv(cache_len, chunk)
+        part_o = torch.empty(num_splits, Hkv, R, BLOCK_D, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(num_splits, Hkv, R, dtype=torch.float32, device=dev)
+        _prefix_kernel[(m_tiles, Hkv, num_splits)](
+            q, k_cache, v_cache, part_o, part_lse,
+            cache_len, R, n, chunk, qk_scale,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1),
+            G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec,
+            num_warps=4, num_stages=2,
+        )
+    else:
+        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=dev)
+    wl = win_lens if win_lens is not None else part_lse
+    blk = block_ids if block_ids is not None else part_lse
+    s_blk = block_ids.stride(0) if block_ids is not None else 0
+    _window_kernel[(triton.cdiv(n * G, BLOCK_M), B, Hkv)](
+        q, k_win, v_win, o, lse, part_o, part_lse, wl, blk,
+        n, R, num_splits, qk_scale,
+        q.stride(0), q.stride(1), q.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
+        v_win.stride(0), v_win.stride(1), v_win.stride(2), o.stride(0), o.stride(1), o.stride(2), s_blk,
+        G=G, D=D, BLOCK_D=BLOCK_D, MODE=_MODES[mode], HAS_WL=win_lens is not None, RETURN_LSE=return_lse,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, num_warps=4, num_stages=2,
+    )
+    return (o, lse) if return_lse else o

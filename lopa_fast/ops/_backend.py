@@ -1,0 +1,96 @@
+"""Backend selection for the public ops: cuda | triton | torch.
+
+`backend=None` (auto): on CUDA tensors the first available of AUTO_ORDER, else the vectorised `torch`
+backend (what the CPU fast path runs). An explicit backend is honoured or refused with a ValueError:
+`triton` also runs on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1, the tests).
+
+The CUDA hook: a module `lopa_fast.ops._cuda` (added by the CUDA kernels) exposing
+`available(op: str) -> bool` and one function per op with the public op's signature (no `backend`/`check`
+kwargs). Until it exists, `cuda` is simply unavailable.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("cuda", "triton", "torch")
+# Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.
+AUTO_ORDER = ("triton", "cuda")
+
+_triton_ok: bool | None = None
+
+
+def triton_available() -> bool:
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            importlib.import_module("triton")
+            _triton_ok = True
+        except Exception:  # noqa: BLE001 - any import failure (missing driver libs, ...) means "no triton"
+            _triton_ok = False
+    return _triton_ok
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cuda_module():
+    """lopa_fast.ops._cuda if present and importable, else None."""
+    try:
+        return importlib.import_module("lopa_fast.ops._cuda")
+    except ModuleNotFoundError as e:
+        if e.name != "lopa_fast.ops._cuda":
+            raise
+        return None
+
+
+def _usable(op: str, backend: str, device: torch.device) -> str | None:
+    """None if `backend` can run `op` on `device`, else the reason."""
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        if not triton_available():
+            return "triton does not import"
+        if device.type != "cuda" and not triton_interpreter():
+            return f"tensors are on {device} and TRITON_INTERPRET is not set"
+        return None
+    mod = cuda_module()
+    if mod is None or not mod.available(op):
+        return f"no CUDA kernel for {op} is loaded"
+    if device.type != "cuda":
+        return f"tensors are on {device}"
+    return None
+
+
+def resolve(op: str, backend: str | None, device: torch.device) -> str:
+    """The backend to run `op` with for tensors on `device`."""
+    if backend is None or backend == "auto":
+        backend = os.environ.get("LOPA_FAST_BACKEND") or "auto"
+        if backend == "auto":
+            if device.type == "cuda":
+                for b in AUTO_ORDER:
+                    if _usable(op, b, device) is None:
+                        return b
+            return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r}; allowed: None/'auto', {BACKENDS}")
+    why = _usable(op, backend, device)
+    if why is not None:
+        raise ValueError(f"{op}: backend={backend!r} is unavailable: {why}")
+    return backend
+
+
+def kernel(op: str, backend: str):
+    """The launcher of `op` for a kernel backend ('triton' or 'cuda')."""
+    if backend == "cuda":
+        return getattr(cuda_module(), op)
+    return getattr(importlib.import_module(f"lopa_fast.kernels.triton.{op}"), op)
+
+
+def check_last_dim_contiguous(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} needs a contiguous last dim (stride 1), got strides {t.stride()}")

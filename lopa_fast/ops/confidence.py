@@ -1,0 +1,54 @@
+"""`confidence`: per-row vocabulary statistics for the decoding strategies. See reference.ops.confidence."""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.ops import _backend
+from lopa_fast.reference import ops as ref
+from lopa_fast.reference.ops import Confidence
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(logits, suppress_token, eps):
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"confidence: logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
+    if logits.dtype not in _FLOATS:
+        raise TypeError(f"confidence: logits.dtype={logits.dtype}; allowed: {_FLOATS}")
+    V = logits.shape[1]
+    if V < 2:
+        raise ValueError(f"confidence: logits has V={V} columns; the top-2 margin needs V >= 2")
+    if suppress_token is not None:
+        if isinstance(suppress_token, bool) or not isinstance(suppress_token, int):
+            raise TypeError(f"confidence: suppress_token={suppress_token!r} must be an int or None")
+        if not 0 <= suppress_token < V:
+            raise ValueError(f"confidence: suppress_token={suppress_token} not in [0, V={V})")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"confidence: eps={eps!r} must be a float >= 0")
+    _backend.check_last_dim_contiguous("confidence", logits=logits)
+
+
+def confidence(
+    logits: torch.Tensor,
+    suppress_token: int | None = None,
+    eps: float = 1e-10,
+    *,
+    check: bool = True,
+    backend: str | None = None,
+) -> Confidence:
+    """Per row of logits [N, V]: softmax in fp32 of the upcast logits, then
+    Confidence(token int64 [N] (argmax, ties -> lowest index), p_max fp32 [N], margin fp32 [N] (p_top1 - p_top2),
+    neg_entropy fp32 [N] (sum_v p_v * log(p_v + eps)), lse fp32 [N]).
+    suppress_token: a vocabulary id treated as logit -inf everywhere (e.g. the mask id), None = off (upstream).
+    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch".
+    Matches lopa_fast.reference.ops.confidence (the torch backend is that reference).
+    """
+    if check:
+        _check(logits, suppress_token, eps)
+    b = _backend.resolve("confidence", backend, logits.device)
+    if b == "torch":
+        return ref.confidence(logits, suppress_token, eps)
+    if logits.dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"confidence: logits.dtype={logits.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
+    return Confidence(*_backend.kernel("confidence", b)(logits, suppress_token, eps))
