@@ -1,0 +1,433 @@
+"""The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
+
+Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (spec lopa_d2f.md sections 2-3); this
+module only changes *how* a round is computed:
+
+* Geometry is static per request. Positions [0, P) are the prompt (block 0); generated block j >= 1
+  covers [P + (j-1)*bs, P + j*bs). The token rows `x[slot, L]` (L = P + max_new_tokens) are allocated
+  once and pre-filled with the mask id, so appending a block is `nblk += 1` (no concatenation).
+* Branches live in slots of fixed tensors (NB = k+1 slots for branching_factor k >= 2, one for k = 1):
+  slots [0, n_look) hold the lookaheads in rank order and slot n_look the anchor, which is exactly the
+  order upstream verifies them in (lookaheads by branch id, anchor last), so "first maximum" is
+  upstream's tie rule for the winner. Alive slots are always a prefix [0, nA).
+* Block tables are small tensors: nblk [NB] (generated blocks present), state [NB, G+1] (0 active,
+  1 to_cache, 2 in_cache), complete [NB, G+1] (is_complete), eos [NB], creation confidence [NB].
+  Mask counts are recounted from x (they equal upstream's recorded counts: x only changes at a fill /
+  spawn, after which upstream recounts every active block).
+* A round: grow / activation / done / shared-prefix end / to-cache span on the device -> ONE host read
+  of a 7-int plan (done flag, alive branches, window start, cached span u, window length, LM-head rows,
+  ragged flag) -> one `forward_window` over all branches with the LM head only on the rows whose
+  (shifted) prediction lands on a masked position plus row u-1 (the next `last_logit`) -> token stats
+  on those rows -> threshold accept, fallback, branch scores, winner, anchor fill, lookahead spawn and
+  the to_cache transitions as tensor ops -> `cache.commit_window(winner, u)` from the forward's own K/V.
+  No Python loop runs over branches, blocks or positions inside a round.
+
+The static KV cache holds the committed prefix once; branches never copy it. Under full attention the
+to-cache span's K/V is branch-specific and only the winner's is committed (Commit-Winner-Cache); under
+the block-causal mask the span only sees the prefix and itself, so every branch computes the same K/V
+and committing the winner's is the same as committing anyone's.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lopa_fast.decode.syncs import round_scope
+from lopa_fast.output import GenerateOutput, finalize_stats
+
+ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
+
+
+def token_stats(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V] at temperature 0.
+
+    The same row-wise formulas as the reference decoders (lopa_fast.reference.common.token_stats):
+    fp32 softmax, argmax/max, and the sampling_strategy confidence. Kept behind this one function so
+    that switching to a fused `lopa_fast.ops` kernel is a one-line change once it is token-exact.
+    """
+    from lopa_fast.reference.common import token_stats as _ref_stats
+
+    return _ref_stats(
+        logits,
+        temperature=0.0,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        sampling_strategy=cfg.sampling_strategy,
+        suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
+    )
+
+
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """t[i] for a 0-d device index without a host read (indexing with a 0-d tensor would call .item())."""
+    return t.index_select(0, i.reshape(1)).squeeze(0)
+
+
+def _lowest_k_table(n: int, topp: float, device) -> torch.Tensor:
+    """k(m) = max(1, int(m * topp)) for m = 0..n, computed in Python floats exactly as upstream."""
+    return torch.tensor([max(1, int(m * topp)) for m in range(n + 1)], dtype=torch.long, device=device)
+
+
+class FastDecoder:
+    """One request of D2F (k = 1) or LoPA (k >= 2) decoding with all branches batched.
+
+    model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound GenerateConfig.
+    `run()` returns a GenerateOutput equal (tokens, forwards) to the reference backend's.
+    """
+
+    def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str):
+        self.model, self.cfg, self.name = model, cfg, name
+        dev = prompt.device
+        self.dev = dev
+        self.P = P = prompt.numel()
+        self.bs = bs = cfg.block_size
+        self.G = G = cfg.max_new_tokens // bs
+        self.L = L = P + G * bs
+        self.k = k = branching_factor
+        self.n_look = k if k >= 2 else 0  # lookaheads spawned per round (upstream: branching_factor)
+        self.NB = NB = self.n_look + 1
+        self.mask_id = cfg.mask_token_id
+        self.eos_id = cfg.eos_token_id
+        self.shift = bool(model.logits_shift)
+        self.mode = "full" if cfg.use_full_attention else "block_causal"
+
+        # static geometry tables
+        j = torch.arange(G + 1, device=dev)
+        self.jidx = j
+        self.bstart = torch.where(j == 0, 0, P + (j - 1) * bs)
+        self.bend = torch.where(j == 0, P, P + j * bs)
+        self.btotal = self.bend - self.bstart
+        p = torch.arange(L, device=dev)
+        self.pos = p
+        self.pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor"))
+        self.slot = torch.arange(NB, device=dev)
+        self.ktable = _lowest_k_table(L, cfg.branch_topp, dev)
+
+        # round state (device)
+        self.x = torch.full((NB, L), self.mask_id, dtype=torch.long, device=dev)
+        self.x[:, :P] = prompt
+        self.nblk = torch.zeros(NB, dtype=torch.long, device=dev)
+        self.state = torch.zeros(NB, G + 1, dtype=torch.long, device=dev)
+        self.state[:, 0] = TO_CACHE
+        self.complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
+        self.complete[:, 0] = True
+        self.eos = torch.zeros(NB, dtype=torch.bool, device=dev)
+        self.alive = self.slot == 0  # round 1: the prompt-only anchor
+        self.cconf = torch.ones(NB, dtype=torch.float64, device=dev)
+        self.last_logit = None  # [V] raw logit saved with the last committed span
+        self.cache = model.new_cache(L)
+
+        # device counters (read once at the end)
+        z = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
+        self.c_thresh, self.c_fallback, self.c_eos_fills = z(), z(), z()
+        self.c_multi, self.c_look_wins, self.c_growth_split, self.c_ragged = z(), z(), z(), z()
+        self.c_winner_grew, self.c_max_branches = z(), z()
+        self.host_reads = 0
+
+    # ------------------------------------------------------------------------------------------------
+    def _mask_counts(self) -> torch.Tensor:
+        """mc [NB, G+1]: masks per block (block 0, the prompt, has none: prompts never hold the mask id)."""
+        NB, G, bs, P = self.NB, self.G, self.bs, self.P
+        mc = torch.zeros(NB, G + 1, dtype=torch.long, device=self.dev)
+        mc[:, 1:] = (self.x[:, P:] == self.mask_id).view(NB, G, bs).sum(-1)
+        return mc
+
+    def _plan(self):
+        """Grow, activation, termination, shared-prefix end and the to-cache span, all on the device.
+
+        Returns a dict of device tensors and the host plan [done, nA, s, u, n, R, ragged] (one read).
+        """
+        cfg, G = self.cfg, self.G
+        alive, nblk = self.alive, self.nblk
+        mc = self._mask_counts()
+        # 1. grow: the last block's decoded fraction (Python float maths in fp64) >= tau_add
+        last_mc = mc.gather(1, nblk[:, None])[:, 0]
+        last_tot = self.btotal[nblk]
+        prog = (last_tot - last_mc).double() / last_tot.double()
+        grow = alive & (nblk < G) & ~self.eos & (prog >= cfg.block_add_threshold)
+        nblk = self.nblk = nblk + grow.long()
+        exists = self.jidx[None, :] <= nblk[:, None]
+        # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky)
+        ratio_ok = (self.btotal - mc).double() / self.btotal.double() >= cfg.decoded_token_threshold
+        self.complete[:, 1:] |= ratio_ok[:, :-1] & exists[:, 1:]
+        # 3. done: no mask and no active block
+        active = exists & (self.state == ACTIVE)
+        n_masks = (mc * exists).sum(1)
+        done = alive & (n_masks == 0) & ~active.any(1)
+        rem = alive & ~done
+        # 4. shared-prefix end: leading blocks in (to_cache | in_cache) with no mask, min over branches
+        ok = exists & (self.state != ACTIVE) & (mc == 0)
+        lead = ok.long().cumprod(1).sum(1)
+        big = torch.full_like(lead, G + 2)
+        mlead = torch.where(rem, lead, big).min().clamp(1, G + 1)
+        spe = self.bend[mlead - 1]
+        # 5. layout branch: the anchor (last alive slot) if it is still running, else the first running
+        nA = alive.sum()
+        anchor = nA - 1
+        first_rem = torch.where(rem, self.slot, self.NB).min().clamp(max=self.NB - 1)
+        lay = torch.where(_at(rem, anchor), anchor, first_rem)
+        tc = _at(exists, lay) & (_at(self.state, lay) == TO_CACHE) & (self.bend <= spe)
+        has_tc = tc.any()
+        tc_start = torch.where(tc, self.bstart, self.L).min()
+        tc_end = torch.where(tc, self.bend, 0).max()
+        u = torch.where(has_tc, tc_end - tc_start, 0)
+        s = torch.where(has_tc, tc_start, spe)
+        lens = self.P + nblk * self.bs
+        wl = (lens - s).clamp(min=0)
+        n = torch.where(rem, wl, 0).max()
+        # rounds where a running branch's row length differs from the layout branch's (branch growth)
+        lay_len = _at(lens, lay)
+        self.c_growth_split += (rem & (lens != lay_len)).any().long()
+        self.c_max_branches = torch.maximum(self.c_max_branches, rem.sum())
+        ragged = (torch.where(alive, wl, n) != n).any()
+        # LM-head rows: raw row at position q is needed iff it predicts a masked position (q+1 with the
+        # Dream shift, q without), or q is the last cached position (its logit becomes last_logit).
+        ismask = (self.x == self.mask_id) & (self.pos[None, :] < lens[:, None])
+        need = torch.zeros_like(ismask)
+        if self.shift:
+            need[:, :-1] = ismask[:, 1:]
+            need |= (self.pos == s + u - 1)[None, :] & (u > 0)
+        else:
+            need = ismask.clone()
+        need &= (self.pos[None, :] >= s) & alive[:, None]
+        R = need.sum()
+        head = torch.stack([~rem.any(), nA, s, u, n, R, ragged])
+        self.host_reads += 1
+        plan = head.tolist()  # the round's one device-to-host read
+        return dict(mc=mc, exists=exists, active=active, rem=rem, done=done, spe=spe, tc=tc, need=need,
+                    ismask=ismask, lens=lens, wl=wl, lay=lay), plan
+
+    # ------------------------------------------------------------------------------------------------
+    def _round(self, d, nA: int, s: int, u: int, n: int, R: int, ragged: bool, trace):
+        cfg = self.cfg
+        dev = self.dev
+        win = slice(s, s + n)
+        tokens = self.x[:nA, win]
+        bids = None
+        if self.mode == "block_causal":
+            bids = self.pos_block[win][None, :].expand(nA, n)
+        win_lens = d["wl"][:nA] if ragged else None
+        need_flat = d["need"][:nA, win].reshape(-1)
+        # the needed rows in ascending flat order, without a host read: a stable sort puts them first
+        rows = torch.sort((~need_flat).to(torch.uint8), stable=True).indices[:R]
+        logits = self.model.forward_window(
+            tokens, cache=self.cache, start=s, mask=self.mode, block_ids=bids, win_lens=win_lens, rows=rows
+        )  # [R, V] raw
+        V = logits.shape[-1]
+        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
+        if self.shift:
+            first = self.last_logit if self.last_logit is not None else logits.new_ones(V)
+            table = torch.cat([first[None, :], logits], 0)
+        else:
+            table = logits
+        conf, x0, p = token_stats(table, cfg)
+        csum = need_flat.long().cumsum(0).view(nA, n)  # 1-based rank of each needed raw row
+        if self.shift:
+            sidx = torch.zeros(nA, n, dtype=torch.long, device=dev)
+            sidx[:, 1:] = csum[:, :-1]
+        else:
+            sidx = (csum - 1).clamp(min=0)
+        c_w, x0_w, p_w = conf[sidx], x0[sidx], p[sidx]  # [nA, n]: stats predicting window position i
+
+        # ---- selection (every alive branch; only the winner's fill is applied) ----
+        i = torch.arange(n, device=dev)
+        masked = d["ismask"][:nA, win]
+        blk = self.pos_block[win]  # [n]
+        act_w = d["active"][:nA].gather(1, blk[None, :].expand(nA, n))
+        cand = masked & act_w
+        accept = cand & (p_w > cfg.skip_threshold)
+        thresh_hits = accept
+        # fallback: a fully activated active block with masks and no accept fills its most confident one
+        onehot = blk[:, None] == self.jidx[None, :]  # [n, G+1]
+        cand_b = cand[:, :, None] & onehot[None]  # [nA, n, G+1]
+        neg = torch.tensor(float("-inf"), dtype=c_w.dtype, device=dev)
+        key = torch.where(cand_b, c_w[:, :, None], neg)
+        best = key.max(1, keepdim=True).values
+        firstpos = torch.where(cand_b & (key == best), i[None, :, None], n).min(1).values  # [nA, G+1]
+        acc_b = (accept[:, :, None] & onehot[None]).any(1)
+        need_fb = self.complete[:nA] & d["active"][:nA] & cand_b.any(1) & ~acc_b
+        fb = ((firstpos[:, None, :] == i[None, :, None]) & need_fb[:, None, :]).any(2)
+        accept = accept | fb
+        # branch score: mean of the lowest k = max(1, int(m * topp)) confidences over all masks (>= spe)
+        m = masked.sum(1)
+        kk = self.ktable[m]
+        asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
+        low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
+        future = torch.where(m > 0, low.double(), 1.0)
+        alpha = float(max(0.0, min(1.0, cfg.selection_conf_alpha)))
+        score = alpha * self.cconf[:nA] + (1.0 - alpha) * future
+        score = torch.where(d["lens"][:nA] <= d["spe"], 1.0, score)  # nothing past spe: 1.0 outright
+        rem = d["rem"][:nA]
+        keyw = torch.where(rem, score, float("-inf"))
+        W = torch.where(rem & (keyw == keyw.max()), self.slot[:nA], nA).min()  # first max (upstream order)
+
+        # ---- commit the winner's span from this forward's K/V; its raw row u-1 is the next last_logit
+        if u > 0:
+            self.cache.commit_window(W, u)
+            if self.shift:
+                self.last_logit = _at(table, _at(csum[:, u - 1], W))
+        # ---- anchor fill on the winner
+        accW = _at(accept, W)
+        tokW = _at(x0_w, W)
+        cW = _at(c_w, W)
+        xW = _at(self.x, W).clone()
+        posW = s + i
+        xW[posW] = torch.where(accW, tokW, xW[posW])
+        eos_hit = accW & (tokW == self.eos_id) if self.eos_id is not None else torch.zeros_like(accW)
+        eosW = _at(self.eos, W) | eos_hit.any()
+        n_fill = accW.sum()
+        self.c_thresh += (_at(thresh_hits, W) & accW).sum()
+        self.c_fallback += (_at(fb, W) & accW).sum()
+        self.c_eos_fills += eos_hit.sum()
+        is_look = W != nA - 1
+        self.c_winner_grew += (_at(d["lens"], W) != _at(d["lens"], d["lay"])).long()
+        self.c_look_wins += is_look.long()
+        # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
+        self.c_multi += ((n_fill + is_look.long()) >= 2).long()
+
+        # ---- winner's block table after the fill
+        nblkW, stW, cpW = _at(self.nblk, W), _at(self.state, W), _at(self.complete, W)
+        existsW = self.jidx <= nblkW
+        mcW = torch.zeros(self.G + 1, dtype=torch.long, device=dev)
+        mcW[1:] = (xW[self.P :] == self.mask_id).view(self.G, self.bs).sum(-1)
+        activeW = existsW & (stW == ACTIVE)
+        base_done = activeW & (mcW == 0)  # upstream's base_completed_blocks
+
+        # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
+        NB, L = self.NB, self.L
+        x_new = xW[None, :].expand(NB, L).clone()
+        eos_new = eosW.expand(NB).clone()
+        cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
+        if self.n_look > 0:
+            rest = _at(cand, W) & ~accW
+            keyl = torch.where(rest, cW, neg)
+            order = torch.sort(keyl, descending=True, stable=True).indices[: self.n_look]
+            valid = rest[order]
+            if order.numel() < self.n_look:  # fewer window positions than lookaheads
+                pad = self.n_look - order.numel()
+                order = torch.cat([order, order.new_zeros(pad)])
+                valid = torch.cat([valid, valid.new_zeros(pad)])
+            n_valid = valid.sum()
+            lpos = s + order
+            ltok = tokW[order]
+            lslot = self.slot[: self.n_look]
+            cur = x_new[lslot, lpos]
+            x_new[lslot, lpos] = torch.where(valid, ltok, cur)
+            cconf_new[: self.n_look] = torch.where(valid, cW[order].double(), 1.0)
+            if self.eos_id is not None:
+                eos_new[: self.n_look] |= valid & (ltok == self.eos_id)
+        else:
+            n_valid = torch.zeros((), dtype=torch.long, device=dev)
+        alive_new = self.slot <= n_valid
+
+        # ---- new block tables: cached span -> in_cache; to_cache only for blocks the anchor rule completed
+        st_new = stW.clone()
+        if u > 0:
+            st_new = torch.where(d["tc"], IN_CACHE, st_new)
+        st_new = st_new[None, :].expand(NB, -1).clone()
+        mc_new = torch.zeros(NB, self.G + 1, dtype=torch.long, device=dev)
+        mc_new[:, 1:] = (x_new[:, self.P :] == self.mask_id).view(NB, self.G, self.bs).sum(-1)
+        act_new = existsW[None, :] & (st_new == ACTIVE)
+        retire = act_new & base_done[None, :] & (mc_new == 0)
+        okb = ~act_new | retire  # sequential rule: every lower block must be non-active after its update
+        chain = okb.long().cumprod(1).bool()
+        st_new = torch.where(retire & chain, TO_CACHE, st_new)
+
+        self.x = x_new
+        self.state = st_new
+        self.nblk = nblkW.expand(NB).clone()
+        self.complete = cpW[None, :].expand(NB, -1).clone()
+        self.eos = eos_new
+        self.cconf = cconf_new
+        self.alive = alive_new
+
+        if trace is not None:  # host reads, only when a trace is asked for
+            lens = d["wl"][:nA].tolist()
+            look = [None] * nA
+            for b in range(nA - 1):
+                diff = (self.prev_x[b] != self.prev_x[nA - 1]).nonzero()
+                look[b] = int(diff[0, 0]) - self.P if diff.numel() else None
+            acc = [[s + int(q) - self.P, int(t)] for q, t in zip(accW.nonzero()[:, 0].tolist(),
+                                                                  tokW[accW].tolist())]
+            trace.append({
+                "round": None, "window_start": s - self.P, "window_len": n, "cached": u,
+                "branches": [{"score": float(score[b]), "lookahead": look[b], "window_len": lens[b]}
+                             for b in range(nA)],
+                "winner": int(W), "accepted": acc,
+            })
+
+    # ------------------------------------------------------------------------------------------------
+    def run(self) -> GenerateOutput:
+        from lopa_fast.reference.common import Clock, round_cap_hit
+
+        cfg = self.cfg
+        stats = {"forwards": 0, "model_calls": 0}
+        trace = [] if cfg.return_trace else None
+        out_slot = 0
+        with Clock(self.dev) as clock:
+            while True:
+                with round_scope():
+                    d, (done, nA, s, u, n, R, ragged) = self._plan()
+                    if done:
+                        # every alive branch finished in the same round (lookaheads always keep an
+                        # active block, so a finished round holds just the anchor): upstream returns
+                        # the first finished branch in list order
+                        out_slot = int(torch.where(d["done"], self.slot, self.NB).min()) if nA > 1 else 0
+                        break
+                    if stats["forwards"] >= cfg.max_rounds:
+                        round_cap_hit(cfg, stats, self.name)
+                        out_slot = int(d["lay"])  # the running anchor (else the first running branch)
+                        break
+                    if trace is not None:
+                        self.prev_x = self.x[:nA].clone()
+                    self._round(d, nA, s, u, n, R, bool(ragged), trace)
+                    stats["forwards"] += 1
+                    stats["model_calls"] += 1
+                    if trace is not None:
+                        trace[-1]["round"] = stats["forwards"]
+                        if ragged:
+                            self.c_ragged += 1
+                    elif ragged:
+                        self.c_ragged += 1
+        length = self.P + int(self.nblk[out_slot]) * self.bs
+        ids = self.x[out_slot, self.P : length].tolist()
+        stats.update(
+            accepted_by_threshold=int(self.c_thresh),
+            fallback_fills=int(self.c_fallback),
+            eos_fills=int(self.c_eos_fills),
+            multi_token_rounds=int(self.c_multi),
+            eos_detected=bool(self.eos[out_slot]),
+        )
+        if self.name == "lopa":
+            stats.update(
+                lookahead_wins=int(self.c_look_wins),
+                branch_growth=int(self.c_growth_split),
+                winner_grew=int(self.c_winner_grew),
+                max_branches=int(self.c_max_branches),
+                ragged_rounds=int(self.c_ragged),
+            )
+        stats["host_reads"] = self.host_reads
+        stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
+        stats["peak_cache_bytes"] = self.cache.nbytes()
+        finalize_stats(stats, ids, cfg.eos_token_id, self.mask_id, clock.seconds, steps_plus_one=True)
+        return GenerateOutput(ids, stats, trace)
+
+
+def check_fast_config(cfg, name: str) -> None:
+    """What the fast backend does not cover raises here, naming the knob (generate validated the rest)."""
+    if cfg.temperature != 0:
+        raise ValueError(
+            f"backend='fast' ({name}) covers temperature=0 only (greedy, upstream's setting); got "
+            f"temperature={cfg.temperature!r}. Use backend='reference' (or 'auto', which falls back)"
+        )
+
+
+def run_fast(model, prompt, cfg, branching_factor: int, name: str) -> GenerateOutput:
+    if cfg.temperature != 0 and cfg.backend == "auto":
+        from lopa_fast.api import _reference_strategies
+
+        warnings.warn(f"backend='auto': {name} at temperature>0 runs on the reference backend", RuntimeWarning)
+        out = _reference_strategies()[name](model, prompt, cfg)
+        return out
+    check_fast_config(cfg, name)
+    return FastDecoder(model, prompt, cfg, branching_factor, name).run()
