@@ -1,0 +1,69 @@
+"""Shared test helpers: tolerance table, the 2x error rule, NaN-poisoned allocations, the test device."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+# (atol, rtol) per dtype for elementwise comparisons (house_style: torch defaults for fp32).
+# Attention and reductions use the 2x rule instead (assert_2x_rule).
+TOLERANCES = {
+    torch.float32: (1e-5, 1.3e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 only on a GPU: the Triton interpreter's bf16 dot multiplies raw bit patterns (TOOLCHAIN.md)
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor, rows=None) -> float:
+    d = (a.double() - b.double()).abs()
+    if rows is not None:
+        d = d[rows]
+    return d.max().item() if d.numel() else 0.0
+
+
+def assert_2x_rule(name: str, out, ref_exact, out_torch, rows=None, slack: float = 1e-5):
+    """flash-attention's rule: err(kernel, exact) <= 2 * err(torch in the same dtype, exact) + slack.
+    Prints both errors so a failure explains itself."""
+    e_k = max_err(out, ref_exact, rows)
+    e_t = max_err(out_torch, ref_exact, rows)
+    print(f"{name}: err(kernel)={e_k:.3e} err(torch)={e_t:.3e}")
+    assert torch.isfinite(out.double() if rows is None else out.double()[rows]).all(), f"{name}: non-finite output"
+    assert e_k <= 2 * e_t + slack, f"{name}: err(kernel)={e_k:.3e} > 2 * err(torch)={e_t:.3e} + {slack}"
+
+
+_INT_SENTINEL = -123456789
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty / empty_like return NaN (floats) or a sentinel (ints, bools as 0x55 bytes), so an
+    output element a kernel forgets to write cannot pass as a plausible value."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(0x55)
+        elif t.dtype in (torch.int8, torch.uint8):
+            t.fill_(0x55)
+        else:
+            t.fill_(_INT_SENTINEL)
+        return t
+
+    def empty(*a, **k):
+        return poison(real_empty(*a, **k))
+
+    def empty_like(*a, **k):
+        return poison(real_like(*a, **k))
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_like
