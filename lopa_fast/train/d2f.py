@@ -1,0 +1,234 @@
+"""Recipe: a small D2F-style block-diffusion model (Dream / Qwen2 architecture) for the embedded task.
+
+    python -m lopa_fast.train.d2f --out lopa_fast/assets/d2f-arith-tiny        # the shipped model
+    python -m lopa_fast.train.d2f --out /tmp/x --steps 20 --hidden 32 --layers 1  # a smoke run
+
+Objective. D2F trains a LoRA student with the block-causal mask and per-block increasing mask
+ratios to match a full-attention teacher. There is no teacher here, so the student is trained
+directly on the masked-diffusion objective (cross-entropy of the clean token at masked positions)
+with three kinds of batches, cycled step by step:
+
+  1. "block_causal": D2F's own training view. Block 0 = prompt, blocks 1..K = the generation region
+     cut into `block_size` pieces; query i sees key j iff block(j) <= block(i). Per-block mask ratios
+     are K sorted U(0,1) draws (block 1 least masked), so later blocks are noisier than earlier ones,
+     which is the state D2F's pipelined decoder creates.
+  2. "full_pipe": the same increasing ratios under full attention, with the sequence cut after a
+     random number k in 1..K of generation blocks (only appended blocks exist in D2F/LoPA decoding;
+     LoPA's default `use_full_attention=True` decodes with full attention over them).
+  3. "full_uniform": Dream's vanilla view: full attention over prompt + the whole region, one ratio
+     t ~ U(0,1) for every generated position (the state of one-token-per-forward vanilla decoding).
+
+Two thirds of the batches use full attention because every strategy we ship defaults to it; the
+block-causal third keeps the model usable in D2F's block-causal mode. The loss is the plain token
+average (no 1/t ELBO weight; D2F's distillation loss is unweighted too). Dream alignment: the raw
+logit at position j - 1 predicts a masked token at j. Prompt tokens are never masked.
+
+Everything is seeded (problems: `tasks.generate("train", B, seed=...)` per step; masks: a
+torch.Generator per step), CPU-only, float32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lopa_fast import tasks
+from lopa_fast.models import save_checkpoint
+from lopa_fast.models.config import parse_config
+from lopa_fast.models.loading import build_model
+from lopa_fast.train.data import block_ids_for, make_batch
+
+MODES = ("block_causal", "full_pipe", "full_uniform")
+
+DEFAULTS = dict(
+    hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=40,
+    batch=64, steps=3000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
+    eval_every=300, eval_n=128, threads=2,
+)
+
+
+def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+              max_positions: int = 128) -> dict:
+    """The config.json of the model (Dream model_type, Qwen2 layout, the task tokenizer's special ids)."""
+    return {
+        "model_type": "Dream",
+        "architectures": ["DreamModel"],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "mask_token_id": tasks.MASK_ID,
+        "eos_token_id": tasks.EOS_ID,
+        "pad_token_id": tasks.EOS_ID,
+        "bos_token_id": tasks.BOS_ID,
+    }
+
+
+def init_model(cfg: dict, seed: int):
+    """Build the model from `cfg` with a seeded GPT-style init (N(0, 0.02); residual outputs scaled
+    by 1/sqrt(2 * layers); biases 0; norms 1)."""
+    model = build_model(parse_config(cfg))
+    g = torch.Generator().manual_seed(seed)
+    resid_std = 0.02 / math.sqrt(2 * cfg["num_hidden_layers"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                std = resid_std if ("o_proj" in name or "down_proj" in name) else 0.02
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return model.float().train().requires_grad_(True)
+
+
+def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator):
+    """Mask a clean batch for one training view.
+
+    Returns (noisy ids [B, n], loss positions bool [B, n] (masked generated positions), win_lens [B],
+    block_ids [B, n]).
+    """
+    if mode not in MODES:
+        raise ValueError(f"corrupt: mode={mode!r}; allowed: {MODES}")
+    ids = batch.ids
+    B, n = ids.shape
+    K = gen_len // block_size
+    bids = block_ids_for(batch.prompt_lens, n, block_size)  # [B, n]
+    j = torch.arange(n)[None, :]
+    in_gen = (j >= batch.prompt_lens[:, None]) & (j < batch.lens[:, None])
+    lens = batch.lens.clone()
+    if mode == "full_uniform":
+        ratio = torch.rand(B, 1, generator=g).expand(B, n)
+    else:
+        r = torch.rand(B, K, generator=g).sort(dim=1).values  # increasing per block
+        r = torch.cat([torch.zeros(B, 1), r, torch.ones(B, 1)], dim=1)  # block 0 = prompt; tail
+        ratio = r.gather(1, bids.clamp(max=K + 1))
+        if mode == "full_pipe":
+            k = torch.randint(1, K + 1, (B,), generator=g)
+            lens = batch.prompt_lens + k * block_size
+            in_gen = in_gen & (j < lens[:, None])
+    masked = (torch.rand(B, n, generator=g) < ratio) & in_gen
+    # at least one loss position per row: mask a random generated position when none was drawn
+    none = ~masked.any(1)
+    if none.any():
+        span = (lens - batch.prompt_lens)[none]
+        off = (torch.rand(int(none.sum()), generator=g) * span).long()
+        masked[none.nonzero()[:, 0], (batch.prompt_lens[none] + off)] = True
+    noisy = torch.where(masked, torch.full_like(ids, tasks.MASK_ID), ids)
+    return noisy, masked, lens, bids
+
+
+def loss_on(model, batch, mode: str, block_size: int, gen_len: int, g: torch.Generator) -> torch.Tensor:
+    """Mean cross-entropy of the clean tokens at the masked positions (logit at j - 1 predicts j)."""
+    noisy, masked, lens, bids = corrupt(batch, mode, block_size, gen_len, g)
+    attn = "block_causal" if mode == "block_causal" else "full"
+    logits = model(noisy, mask=attn, block_ids=bids if attn == "block_causal" else None, win_lens=lens)
+    b, p = masked.nonzero(as_tuple=True)
+    return F.cross_entropy(logits[b, p - 1].float(), batch.ids[b, p])
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(out: str | os.PathLike, log=print, **overrides) -> dict:
+    """Train and save to `out` (HF layout: config.json, model.safetensors, tokenizer files,
+    training_log.txt, train_args.json). Returns a summary dict."""
+    unknown = set(overrides) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"train: unknown options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
+    a = {**DEFAULTS, **overrides}
+    if a["gen_len"] % a["block_size"]:
+        raise ValueError(f"train: gen_len={a['gen_len']} must be a multiple of block_size={a['block_size']}")
+    from lopa_fast.train.greedy import accuracy
+
+    torch.set_num_threads(a["threads"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "training_log.txt", "w")
+
+    def emit(msg: str) -> None:
+        log(msg)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    tok = tasks.build_tokenizer()
+    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
+    model = init_model(cfg, a["seed"])
+    n_params = sum(p.numel() for p in model.parameters())
+    emit(f"# d2f recipe: {json.dumps(a, sort_keys=True)}")
+    emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
+    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
+    dev = tasks.generate("dev", a["eval_n"], seed=0)
+    t0 = time.time()
+    ema, losses, dev_acc = None, [], None
+    for step in range(a["steps"]):
+        mode = MODES[step % len(MODES)]
+        problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step)
+        batch = make_batch(problems, tok, a["gen_len"])
+        g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
+        lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = loss_on(model, batch, mode, a["block_size"], a["gen_len"], g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        v = float(loss.detach())
+        losses.append(v)
+        ema = v if ema is None else 0.98 * ema + 0.02 * v
+        if step % 50 == 0 or step == a["steps"] - 1:
+            emit(f"step {step:5d} mode {mode:12s} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
+        last = step == a["steps"] - 1
+        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
+            model.eval()
+            dev_acc, texts = accuracy(model, dev, tok, a["gen_len"])
+            model.train()
+            emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
+                 f"sample: {tasks.join_digits(texts[0])!r}")
+            _save(model, cfg, out, a)
+    summary = {"params": n_params, "steps": a["steps"], "seconds": round(time.time() - t0, 1),
+               "final_loss_ema": round(ema, 4), "first_loss": round(losses[0], 4), "dev_exact_match": dev_acc}
+    emit(f"# done: {json.dumps(summary)}")
+    logf.close()
+    return summary
+
+
+def _save(model, cfg: dict, out: Path, args: dict) -> None:
+    save_checkpoint(model, out, cfg)
+    tasks.save_tokenizer(out)
+    with open(out / "train_args.json", "w") as f:
+        json.dump({"recipe": "lopa_fast.train.d2f", **args}, f, indent=2, sort_keys=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m lopa_fast.train.d2f", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output model directory")
+    for k, v in DEFAULTS.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    ns = vars(ap.parse_args(argv))
+    out = ns.pop("out")
+    train(out, **ns)
+
+
+if __name__ == "__main__":
+    main()
