@@ -1,0 +1,153 @@
+"""Reference vanilla diffusion decoding: LLaDA low-confidence remasking and Dream's samplers.
+
+The model family decides which one runs (config.bind rejects the other family's knobs):
+
+- LLaDA (ML-GSAI/LLaDA generate.py; spec apd_dparallel_fastdllm.md section 1): x = [prompt | MASK x gen],
+  semi-autoregressive blocks of `block_length`, `steps // num_blocks` steps per block with the transfer
+  schedule floor(n/S) (+1 for the first n mod S steps); per step one cache-free forward over the whole
+  sequence, x0 = argmax (float64 Gumbel-max at T > 0), confidence = softmax(logits)[x0] (`low_confidence`)
+  or uniform noise (`random`), -inf beyond the current block and at non-masked positions, commit the
+  top-k. `cfg_scale > 0`: unsupervised CFG (prompt positions masked in the unconditional copy; the two
+  rows run as one batched forward), logits = un + (cfg_scale + 1) * (cond - un).
+- Dream (Dream's `diffusion_generate` / `_sample`): one block over the whole generation, `steps` steps
+  on timesteps linspace(1, eps, steps + 1) in float32; shifted logits (position 0 keeps its own row).
+  `origin`: each mask is revealed with probability 1 - s/t (1 on the last step), sampled from the
+  model; `maskgit_plus` (p_max), `topk_margin` (top1 - top2), `entropy` (neg-entropy): transfer
+  int(n_mask * (1 - s/t)) (all on the last step) highest-confidence positions, or sample them from
+  softmax(conf / alg_temp) when alg_temp > 0. With steps = max_new_tokens, step 0 transfers nothing
+  (int(0.999...)) and the last step two (spec section 6 item 6): reproduced.
+
+No early exit: forwards == steps always (both upstreams).
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.output import GenerateOutput, finalize_stats
+from lopa_fast.reference.common import Clock, make_generator, token_stats
+
+LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
+
+
+def transfer_schedule(n_masks: int, steps: int) -> list[int]:
+    """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S."""
+    base, rem = divmod(n_masks, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
+    """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits)."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    l64 = logits.to(torch.float64)
+    u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
+    return torch.argmax(l64.exp() / (-torch.log(u)) ** temperature, dim=-1)
+
+
+def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
+    return model.forward_window(x if x.dim() == 2 else x[None], mask="full")
+
+
+def _llada(model, prompt, cfg, gen, stats):
+    P, G = prompt.numel(), cfg.max_new_tokens
+    mask_id = cfg.mask_token_id
+    x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
+    prompt_index = torch.zeros_like(x, dtype=torch.bool)
+    prompt_index[:P] = True
+    nb = G // cfg.block_length
+    spb = cfg.steps // nb
+    blocked = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
+    if model.config.vocab_size > LLADA_EOT_ID:
+        blocked.add(LLADA_EOT_ID)
+    for b in range(nb):
+        s, e = P + b * cfg.block_length, P + (b + 1) * cfg.block_length
+        sched = transfer_schedule(int((x[s:e] == mask_id).sum()), spb)
+        for i in range(spb):
+            mask_index = x == mask_id
+            if cfg.cfg_scale > 0:
+                un_x = x.clone()
+                un_x[prompt_index] = mask_id
+                both = _forward_full(model, torch.stack([x, un_x]))
+                logits = both[1] + (cfg.cfg_scale + 1) * (both[0] - both[1])
+            else:
+                logits = _forward_full(model, x)[0]
+            stats["forwards"] += 1
+            stats["model_calls"] += 1
+            if cfg.logits_eos_inf and cfg.eos_token_id is not None:
+                logits = logits.clone()
+                logits[:, cfg.eos_token_id] = float("-inf")
+            if cfg.suppress_mask_token:
+                logits = logits.clone()
+                logits[:, mask_id] = float("-inf")
+            x0 = gumbel_argmax(logits, cfg.temperature, gen)
+            if cfg.remasking == "low_confidence":
+                p = torch.softmax(logits, dim=-1)
+                x0_p = p.gather(-1, x0[:, None]).squeeze(-1)
+            else:
+                x0_p = torch.rand(x0.shape, device=x0.device, generator=gen)
+            if cfg.confidence_eos_eot_inf:  # the flag's intent (upstream's chained assignment is a no-op bug)
+                for t in blocked:
+                    x0_p = torch.where(x0 == t, torch.full_like(x0_p, float("-inf")), x0_p)
+            x0_p[e:] = float("-inf")
+            x0 = torch.where(mask_index, x0, x)
+            conf = torch.where(mask_index, x0_p, torch.full_like(x0_p, float("-inf")))
+            k = sched[i]
+            sel = torch.topk(conf, k).indices
+            x[sel] = x0[sel]
+            stats["transferred"] += k
+    return x
+
+
+def _dream(model, prompt, cfg, gen, stats):
+    P, G = prompt.numel(), cfg.max_new_tokens
+    mask_id = cfg.mask_token_id
+    x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
+    steps = cfg.steps
+    timesteps = torch.linspace(1, cfg.eps, steps + 1, device=x.device)  # float32, as upstream
+    kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+              suppress_token=mask_id if cfg.suppress_mask_token else None, generator=gen)  # fmt: skip
+    for i in range(steps):
+        mask_index = x == mask_id
+        raw = _forward_full(model, x)[0]
+        stats["forwards"] += 1
+        stats["model_calls"] += 1
+        logits = torch.cat([raw[:1], raw[:-1]])
+        mask_logits = logits[mask_index]
+        t, s = timesteps[i], timesteps[i + 1]
+        if cfg.alg == "origin":
+            p_transfer = 1 - s / t if i < steps - 1 else 1
+            x0 = torch.full((int(mask_index.sum()),), mask_id, dtype=torch.long, device=x.device)
+            reveal = torch.rand(x0.shape, device=x.device, generator=gen) < p_transfer
+            if bool(reveal.any()):
+                _, tok, _ = token_stats(mask_logits[reveal], **kw)
+                x0[reveal] = tok
+            x[mask_index] = x0
+            stats["transferred"] += int(reveal.sum())
+            continue
+        strategy = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}[cfg.alg]
+        conf, x0, _ = token_stats(mask_logits, sampling_strategy=strategy, **kw)
+        num_mask = mask_index.sum() / 1  # float32 tensor (upstream: mask_index.sum() / batch)
+        n = int(num_mask * (1 - s / t)) if i < steps - 1 else int(num_mask)
+        full_conf = torch.full(x.shape, float("-inf"), dtype=logits.dtype, device=x.device)
+        full_conf[mask_index] = conf.to(logits.dtype)
+        if n > 0:
+            if cfg.alg_temp is None or cfg.alg_temp == 0:
+                sel = torch.topk(full_conf, n).indices
+            else:
+                sel = torch.multinomial(torch.softmax(full_conf / cfg.alg_temp, dim=-1), n, generator=gen)
+            x_ = torch.full_like(x, mask_id)
+            x_[mask_index] = x0
+            x[sel] = x_[sel]
+            stats["transferred"] += n
+    return x
+
+
+def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
+    """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
+    gen = make_generator(cfg, prompt.device)
+    stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
+    with Clock(prompt.device) as clock:
+        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats)
+    ids = x[prompt.numel() :].tolist()
+    finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
+    return GenerateOutput(ids, stats, None)
