@@ -1,0 +1,275 @@
+// branch_attention: B branch windows attend to one shared committed prefix plus their own window.
+// Semantics: lopa_fast.reference.ops.branch_attention (fp32 accumulate, natural-log lse).
+//
+//   q       [B, n, Hq, D]    (last dim contiguous; strides in elements)
+//   k/v     prefix [Lmax, Hkv, D] rows [0, cache_len) ; window [B, n, Hkv, D]
+//   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode 0 full | 1 block_causal | 2 causal
+//
+// Two launches (the host side is lopa_fast/ops/_cuda.py):
+//  1. branch_attention_partial: grid (x tiles, Hkv, S + 1). For z < S the CTA takes 32 query rows from
+//     the rows of ALL branches of kv head h (row = ((b*n + i)*G + g), G = Hq/Hkv), so one prefix K/V
+//     tile brought into shared memory serves up to 32 (branch, position, head-in-group) queries; the
+//     prefix is cut into S splits along its length (flash-decoding) to fill the machine. z == S is the
+//     window part: 32 rows of ONE branch against that branch's window keys under the mask. Each CTA
+//     writes its normalised partial output and its log-sum-exp to an fp32 workspace.
+//  2. branch_attention_combine: merges the S + 1 partials of every row by log-sum-exp, writes o in T.
+//
+// Bytes per call (Dream-7B, B=3, n=32, L=2048, bf16): prefix K+V 4 MiB read once per 32-row tile
+// (from L2 after the first), window 0.2 MiB, workspace (S+1)*B*n*Hq*D*4 written and read back.
+#include "common.cuh"
+
+namespace lopa {
+namespace attn {
+
+constexpr int kWarps = 4;
+constexpr int kRowsPerWarp = 8;
+constexpr int kRows = kWarps * kRowsPerWarp;  // query rows per CTA
+constexpr int kKeys = 32;                      // keys per tile: one per lane in Q*K^T
+constexpr int kThreads = 32 * kWarps;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Shared memory: Q (fp32, pre-scaled), a K tile padded by 16 bytes per key (the 16-byte reads of 8
+// consecutive lanes then hit 8 different bank groups), a V tile, and the per-warp probabilities.
+template <typename T, int D> struct Smem {
+  static constexpr int kKStride = D + Vec<T>::N;
+  static constexpr int kQBytes = kRows * D * 4;
+  static constexpr int kKBytes = kKeys * kKStride * (int)sizeof(T);
+  static constexpr int kVBytes = kKeys * D * (int)sizeof(T);
+  static constexpr int kPBytes = kWarps * kRowsPerWarp * kKeys * 4;
+  static constexpr int kBytes = kQBytes + kKBytes + kVBytes + kPBytes;
+};
+
+// Copies keys [k0, k0 + 32) of one head into shared memory (zeros past n_keys), 16 bytes per thread-step.
+template <typename T, int D>
+LOPA_INLINE void load_kv_tile(const T* __restrict__ k, const T* __restrict__ v, long long key_stride, int k0,
+                              int n_keys, T* ks, T* vs) {
+  constexpr int E = Vec<T>::N, C = D / E;
+  for (int idx = threadIdx.x; idx < kKeys * C; idx += kThreads) {
+    const int j = idx / C, c = (idx % C) * E;
+    uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
+    if (k0 + j < n_keys) {
+      const long long off = (long long)(k0 + j) * key_stride + c;
+      kv = *reinterpret_cast<const uint4*>(k + off);
+      vv = *reinterpret_cast<const uint4*>(v + off);
+    }
+    *reinterpret_cast<uint4*>(ks + j * Smem<T, D>::kKStride + c) = kv;
+    *reinterpret_cast<uint4*>(vs + j * D + c) = vv;
+  }
+}
+
+template <typename T, int D>
+LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                         const T* __restrict__ k_win, const T* __restrict__ v_win,
+                         const long long* __restrict__ win_lens, const long long* __restrict__ block_ids,
+                         float* __restrict__ ws_o, float* __restrict__ ws_lse, int B, int n, int Hq, int Hkv,
+                         int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,
+                         long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb,
+                         long long kw_si, long long kw_sh) {
+  constexpr int E = Vec<T>::N, DPL = D / 32;
+  using S = Smem<T, D>;
+  const int G = Hq / Hkv, h = blockIdx.y, split = blockIdx.z;
+  const bool window = split == n_splits;
+  const int rows_per_branch = n * G, tiles_per_branch = (rows_per_branch + kRows - 1) / kRows;
+
+  int row_begin, row_end, b_win = 0, key_begin, n_keys;
+  const T *kb, *vb;
+  long long key_stride;
+  if (window) {
+    if ((int)blockIdx.x >= B * tiles_per_branch) return;
+    b_win = blockIdx.x / tiles_per_branch;
+    row_begin = b_win * rows_per_branch + (blockIdx.x % tiles_per_branch) * kRows;
+    row_end = (b_win + 1) * rows_per_branch;
+    key_begin = 0;
+    n_keys = win_lens ? (int)win_lens[b_win] : n;
+    n_keys = n_keys < n ? (n_keys > 0 ? n_keys : 0) : n;  // as the reference: keys j < min(len, n)
+    kb = k_win + b_win * kw_sb + h * kw_sh;
+    vb = v_win + b_win * kw_sb + h * kw_sh;
+    key_stride = kw_si;
+  } else {
+    row_begin = blockIdx.x * kRows;
+    row_end = B * rows_per_branch;
+    if (row_begin >= row_end) return;
+    key_begin = split * split_len;
+    n_keys = cache_len - key_begin < split_len ? cache_len - key_begin : split_len;
+    kb = k_cache + key_begin * kc_sl + h * kc_sh;
+    vb = v_cache + key_begin * kc_sl + h * kc_sh;
+    key_stride = kc_sl;
+  }
+
+  LOPA_DYNAMIC_SMEM(smem);
+  float* qs = reinterpret_cast<float*>(smem);
+  T* ks = reinterpret_cast<T*>(smem + S::kQBytes);
+  T* vs = reinterpret_cast<T*>(smem + S::kQBytes + S::kKBytes);
+  float* ps = reinterpret_cast<float*>(smem + S::kQBytes + S::kKBytes + S::kVBytes);
+
+  // Q rows, scaled by scale*log2(e) so the softmax runs on exp2.
+  const float qscale = scale * kLog2e;
+  for (int idx = threadIdx.x; idx < kRows * (D / E); idx += kThreads) {
+    const int r = idx / (D / E), c = (idx % (D / E)) * E, row = row_begin + r;
+    float f[E];
+    if (row < row_end) {
+      const int bi = row / G, g = row % G;
+      load_vec(q + (long long)(bi / n) * q_sb + (long long)(bi % n) * q_si + (long long)(h * G + g) * q_sh + c, f);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) f[e] = 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) qs[r * D + c + e] = f[e] * qscale;
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Window position of each of this warp's rows (for the causal / block-causal masks).
+  int qi[kRowsPerWarp];
+  int qblock[kRowsPerWarp];  // block ids fit in 32 bits (a window holds at most a few hundred positions)
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int row = row_begin + warp * kRowsPerWarp + r;
+    qi[r] = row < row_end ? (row / G) % n : 0;
+    qblock[r] = (window && mode == 1) ? (int)block_ids[(long long)b_win * n + qi[r]] : 0;
+  }
+
+  float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][DPL];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    m[r] = LOPA_NEG_INF;
+    l[r] = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[r][d] = 0.f;
+  }
+  float* pw = ps + warp * kRowsPerWarp * kKeys;
+
+  for (int k0 = 0; k0 < n_keys; k0 += kKeys) {
+    __syncthreads();  // Q written / previous tile fully consumed
+    load_kv_tile<T, D>(kb, vb, key_stride, k0, n_keys, ks, vs);
+    __syncthreads();
+
+    // S = Q K^T: lane owns key k0 + lane, the warp's 8 rows come from shared memory as broadcasts.
+    float s[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) s[r] = 0.f;
+    const T* krow = ks + lane * S::kKStride;
+#pragma unroll 4
+    for (int c = 0; c < D; c += E) {
+      float kf[E];
+      load_vec(krow + c, kf);
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const float* qr = qs + (warp * kRowsPerWarp + r) * D + c;
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(qr + e);
+          s[r] += qv.x * kf[e] + qv.y * kf[e + 1] + qv.z * kf[e + 2] + qv.w * kf[e + 3];
+        }
+      }
+    }
+
+    const int key = k0 + lane;
+    int kblock = 0;
+    if (window && mode == 1 && key < n_keys) kblock = (int)block_ids[(long long)b_win * n + key];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      bool vis = key < n_keys;
+      if (window && mode == 2) vis = vis && key <= qi[r];
+      if (window && mode == 1) vis = vis && kblock <= qblock[r];
+      const float x = vis ? s[r] : LOPA_NEG_INF;
+      const float m_new = fmaxf(m[r], warp_max(x));
+      float p = 0.f, alpha = 1.f;
+      if (m_new != LOPA_NEG_INF) {  // warp-uniform: some key of this row is visible
+        p = exp2f(x - m_new);
+        alpha = exp2f(m[r] - m_new);
+      }
+      l[r] = l[r] * alpha + warp_sum(p);
+      m[r] = m_new;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[r][d] *= alpha;
+      pw[r * kKeys + lane] = p;
+    }
+    __syncwarp();
+
+    // O += P V: lane owns output dims [lane*DPL, lane*DPL + DPL).
+    const int kmax = n_keys - k0 < kKeys ? n_keys - k0 : kKeys;
+    for (int j = 0; j < kmax; ++j) {
+      float vf[DPL];
+      LoadN<T, DPL>::run(vs + j * D + lane * DPL, vf);
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const float p = pw[r * kKeys + j];
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) acc[r][d] += p * vf[d];
+      }
+    }
+  }
+
+  const long long rows_total = (long long)B * n * Hq;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int row = row_begin + warp * kRowsPerWarp + r;
+    if (row >= row_end) continue;  // not `break`: keeps the loop unrolled and acc[][] in registers
+    const int bi = row / G, g = row % G;
+    const long long orow = (long long)bi * Hq + h * G + g;
+    const bool any = l[r] > 0.f;
+    const float inv = any ? 1.f / l[r] : 0.f;
+    float* o = ws_o + ((long long)split * rows_total + orow) * D + lane * DPL;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) o[d] = acc[r][d] * inv;
+    if (lane == 0) ws_lse[split * rows_total + orow] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
+  }
+}
+
+// One warp per output row: o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
+template <typename T, int D>
+LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int n_parts,
+                         long long rows, T* __restrict__ out, float* __restrict__ lse_out) {
+  constexpr int DPL = D / 32;
+  const long long row = (long long)blockIdx.x * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float mx = LOPA_NEG_INF;
+  for (int s = 0; s < n_parts; ++s) mx = fmaxf(mx, ws_lse[s * rows + row]);
+  float o[DPL], wsum = 0.f;
+#pragma unroll
+  for (int d = 0; d < DPL; ++d) o[d] = 0.f;
+  if (mx != LOPA_NEG_INF) {
+    for (int s = 0; s < n_parts; ++s) {
+      const float w = expf(ws_lse[s * rows + row] - mx);
+      if (w == 0.f) continue;
+      wsum += w;
+      const float* src = ws_o + (s * rows + row) * D + lane * DPL;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) o[d] += w * src[d];
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+  for (int d = 0; d < DPL; ++d) out[row * D + lane * DPL + d] = From<T>::cvt(o[d] * inv);
+  if (lse_out && lane == 0) lse_out[row] = wsum > 0.f ? mx + logf(wsum) : LOPA_NEG_INF;
+}
+
+}  // namespace attn
+}  // namespace lopa
+
+#define LOPA_ATTN_ENTRIES(TNAME, T, D)                                                                           \
+  extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads)                                             \
+      branch_attention_partial_##TNAME##_d##D(                                                                   \
+          const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win,                       \
+          const long long* win_lens, const long long* block_ids, float* ws_o, float* ws_lse, int B, int n,       \
+          int Hq, int Hkv, int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,   \
+          long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si,    \
+          long long kw_sh) {                                                                                      \
+    lopa::attn::partial<T, D>(q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq,   \
+                              Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl, kc_sh, \
+                              kw_sb, kw_si, kw_sh);                                                              \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads) branch_attention_combine_##TNAME##_d##D(    \
+      const float* ws_o, const float* ws_lse, int n_parts, long long rows, T* out, float* lse_out) {             \
+    lopa::attn::combine<T, D>(ws_o, ws_lse, n_parts, rows, out, lse_out);                                        \
+  }
+
+LOPA_ATTN_ENTRIES(f32, float, 64)
+LOPA_ATTN_ENTRIES(f32, float, 128)
+LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 64)
+LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 128)
+LOPA_ATTN_ENTRIES(f16, lopa::f16, 64)
+LOPA_ATTN_ENTRIES(f16, lopa::f16, 128)

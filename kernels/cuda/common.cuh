@@ -1,0 +1,130 @@
+// Shared helpers for lopa_fast's CUDA kernels: 16-bit storage types, 16-byte loads, warp reductions.
+//
+// Self-contained on purpose: no CUDA or C++ standard headers, so the same text compiles under
+//   nvcc (CI compile check, __CUDACC__), NVRTC (the runtime loader, __CUDACC_RTC__, no include path
+//   needed) and a host C++ compiler with host_emu.cuh (CPU parity tests of the exact kernel source).
+// Storage types are plain 16-bit words; conversions are single PTX cvt instructions on the device.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define LOPA_DEVICE_BUILD 1
+#define LOPA_INLINE __device__ __forceinline__
+#else
+#include "host_emu.cuh"
+#define LOPA_INLINE inline
+#endif
+
+namespace lopa {
+
+struct bf16 { unsigned short u; };
+struct f16 { unsigned short u; };
+
+#define LOPA_NEG_INF (-__int_as_float(0x7f800000))
+
+LOPA_INLINE float to_float(float x) { return x; }
+LOPA_INLINE float to_float(bf16 x) { return __uint_as_float(((unsigned)x.u) << 16); }  // exact
+LOPA_INLINE float half_bits_to_float(unsigned short h) {
+#ifdef LOPA_DEVICE_BUILD
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  return lopa_emu::half_to_float(h);
+#endif
+}
+LOPA_INLINE float to_float(f16 x) { return half_bits_to_float(x.u); }
+
+template <typename T> struct From;
+template <> struct From<float> { static LOPA_INLINE float cvt(float x) { return x; } };
+template <> struct From<bf16> {
+  static LOPA_INLINE bf16 cvt(float x) {
+    bf16 r;
+#ifdef LOPA_DEVICE_BUILD
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.u) : "f"(x));  // round to nearest even, as torch
+#else
+    r.u = lopa_emu::float_to_bf16(x);
+#endif
+    return r;
+  }
+};
+template <> struct From<f16> {
+  static LOPA_INLINE f16 cvt(float x) {
+    f16 r;
+#ifdef LOPA_DEVICE_BUILD
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.u) : "f"(x));
+#else
+    r.u = lopa_emu::float_to_half(x);
+#endif
+    return r;
+  }
+};
+
+// Elements of T in one 16-byte vector: 8 for 16-bit types, 4 for float.
+template <typename T> struct Vec { static constexpr int N = 16 / sizeof(T); };
+
+LOPA_INLINE void unpack2(unsigned w, bf16, float* o) {
+  o[0] = __uint_as_float(w << 16);
+  o[1] = __uint_as_float(w & 0xffff0000u);
+}
+LOPA_INLINE void unpack2(unsigned w, f16, float* o) {
+  o[0] = half_bits_to_float((unsigned short)(w & 0xffffu));
+  o[1] = half_bits_to_float((unsigned short)(w >> 16));
+}
+
+// One 16-byte load (p must be 16-byte aligned) converted to Vec<T>::N floats.
+LOPA_INLINE void load_vec(const float* p, float* o) {
+  float4 v = *reinterpret_cast<const float4*>(p);
+  o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+template <typename T>
+LOPA_INLINE void load_vec(const T* p, float* o) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  unpack2(v.x, T{}, o); unpack2(v.y, T{}, o + 2); unpack2(v.z, T{}, o + 4); unpack2(v.w, T{}, o + 6);
+}
+
+// N consecutive elements (N*sizeof(T) bytes, naturally aligned) to floats: the narrow loads of the
+// attention P*V loop, where each lane owns D/32 output dims.
+template <typename T, int N> struct LoadN {
+  static LOPA_INLINE void run(const T* p, float* o) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = to_float(p[k]);
+  }
+};
+template <> struct LoadN<bf16, 4> {
+  static LOPA_INLINE void run(const bf16* p, float* o) {
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    unpack2(v.x, bf16{}, o); unpack2(v.y, bf16{}, o + 2);
+  }
+};
+template <> struct LoadN<f16, 4> {
+  static LOPA_INLINE void run(const f16* p, float* o) {
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    unpack2(v.x, f16{}, o); unpack2(v.y, f16{}, o + 2);
+  }
+};
+template <> struct LoadN<float, 4> {
+  static LOPA_INLINE void run(const float* p, float* o) { load_vec(p, o); }
+};
+
+LOPA_INLINE float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+LOPA_INLINE float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+}  // namespace lopa
+
+// Dynamic shared memory: one extern array per kernel on the device; a per-block static buffer in the
+// host emulation (blocks run one at a time there).
+#ifdef LOPA_DEVICE_BUILD
+#define LOPA_DYNAMIC_SMEM(ptr) \
+  extern __shared__ __align__(16) unsigned char lopa_dyn_smem_[]; \
+  unsigned char* ptr = lopa_dyn_smem_
+#else
+#define LOPA_DYNAMIC_SMEM(ptr) unsigned char* ptr = lopa_emu::dynamic_smem()
+#endif

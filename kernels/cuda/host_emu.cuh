@@ -1,0 +1,149 @@
+// Host emulation of the small CUDA subset the kernels use, so that the exact kernel source runs on a CPU
+// (g++ -std=c++20 -pthread) for parity tests on machines without a GPU. Test infrastructure only.
+//
+// Model: blocks run one after another; the threads of a block are real std::threads, so __syncthreads
+// is a block barrier and the warp shuffles exchange through a per-warp buffer between two warp barriers.
+// `__shared__` becomes `static` (one copy, shared by the block's threads, reused by the next block).
+// All kernels here call shuffles and __syncwarp with full warps, which this emulation requires.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <math.h>  // expf, exp2f, logf, ... in the global namespace, as on the device
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct emu_dim3 { unsigned x = 1, y = 1, z = 1; };
+
+namespace lopa_emu {
+
+inline thread_local emu_dim3 tl_thread_idx, tl_block_idx;
+inline emu_dim3 g_block_dim, g_grid_dim;
+
+struct BlockState {
+  std::unique_ptr<std::barrier<>> block_bar;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
+  std::vector<uint64_t> exch;
+};
+inline BlockState* g_block = nullptr;
+inline std::vector<unsigned char> g_dyn_smem;
+
+inline unsigned char* dynamic_smem() { return g_dyn_smem.data(); }
+inline unsigned flat_tid() {
+  return tl_thread_idx.x + g_block_dim.x * (tl_thread_idx.y + g_block_dim.y * tl_thread_idx.z);
+}
+inline void syncthreads() { g_block->block_bar->arrive_and_wait(); }
+inline void syncwarp() { g_block->warp_bar[flat_tid() / 32]->arrive_and_wait(); }
+
+template <typename T>
+inline T shfl_from(T v, unsigned src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+  const unsigned tid = flat_tid(), base = tid & ~31u;
+  uint64_t w = 0;
+  std::memcpy(&w, &v, sizeof(T));
+  g_block->exch[tid] = w;
+  syncwarp();
+  uint64_t r = g_block->exch[base + (src_lane & 31u)];
+  syncwarp();  // nobody overwrites the buffer before every lane has read it
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+
+// Runs kernel(args...) over the grid, one block at a time.
+template <typename F>
+void launch(emu_dim3 grid, emu_dim3 block, size_t smem_bytes, F&& body) {
+  const unsigned nthreads = block.x * block.y * block.z;
+  g_block_dim = block;
+  g_grid_dim = grid;
+  g_dyn_smem.assign(smem_bytes + 16, 0xCD);  // poisoned like uninitialised memory
+  BlockState st;
+  st.block_bar = std::make_unique<std::barrier<>>(nthreads);
+  for (unsigned w = 0; w < (nthreads + 31) / 32; ++w)
+    st.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32u, nthreads - 32 * w)));
+  st.exch.assign(nthreads, 0);
+  g_block = &st;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        std::vector<std::thread> threads;
+        threads.reserve(nthreads);
+        for (unsigned t = 0; t < nthreads; ++t)
+          threads.emplace_back([&, t] {
+            tl_block_idx = {bx, by, bz};
+            tl_thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            body();
+          });
+        for (auto& th : threads) th.join();
+      }
+  g_block = nullptr;
+}
+
+inline float half_to_float(unsigned short h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return (float)x;
+}
+inline unsigned short float_to_half(float f) {
+  _Float16 x = (_Float16)f;  // round to nearest even
+  unsigned short h;
+  std::memcpy(&h, &x, 2);
+  return h;
+}
+inline unsigned short float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return (unsigned short)(u >> 16);
+}
+
+}  // namespace lopa_emu
+
+#define threadIdx (::lopa_emu::tl_thread_idx)
+#define blockIdx (::lopa_emu::tl_block_idx)
+#define blockDim (::lopa_emu::g_block_dim)
+#define gridDim (::lopa_emu::g_grid_dim)
+
+inline void __syncthreads() { lopa_emu::syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { lopa_emu::syncwarp(); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return lopa_emu::shfl_from(v, (lopa_emu::flat_tid() & 31u) ^ (unsigned)m);
+}
+template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return lopa_emu::shfl_from(v, (unsigned)src); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// Launch by name from a foreign caller (ctypes), CUDA-driver style: argv[i] points at argument i.
+#include <tuple>
+#include <type_traits>
+#include <utility>
+namespace lopa_emu {
+template <typename... A, size_t... I>
+void call_argv(void (*k)(A...), void** argv, std::index_sequence<I...>) {
+  k(*static_cast<std::remove_reference_t<A>*>(argv[I])...);
+}
+template <typename... A>
+void launch_argv(void (*k)(A...), const unsigned* d, size_t smem, void** argv) {
+  launch(emu_dim3{d[0], d[1], d[2]}, emu_dim3{d[3], d[4], d[5]}, smem,
+         [&] { call_argv(k, argv, std::index_sequence_for<A...>{}); });
+}
+}  // namespace lopa_emu
+#define LOPA_EMU_EXPORT(name)                                                        \
+  extern "C" void emu_launch_##name(const unsigned* dims, size_t smem, void** argv) { \
+    lopa_emu::launch_argv(name, dims, smem, argv);                                    \
+  }

@@ -1,0 +1,429 @@
+"""CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
+
+The hook of lopa_fast.ops._backend: `available(op)` and one function per op with the public op's signature
+(`branch_attention`, `confidence`). Nothing is compiled at install time (a torch-header CUDA build costs
+minutes of GPU time): on the first call the op's .cu source is compiled by NVRTC for the device's sm_XY,
+the cubin cached under $LOPA_FAST_CACHE_DIR (default ~/.cache/lopa_fast/cuda) keyed by a hash of the exact
+source text and options, loaded with cupy.RawModule and launched on the tensors' data pointers on torch's
+current stream. Without a CUDA device or CuPy, `available()` is False and `why_unavailable()` says why
+(logged once at INFO on logger "lopa_fast.ops.cuda"); the dispatch then picks triton / torch.
+
+The GPU entry points are also registered as torch custom ops (`lopa_fast::cuda_branch_attention`,
+`lopa_fast::cuda_confidence`) with fake implementations, so a torch.compile'd / CUDA-graph-captured round
+treats them as opaque ops.
+
+The same launch code runs on CPU tensors through `emulator()`: the .cu compiled by the host C++ compiler
+against kernels/cuda/host_emu.cuh (one std::thread per CUDA thread). That is how CI checks the kernels'
+index arithmetic, masks and reductions without a GPU; it is slow and for tests only.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lopa_fast.reference import ops as ref
+
+log = logging.getLogger("lopa_fast.ops.cuda")
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
+if not (KERNEL_DIR / "common.cuh").exists():  # installed (non-editable): lopa_fast/kernels/cuda
+    import lopa_fast.kernels as _k
+
+    KERNEL_DIR = Path(_k.__file__).resolve().parent / "cuda"
+
+OPS = ("branch_attention", "confidence")
+HEADERS = ("common.cuh",)
+HEAD_DIMS = (64, 128)
+_DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+MODES = {"full": 0, "block_causal": 1, "causal": 2}
+
+# Tile constants shared with branch_attention.cu (kRows, kKeys, kThreads, kWarps, kRowsPerWarp).
+ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_WARPS, ATTN_ROWS_PER_WARP = 32, 32, 128, 4, 8
+CONF_THREADS = 256
+
+
+# ---------------------------------------------------------------------------------------------- sources
+def kernel_source(op: str) -> tuple[str, dict[str, str]]:
+    """(source text of kernels/cuda/<op>.cu, {header name: text}) exactly as NVRTC receives them."""
+    if op not in OPS:
+        raise ValueError(f"kernel_source: op={op!r}; allowed: {OPS}")
+    src = (KERNEL_DIR / f"{op}.cu").read_text()
+    return src, {h: (KERNEL_DIR / h).read_text() for h in HEADERS}
+
+
+def nvrtc_options(arch: int) -> list[str]:
+    """NVRTC options for compute capability `arch` (90 = sm_90). No fast-math: parity with the fp32
+    reference needs IEEE expf/logf (the kernels use exp2f on pre-scaled scores where speed matters)."""
+    return [f"-arch=sm_{arch}", "-std=c++17", "-lineinfo"]
+
+
+def entry_names(op: str) -> list[str]:
+    if op == "branch_attention":
+        return [
+            f"branch_attention_{part}_{t}_d{d}"
+            for part in ("partial", "combine")
+            for t in _DTYPE_NAME.values()
+            for d in HEAD_DIMS
+        ]
+    return [f"confidence_{t}" for t in _DTYPE_NAME.values()]
+
+
+def _nvrtc():
+    from cupy.cuda import nvrtc  # noqa: PLC0415 - optional dependency
+
+    return nvrtc
+
+
+def compile_cubin(op: str, arch: int) -> bytes:
+    """Compile kernels/cuda/<op>.cu with NVRTC for sm_<arch>; needs cupy + the NVRTC library, no device.
+    Raises RuntimeError with NVRTC's log on a compile error."""
+    nvrtc = _nvrtc()
+    src, headers = kernel_source(op)
+    prog = nvrtc.createProgram(src, f"{op}.cu", list(headers.values()), list(headers.keys()))
+    try:
+        try:
+            nvrtc.compileProgram(prog, nvrtc_options(arch))
+        except Exception as e:  # noqa: BLE001 - NVRTCError; re-raised with the compiler's log
+            raise RuntimeError(f"NVRTC failed on {op}.cu for sm_{arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        warnings = nvrtc.getProgramLog(prog).strip()
+        if warnings:
+            log.warning("NVRTC warnings for %s.cu: %s", op, warnings)
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _cache_dir() -> Path:
+    d = Path(os.environ.get("LOPA_FAST_CACHE_DIR", Path.home() / ".cache" / "lopa_fast")) / "cuda"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def cached_cubin(op: str, arch: int) -> Path:
+    """Path of the cubin for (op, arch), compiling it on a cache miss (key: source + headers + options)."""
+    src, headers = kernel_source(op)
+    key = hashlib.sha256(
+        "\0".join([src, *headers.values(), *nvrtc_options(arch), str(_nvrtc().getVersion())]).encode()
+    ).hexdigest()[:20]
+    path = _cache_dir() / f"{op}_sm{arch}_{key}.cubin"
+    if not path.exists():
+        cubin = compile_cubin(op, arch)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)  # atomic: concurrent processes never read a half-written cubin
+    return path
+
+
+# --------------------------------------------------------------------------------------- availability
+@functools.cache
+def _probe() -> str | None:
+    """None when the CUDA path can run, else the reason (computed once, logged once)."""
+    reason = None
+    if os.environ.get("LOPA_FAST_DISABLE_CUDA", "0") not in ("", "0"):
+        reason = "disabled by LOPA_FAST_DISABLE_CUDA"
+    elif not torch.cuda.is_available():
+        reason = f"torch.cuda.is_available() is False (torch {torch.__version__}, no CUDA device or a CPU build)"
+    else:
+        try:
+            import cupy  # noqa: PLC0415
+
+            cupy.cuda.runtime.getDeviceCount()
+            _nvrtc().getVersion()
+        except Exception as e:  # noqa: BLE001 - ImportError, missing libnvrtc, driver mismatch, ...
+            reason = f"cupy/NVRTC unusable ({type(e).__name__}: {e}); install cupy-cuda13x (or the cupy build for this CUDA)"
+    if reason is not None:
+        log.info("CUDA kernels unavailable: %s; ops fall back to triton/torch", reason)
+    return reason
+
+
+def available(op: str | None = None) -> bool:
+    """True when the CUDA kernels can run here (and `op`, if given, has one)."""
+    return (op is None or op in OPS) and _probe() is None
+
+
+def why_unavailable() -> str | None:
+    """The reason `available()` is False, or None."""
+    return _probe()
+
+
+# --------------------------------------------------------------------------------------------- launchers
+# A launch is (entry name, grid, block, dynamic smem bytes, args); each arg is (kind, value) with kind
+# "p" pointer, "i" int32, "q" int64, "f" float32 - the C types of the extern "C" entry points.
+Launch = Callable[[str, tuple, tuple, int, list], None]
+
+
+class _CupyLauncher:
+    """Launches on the current torch stream of the tensors' device through cupy.RawModule."""
+
+    def __init__(self, op: str, device: torch.device):
+        import cupy  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415
+
+        self._cupy, self._np = cupy, np
+        self.device = device
+        major, minor = torch.cuda.get_device_capability(device)
+        with cupy.cuda.Device(device.index):
+            self._mod = cupy.RawModule(path=str(cached_cubin(op, major * 10 + minor)))
+        self._fns: dict = {}
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def __call__(self, name, grid, block, smem, args):
+        np = self._np
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = self._fns[name] = self._mod.get_function(name)
+        if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        conv = {"p": np.uint64, "i": np.int32, "q": np.int64, "f": np.float32}
+        cargs = tuple(conv[k](v) for k, v in args)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        with self._cupy.cuda.Device(self.device.index), self._cupy.cuda.ExternalStream(stream):
+            fn(grid, block, cargs, shared_mem=smem)
+
+
+@functools.cache
+def _launcher(op: str, device_index: int) -> _CupyLauncher:
+    return _CupyLauncher(op, torch.device("cuda", device_index))
+
+
+class _EmuLauncher:
+    """Runs the entry points of a host-compiled build of the .cu (see `emulator()`) on CPU tensors."""
+
+    num_sms = 4
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    def __call__(self, name, grid, block, smem, args):
+        ctor = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
+        vals = [ctor[k](v) for k, v in args]
+        argv = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        dims = (ctypes.c_uint * 6)(*grid, *block)
+        getattr(self._lib, f"emu_launch_{name}")(dims, ctypes.c_size_t(smem), argv)
+
+
+# ------------------------------------------------------------------------------------- branch_attention
+def attention_smem_bytes(dtype: torch.dtype, D: int) -> int:
+    """Dynamic shared memory of branch_attention_partial (mirror of attn::Smem in the .cu)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    return (
+        ATTN_ROWS * D * 4
+        + ATTN_KEYS * (D + 16 // es) * es
+        + ATTN_KEYS * D * es
+        + ATTN_WARPS * ATTN_ROWS_PER_WARP * ATTN_KEYS * 4
+    )
+
+
+def attention_splits(B: int, n: int, Hq: int, Hkv: int, cache_len: int, num_sms: int) -> tuple[int, int]:
+    """(prefix splits S, keys per split). Enough CTAs for ~2 per SM, no split under 128 keys."""
+    if cache_len == 0:
+        return 0, ATTN_KEYS
+    tiles = math.ceil(B * n * (Hq // Hkv) / ATTN_ROWS) * Hkv
+    s = max(1, min(math.ceil(2 * num_sms / tiles), math.ceil(cache_len / 128)))
+    split_len = math.ceil(math.ceil(cache_len / s) / ATTN_KEYS) * ATTN_KEYS
+    return math.ceil(cache_len / split_len), split_len
+
+
+def _aligned(t: torch.Tensor, vec: int) -> torch.Tensor:
+    """t with a contiguous last dim, 16-byte aligned base and every other stride a multiple of `vec`."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor, vec: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _aligned(a, vec), _aligned(b, vec)
+    if a.stride() != b.stride():  # the kernel indexes K and V with one set of strides
+        a, b = a.contiguous(), b.contiguous()
+    return a, b
+
+
+def run_branch_attention(launch, num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids,
+                         mode, scale, return_lse):
+    """Launch branch_attention on any launcher; returns (o [B, n, Hq, D], lse [B, n, Hq] fp32)."""
+    B, n, Hq, D = q.shape
+    Hkv = k_win.shape[2]
+    G = Hq // Hkv
+    tname = _DTYPE_NAME[q.dtype]
+    vec = 16 // q.element_size()
+    cache_len = int(cache_len)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q = _aligned(q, vec)
+    k_cache, v_cache = _pair(k_cache, v_cache, vec)
+    k_win, v_win = _pair(k_win, v_win, vec)
+    wl = None if win_lens is None else win_lens.to(device=q.device, dtype=torch.int64).contiguous()
+    bid = None
+    if mode == "block_causal":
+        bid = block_ids.to(device=q.device, dtype=torch.int64).contiguous()
+    S, split_len = attention_splits(B, n, Hq, Hkv, cache_len, num_sms)
+    rows = B * n * Hq
+    ws_o = torch.empty((S + 1, rows, D), dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty((S + 1, rows), dtype=torch.float32, device=q.device)
+    grid_x = max(math.ceil(B * n * G / ATTN_ROWS) if S else 0, B * math.ceil(n * G / ATTN_ROWS))
+    P = lambda t: ("p", 0 if t is None else t.data_ptr())  # noqa: E731
+    args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(ws_o), P(ws_lse),
+            ("i", B), ("i", n), ("i", Hq), ("i", Hkv), ("i", cache_len), ("i", S), ("i", split_len),
+            ("i", MODES[mode]), ("f", scale),
+            ("q", q.stride(0)), ("q", q.stride(1)), ("q", q.stride(2)),
+            ("q", k_cache.stride(0)), ("q", k_cache.stride(1)),
+            ("q", k_win.stride(0)), ("q", k_win.stride(1)), ("q", k_win.stride(2))]  # fmt: skip
+    launch(f"branch_attention_partial_{tname}_d{D}", (grid_x, Hkv, S + 1), (ATTN_THREADS, 1, 1),
+           attention_smem_bytes(q.dtype, D), args)
+    o = torch.empty((B, n, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, n, Hq), dtype=torch.float32, device=q.device)
+    launch(f"branch_attention_combine_{tname}_d{D}", (math.ceil(rows / ATTN_WARPS), 1, 1), (ATTN_THREADS, 1, 1), 0,
+           [P(ws_o), P(ws_lse), ("i", S + 1), ("q", rows), P(o), P(lse)])
+    return o, lse
+
+
+def run_confidence(launch, logits, suppress_token, eps):
+    """Launch confidence on any launcher; returns (token, p_max, margin, neg_entropy, lse)."""
+    N, V = logits.shape
+    tname = _DTYPE_NAME[logits.dtype]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    e = 16 // logits.element_size()
+    vec = int(logits.data_ptr() % 16 == 0 and logits.stride(0) % e == 0)
+    dev = logits.device
+    token = torch.empty(N, dtype=torch.int64, device=dev)
+    stats = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4)]
+    if N == 0:
+        return (token, *stats)
+    P = lambda t: ("p", t.data_ptr())  # noqa: E731
+    launch(f"confidence_{tname}", (N, 1, 1), (CONF_THREADS, 1, 1), 0,
+           [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V),
+            ("i", -1 if suppress_token is None else int(suppress_token)), ("f", float(eps)), ("i", vec),
+            P(token), *[P(s) for s in stats]])  # fmt: skip
+    return (token, *stats)
+
+
+# --------------------------------------------------------------------------------- torch custom ops (GPU)
+@torch.library.custom_op("lopa_fast::cuda_branch_attention", mutates_args=(), device_types="cuda")
+def _branch_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    win_lens: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
+    mode: str,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    L = _launcher("branch_attention", q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids,
+                                mode, scale, True)
+
+
+@_branch_attention_op.register_fake
+def _(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale):
+    B, n, Hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, n, Hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("lopa_fast::cuda_confidence", mutates_args=(), device_types="cuda")
+def _confidence_op(
+    logits: torch.Tensor, suppress_token: int | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    return run_confidence(_launcher("confidence", dev), logits, suppress_token, eps)
+
+
+@_confidence_op.register_fake
+def _(logits, suppress_token, eps):
+    N = logits.shape[0]
+    return (logits.new_empty(N, dtype=torch.int64), *[logits.new_empty(N, dtype=torch.float32) for _ in range(4)])
+
+
+# ------------------------------------------------------------------------------ public-signature hooks
+_warned: set = set()
+
+
+def _fallback(op: str, why: str):
+    if op not in _warned:
+        _warned.add(op)
+        log.warning("cuda %s: %s; running the reference op instead", op, why)
+
+
+def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
+                     scale=None, return_lse=False):
+    """lopa_fast.ops.branch_attention on the CUDA kernels (inputs already checked by the public op).
+    Head dims other than 64/128 and non-CUDA tensors run the reference (logged once)."""
+    D = q.shape[-1]
+    if D not in HEAD_DIMS or q.dtype not in _DTYPE_NAME or not q.is_cuda:
+        _fallback("branch_attention", f"D={D}, dtype={q.dtype}, device={q.device} has no kernel (D in {HEAD_DIMS})")
+        return ref.branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale,
+                                    return_lse)
+    o, lse = _branch_attention_op(q, k_cache, v_cache, int(cache_len), k_win, v_win, win_lens, block_ids, mode,
+                                  None if scale is None else float(scale))
+    return (o, lse) if return_lse else o
+
+
+def confidence(logits, suppress_token=None, eps=1e-10):
+    """lopa_fast.ops.confidence on the CUDA kernel; returns the 5 fields of reference.ops.Confidence."""
+    if logits.dtype not in _DTYPE_NAME or not logits.is_cuda:
+        _fallback("confidence", f"dtype={logits.dtype}, device={logits.device} has no kernel")
+        return tuple(ref.confidence(logits, suppress_token, eps))
+    return _confidence_op(logits, suppress_token, float(eps))
+
+
+# ----------------------------------------------------------------------------------- CPU emulation (tests)
+class Emulated:
+    """The CUDA ops run on CPU tensors through a host build of the .cu sources (see module docstring)."""
+
+    def __init__(self, libs: dict[str, ctypes.CDLL]):
+        self._l = {op: _EmuLauncher(lib) for op, lib in libs.items()}
+
+    def branch_attention(self, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None,
+                         mode="full", scale=None, return_lse=False):
+        L = self._l["branch_attention"]
+        o, lse = run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens,
+                                      block_ids, mode, scale, return_lse)
+        return (o, lse) if return_lse else o
+
+    def confidence(self, logits, suppress_token=None, eps=1e-10):
+        return ref.Confidence(*run_confidence(self._l["confidence"], logits, suppress_token, eps))
+
+
+def host_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+@functools.cache
+def emulator(ops: tuple[str, ...] = OPS) -> Emulated:
+    """Build (once per process, cached on disk by source hash) the host emulation of `ops`. Needs g++ >= 12
+    (C++20 <barrier>, _Float16). Raises RuntimeError with the compiler output on failure."""
+    cxx = host_compiler()
+    if cxx is None:
+        raise RuntimeError("no host C++ compiler (g++/clang++) for the CUDA emulation")
+    libs = {}
+    emu_text = (KERNEL_DIR / "host_emu.cuh").read_text()
+    for op in ops:
+        src, headers = kernel_source(op)
+        body = f'#include "{op}.cu"\n' + "".join(f"LOPA_EMU_EXPORT({e})\n" for e in entry_names(op))
+        key = hashlib.sha256("\0".join([cxx, body, src, emu_text, *headers.values()]).encode()).hexdigest()[:20]
+        so = _cache_dir() / f"emu_{op}_{key}.so"
+        if not so.exists():
+            with tempfile.TemporaryDirectory() as tmp:
+                cpp = Path(tmp) / f"emu_{op}.cpp"
+                cpp.write_text(body)
+                out = Path(tmp) / so.name
+                cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", f"-I{KERNEL_DIR}", str(cpp),
+                       "-o", str(out)]  # fmt: skip
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"host build of {op}.cu failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+                shutil.move(str(out), so)
+        libs[op] = ctypes.CDLL(str(so))
+    return Emulated(libs)
