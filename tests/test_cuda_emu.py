@@ -1,0 +1,130 @@
+"""The CUDA kernels' exact source, run on CPU through the host emulation (kernels/cuda/host_emu.cuh), vs the
+reference ops. Checks what a GPU-less machine can check: index arithmetic, strides, masks, the prefix
+split + LSE combine, tail/unaligned paths and the fp16/bf16 conversions. Shapes are tiny: every CUDA thread
+is a std::thread here (~1 s per attention call on 2 cores)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lopa_fast.ops import _cuda
+from lopa_fast.reference import ops as ref
+from tests.utils import assert_2x_rule, poisoned_empty
+
+pytestmark = pytest.mark.skipif(_cuda.host_compiler() is None, reason="no host C++ compiler for the emulation")
+
+DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    try:
+        return _cuda.emulator()
+    except RuntimeError as e:  # e.g. a g++ older than 12 (no <barrier>)
+        pytest.skip(f"host emulation does not build here: {e}")
+
+
+def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode):
+    """A plain PyTorch attention in the input dtype: the 2x rule's yardstick."""
+    B, n, Hq, D = q.shape
+    G = Hq // kw.shape[2]
+    rep = lambda t: t.repeat_interleave(G, dim=-2)  # noqa: E731
+    k = torch.cat([rep(kc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(kw)], dim=1)
+    v = torch.cat([rep(vc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(vw)], dim=1)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * (1.0 / math.sqrt(D))
+    vis = ref.window_key_mask(n, win_lens, block_ids, mode, B, q.device)
+    vis = torch.cat([torch.ones(B, n, L, dtype=torch.bool), vis], dim=-1)
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
+def make_inputs(B, n, Hq, Hkv, D, L, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q, kc, vc = r(B, n, Hq, D), r(L + 5, Hkv, D), r(L + 5, Hkv, D)  # rows past cache_len must be ignored
+    kw, vw = r(B, n, Hkv, D), r(B, n, Hkv, D)
+    win_lens = torch.tensor([max(1, n - 3 * b) for b in range(B)])  # ragged; the first branch is full
+    block_ids = torch.sort(torch.randint(0, 3, (B, n), generator=g), dim=1).values
+    return q, kc, vc, L, kw, vw, win_lens, block_ids
+
+
+def check_attention(emu, inputs, mode, scale=None):
+    q, kc, vc, L, kw, vw, wl, bid = inputs
+    with poisoned_empty():
+        o, lse = emu.branch_attention(q, kc, vc, L, kw, vw, wl, bid, mode, scale, True)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == q.shape[:3]
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode, scale, True)
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode))
+    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=1e-5)
+
+
+# (B, n, Hq, Hkv, D, cache_len): GQA with a partial last row tile; MHA D=128; no prefix
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_attention_d64_gqa(emu, dt, mode):
+    check_attention(emu, make_inputs(3, 7, 6, 2, 64, 37, DT[dt]), mode)
+
+
+@pytest.mark.parametrize("dt,mode", [("bf16", "block_causal"), ("f32", "causal")])
+def test_attention_d128(emu, dt, mode):
+    check_attention(emu, make_inputs(2, 5, 2, 2, 128, 45, DT[dt], seed=1), mode)
+
+
+def test_attention_no_prefix_and_custom_scale(emu):
+    check_attention(emu, make_inputs(2, 6, 4, 1, 64, 0, torch.float16, seed=2), "block_causal", scale=0.3)
+
+
+def test_attention_prefix_splits_merge(emu):
+    """cache_len=300 is cut into 3 splits (the last one 44 keys, not a tile multiple) plus the window part."""
+    inputs = make_inputs(1, 4, 2, 1, 64, 300, torch.float32, seed=3)
+    S, split_len = _cuda.attention_splits(1, 4, 2, 1, 300, _cuda._EmuLauncher.num_sms)
+    assert (S, split_len) == (3, 128)
+    check_attention(emu, inputs, "full")
+
+
+def test_attention_strided_views(emu):
+    """q and window K/V as views into larger buffers (kernel strides), the cache as one layer of [layers, L, Hkv, D]."""
+    B, n, Hq, Hkv, D, L = 2, 5, 4, 2, 64, 20
+    g = torch.Generator().manual_seed(4)
+    big_q = torch.randn(B, n + 2, 2 * Hq, D, generator=g)
+    scratch = torch.randn(2, 3, n + 3, Hkv, D, generator=g)  # [K/V, Bmax, nmax, Hkv, D]
+    cache = torch.randn(2, 3, L + 4, Hkv, D, generator=g)  # [K/V, layers, Lmax, Hkv, D]
+    q, kw, vw = big_q[:, 1 : n + 1, Hq:], scratch[0, :B, :n], scratch[1, :B, :n]
+    assert not q.is_contiguous() and not kw.is_contiguous()
+    check_attention(emu, (q, cache[0, 1], cache[1, 1], L, kw, vw, None, None), "causal")
+
+
+def emu_vs_reference(emu, x, suppress=None):
+    with poisoned_empty():
+        got = emu.confidence(x, suppress)
+    want = ref.confidence(x, suppress)
+    assert torch.equal(got.token, want.token), (got.token, want.token)
+    for name in ("p_max", "margin", "neg_entropy", "lse"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=2e-6, rtol=2e-6, msg=name)
+    return got
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_confidence_tail_and_suppress(emu, dt):
+    """V=1003: a vectorised head plus a scalar tail; the suppressed id is the row's true argmax."""
+    x = torch.randn(5, 1003, generator=torch.Generator().manual_seed(5)).mul(3).to(DT[dt])
+    x[:, 17] = 20.0
+    got = emu_vs_reference(emu, x, suppress=17)
+    assert (got.token != 17).all()
+
+
+def test_confidence_unaligned_rows_ties_and_neg_inf(emu):
+    """Rows at an odd element offset (the scalar path), exact ties (lowest index, margin 0), -inf logits."""
+    base = torch.randn(4, 262, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = base[:, 1:]  # stride 262, data pointer 2 bytes past alignment
+    x[0, 40] = x[0, 200] = 9.0  # tie: lowest index wins, margin exactly 0
+    x[1, :] = float("-inf")
+    x[1, 100] = 0.0  # a single finite logit: p_max 1, margin 1
+    got = emu_vs_reference(emu, x)
+    assert got.token[0] == 40 and got.margin[0] == 0 and got.margin[1] == 1
