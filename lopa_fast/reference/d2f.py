@@ -221,5 +221,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 )
     ids = x[P:].tolist()
     stats["eos_detected"] = eos_detected
+    stats["cache_length"] = cache.length
+    stats["cached_blocks"] = sum(1 for blk in blocks[1:] if blk["state"] == "in_cache")
     finalize_stats(stats, ids, cfg.eos_token_id, mask_id, clock.seconds, steps_plus_one=True)
     return GenerateOutput(ids, stats, trace)
