@@ -90,7 +90,7 @@ def compile_cubin(op: str, arch: int) -> bytes:
     Raises RuntimeError with NVRTC's log on a compile error."""
     nvrtc = _nvrtc()
     src, headers = kernel_source(op)
-    prog = nvrtc.createProgram(src, f"{op}.cu", list(headers.values()), list(headers.keys()))
+    prog = nvrtc.createProgram(src, f"{op}.cu", [h.encode() for h in headers.values()], [n.encode() for n in headers])
     try:
         try:
             nvrtc.compileProgram(prog, nvrtc_options(arch))
