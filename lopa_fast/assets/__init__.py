@@ -1,0 +1,20 @@
+"""The embedded models shipped with the package (HF-format directories, trained by lopa_fast.train).
+
+    d2f-arith/   Dream-architecture block-diffusion model for the embedded arithmetic task
+                 (recipe: python -m lopa_fast.train.d2f; training_log.txt inside)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = "d2f-arith"
+
+
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Directory of an embedded model; ValueError naming the available ones if `name` is unknown."""
+    path = ASSETS_DIR / name
+    if not (path / "config.json").is_file():
+        have = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file())
+        raise ValueError(f"embedded model {name!r} not found in {ASSETS_DIR}; available: {have or 'none'}")
+    return path

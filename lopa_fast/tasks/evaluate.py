@@ -1,0 +1,317 @@
+"""The eval (the LoPA paper's Table 1 on the embedded task) and the demo, over `lopa_fast.generate`.
+
+Rows (decoding knobs; temperature 0 everywhere, max_new_tokens = GEN_LEN = 40, block size 8, i.e. the
+spec's GSM8K settings with the block scaled from 32 to this task's 40-token answers):
+
+  vanilla     Dream vanilla, steps = max_new_tokens (one token per forward), alg="entropy" (Dream's
+              own evaluation setting; the default alg "origin" reveals positions at random)
+  threshold   Fast-dLLM parallel decoding: threshold 0.9 (Fast-dLLM's default), block_length 8, no cache
+  d2f         D2F pipelined blocks: tau_add 0.1, tau_act 0.95, tau_conf 0.9, neg_entropy (the spec's
+              GSM8K row), full attention (LoPA's default)
+  lopa-kK     LoPA with branching_factor K in {2, 4, 8} and the same D2F thresholds, branch_topp 1,
+              alpha 0 (the spec defaults); k = 1 is d2f
+
+Columns: exact-match accuracy, TPF (generated positions / forwards, EOS filler included, the paper's
+and upstream Dream's count), TPF until EOS, forwards per answer, tokens/s (wall clock of this run).
+A strategy whose implementation is missing is reported as unavailable, never approximated.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lopa_fast import tasks
+
+GEN_LEN = 40
+BLOCK = 8
+D2F_KNOBS = dict(block_size=BLOCK, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
+                 sampling_strategy="neg_entropy", use_full_attention=True)
+ROWS: dict[str, dict] = {
+    "vanilla": dict(strategy="vanilla", block_size=BLOCK, steps=GEN_LEN, alg="entropy"),
+    "threshold": dict(strategy="threshold", block_size=BLOCK, block_length=BLOCK, threshold=0.9),
+    "d2f": dict(strategy="d2f", **D2F_KNOBS),
+    "lopa-k2": dict(strategy="lopa", branching_factor=2, **D2F_KNOBS),
+    "lopa-k4": dict(strategy="lopa", branching_factor=4, **D2F_KNOBS),
+    "lopa-k8": dict(strategy="lopa", branching_factor=8, **D2F_KNOBS),
+}
+ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "all": list(ROWS)}
+BACKENDS = ("reference", "fast", "auto")
+
+
+def parse_rows(spec: str | list[str]) -> list[str]:
+    """"vanilla,d2f,lopa" -> row names (aliases: lopa = k2,k4,k8; all)."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for raw in names:
+        name = raw.strip()
+        if not name:
+            continue
+        expanded = ALIASES.get(name, [name])
+        for e in expanded:
+            if e not in ROWS:
+                raise ValueError(f"strategies: {name!r} is not a row; allowed: {', '.join(list(ROWS) + list(ALIASES))}")
+            if e not in out:
+                out.append(e)
+    if not out:
+        raise ValueError(f"strategies: {spec!r} names no row; allowed: {', '.join(list(ROWS) + list(ALIASES))}")
+    return out
+
+
+def load_default(model_dir=None, dtype=torch.float32):
+    """(model, tokenizer, directory) of the embedded model (or `model_dir`)."""
+    import lopa_fast
+    from lopa_fast.assets import model_dir as _embedded
+
+    path = Path(model_dir) if model_dir is not None else _embedded()
+    return lopa_fast.load_model(path, dtype=dtype), lopa_fast.load_tokenizer(path), path
+
+
+def prompt_ids(tok, problem) -> list[int]:
+    """The prompt's ids (bos first, as the model was trained)."""
+    return tok(problem.prompt)["input_ids"]
+
+
+def answer_text(tok, ids: list[int]) -> str:
+    """Generated ids -> readable text up to the first EOS (digits joined)."""
+    eos = tok.eos_token_id
+    cut = ids.index(eos) if eos in ids else len(ids)
+    return tasks.join_digits(tok.decode(ids[:cut], skip_special_tokens=True))
+
+
+def _unavailable(exc: BaseException) -> str | None:
+    """The reason a strategy cannot run in this checkout, or None if `exc` is a real failure."""
+    if isinstance(exc, (ModuleNotFoundError, NotImplementedError)):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ValueError) and "does not cover strategy" in str(exc):
+        return str(exc)
+    return None
+
+
+class Progress:
+    """A dependency-free progress bar on stderr (silent when `enabled` is False)."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True, width: int = 24):
+        self.label, self.total, self.enabled, self.width, self.t0 = label, total, enabled, width, time.time()
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        fill = int(self.width * done / max(1, self.total))
+        bar = "#" * fill + "." * (self.width - fill)
+        sys.stderr.write(f"\r{self.label:>9s} [{bar}] {done}/{self.total} {time.time() - self.t0:6.1f}s {note}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True) -> dict:
+    """Decode every problem with one row's knobs. Returns the row's numbers (or status "unavailable")."""
+    import lopa_fast
+
+    knobs = ROWS[row]
+    correct = forwards = tokens = tokens_eos = 0
+    seconds = 0.0
+    ran = None
+    bar = Progress(row, len(problems), progress)
+    for i, p in enumerate(problems):
+        ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
+        try:
+            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0, **knobs)
+        except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
+            reason = _unavailable(exc)
+            if reason is None:
+                raise
+            bar.close()
+            return {"row": row, "status": "unavailable", "reason": reason}
+        st = out.stats
+        ran = st.get("backend", backend)
+        correct += int(tasks.extract_answer(tok.decode(out.generated_ids, skip_special_tokens=True)) == p.answer)
+        forwards += st["forwards"]
+        tokens += st["generated_tokens"]
+        tokens_eos += st["tokens_until_eos"]
+        seconds += st["seconds"]
+        bar.update(i + 1, f"acc {correct / (i + 1):.3f} tpf {tokens / max(1, forwards):.2f}")
+    bar.close()
+    n = len(problems)
+    return {
+        "row": row, "status": "ok", "backend": ran, "n": n, "accuracy": correct / n if n else float("nan"),
+        "tpf": tokens / forwards if forwards else 0.0, "tpf_until_eos": tokens_eos / forwards if forwards else 0.0,
+        "forwards_per_answer": forwards / n if n else 0.0, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int) -> str:
+    lines = [
+        "# Eval on the embedded task (held-out split)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Model: `{model_path}` ({n_params / 1e6:.2f}M parameters, Dream architecture, float32, CPU); "
+        f"{n} held-out problems (`tasks.generate('test', {n}, seed=0)`); backend `{backend}`; "
+        f"{platform.machine()} / torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        "| strategy | accuracy | TPF | TPF until EOS | forwards / answer | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['row']} | unavailable | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {r['row']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tpf_until_eos']:.2f} | "
+            f"{r['forwards_per_answer']:.1f} | {r['tokens_per_s']:.0f} |"
+        )
+    lines += ["", "Knobs (temperature 0, max_new_tokens 40):", ""]
+    for r in results:
+        lines.append(f"- `{r['row']}`: {ROWS[r['row']]}" + (f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""))
+    lines += [
+        "",
+        "TPF counts every generated position, EOS filler included (upstream Dream/LoPA and the paper);",
+        "`TPF until EOS` counts positions up to the first EOS. A LoPA round (k+1 branches) is one forward.",
+        "tokens/s is wall clock on this machine with the named backend; compare ratios within one run only.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> str | None:
+    """TPF and accuracy against k (k = 1 is D2F) as a PNG; returns a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return "matplotlib is not installed: no plot written"
+    ks = {"d2f": 1, "lopa-k2": 2, "lopa-k4": 4, "lopa-k8": 8}
+    pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
+    if not pts:
+        return "no D2F/LoPA rows ran: no plot written"
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    x = [k for k, _ in pts]
+    ax.plot(x, [r["tpf"] for _, r in pts], "o-", label="TPF")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(k) for k in x])
+    ax.set_xlabel("branching factor k (1 = D2F)")
+    ax.set_ylabel("tokens per forward")
+    ax2 = ax.twinx()
+    ax2.plot(x, [100 * r["accuracy"] for _, r in pts], "s--", color="tab:red", label="accuracy")
+    ax2.set_ylabel("exact match (%)")
+    ax2.set_ylim(0, 100)
+    fig.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
+             progress: bool = True, command: str | None = None, log=print) -> list[dict]:
+    """Evaluate rows on `n` held-out problems; write the markdown table (and PNG) to `out`."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}; allowed: an int >= 1")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    rows = parse_rows(strategies)
+    model, tok, path = load_default(model_dir)
+    problems = tasks.generate("test", n, seed=0)
+    results = [run_row(model, tok, problems, r, backend, progress) for r in rows]
+    n_params = sum(p.numel() for p in model.parameters())
+    command = command or f"python -m lopa_fast eval --n {n} --strategies {','.join(rows)} --backend {backend}"
+    md = markdown(results, command=command, model_path=path.name, n_params=n_params, backend=backend, n=n)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        note = plot(results, out.with_suffix(".png"))
+        if note:
+            md += f"\nPlot: {note}.\n"
+        out.write_text(md)
+        log(f"wrote {out}" + ("" if note else f" and {out.with_suffix('.png')}"))
+    log(md)
+    return results
+
+
+# ---- demo -----------------------------------------------------------------------------------------
+DEMO_ROWS = ("d2f", "lopa-k4")
+
+
+def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
+    """Two aligned lines: the generated tokens up to the first EOS and the round that filled each
+    (`*` marks a token taken from a winning LoPA lookahead branch)."""
+    rnd: dict[int, int] = {}
+    look: set[int] = set()
+    for r in trace:
+        for pos, _ in r["accepted"]:
+            rnd.setdefault(pos, r["round"])
+        w = r["branches"][r["winner"]].get("lookahead")
+        if w is not None:
+            look.add(w)
+    eos = tok.eos_token_id
+    last = ids.index(eos) if eos in ids else len(ids) - 1
+    toks = ["<eos>" if t == eos else tok.convert_ids_to_tokens(t) for t in ids[: last + 1]]
+    cols = [(t, f"{rnd.get(i, '?')}{'*' if i in look else ''}") for i, t in enumerate(toks)]
+    w = [max(len(a), len(b)) for a, b in cols]
+    top = " ".join(a.rjust(k) for (a, _), k in zip(cols, w))
+    bot = " ".join(b.rjust(k) for (_, b), k in zip(cols, w))
+    tail = len(ids) - last - 1
+    rounds_tail = sorted({rnd.get(i) for i in range(last + 1, len(ids)) if i in rnd})
+    extra = f"   (+{tail} EOS filler, rounds {rounds_tail[0]}-{rounds_tail[-1]})" if tail and rounds_tail else ""
+    return f"      tokens: {top}\n      round:  {bot}{extra}"
+
+
+def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print) -> list[dict]:
+    """Decode `n` held-out problems with D2F and LoPA (k=4) and print answers, fill order and stats."""
+    import lopa_fast
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}; allowed: an int >= 1")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    t0 = time.time()
+    model, tok, path = load_default(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"lopa_fast demo: embedded model {path.name} ({n_params / 1e6:.2f}M params, Dream architecture, "
+        f"trained by lopa_fast.train.d2f), backend {backend}, temperature 0")
+    log("knobs: block 8, tau_add 0.1, tau_act 0.95, tau_conf 0.9, neg_entropy, full attention; LoPA k=4\n")
+    records = []
+    for p in tasks.generate("test", n, seed=0):
+        log(f"Q: {tasks.join_digits(p.prompt)}")
+        log(f"   expected: #### {p.answer}")
+        ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long)
+        for row in DEMO_ROWS:
+            try:
+                out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
+                                         return_trace=True, **ROWS[row])
+            except Exception as exc:  # noqa: BLE001
+                reason = _unavailable(exc)
+                if reason is None:
+                    raise
+                log(f"   {row:8s} unavailable ({reason})")
+                records.append({"row": row, "status": "unavailable"})
+                continue
+            st = out.stats
+            text = answer_text(tok, out.generated_ids)
+            ok = tasks.extract_answer(text) == p.answer
+            log(f"   {row:8s} {'ok ' if ok else 'BAD'} {text}")
+            log(f"            TPF {st['tpf']:.2f} (until EOS {st['tpf_until_eos']:.2f}), forwards {st['forwards']}, "
+                f"wall {1000 * st['seconds']:.0f} ms" + (f", lookahead wins {st['lookahead_wins']}"
+                                                       if "lookahead_wins" in st else ""))
+            if out.trace is not None:
+                log(fill_order(tok, out.generated_ids, out.trace))
+            records.append({"row": row, "status": "ok", "correct": ok, "tpf": st["tpf"], "forwards": st["forwards"]})
+        log("")
+    good = [r for r in records if r["status"] == "ok"]
+    if good:
+        acc = sum(r["correct"] for r in good) / len(good)
+        log(f"{len(good)} decodes, {100 * acc:.0f}% exact match, total wall {time.time() - t0:.1f}s "
+            f"(python -m lopa_fast eval for the full table)")
+    return records
+
