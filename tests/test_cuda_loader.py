@@ -1,0 +1,95 @@
+"""The CUDA loader and dispatch on a machine where the CUDA path is unavailable (CPU torch / no CuPy)."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from lopa_fast import ops
+from lopa_fast.ops import _backend, _cuda
+from lopa_fast.reference import ops as ref
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+@pytest.fixture
+def fresh_probe():
+    _cuda._probe.cache_clear()
+    yield
+    _cuda._probe.cache_clear()
+
+
+@no_cuda
+def test_unavailable_with_a_reason_and_logged(fresh_probe, caplog):
+    with caplog.at_level(logging.INFO, logger="lopa_fast.ops.cuda"):
+        assert not _cuda.available() and not _cuda.available("confidence")
+    why = _cuda.why_unavailable()
+    assert "torch.cuda.is_available() is False" in why
+    assert any(why in r.getMessage() for r in caplog.records)
+
+
+def test_disable_switch(fresh_probe, monkeypatch):
+    monkeypatch.setenv("LOPA_FAST_DISABLE_CUDA", "1")
+    assert not _cuda.available()
+    assert _cuda.why_unavailable() == "disabled by LOPA_FAST_DISABLE_CUDA"
+
+
+def test_unknown_op_is_not_available():
+    assert not _cuda.available("no_such_op")
+    with pytest.raises(ValueError, match="op='no_such_op'"):
+        _cuda.kernel_source("no_such_op")
+
+
+@no_cuda
+def test_dispatch_falls_back_and_refuses_explicit_cuda():
+    x = torch.randn(3, 50)
+    assert _backend.resolve("confidence", None, x.device) == "torch"
+    assert _backend.resolve("branch_attention", None, torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="backend='cuda' is unavailable"):
+        ops.confidence(x, backend="cuda")
+    got = ops.confidence(x)  # auto: the torch backend
+    assert torch.equal(got.token, ref.confidence(x).token)
+
+
+def test_custom_ops_registered_with_fake_impls():
+    """Shapes/dtypes from the fake implementations (what torch.compile / graph capture sees)."""
+    q = torch.empty(2, 3, 4, 64, device="meta", dtype=torch.bfloat16)
+    kc = torch.empty(10, 2, 64, device="meta", dtype=torch.bfloat16)
+    kw = torch.empty(2, 3, 2, 64, device="meta", dtype=torch.bfloat16)
+    o, lse = torch.ops.lopa_fast.cuda_branch_attention(q, kc, kc, 5, kw, kw, None, None, "full", None)
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 3, 4), torch.float32)
+    out = torch.ops.lopa_fast.cuda_confidence(torch.empty(7, 100, device="meta", dtype=torch.float16), 3, 1e-10)
+    assert [t.dtype for t in out] == [torch.int64] + [torch.float32] * 4 and all(t.shape == (7,) for t in out)
+
+
+def test_hooks_run_the_reference_where_no_kernel_exists(caplog):
+    """Head dim 96 (no kernel) and CPU tensors: the hook answers with the reference op and says so once."""
+    g = torch.Generator().manual_seed(0)
+    q, kc, kw = torch.randn(1, 3, 2, 96, generator=g), torch.randn(4, 1, 96, generator=g), torch.randn(1, 3, 1, 96)
+    with caplog.at_level(logging.WARNING, logger="lopa_fast.ops.cuda"):
+        o = _cuda.branch_attention(q, kc, kc, 4, kw, kw, None, None, "causal")
+    torch.testing.assert_close(o, ref.branch_attention(q, kc, kc, 4, kw, kw, None, None, "causal"))
+    assert any("running the reference op" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 30, generator=g)
+    assert torch.equal(_cuda.confidence(x, 4)[0], ref.confidence(x, 4).token)
+
+
+@pytest.mark.parametrize("B,n,Hq,Hkv,L,sms", [(3, 32, 28, 4, 2048, 132), (1, 4, 2, 1, 300, 4), (9, 64, 28, 4, 97, 132),
+                                              (2, 5, 4, 2, 0, 132), (1, 1, 28, 4, 1, 132)])
+def test_attention_splits_cover_the_prefix(B, n, Hq, Hkv, L, sms):
+    S, split_len = _cuda.attention_splits(B, n, Hq, Hkv, L, sms)
+    assert split_len % _cuda.ATTN_KEYS == 0
+    if L == 0:
+        assert S == 0
+    else:
+        assert (S - 1) * split_len < L <= S * split_len  # every split non-empty, all keys covered
+        assert S == 1 or split_len >= 128
+
+
+def test_attention_smem_mirrors_the_kernel_layout():
+    # Q fp32 32x128 + K bf16 32x(128+8) + V bf16 32x128 + P fp32 4x8x32 (attn::Smem in branch_attention.cu)
+    assert _cuda.attention_smem_bytes(torch.bfloat16, 128) == 32 * 128 * 4 + 32 * 136 * 2 + 32 * 128 * 2 + 4096
+    assert _cuda.attention_smem_bytes(torch.float32, 64) == 32 * 64 * 4 + 32 * 68 * 4 + 32 * 64 * 4 + 4096
+    assert math.ceil(_cuda.attention_smem_bytes(torch.float32, 128) / 1024) == 53  # > 48 KiB: opt-in attribute
