@@ -1,0 +1,92 @@
+"""CUDA kernels on a GPU (`gpu` marker; skipped without one): parity against the reference ops for
+fp32/fp16/bf16 and every mask mode, Dream-7B head shapes, torch.compile and CUDA-graph capture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lopa_fast import ops
+from lopa_fast.ops import _cuda
+from lopa_fast.reference import ops as ref
+from tests.test_cuda_emu import attention_in_dtype, make_inputs
+from tests.utils import assert_2x_rule, poisoned_empty
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda_path():
+    if not _cuda.available():
+        pytest.fail(f"a GPU is present but the CUDA kernels are unavailable: {_cuda.why_unavailable()}")
+
+
+def to_cuda(inputs):
+    return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+# (B, n, Hq, Hkv, D, cache_len): Dream-7B heads (28/4, D=128) with LoPA-sized windows; a prefix that
+# needs several splits and ends mid-tile; D=64 MHA; no prefix; one branch of one position.
+SHAPES = [(3, 32, 28, 4, 128, 1000), (9, 33, 28, 4, 128, 517), (2, 17, 8, 8, 64, 70), (4, 9, 6, 2, 64, 0),
+          (1, 1, 28, 4, 128, 1)]
+
+
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_branch_attention_cuda_matches_reference(shape, dt, mode):
+    q, kc, vc, L, kw, vw, wl, bid = to_cuda(make_inputs(*shape, DTYPES[dt]))
+    with poisoned_empty():
+        o, lse = ops.branch_attention(q, kc, vc, L, kw, vw, wl, bid, mode, return_lse=True, backend="cuda")
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode, return_lse=True)
+    if dt == "f32":
+        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-5)
+    else:
+        assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode))
+    torch.testing.assert_close(lse.double(), lse_ref, atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("N,V", [(96, 152064), (7, 1003), (33, 126464)])
+def test_confidence_cuda_matches_reference(N, V, dt):
+    g = torch.Generator().manual_seed(N)
+    x = (torch.randn(N, V, generator=g) * 4).to(DTYPES[dt]).cuda()
+    x[0, 5] = x[0, 9] = 30.0  # exact tie: lowest index, margin 0
+    for suppress in (None, 9):
+        with poisoned_empty():
+            got = ops.confidence(x, suppress, backend="cuda")
+        want = ref.confidence(x, suppress)
+        assert torch.equal(got.token, want.token)
+        for name in ("p_max", "margin", "neg_entropy", "lse"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=2e-5, msg=name)
+
+
+def test_compile_and_cuda_graph_capture():
+    """The custom ops run inside torch.compile(fullgraph=True) and inside a captured CUDA graph."""
+    q, kc, vc, L, kw, vw, wl, bid = to_cuda(make_inputs(3, 32, 28, 4, 128, 300, torch.bfloat16))
+    logits = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step(q, logits):
+        o = _cuda.branch_attention(q, kc, vc, L, kw, vw, wl, bid, "block_causal")
+        return o, _cuda.confidence(logits, None, 1e-10)[0]
+
+    want_o, want_t = step(q, logits)
+    got_o, got_t = torch.compile(step, fullgraph=True)(q, logits)
+    assert torch.equal(got_o, want_o) and torch.equal(got_t, want_t)
+
+    static_q, static_l = q.clone(), logits.clone()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # warm-up off the default stream, as torch's graph docs ask
+        step(static_q, static_l)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_o, out_t = step(static_q, static_l)
+    static_q.copy_(q * 0.5)
+    static_l.copy_(-logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_t = step(q * 0.5, -logits)
+    assert torch.equal(out_o, ref_o) and torch.equal(out_t, ref_t)
