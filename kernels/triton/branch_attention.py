@@ -174,11 +174,14 @@ def default_num_splits(rows_tiles: int, cache_len: int, block_n: int, n_sm: int 
     return max(1, min(max_splits, triton.cdiv(2 * n_sm, max(1, rows_tiles))))
 
 
-def _block_sizes(D: int):
+def block_sizes(dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, num_warps). D=128 fp16/bf16: 64x64 tiles, 4 warps, 2 stages: 80 KB smem, <= 248
+    registers, no spills on sm_90. fp32 runs exact IEEE dots (no TF32) on FMA units: 64x64x4 warps spilled
+    77 KB and 32x32x4 warps 2 KB; 32x32 with 8 warps does not spill in either kernel
+    (bench/results/kernel_resources.md)."""
     if is_interpreter():
-        return 32, 32
-    # D=128 fp16/bf16: 64x64 tiles, 4 warps, 2 stages fit 228 KB smem/SM on sm_90 without spills
-    return 64, 64
+        return 32, 32, 4
+    return (32, 32, 8) if dtype == torch.float32 else (64, 64, 4)
 
 
 def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
@@ -192,7 +195,7 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
     qk_scale = scale * _LOG2E
     dev = q.device
     BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
-    BLOCK_M, BLOCK_N = _block_sizes(D)
+    BLOCK_M, BLOCK_N, warps = block_sizes(q.dtype)
     upcast = is_interpreter() and q.dtype == torch.bfloat16  # the interpreter's bf16 dot is garbage
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no silent TF32 rounding
     o = torch.empty_like(q)
@@ -213,7 +216,7 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1),
             G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec,
-            num_warps=4, num_stages=2,
+            num_warps=warps, num_stages=2,
         )
     else:
         part_o = part_lse = torch.empty(1, dtype=torch.float32, device=dev)
@@ -226,6 +229,6 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
         q.stride(0), q.stride(1), q.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2), o.stride(0), o.stride(1), o.stride(2), s_blk,
         G=G, D=D, BLOCK_D=BLOCK_D, MODE=_MODES[mode], HAS_WL=win_lens is not None, RETURN_LSE=return_lse,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, num_warps=4, num_stages=2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, num_warps=warps, num_stages=2,
     )
     return (o, lse) if return_lse else o

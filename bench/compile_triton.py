@@ -1,0 +1,164 @@
+"""Compile every Triton kernel for sm_90 without a GPU and tabulate registers, shared memory and spills.
+
+    python bench/compile_triton.py            # all variants, writes bench/results/kernel_resources.md
+    python bench/compile_triton.py --quick    # one variant per kernel, no file (the CI check)
+
+Uses triton.compile with GPUTarget("cuda", 90, 32) (no driver needed) and Triton's bundled ptxas
+(`-arch=sm_90a -v`) on the emitted PTX, because `n_regs` needs a driver (TOOLCHAIN.md). Exits 1 on any
+compile error or any spill. Shapes are Dream-7B's (Hq 28, Hkv 4, D 128, V 152064) with the launchers'
+own tile choices, so the table describes what runs on the H200.
+Must run with TRITON_INTERPRET unset (under the interpreter @triton.jit yields no compilable function).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_triton.py: unset TRITON_INTERPRET (the interpreter cannot compile for sm_90)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
+from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
+from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _signature(fn, types: dict, constexprs: dict):
+    """Full signature in argument order: pointers '*dt', ints 'i32', floats 'fp32', constexprs."""
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in constexprs else types[name]
+    return sig
+
+
+def _attrs(fn, sig, aligned: set):
+    # pointers and the strides/sizes named in `aligned` are 16-divisible at Dream-7B shapes, as Triton's
+    # launcher would specialise them at run time (vectorised 16-byte loads)
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name].startswith("*") or name in aligned}
+
+
+def variants(quick: bool):
+    """(label, jit fn, types, constexprs, aligned ints, options)."""
+    G, D = 7, 128
+    out = []
+    dtypes = ["bf16"] if quick else ["bf16", "fp16", "fp32"]
+    for dt in dtypes:
+        prec = "ieee" if dt == "fp32" else "tf32"
+        BM, BN, warps = ba.block_sizes({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt])
+        types = {n: "i32" for n in ba._prefix_kernel.arg_names}
+        types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
+        ce = dict(G=G, D=D, BLOCK_D=D, BLOCK_M=BM, BLOCK_N=BN, UPCAST=False, DOT_PREC=prec)
+        aligned = {"s_qb", "s_qn", "s_qh", "s_kl", "s_kh", "s_vl", "s_vh", "chunk"}
+        out.append((f"_prefix_kernel {dt}", ba._prefix_kernel, types, ce, aligned,
+                    dict(num_warps=warps, num_stages=2)))
+        modes = [("full", 0), ("block_causal", 1), ("causal", 2)] if dt == "bf16" and not quick else [("block_causal", 1)]
+        for mode, m in modes:
+            types = {n: "i32" for n in ba._window_kernel.arg_names}
+            types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr=f"*{dt}", lse_ptr="*fp32",
+                         po_ptr="*fp32", plse_ptr="*fp32", wl_ptr="*i64", blk_ptr="*i64", qk_scale="fp32")
+            ce = dict(G=G, D=D, BLOCK_D=D, MODE=m, HAS_WL=True, RETURN_LSE=True, BLOCK_M=BM, BLOCK_N=BN,
+                      UPCAST=False, DOT_PREC=prec)
+            aligned = {"s_qb", "s_qn", "s_qh", "s_kb", "s_kn", "s_kh", "s_vb", "s_vn", "s_vh", "s_ob", "s_on",
+                       "s_oh"}
+            out.append((f"_window_kernel {dt} {mode}", ba._window_kernel, types, ce, aligned,
+                        dict(num_warps=warps, num_stages=2)))
+        if quick:
+            break
+    for dt in dtypes:
+        types = {n: "i32" for n in cf._confidence_kernel.arg_names}
+        types.update(x_ptr=f"*{dt}", tok_ptr="*i64", pmax_ptr="*fp32", margin_ptr="*fp32", negent_ptr="*fp32",
+                     lse_ptr="*fp32", eps="fp32")
+        ce = dict(HAS_SUPPRESS=True, BLOCK_V=cf.block_v_for(152064))
+        out.append((f"_confidence_kernel {dt} V=152064", cf._confidence_kernel, types, ce, {"stride_x"},
+                    dict(num_warps=8, num_stages=3)))
+    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64)]):
+        types = {nm: "i32" for nm in sr._select_round_kernel.arg_names}
+        types.update(val_ptr="*fp32", conf_ptr="*fp32", masked_ptr="*u8", blk_ptr="*i32", complete_ptr="*u8",
+                     ktab_ptr="*i32", cc_ptr="*fp32", active_ptr="*u8", accept_ptr="*i8", look_ptr="*i64",
+                     score_ptr="*fp32", winner_ptr="*i64", tau="fp32", alpha="fp32")
+        BB, BNn = max(2, triton.next_power_of_2(B)), max(16, triton.next_power_of_2(n))
+        ce = dict(CMP=0, HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
+        out.append((f"_select_round_kernel B={B} n={n}", sr._select_round_kernel, types, ce, set(),
+                    dict(num_warps=4 if BB * BNn <= 2048 else 8, num_stages=1)))
+    return out
+
+
+def ptxas_report(ptx: str, name: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / f"{name}.ptx"
+        p.write_text(ptx)
+        r = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(p), "-o", str(Path(d) / "out.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {name}:\n{r.stderr}")
+    txt = r.stderr + r.stdout
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill_st = re.search(r"(\d+) bytes spill stores", txt)
+    spill_ld = re.search(r"(\d+) bytes spill loads", txt)
+    stack = re.search(r"(\d+) bytes stack frame", txt)
+    return dict(regs=int(regs.group(1)) if regs else -1,
+                spill=int(spill_st.group(1)) + int(spill_ld.group(1)) if spill_st else 0,
+                stack=int(stack.group(1)) if stack else 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one variant per kernel, no results file")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernel_resources.md"))
+    args = ap.parse_args(argv)
+    rows, failed = [], []
+    for label, fn, types, ce, aligned, opts in variants(args.quick):
+        t0 = time.time()
+        try:
+            sig = _signature(fn, types, ce)
+            src = ASTSource(fn, sig, constexprs=ce, attrs=_attrs(fn, sig, aligned))
+            k = triton.compile(src, target=TARGET, options=opts)
+            rep = ptxas_report(k.asm["ptx"], fn.__name__)
+        except Exception as e:  # noqa: BLE001 - report every failing kernel, then fail
+            failed.append(label)
+            print(f"FAIL {label}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        dt = time.time() - t0
+        rows.append((label, opts["num_warps"], opts.get("num_stages", 1), rep["regs"], k.metadata.shared,
+                     rep["spill"], rep["stack"], dt))
+        print(f"ok   {label}: regs={rep['regs']} smem={k.metadata.shared} spill={rep['spill']}B "
+              f"stack={rep['stack']}B ({dt:.1f}s)")
+        if rep["spill"]:
+            failed.append(label + " (spills)")
+    if not args.quick and not failed:
+        lines = [
+            "# Triton kernel resources on sm_90 (compiled without a GPU)",
+            "",
+            f"Command: `python bench/compile_triton.py` (triton {triton.__version__}, GPUTarget('cuda', 90, 32), "
+            "bundled ptxas -arch=sm_90a -v). Dream-7B shapes: Hq 28, Hkv 4 (G 7), D 128, V 152064; "
+            "select_round at B x n windows. smem = Triton's dynamic shared memory (bytes).",
+            "",
+            "| kernel | warps | stages | registers/thread | smem bytes | spill bytes | stack bytes | compile s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]:.1f} |" for r in rows]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
+    if failed:
+        print("FAILED: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
