@@ -7,7 +7,7 @@ The model family decides which one runs (config.bind rejects the other family's 
   schedule floor(n/S) (+1 for the first n mod S steps); per step one cache-free forward over the whole
   sequence, x0 = argmax (float64 Gumbel-max at T > 0), confidence = softmax(logits)[x0] (`low_confidence`)
   or uniform noise (`random`), -inf beyond the current block and at non-masked positions, commit the
-  top-k. `cfg_scale > 0`: unsupervised CFG (prompt positions masked in the unconditional copy; the two
+  top-k (`confidence_eos_eot_inf`: positions predicting EOS/EOT come last). `cfg_scale > 0`: unsupervised CFG (prompt positions masked in the unconditional copy; the two
   rows run as one batched forward), logits = un + (cfg_scale + 1) * (cond - un).
 - Dream (Dream's `diffusion_generate` / `_sample`): one block over the whole generation, `steps` steps
   on timesteps linspace(1, eps, steps + 1) in float32; shifted logits (position 0 keeps its own row).
@@ -85,9 +85,12 @@ def _llada(model, prompt, cfg, gen, stats):
                 x0_p = p.gather(-1, x0[:, None]).squeeze(-1)
             else:
                 x0_p = torch.rand(x0.shape, device=x0.device, generator=gen)
-            if cfg.confidence_eos_eot_inf:  # the flag's intent (upstream's chained assignment is a no-op bug)
+            if cfg.confidence_eos_eot_inf:
+                # the flag's intent (upstream's chained assignment only zeroes p(EOT)): positions predicting
+                # EOS/EOT are committed last. -1 (below every probability) rather than -inf, so that they
+                # still win over the non-masked positions (-inf) and the block always fills.
                 for t in blocked:
-                    x0_p = torch.where(x0 == t, torch.full_like(x0_p, float("-inf")), x0_p)
+                    x0_p = torch.where(x0 == t, torch.full_like(x0_p, -1.0), x0_p)
             x0_p[e:] = float("-inf")
             x0 = torch.where(mask_index, x0, x)
             conf = torch.where(mask_index, x0_p, torch.full_like(x0_p, float("-inf")))
