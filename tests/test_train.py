@@ -75,3 +75,19 @@ def test_tiny_training_run_lowers_the_loss(tmp_path):
     assert summary["steps"] == 40 and (tmp_path / "training_log.txt").is_file()
     assert lopa_fast.load_tokenizer(tmp_path).mask_token_id == tasks.MASK_ID
     assert model.mask_token_id == tasks.MASK_ID and model.eos_token_id == tasks.EOS_ID
+
+
+def test_tiny_ar_drafter_run_lowers_the_loss(tmp_path):
+    from lopa_fast.train import ar
+
+    b = _batch(32, seed=321)
+    cfg = ar.hf_config(len(tasks.vocab()), 32, 1, 2, 1, 64)
+    with torch.no_grad():
+        before = float(ar.loss_on(d2f.init_model(cfg, 0).eval(), b))
+    ar.train(tmp_path, log=lambda *_: None, steps=30, lr=3e-3, warmup=5, eval_every=0, eval_n=2, threads=1,
+             hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=16)
+    model = lopa_fast.load_model(tmp_path, dtype=torch.float32)
+    assert model.config.kind == "qwen2" and model.attention == "causal"
+    with torch.no_grad():
+        after = float(ar.loss_on(model, b))
+    assert after < 0.8 * before, (before, after)
