@@ -19,7 +19,22 @@ step cuda_tests 300 python -m pytest tests/test_cuda_gpu.py tests/test_cuda_comp
 step cuda_bench 300 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-group-by=param:shape \
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 
+# --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs torch/SDPA/Flex
+step triton_tests 300 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
+  tests/test_select_round.py tests/test_triton_compile.py -q
+step triton_bench 400 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
+  --benchmark-json="$OUT/bench_ops.json"
+
 echo "=== summary"
 cat "$OUT/summary.txt"
 tail -n 5 "$OUT/cuda_tests.log"
 grep -E "^(Name|test_bench|-+ benchmark)" "$OUT/cuda_bench.log" | head -40
+tail -n 3 "$OUT/triton_tests.log"
+python - "$OUT/bench_ops.json" <<'PY' || true
+import json, sys
+rows = json.load(open(sys.argv[1]))["benchmarks"]
+print(f"{'benchmark':<72} {'us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
+for b in rows:
+    e = b["extra_info"]
+    print(f"{b['name']:<72} {e.get('us_event', 0):>9.1f} {e.get('gbps', 0):>8.0f} {e.get('tflops', 0):>8.1f}")
+PY

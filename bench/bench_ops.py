@@ -1,0 +1,123 @@
+"""Microbenchmarks of the three ops at Dream-7B shapes: Triton vs the torch reference, and attention vs
+torch SDPA, FlexAttention and flash-attn (import-guarded; not installed on the H200 machine).
+
+    python -m pytest bench/bench_ops.py -m bench --benchmark-group-by=param:shape \
+        --benchmark-json=bench/results/bench_ops.json
+
+GPU only (bench/conftest.py skips without CUDA). Inputs are built outside the timed call. extra_info
+holds the CUDA-event median (us), bytes / FLOPs as counted below, GB/s and TFLOP/s and their fraction
+of the H200 ceilings (~4.3 TB/s, ~790 TFLOP/s bf16), GPU, versions and git sha.
+
+Attention baselines get the work in their own layout, prepared outside the timed call (in favour of
+the baselines: a real SDPA/Flex decoder would also pay the per-layer concat of prefix and window K/V):
+[B, H, L + n, D] K/V with the prefix repeated per branch and a boolean / block mask.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B, SELECT_ROUND
+from lopa_fast import ops
+from lopa_fast.reference import ops as ref
+
+pytestmark = pytest.mark.bench
+
+DEV = "cuda"
+DT = torch.bfloat16
+ATTN_PROVIDERS = ["triton", "torch", "sdpa", "flex", "flash_attn"]
+
+
+def _attn_inputs(B, n, L):
+    Hq, Hkv, D = DREAM_7B["num_heads"], DREAM_7B["num_kv_heads"], DREAM_7B["head_dim"]
+    r = lambda *s: torch.randn(*s, dtype=DT, device=DEV)  # noqa: E731
+    q, kc, vc, kw, vw = r(B, n, Hq, D), r(L + 256, Hkv, D), r(L + 256, Hkv, D), r(B, n, Hkv, D), r(B, n, Hkv, D)
+    win_lens = torch.full((B,), n, device=DEV)
+    win_lens[-1] = max(1, n - 32)  # one ragged branch (a lookahead that did not grow)
+    block_ids = (torch.arange(n, device=DEV) // 32).expand(B, n).contiguous()
+    return q, kc, vc, kw, vw, win_lens, block_ids
+
+
+def _dense_layout(q, kc, vc, L, kw, vw, win_lens, block_ids):
+    """[B, H, n, D] queries, [B, Hkv, L+n, D] keys/values and a bool mask [B, 1, n, L+n] (True = visible)."""
+    B, n = q.shape[:2]
+    k = torch.cat([kc[:L].unsqueeze(0).expand(B, -1, -1, -1), kw], dim=1).transpose(1, 2).contiguous()
+    v = torch.cat([vc[:L].unsqueeze(0).expand(B, -1, -1, -1), vw], dim=1).transpose(1, 2).contiguous()
+    vis = ref.window_key_mask(n, win_lens, block_ids, "block_causal", B, q.device)
+    mask = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=q.device), vis], dim=-1)[:, None]
+    return q.transpose(1, 2).contiguous(), k, v, mask
+
+
+def _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids):
+    if provider in ("triton", "torch"):
+        return lambda: ops.branch_attention(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal",
+                                            check=False, backend=provider)
+    qd, k, v, mask = _dense_layout(q, kc, vc, L, kw, vw, win_lens, block_ids)
+    if provider == "sdpa":
+        F = torch.nn.functional
+        return lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True)
+    if provider == "flex":
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            pytest.skip("FlexAttention is not available in this torch")
+        B, n = q.shape[:2]
+        bid, wl = block_ids, win_lens
+
+        def mask_mod(b, h, qi, ki):
+            kw_i = (ki - L).clamp(min=0)
+            return (ki < L) | ((ki - L < wl[b]) & (bid[b, kw_i] <= bid[b, qi]))
+
+        bm = create_block_mask(mask_mod, B, None, n, L + n, device=DEV)
+        flex = torch.compile(flex_attention, dynamic=False)
+        return lambda: flex(qd, k, v, block_mask=bm, enable_gqa=True)
+    if provider == "flash_attn":
+        try:
+            from flash_attn import flash_attn_with_kvcache
+        except ImportError:
+            pytest.skip("flash-attn is not installed (no wheel; TOOLCHAIN.md)")
+        # flash-attn has no block-causal mask: time its full-attention kvcache call over the same keys
+        kk, vv = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        return lambda: flash_attn_with_kvcache(q, kk, vv, causal=False)
+    raise ValueError(provider)
+
+
+@pytest.mark.parametrize("provider", ATTN_PROVIDERS)
+@pytest.mark.parametrize("shape", list(ATTENTION))
+def test_bench_branch_attention(gpu_timer, benchmark, shape, provider):
+    B, n, L = ATTENTION[shape]
+    benchmark.group = f"branch_attention {shape}"
+    q, kc, vc, kw, vw, win_lens, block_ids = _attn_inputs(B, n, L)
+    fn = _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids)
+    Hq, Hkv, D = q.shape[2], kw.shape[2], q.shape[3]
+    esz = q.element_size()
+    # the fused op's compulsory traffic: prefix K/V once, window K/V, q in, o out
+    nbytes = (2 * L * Hkv * D + 2 * kw.numel() + 2 * q.numel()) * esz
+    flops = 4 * B * n * Hq * D * (L + n)  # QK^T and PV over every (unmasked upper bound) key
+    gpu_timer(fn, nbytes=nbytes, flops=flops)
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("shape", list(CONFIDENCE))
+def test_bench_confidence(gpu_timer, benchmark, shape, provider):
+    N, V = CONFIDENCE[shape]
+    benchmark.group = f"confidence {shape}"
+    logits = (torch.randn(N, V, device=DEV) * 4).to(DT)
+    fn = lambda: ops.confidence(logits, 151666, check=False, backend=provider)  # noqa: E731 - Dream mask id
+    gpu_timer(fn, nbytes=N * V * logits.element_size())  # one read of the logits is the floor
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("shape", list(SELECT_ROUND))
+def test_bench_select_round(gpu_timer, benchmark, shape, provider):
+    B, n, nb, n_look = SELECT_ROUND[shape]
+    benchmark.group = f"select_round {shape}"
+    g = torch.Generator(device=DEV).manual_seed(0)
+    val = torch.rand(B, n, device=DEV, generator=g)
+    conf = torch.rand(B, n, device=DEV, generator=g)
+    masked = torch.rand(B, n, device=DEV, generator=g) < 0.7
+    blk = (torch.arange(n, device=DEV) // 32).expand(B, n).contiguous()
+    complete = torch.ones(B, nb, dtype=torch.bool, device=DEV)
+    args = (val, conf, masked, blk, complete, 0.9, "gt", n_look, 1.0, 0.0)
+    fn = lambda: ops.select_round(*args, check=False, backend=provider)  # noqa: E731
+    gpu_timer(fn)  # latency-bound (a few KB): the number that matters is us per round
