@@ -85,6 +85,19 @@ def variants(quick: bool):
         ce = dict(HAS_SUPPRESS=True, BLOCK_V=cf.block_v_for(152064))
         out.append((f"_confidence_kernel {dt} V=152064", cf._confidence_kernel, types, ce, {"stride_x"},
                     dict(num_warps=8, num_stages=3)))
+        types = {n: "i32" for n in cf._conf_partial_kernel.arg_names}
+        types.update(x_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32")
+        out.append((f"_conf_partial_kernel {dt} V=152064", cf._conf_partial_kernel, types, ce, {"stride_x"},
+                    dict(num_warps=8, num_stages=3)))
+        types = {n: "i32" for n in cf._conf_entropy_kernel.arg_names}
+        types.update(x_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
+                     pent_ptr="*fp32", eps="fp32")
+        out.append((f"_conf_entropy_kernel {dt} V=152064", cf._conf_entropy_kernel, types, dict(ce, BLOCK_S=16),
+                    {"stride_x"}, dict(num_warps=8, num_stages=3)))
+    types = {n: "*fp32" for n in cf._conf_finalize_kernel.arg_names}
+    types.update(pi1_ptr="*i32", tok_ptr="*i64", S="i32")
+    out.append(("_conf_finalize_kernel S<=16", cf._conf_finalize_kernel, types, dict(BLOCK_S=16), set(),
+                dict(num_warps=1, num_stages=3)))
     for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64)]):
         types = {nm: "i32" for nm in sr._select_round_kernel.arg_names}
         types.update(val_ptr="*fp32", conf_ptr="*fp32", masked_ptr="*u8", blk_ptr="*i32", complete_ptr="*u8",

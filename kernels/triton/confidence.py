@@ -1,11 +1,14 @@
 """Triton `confidence`: per-row vocabulary statistics (argmax, p_max, top-2 margin, neg-entropy, lse).
 
-One program per row, two chunked passes over V (never a whole 152k row in registers: a 32k-wide tile
-spilled at 255 registers on sm_90, TOOLCHAIN.md):
+Two chunked passes over V (never a whole 152k row in registers: a 32k-wide tile spilled at 255
+registers on sm_90, TOOLCHAIN.md):
   pass 1: online max / argmax / second max / sum exp  -> token, p_max, margin, lse
   pass 2: sum_v p_v * log(p_v + eps) with the final lse (the eps term needs p, so it cannot be folded
           into pass 1 exactly)
-Bytes: reads 2 * N * V * elem (pass 2 mostly hits L2 for a 300 KB bf16 row), writes 20 * N.
+Many rows: one program per row does both passes (`_confidence_kernel`). Few rows (a 32-96-row round
+would occupy under one program per SM): split-V, each (row, split) program walks a slice of V
+(`_conf_partial_kernel`, `_conf_entropy_kernel`) and `_conf_finalize_kernel` merges in a fixed order.
+Bytes: reads 2 * N * V * elem (pass 2 mostly hits L2: 300 KB per bf16 row), writes 20 * N.
 Matches lopa_fast.reference.ops.confidence.
 """
 from __future__ import annotations
@@ -65,13 +68,130 @@ def _confidence_kernel(
     tl.store(lse_ptr + row, lse)
 
 
+@triton.jit
+def _chunk_stats(base, lo, hi, suppress, HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Online max / earliest arg-max / second max (multiset) / sum exp over logits[lo:hi] of one row."""
+    offs = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    m1 = tl.full((), neg_inf, tl.float32)
+    m2 = tl.full((), neg_inf, tl.float32)
+    i1 = lo  # any index is fine while m1 = -inf: a split with all -inf never wins the merge
+    s = tl.full((), 0.0, tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        idx = v0 + offs
+        x = tl.load(base + idx, mask=idx < hi, other=neg_inf).to(tl.float32)
+        if HAS_SUPPRESS:
+            x = tl.where(idx == suppress, neg_inf, x)
+        cmax = tl.max(x, axis=0)
+        cidx = tl.min(tl.where(x == cmax, idx, 2147483647), axis=0)
+        c2 = tl.max(tl.where(idx == cidx, neg_inf, x), axis=0)
+        m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
+        i1 = tl.where(cmax > m1, cidx, i1)
+        m_new = tl.maximum(m1, cmax)
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+        s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+        m1 = m_new
+    return m1, i1, m2, s
+
+
+@triton.jit
+def _conf_partial_kernel(
+    x_ptr, stride_x, pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, V, split, suppress,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    S = tl.num_programs(1)
+    lo = sp * split
+    hi = tl.minimum(lo + split, V)
+    m1, i1, m2, s = _chunk_stats(x_ptr + row * stride_x, lo, hi, suppress, HAS_SUPPRESS, BLOCK_V)
+    o = row * S + sp
+    tl.store(pm1_ptr + o, m1)
+    tl.store(pi1_ptr + o, i1)
+    tl.store(pm2_ptr + o, m2)
+    tl.store(ps_ptr + o, s)
+
+
+@triton.jit
+def _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S: tl.constexpr):
+    """Merge the per-split partials of one row: (max, earliest arg-max, second max, lse)."""
+    os_ = tl.arange(0, BLOCK_S)
+    ok = os_ < S
+    base = row * S
+    pm1 = tl.load(pm1_ptr + base + os_, mask=ok, other=float("-inf"))
+    pm2 = tl.load(pm2_ptr + base + os_, mask=ok, other=float("-inf"))
+    ps = tl.load(ps_ptr + base + os_, mask=ok, other=0.0)
+    pi1 = tl.load(pi1_ptr + base + os_, mask=ok, other=0)
+    m1 = tl.max(pm1, axis=0)
+    first = tl.min(tl.where(ok & (pm1 == m1), os_, BLOCK_S), axis=0)  # splits are in index order
+    i1 = tl.sum(tl.where(os_ == first, pi1, 0), axis=0)
+    # second max of the multiset: every other split's max and every split's own second max
+    m2 = tl.maximum(tl.max(pm2, axis=0), tl.max(tl.where(os_ == first, float("-inf"), pm1), axis=0))
+    m_safe = tl.where(m1 == float("-inf"), 0.0, m1)
+    z = tl.sum(ps * tl.exp(pm1 - m_safe), axis=0)
+    lse = m_safe + tl.log(z)
+    return m1, i1, m2, lse
+
+
+@triton.jit
+def _conf_entropy_kernel(
+    x_ptr, stride_x, pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pent_ptr, V, split, suppress, eps,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    S = tl.num_programs(1)
+    _, _, _, lse = _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
+    lo = sp * split
+    hi = tl.minimum(lo + split, V)
+    base = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK_V)
+    ent = tl.full((), 0.0, tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        idx = v0 + offs
+        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
+        if HAS_SUPPRESS:
+            x = tl.where(idx == suppress, float("-inf"), x)
+        p = tl.exp(x - lse)
+        ent += tl.sum(tl.where(idx < hi, p * tl.log(p + eps), 0.0), axis=0)
+    tl.store(pent_ptr + row * S + sp, ent)
+
+
+@triton.jit
+def _conf_finalize_kernel(
+    pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pent_ptr, tok_ptr, pmax_ptr, margin_ptr, negent_ptr, lse_ptr, S,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    m1, i1, m2, lse = _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
+    os_ = tl.arange(0, BLOCK_S)
+    ent = tl.sum(tl.load(pent_ptr + row * S + os_, mask=os_ < S, other=0.0), axis=0)  # fixed order
+    p_max = tl.exp(m1 - lse)
+    tl.store(tok_ptr + row, i1.to(tl.int64))
+    tl.store(pmax_ptr + row, p_max)
+    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
+    tl.store(negent_ptr + row, ent)
+    tl.store(lse_ptr + row, lse)
+
+
 def block_v_for(V: int) -> int:
     # 4096 fp32 per program = 16 values per thread at 8 warps: no spills (bench/results/kernel_resources.md)
     return min(4096, triton.next_power_of_2(max(V, 16)))
 
 
-def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10):
-    """logits [N, V] (last dim contiguous) -> (token int64 [N], p_max, margin, neg_entropy, lse fp32 [N])."""
+def num_splits_for(N: int, V: int, block_v: int, n_sm: int = 132) -> int:
+    """Vocabulary splits per row: one program per row leaves most of the 132 SMs idle for a 32-96-row
+    round (each row is a latency-bound walk over 37 chunks of 4096); aim at ~4 programs per SM, each
+    split keeping >= 4 chunks so the partials (20 B per split) stay negligible."""
+    max_splits = max(1, triton.cdiv(V, 4 * block_v))
+    return max(1, min(max_splits, triton.cdiv(4 * n_sm, max(N, 1))))
+
+
+def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10, num_splits=None):
+    """logits [N, V] (last dim contiguous) -> (token int64 [N], p_max, margin, neg_entropy, lse fp32 [N]).
+
+    num_splits=None: one program per row when that fills the GPU, else the split-V path (partials per
+    (row, split), then an entropy pass, then a merge; three launches, deterministic order)."""
     N, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -83,9 +203,27 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
     BLOCK_V = block_v_for(V)
     if is_interpreter():
         BLOCK_V = min(BLOCK_V, 1024)
-    _confidence_kernel[(N,)](
-        logits, logits.stride(0), tok, *outs, V,
-        -1 if suppress_token is None else int(suppress_token), float(eps),
-        HAS_SUPPRESS=suppress_token is not None, BLOCK_V=BLOCK_V, num_warps=8,
+    S = num_splits_for(N, V, BLOCK_V) if num_splits is None else max(1, min(int(num_splits), triton.cdiv(V, BLOCK_V)))
+    sup = -1 if suppress_token is None else int(suppress_token)
+    has_sup = suppress_token is not None
+    if S == 1:
+        _confidence_kernel[(N,)](
+            logits, logits.stride(0), tok, *outs, V, sup, float(eps),
+            HAS_SUPPRESS=has_sup, BLOCK_V=BLOCK_V, num_warps=8,
+        )
+        return (tok, *outs)
+    split = triton.cdiv(triton.cdiv(V, S), BLOCK_V) * BLOCK_V
+    S = triton.cdiv(V, split)
+    BLOCK_S = max(2, triton.next_power_of_2(S))
+    pm1, pm2, ps, pent = (torch.empty(N, S, dtype=torch.float32, device=dev) for _ in range(4))
+    pi1 = torch.empty(N, S, dtype=torch.int32, device=dev)
+    _conf_partial_kernel[(N, S)](
+        logits, logits.stride(0), pm1, pi1, pm2, ps, V, split, sup,
+        HAS_SUPPRESS=has_sup, BLOCK_V=BLOCK_V, num_warps=8,
     )
+    _conf_entropy_kernel[(N, S)](
+        logits, logits.stride(0), pm1, pi1, pm2, ps, pent, V, split, sup, float(eps),
+        HAS_SUPPRESS=has_sup, BLOCK_V=BLOCK_V, BLOCK_S=BLOCK_S, num_warps=8,
+    )
+    _conf_finalize_kernel[(N,)](pm1, pi1, pm2, ps, pent, tok, *outs, S, BLOCK_S=BLOCK_S, num_warps=1)
     return (tok, *outs)
