@@ -85,6 +85,25 @@ def test_branch_attention_strided_views_and_no_win_lens():
     assert_2x_rule("o", o, o_ref, ref.branch_attention(q, kc, vc, L, kw, vw, None, None, "causal"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, n, L", [(3, 32, 1024), (16, 128, 2048)])
+def test_branch_attention_dream7b_shapes_gpu(B, n, L):
+    """Dream-7B geometry in bf16 with the launcher's own tiles and prefix splits (auto backend)."""
+    shape = (B, n, 28, 4, 128, L)
+    q, kc, vc, L, kw, vw, win_lens, block_ids = make_inputs(shape, torch.bfloat16)
+    block_ids = (torch.arange(n, device=DEVICE) // 32).expand(B, n).contiguous()
+    o = ops.branch_attention(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal")
+    d = lambda t: t.double()  # noqa: E731
+    o_ref = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), win_lens, block_ids, "block_causal")
+    assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal"))
+
+
+def test_branch_attention_empty_window():
+    q, kc, vc, L, kw, vw, _, _ = make_inputs((2, 4, 4, 2, 16, 8), torch.float32)
+    o = ops.branch_attention(q[:, :0], kc, vc, L, kw[:, :0], vw[:, :0], backend="triton")
+    assert o.shape == (2, 0, 4, 16)
+
+
 def test_branch_attention_auto_backend_is_torch_on_cpu():
     q, kc, vc, L, kw, vw, win_lens, block_ids = make_inputs(SHAPES[0], torch.float32)
     if DEVICE != "cpu":

@@ -60,6 +60,18 @@ def test_confidence_split_vocab_matches_reference(num_splits):
         assert_2x_rule(name, got[i], getattr(exact, name), getattr(fp32, name))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [32, 600])
+def test_confidence_dream_vocab_gpu(N):
+    """V = 152,064 in bf16 with the launcher's own split choice (N=32: split-V, N=600: one program per row)."""
+    x = tie_free_logits(N, 152064, torch.bfloat16, seed=5)
+    out = ops.confidence(x, 151666)
+    exact, fp32 = ref.confidence(x.double(), 151666), ref.confidence(x.float(), 151666)
+    assert torch.equal(out.token, exact.token)
+    for name in ("p_max", "margin", "neg_entropy", "lse"):
+        assert_2x_rule(name, getattr(out, name), getattr(exact, name), getattr(fp32, name))
+
+
 def test_confidence_ties_pick_lowest_index_and_zero_margin():
     x = torch.zeros(3, 50)
     x[0, [7, 31]] = 2.0  # tie inside one chunk

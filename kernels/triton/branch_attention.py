@@ -200,6 +200,8 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no silent TF32 rounding
     o = torch.empty_like(q)
     lse = torch.empty(B, n, Hq, dtype=torch.float32, device=dev) if return_lse else o
+    if q.numel() == 0:
+        return (o, lse) if return_lse else o
     R = B * n * G
     m_tiles = triton.cdiv(R, BLOCK_M)
     if num_splits is None:
