@@ -1,13 +1,15 @@
-"""Microbenchmarks of the CUDA kernels vs the Triton kernels and the torch backend at Dream-7B shapes.
+"""Microbenchmarks of the CUDA kernels vs the Triton kernels and the torch backend at Dream-7B shapes
+(bench/shapes.py), and of the CPU C++ confidence (csrc/) vs the vectorised torch path.
 
-    python -m pytest bench/bench_cuda.py -m bench --benchmark-group-by=param:shape \
+GPU (bench/conftest.py skips these without CUDA):
+    python -m pytest bench/bench_cuda.py -m bench -k "not cpp" --benchmark-group-by=param:shape \
         --benchmark-json=$OUT/bench_cuda.json
+CPU, C++ vs torch side by side (--noconftest: bench/conftest.py skips every bench item without CUDA):
+    python -m pytest bench/bench_cuda.py -m bench -k cpp --noconftest --benchmark-group-by=param:shape,param:dtype
 
-GPU only (skips without CUDA). Inputs are built outside the timed function; each timed call ends with
-torch.cuda.synchronize(). extra_info carries a CUDA-event median over 100 back-to-back launches (us),
-the bytes the op must move and the resulting GB/s, plus GPU name and versions.
-Shapes: Dream-7B attention (Hq=28, Hkv=4, D=128) for 3 and 9 branch windows of 32 positions over a 1024 /
-2048-token prefix; confidence over the 152,064-entry Dream vocabulary for 96 and 288 rows.
+Inputs are built outside the timed function; each timed GPU call ends with torch.cuda.synchronize().
+extra_info carries a CUDA-event median over 100 back-to-back launches (us), the bytes the op must move and
+the resulting GB/s, plus GPU name and versions.
 """
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ import subprocess
 import pytest
 import torch
 
+from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B
 from lopa_fast import ops
 
-pytestmark = [pytest.mark.bench, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.bench
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROVIDERS = ["cuda", "triton", "torch"]
-ATTN = {"B3_n32_L1024": (3, 32, 1024), "B3_n32_L2048": (3, 32, 2048), "B9_n32_L2048": (9, 32, 2048)}
-CONF = {"N96_V152064": (96, 152064), "N288_V152064": (288, 152064)}
 
 
 def _machine() -> dict:
@@ -61,16 +62,18 @@ def _run(benchmark, fn, nbytes):
     benchmark.pedantic(timed, rounds=50, warmup_rounds=10)
 
 
+@on_gpu
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape", list(ATTN))
+@pytest.mark.parametrize("shape", list(ATTENTION))
 def test_bench_branch_attention(benchmark, shape, provider):
-    B, n, L = ATTN[shape]
-    Hq, Hkv, D = 28, 4, 128
+    B, n, L = ATTENTION[shape]
+    Hq, Hkv, D = DREAM_7B["num_heads"], DREAM_7B["num_kv_heads"], DREAM_7B["head_dim"]
     dt, dev = torch.bfloat16, "cuda"
     q = torch.randn(B, n, Hq, D, dtype=dt, device=dev)
     kc, vc = torch.randn(L + 256, Hkv, D, dtype=dt, device=dev), torch.randn(L + 256, Hkv, D, dtype=dt, device=dev)
     kw, vw = torch.randn(B, n, Hkv, D, dtype=dt, device=dev), torch.randn(B, n, Hkv, D, dtype=dt, device=dev)
     wl = torch.full((B,), n, device=dev)
+    wl[-1] = max(1, n - 32)  # one ragged branch, as bench_ops.py
     bid = torch.arange(n, device=dev).div(32, rounding_mode="floor").expand(B, n).contiguous()
 
     def fn():
@@ -80,13 +83,36 @@ def test_bench_branch_attention(benchmark, shape, provider):
     _run(benchmark, fn, nbytes)
 
 
+@on_gpu
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape", list(CONF))
+@pytest.mark.parametrize("shape", list(CONFIDENCE))
 def test_bench_confidence(benchmark, shape, provider):
-    N, V = CONF[shape]
+    N, V = CONFIDENCE[shape]
     x = torch.randn(N, V, dtype=torch.bfloat16, device="cuda") * 4
 
     def fn():
         ops.confidence(x, None, backend=provider, check=False)
 
     _run(benchmark, fn, N * V * 2)
+
+
+CPP_CONF = {"N32_V152064": (32, 152064), "N96_V152064": (96, 152064), "N8_V1000": (8, 1000)}
+
+
+@pytest.mark.parametrize("provider", ["cpp", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", list(CPP_CONF))
+def test_bench_cpp_confidence(benchmark, shape, dtype, provider):
+    """CPU: the C++ op (csrc/confidence_cpu.cpp) vs the torch backend (reference.ops.confidence)."""
+    from lopa_fast.ops import _cpp  # noqa: PLC0415
+    from lopa_fast.reference import ops as ref  # noqa: PLC0415
+
+    N, V = CPP_CONF[shape]
+    x = (torch.randn(N, V) * 4).to(getattr(torch, dtype))
+    if provider == "cpp":
+        _cpp.build()
+        fn = lambda: _cpp.confidence(x)  # noqa: E731
+    else:
+        fn = lambda: ref.confidence(x)  # noqa: E731
+    benchmark.extra_info.update(threads=torch.get_num_threads())
+    benchmark.pedantic(fn, rounds=7, warmup_rounds=2)
