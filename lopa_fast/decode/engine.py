@@ -114,6 +114,7 @@ class FastDecoder:
         self.eos = torch.zeros(NB, dtype=torch.bool, device=dev)
         self.alive = self.slot == 0  # round 1: the prompt-only anchor
         self.cconf = torch.ones(NB, dtype=torch.float64, device=dev)
+        self.look_pos = torch.full((NB,), -1, dtype=torch.long, device=dev)  # lookahead position, -1 anchor
         self.last_logit = None  # [V] raw logit saved with the last committed span
         self.cache = model.new_cache(L)
 
@@ -343,18 +344,22 @@ class FastDecoder:
 
         if trace is not None:  # host reads, only when a trace is asked for
             lens = d["wl"][:nA].tolist()
-            look = [None] * nA
-            for b in range(nA - 1):
-                diff = (self.prev_x[b] != self.prev_x[nA - 1]).nonzero()
-                look[b] = int(diff[0, 0]) - self.P if diff.numel() else None
-            acc = [[s + int(q) - self.P, int(t)] for q, t in zip(accW.nonzero()[:, 0].tolist(),
-                                                                  tokW[accW].tolist())]
+            look = [None if q < 0 else q - self.P for q in self.look_pos[:nA].tolist()]
+            acc = [[s + q - self.P, t] for q, t in zip(accW.nonzero()[:, 0].tolist(), tokW[accW].tolist())]
+            w = int(W)
+            if look[w] is not None:
+                acc.append([look[w], int(xW[look[w] + self.P])])
             trace.append({
-                "round": None, "window_start": s - self.P, "window_len": n, "cached": u,
+                "round": None, "window_start": s - self.P, "cached": u,
                 "branches": [{"score": float(score[b]), "lookahead": look[b], "window_len": lens[b]}
                              for b in range(nA)],
-                "winner": int(W), "accepted": acc,
+                "winner": w, "accepted": sorted(acc),
             })
+        if trace is not None:  # the lookahead position of each new branch, for the next round's trace
+            lp = torch.full((NB,), -1, dtype=torch.long, device=dev)
+            if self.n_look > 0:
+                lp[: self.n_look] = torch.where(valid, lpos, -1)
+            self.look_pos = lp
 
     # ------------------------------------------------------------------------------------------------
     def run(self) -> GenerateOutput:
@@ -378,8 +383,6 @@ class FastDecoder:
                         round_cap_hit(cfg, stats, self.name)
                         out_slot = int(d["lay"])  # the running anchor (else the first running branch)
                         break
-                    if trace is not None:
-                        self.prev_x = self.x[:nA].clone()
                     self._round(d, nA, s, u, n, R, bool(ragged), trace)
                     stats["forwards"] += 1
                     stats["model_calls"] += 1
