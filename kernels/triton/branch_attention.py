@@ -109,7 +109,7 @@ def _window_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     if HAS_WL:
-        wl = tl.load(wl_ptr + b).to(tl.int32)
+        wl = tl.minimum(tl.load(wl_ptr + b).to(tl.int32), n)  # never read past the window, whatever the caller
     else:
         wl = n
     if MODE == 1:
