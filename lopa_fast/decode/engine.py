@@ -427,10 +427,13 @@ def check_fast_config(cfg, name: str) -> None:
 
 def run_fast(model, prompt, cfg, branching_factor: int, name: str) -> GenerateOutput:
     if cfg.temperature != 0 and cfg.backend == "auto":
-        from lopa_fast.api import _reference_strategies
+        # sampling at T > 0 draws random numbers per block / per branch in the reference's order, which a
+        # batched round cannot reproduce; "auto" therefore runs the reference (documented, with a warning)
+        import importlib
 
         warnings.warn(f"backend='auto': {name} at temperature>0 runs on the reference backend", RuntimeWarning)
-        out = _reference_strategies()[name](model, prompt, cfg)
+        out = importlib.import_module(f"lopa_fast.reference.{name}").generate(model, prompt, cfg)
+        out.stats["fallback"] = "reference (temperature > 0)"
         return out
     check_fast_config(cfg, name)
     return FastDecoder(model, prompt, cfg, branching_factor, name).run()

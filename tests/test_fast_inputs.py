@@ -1,0 +1,78 @@
+"""Bad input on the fast backend: what generate validates raises before any work, and what the fast
+backend does not cover says so (no silent fallback unless backend="auto")."""
+import warnings
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.testing import random_model, tiny_hf_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_hf_config("dream", vocab_size=64), seed=0, sharpen=6)
+
+
+@pytest.fixture
+def prompt():
+    return torch.randint(0, 60, (5,), generator=torch.Generator().manual_seed(0))
+
+
+def test_uncovered_strategy_says_so(model, prompt):
+    with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='vanilla'.*d2f, lopa"):
+        lopa_fast.generate(model, prompt, "vanilla", "fast", max_new_tokens=8)
+
+
+@pytest.mark.parametrize("strategy", ["d2f", "lopa"])
+def test_temperature_not_covered(model, prompt, strategy):
+    with pytest.raises(ValueError, match=r"temperature=0 only.*temperature=0.7"):
+        lopa_fast.generate(model, prompt, strategy, "fast", temperature=0.7, block_size=4, max_new_tokens=8)
+
+
+def test_auto_falls_back_for_temperature(model, prompt):
+    kw = dict(temperature=0.7, block_size=4, max_new_tokens=8, seed=3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        auto = lopa_fast.generate(model, prompt, "lopa", "auto", **kw)
+    assert any("reference backend" in str(x.message) for x in w)
+    ref = lopa_fast.generate(model, prompt, "lopa", "reference", **kw)
+    assert auto.generated_ids == ref.generated_ids
+
+
+def test_auto_runs_fast_at_t0(model, prompt):
+    out = lopa_fast.generate(model, prompt, "lopa", "auto", block_size=4, max_new_tokens=8)
+    assert out.stats["backend"] == "fast"
+
+
+@pytest.mark.parametrize(
+    "kw, exc, pattern",
+    [
+        (dict(block_size=5, max_new_tokens=8), ValueError, "multiple of block_size"),
+        (dict(branching_factor=0), ValueError, "branching_factor"),
+        (dict(skip_threshold=1.5), ValueError, "skip_threshold"),
+        (dict(sampling_strategy="topk"), ValueError, "sampling_strategy"),
+        (dict(use_full_attention="yes"), TypeError, "use_full_attention"),
+        (dict(max_rounds=0), ValueError, "max_rounds"),
+        (dict(branch_topp=-0.1), ValueError, "branch_topp"),
+    ],
+)
+def test_generate_validation_applies(model, prompt, kw, exc, pattern):
+    kw = {"block_size": 4, "max_new_tokens": 8, **kw}
+    with pytest.raises(exc, match=pattern):
+        lopa_fast.generate(model, prompt, "lopa", "fast", **kw)
+
+
+def test_bad_prompts(model):
+    with pytest.raises(ValueError, match="mask token"):
+        lopa_fast.generate(model, torch.tensor([1, 63, 2]), "lopa", "fast", block_size=4, max_new_tokens=8)
+    with pytest.raises(ValueError, match="empty"):
+        lopa_fast.generate(model, torch.tensor([], dtype=torch.long), "lopa", "fast", block_size=4, max_new_tokens=8)
+    with pytest.raises(TypeError, match="dtype"):
+        lopa_fast.generate(model, torch.tensor([1.0, 2.0]), "d2f", "fast", block_size=4, max_new_tokens=8)
+
+
+def test_round_cap_error(model, prompt):
+    with pytest.raises(lopa_fast.RoundCapError):
+        lopa_fast.generate(model, prompt, "lopa", "fast", block_size=8, max_new_tokens=32, skip_threshold=0.999,
+                           max_rounds=2, on_round_cap="error")  # fmt: skip
