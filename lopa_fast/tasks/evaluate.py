@@ -183,27 +183,34 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
 
 
 def plot(results: list[dict], path: Path) -> str | None:
-    """TPF and accuracy against k (k = 1 is D2F) as a PNG; returns a note when matplotlib is missing."""
+    """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib if installed, else the built-in
+    rasteriser in tasks.pngplot); returns a note when there is nothing to plot."""
+    ks = {"d2f": 1, "lopa-k2": 2, "lopa-k4": 4, "lopa-k8": 8}
+    pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
+    if not pts:
+        return "no D2F/LoPA rows ran: no plot written"
+    x = [k for k, _ in pts]
+    tpf = [r["tpf"] for _, r in pts]
+    acc = [100 * r["accuracy"] for _, r in pts]
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
-        return "matplotlib is not installed: no plot written"
-    ks = {"d2f": 1, "lopa-k2": 2, "lopa-k4": 4, "lopa-k8": 8}
-    pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
-    if not pts:
-        return "no D2F/LoPA rows ran: no plot written"
+        from lopa_fast.tasks.pngplot import line_chart
+
+        line_chart(path, x, [("TPF", tpf, 0.0, max(4.0, 1.1 * max(tpf))), ("ACCURACY %", acc, 0.0, 100.0)],
+                   "LOPA ON THE EMBEDDED MODEL", "BRANCHING FACTOR K (1 = D2F)")
+        return None
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    x = [k for k, _ in pts]
-    ax.plot(x, [r["tpf"] for _, r in pts], "o-", label="TPF")
+    ax.plot(x, tpf, "o-", label="TPF")
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(k) for k in x])
     ax.set_xlabel("branching factor k (1 = D2F)")
     ax.set_ylabel("tokens per forward")
     ax2 = ax.twinx()
-    ax2.plot(x, [100 * r["accuracy"] for _, r in pts], "s--", color="tab:red", label="accuracy")
+    ax2.plot(x, acc, "s--", color="tab:red", label="accuracy")
     ax2.set_ylabel("exact match (%)")
     ax2.set_ylim(0, 100)
     fig.legend(loc="lower right")
