@@ -100,8 +100,15 @@ class FastDecoder:
         p = torch.arange(L, device=dev)
         self.pos = p
         self.pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor"))
+        self.onehot = self.pos_block[:, None] == j[None, :]  # [L, G+1]
         self.slot = torch.arange(NB, device=dev)
         self.ktable = _lowest_k_table(L, cfg.branch_topp, dev)
+        # decoded-fraction tests as lookup tables over a block's mask count, computed with Python floats
+        # exactly as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0,
+        # the same entry as a full generated block, so one table of bs+1 entries serves every block.
+        frac = [(bs - c) / bs for c in range(bs + 1)]
+        self.tab_add = torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev)
+        self.tab_act = torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev)
 
         # round state (device)
         self.x = torch.full((NB, L), self.mask_id, dtype=torch.long, device=dev)
@@ -129,9 +136,7 @@ class FastDecoder:
     def _mask_counts(self) -> torch.Tensor:
         """mc [NB, G+1]: masks per block (block 0, the prompt, has none: prompts never hold the mask id)."""
         NB, G, bs, P = self.NB, self.G, self.bs, self.P
-        mc = torch.zeros(NB, G + 1, dtype=torch.long, device=self.dev)
-        mc[:, 1:] = (self.x[:, P:] == self.mask_id).view(NB, G, bs).sum(-1)
-        return mc
+        return torch.nn.functional.pad((self.x[:, P:] == self.mask_id).view(NB, G, bs).sum(-1), (1, 0))
 
     def _plan(self):
         """Grow, activation, termination, shared-prefix end and the to-cache span, all on the device.
@@ -143,18 +148,17 @@ class FastDecoder:
         mc = self._mask_counts()
         # 1. grow: the last block's decoded fraction (Python float maths in fp64) >= tau_add
         last_mc = mc.gather(1, nblk[:, None])[:, 0]
-        last_tot = self.btotal[nblk]
-        prog = (last_tot - last_mc).double() / last_tot.double()
-        grow = alive & (nblk < G) & ~self.eos & (prog >= cfg.block_add_threshold)
+        grow = alive & (nblk < G) & ~self.eos & self.tab_add[last_mc]
         nblk = self.nblk = nblk + grow.long()
         exists = self.jidx[None, :] <= nblk[:, None]
         # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky)
-        ratio_ok = (self.btotal - mc).double() / self.btotal.double() >= cfg.decoded_token_threshold
+        ratio_ok = self.tab_act[mc]
         self.complete[:, 1:] |= ratio_ok[:, :-1] & exists[:, 1:]
         # 3. done: no mask and no active block
         active = exists & (self.state == ACTIVE)
-        n_masks = (mc * exists).sum(1)
-        done = alive & (n_masks == 0) & ~active.any(1)
+        lens = self.P + nblk * self.bs
+        ismask = (self.x == self.mask_id) & (self.pos[None, :] < lens[:, None])
+        done = alive & ~ismask.any(1) & ~active.any(1)
         rem = alive & ~done
         # 4. shared-prefix end: leading blocks in (to_cache | in_cache) with no mask, min over branches
         ok = exists & (self.state != ACTIVE) & (mc == 0)
@@ -173,7 +177,6 @@ class FastDecoder:
         tc_end = torch.where(tc, self.bend, 0).max()
         u = torch.where(has_tc, tc_end - tc_start, 0)
         s = torch.where(has_tc, tc_start, spe)
-        lens = self.P + nblk * self.bs
         wl = (lens - s).clamp(min=0)
         n = torch.where(rem, wl, 0).max()
         # rounds where a running branch's row length differs from the layout branch's (branch growth)
@@ -183,7 +186,6 @@ class FastDecoder:
         ragged = (torch.where(alive, wl, n) != n).any()
         # LM-head rows: raw row at position q is needed iff it predicts a masked position (q+1 with the
         # Dream shift, q without), or q is the last cached position (its logit becomes last_logit).
-        ismask = (self.x == self.mask_id) & (self.pos[None, :] < lens[:, None])
         need = torch.zeros_like(ismask)
         if self.shift:
             need[:, :-1] = ismask[:, 1:]
@@ -228,71 +230,64 @@ class FastDecoder:
             sidx[:, 1:] = csum[:, :-1]
         else:
             sidx = (csum - 1).clamp(min=0)
-        c_w, x0_w, p_w = conf[sidx], x0[sidx], p[sidx]  # [nA, n]: stats predicting window position i
+        c_w = conf[sidx]  # [nA, n]: the confidence predicting window position i, per branch
 
-        # ---- selection (every alive branch; only the winner's fill is applied) ----
-        i = torch.arange(n, device=dev)
+        # ---- branch scores (every alive branch): mean of the lowest k = max(1, int(m * topp)) confidences
+        # over all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
+        i = self.pos[:n]
         masked = d["ismask"][:nA, win]
-        blk = self.pos_block[win]  # [n]
-        act_w = d["active"][:nA].gather(1, blk[None, :].expand(nA, n))
-        cand = masked & act_w
-        accept = cand & (p_w > cfg.skip_threshold)
-        thresh_hits = accept
-        # fallback: a fully activated active block with masks and no accept fills its most confident one
-        onehot = blk[:, None] == self.jidx[None, :]  # [n, G+1]
-        cand_b = cand[:, :, None] & onehot[None]  # [nA, n, G+1]
-        neg = torch.tensor(float("-inf"), dtype=c_w.dtype, device=dev)
-        key = torch.where(cand_b, c_w[:, :, None], neg)
-        best = key.max(1, keepdim=True).values
-        firstpos = torch.where(cand_b & (key == best), i[None, :, None], n).min(1).values  # [nA, G+1]
-        acc_b = (accept[:, :, None] & onehot[None]).any(1)
-        need_fb = self.complete[:nA] & d["active"][:nA] & cand_b.any(1) & ~acc_b
-        fb = ((firstpos[:, None, :] == i[None, :, None]) & need_fb[:, None, :]).any(2)
-        accept = accept | fb
-        # branch score: mean of the lowest k = max(1, int(m * topp)) confidences over all masks (>= spe)
         m = masked.sum(1)
         kk = self.ktable[m]
         asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
         low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
         future = torch.where(m > 0, low.double(), 1.0)
         alpha = float(max(0.0, min(1.0, cfg.selection_conf_alpha)))
-        score = alpha * self.cconf[:nA] + (1.0 - alpha) * future
-        score = torch.where(d["lens"][:nA] <= d["spe"], 1.0, score)  # nothing past spe: 1.0 outright
-        rem = d["rem"][:nA]
-        keyw = torch.where(rem, score, float("-inf"))
-        W = torch.where(rem & (keyw == keyw.max()), self.slot[:nA], nA).min()  # first max (upstream order)
+        score = future if alpha == 0.0 else alpha * self.cconf[:nA] + (1.0 - alpha) * future
+        score = torch.where(d["lens"][:nA] <= d["spe"], 1.0, score)
+        keyw = torch.where(d["rem"][:nA], score, float("-inf"))
+        W = torch.where(keyw == keyw.max(), self.slot[:nA], nA).min()  # first max = upstream's tie order
 
         # ---- commit the winner's span from this forward's K/V; its raw row u-1 is the next last_logit
         if u > 0:
             self.cache.commit_window(W, u)
             if self.shift:
                 self.last_logit = _at(table, _at(csum[:, u - 1], W))
-        # ---- anchor fill on the winner
-        accW = _at(accept, W)
-        tokW = _at(x0_w, W)
-        cW = _at(c_w, W)
-        xW = _at(self.x, W).clone()
-        posW = s + i
-        xW[posW] = torch.where(accW, tokW, xW[posW])
+
+        # ---- the D2F fill rule on the winner only (its own block states and logits)
+        sW = _at(sidx, W)
+        cW, tokW, pW = conf[sW], x0[sW], p[sW]  # [n]
+        actWb = _at(d["active"], W)  # [G+1]
+        onehot = self.onehot[win]  # [n, G+1]: window position i lies in block j
+        candW = _at(masked, W) & actWb[self.pos_block[win]]
+        thr = candW & (pW > cfg.skip_threshold)  # strict, as upstream
+        # fallback: a fully activated active block with masks and no accept fills its most confident
+        # mask (first index on exact ties)
+        cand_b = candW[:, None] & onehot
+        neg = torch.tensor(float("-inf"), dtype=cW.dtype, device=dev)
+        key = torch.where(cand_b, cW[:, None], neg)
+        best = key.max(0).values
+        firstpos = torch.where(cand_b & (key == best), i[:, None], n).min(0).values  # [G+1]
+        need_fb = _at(self.complete, W) & actWb & cand_b.any(0) & ~(thr[:, None] & onehot).any(0)
+        fb = ((firstpos[None, :] == i[:, None]) & need_fb[None, :]).any(1)
+        accW = thr | fb
+        xW = _at(self.x, W)
+        xW[s : s + n] = torch.where(accW, tokW, xW[s : s + n])
         eos_hit = accW & (tokW == self.eos_id) if self.eos_id is not None else torch.zeros_like(accW)
         eosW = _at(self.eos, W) | eos_hit.any()
-        n_fill = accW.sum()
-        self.c_thresh += (_at(thresh_hits, W) & accW).sum()
-        self.c_fallback += (_at(fb, W) & accW).sum()
+        self.c_thresh += thr.sum()
+        self.c_fallback += fb.sum()
         self.c_eos_fills += eos_hit.sum()
         is_look = W != nA - 1
         self.c_winner_grew += (_at(d["lens"], W) != _at(d["lens"], d["lay"])).long()
         self.c_look_wins += is_look.long()
         # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
-        self.c_multi += ((n_fill + is_look.long()) >= 2).long()
+        self.c_multi += ((accW.sum() + is_look.long()) >= 2).long()
 
         # ---- winner's block table after the fill
         nblkW, stW, cpW = _at(self.nblk, W), _at(self.state, W), _at(self.complete, W)
-        existsW = self.jidx <= nblkW
-        mcW = torch.zeros(self.G + 1, dtype=torch.long, device=dev)
-        mcW[1:] = (xW[self.P :] == self.mask_id).view(self.G, self.bs).sum(-1)
-        activeW = existsW & (stW == ACTIVE)
-        base_done = activeW & (mcW == 0)  # upstream's base_completed_blocks
+        existsW = _at(d["exists"], W)
+        mcW = torch.nn.functional.pad((xW[self.P :] == self.mask_id).view(self.G, self.bs).sum(-1), (1, 0))
+        base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
 
         # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
         NB, L = self.NB, self.L
@@ -300,7 +295,7 @@ class FastDecoder:
         eos_new = eosW.expand(NB).clone()
         cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
         if self.n_look > 0:
-            rest = _at(cand, W) & ~accW
+            rest = candW & ~accW
             keyl = torch.where(rest, cW, neg)
             order = torch.sort(keyl, descending=True, stable=True).indices[: self.n_look]
             valid = rest[order]
@@ -321,18 +316,16 @@ class FastDecoder:
             n_valid = torch.zeros((), dtype=torch.long, device=dev)
         alive_new = self.slot <= n_valid
 
-        # ---- new block tables: cached span -> in_cache; to_cache only for blocks the anchor rule completed
-        st_new = stW.clone()
-        if u > 0:
-            st_new = torch.where(d["tc"], IN_CACHE, st_new)
-        st_new = st_new[None, :].expand(NB, -1).clone()
-        mc_new = torch.zeros(NB, self.G + 1, dtype=torch.long, device=dev)
-        mc_new[:, 1:] = (x_new[:, self.P :] == self.mask_id).view(NB, self.G, self.bs).sum(-1)
-        act_new = existsW[None, :] & (st_new == ACTIVE)
-        retire = act_new & base_done[None, :] & (mc_new == 0)
-        okb = ~act_new | retire  # sequential rule: every lower block must be non-active after its update
-        chain = okb.long().cumprod(1).bool()
-        st_new = torch.where(retire & chain, TO_CACHE, st_new)
+        # ---- new block tables: cached span -> in_cache; a block becomes to_cache only if the anchor rule
+        # completed it (base_done), it has no mask, and every lower block is non-active after its own
+        # update (upstream's in-order loop = a cumulative AND). A lookahead token always lands on a mask of
+        # a block the anchor did NOT complete, so every new branch gets the same table: compute it once.
+        st = torch.where(d["tc"], IN_CACHE, stW) if u > 0 else stW
+        act = existsW & (st == ACTIVE)
+        retire = act & base_done
+        chain = (~act | retire).long().cumprod(0).bool()
+        st = torch.where(retire & chain, TO_CACHE, st)
+        st_new = st[None, :].expand(NB, -1)
 
         self.x = x_new
         self.state = st_new
