@@ -16,7 +16,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
 
 # --- CUDA kernels (kernels/cuda, lopa_fast/ops/_cuda.py): parity + compile checks, then benchmarks
 step cuda_tests 300 python -m pytest tests/test_cuda_gpu.py tests/test_cuda_compile.py tests/test_cuda_loader.py -q
-step cuda_bench 300 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-group-by=param:shape \
+step cuda_bench 300 python -m pytest bench/bench_cuda.py -m bench -k "not cpp" -q --benchmark-group-by=param:shape \
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs torch/SDPA/Flex

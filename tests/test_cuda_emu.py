@@ -128,3 +128,45 @@ def test_confidence_unaligned_rows_ties_and_neg_inf(emu):
     x[1, 100] = 0.0  # a single finite logit: p_max 1, margin 1
     got = emu_vs_reference(emu, x)
     assert got.token[0] == 40 and got.margin[0] == 0 and got.margin[1] == 1
+
+
+def random_round(B, n, nb, seed):
+    g = torch.Generator().manual_seed(seed)
+    value, conf = torch.rand(B, n, generator=g), torch.rand(B, n, generator=g)
+    masked = torch.rand(B, n, generator=g) < 0.7
+    block_ids = torch.sort(torch.randint(-1, nb, (B, n), generator=g), dim=1).values
+    complete = torch.rand(B, nb, generator=g) < 0.6
+    return value, conf, masked, block_ids, complete, torch.rand(B, generator=g), torch.rand(B, generator=g) < 0.8
+
+
+def check_round(emu, *args):
+    got, want = emu.select_round(*args), ref.select_round(*args)
+    assert torch.equal(got.accept, want.accept)
+    assert torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)  # summation order: <= 1 ulp
+    assert got.winner.item() == want.winner.item()
+    return got
+
+
+# B > 8 makes warps loop over branches; n > 32 gives lanes several positions; nb up to 4 fallback blocks
+@pytest.mark.parametrize("B,n,nb,seed", [(3, 16, 2, 0), (9, 70, 4, 1), (1, 7, 1, 2), (4, 64, 2, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 3, 0.5, 0.3), ("ge", 0.95, 0, 1.0, 0.0),
+                                                       ("le", 0.05, 5, 0.25, 0.7)])
+def test_select_round_matches_reference(emu, B, n, nb, seed, cmp, tau, n_look, topp, alpha):
+    value, conf, masked, bid, complete, cc, active = random_round(B, n, nb, seed)
+    check_round(emu, value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+
+
+def test_select_round_ties_padding_and_unread_nan(emu):
+    """Equal branches -> the earliest wins; more lookahead slots than candidates -> -1 padding; NaN at
+    unmasked positions is never read; bf16 conf is upcast like the reference."""
+    value, conf, masked, bid, complete, _, _ = random_round(1, 12, 2, 4)
+    rep = lambda t: t.expand(3, *t.shape[1:]).clone()  # noqa: E731
+    value, conf, masked, bid, complete = map(rep, (value, conf, masked, bid, complete))
+    conf[~masked] = float("nan")
+    got = check_round(emu, value, conf.to(torch.bfloat16), masked, bid, complete, 0.5, "gt", 12, 1.0, 0.0, None,
+                      None)
+    assert got.winner.item() == 0 and (got.lookahead[:, -1] == -1).all()
+    none_active = torch.zeros(3, dtype=torch.bool)
+    got = check_round(emu, value, conf, masked, bid, complete, 0.5, "gt", 2, 1.0, 0.0, None, none_active)
+    assert got.winner.item() == -1

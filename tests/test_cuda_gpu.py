@@ -1,5 +1,5 @@
 """CUDA kernels on a GPU (`gpu` marker; skipped without one): parity against the reference ops for
-fp32/fp16/bf16 and every mask mode, Dream-7B head shapes, torch.compile and CUDA-graph capture."""
+fp32/fp16/bf16 and every mask mode, select_round, Dream-7B head shapes, torch.compile and CUDA-graph capture."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from lopa_fast import ops
 from lopa_fast.ops import _cuda
 from lopa_fast.reference import ops as ref
-from tests.test_cuda_emu import attention_in_dtype, make_inputs
+from tests.test_cuda_emu import attention_in_dtype, make_inputs, random_round
 from tests.utils import assert_2x_rule, poisoned_empty
 
 pytestmark = pytest.mark.gpu
@@ -61,6 +61,20 @@ def test_confidence_cuda_matches_reference(N, V, dt):
         assert torch.equal(got.token, want.token)
         for name in ("p_max", "margin", "neg_entropy", "lse"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("B,n,nb", [(3, 32, 1), (9, 64, 2), (16, 128, 4), (1, 1000, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 2, 0.5, 0.3), ("le", 0.05, 15, 1.0, 0.0)])
+def test_select_round_cuda_matches_reference(B, n, nb, cmp, tau, n_look, topp, alpha):
+    args = [t.cuda() for t in random_round(B, n, nb, seed=B)]
+    value, conf, masked, bid, complete, cc, active = args
+    call = (value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+    with poisoned_empty():
+        got = ops.select_round(*call, backend="cuda")
+    want = ref.select_round(*call)
+    assert torch.equal(got.accept, want.accept) and torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)
+    assert got.winner.item() == want.winner.item()
 
 
 def test_compile_and_cuda_graph_capture():

@@ -62,6 +62,13 @@ def test_custom_ops_registered_with_fake_impls():
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 3, 4), torch.float32)
     out = torch.ops.lopa_fast.cuda_confidence(torch.empty(7, 100, device="meta", dtype=torch.float16), 3, 1e-10)
     assert [t.dtype for t in out] == [torch.int64] + [torch.float32] * 4 and all(t.shape == (7,) for t in out)
+    m = torch.empty(3, 40, device="meta", dtype=torch.bool)
+    acc, look, score, win = torch.ops.lopa_fast.cuda_select_round(
+        torch.empty(3, 40, device="meta"), torch.empty(3, 40, device="meta"), m,
+        torch.empty(3, 40, device="meta", dtype=torch.int64), torch.empty(3, 2, device="meta", dtype=torch.bool),
+        0.9, "gt", 4, 1.0, 0.0, None, None)
+    assert (acc.shape, acc.dtype, look.shape, look.dtype) == ((3, 40), torch.bool, (3, 4), torch.int64)
+    assert (score.shape, score.dtype, win.shape, win.dtype) == ((3,), torch.float32, (), torch.int64)
 
 
 def test_hooks_run_the_reference_where_no_kernel_exists(caplog):
@@ -74,6 +81,9 @@ def test_hooks_run_the_reference_where_no_kernel_exists(caplog):
     assert any("running the reference op" in r.getMessage() for r in caplog.records)
     x = torch.randn(2, 30, generator=g)
     assert torch.equal(_cuda.confidence(x, 4)[0], ref.confidence(x, 4).token)
+    c = torch.rand(2, 9, generator=g)
+    args = (c, c, c > 0.2, torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), 0.5)
+    assert torch.equal(_cuda.select_round(*args)[0], ref.select_round(*args).accept)
 
 
 @pytest.mark.parametrize("B,n,Hq,Hkv,L,sms", [(3, 32, 28, 4, 2048, 132), (1, 4, 2, 1, 300, 4), (9, 64, 28, 4, 97, 132),

@@ -125,6 +125,16 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   return lopa_emu::shfl_from(v, (lopa_emu::flat_tid() & 31u) ^ (unsigned)m);
 }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return lopa_emu::shfl_from(v, (unsigned)src); }
+inline unsigned __ballot_sync(unsigned, int pred) {
+  unsigned r = 0;
+  const unsigned lane = lopa_emu::flat_tid() & 31u;
+  for (unsigned l = 0; l < 32; ++l) r |= (lopa_emu::shfl_from(pred ? 1u : 0u, l) & 1u) << l;
+  (void)lane;
+  return r;
+}
+inline float __fadd_rn(float a, float b) { return a + b; }  // x86-64 without -mfma: no contraction
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 

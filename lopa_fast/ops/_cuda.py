@@ -1,7 +1,7 @@
 """CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
 
 The hook of lopa_fast.ops._backend: `available(op)` and one function per op with the public op's signature
-(`branch_attention`, `confidence`). Nothing is compiled at install time (a torch-header CUDA build costs
+(`branch_attention`, `confidence`, `select_round`). Nothing is compiled at install time (a torch-header CUDA build costs
 minutes of GPU time): on the first call the op's .cu source is compiled by NVRTC for the device's sm_XY,
 the cubin cached under $LOPA_FAST_CACHE_DIR (default ~/.cache/lopa_fast/cuda) keyed by a hash of the exact
 source text and options, loaded with cupy.RawModule and launched on the tensors' data pointers on torch's
@@ -9,7 +9,7 @@ current stream. Without a CUDA device or CuPy, `available()` is False and `why_u
 (logged once at INFO on logger "lopa_fast.ops.cuda"); the dispatch then picks triton / torch.
 
 The GPU entry points are also registered as torch custom ops (`lopa_fast::cuda_branch_attention`,
-`lopa_fast::cuda_confidence`) with fake implementations, so a torch.compile'd / CUDA-graph-captured round
+`lopa_fast::cuda_confidence`, `lopa_fast::cuda_select_round`) with fake implementations, so a torch.compile'd / CUDA-graph-captured round
 treats them as opaque ops.
 
 The same launch code runs on CPU tensors through `emulator()`: the .cu compiled by the host C++ compiler
@@ -42,7 +42,7 @@ if not (KERNEL_DIR / "common.cuh").exists():  # installed (non-editable): lopa_f
 
     KERNEL_DIR = Path(_k.__file__).resolve().parent / "cuda"
 
-OPS = ("branch_attention", "confidence")
+OPS = ("branch_attention", "confidence", "select_round")
 HEADERS = ("common.cuh",)
 HEAD_DIMS = (64, 128)
 _DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -51,6 +51,8 @@ MODES = {"full": 0, "block_causal": 1, "causal": 2}
 # Tile constants shared with branch_attention.cu (kRows, kKeys, kThreads, kWarps, kRowsPerWarp).
 ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_WARPS, ATTN_ROWS_PER_WARP = 32, 32, 128, 4, 8
 CONF_THREADS = 256
+SEL_MAX_WARPS, SEL_MAX_N = 8, 1024  # select_round.cu: kMaxWarps; a 32-bit pick mask per lane
+COMPARATORS = {"gt": 0, "ge": 1, "le": 2}
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -76,6 +78,8 @@ def entry_names(op: str) -> list[str]:
             for t in _DTYPE_NAME.values()
             for d in HEAD_DIMS
         ]
+    if op == "select_round":
+        return ["select_round_f32"]
     return [f"confidence_{t}" for t in _DTYPE_NAME.values()]
 
 
@@ -307,6 +311,46 @@ def run_confidence(launch, logits, suppress_token, eps):
     return (token, *stats)
 
 
+_KTAB: dict = {}
+
+
+def _ktab(n: int, topp: float, device) -> torch.Tensor:
+    """lowest_k_table(n, topp) on `device`, cached: no host-to-device copy per round once warm."""
+    key = (n, float(topp), str(device))
+    t = _KTAB.get(key)
+    if t is None:
+        t = _KTAB[key] = ref.lowest_k_table(n, topp).to(device)
+    return t
+
+
+def run_select_round(launch, accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp,
+                     alpha, creation_conf, branch_active):
+    """Launch select_round on any launcher; returns (accept bool [B, n], lookahead int64 [B, n_look],
+    score fp32 [B], winner int64 0-d)."""
+    B, n = conf.shape
+    nb = block_complete.shape[1]
+    dev = conf.device
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731 - [B, n] rows of a round: a few KB
+    u8 = lambda t: t.to(torch.bool).contiguous().view(torch.uint8)  # noqa: E731
+    value, c = f32(accept_value), f32(conf)
+    m, done = u8(masked), u8(block_complete)
+    bid = block_ids.to(torch.int64).contiguous()
+    cc = None if creation_conf is None else f32(creation_conf)
+    act = None if branch_active is None else u8(branch_active)
+    accept = torch.empty((B, n), dtype=torch.bool, device=dev)
+    look = torch.empty((B, n_look), dtype=torch.int64, device=dev)
+    score = torch.empty(B, dtype=torch.float32, device=dev)
+    winner = torch.empty((), dtype=torch.int64, device=dev)
+    warps = max(1, min(B, SEL_MAX_WARPS))
+    P = lambda t: ("p", 0 if t is None else t.data_ptr())  # noqa: E731
+    # tau and alpha rounded to fp32 as the reference's tensor-scalar ops do; 1 - alpha formed in float64 first
+    launch("select_round_f32", (1, 1, 1), (32 * warps, 1, 1), warps * n * 4,
+           [P(value), P(c), P(m), P(bid), P(done), P(_ktab(n, topp, dev)), P(cc), P(act), P(accept), P(look),
+            P(score), P(winner), ("i", B), ("i", n), ("i", nb), ("i", int(n_look)), ("i", COMPARATORS[comparator]),
+            ("f", float(tau)), ("f", float(alpha)), ("f", 1.0 - float(alpha))])  # fmt: skip
+    return accept, look, score, winner
+
+
 # --------------------------------------------------------------------------------- torch custom ops (GPU)
 @torch.library.custom_op("lopa_fast::cuda_branch_attention", mutates_args=(), device_types="cuda")
 def _branch_attention_op(
@@ -346,6 +390,34 @@ def _(logits, suppress_token, eps):
     return (logits.new_empty(N, dtype=torch.int64), *[logits.new_empty(N, dtype=torch.float32) for _ in range(4)])
 
 
+@torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")
+def _select_round_op(
+    accept_value: torch.Tensor,
+    conf: torch.Tensor,
+    masked: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_complete: torch.Tensor,
+    tau: float,
+    comparator: str,
+    n_look: int,
+    topp: float,
+    alpha: float,
+    creation_conf: torch.Tensor | None,
+    branch_active: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = conf.device.index if conf.device.index is not None else torch.cuda.current_device()
+    return run_select_round(_launcher("select_round", dev), accept_value, conf, masked, block_ids, block_complete,
+                            tau, comparator, n_look, topp, alpha, creation_conf, branch_active)
+
+
+@_select_round_op.register_fake
+def _(accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha, creation_conf,
+      branch_active):
+    B, n = conf.shape
+    return (conf.new_empty((B, n), dtype=torch.bool), conf.new_empty((B, n_look), dtype=torch.int64),
+            conf.new_empty(B, dtype=torch.float32), conf.new_empty((), dtype=torch.int64))
+
+
 # ------------------------------------------------------------------------------ public-signature hooks
 _warned: set = set()
 
@@ -378,6 +450,19 @@ def confidence(logits, suppress_token=None, eps=1e-10):
     return _confidence_op(logits, suppress_token, float(eps))
 
 
+def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
+                 alpha=0.0, creation_conf=None, branch_active=None):
+    """lopa_fast.ops.select_round on the CUDA kernel (one CTA per round); returns the 4 RoundSelection fields.
+    Windows longer than 1024 positions and non-CUDA tensors run the reference (logged once)."""
+    args = (accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
+            creation_conf, branch_active)
+    if conf.shape[1] > SEL_MAX_N or not conf.is_cuda:
+        _fallback("select_round", f"n={conf.shape[1]} (max {SEL_MAX_N}), device={conf.device}")
+        return tuple(ref.select_round(*args))
+    return _select_round_op(accept_value, conf, masked, block_ids, block_complete, float(tau), comparator,
+                            int(n_look), float(topp), float(alpha), creation_conf, branch_active)
+
+
 # ----------------------------------------------------------------------------------- CPU emulation (tests)
 class Emulated:
     """The CUDA ops run on CPU tensors through a host build of the .cu sources (see module docstring)."""
@@ -394,6 +479,12 @@ class Emulated:
 
     def confidence(self, logits, suppress_token=None, eps=1e-10):
         return ref.Confidence(*run_confidence(self._l["confidence"], logits, suppress_token, eps))
+
+    def select_round(self, accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0,
+                     topp=1.0, alpha=0.0, creation_conf=None, branch_active=None):
+        return ref.RoundSelection(*run_select_round(self._l["select_round"], accept_value, conf, masked, block_ids,
+                                                    block_complete, tau, comparator, n_look, topp, alpha,
+                                                    creation_conf, branch_active))
 
 
 def host_compiler() -> str | None:
