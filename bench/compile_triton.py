@@ -98,15 +98,15 @@ def variants(quick: bool):
     types.update(pi1_ptr="*i32", tok_ptr="*i64", S="i32")
     out.append(("_conf_finalize_kernel S<=16", cf._conf_finalize_kernel, types, dict(BLOCK_S=16), set(),
                 dict(num_warps=1, num_stages=3)))
-    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64)]):
+    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64), (16, 1024)]):
         types = {nm: "i32" for nm in sr._select_round_kernel.arg_names}
         types.update(val_ptr="*fp32", conf_ptr="*fp32", masked_ptr="*u8", blk_ptr="*i32", complete_ptr="*u8",
                      ktab_ptr="*i32", cc_ptr="*fp32", active_ptr="*u8", accept_ptr="*i8", look_ptr="*i64",
                      score_ptr="*fp32", winner_ptr="*i64", tau="fp32", alpha="fp32")
-        BB, BNn = max(2, triton.next_power_of_2(B)), max(16, triton.next_power_of_2(n))
+        BB, BNn, warps = sr.tile_for(B, n)
         ce = dict(CMP=0, HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
         out.append((f"_select_round_kernel B={B} n={n}", sr._select_round_kernel, types, ce, set(),
-                    dict(num_warps=4 if BB * BNn <= 2048 else 8, num_stages=1)))
+                    dict(num_warps=warps, num_stages=1)))
     return out
 
 

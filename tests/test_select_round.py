@@ -116,6 +116,28 @@ def test_select_round_triton_equals_reference(ties):
         torch.testing.assert_close(a.score, b.score, atol=1e-6, rtol=1e-6)
 
 
+def test_select_round_branch_groups_keep_earliest_winner():
+    """Windows wider than one tile step: the kernel walks branches in groups and must keep the earliest
+    of equal best scores across groups (scores here are exact in fp32: multiples of 1/4 over 4 masks)."""
+    from lopa_fast.kernels.triton.select_round import select_round as tri
+
+    B, n = 7, 20
+    conf = torch.full((B, n), 0.5)
+    masked = torch.zeros(B, n, dtype=torch.bool)
+    masked[:, :4] = True
+    conf[:, :4] = torch.tensor([0.25, 0.5, 0.75, 1.0])  # every branch scores 0.625 ...
+    conf[3, 0] = 0.0  # ... except branch 3 (lower) and branches 4 and 6 (higher, equal)
+    conf[4, 0] = conf[6, 0] = 0.5
+    blk = torch.zeros(B, n, dtype=torch.long)
+    args = [t.to(DEVICE) for t in (conf.clone(), conf, masked, blk, torch.ones(B, 1, dtype=torch.bool))]
+    want = ref.select_round(*args, 0.9, "gt", 2)
+    assert want.winner.item() == 4
+    for lanes in (32, 64, 4096):  # 1, 2 and all 7 branches per step
+        acc, look, score, winner = tri(*args, 0.9, "gt", 2, max_lanes=lanes)
+        assert winner.item() == 4 and torch.equal(acc, want.accept) and torch.equal(look, want.lookahead)
+        assert torch.equal(score, want.score.float())
+
+
 def test_select_round_by_hand():
     # one branch, 6 positions, blocks [0,0,0,1,1,1], block 1 complete; nothing passes tau = 0.9
     conf = torch.tensor([[0.2, 0.5, 0.5, 0.3, 0.7, 0.7]])
