@@ -151,8 +151,12 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
     last_logit = None
     stats = {
         "forwards": 0, "model_calls": 0, "multi_token_rounds": 0, "lookahead_wins": 0, "branch_growth": 0,
-        "winner_grew": 0, "max_branches": 0, **fill_stats(cfg),
+        "winner_grew": 0, "max_branches": 0, "upstream_model_calls": 0, **fill_stats(cfg),
     }  # fmt: skip
+    # upstream forwards the anchor twice in a round that follows a spawn with no lookahead when
+    # branching_factor > 1 (it appends the winner itself and its anchor copy); tokens are unaffected, we
+    # forward it once and only count upstream's number in stats["upstream_model_calls"]
+    upstream_duplicate = False
     trace = [] if cfg.return_trace else None
     result = candidates[0]
     with Clock(prompt.device) as clock:
@@ -194,6 +198,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 results.append((br, predictions(model, raw, ll), span, ll))
             stats["forwards"] += 1
             stats["model_calls"] += len(order)
+            stats["upstream_model_calls"] += len(order) + int(upstream_duplicate)
 
             # scores and the winner (first maximum in round order)
             scores = [branch_score(br, lg, start, spe, cfg, gen) for br, lg, _, _ in results]
@@ -218,6 +223,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
 
             # spawn: lookaheads (ranked) then the new anchor, which sorts last
             new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen) if cfg.branching_factor > 1 else []
+            upstream_duplicate = cfg.branching_factor > 1 and not new
             anchor = w.copy()
             anchor.is_base, anchor.rank, anchor.creation_conf, anchor.lookahead = True, len(new), 1.0, None
             new.append(anchor)
