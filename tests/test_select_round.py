@@ -103,11 +103,14 @@ def test_select_round_matches_oracle(backend, case, ties):
             assert out.winner.item() == winner, (seed, out.score, score)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("ties", [False, True], ids=["tie_free", "ties"])
-def test_select_round_triton_equals_reference(ties):
-    """Same fp32 maths in the same order of ties: every output identical, winner included."""
+def test_select_round_triton_equals_reference(ties, dtype):
+    """Same fp32 maths in the same order of ties: every output identical, winner included (fp16 inputs are
+    upcast exactly by both)."""
     for seed in range(2):
         (val, conf, masked, blk, complete), cc, active = make_inputs(6, 33, 5, 10 + seed, ties)
+        val, conf, cc = val.to(dtype), conf.to(dtype), cc.to(dtype)
         args = (val, conf, masked, blk, complete, 0.5, "gt", 4, 0.5, 0.5, cc, active)
         a = ops.select_round(*args, backend="triton")
         b = ops.select_round(*args, backend="torch")

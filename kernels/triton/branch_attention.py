@@ -24,7 +24,6 @@ import triton.language as tl
 from lopa_fast.kernels.triton._common import is_interpreter
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 _MODES = {"full": 0, "block_causal": 1, "causal": 2}
 
 
