@@ -404,7 +404,12 @@ class FastDecoder:
             )
         stats["host_reads"] = self.host_reads
         stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
-        stats["peak_cache_bytes"] = self.cache.nbytes()
+        # memory: the prefix cache is allocated once (independent of k); only the window scratch grows with k
+        c = self.cache
+        stats["kv_prefix_bytes"] = c.k.numel() * c.k.element_size() * 2
+        stats["kv_window_bytes"] = c.win_k.numel() * c.win_k.element_size() * 2
+        if self.dev.type == "cuda":
+            stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.dev)
         finalize_stats(stats, ids, cfg.eos_token_id, self.mask_id, clock.seconds, steps_plus_one=True)
         return GenerateOutput(ids, stats, trace)
 
