@@ -25,6 +25,9 @@ step triton_tests 300 python -m pytest tests/test_branch_attention.py tests/test
 step triton_bench 400 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"
 
+# --- fast decoder: round latency of a random Dream-7B-shaped bf16 model vs the ~3.3 ms floor (issue 4)
+step round_gpu 500 python -m pytest bench/bench_round_gpu.py -m "bench and gpu" -q -s
+
 echo "=== summary"
 cat "$OUT/summary.txt"
 tail -n 5 "$OUT/cuda_tests.log"
@@ -38,3 +41,4 @@ for b in rows:
     e = b["extra_info"]
     print(f"{b['name']:<72} {e.get('us_event', 0):>9.1f} {e.get('gbps', 0):>8.0f} {e.get('tflops', 0):>8.1f}")
 PY
+grep -A 14 "^{.gpu" "$OUT/round_gpu.log" || true
