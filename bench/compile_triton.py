@@ -65,7 +65,9 @@ def variants(quick: bool):
         aligned = {"s_qb", "s_qn", "s_qh", "s_kl", "s_kh", "s_vl", "s_vh", "chunk"}
         out.append((f"_prefix_kernel {dt}", ba._prefix_kernel, types, ce, aligned,
                     dict(num_warps=warps, num_stages=2)))
-        modes = [("full", 0), ("block_causal", 1), ("causal", 2)] if dt == "bf16" and not quick else [("block_causal", 1)]
+        modes = [("block_causal", 1)]
+        if dt == "bf16" and not quick:
+            modes = [("full", 0), ("block_causal", 1), ("causal", 2)]
         for mode, m in modes:
             types = {n: "i32" for n in ba._window_kernel.arg_names}
             types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr=f"*{dt}", lse_ptr="*fp32",

@@ -2,8 +2,9 @@
 
 One program for the whole round: it walks the branches in groups of a [BLOCK_B, BLOCK_N] tile (whole
 windows, <= 4096 lanes: B=16 x n=256 in one step) and keeps a running winner, so the cross-branch
-argmax needs no second launch and no host round trip. Inputs are a few KB; the cost is the launch (~5 us), which is the point: the round's
-decision stays on the device. Matches lopa_fast.reference.ops.select_round.
+argmax needs no second launch and no host round trip. Inputs are a few KB, so the op is bound by its
+one launch; what it buys is that the round's decision never leaves the device.
+Matches lopa_fast.reference.ops.select_round.
 """
 from __future__ import annotations
 
