@@ -68,8 +68,8 @@ def _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids):
             kw_i = (ki - L).clamp(min=0)
             return (ki < L) | ((ki - L < wl[b]) & (bid[b, kw_i] <= bid[b, qi]))
 
-        bm = create_block_mask(mask_mod, B, None, n, L + n, device=DEV)
-        flex = torch.compile(flex_attention, dynamic=False)
+        bm = create_block_mask(mask_mod, B, None, n, L + n, device=q.device)
+        flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
         return lambda: flex(qd, k, v, block_mask=bm, enable_gqa=True)
     if provider == "flash_attn":
         try:

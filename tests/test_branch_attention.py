@@ -170,3 +170,17 @@ def test_model_forward_window_on_triton_backend(monkeypatch):
     for i, (a, b) in enumerate(zip(got, want)):
         atol, rtol = TOLERANCES[torch.float32]
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"call site {i}: {m}")
+
+
+@pytest.mark.parametrize("provider", ["sdpa", "flex"])
+def test_benchmark_baselines_compute_the_same_attention(provider):
+    """bench/bench_ops.py's SDPA / FlexAttention baselines (dense layout, boolean or block mask) solve the
+    same problem as the op, so the benchmark compares like with like."""
+    from bench.bench_ops import _attn_fn
+
+    if provider == "flex":
+        pytest.importorskip("torch.nn.attention.flex_attention")
+    q, kc, vc, L, kw, vw, win_lens, block_ids = make_inputs((2, 8, 4, 2, 16, 20), torch.float32)
+    out = _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids)().transpose(1, 2)
+    want = ref.branch_attention(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal")
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
