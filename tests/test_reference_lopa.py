@@ -184,3 +184,18 @@ def test_full_vs_block_causal_differ_and_prompt_kv_sees_block_one(models):
     bids = torch.tensor([[0] * 4 + [1] * 8])
     m.forward_window(torch.cat([prompt, masks], 1), cache=c_bc, mask="block_causal", block_ids=bids, commit=4)
     torch.testing.assert_close(c_bc.k[:, :4], c_iso.k[:, :4])
+
+
+def test_sampling_is_seeded_and_other_families_and_dtypes_run():
+    m = random_model(tiny_hf_config("dream"), seed=0, sharpen=3.0)
+    kw = dict(max_new_tokens=16, block_size=8, temperature=0.8, top_p=0.9, top_k=10, branching_factor=2)
+    a = lopa_fast.generate(m, [1, 2, 3], "lopa", seed=1, **kw)
+    b = lopa_fast.generate(m, [1, 2, 3], "lopa", seed=1, **kw)
+    assert a.generated_ids == b.generated_ids and m.mask_token_id not in a.generated_ids
+    # LLaDA (unshifted logits) and bf16 Dream run the same loops
+    llada = random_model(tiny_hf_config("llada"), seed=0, sharpen=4.0)
+    bf16 = random_model(tiny_hf_config("dream"), seed=0, sharpen=6.0, dtype=torch.bfloat16)
+    for model in (llada, bf16):
+        for strategy in ("d2f", "lopa"):
+            out = lopa_fast.generate(model, [1, 2, 3], strategy, max_new_tokens=16, block_size=8, eos_token_id=5)
+            assert len(out.generated_ids) in (8, 16) and model.mask_token_id not in out.generated_ids
