@@ -80,12 +80,19 @@ def test_attention_no_prefix_and_custom_scale(emu):
     check_attention(emu, make_inputs(2, 6, 4, 1, 64, 0, torch.float16, seed=2), "block_causal", scale=0.3)
 
 
-def test_attention_prefix_splits_merge(emu):
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_attention_prefix_splits_merge(emu, dt):
     """cache_len=300 is cut into 3 splits (the last one 44 keys, not a tile multiple) plus the window part."""
-    inputs = make_inputs(1, 4, 2, 1, 64, 300, torch.float32, seed=3)
-    S, split_len = _cuda.attention_splits(1, 4, 2, 1, 300, _cuda._EmuLauncher.num_sms)
+    inputs = make_inputs(1, 4, 2, 1, 64, 300, DT[dt], seed=3)
+    S, split_len = _cuda.attention_splits(1, 4, 2, 1, 300, _cuda._EmuLauncher.num_sms,
+                                          _cuda.attention_rows(DT[dt]))
     assert (S, split_len) == (3, 128)
     check_attention(emu, inputs, "full")
+
+
+def test_attention_window_longer_than_a_key_tile(emu):
+    """n=70: the tensor-core kernel's window runs two 64-key tiles and three 64-row tiles per branch."""
+    check_attention(emu, make_inputs(1, 70, 2, 1, 64, 5, torch.float16, seed=5), "block_causal")
 
 
 def test_attention_strided_views(emu):

@@ -90,7 +90,7 @@ def test_hooks_run_the_reference_where_no_kernel_exists(caplog):
                                               (2, 5, 4, 2, 0, 132), (1, 1, 28, 4, 1, 132)])
 def test_attention_splits_cover_the_prefix(B, n, Hq, Hkv, L, sms):
     S, split_len = _cuda.attention_splits(B, n, Hq, Hkv, L, sms)
-    assert split_len % _cuda.ATTN_KEYS == 0
+    assert split_len % _cuda.MMA_KEYS == 0 and split_len % _cuda.ATTN_KEYS == 0
     if L == 0:
         assert S == 0
     else:
@@ -99,7 +99,9 @@ def test_attention_splits_cover_the_prefix(B, n, Hq, Hkv, L, sms):
 
 
 def test_attention_smem_mirrors_the_kernel_layout():
-    # Q fp32 32x128 + K bf16 32x(128+8) + V bf16 32x128 + P fp32 4x8x32 (attn::Smem in branch_attention.cu)
-    assert _cuda.attention_smem_bytes(torch.bfloat16, 128) == 32 * 128 * 4 + 32 * 136 * 2 + 32 * 128 * 2 + 4096
+    # SIMT (fp32): Q fp32 32xD + K 32x(D+4) + V 32xD + P fp32 4x8x32 (attn::Smem in branch_attention.cu)
     assert _cuda.attention_smem_bytes(torch.float32, 64) == 32 * 64 * 4 + 32 * 68 * 4 + 32 * 64 * 4 + 4096
+    # tensor cores (16-bit): K 64x(D+8) + V^T Dx(64+8) (attn::mma::Smem)
+    assert _cuda.attention_smem_bytes(torch.bfloat16, 128) == 64 * 136 * 2 + 128 * 72 * 2
+    assert _cuda.attention_rows(torch.float16) == 64 and _cuda.attention_rows(torch.float32) == 32
     assert math.ceil(_cuda.attention_smem_bytes(torch.float32, 128) / 1024) == 53  # > 48 KiB: opt-in attribute

@@ -218,6 +218,203 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
   }
 }
 
+// Tensor-core variant for bf16/fp16 (mma.sync m16n8k16, fp32 accumulate), FlashAttention-2 style: each of
+// the 4 warps owns 16 query rows (64 per CTA), a tile is 64 keys. S = Q K^T with Q fragments held in registers
+// for the whole key loop, online softmax on the S fragments (a row lives in one quad of lanes), P re-packed
+// to 16 bit in registers as the A operand of O += P V. K is staged row-major with 16 bytes of padding per key
+// and V transposed ([D][keys + 8]), so every B-fragment read is one conflict-free 32-bit shared load.
+namespace mma {
+constexpr int kWarps = 4;
+constexpr int kRows = 16 * kWarps;
+constexpr int kKeys = 64;
+constexpr int kThreads = 32 * kWarps;
+
+template <int D> struct Smem {
+  static constexpr int kKStride = D + 8;      // 16-bit elements per staged key row
+  static constexpr int kVStride = kKeys + 8;  // 16-bit elements per staged (transposed) V row
+  static constexpr int kKBytes = kKeys * kKStride * 2;
+  static constexpr int kBytes = kKBytes + D * kVStride * 2;
+};
+
+LOPA_INLINE unsigned ld32(const unsigned short* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+template <typename T, int D>
+LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                         const T* __restrict__ k_win, const T* __restrict__ v_win,
+                         const long long* __restrict__ win_lens, const long long* __restrict__ block_ids,
+                         float* __restrict__ ws_o, float* __restrict__ ws_lse, int B, int n, int Hq, int Hkv,
+                         int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,
+                         long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb,
+                         long long kw_si, long long kw_sh) {
+  using S = Smem<D>;
+  constexpr int KS = D / 16, NTD = D / 8, NTK = kKeys / 8;
+  const int G = Hq / Hkv, h = blockIdx.y, split = blockIdx.z;
+  const bool window = split == n_splits;
+  const int rows_per_branch = n * G, tiles_per_branch = (rows_per_branch + kRows - 1) / kRows;
+
+  int row_begin, row_end, b_win = 0, n_keys;
+  const T *kb, *vb;
+  long long key_stride;
+  if (window) {
+    if ((int)blockIdx.x >= B * tiles_per_branch) return;
+    b_win = blockIdx.x / tiles_per_branch;
+    row_begin = b_win * rows_per_branch + (blockIdx.x % tiles_per_branch) * kRows;
+    row_end = (b_win + 1) * rows_per_branch;
+    n_keys = win_lens ? (int)win_lens[b_win] : n;
+    n_keys = n_keys < n ? (n_keys > 0 ? n_keys : 0) : n;
+    kb = k_win + b_win * kw_sb + h * kw_sh;
+    vb = v_win + b_win * kw_sb + h * kw_sh;
+    key_stride = kw_si;
+  } else {
+    row_begin = blockIdx.x * kRows;
+    row_end = B * rows_per_branch;
+    if (row_begin >= row_end) return;
+    const int key_begin = split * split_len;
+    n_keys = cache_len - key_begin < split_len ? cache_len - key_begin : split_len;
+    kb = k_cache + key_begin * kc_sl + h * kc_sh;
+    vb = v_cache + key_begin * kc_sl + h * kc_sh;
+    key_stride = kc_sl;
+  }
+
+  LOPA_DYNAMIC_SMEM(smem);
+  unsigned short* ks = reinterpret_cast<unsigned short*>(smem);
+  unsigned short* vt = reinterpret_cast<unsigned short*>(smem + S::kKBytes);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+
+  // This thread's two rows (g and g + 8 of the warp's 16) and their Q fragments.
+  bool valid[2];
+  int qi[2], qblk[2];
+  long long orow[2];
+  unsigned qa[KS][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_begin + warp * 16 + g + 8 * r;
+    valid[r] = row < row_end;
+    const int bi = valid[r] ? row / G : 0, gg = valid[r] ? row % G : 0;
+    qi[r] = bi % n;
+    qblk[r] = (window && mode == 1 && valid[r]) ? (int)block_ids[(long long)b_win * n + qi[r]] : 0;
+    orow[r] = (long long)bi * Hq + h * G + gg;
+    const unsigned short* qp = reinterpret_cast<const unsigned short*>(
+        q + (long long)(bi / n) * q_sb + (long long)(bi % n) * q_si + (long long)(h * G + gg) * q_sh);
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      qa[k][r] = valid[r] ? ld32(qp + k * 16 + 2 * t) : 0u;          // a0 / a1: cols 2t, 2t+1
+      qa[k][2 + r] = valid[r] ? ld32(qp + k * 16 + 8 + 2 * t) : 0u;  // a2 / a3: cols 2t+8, 2t+9
+    }
+  }
+
+  const float sl2 = scale * kLog2e;
+  float m[2] = {LOPA_NEG_INF, LOPA_NEG_INF}, l[2] = {0.f, 0.f};
+  float o[NTD][4];
+#pragma unroll
+  for (int d = 0; d < NTD; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+
+  for (int k0 = 0; k0 < n_keys; k0 += kKeys) {
+    __syncthreads();  // previous tile fully consumed
+    constexpr int C = D / 8;
+    for (int idx = threadIdx.x; idx < kKeys * C; idx += kThreads) {
+      const int j = idx / C, c = (idx % C) * 8;
+      uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
+      if (k0 + j < n_keys) {
+        const long long off = (long long)(k0 + j) * key_stride + c;
+        kv = *reinterpret_cast<const uint4*>(kb + off);
+        vv = *reinterpret_cast<const uint4*>(vb + off);
+      }
+      *reinterpret_cast<uint4*>(ks + j * S::kKStride + c) = kv;
+      const unsigned w[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vt[(c + 2 * e) * S::kVStride + j] = (unsigned short)(w[e] & 0xffffu);
+        vt[(c + 2 * e + 1) * S::kVStride + j] = (unsigned short)(w[e] >> 16);
+      }
+    }
+    __syncthreads();
+
+    float sc[NTK][4];
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      const unsigned short* kr = ks + (nt * 8 + g) * S::kKStride + 2 * t;
+#pragma unroll
+      for (int k = 0; k < KS; ++k) {
+        const unsigned bk[2] = {ld32(kr + k * 16), ld32(kr + k * 16 + 8)};
+        mma_16816<T>(sc[nt], qa[k], bk, sc[nt]);
+      }
+    }
+
+    float mx[2] = {LOPA_NEG_INF, LOPA_NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
+        bool vis = key < n_keys;
+        if (window && mode == 2) vis = vis && key <= qi[r];
+        if (window && mode == 1 && vis) vis = (int)block_ids[(long long)b_win * n + key] <= qblk[r];
+        sc[nt][e] = vis ? sc[nt][e] * sl2 : LOPA_NEG_INF;
+        mx[r] = fmaxf(mx[r], sc[nt][e]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      const float alpha = m_new == LOPA_NEG_INF ? 1.f : exp2f(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha;
+#pragma unroll
+      for (int d = 0; d < NTD; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float p = m[r] == LOPA_NEG_INF ? 0.f : exp2f(sc[nt][e] - m[r]);
+        sc[nt][e] = p;
+        l[r] += p;  // this thread's columns only; the quad is summed once at the end
+      }
+    }
+
+#pragma unroll
+    for (int j = 0; j < kKeys / 16; ++j) {
+      const unsigned pa[4] = {pack2(sc[2 * j][0], sc[2 * j][1], T{}), pack2(sc[2 * j][2], sc[2 * j][3], T{}),
+                              pack2(sc[2 * j + 1][0], sc[2 * j + 1][1], T{}),
+                              pack2(sc[2 * j + 1][2], sc[2 * j + 1][3], T{})};
+#pragma unroll
+      for (int d = 0; d < NTD; ++d) {
+        const unsigned short* vr = vt + (d * 8 + g) * S::kVStride + j * 16 + 2 * t;
+        const unsigned bv[2] = {ld32(vr), ld32(vr + 8)};
+        mma_16816<T>(o[d], pa, bv, o[d]);
+      }
+    }
+  }
+
+  const long long rows_total = (long long)B * n * Hq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    if (!valid[r]) continue;
+    const bool any = l[r] > 0.f;
+    const float inv = any ? 1.f / l[r] : 0.f;
+    float* out = ws_o + ((long long)split * rows_total + orow[r]) * D + 2 * t;
+#pragma unroll
+    for (int d = 0; d < NTD; ++d) {
+      float2 v2;
+      v2.x = o[d][2 * r] * inv;
+      v2.y = o[d][2 * r + 1] * inv;
+      *reinterpret_cast<float2*>(out + d * 8) = v2;
+    }
+    if (t == 0) ws_lse[split * rows_total + orow[r]] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
+  }
+}
+}  // namespace mma
+
 // One warp per output row: o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
 template <typename T, int D>
 LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse, int n_parts,
@@ -250,26 +447,25 @@ LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict
 }  // namespace attn
 }  // namespace lopa
 
-#define LOPA_ATTN_ENTRIES(TNAME, T, D)                                                                           \
-  extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads)                                             \
-      branch_attention_partial_##TNAME##_d##D(                                                                   \
-          const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win,                       \
-          const long long* win_lens, const long long* block_ids, float* ws_o, float* ws_lse, int B, int n,       \
-          int Hq, int Hkv, int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,   \
-          long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si,    \
-          long long kw_sh) {                                                                                      \
-    lopa::attn::partial<T, D>(q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq,   \
-                              Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl, kc_sh, \
-                              kw_sb, kw_si, kw_sh);                                                              \
+// fp32 (a testing dtype) runs the SIMT kernel; bf16/fp16 the tensor-core one. Host side: rows per CTA 32 / 64,
+// dynamic shared memory attn::Smem / attn::mma::Smem (mirrored in lopa_fast/ops/_cuda.py).
+#define LOPA_ATTN_ENTRIES(TNAME, T, D, IMPL, THREADS)                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS) branch_attention_partial_##TNAME##_d##D(                \
+      const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win, const long long* win_lens, \
+      const long long* block_ids, float* ws_o, float* ws_lse, int B, int n, int Hq, int Hkv, int cache_len,    \
+      int n_splits, int split_len, int mode, float scale, long long q_sb, long long q_si, long long q_sh,       \
+      long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si, long long kw_sh) {                   \
+    IMPL<T, D>(q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq, Hkv, cache_len,  \
+               n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl, kc_sh, kw_sb, kw_si, kw_sh);         \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads) branch_attention_combine_##TNAME##_d##D(    \
       const float* ws_o, const float* ws_lse, int n_parts, long long rows, T* out, float* lse_out) {             \
     lopa::attn::combine<T, D>(ws_o, ws_lse, n_parts, rows, out, lse_out);                                        \
   }
 
-LOPA_ATTN_ENTRIES(f32, float, 64)
-LOPA_ATTN_ENTRIES(f32, float, 128)
-LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 64)
-LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 128)
-LOPA_ATTN_ENTRIES(f16, lopa::f16, 64)
-LOPA_ATTN_ENTRIES(f16, lopa::f16, 128)
+LOPA_ATTN_ENTRIES(f32, float, 64, lopa::attn::partial, lopa::attn::kThreads)
+LOPA_ATTN_ENTRIES(f32, float, 128, lopa::attn::partial, lopa::attn::kThreads)
+LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 64, lopa::attn::mma::partial, lopa::attn::mma::kThreads)
+LOPA_ATTN_ENTRIES(bf16, lopa::bf16, 128, lopa::attn::mma::partial, lopa::attn::mma::kThreads)
+LOPA_ATTN_ENTRIES(f16, lopa::f16, 64, lopa::attn::mma::partial, lopa::attn::mma::kThreads)
+LOPA_ATTN_ENTRIES(f16, lopa::f16, 128, lopa::attn::mma::partial, lopa::attn::mma::kThreads)

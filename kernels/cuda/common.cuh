@@ -16,8 +16,8 @@
 
 namespace lopa {
 
-struct bf16 { unsigned short u; };
-struct f16 { unsigned short u; };
+struct bf16 { unsigned short u; static constexpr bool kIsBf16 = true; };
+struct f16 { unsigned short u; static constexpr bool kIsBf16 = false; };
 
 #define LOPA_NEG_INF (-__int_as_float(0x7f800000))
 
@@ -115,6 +115,50 @@ LOPA_INLINE float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
+}
+
+// Two floats -> one 32-bit word of two 16-bit values (lo in the low half), round to nearest even.
+LOPA_INLINE unsigned pack2(float lo, float hi, bf16) {
+#ifdef LOPA_DEVICE_BUILD
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (unsigned)lopa_emu::float_to_bf16(lo) | ((unsigned)lopa_emu::float_to_bf16(hi) << 16);
+#endif
+}
+LOPA_INLINE unsigned pack2(float lo, float hi, f16) {
+#ifdef LOPA_DEVICE_BUILD
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (unsigned)lopa_emu::float_to_half(lo) | ((unsigned)lopa_emu::float_to_half(hi) << 16);
+#endif
+}
+
+// d = a * b + c on the tensor cores: mma.sync m16n8k16, fp32 accumulate (fragment layout: host_emu.cuh).
+template <typename T>
+LOPA_INLINE void mma_16816(float* d, const unsigned* a, const unsigned* b, const float* c) {
+#ifdef LOPA_DEVICE_BUILD
+  if constexpr (T::kIsBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  }
+#else
+  lopa_emu::mma_16816(d, a, b, c, T::kIsBf16);
+#endif
 }
 
 }  // namespace lopa

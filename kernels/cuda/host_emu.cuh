@@ -38,6 +38,7 @@ struct BlockState {
   std::unique_ptr<std::barrier<>> block_bar;
   std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
   std::vector<uint64_t> exch;
+  std::vector<unsigned> frag;  // 6 words per thread: the mma operands of one warp, gathered
 };
 inline BlockState* g_block = nullptr;
 inline std::vector<unsigned char> g_dyn_smem;
@@ -64,6 +65,46 @@ inline T shfl_from(T v, unsigned src_lane) {
   return out;
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: the PTX fragment layout, lane = 4*g + t:
+//   A 16x16 (row): a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)  (low half = lower col)
+//   B 16x8 (col):  b0 (k 2t..2t+1, n g)  b1 (k 2t+8..2t+9, n g)
+//   C/D 16x8:      d0,d1 (g, 2t..2t+1)  d2,d3 (g+8, 2t..2t+1)
+inline float half_to_float(unsigned short h);
+inline void mma_16816(float* d, const unsigned* a, const unsigned* b, const float* c, bool bf16) {
+  const unsigned tid = flat_tid(), base = tid & ~31u, lane = tid & 31u;
+  unsigned* f = g_block->frag.data();
+  for (int w = 0; w < 4; ++w) f[tid * 6 + w] = a[w];
+  f[tid * 6 + 4] = b[0];
+  f[tid * 6 + 5] = b[1];
+  syncwarp();
+  auto cvt = [bf16](unsigned short h) {
+    if (bf16) { uint32_t u = (uint32_t)h << 16; float x; std::memcpy(&x, &u, 4); return x; }
+    return half_to_float(h);
+  };
+  auto half_of = [](unsigned w, int hi) { return (unsigned short)(hi ? w >> 16 : w & 0xffffu); };
+  float A[16][16], B[16][8];
+  for (unsigned l = 0; l < 32; ++l) {
+    const unsigned g = l >> 2, t = l & 3;
+    const unsigned* o = f + (base + l) * 6;
+    for (int e = 0; e < 2; ++e) {
+      A[g][2 * t + e] = cvt(half_of(o[0], e));
+      A[g + 8][2 * t + e] = cvt(half_of(o[1], e));
+      A[g][2 * t + 8 + e] = cvt(half_of(o[2], e));
+      A[g + 8][2 * t + 8 + e] = cvt(half_of(o[3], e));
+      B[2 * t + e][g] = cvt(half_of(o[4], e));
+      B[2 * t + 8 + e][g] = cvt(half_of(o[5], e));
+    }
+  }
+  syncwarp();
+  const unsigned g = lane >> 2, t = lane & 3;
+  const unsigned rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int e = 0; e < 4; ++e) {
+    float acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += A[rows[e]][k] * B[k][cols[e]];
+    d[e] = acc;
+  }
+}
+
 // Runs kernel(args...) over the grid, one block at a time.
 template <typename F>
 void launch(emu_dim3 grid, emu_dim3 block, size_t smem_bytes, F&& body) {
@@ -76,6 +117,7 @@ void launch(emu_dim3 grid, emu_dim3 block, size_t smem_bytes, F&& body) {
   for (unsigned w = 0; w < (nthreads + 31) / 32; ++w)
     st.warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32u, nthreads - 32 * w)));
   st.exch.assign(nthreads, 0);
+  st.frag.assign(nthreads * 6, 0);
   g_block = &st;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)

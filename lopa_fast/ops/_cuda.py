@@ -48,8 +48,10 @@ HEAD_DIMS = (64, 128)
 _DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 MODES = {"full": 0, "block_causal": 1, "causal": 2}
 
-# Tile constants shared with branch_attention.cu (kRows, kKeys, kThreads, kWarps, kRowsPerWarp).
+# Tile constants shared with branch_attention.cu: attn:: (SIMT, fp32) kRows, kKeys, kThreads, kWarps,
+# kRowsPerWarp; attn::mma:: (tensor cores, bf16/fp16) 64 rows and 64 keys per CTA, V staged transposed.
 ATTN_ROWS, ATTN_KEYS, ATTN_THREADS, ATTN_WARPS, ATTN_ROWS_PER_WARP = 32, 32, 128, 4, 8
+MMA_ROWS, MMA_KEYS = 64, 64
 CONF_THREADS = 256
 SEL_MAX_WARPS, SEL_MAX_N = 8, 1024  # select_round.cu: kMaxWarps; a 32-bit pick mask per lane
 COMPARATORS = {"gt": 0, "ge": 1, "le": 2}
@@ -218,8 +220,15 @@ class _EmuLauncher:
 
 
 # ------------------------------------------------------------------------------------- branch_attention
+def attention_rows(dtype: torch.dtype) -> int:
+    """Query rows per CTA of branch_attention_partial for `dtype`."""
+    return ATTN_ROWS if dtype == torch.float32 else MMA_ROWS
+
+
 def attention_smem_bytes(dtype: torch.dtype, D: int) -> int:
-    """Dynamic shared memory of branch_attention_partial (mirror of attn::Smem in the .cu)."""
+    """Dynamic shared memory of branch_attention_partial (mirror of attn::Smem / attn::mma::Smem in the .cu)."""
+    if dtype != torch.float32:  # K [64][D + 8] + V^T [D][64 + 8], 16-bit
+        return MMA_KEYS * (D + 8) * 2 + D * (MMA_KEYS + 8) * 2
     es = torch.empty((), dtype=dtype).element_size()
     return (
         ATTN_ROWS * D * 4
@@ -229,13 +238,15 @@ def attention_smem_bytes(dtype: torch.dtype, D: int) -> int:
     )
 
 
-def attention_splits(B: int, n: int, Hq: int, Hkv: int, cache_len: int, num_sms: int) -> tuple[int, int]:
-    """(prefix splits S, keys per split). Enough CTAs for ~2 per SM, no split under 128 keys."""
+def attention_splits(B: int, n: int, Hq: int, Hkv: int, cache_len: int, num_sms: int,
+                     rows: int = ATTN_ROWS) -> tuple[int, int]:
+    """(prefix splits S, keys per split, a multiple of 64). Enough CTAs for ~2 per SM, no split under 128 keys.
+    `rows`: query rows per CTA (attention_rows(dtype))."""
     if cache_len == 0:
-        return 0, ATTN_KEYS
-    tiles = math.ceil(B * n * (Hq // Hkv) / ATTN_ROWS) * Hkv
+        return 0, MMA_KEYS
+    tiles = math.ceil(B * n * (Hq // Hkv) / rows) * Hkv
     s = max(1, min(math.ceil(2 * num_sms / tiles), math.ceil(cache_len / 128)))
-    split_len = math.ceil(math.ceil(cache_len / s) / ATTN_KEYS) * ATTN_KEYS
+    split_len = math.ceil(math.ceil(cache_len / s) / MMA_KEYS) * MMA_KEYS
     return math.ceil(cache_len / split_len), split_len
 
 
@@ -269,11 +280,12 @@ def run_branch_attention(launch, num_sms, q, k_cache, v_cache, cache_len, k_win,
     bid = None
     if mode == "block_causal":
         bid = block_ids.to(device=q.device, dtype=torch.int64).contiguous()
-    S, split_len = attention_splits(B, n, Hq, Hkv, cache_len, num_sms)
+    R = attention_rows(q.dtype)
+    S, split_len = attention_splits(B, n, Hq, Hkv, cache_len, num_sms, R)
     rows = B * n * Hq
     ws_o = torch.empty((S + 1, rows, D), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((S + 1, rows), dtype=torch.float32, device=q.device)
-    grid_x = max(math.ceil(B * n * G / ATTN_ROWS) if S else 0, B * math.ceil(n * G / ATTN_ROWS))
+    grid_x = max(math.ceil(B * n * G / R) if S else 0, B * math.ceil(n * G / R))
     P = lambda t: ("p", 0 if t is None else t.data_ptr())  # noqa: E731
     args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(ws_o), P(ws_lse),
             ("i", B), ("i", n), ("i", Hq), ("i", Hkv), ("i", cache_len), ("i", S), ("i", split_len),
