@@ -69,24 +69,36 @@ def variants(quick: bool):
         if dt == "bf16" and not quick:
             modes = [("full", 0), ("block_causal", 1), ("causal", 2)]
         for mode, m in modes:
-            types = {n: "i32" for n in ba._window_kernel.arg_names}
-            types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr=f"*{dt}", lse_ptr="*fp32",
-                         po_ptr="*fp32", plse_ptr="*fp32", wl_ptr="*i64", blk_ptr="*i64", qk_scale="fp32")
-            ce = dict(G=G, D=D, BLOCK_D=D, MODE=m, HAS_WL=True, RETURN_LSE=True, BLOCK_M=BM, BLOCK_N=BN,
-                      UPCAST=False, DOT_PREC=prec)
-            aligned = {"s_qb", "s_qn", "s_qh", "s_kb", "s_kn", "s_kh", "s_vb", "s_vn", "s_vh", "s_ob", "s_on",
-                       "s_oh"}
-            out.append((f"_window_kernel {dt} {mode}", ba._window_kernel, types, ce, aligned,
-                        dict(num_warps=warps, num_stages=2)))
+            for has_wl, ret_lse in ((True, True), (False, False)) if mode == "full" else ((True, True),):
+                _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec)
         if quick:
             break
+    _confidence_variants(out, dtypes)
+    _select_round_variants(out, quick)
+    return out
+
+
+def _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec):
+    types = {n: "i32" for n in ba._window_kernel.arg_names}
+    types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr=f"*{dt}", lse_ptr="*fp32", po_ptr="*fp32",
+                 plse_ptr="*fp32", wl_ptr="*i64", blk_ptr="*i64", qk_scale="fp32")
+    ce = dict(G=G, D=D, BLOCK_D=D, MODE=m, HAS_WL=has_wl, RETURN_LSE=ret_lse, BLOCK_M=BM, BLOCK_N=BN,
+              UPCAST=False, DOT_PREC=prec)
+    aligned = {"s_qb", "s_qn", "s_qh", "s_kb", "s_kn", "s_kh", "s_vb", "s_vn", "s_vh", "s_ob", "s_on", "s_oh"}
+    extra = "" if has_wl else " no-win_lens no-lse"
+    out.append((f"_window_kernel {dt} {mode}{extra}", ba._window_kernel, types, ce, aligned,
+                dict(num_warps=warps, num_stages=2)))
+
+
+def _confidence_variants(out, dtypes):
     for dt in dtypes:
         types = {n: "i32" for n in cf._confidence_kernel.arg_names}
         types.update(x_ptr=f"*{dt}", tok_ptr="*i64", pmax_ptr="*fp32", margin_ptr="*fp32", negent_ptr="*fp32",
                      lse_ptr="*fp32", eps="fp32")
         ce = dict(HAS_SUPPRESS=True, BLOCK_V=cf.block_v_for(152064))
-        out.append((f"_confidence_kernel {dt} V=152064", cf._confidence_kernel, types, ce, {"stride_x"},
-                    dict(num_warps=8, num_stages=3)))
+        for sup in (True, False) if dt == "bf16" and len(dtypes) > 1 else (True,):
+            out.append((f"_confidence_kernel {dt} V=152064{'' if sup else ' no-suppress'}", cf._confidence_kernel,
+                        types, dict(ce, HAS_SUPPRESS=sup), {"stride_x"}, dict(num_warps=8, num_stages=3)))
         types = {n: "i32" for n in cf._conf_partial_kernel.arg_names}
         types.update(x_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32")
         out.append((f"_conf_partial_kernel {dt} V=152064", cf._conf_partial_kernel, types, ce, {"stride_x"},
@@ -100,7 +112,10 @@ def variants(quick: bool):
     types.update(pi1_ptr="*i32", tok_ptr="*i64", S="i32")
     out.append(("_conf_finalize_kernel S<=16", cf._conf_finalize_kernel, types, dict(BLOCK_S=16), set(),
                 dict(num_warps=1, num_stages=3)))
-    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64), (16, 1024)]):
+
+
+def _select_round_variants(out, quick):
+    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64), (16, 1024), (1, 32)]):
         types = {nm: "i32" for nm in sr._select_round_kernel.arg_names}
         types.update(val_ptr="*fp32", conf_ptr="*fp32", masked_ptr="*u8", blk_ptr="*i32", complete_ptr="*u8",
                      ktab_ptr="*i32", cc_ptr="*fp32", active_ptr="*u8", accept_ptr="*i8", look_ptr="*i64",
@@ -109,7 +124,6 @@ def variants(quick: bool):
         ce = dict(CMP=0, HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
         out.append((f"_select_round_kernel B={B} n={n}", sr._select_round_kernel, types, ce, set(),
                     dict(num_warps=warps, num_stages=1)))
-    return out
 
 
 def ptxas_report(ptx: str, name: str) -> dict:
