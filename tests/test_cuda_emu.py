@@ -137,6 +137,21 @@ def test_confidence_unaligned_rows_ties_and_neg_inf(emu):
     assert got.token[0] == 40 and got.margin[0] == 0 and got.margin[1] == 1
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_confidence_split_v_path(emu, aligned):
+    """Few rows: the vocabulary is cut into splits (3 launches, ordered merge); a tie across two splits keeps
+    the lowest index, the suppressed id sits in split 0, the unaligned variant runs every split scalar."""
+    base = torch.randn(2, 20001, generator=torch.Generator().manual_seed(7)).mul(3).to(torch.bfloat16)
+    x = base[:, :20000] if aligned else base[:, 1:]
+    assert _cuda.confidence_splits(2, x.shape[1], _cuda._EmuLauncher.num_sms)[0] == 4
+    x[0, 4999] = x[0, 15000] = 25.0  # splits 0 and 3 (chunk 5000)
+    x[1, 7] = 30.0
+    got = emu_vs_reference(emu, x, suppress=7)
+    assert got.token[0] == 4999 and got.margin[0] == 0 and got.token[1] != 7
+    one_cta = emu.confidence(x, 7, split=False)
+    assert torch.equal(one_cta.token, got.token)
+
+
 def random_round(B, n, nb, seed):
     g = torch.Generator().manual_seed(seed)
     value, conf = torch.rand(B, n, generator=g), torch.rand(B, n, generator=g)

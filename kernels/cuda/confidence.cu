@@ -4,8 +4,9 @@
 //   logits [N, V] (row stride in elements, last dim contiguous) -> token int64 [N], p_max, margin,
 //   neg_entropy, lse fp32 [N]; suppress (-1 = none) is treated as logit -inf; argmax ties -> lowest index.
 //
-// One CTA of 256 threads per row, two passes over the row in 16-byte chunks (the vocabulary is never
-// held whole: a 152k-wide row in one tile is what spilled in the Triton sweep):
+// One CTA of 256 threads per row (or per (row, V split) when rows are few: see split_stats), two passes over
+// the row in 16-byte chunks (the vocabulary is never held whole: a 152k-wide row in one tile is what
+// spilled in the Triton sweep):
 //   pass 1: online max / sum-exp, top-1 (value, index) and top-2 value; block merge -> lse, p_max, margin
 //   pass 2: sum_v p_v * log(p_v + eps) with the final lse (exact upstream formula, eps inside the log).
 // Bytes: 2 * N * V * sizeof(T) read (pass 2 mostly from L2: 132 rows in flight x 304 KB at V=152k bf16).
@@ -80,22 +81,15 @@ LOPA_INLINE State shfl_xor(const State& a, int o) {
   return b;
 }
 
+// Block-wide pass 1 over columns [begin, end) of one row: the merged State (valid in every thread).
 template <typename T>
-LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, int N, int V, int suppress, float eps,
-                           int vec, long long* __restrict__ token, float* __restrict__ p_max,
-                           float* __restrict__ margin, float* __restrict__ neg_entropy, float* __restrict__ lse) {
+LOPA_INLINE State scan_stats(const T* __restrict__ x, int begin, int end, int suppress, int vec) {
   constexpr int E = Vec<T>::N;
   __shared__ State warp_state[kWarps];
-  __shared__ float warp_sum_s[kWarps];
-  __shared__ float row_lse;
-  const int row = blockIdx.x;
-  if (row >= N) return;
-  const T* x = logits + (long long)row * row_stride;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int v_vec = vec ? (V / E) * E : 0;  // vectorised head; scalar tail (and unaligned rows)
-
+  const int v_vec = vec ? begin + ((end - begin) / E) * E : begin;  // vectorised head; scalar tail
   State st = identity();
-  for (int c = tid * E; c < v_vec; c += kThreads * E) {
+  for (int c = begin + tid * E; c < v_vec; c += kThreads * E) {
     float f[E];
     load_vec(x + c, f);
     if (suppress >= c && suppress < c + E) f[suppress - c] = LOPA_NEG_INF;
@@ -103,7 +97,7 @@ LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, i
     for (int e = 0; e < E; ++e) push(st, f[e], c + e);
     add_exp(st, f, E);
   }
-  for (int j = v_vec + tid; j < V; j += kThreads) {
+  for (int j = v_vec + tid; j < end; j += kThreads) {
     float f = j == suppress ? LOPA_NEG_INF : to_float(x[j]);
     push(st, f, j);
     add_exp(st, &f, 1);
@@ -112,25 +106,23 @@ LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, i
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
   if (lane == 0) warp_state[warp] = st;
   __syncthreads();
-  if (warp == 0) {
-    st = lane < kWarps ? warp_state[lane] : identity();
+  st = lane < kWarps ? warp_state[lane] : identity();
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
-    if (lane == 0) {
-      const float l = st.m + logf(st.s);
-      row_lse = l;
-      const float p1 = expf(st.t1 - l), p2 = expf(st.t2 - l);
-      token[row] = st.i1 == kNoIndex ? 0 : st.i1;
-      p_max[row] = p1;
-      margin[row] = p1 - p2;
-      lse[row] = l;
-    }
-  }
-  __syncthreads();
-  const float l = row_lse;
+  for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
+  __syncthreads();  // warp_state may be reused by the caller's next scan
+  return st;
+}
 
+// Block-wide pass 2 over [begin, end): sum_v p_v * log(p_v + eps) with p_v = exp(x_v - l) (valid in thread 0).
+template <typename T>
+LOPA_INLINE float scan_entropy(const T* __restrict__ x, int begin, int end, int suppress, int vec, float l,
+                               float eps) {
+  constexpr int E = Vec<T>::N;
+  __shared__ float warp_acc[kWarps];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int v_vec = vec ? begin + ((end - begin) / E) * E : begin;
   float acc = 0.f;
-  for (int c = tid * E; c < v_vec; c += kThreads * E) {
+  for (int c = begin + tid * E; c < v_vec; c += kThreads * E) {
     float f[E];
     load_vec(x + c, f);
 #pragma unroll
@@ -139,17 +131,102 @@ LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, i
       acc += p * logf(p + eps);
     }
   }
-  for (int j = v_vec + tid; j < V; j += kThreads) {
+  for (int j = v_vec + tid; j < end; j += kThreads) {
     const float p = j == suppress ? 0.f : expf(to_float(x[j]) - l);
     acc += p * logf(p + eps);
   }
   acc = warp_sum(acc);
-  if (lane == 0) warp_sum_s[warp] = acc;
+  if (lane == 0) warp_acc[warp] = acc;
   __syncthreads();
-  if (warp == 0) {
-    acc = lane < kWarps ? warp_sum_s[lane] : 0.f;
-    acc = warp_sum(acc);
-    if (lane == 0) neg_entropy[row] = acc;
+  acc = lane < kWarps ? warp_acc[lane] : 0.f;
+  acc = warp_sum(acc);
+  __syncthreads();
+  return acc;
+}
+
+LOPA_INLINE void write_stats(const State& st, int row, long long* token, float* p_max, float* margin, float* lse) {
+  const float l = st.m + logf(st.s);
+  const float p1 = expf(st.t1 - l), p2 = expf(st.t2 - l);
+  token[row] = st.i1 == kNoIndex ? 0 : st.i1;
+  p_max[row] = p1;
+  margin[row] = p1 - p2;
+  lse[row] = l;
+}
+
+// One CTA per row: both passes over the whole row (enough rows to fill the GPU).
+template <typename T>
+LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, int N, int V, int suppress, float eps,
+                           int vec, long long* __restrict__ token, float* __restrict__ p_max,
+                           float* __restrict__ margin, float* __restrict__ neg_entropy, float* __restrict__ lse) {
+  const int row = blockIdx.x;
+  if (row >= N) return;
+  const T* x = logits + (long long)row * row_stride;
+  const State st = scan_stats(x, 0, V, suppress, vec);
+  const float l = st.m + logf(st.s);
+  if (threadIdx.x == 0) write_stats(st, row, token, p_max, margin, lse);
+  const float acc = scan_entropy(x, 0, V, suppress, vec, l, eps);
+  if (threadIdx.x == 0) neg_entropy[row] = acc;
+}
+
+// Split-V path for few rows (a 32-row D2F round would use 32 of 132 SMs): grid (N, S), chunk = columns per
+// split (a multiple of 8). Three launches, no atomics, fixed merge order (deterministic):
+//   split_stats:   State of (row, split) -> ws_state [N, S, 5] (m, s, t1, t2 as floats, i1 as int bits)
+//   split_entropy: every CTA merges its row's S states in split order (-> lse), writes the row's stats once
+//                  (split 0), and its chunk's entropy sum -> ws_ent [N, S]
+//   finalize:      neg_entropy[row] = sum over splits in order (one warp per row)
+template <typename T>
+LOPA_INLINE void split_stats(const T* __restrict__ logits, long long row_stride, int N, int V, int chunk,
+                             int suppress, int vec, float* __restrict__ ws_state) {
+  const int row = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+  if (row >= N) return;
+  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  const State st = scan_stats(logits + (long long)row * row_stride, begin, end, suppress, vec);
+  if (threadIdx.x == 0) {
+    float* w = ws_state + ((long long)row * S + split) * 5;
+    w[0] = st.m;
+    w[1] = st.s;
+    w[2] = st.t1;
+    w[3] = st.t2;
+    w[4] = __int_as_float(st.i1);
+  }
+}
+
+template <typename T>
+LOPA_INLINE void split_entropy(const T* __restrict__ logits, long long row_stride, int N, int V, int chunk,
+                               int suppress, float eps, int vec, const float* __restrict__ ws_state,
+                               float* __restrict__ ws_ent, long long* __restrict__ token, float* __restrict__ p_max,
+                               float* __restrict__ margin, float* __restrict__ lse) {
+  __shared__ float row_lse;
+  const int row = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+  if (row >= N) return;
+  if (threadIdx.x == 0) {
+    State st = identity();
+    for (int s2 = 0; s2 < S; ++s2) {
+      const float* w = ws_state + ((long long)row * S + s2) * 5;
+      State p;
+      p.m = w[0];
+      p.s = w[1];
+      p.t1 = w[2];
+      p.t2 = w[3];
+      p.i1 = __float_as_int(w[4]);
+      st = merge(st, p);
+    }
+    row_lse = st.m + logf(st.s);
+    if (split == 0) write_stats(st, row, token, p_max, margin, lse);
+  }
+  __syncthreads();
+  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  const float acc = scan_entropy(logits + (long long)row * row_stride, begin, end, suppress, vec, row_lse, eps);
+  if (threadIdx.x == 0) ws_ent[(long long)row * S + split] = acc;
+}
+
+LOPA_INLINE void split_finalize(const float* __restrict__ ws_ent, int N, int S, float* __restrict__ neg_entropy) {
+  const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;
+  if (lane == 0) {
+    float acc = 0.f;
+    for (int s2 = 0; s2 < S; ++s2) acc += ws_ent[(long long)row * S + s2];
+    neg_entropy[row] = acc;
   }
 }
 
@@ -162,8 +239,23 @@ LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, i
       float* p_max, float* margin, float* neg_entropy, float* lse) {                                             \
     lopa::conf::row_stats<T>(logits, row_stride, N, V, suppress, eps, vec, token, p_max, margin, neg_entropy,  \
                              lse);                                                                               \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(lopa::conf::kThreads) confidence_split_stats_##TNAME(            \
+      const T* logits, long long row_stride, int N, int V, int chunk, int suppress, int vec, float* ws_state) {  \
+    lopa::conf::split_stats<T>(logits, row_stride, N, V, chunk, suppress, vec, ws_state);                       \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(lopa::conf::kThreads) confidence_split_entropy_##TNAME(          \
+      const T* logits, long long row_stride, int N, int V, int chunk, int suppress, float eps, int vec,         \
+      const float* ws_state, float* ws_ent, long long* token, float* p_max, float* margin, float* lse) {         \
+    lopa::conf::split_entropy<T>(logits, row_stride, N, V, chunk, suppress, eps, vec, ws_state, ws_ent, token,  \
+                                 p_max, margin, lse);                                                            \
   }
 
 LOPA_CONF_ENTRY(f32, float)
 LOPA_CONF_ENTRY(bf16, lopa::bf16)
 LOPA_CONF_ENTRY(f16, lopa::f16)
+
+extern "C" __global__ void __launch_bounds__(lopa::conf::kThreads)
+    confidence_split_finalize(const float* ws_ent, int N, int S, float* neg_entropy) {
+  lopa::conf::split_finalize(ws_ent, N, S, neg_entropy);
+}

@@ -82,7 +82,9 @@ def entry_names(op: str) -> list[str]:
         ]
     if op == "select_round":
         return ["select_round_f32"]
-    return [f"confidence_{t}" for t in _DTYPE_NAME.values()]
+    return [f"confidence{part}_{t}" for part in ("", "_split_stats", "_split_entropy") for t in _DTYPE_NAME.values()] + [
+        "confidence_split_finalize"
+    ]
 
 
 def _nvrtc():
@@ -182,6 +184,7 @@ class _CupyLauncher:
         with cupy.cuda.Device(device.index):
             self._mod = cupy.RawModule(path=str(cached_cubin(op, major * 10 + minor)))
         self._fns: dict = {}
+        self._streams: dict = {}
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(self, name, grid, block, smem, args):
@@ -193,8 +196,11 @@ class _CupyLauncher:
             fn.max_dynamic_shared_size_bytes = smem
         conv = {"p": np.uint64, "i": np.int32, "q": np.int64, "f": np.float32}
         cargs = tuple(conv[k](v) for k, v in args)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        with self._cupy.cuda.Device(self.device.index), self._cupy.cuda.ExternalStream(stream):
+        ptr = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:  # one wrapper per torch stream, not one per launch
+            stream = self._streams[ptr] = self._cupy.cuda.ExternalStream(ptr, self.device.index)
+        with self._cupy.cuda.Device(self.device.index), stream:
             fn(grid, block, cargs, shared_mem=smem)
 
 
@@ -302,8 +308,17 @@ def run_branch_attention(launch, num_sms, q, k_cache, v_cache, cache_len, k_win,
     return o, lse
 
 
-def run_confidence(launch, logits, suppress_token, eps):
-    """Launch confidence on any launcher; returns (token, p_max, margin, neg_entropy, lse)."""
+def confidence_splits(N: int, V: int, num_sms: int) -> tuple[int, int]:
+    """(V splits S, columns per split, a multiple of 8). S = 1 (one CTA per row) once N rows fill ~2 CTAs per
+    SM; below that the row is cut so that N * S ~ 2 * SMs, never into chunks under 4096 columns."""
+    s = max(1, min(math.ceil(2 * num_sms / max(N, 1)), V // 4096))
+    chunk = math.ceil(math.ceil(V / s) / 8) * 8
+    return math.ceil(V / chunk), chunk
+
+
+def run_confidence(launch, logits, suppress_token, eps, num_sms=None):
+    """Launch confidence on any launcher; returns (token, p_max, margin, neg_entropy, lse).
+    num_sms=None: one CTA per row; else the split-V path when rows are few (confidence_splits)."""
     N, V = logits.shape
     tname = _DTYPE_NAME[logits.dtype]
     if logits.stride(-1) != 1:
@@ -316,10 +331,23 @@ def run_confidence(launch, logits, suppress_token, eps):
     if N == 0:
         return (token, *stats)
     P = lambda t: ("p", t.data_ptr())  # noqa: E731
-    launch(f"confidence_{tname}", (N, 1, 1), (CONF_THREADS, 1, 1), 0,
-           [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V),
-            ("i", -1 if suppress_token is None else int(suppress_token)), ("f", float(eps)), ("i", vec),
-            P(token), *[P(s) for s in stats]])  # fmt: skip
+    sup = -1 if suppress_token is None else int(suppress_token)
+    S, chunk = (1, V) if num_sms is None else confidence_splits(N, V, num_sms)
+    if S == 1:
+        launch(f"confidence_{tname}", (N, 1, 1), (CONF_THREADS, 1, 1), 0,
+               [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", sup), ("f", float(eps)), ("i", vec),
+                P(token), *[P(s) for s in stats]])  # fmt: skip
+        return (token, *stats)
+    p_max, margin, neg_entropy, lse = stats
+    ws_state = torch.empty((N, S, 5), dtype=torch.float32, device=dev)
+    ws_ent = torch.empty((N, S), dtype=torch.float32, device=dev)
+    head = [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", chunk), ("i", sup)]
+    launch(f"confidence_split_stats_{tname}", (N, S, 1), (CONF_THREADS, 1, 1), 0,
+           [*head, ("i", vec), P(ws_state)])
+    launch(f"confidence_split_entropy_{tname}", (N, S, 1), (CONF_THREADS, 1, 1), 0,
+           [*head, ("f", float(eps)), ("i", vec), P(ws_state), P(ws_ent), P(token), P(p_max), P(margin), P(lse)])
+    launch("confidence_split_finalize", (math.ceil(N / (CONF_THREADS // 32)), 1, 1), (CONF_THREADS, 1, 1), 0,
+           [P(ws_ent), ("i", N), ("i", S), P(neg_entropy)])
     return (token, *stats)
 
 
@@ -393,7 +421,8 @@ def _confidence_op(
     logits: torch.Tensor, suppress_token: int | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    return run_confidence(_launcher("confidence", dev), logits, suppress_token, eps)
+    L = _launcher("confidence", dev)
+    return run_confidence(L, logits, suppress_token, eps, L.num_sms)
 
 
 @_confidence_op.register_fake
@@ -489,8 +518,9 @@ class Emulated:
                                       block_ids, mode, scale, return_lse)
         return (o, lse) if return_lse else o
 
-    def confidence(self, logits, suppress_token=None, eps=1e-10):
-        return ref.Confidence(*run_confidence(self._l["confidence"], logits, suppress_token, eps))
+    def confidence(self, logits, suppress_token=None, eps=1e-10, split=True):
+        L = self._l["confidence"]
+        return ref.Confidence(*run_confidence(L, logits, suppress_token, eps, L.num_sms if split else None))
 
     def select_round(self, accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0,
                      topp=1.0, alpha=0.0, creation_conf=None, branch_active=None):
