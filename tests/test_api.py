@@ -45,6 +45,16 @@ def test_trace_only_when_asked():
     assert out.trace and {"round", "branches", "winner", "accepted"} <= set(out.trace[0])
 
 
+@pytest.mark.parametrize("strategy", ["vanilla", "threshold"])
+@pytest.mark.parametrize("shift", [True, False])
+def test_block_loop_traces_cover_every_position_once(strategy, shift):
+    out = lopa_fast.generate(stub(shift), [0, 1], strategy, max_new_tokens=8, block_size=4, return_trace=True,
+                             cache="prefix" if strategy == "threshold" else None, **ok_kwargs(strategy))  # fmt: skip
+    filled = [q for r in out.trace for q, _ in r["accepted"]]
+    assert sorted(filled) == list(range(8)) and len(out.trace) == out.stats["forwards"]
+    assert all(out.generated_ids[q] == t for r in out.trace for q, t in r["accepted"])
+
+
 def test_backend_dispatch(monkeypatch):
     calls = []
 

@@ -123,6 +123,17 @@ def round_cap_hit(cfg, stats: dict, where: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+def record_step(trace: list | None, round_: int, before: torch.Tensor, x: torch.Tensor, P: int, **extra) -> None:
+    """Append a trace entry {round, accepted: [[position - P, token], ...], **extra} for the positions that
+    left the mask state between `before` and `x` (vanilla / threshold; a position "filled" with the mask id
+    itself stays masked and is not listed)."""
+    if trace is None:
+        return
+    mask_id = extra.pop("mask_id")
+    pos = ((before == mask_id) & (x != mask_id)).nonzero(as_tuple=True)[0]
+    trace.append({"round": round_, "accepted": [[int(q) - P, int(x[q])] for q in pos], **extra})
+
+
 class Clock:
     """Wall time of a decoding loop (synchronizes the device at both ends)."""
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, token_stats
+from lopa_fast.reference.common import Clock, make_generator, record_step, round_cap_hit, token_stats
 from lopa_fast.reference.vanilla import gumbel_argmax
 
 ENTROPY_EPS = 1e-12
@@ -114,11 +114,15 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             return False
         return True
 
+    trace = [] if cfg.return_trace else None
+
     def commit(lo: int, logits: torch.Tensor, cand: torch.Tensor) -> None:
         """Decode one step from window logits [n, V] covering positions [lo, lo+n)."""
         x0, conf, ent = step_stats(model, logits, cfg, gen)
         sel = select(conf, ent, cand, cfg)
+        before = x.clone() if trace is not None else None
         x[lo + sel] = x0[sel]
+        record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id, window_start=lo - P)
         if sel.numel() >= 2:
             stats["multi_token_steps"] += 1
         if sel.numel() == 0:
@@ -155,7 +159,9 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 count(refresh=True)
                 if dream:
                     x0, _, _ = step_stats(model, logits[s : s + 1], cfg, gen)
+                    before = x.clone() if trace is not None else None
                     x[s] = x0[0]
+                    record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id, window_start=0)
                 else:
                     cand = x == mask_id
                     cand[e:] = False
@@ -182,4 +188,4 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 break
     ids = x[P:].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, mask_id, clock.seconds, steps_plus_one=False)
-    return GenerateOutput(ids, stats, None)
+    return GenerateOutput(ids, stats, trace)

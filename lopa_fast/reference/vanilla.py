@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, token_stats
+from lopa_fast.reference.common import Clock, make_generator, record_step, token_stats
 
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
@@ -48,7 +48,7 @@ def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
     return model.forward_window(x if x.dim() == 2 else x[None], mask="full")
 
 
-def _llada(model, prompt, cfg, gen, stats):
+def _llada(model, prompt, cfg, gen, stats, trace):
     P, G = prompt.numel(), cfg.max_new_tokens
     mask_id = cfg.mask_token_id
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
@@ -96,12 +96,14 @@ def _llada(model, prompt, cfg, gen, stats):
             conf = torch.where(mask_index, x0_p, torch.full_like(x0_p, float("-inf")))
             k = sched[i]
             sel = torch.topk(conf, k).indices
+            before = x.clone() if trace is not None else None
             x[sel] = x0[sel]
             stats["transferred"] += k
+            record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
     return x
 
 
-def _dream(model, prompt, cfg, gen, stats):
+def _dream(model, prompt, cfg, gen, stats, trace):
     P, G = prompt.numel(), cfg.max_new_tokens
     mask_id = cfg.mask_token_id
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
@@ -110,6 +112,7 @@ def _dream(model, prompt, cfg, gen, stats):
     kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
               suppress_token=mask_id if cfg.suppress_mask_token else None, generator=gen)  # fmt: skip
     for i in range(steps):
+        before = x.clone() if trace is not None else None
         mask_index = x == mask_id
         raw = _forward_full(model, x)[0]
         stats["forwards"] += 1
@@ -126,6 +129,7 @@ def _dream(model, prompt, cfg, gen, stats):
                 x0[reveal] = tok
             x[mask_index] = x0
             stats["transferred"] += int(reveal.sum())
+            record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
             continue
         strategy = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}[cfg.alg]
         conf, x0, _ = token_stats(mask_logits, sampling_strategy=strategy, **kw)
@@ -142,6 +146,7 @@ def _dream(model, prompt, cfg, gen, stats):
             x_[mask_index] = x0
             x[sel] = x_[sel]
             stats["transferred"] += n
+        record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
     return x
 
 
@@ -149,8 +154,9 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
     """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
     gen = make_generator(cfg, prompt.device)
     stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
+    trace = [] if cfg.return_trace else None
     with Clock(prompt.device) as clock:
-        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats)
+        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats, trace)
     ids = x[prompt.numel() :].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
-    return GenerateOutput(ids, stats, None)
+    return GenerateOutput(ids, stats, trace)
