@@ -37,6 +37,7 @@ class GenerateOutput:
                    round, window_start, window_len, cached (u), branches (list of per-branch dicts with
                    `score`, `lookahead` position or None, `window_len`), winner (index into branches),
                    accepted (list of [position, token]; positions are relative to the prompt end).
+                   vanilla / threshold: one entry per forward with round and accepted.
     """
 
     generated_ids: list[int]
