@@ -21,77 +21,65 @@ from lopa_fast.kernels.triton._common import is_interpreter
 
 
 @triton.jit
-def _confidence_kernel(
-    x_ptr, stride_x,
-    tok_ptr, pmax_ptr, margin_ptr, negent_ptr, lse_ptr,
-    V, suppress, eps,
-    HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride_x
-    offs = tl.arange(0, BLOCK_V)
-    neg_inf = float("-inf")
-    m1 = tl.full((), neg_inf, tl.float32)  # running max
-    m2 = tl.full((), neg_inf, tl.float32)  # running second max (multiset: an exact tie gives m2 == m1)
-    i1 = tl.full((), 0, tl.int32)
-    s = tl.full((), 0.0, tl.float32)  # sum exp(x - m1)
-    for v0 in range(0, V, BLOCK_V):
-        idx = v0 + offs
-        x = tl.load(base + idx, mask=idx < V, other=neg_inf).to(tl.float32)
-        if HAS_SUPPRESS:
-            x = tl.where(idx == suppress, neg_inf, x)
-        cmax = tl.max(x, axis=0)
-        cidx = tl.min(tl.where(x == cmax, idx, 2147483647), axis=0)  # earliest arg-max in the chunk
-        c2 = tl.max(tl.where(idx == cidx, neg_inf, x), axis=0)
-        m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
-        better = cmax > m1  # strict: an equal later max keeps the earlier index
-        i1 = tl.where(better, cidx, i1)
-        m_new = tl.maximum(m1, cmax)
-        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: avoid inf - inf
-        s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-        m1 = m_new
-    lse = m1 + tl.log(s)
-    p_max = tl.exp(m1 - lse)
-    p_2 = tl.exp(m2 - lse)
-    ent = tl.full((), 0.0, tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        idx = v0 + offs
-        x = tl.load(base + idx, mask=idx < V, other=neg_inf).to(tl.float32)
-        if HAS_SUPPRESS:
-            x = tl.where(idx == suppress, neg_inf, x)
-        p = tl.exp(x - lse)
-        ent += tl.sum(tl.where(idx < V, p * tl.log(p + eps), 0.0), axis=0)
-    tl.store(tok_ptr + row, i1.to(tl.int64))
-    tl.store(pmax_ptr + row, p_max)
-    tl.store(margin_ptr + row, p_max - p_2)
-    tl.store(negent_ptr + row, ent)
-    tl.store(lse_ptr + row, lse)
-
-
-@triton.jit
 def _chunk_stats(base, lo, hi, suppress, HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
     """Online max / earliest arg-max / second max (multiset) / sum exp over logits[lo:hi] of one row."""
     offs = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
-    m1 = tl.full((), neg_inf, tl.float32)
-    m2 = tl.full((), neg_inf, tl.float32)
+    m1 = tl.full((), neg_inf, tl.float32)  # running max
+    m2 = tl.full((), neg_inf, tl.float32)  # running second max (multiset: an exact tie gives m2 == m1)
     i1 = lo  # any index is fine while m1 = -inf: a split with all -inf never wins the merge
-    s = tl.full((), 0.0, tl.float32)
+    s = tl.full((), 0.0, tl.float32)  # sum exp(x - m1)
     for v0 in range(lo, hi, BLOCK_V):
         idx = v0 + offs
         x = tl.load(base + idx, mask=idx < hi, other=neg_inf).to(tl.float32)
         if HAS_SUPPRESS:
             x = tl.where(idx == suppress, neg_inf, x)
         cmax = tl.max(x, axis=0)
-        cidx = tl.min(tl.where(x == cmax, idx, 2147483647), axis=0)
+        cidx = tl.min(tl.where(x == cmax, idx, 2147483647), axis=0)  # earliest arg-max in the chunk
         c2 = tl.max(tl.where(idx == cidx, neg_inf, x), axis=0)
         m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
-        i1 = tl.where(cmax > m1, cidx, i1)
+        i1 = tl.where(cmax > m1, cidx, i1)  # strict: an equal later max keeps the earlier index
         m_new = tl.maximum(m1, cmax)
-        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: avoid inf - inf
         s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
         m1 = m_new
     return m1, i1, m2, s
+
+
+@triton.jit
+def _chunk_entropy(base, lo, hi, lse, suppress, eps, HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """sum_v p_v * log(p_v + eps) over logits[lo:hi] of one row, p_v = exp(x_v - lse)."""
+    offs = tl.arange(0, BLOCK_V)
+    ent = tl.full((), 0.0, tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        idx = v0 + offs
+        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
+        if HAS_SUPPRESS:
+            x = tl.where(idx == suppress, float("-inf"), x)
+        p = tl.exp(x - lse)
+        ent += tl.sum(tl.where(idx < hi, p * tl.log(p + eps), 0.0), axis=0)
+    return ent
+
+
+@triton.jit
+def _confidence_kernel(
+    x_ptr, stride_x,
+    tok_ptr, pmax_ptr, margin_ptr, negent_ptr, lse_ptr,
+    V, suppress, eps,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One program per row: both passes over the whole row."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    m1, i1, m2, s = _chunk_stats(base, 0, V, suppress, HAS_SUPPRESS, BLOCK_V)
+    lse = m1 + tl.log(s)
+    p_max = tl.exp(m1 - lse)
+    ent = _chunk_entropy(base, 0, V, lse, suppress, eps, HAS_SUPPRESS, BLOCK_V)
+    tl.store(tok_ptr + row, i1.to(tl.int64))
+    tl.store(pmax_ptr + row, p_max)
+    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
+    tl.store(negent_ptr + row, ent)
+    tl.store(lse_ptr + row, lse)
 
 
 @triton.jit
@@ -144,16 +132,7 @@ def _conf_entropy_kernel(
     _, _, _, lse = _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
     lo = sp * split
     hi = tl.minimum(lo + split, V)
-    base = x_ptr + row * stride_x
-    offs = tl.arange(0, BLOCK_V)
-    ent = tl.full((), 0.0, tl.float32)
-    for v0 in range(lo, hi, BLOCK_V):
-        idx = v0 + offs
-        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
-        if HAS_SUPPRESS:
-            x = tl.where(idx == suppress, float("-inf"), x)
-        p = tl.exp(x - lse)
-        ent += tl.sum(tl.where(idx < hi, p * tl.log(p + eps), 0.0), axis=0)
+    ent = _chunk_entropy(x_ptr + row * stride_x, lo, hi, lse, suppress, eps, HAS_SUPPRESS, BLOCK_V)
     tl.store(pent_ptr + row * S + sp, ent)
 
 
