@@ -114,8 +114,8 @@ class FastDecoder:
         self.x = torch.full((NB, L), self.mask_id, dtype=torch.long, device=dev)
         self.x[:, :P] = prompt
         self.nblk = torch.zeros(NB, dtype=torch.long, device=dev)
-        self.state = torch.zeros(NB, G + 1, dtype=torch.long, device=dev)
-        self.state[:, 0] = TO_CACHE
+        self.state = torch.zeros(G + 1, dtype=torch.long, device=dev)  # shared by every branch (see _plan)
+        self.state[0] = TO_CACHE
         self.complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
         self.complete[:, 0] = True
         self.eos = torch.zeros(NB, dtype=torch.bool, device=dev)
@@ -143,61 +143,56 @@ class FastDecoder:
 
         Returns a dict of device tensors and the host plan [done, nA, s, u, n, R, ragged] (one read).
         """
-        cfg, G = self.cfg, self.G
-        alive, nblk = self.alive, self.nblk
-        mc = self._mask_counts()
-        # 1. grow: the last block's decoded fraction (Python float maths in fp64) >= tau_add
-        last_mc = mc.gather(1, nblk[:, None])[:, 0]
+        G, bs, P = self.G, self.bs, self.P
+        alive, nblk, state = self.alive, self.nblk, self.state
+        ismask_all = self.x == self.mask_id  # [NB, L]; positions past a row's length hold masks too
+        mc = torch.nn.functional.pad(ismask_all[:, P:].view(self.NB, G, bs).sum(-1), (1, 0))  # [NB, G+1]
+        # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
+        last_mc = mc.gather(1, nblk[:, None]).squeeze(1)
         grow = alive & (nblk < G) & ~self.eos & self.tab_add[last_mc]
-        nblk = self.nblk = nblk + grow.long()
-        exists = self.jidx[None, :] <= nblk[:, None]
-        # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky)
-        ratio_ok = self.tab_act[mc]
-        self.complete[:, 1:] |= ratio_ok[:, :-1] & exists[:, 1:]
+        nblk = self.nblk = nblk + grow
+        exists = self.jidx[None, :] <= nblk[:, None]  # [NB, G+1]
+        # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky, per branch)
+        self.complete[:, 1:] |= self.tab_act[mc[:, :-1]] & exists[:, 1:]
         # 3. done: no mask and no active block
-        active = exists & (self.state == ACTIVE)
-        lens = self.P + nblk * self.bs
-        ismask = (self.x == self.mask_id) & (self.pos[None, :] < lens[:, None])
+        active = exists & (state == ACTIVE)[None, :]
+        lens = P + nblk * bs
+        ismask = ismask_all & (self.pos[None, :] < lens[:, None]) & alive[:, None]
         done = alive & ~ismask.any(1) & ~active.any(1)
         rem = alive & ~done
-        # 4. shared-prefix end: leading blocks in (to_cache | in_cache) with no mask, min over branches
-        ok = exists & (self.state != ACTIVE) & (mc == 0)
-        lead = ok.long().cumprod(1).sum(1)
-        big = torch.full_like(lead, G + 2)
-        mlead = torch.where(rem, lead, big).min().clamp(1, G + 1)
-        spe = self.bend[mlead - 1]
-        # 5. layout branch: the anchor (last alive slot) if it is still running, else the first running
-        nA = alive.sum()
-        anchor = nA - 1
-        first_rem = torch.where(rem, self.slot, self.NB).min().clamp(max=self.NB - 1)
-        lay = torch.where(_at(rem, anchor), anchor, first_rem)
-        tc = _at(exists, lay) & (_at(self.state, lay) == TO_CACHE) & (self.bend <= spe)
+        # 4. shared-prefix end: the leading run of non-active blocks. The block-state row is shared by all
+        # branches (every new branch gets the same table at spawn; growth appends active blocks), and a
+        # non-active block never holds a mask, so upstream's min over branches is this one run.
+        lead = (state != ACTIVE).cumprod(0).sum()
+        spe = self.bend[lead - 1]
+        # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
+        tc = state == TO_CACHE
         has_tc = tc.any()
-        tc_start = torch.where(tc, self.bstart, self.L).min()
-        tc_end = torch.where(tc, self.bend, 0).max()
-        u = torch.where(has_tc, tc_end - tc_start, 0)
-        s = torch.where(has_tc, tc_start, spe)
-        wl = (lens - s).clamp(min=0)
+        s = torch.where(has_tc, torch.where(tc, self.bstart, self.L).min(), spe)
+        u = torch.where(has_tc, torch.where(tc, self.bend, 0).max() - s, 0)
+        wl = lens - s
         n = torch.where(rem, wl, 0).max()
-        # rounds where a running branch's row length differs from the layout branch's (branch growth)
-        lay_len = _at(lens, lay)
-        self.c_growth_split += (rem & (lens != lay_len)).any().long()
+        # the layout branch (the anchor if still running, else the first running one): its row length
+        # tells branch-specific growth apart (counters only)
+        nA = alive.sum()
+        first_rem = torch.where(rem, self.slot, self.NB - 1).min()
+        lay = torch.where(_at(rem, nA - 1), nA - 1, first_rem)
+        self.c_growth_split += (rem & (lens != _at(lens, lay))).any()
         self.c_max_branches = torch.maximum(self.c_max_branches, rem.sum())
         ragged = (torch.where(alive, wl, n) != n).any()
-        # LM-head rows: raw row at position q is needed iff it predicts a masked position (q+1 with the
-        # Dream shift, q without), or q is the last cached position (its logit becomes last_logit).
-        need = torch.zeros_like(ismask)
+        # LM-head rows: raw row q is needed iff it predicts a masked position (q+1 with the Dream shift,
+        # q without), or q = s+u-1, the last cached position (its logit becomes last_logit); q >= s.
         if self.shift:
-            need[:, :-1] = ismask[:, 1:]
-            need |= (self.pos == s + u - 1)[None, :] & (u > 0)
+            last = (self.pos == s + u - 1) & (u > 0)
+            need = (torch.nn.functional.pad(ismask[:, 1:], (0, 1)) | last[None, :]) & alive[:, None]
+            need &= (self.pos >= s)[None, :]
         else:
-            need = ismask.clone()
-        need &= (self.pos[None, :] >= s) & alive[:, None]
+            need = ismask
         R = need.sum()
         head = torch.stack([~rem.any(), nA, s, u, n, R, ragged])
         self.host_reads += 1
         plan = head.tolist()  # the round's one device-to-host read
-        return dict(mc=mc, exists=exists, active=active, rem=rem, done=done, spe=spe, tc=tc, need=need,
+        return dict(exists=exists, active=active, rem=rem, done=done, spe=spe, tc=tc, need=need,
                     ismask=ismask, lens=lens, wl=wl, lay=lay), plan
 
     # ------------------------------------------------------------------------------------------------
@@ -278,13 +273,13 @@ class FastDecoder:
         self.c_fallback += fb.sum()
         self.c_eos_fills += eos_hit.sum()
         is_look = W != nA - 1
-        self.c_winner_grew += (_at(d["lens"], W) != _at(d["lens"], d["lay"])).long()
+        self.c_winner_grew += _at(d["lens"], W) != _at(d["lens"], d["lay"])
         self.c_look_wins += is_look.long()
         # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
         self.c_multi += ((accW.sum() + is_look.long()) >= 2).long()
 
         # ---- winner's block table after the fill
-        nblkW, stW, cpW = _at(self.nblk, W), _at(self.state, W), _at(self.complete, W)
+        nblkW, stW, cpW = _at(self.nblk, W), self.state, _at(self.complete, W)
         existsW = _at(d["exists"], W)
         mcW = torch.nn.functional.pad((xW[self.P :] == self.mask_id).view(self.G, self.bs).sum(-1), (1, 0))
         base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
@@ -306,9 +301,11 @@ class FastDecoder:
             n_valid = valid.sum()
             lpos = s + order
             ltok = tokW[order]
-            lslot = self.slot[: self.n_look]
-            cur = x_new[lslot, lpos]
-            x_new[lslot, lpos] = torch.where(valid, ltok, cur)
+            # scatter the lookahead tokens (flat index slot * L + pos; an invalid slot rewrites its own
+            # token). scatter_ instead of x[slot, pos] = ...: index_put costs ~0.4 ms here on CPU
+            flat = self.slot[: self.n_look] * L + lpos
+            x_flat = x_new.view(-1)
+            x_flat.scatter_(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat)))
             cconf_new[: self.n_look] = torch.where(valid, cW[order].double(), 1.0)
             if self.eos_id is not None:
                 eos_new[: self.n_look] |= valid & (ltok == self.eos_id)
@@ -325,10 +322,9 @@ class FastDecoder:
         retire = act & base_done
         chain = (~act | retire).long().cumprod(0).bool()
         st = torch.where(retire & chain, TO_CACHE, st)
-        st_new = st[None, :].expand(NB, -1)
 
         self.x = x_new
-        self.state = st_new
+        self.state = st
         self.nblk = nblkW.expand(NB).clone()
         self.complete = cpW[None, :].expand(NB, -1).clone()
         self.eos = eos_new
