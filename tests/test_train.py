@@ -91,3 +91,13 @@ def test_tiny_ar_drafter_run_lowers_the_loss(tmp_path):
     with torch.no_grad():
         after = float(ar.loss_on(model, b))
     assert after < 0.8 * before, (before, after)
+
+
+def test_continue_from_a_previous_run(tmp_path):
+    kw = dict(log=lambda *_: None, steps=3, warmup=1, eval_every=0, eval_n=2, threads=1, **{**TINY, "batch": 4})
+    d2f.train(tmp_path / "a", **kw)
+    d2f.train(tmp_path / "b", init_from=str(tmp_path / "a"), seed=1, **kw)
+    log = (tmp_path / "b" / "training_log.txt").read_text()
+    assert '"init_from": "' in log and "# done" in log
+    with pytest.raises(ValueError, match="different architecture"):
+        d2f.train(tmp_path / "c", init_from=str(tmp_path / "a"), **{**kw, "hidden": 64})

@@ -23,6 +23,9 @@ block-causal third keeps the model usable in D2F's block-causal mode. The loss i
 average (no 1/t ELBO weight; D2F's distillation loss is unweighted too). Dream alignment: the raw
 logit at position j - 1 predicts a masked token at j. Prompt tokens are never masked.
 
+A run can continue from a previous output (`--init-from DIR`, fresh optimizer and schedule, use a
+new --seed so the data stream differs); the log then records both runs.
+
 Everything is seeded (problems: `tasks.generate("train", B, seed=...)` per step; masks: a
 torch.Generator per step), CPU-only, float32.
 """
@@ -48,8 +51,8 @@ MODES = ("block_causal", "full_pipe", "full_uniform")
 
 DEFAULTS = dict(
     hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=40,
-    batch=64, steps=3000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
-    eval_every=300, eval_n=128, threads=2,
+    batch=64, steps=2000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
+    eval_every=250, eval_n=128, threads=1, init_from="",
 )
 
 
@@ -163,7 +166,8 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     torch.set_num_threads(a["threads"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "training_log.txt", "w")
+    # a continued run (init_from = a previous output) appends to that run's log
+    logf = open(out / "training_log.txt", "a" if a["init_from"] else "w")
 
     def emit(msg: str) -> None:
         log(msg)
@@ -173,6 +177,14 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     tok = tasks.build_tokenizer()
     cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
     model = init_model(cfg, a["seed"])
+    if a["init_from"]:
+        import lopa_fast
+
+        prev = lopa_fast.load_model(a["init_from"], dtype=torch.float32)
+        if prev.config != model.config:
+            raise ValueError(f"train: init_from={a['init_from']!r} has a different architecture than the options")
+        model.load_state_dict(prev.state_dict())
+        model.requires_grad_(True).train()
     n_params = sum(p.numel() for p in model.parameters())
     emit(f"# d2f recipe: {json.dumps(a, sort_keys=True)}")
     emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
