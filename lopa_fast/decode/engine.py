@@ -249,26 +249,27 @@ class FastDecoder:
                 self.last_logit = _at(table, _at(csum[:, u - 1], W))
 
         # ---- the D2F fill rule on the winner only (its own block states and logits)
-        sW = _at(sidx, W)
+        W1 = W.reshape(1)
+        sW, mW = torch.stack([sidx, masked.long()]).index_select(1, W1).unbind(0)
+        sW, mW = sW[0], mW[0].bool()
         cW, tokW, pW = conf[sW], x0[sW], p[sW]  # [n]
-        actWb = _at(d["active"], W)  # [G+1]
+        actWb = d["active"].index_select(0, W1)[0]  # [G+1]
         onehot = self.onehot[win]  # [n, G+1]: window position i lies in block j
-        candW = _at(masked, W) & actWb[self.pos_block[win]]
+        candW = mW & actWb[self.pos_block[win]]
         thr = candW & (pW > cfg.skip_threshold)  # strict, as upstream
         # fallback: a fully activated active block with masks and no accept fills its most confident
         # mask (first index on exact ties)
         cand_b = candW[:, None] & onehot
-        neg = torch.tensor(float("-inf"), dtype=cW.dtype, device=dev)
-        key = torch.where(cand_b, cW[:, None], neg)
+        key = torch.where(cand_b, cW[:, None], float("-inf"))
         best = key.max(0).values
         firstpos = torch.where(cand_b & (key == best), i[:, None], n).min(0).values  # [G+1]
         need_fb = _at(self.complete, W) & actWb & cand_b.any(0) & ~(thr[:, None] & onehot).any(0)
         fb = ((firstpos[None, :] == i[:, None]) & need_fb[None, :]).any(1)
         accW = thr | fb
-        xW = _at(self.x, W)
+        xW = self.x.index_select(0, W1)[0]
         xW[s : s + n] = torch.where(accW, tokW, xW[s : s + n])
         eos_hit = accW & (tokW == self.eos_id) if self.eos_id is not None else torch.zeros_like(accW)
-        eosW = _at(self.eos, W) | eos_hit.any()
+        eosW = self.eos.index_select(0, W1)[0] | eos_hit.any()
         self.c_thresh += thr.sum()
         self.c_fallback += fb.sum()
         self.c_eos_fills += eos_hit.sum()
@@ -279,8 +280,8 @@ class FastDecoder:
         self.c_multi += ((accW.sum() + is_look.long()) >= 2).long()
 
         # ---- winner's block table after the fill
-        nblkW, stW, cpW = _at(self.nblk, W), self.state, _at(self.complete, W)
-        existsW = _at(d["exists"], W)
+        nblkW, stW, cpW = self.nblk.index_select(0, W1), self.state, self.complete.index_select(0, W1)
+        existsW = d["exists"].index_select(0, W1)[0]
         mcW = torch.nn.functional.pad((xW[self.P :] == self.mask_id).view(self.G, self.bs).sum(-1), (1, 0))
         base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
 
@@ -291,7 +292,7 @@ class FastDecoder:
         cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
         if self.n_look > 0:
             rest = candW & ~accW
-            keyl = torch.where(rest, cW, neg)
+            keyl = torch.where(rest, cW, float("-inf"))
             order = torch.sort(keyl, descending=True, stable=True).indices[: self.n_look]
             valid = rest[order]
             if order.numel() < self.n_look:  # fewer window positions than lookaheads
@@ -326,7 +327,7 @@ class FastDecoder:
         self.x = x_new
         self.state = st
         self.nblk = nblkW.expand(NB).clone()
-        self.complete = cpW[None, :].expand(NB, -1).clone()
+        self.complete = cpW.expand(NB, -1).clone()
         self.eos = eos_new
         self.cconf = cconf_new
         self.alive = alive_new
