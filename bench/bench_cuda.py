@@ -134,3 +134,27 @@ def test_bench_cpp_confidence(benchmark, shape, dtype, provider):
         fn = lambda: ref.confidence(x)  # noqa: E731
     benchmark.extra_info.update(threads=torch.get_num_threads())
     benchmark.pedantic(fn, rounds=7, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("provider", ["cpp", "torch"])
+@pytest.mark.parametrize("dtype", ["float32"])  # so one --benchmark-group-by covers both CPU benchmarks
+@pytest.mark.parametrize("shape", list(SELECT_ROUND))
+def test_bench_cpp_select_round(benchmark, shape, dtype, provider):
+    """CPU: the C++ op (csrc/select_round_cpu.cpp) vs the torch backend (reference.ops.select_round)."""
+    from lopa_fast.ops import _cpp  # noqa: PLC0415
+    from lopa_fast.reference import ops as ref  # noqa: PLC0415
+
+    B, n, nb, n_look = SELECT_ROUND[shape]
+    g = torch.Generator().manual_seed(0)
+    c = torch.rand(B, n, generator=g)
+    masked = torch.rand(B, n, generator=g) < 0.7
+    bid = (torch.arange(n) // max(1, n // nb)).clamp(max=nb - 1).expand(B, n).contiguous()
+    complete = torch.ones(B, nb, dtype=torch.bool)
+    args = (c, c, masked, bid, complete, 0.9, "gt", n_look, 0.5, 0.0)
+    if provider == "cpp":
+        _cpp.build()
+        fn = lambda: _cpp.select_round(*args)  # noqa: E731
+    else:
+        fn = lambda: ref.select_round(*args)  # noqa: E731
+    benchmark.extra_info.update(threads=torch.get_num_threads())
+    benchmark.pedantic(fn, rounds=30, warmup_rounds=3)

@@ -1,4 +1,4 @@
-"""CPU C++ confidence (csrc/confidence_cpu.cpp, TORCH_LIBRARY lopa_fast_cpp) vs the reference op."""
+"""CPU C++ ops (csrc/confidence_cpu.cpp, csrc/select_round_cpu.cpp; TORCH_LIBRARY lopa_fast_cpp) vs the references."""
 from __future__ import annotations
 
 import shutil
@@ -8,6 +8,7 @@ import torch
 
 from lopa_fast.ops import _cpp
 from lopa_fast.reference import ops as ref
+
 
 def _ninja() -> bool:
     from torch.utils.cpp_extension import is_ninja_available
@@ -60,3 +61,31 @@ def test_ties_neg_inf_and_strided_rows():
 def test_float64_runs_the_reference():
     x = torch.randn(2, 50, dtype=torch.float64)
     assert _cpp.confidence(x).p_max.dtype == torch.float64
+
+
+@pytest.mark.parametrize("B,n,nb,seed", [(3, 16, 2, 0), (9, 70, 4, 1), (1, 7, 1, 2), (16, 128, 4, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 3, 0.5, 0.3), ("ge", 0.95, 0, 1.0, 0.0),
+                                                       ("le", 0.05, 5, 0.25, 0.7)])
+def test_select_round_matches_reference(B, n, nb, seed, cmp, tau, n_look, topp, alpha):
+    from tests.test_cuda_emu import random_round
+
+    value, conf, masked, bid, complete, cc, active = random_round(B, n, nb, seed)
+    args = (value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+    got, want = _cpp.select_round(*args), ref.select_round(*args)
+    assert torch.equal(got.accept, want.accept) and torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)
+    assert got.winner.item() == want.winner.item()
+
+
+def test_select_round_ties_and_no_active_branch():
+    g = torch.Generator().manual_seed(9)
+    c = torch.rand(1, 10, generator=g).expand(3, 10).clone()
+    masked = torch.ones(3, 10, dtype=torch.bool)
+    bid = torch.zeros(3, 10, dtype=torch.long)
+    done = torch.ones(3, 1, dtype=torch.bool)
+    got = _cpp.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)  # nothing passes: fallback only
+    want = ref.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)
+    assert torch.equal(got.accept, want.accept) and got.accept.sum() == 3 and got.winner.item() == 0
+    assert torch.equal(got.lookahead, want.lookahead) and (got.lookahead[:, -3:] == -1).all()
+    none = _cpp.select_round(c, c, masked, bid, done, 2.0, "gt", 0, 1.0, 0.0, None, torch.zeros(3, dtype=torch.bool))
+    assert none.winner.item() == -1

@@ -1,9 +1,11 @@
-"""CPU C++ ops of csrc/ (TORCH_LIBRARY `lopa_fast_cpp`), JIT-built with torch.utils.cpp_extension.load only
-when asked: `build()` (or LOPA_FAST_CPP=1 at first use of `confidence`). Nothing builds at import or install.
+"""CPU C++ ops of csrc/ (`confidence`, `select_round`; TORCH_LIBRARY `lopa_fast_cpp`), JIT-built with
+torch.utils.cpp_extension.load only when asked: `build()` (callers may gate it on `wanted()`, LOPA_FAST_CPP=1).
+Nothing builds at import or install.
 
-Measured side by side (bench/results/cuda_cpp_confidence.md): the C++ confidence is 1.2-2.6x faster than the
-vectorised torch path at the Dream vocabulary on 2 cores, so it is kept. Build: ~15-35 s (per-op ATen headers),
-cached under $LOPA_FAST_CACHE_DIR/cpp.
+Measured side by side (bench/results/cuda_cpp_ops.md), 2-core CPU: confidence 1.2-2.1x faster than the torch
+path at the Dream vocabulary, select_round 11-16x (against single-threaded torch; far more against 2 threads
+on a loaded machine), so both are kept. Build: ~15-35 s (per-op ATen headers; needs ninja), cached under
+$LOPA_FAST_CACHE_DIR/cpp.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 log = logging.getLogger("lopa_fast.ops.cpp")
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("confidence_cpu.cpp",)
+SOURCES = ("confidence_cpu.cpp", "select_round_cpu.cpp")
 
 
 @functools.cache
@@ -37,7 +39,7 @@ def build() -> None:
 
 
 def loaded() -> bool:
-    return hasattr(torch.ops, "lopa_fast_cpp") and hasattr(torch.ops.lopa_fast_cpp, "confidence")
+    return hasattr(torch.ops, "lopa_fast_cpp") and hasattr(torch.ops.lopa_fast_cpp, "select_round")
 
 
 def wanted() -> bool:
@@ -60,3 +62,23 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
     out = torch.ops.lopa_fast_cpp.confidence(logits, -1 if suppress_token is None else int(suppress_token),
                                              float(eps))
     return ref.Confidence(*out)
+
+
+def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
+                 alpha=0.0, creation_conf=None, branch_active=None):
+    """lopa_fast.reference.ops.select_round on the C++ op (CPU tensors); returns reference.ops.RoundSelection.
+    fp64 conf runs the reference (the contract computes it in fp64)."""
+    from lopa_fast.reference import ops as ref  # noqa: PLC0415
+
+    args = (accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
+            creation_conf, branch_active)
+    if conf.dtype == torch.float64:
+        return ref.select_round(*args)
+    if not loaded():
+        build()
+    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+    b8 = lambda t: None if t is None else t.to(torch.bool).contiguous()  # noqa: E731
+    out = torch.ops.lopa_fast_cpp.select_round(
+        f32(accept_value), f32(conf), b8(masked), block_ids.to(torch.int64).contiguous(), b8(block_complete),
+        float(tau), comparator, int(n_look), float(topp), float(alpha), f32(creation_conf), b8(branch_active))
+    return ref.RoundSelection(*out)

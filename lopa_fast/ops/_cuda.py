@@ -1,16 +1,16 @@
 """CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
 
 The hook of lopa_fast.ops._backend: `available(op)` and one function per op with the public op's signature
-(`branch_attention`, `confidence`, `select_round`). Nothing is compiled at install time (a torch-header CUDA build costs
-minutes of GPU time): on the first call the op's .cu source is compiled by NVRTC for the device's sm_XY,
-the cubin cached under $LOPA_FAST_CACHE_DIR (default ~/.cache/lopa_fast/cuda) keyed by a hash of the exact
-source text and options, loaded with cupy.RawModule and launched on the tensors' data pointers on torch's
-current stream. Without a CUDA device or CuPy, `available()` is False and `why_unavailable()` says why
-(logged once at INFO on logger "lopa_fast.ops.cuda"); the dispatch then picks triton / torch.
+(`branch_attention`, `confidence`, `select_round`). Nothing is compiled at install time (a torch-header CUDA
+build costs minutes of GPU time): on the first call the op's .cu source is compiled by NVRTC for the device's
+sm_XY, the cubin cached under $LOPA_FAST_CACHE_DIR (default ~/.cache/lopa_fast/cuda) keyed by a hash of the
+exact source text and options, loaded with cupy.RawModule and launched on the tensors' data pointers on
+torch's current stream. Without a CUDA device or CuPy, `available()` is False and `why_unavailable()` says
+why (logged once at INFO on logger "lopa_fast.ops.cuda"); the dispatch then picks triton / torch.
 
 The GPU entry points are also registered as torch custom ops (`lopa_fast::cuda_branch_attention`,
-`lopa_fast::cuda_confidence`, `lopa_fast::cuda_select_round`) with fake implementations, so a torch.compile'd / CUDA-graph-captured round
-treats them as opaque ops.
+`lopa_fast::cuda_confidence`, `lopa_fast::cuda_select_round`) with fake implementations, so a
+torch.compile'd / CUDA-graph-captured round treats them as opaque ops.
 
 The same launch code runs on CPU tensors through `emulator()`: the .cu compiled by the host C++ compiler
 against kernels/cuda/host_emu.cuh (one std::thread per CUDA thread). That is how CI checks the kernels'
@@ -82,9 +82,8 @@ def entry_names(op: str) -> list[str]:
         ]
     if op == "select_round":
         return ["select_round_f32"]
-    return [f"confidence{part}_{t}" for part in ("", "_split_stats", "_split_entropy") for t in _DTYPE_NAME.values()] + [
-        "confidence_split_finalize"
-    ]
+    parts = ("", "_split_stats", "_split_entropy")
+    return [f"confidence{p}_{t}" for p in parts for t in _DTYPE_NAME.values()] + ["confidence_split_finalize"]
 
 
 def _nvrtc():
@@ -149,7 +148,7 @@ def _probe() -> str | None:
             cupy.cuda.runtime.getDeviceCount()
             _nvrtc().getVersion()
         except Exception as e:  # noqa: BLE001 - ImportError, missing libnvrtc, driver mismatch, ...
-            reason = f"cupy/NVRTC unusable ({type(e).__name__}: {e}); install cupy-cuda13x (or the cupy build for this CUDA)"
+            reason = f"cupy/NVRTC unusable ({type(e).__name__}: {e}); install cupy-cuda13x (or the build for this CUDA)"
     if reason is not None:
         log.info("CUDA kernels unavailable: %s; ops fall back to triton/torch", reason)
     return reason
