@@ -173,12 +173,10 @@ class FastDecoder:
         wl = lens - s
         n = torch.where(rem, wl, 0).max()
         # the layout branch (the anchor if still running, else the first running one): its row length
-        # tells branch-specific growth apart (counters only)
+        # tells branch-specific growth apart (counters only, updated in _round: a capped round counts none)
         nA = alive.sum()
         first_rem = torch.where(rem, self.slot, self.NB - 1).min()
         lay = torch.where(_at(rem, nA - 1), nA - 1, first_rem)
-        self.c_growth_split += (rem & (lens != _at(lens, lay))).any()
-        self.c_max_branches = torch.maximum(self.c_max_branches, rem.sum())
         ragged = (torch.where(alive, wl, n) != n).any()
         # LM-head rows: raw row q is needed iff it predicts a masked position (q+1 with the Dream shift,
         # q without), or q = s+u-1, the last cached position (its logit becomes last_logit); q >= s.
@@ -201,6 +199,9 @@ class FastDecoder:
         dev = self.dev
         win = slice(s, s + n)
         tokens = self.x[:nA, win]
+        rem, lens = d["rem"], d["lens"]
+        self.c_growth_split += (rem & (lens != _at(lens, d["lay"]))).any()
+        self.c_max_branches = torch.maximum(self.c_max_branches, rem.sum())
         bids = None
         if self.mode == "block_causal":
             bids = self.pos_block[win][None, :].expand(nA, n)
