@@ -90,6 +90,13 @@ def test_attention_prefix_splits_merge(emu, dt):
     check_attention(emu, inputs, "full")
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_attention_in_place_mode_no_window_keys(emu, dt):
+    """Fast-dLLM's in-place mode: win_lens = 0, every key comes from the cache (the window part is empty)."""
+    q, kc, vc, L, kw, vw, _, _ = make_inputs(1, 6, 4, 2, 64, 40, DT[dt], seed=6)
+    check_attention(emu, (q, kc, vc, L, kw, vw, torch.zeros(1, dtype=torch.long), None), "full")
+
+
 def test_attention_window_longer_than_a_key_tile(emu):
     """n=70: the tensor-core kernel's window runs two 64-key tiles and three 64-row tiles per branch."""
     check_attention(emu, make_inputs(1, 70, 2, 1, 64, 5, torch.float16, seed=5), "block_causal")
@@ -192,3 +199,41 @@ def test_select_round_ties_padding_and_unread_nan(emu):
     none_active = torch.zeros(3, dtype=torch.bool)
     got = check_round(emu, value, conf, masked, bid, complete, 0.5, "gt", 2, 1.0, 0.0, None, none_active)
     assert got.winner.item() == -1
+
+
+def test_model_forward_window_through_the_emulated_kernels(emu, monkeypatch):
+    """The model's real call sites (prefill + commit, cache layer views, window scratch views, ragged
+    block-causal branch windows, Fast-dLLM in-place mode) routed to the emulated CUDA attention: a bf16 model
+    stays within 2x the error of the same model on the torch backend, both against the fp32 model."""
+    from lopa_fast.ops import _backend
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return emu.branch_attention(*args)
+
+    monkeypatch.setattr(_cuda, "branch_attention", counted)
+    usable = _backend._usable
+    monkeypatch.setattr(_backend, "_usable", lambda op, b, dev: None if b == "cuda" else usable(op, b, dev))
+    cfg = tiny_hf_config("dream", vocab_size=96, hidden_size=256, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2)  # head_dim 64, GQA 2
+    g = torch.Generator().manual_seed(0)
+    prompt, win = torch.randint(0, 90, (1, 20), generator=g), torch.randint(0, 90, (2, 16), generator=g)
+    bid, wl = (torch.arange(16) // 8).expand(2, 16).contiguous(), torch.tensor([16, 9])
+
+    def run(dtype, backend):
+        monkeypatch.setenv("LOPA_FAST_BACKEND", backend)
+        model = random_model(cfg, dtype=dtype)
+        cache = model.new_cache(64)
+        model.forward_window(prompt, cache=cache, commit=20)
+        branches = model.forward_window(win, cache=cache, mask="block_causal", block_ids=bid, win_lens=wl)
+        inplace = model.forward_window(win[:1, :8], cache=cache, start=12)  # overwrites cache rows 12..19
+        return branches.float(), inplace.float()
+
+    exact, got, torch_bf16 = run(torch.float32, "torch"), run(torch.bfloat16, "cuda"), run(torch.bfloat16, "torch")
+    assert calls == [torch.bfloat16] * 6  # 3 forwards x 2 layers, all on the emulated kernel
+    rows = torch.arange(16)[None, :] < wl[:, None]
+    assert_2x_rule("branch logits", got[0][rows], exact[0][rows], torch_bf16[0][rows], slack=1e-3)
+    assert_2x_rule("in-place logits", got[1], exact[1], torch_bf16[1], slack=1e-3)
