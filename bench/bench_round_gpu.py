@@ -97,7 +97,8 @@ def verify_forward_ms(model, prefix: int, seqs: int) -> float:
 def round_ms(model, prefix: int, k: int, rounds: int = 8) -> tuple[float, float]:
     """(ms per steady-state round, host reads per round) from real generate calls."""
     V = model.config.vocab_size
-    prompt = torch.randint(0, V - 200, (prefix,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randint(0, V - 200, (prefix,), device="cuda", generator=g)
     # tau_add = 1.0: a new block only once the last one is decoded, so windows stay at 32 tokens per branch
     kw = dict(branching_factor=k, block_size=WINDOW, max_new_tokens=4 * WINDOW, block_add_threshold=1.0,
               skip_threshold=0.9, sampling_strategy="neg_entropy")  # fmt: skip

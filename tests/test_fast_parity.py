@@ -59,7 +59,8 @@ def frequent_token(model) -> int:
 
 def full_product() -> list[dict]:
     cases = []
-    for i, (k, samp, full, bs, th, mname) in enumerate(itertools.product(KS, SAMPLING, FULL, BLOCKS, THRESHOLDS, MODELS)):
+    grid = itertools.product(KS, SAMPLING, FULL, BLOCKS, THRESHOLDS, MODELS)
+    for i, (k, samp, full, bs, th, mname) in enumerate(grid):
         r = random.Random(i)
         cases.append(
             dict(

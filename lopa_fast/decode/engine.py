@@ -29,6 +29,7 @@ and committing the winner's is the same as committing anyone's.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -42,10 +43,19 @@ ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 def token_stats(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V] at temperature 0.
 
-    The same row-wise formulas as the reference decoders (lopa_fast.reference.common.token_stats):
-    fp32 softmax, argmax/max, and the sampling_strategy confidence. Kept behind this one function so
-    that switching to a fused `lopa_fast.ops` kernel is a one-line change once it is token-exact.
+    CPU (and any top-p / top-k run): the reference decoders' own row-wise formulas
+    (lopa_fast.reference.common.token_stats: fp32 softmax, argmax/max, the sampling_strategy confidence),
+    so the fast path is token-exact with them. On CUDA the fused `lopa_fast.ops.confidence` kernel
+    computes the same statistics (p = exp(x - lse): within ~1e-6 of softmax, not bitwise, which is why the
+    CPU parity path does not use it); set LOPA_FAST_DECODE_OPS=0 to keep the reference formulas on GPU.
     """
+    use_ops = os.environ.get("LOPA_FAST_DECODE_OPS", "1") != "0"
+    if logits.is_cuda and use_ops and cfg.top_p is None and cfg.top_k is None:
+        from lopa_fast import ops
+
+        c = ops.confidence(logits, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None)
+        conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
+        return conf, c.token, c.p_max
     from lopa_fast.reference.common import token_stats as _ref_stats
 
     return _ref_stats(
