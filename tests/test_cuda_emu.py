@@ -237,3 +237,12 @@ def test_model_forward_window_through_the_emulated_kernels(emu, monkeypatch):
     rows = torch.arange(16)[None, :] < wl[:, None]
     assert_2x_rule("branch logits", got[0][rows], exact[0][rows], torch_bf16[0][rows], slack=1e-3)
     assert_2x_rule("in-place logits", got[1], exact[1], torch_bf16[1], slack=1e-3)
+
+
+def test_emulation_flags_misaligned_vector_access(emu, monkeypatch):
+    """The loader copies unaligned inputs; bypassing that, the emulation reports the access a GPU would fault on."""
+    monkeypatch.setattr(_cuda, "_aligned", lambda t, vec: t)
+    q = torch.randn(2 * 2 * 64 + 1).to(torch.bfloat16)[1:].view(1, 2, 2, 64)  # 2 bytes past 16-byte alignment
+    kc, kw = torch.randn(8, 1, 64).to(torch.bfloat16), torch.randn(1, 2, 1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="misaligned vector accesses"):
+        emu.branch_attention(q, kc, kc, 8, kw, kw)

@@ -50,11 +50,11 @@ LOPA_INLINE void load_kv_tile(const T* __restrict__ k, const T* __restrict__ v, 
     uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
     if (k0 + j < n_keys) {
       const long long off = (long long)(k0 + j) * key_stride + c;
-      kv = *reinterpret_cast<const uint4*>(k + off);
-      vv = *reinterpret_cast<const uint4*>(v + off);
+      kv = *vptr<const uint4>(k + off);
+      vv = *vptr<const uint4>(v + off);
     }
-    *reinterpret_cast<uint4*>(ks + j * Smem<T, D>::kKStride + c) = kv;
-    *reinterpret_cast<uint4*>(vs + j * D + c) = vv;
+    *vptr<uint4>(ks + j * Smem<T, D>::kKStride + c) = kv;
+    *vptr<uint4>(vs + j * D + c) = vv;
   }
 }
 
@@ -159,7 +159,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
         const float* qr = qs + (warp * kRowsPerWarp + r) * D + c;
 #pragma unroll
         for (int e = 0; e < E; e += 4) {
-          const float4 qv = *reinterpret_cast<const float4*>(qr + e);
+          const float4 qv = *vptr<const float4>(qr + e);
           s[r] += qv.x * kf[e] + qv.y * kf[e + 1] + qv.z * kf[e + 2] + qv.w * kf[e + 3];
         }
       }
@@ -236,7 +236,7 @@ template <int D> struct Smem {
   static constexpr int kBytes = kKBytes + D * kVStride * 2;
 };
 
-LOPA_INLINE unsigned ld32(const unsigned short* p) { return *reinterpret_cast<const unsigned*>(p); }
+LOPA_INLINE unsigned ld32(const unsigned short* p) { return *vptr<const unsigned>(p); }
 
 template <typename T, int D>
 LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -317,10 +317,10 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
       uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
       if (k0 + j < n_keys) {
         const long long off = (long long)(k0 + j) * key_stride + c;
-        kv = *reinterpret_cast<const uint4*>(kb + off);
-        vv = *reinterpret_cast<const uint4*>(vb + off);
+        kv = *vptr<const uint4>(kb + off);
+        vv = *vptr<const uint4>(vb + off);
       }
-      *reinterpret_cast<uint4*>(ks + j * S::kKStride + c) = kv;
+      *vptr<uint4>(ks + j * S::kKStride + c) = kv;
       const unsigned w[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -408,7 +408,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
       float2 v2;
       v2.x = o[d][2 * r] * inv;
       v2.y = o[d][2 * r + 1] * inv;
-      *reinterpret_cast<float2*>(out + d * 8) = v2;
+      *vptr<float2>(out + d * 8) = v2;
     }
     if (t == 0) ws_lse[split * rows_total + orow[r]] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
   }

@@ -34,6 +34,16 @@ LOPA_INLINE float half_bits_to_float(unsigned short h) {
 }
 LOPA_INLINE float to_float(f16 x) { return half_bits_to_float(x.u); }
 
+// Every vector access goes through vptr: a plain cast on the device; on the host emulation it also counts
+// misaligned addresses (a misaligned 16-byte access is a fault on the GPU and silent on a CPU).
+template <typename V, typename P>
+LOPA_INLINE V* vptr(P* p) {
+#ifndef LOPA_DEVICE_BUILD
+  lopa_emu::check_align(p, sizeof(V));
+#endif
+  return reinterpret_cast<V*>(p);
+}
+
 template <typename T> struct From;
 template <> struct From<float> { static LOPA_INLINE float cvt(float x) { return x; } };
 template <> struct From<bf16> {
@@ -73,12 +83,12 @@ LOPA_INLINE void unpack2(unsigned w, f16, float* o) {
 
 // One 16-byte load (p must be 16-byte aligned) converted to Vec<T>::N floats.
 LOPA_INLINE void load_vec(const float* p, float* o) {
-  float4 v = *reinterpret_cast<const float4*>(p);
+  float4 v = *vptr<const float4>(p);
   o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
 }
 template <typename T>
 LOPA_INLINE void load_vec(const T* p, float* o) {
-  uint4 v = *reinterpret_cast<const uint4*>(p);
+  uint4 v = *vptr<const uint4>(p);
   unpack2(v.x, T{}, o); unpack2(v.y, T{}, o + 2); unpack2(v.z, T{}, o + 4); unpack2(v.w, T{}, o + 6);
 }
 
@@ -92,13 +102,13 @@ template <typename T, int N> struct LoadN {
 };
 template <> struct LoadN<bf16, 4> {
   static LOPA_INLINE void run(const bf16* p, float* o) {
-    uint2 v = *reinterpret_cast<const uint2*>(p);
+    uint2 v = *vptr<const uint2>(p);
     unpack2(v.x, bf16{}, o); unpack2(v.y, bf16{}, o + 2);
   }
 };
 template <> struct LoadN<f16, 4> {
   static LOPA_INLINE void run(const f16* p, float* o) {
-    uint2 v = *reinterpret_cast<const uint2*>(p);
+    uint2 v = *vptr<const uint2>(p);
     unpack2(v.x, f16{}, o); unpack2(v.y, f16{}, o + 2);
   }
 };

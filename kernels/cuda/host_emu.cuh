@@ -7,6 +7,7 @@
 // All kernels here call shuffles and __syncwarp with full warps, which this emulation requires.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <math.h>  // expf, exp2f, logf, ... in the global namespace, as on the device
 #include <cstdint>
@@ -44,6 +45,10 @@ inline BlockState* g_block = nullptr;
 inline std::vector<unsigned char> g_dyn_smem;
 
 inline unsigned char* dynamic_smem() { return g_dyn_smem.data(); }
+inline std::atomic<long> g_misaligned{0};
+inline void check_align(const void* p, size_t a) {
+  if (reinterpret_cast<uintptr_t>(p) % a) g_misaligned.fetch_add(1);
+}
 inline unsigned flat_tid() {
   return tl_thread_idx.x + g_block_dim.x * (tl_thread_idx.y + g_block_dim.y * tl_thread_idx.z);
 }
@@ -196,6 +201,8 @@ void launch_argv(void (*k)(A...), const unsigned* d, size_t smem, void** argv) {
          [&] { call_argv(k, argv, std::index_sequence_for<A...>{}); });
 }
 }  // namespace lopa_emu
+// One translation unit per emulation library includes this header, so a non-inline definition is fine.
+extern "C" long emu_misaligned_take() { return lopa_emu::g_misaligned.exchange(0); }
 #define LOPA_EMU_EXPORT(name)                                                        \
   extern "C" void emu_launch_##name(const unsigned* dims, size_t smem, void** argv) { \
     lopa_emu::launch_argv(name, dims, smem, argv);                                    \

@@ -215,6 +215,7 @@ class _EmuLauncher:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+        lib.emu_misaligned_take.restype = ctypes.c_long
 
     def __call__(self, name, grid, block, smem, args):
         ctor = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
@@ -222,6 +223,9 @@ class _EmuLauncher:
         argv = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         dims = (ctypes.c_uint * 6)(*grid, *block)
         getattr(self._lib, f"emu_launch_{name}")(dims, ctypes.c_size_t(smem), argv)
+        bad = self._lib.emu_misaligned_take()
+        if bad:  # a fault on the GPU; silent on the CPU, so the emulation counts them (common.cuh: vptr)
+            raise RuntimeError(f"{name}: {bad} misaligned vector accesses (grid {grid}, block {block})")
 
 
 # ------------------------------------------------------------------------------------- branch_attention
