@@ -16,7 +16,6 @@ The same launch code runs on CPU tensors through `emulator()`: the .cu compiled 
 against kernels/cuda/host_emu.cuh (one std::thread per CUDA thread). That is how CI checks the kernels'
 index arithmetic, masks and reductions without a GPU; it is slow and for tests only.
 """
-from __future__ import annotations
 
 import ctypes
 import functools
