@@ -51,9 +51,11 @@ def _event_us(fn, iters=100) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _run(benchmark, fn, nbytes):
+def _run(benchmark, fn, nbytes, flops=None):
     us = _event_us(fn)
     benchmark.extra_info.update(_machine(), us_event=us, bytes=nbytes, gbps=nbytes / us / 1e3)
+    if flops:
+        benchmark.extra_info.update(flops=flops, tflops=flops / us / 1e6)
 
     def timed():
         fn()
@@ -80,7 +82,7 @@ def test_bench_branch_attention(benchmark, shape, provider):
         ops.branch_attention(q, kc, vc, L, kw, vw, wl, bid, "block_causal", backend=provider, check=False)
 
     nbytes = 2 * L * Hkv * D * 2 + 2 * q.numel() * 2 + 2 * kw.numel() * 2  # prefix K+V, q + o, window K+V
-    _run(benchmark, fn, nbytes)
+    _run(benchmark, fn, nbytes, flops=4 * B * n * Hq * (L + n) * D)  # QK^T + PV
 
 
 @on_gpu

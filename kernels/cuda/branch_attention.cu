@@ -6,16 +6,18 @@
 //   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode 0 full | 1 block_causal | 2 causal
 //
 // Two launches (the host side is lopa_fast/ops/_cuda.py):
-//  1. branch_attention_partial: grid (x tiles, Hkv, S + 1). For z < S the CTA takes 32 query rows from
+//  1. branch_attention_partial: grid (x tiles, Hkv, S + 1). For z < S the CTA takes R query rows from
 //     the rows of ALL branches of kv head h (row = ((b*n + i)*G + g), G = Hq/Hkv), so one prefix K/V
-//     tile brought into shared memory serves up to 32 (branch, position, head-in-group) queries; the
+//     tile brought into shared memory serves up to R (branch, position, head-in-group) queries; the
 //     prefix is cut into S splits along its length (flash-decoding) to fill the machine. z == S is the
-//     window part: 32 rows of ONE branch against that branch's window keys under the mask. Each CTA
+//     window part: R rows of ONE branch against that branch's window keys under the mask. Each CTA
 //     writes its normalised partial output and its log-sum-exp to an fp32 workspace.
+//     bf16/fp16: tensor cores, R = 64 rows x 64-key tiles (attn::mma); fp32: SIMT, R = 32 x 32 (attn).
 //  2. branch_attention_combine: merges the S + 1 partials of every row by log-sum-exp, writes o in T.
 //
-// Bytes per call (Dream-7B, B=3, n=32, L=2048, bf16): prefix K+V 4 MiB read once per 32-row tile
+// Bytes per call (Dream-7B, B=3, n=32, L=2048, bf16): prefix K+V 4 MiB read once per 64-row tile
 // (from L2 after the first), window 0.2 MiB, workspace (S+1)*B*n*Hq*D*4 written and read back.
+// FLOPs: 4 * B*n*Hq * (L + n) * D (QK^T and PV) = 2.9 GFLOP at that shape.
 #include "common.cuh"
 
 namespace lopa {
