@@ -59,6 +59,7 @@ def test_golden_cases_cover_the_grid():
 def test_reference_matches_upstream(models, i):
     case = DATA["cases"][i]
     kw = {k: case[k] for k in KNOBS}
+    kw.update({k: case[k] for k in ("top_p", "top_k") if case.get(k) is not None})
     if case["strategy"] == "d2f":
         kw.pop("branching_factor")
     out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"], **kw)

@@ -181,7 +181,8 @@ def run_case(up, model, case):
     attrs = dict(
         model=adapter, _device=torch.device("cpu"), mask_token_id=model.mask_token_id,
         tokenizer=SimpleNamespace(eos_token_id=case["eos_token_id"]), target_dtype=torch.float32,
-        max_length=len(case["prompt"]) + case["max_new_tokens"] + 8, temperature=0.0, top_p=None, top_k=None,
+        max_length=len(case["prompt"]) + case["max_new_tokens"] + 8, temperature=0.0, top_p=case.get("top_p"),
+        top_k=case.get("top_k"),
         use_uncertainty_logic=case["strategy"] == "lopa", base_branch_competition=True,
         branch_verification_mode=True, verification_force_base_winner=False,
         shared_past_key_values=None, shared_last_logits=None, debug_print=False,
@@ -218,6 +219,15 @@ def cases():
                         branch_topp=[1.0, 0.5][i % 2], selection_conf_alpha=[0.0, 0.0, 0.3][i % 3],
                         eos_token_id=5 if i % 4 else 62 if name == "gqa64" else 46,
                     ))  # fmt: skip
+    # top-p / top-k filters also apply at T=0 (they renormalise p_max)
+    for j, (strategy, bf, top_p, top_k) in enumerate([("d2f", 1, 0.9, None), ("lopa", 2, None, 5),
+                                                      ("lopa", 4, 0.8, 10), ("lopa", 2, 0.95, None)]):  # fmt: skip
+        grid.append(dict(
+            model="gqa64", strategy=strategy, branching_factor=bf, sampling_strategy=["default", "neg_entropy"][j % 2],
+            use_full_attention=j < 2, prompt=prompts[j], max_new_tokens=24, block_size=8, block_add_threshold=0.25,
+            decoded_token_threshold=0.9, skip_threshold=0.8, branch_topp=1.0, selection_conf_alpha=0.0,
+            eos_token_id=5, top_p=top_p, top_k=top_k,
+        ))  # fmt: skip
     return grid
 
 
