@@ -124,19 +124,23 @@ void launch(emu_dim3 grid, emu_dim3 block, size_t smem_bytes, F&& body) {
   st.exch.assign(nthreads, 0);
   st.frag.assign(nthreads * 6, 0);
   g_block = &st;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::vector<std::thread> threads;
-        threads.reserve(nthreads);
-        for (unsigned t = 0; t < nthreads; ++t)
-          threads.emplace_back([&, t] {
+  // One std::thread per CUDA thread for the whole launch; they walk the blocks in order and meet at a
+  // barrier after each one, so the next block starts only when the previous one (and its use of the
+  // `static` shared memory) is finished. Every thread reaches that barrier even after an early return.
+  std::vector<std::thread> threads;
+  threads.reserve(nthreads);
+  for (unsigned t = 0; t < nthreads; ++t)
+    threads.emplace_back([&, t] {
+      tl_thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
             tl_block_idx = {bx, by, bz};
-            tl_thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
             body();
-          });
-        for (auto& th : threads) th.join();
-      }
+            st.block_bar->arrive_and_wait();
+          }
+    });
+  for (auto& th : threads) th.join();
   g_block = nullptr;
 }
 
