@@ -104,7 +104,8 @@ def tiny():
 def test_threshold_invariants_and_coverage(tiny):
     multi = 0
     rules = [dict(threshold=0.7), dict(factor=1.0), dict(entropy_threshold=0.6)]
-    for (kind, cache), rule in zip(itertools.product(["llada", "dream"], [None, "prefix", "dual"]), itertools.cycle(rules)):
+    modes = itertools.product(["llada", "dream"], [None, "prefix", "dual"])
+    for (kind, cache), rule in zip(modes, itertools.cycle(rules)):
         m = tiny[kind]
         out = lopa_fast.generate(m, [3, 9, 4, 1], "threshold", max_new_tokens=16, block_size=8, cache=cache, **rule)
         s = out.stats

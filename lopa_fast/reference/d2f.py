@@ -22,7 +22,8 @@ from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, shi
 def new_block(start: int, size: int, *, prompt: bool = False) -> dict:
     if prompt:
         return {"start": 0, "end": size, "total": size, "mask_count": 0, "state": "to_cache", "is_complete": True}
-    return {"start": start, "end": start + size, "total": size, "mask_count": size, "state": "active", "is_complete": False}
+    return {"start": start, "end": start + size, "total": size, "mask_count": size, "state": "active",
+            "is_complete": False}  # fmt: skip
 
 
 def copy_blocks(blocks: list[dict]) -> list[dict]:

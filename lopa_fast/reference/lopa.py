@@ -116,7 +116,8 @@ def spawn_lookaheads(
     cand = []
     for b in acts:
         blk = w.blocks[b]
-        for q in ((w.x[blk["start"] : blk["end"]] == cfg.mask_token_id).nonzero(as_tuple=True)[0] + blk["start"]).tolist():
+        masked = (w.x[blk["start"] : blk["end"]] == cfg.mask_token_id).nonzero(as_tuple=True)[0] + blk["start"]
+        for q in masked.tolist():
             if q not in fills and q >= spe and q - spe < L - spe:
                 cand.append(q)
     if not cand:

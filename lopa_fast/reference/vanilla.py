@@ -7,7 +7,8 @@ The model family decides which one runs (config.bind rejects the other family's 
   schedule floor(n/S) (+1 for the first n mod S steps); per step one cache-free forward over the whole
   sequence, x0 = argmax (float64 Gumbel-max at T > 0), confidence = softmax(logits)[x0] (`low_confidence`)
   or uniform noise (`random`), -inf beyond the current block and at non-masked positions, commit the
-  top-k (`confidence_eos_eot_inf`: positions predicting EOS/EOT come last). `cfg_scale > 0`: unsupervised CFG (prompt positions masked in the unconditional copy; the two
+  top-k (`confidence_eos_eot_inf`: positions predicting EOS/EOT come last). `cfg_scale > 0`:
+  unsupervised CFG (prompt positions masked in the unconditional copy; the two
   rows run as one batched forward), logits = un + (cfg_scale + 1) * (cond - un).
 - Dream (Dream's `diffusion_generate` / `_sample`): one block over the whole generation, `steps` steps
   on timesteps linspace(1, eps, steps + 1) in float32; shifted logits (position 0 keeps its own row).

@@ -196,18 +196,20 @@ def main():
     m = models["llada"]
     for j, (steps, gen_len, bl, remasking, cfg_scale, seed) in enumerate(
         [(16, 16, 16, "low_confidence", 0.0, None), (8, 16, 4, "low_confidence", 0.0, None),
-         (16, 16, 8, "random", 0.0, 7), (8, 16, 8, "low_confidence", 1.5, None), (12, 24, 8, "low_confidence", 0.0, None)]
+         (16, 16, 8, "random", 0.0, 7), (8, 16, 8, "low_confidence", 1.5, None),
+         (12, 24, 8, "low_confidence", 0.0, None)]
     ):  # fmt: skip
         a = LLaDAAdapter(m)
         prompt = prompts[j % 3]
         if seed is not None:
             torch.manual_seed(seed)
         with torch.no_grad():
-            x = llada_gen.generate(a, torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   steps=steps, gen_length=gen_len, block_length=bl, temperature=0.0,
-                                   cfg_scale=cfg_scale, remasking=remasking, mask_id=m.mask_token_id)  # fmt: skip
-        case = dict(model="llada", strategy="vanilla", prompt=prompt, max_new_tokens=gen_len,
-                    kw=dict(steps=steps, block_length=bl, remasking=remasking, cfg_scale=cfg_scale), torch_seed=seed)  # fmt: skip
+            ones = torch.ones(1, len(prompt), dtype=torch.long)  # upstream's CFG path needs a mask
+            x = llada_gen.generate(a, torch.tensor([prompt]), attention_mask=ones, steps=steps, gen_length=gen_len,
+                                   block_length=bl, temperature=0.0, cfg_scale=cfg_scale, remasking=remasking,
+                                   mask_id=m.mask_token_id)  # fmt: skip
+        kw = dict(steps=steps, block_length=bl, remasking=remasking, cfg_scale=cfg_scale)
+        case = dict(model="llada", strategy="vanilla", prompt=prompt, max_new_tokens=gen_len, kw=kw, torch_seed=seed)
         record(case, x[0, len(prompt):].tolist(), a.calls)
 
     # ---- LLaDA threshold (Fast-dLLM 24cc59e) ----
@@ -221,10 +223,11 @@ def main():
         prompt = prompts[j % 3]
         with torch.no_grad():
             x, nfe = fns[cache](a, torch.tensor([prompt]), steps=gen_len // bl, gen_length=gen_len, block_length=bl,
-                                temperature=0.0, remasking="low_confidence", mask_id=m.mask_token_id, threshold=tau)  # fmt: skip
+                                temperature=0.0, remasking="low_confidence", mask_id=m.mask_token_id,
+                                threshold=tau)  # fmt: skip
         assert nfe == a.calls, (nfe, a.calls)
-        case = dict(model="llada", strategy="threshold", prompt=prompt, max_new_tokens=gen_len,
-                    kw=dict(threshold=tau, block_length=bl, cache=cache, count_noop_forward=cache is not None))  # fmt: skip
+        kw = dict(threshold=tau, block_length=bl, cache=cache, count_noop_forward=cache is not None)
+        case = dict(model="llada", strategy="threshold", prompt=prompt, max_new_tokens=gen_len, kw=kw)
         record(case, x[0, len(prompt):].tolist(), nfe)
 
     # ---- Dream vanilla (Dream's _sample) ----
@@ -258,8 +261,8 @@ def main():
         with torch.no_grad():
             x = fast_dream.DreamGenerationMixin._sample(a, torch.tensor([prompt]), None, gc, threshold=tau,
                                                        block_length=bl, dual_cache=dual)  # fmt: skip
-        case = dict(model="dream", strategy="threshold", prompt=prompt, max_new_tokens=gen_len,
-                    kw=dict(threshold=tau, block_length=bl, cache="dual" if dual else "prefix", count_noop_forward=True))  # fmt: skip
+        kw = dict(threshold=tau, block_length=bl, cache="dual" if dual else "prefix", count_noop_forward=True)
+        case = dict(model="dream", strategy="threshold", prompt=prompt, max_new_tokens=gen_len, kw=kw)
         record(case, x[0, len(prompt):].tolist(), a.calls)
 
     out = {
