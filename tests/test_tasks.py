@@ -19,13 +19,14 @@ def test_splits_disjoint_on_parameters():
     test = set(tasks.all_tuples("test"))
     dev = set(tasks.all_tuples("dev"))
     assert not train & test and not train & dev and not dev & test
-    total = (arith.A_RANGE[1] - arith.A_RANGE[0] + 1) * (arith.B_RANGE[1] - arith.B_RANGE[0] + 1) * (
-        arith.C_RANGE[1] - arith.C_RANGE[0] + 1) * (arith.D_RANGE[1] - arith.D_RANGE[0] + 1)
+    r = arith.VARIANTS[arith.DEFAULT_VARIANT]
+    total = sum(1 for a in range(r["a"][0], r["a"][1] + 1) for d in range(r["d"][0], r["d"][1] + 1) if d < a) * (
+        r["b"][1] - r["b"][0] + 1) * (r["c"][1] - r["c"][0] + 1)
     assert len(train) + len(test) + len(dev) == total
     assert 0.07 < len(test) / total < 0.13
     # sampled problems respect their split
     assert all(p.numbers in train for p in tasks.generate("train", 300, seed=1))
-    assert all(p.numbers in test for p in tasks.generate("test", 300, seed=1))
+    assert all(p.numbers in test for p in tasks.generate("test", 200, seed=1))
     assert all(p.numbers in dev for p in tasks.generate("dev", 100, seed=1))
 
 
@@ -41,14 +42,18 @@ def test_solution_is_correct_arithmetic(template):
 
 def test_tokenizer_round_trip_and_lengths():
     tok = tasks.build_tokenizer()
-    for p in tasks.generate("test", 200, seed=2):
-        prompt, target = tasks.encode_problem(tok, p, gen_len=40)
-        assert prompt[0] == tasks.BOS_ID and tasks.tokenizer.UNK_ID not in prompt + target
-        n_sol = target.index(tasks.EOS_ID) + 1
-        assert n_sol <= arith.MAX_SOLUTION_TOKENS and len(target) == 40
-        text = tok.decode(target, skip_special_tokens=True)
-        assert tasks.extract_answer(text) == p.answer
-        assert tasks.join_digits(text) == p.solution
+    for variant, gen_len in (("v2", 32), ("v1", 40)):
+        for p in tasks.generate("test", 200, seed=2, variant=variant):
+            prompt, target = tasks.encode_problem(tok, p, gen_len=gen_len)
+            assert prompt[0] == tasks.BOS_ID and tasks.tokenizer.UNK_ID not in prompt + target
+            n_sol = target.index(tasks.EOS_ID) + 1
+            assert n_sol <= arith.MAX_SOLUTION_TOKENS[variant] and len(target) == gen_len
+            text = tok.decode(target, skip_special_tokens=True)
+            assert tasks.extract_answer(text) == p.answer
+            assert tasks.join_digits(text) == p.solution
+    for p in tasks.generate("train", 300, seed=2):
+        assert 0 < p.d < p.a and p.answer > 0  # no negative intermediate result
+    assert not set(tasks.all_tuples("test", "v2")) & set(tasks.all_tuples("train", "v1"))
 
 
 def test_tokenizer_loads_through_lopa_fast(tmp_path):
@@ -66,5 +71,9 @@ def test_bad_arguments_raise():
         tasks.generate("valid", 3)
     with pytest.raises(ValueError, match="n="):
         tasks.generate("train", -1)
+    with pytest.raises(ValueError, match="variant"):
+        tasks.generate("train", 3, variant="v9")
+    with pytest.raises(ValueError, match="exceeds"):
+        tasks.generate("test", 10_000)
     with pytest.raises(ValueError, match="template"):
         arith.render("nope", 20, 2, 2, 2, "Tom", "He", "pens", "bags")

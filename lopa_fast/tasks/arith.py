@@ -3,9 +3,9 @@
 Every problem is fixed by its parameters (template, a, b, c, d, name, item) and has one exact answer.
 The worked solution is three short equations and a final "#### <answer>", e.g.
 
-    prompt:   "Lily has 23 apples . She buys 4 boxes with 6 apples in each box . She gives away 17
-               apples . How many apples does Lily have now ? Answer :"
-    solution: "4 * 6 = 24 . 23 + 24 = 47 . 47 - 17 = 30 . #### 30"
+    prompt:   "Lily has 7 apples . She buys 4 boxes with 6 apples in each . She gives away 5 apples .
+               How many apples does Lily have now ? Answer :"
+    solution: "4 * 6 = 24 . 7 + 24 = 31 . 31 - 5 = 26 . #### 26"
 
 Why this task: the answer needs multi-step arithmetic where later numbers depend on earlier ones
 (so decoding many positions in one forward is non-trivial: copied operands are easy, results are
@@ -24,12 +24,20 @@ import random
 import re
 from dataclasses import dataclass
 
-# Parameter ranges (inclusive). a - d >= 1 always (a >= 20 > 19 >= d), so no result is negative;
-# the largest result is 69 + 81 - 2 = 148 (3 digits).
-A_RANGE = (20, 69)
-B_RANGE = (2, 9)
-C_RANGE = (2, 9)
-D_RANGE = (2, 19)
+# Parameter ranges (inclusive) per difficulty variant; every variant also requires d < a, so no
+# intermediate result is negative.
+#   v2 (the default, the task the shipped model is evaluated on): one-digit a, b, c, d; the steps are
+#      a one-digit product, a one-digit + two-digit sum and a two-digit - one-digit difference
+#      (largest result 9 + 81 = 90). 36 (a, d) pairs x 64 (b, c) pairs = 2304 tuples.
+#   v1 (harder: two-digit a and d, results up to 148): the first training stage of the shipped model
+#      (the 0.8M model stayed at ~7% exact match on v1's dev split after 1250 steps, see its log).
+VARIANTS = {
+    "v1": {"a": (20, 69), "b": (2, 9), "c": (2, 9), "d": (2, 19)},
+    "v2": {"a": (2, 9), "b": (2, 9), "c": (2, 9), "d": (1, 8)},
+}
+DEFAULT_VARIANT = "v2"
+MAX_SOLUTION_TOKENS = {"v1": 33, "v2": 28}  # longest solution incl. the final EOS, in tokens (tested)
+A_RANGE, B_RANGE, C_RANGE, D_RANGE = (VARIANTS[DEFAULT_VARIANT][k] for k in "abcd")
 TEST_PERCENT = 10  # share of (a, b, c, d) tuples held out for the test split
 DEV_PERCENT = 5  # a further share held out for monitoring during training (never trained on)
 
@@ -42,7 +50,6 @@ CONTAINERS = ["boxes", "bags", "packs", "jars"]
 TEMPLATES = ("buy", "find", "lose")
 
 SPLITS = ("train", "dev", "test")
-MAX_SOLUTION_TOKENS = 33  # longest solution incl. the final EOS, in tokens (checked in tests)
 
 
 @dataclass(frozen=True)
@@ -75,16 +82,23 @@ def split_of(a: int, b: int, c: int, d: int) -> str:
     return "dev" if bucket < TEST_PERCENT + DEV_PERCENT else "train"
 
 
-def all_tuples(split: str) -> list[tuple[int, int, int, int]]:
-    """Every numeric tuple of `split`, in a fixed order."""
+def _check_variant(fn: str, variant: str) -> dict:
+    if variant not in VARIANTS:
+        raise ValueError(f"{fn}: variant={variant!r}; allowed: {sorted(VARIANTS)}")
+    return VARIANTS[variant]
+
+
+def all_tuples(split: str, variant: str = DEFAULT_VARIANT) -> list[tuple[int, int, int, int]]:
+    """Every numeric tuple of `split` in `variant`, in a fixed order."""
     if split not in SPLITS:
         raise ValueError(f"all_tuples: split={split!r}; allowed: {SPLITS}")
+    r = _check_variant("all_tuples", variant)
     out = []
-    for a in range(A_RANGE[0], A_RANGE[1] + 1):
-        for b in range(B_RANGE[0], B_RANGE[1] + 1):
-            for c in range(C_RANGE[0], C_RANGE[1] + 1):
-                for d in range(D_RANGE[0], D_RANGE[1] + 1):
-                    if split_of(a, b, c, d) == split:
+    for a in range(r["a"][0], r["a"][1] + 1):
+        for b in range(r["b"][0], r["b"][1] + 1):
+            for c in range(r["c"][0], r["c"][1] + 1):
+                for d in range(r["d"][0], r["d"][1] + 1):
+                    if d < a and split_of(a, b, c, d) == split:
                         out.append((a, b, c, d))
     return out
 
@@ -120,8 +134,8 @@ def render(template: str, a: int, b: int, c: int, d: int, name: str, pron: str, 
     return Problem(template, a, b, c, d, name, item, container, prompt, solution, r)
 
 
-def generate(split: str, n: int, seed: int = 0) -> list[Problem]:
-    """`n` problems of `split`, deterministic in (split, n, seed).
+def generate(split: str, n: int, seed: int = 0, variant: str = DEFAULT_VARIANT) -> list[Problem]:
+    """`n` problems of `split`, deterministic in (split, n, seed, variant).
 
     train: numeric tuples drawn with replacement from the train tuples (an endless stream for
     training is `generate("train", n, seed=step)`). test: a fixed seeded sample *without*
@@ -132,8 +146,9 @@ def generate(split: str, n: int, seed: int = 0) -> list[Problem]:
         raise ValueError(f"generate: split={split!r}; allowed: {SPLITS}")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"generate: n={n!r}; expected an int >= 0")
+    _check_variant("generate", variant)
     rng = random.Random(f"{split}:{seed}")
-    tuples = _tuples_cached(split)
+    tuples = _tuples_cached(split, variant)
     if split != "train":
         if n > len(tuples):
             raise ValueError(f"generate: n={n} exceeds the {len(tuples)} held-out tuples")
@@ -150,13 +165,13 @@ def generate(split: str, n: int, seed: int = 0) -> list[Problem]:
     return out
 
 
-_CACHE: dict[str, list] = {}
+_CACHE: dict[tuple, list] = {}
 
 
-def _tuples_cached(split: str) -> list[tuple[int, int, int, int]]:
-    if split not in _CACHE:
-        _CACHE[split] = all_tuples(split)
-    return _CACHE[split]
+def _tuples_cached(split: str, variant: str) -> list[tuple[int, int, int, int]]:
+    if (split, variant) not in _CACHE:
+        _CACHE[split, variant] = all_tuples(split, variant)
+    return _CACHE[split, variant]
 
 
 _ANSWER_RE = re.compile(r"####\s*(-?[\d ]+)")

@@ -1,7 +1,7 @@
 """The eval (the LoPA paper's Table 1 on the embedded task) and the demo, over `lopa_fast.generate`.
 
-Rows (decoding knobs; temperature 0 everywhere, max_new_tokens = GEN_LEN = 40, block size 8, i.e. the
-spec's GSM8K settings with the block scaled from 32 to this task's 40-token answers):
+Rows (decoding knobs; temperature 0 everywhere, max_new_tokens = GEN_LEN = 32, block size 8, i.e. the
+spec's GSM8K settings with the block scaled from 32 to this task's answers of at most 27 tokens + EOS):
 
   vanilla     Dream vanilla, steps = max_new_tokens (one token per forward), alg="entropy" (Dream's
               own evaluation setting; the default alg "origin" reveals positions at random)
@@ -26,7 +26,7 @@ import torch
 
 from lopa_fast import tasks
 
-GEN_LEN = 40
+GEN_LEN = 32
 BLOCK = 8
 D2F_KNOBS = dict(block_size=BLOCK, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
                  sampling_strategy="neg_entropy", use_full_attention=True)
@@ -169,7 +169,7 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
             f"| {r['row']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tpf_until_eos']:.2f} | "
             f"{r['forwards_per_answer']:.1f} | {r['tokens_per_s']:.0f} |"
         )
-    lines += ["", "Knobs (temperature 0, max_new_tokens 40):", ""]
+    lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}):", ""]
     for r in results:
         lines.append(f"- `{r['row']}`: {ROWS[r['row']]}" + (f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""))
     lines += [

@@ -23,7 +23,8 @@ block-causal third keeps the model usable in D2F's block-causal mode. The loss i
 average (no 1/t ELBO weight; D2F's distillation loss is unweighted too). Dream alignment: the raw
 logit at position j - 1 predicts a masked token at j. Prompt tokens are never masked.
 
-A run can continue from a previous output (`--init-from DIR`, fresh optimizer and schedule, use a
+`stop_at` ends a run early on the same schedule (the shipped model's first stage stopped at 1500 of
+2000 steps). A run can continue from a previous output (`--init-from DIR`, fresh optimizer and schedule, use a
 new --seed so the data stream differs); the log then records both runs.
 
 Everything is seeded (problems: `tasks.generate("train", B, seed=...)` per step; masks: a
@@ -50,9 +51,9 @@ from lopa_fast.train.data import block_ids_for, make_batch
 MODES = ("block_causal", "full_pipe", "full_uniform")
 
 DEFAULTS = dict(
-    hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=40,
+    hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=32, variant="v2",
     batch=64, steps=2000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
-    eval_every=250, eval_n=128, threads=1, init_from="",
+    eval_every=250, eval_n=100, threads=1, init_from="", stop_at=0,
 )
 
 
@@ -189,12 +190,13 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     emit(f"# d2f recipe: {json.dumps(a, sort_keys=True)}")
     emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    dev = tasks.generate("dev", a["eval_n"], seed=0)
+    dev = tasks.generate("dev", a["eval_n"], seed=0, variant=a["variant"])
     t0 = time.time()
     ema, losses, dev_acc = None, [], None
-    for step in range(a["steps"]):
+    last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+    for step in range(last_step):
         mode = MODES[step % len(MODES)]
-        problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step)
+        problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step, variant=a["variant"])
         batch = make_batch(problems, tok, a["gen_len"])
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
@@ -208,9 +210,9 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
         v = float(loss.detach())
         losses.append(v)
         ema = v if ema is None else 0.98 * ema + 0.02 * v
-        if step % 50 == 0 or step == a["steps"] - 1:
+        last = step == last_step - 1
+        if step % 50 == 0 or last:
             emit(f"step {step:5d} mode {mode:12s} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        last = step == a["steps"] - 1
         if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
             model.eval()
             dev_acc, texts = accuracy(model, dev, tok, a["gen_len"])
@@ -218,7 +220,7 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
             emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
                  f"sample: {tasks.join_digits(texts[0])!r}")
             _save(model, cfg, out, a)
-    summary = {"params": n_params, "steps": a["steps"], "seconds": round(time.time() - t0, 1),
+    summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
                "final_loss_ema": round(ema, 4), "first_loss": round(losses[0], 4), "dev_exact_match": dev_acc}
     emit(f"# done: {json.dumps(summary)}")
     logf.close()
