@@ -1,7 +1,8 @@
 """Produce golden D2F / LoPA trajectories by running the UPSTREAM decoding loops on tiny random models.
 
 Usage:
-    python tests/golden/make_lopa_golden.py /path/to/LoPA-checkout [--out tests/golden/lopa_upstream.json]
+    python tests/golden/make_lopa_golden.py /path/to/LoPA-checkout [--d2f /path/to/Discrete-Diffusion-Forcing]
+        [--out tests/golden/lopa_upstream.json]
 
 The checkout is zhijie-group/LoPA (tested at 433177a608dee8901bae0e7c02f9b6f341a6f6d0). Its file
 `scale_dream_d2f/scale_dream_d2f.py` is imported at run time (nothing of it is copied into this repo);
@@ -12,6 +13,8 @@ only the resulting token ids and step counts are written. What is upstream and w
   shift, sampling, scoring, spawn and cache bookkeeping, unchanged. The lm-eval harness class is built
   without its __init__ (only the decoding attributes are set), and the heavy imports it does not use on
   this path (lm_eval, accelerate, peft, datasets, its Dream modeling file) are stubbed.
+- optionally D2F's own decoder (`--d2f`: Discrete-Diffusion-Forcing D2F-eval/eval_dream.py
+  `_generate_block_single`, 771f745, block-causal), replayed as `d2f` with use_full_attention=False.
 - ours: the network. A small adapter runs our tiny model's weights through a plain dense-mask forward
   (SDPA with upstream's additive mask, RoPE at cache_len + arange, KV cache = past + first
   `update_kvcache` window positions, exactly the contract of upstream's modified Dream model), and a
@@ -152,7 +155,7 @@ def import_upstream(checkout: str):
     sys.modules["lm_eval"].utils = sys.modules["lm_eval.utils"]
     stub("lm_eval.api")
     stub("lm_eval.api.instance", Instance=_Any)
-    stub("lm_eval.api.model", TemplateLM=object)
+    stub("lm_eval.api.model", TemplateLM=object, LM=object)
     stub("lm_eval.api.registry", register_model=lambda *a, **k: (lambda cls: cls))
     stub("lm_eval.models")
     stub("lm_eval.models.utils", get_dtype=lambda d: d)
@@ -202,6 +205,51 @@ def run_case(up, model, case):
     return {"generated_ids": ids, "upstream_steps": steps, "model_calls": adapter.calls}
 
 
+def run_d2f_orig(mod, model, case):
+    """D2F's own `_generate_block_single` (Discrete-Diffusion-Forcing D2F-eval/eval_dream.py): block-causal
+    only, 'margin_confidence' is its name for margin; it returns text, so the tokenizer stand-in encodes ids."""
+    lm = object.__new__(mod.DreamLoRA)
+    adapter = DenseAdapter(model)
+    tok = SimpleNamespace(eos_token_id=case["eos_token_id"], eos_token="<never>",
+                          decode=lambda ids, **k: ",".join(str(int(t)) for t in ids))  # fmt: skip
+    attrs = dict(
+        model=adapter, _device=torch.device("cpu"), mask_token_id=model.mask_token_id, tokenizer=tok,
+        target_dtype=torch.float32, max_length=len(case["prompt"]) + case["max_new_tokens"] + 8, temperature=0.0,
+        top_p=None, top_k=None,
+        sampling_strategy={"margin": "margin_confidence"}.get(case["sampling_strategy"], case["sampling_strategy"]),
+    )  # fmt: skip
+    for k in ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_threshold", "skip_threshold"):
+        attrs[k] = case[k]
+    lm.__dict__.update(attrs)
+    text = lm._generate_block_single(torch.tensor([case["prompt"]]))
+    return {"generated_ids": [int(t) for t in text.split(",") if t], "forwards": adapter.calls}
+
+
+def import_d2f_orig(checkout: str):
+    path = os.path.join(checkout, "D2F-eval", "eval_dream.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{checkout}: no D2F-eval/eval_dream.py (pass a Discrete-Diffusion-Forcing checkout)")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("upstream_d2f_eval", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def d2f_orig_cases():
+    prompts = [[5, 9, 2], [7], list(range(3, 20))]
+    grid = []
+    for i, (name, samp) in enumerate([(n, s) for n in MODELS for s in ("default", "margin", "neg_entropy")]):
+        grid.append(dict(
+            model=name, strategy="d2f", source="D2F-eval", sampling_strategy=samp, use_full_attention=False,
+            prompt=prompts[i % 3], max_new_tokens=24 if i % 2 else 32, block_size=8 if i % 2 else 4,
+            block_add_threshold=[0.1, 0.25, 0.5][i % 3], decoded_token_threshold=[0.95, 0.9, 0.7][i % 3],
+            skip_threshold=[0.9, 0.8][i % 2], eos_token_id=5 if i % 4 else 62 if name == "gqa64" else 46,
+        ))  # fmt: skip
+    return grid
+
+
 def cases():
     prompts = [[5, 9, 2], [7], list(range(3, 20)), [11, 4, 30, 8, 1, 1, 12]]
     grid = []
@@ -234,6 +282,7 @@ def cases():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkout", help="path to a zhijie-group/LoPA checkout")
+    ap.add_argument("--d2f", help="optional: a zhijie-group/Discrete-Diffusion-Forcing checkout (D2F's own loop)")
     ap.add_argument("--out", default=os.path.join(HERE, "lopa_upstream.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -241,7 +290,7 @@ def main():
     models = {name: build(name) for name in MODELS}
     out = {
         "source": "zhijie-group/LoPA scale_dream_d2f/scale_dream_d2f.py (433177a), run on CPU fp32, T=0",
-        "command": "python tests/golden/make_lopa_golden.py <LoPA checkout>",
+        "command": "python tests/golden/make_lopa_golden.py <LoPA checkout> --d2f <D2F checkout>",
         "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": fingerprint(models[name])}
                    for name in MODELS},  # fmt: skip
         "cases": [],
@@ -252,6 +301,14 @@ def main():
         out["cases"].append({**case, **res})
         print(case["model"], case["strategy"], case["branching_factor"], case["sampling_strategy"],
               case["use_full_attention"], res["upstream_steps"], len(res["generated_ids"]), flush=True)  # fmt: skip
+    if args.d2f:
+        d2f = import_d2f_orig(args.d2f)
+        out["source"] += "; zhijie-group/Discrete-Diffusion-Forcing D2F-eval/eval_dream.py (771f745)"
+        for case in d2f_orig_cases():
+            with torch.inference_mode():
+                res = run_d2f_orig(d2f, models[case["model"]], case)
+            out["cases"].append({**case, **res})
+            print("D2F-eval", case["model"], case["sampling_strategy"], res["forwards"], len(res["generated_ids"]))
     with open(args.out, "w") as f:
         json.dump(out, f, indent=0)
     print(f"wrote {len(out['cases'])} cases to {args.out}")
