@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backend", default="reference", choices=BACKENDS, help="decoder backend (default reference)")
     common.add_argument("--model", default=None, help="model directory (default: the embedded d2f-arith model)")
+    # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
+    # a second OpenMP thread made each forward ~60x slower (18 ms vs 0.3 ms per matmul, measured)
+    common.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
@@ -80,6 +83,11 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.threads < 1:
+        raise ValueError(f"--threads {args.threads}; allowed: an int >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
     return args.fn(args)
 
 
