@@ -5,11 +5,8 @@ import sys
 import pytest
 
 from lopa_fast import cli
-from lopa_fast.assets import ASSETS_DIR, DEFAULT_MODEL
 from lopa_fast.tasks import evaluate
 
-needs_model = pytest.mark.skipif(not (ASSETS_DIR / DEFAULT_MODEL / "model.safetensors").is_file(),
-                                 reason="the embedded model is not committed yet")
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +21,6 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@needs_model
 def test_demo_runs(capsys):
     assert cli.main(["demo", "--n", "1"]) == 0
     out = capsys.readouterr().out
@@ -33,7 +29,6 @@ def test_demo_runs(capsys):
     assert "unavailable" not in out
 
 
-@needs_model
 def test_eval_n5_writes_table(tmp_path):
     md = tmp_path / "eval.md"
     assert cli.main(["eval", "--n", "5", "--out", str(md), "--no-progress"]) == 0
@@ -48,7 +43,6 @@ def test_eval_n5_writes_table(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
-@needs_model
 def test_generate_subcommand(capsys):
     prompt = "Tom has 23 pens . He buys 4 bags with 6 pens in each . He gives away 17 pens . " \
              "How many pens does Tom have now ? Answer :"
@@ -56,7 +50,6 @@ def test_generate_subcommand(capsys):
     assert "####" in capsys.readouterr().out
 
 
-@needs_model
 def test_unavailable_strategy_is_reported_not_faked(monkeypatch, tmp_path):
     import lopa_fast
 
