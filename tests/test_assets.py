@@ -65,3 +65,15 @@ def test_generate_answers_a_handful(row):
         correct += tasks.extract_answer(tok.decode(out.generated_ids, skip_special_tokens=True)) == p.answer
     # the model is ~97-99% exact on the split, and one of these six ("#### 7" for 6) is a known miss
     assert correct >= len(problems) - 1, (row, correct)
+
+
+def test_ar_drafter_loads_and_answers():
+    """The APD drafter: causal Qwen2 with the same tokenizer, greedy AR decoding."""
+    from lopa_fast.train.ar import greedy_accuracy
+
+    path = model_dir("ar-arith")
+    model = lopa_fast.load_model(path, dtype=torch.float32)
+    assert model.config.kind == "qwen2" and model.attention == "causal" and model.logits_shift
+    assert model.config.vocab_size == len(tasks.vocab()) and model.eos_token_id == tasks.EOS_ID
+    assert lopa_fast.load_tokenizer(path).get_vocab() == lopa_fast.load_tokenizer(MODEL).get_vocab()
+    assert greedy_accuracy(model, tasks.generate("test", 8, seed=3), tasks.build_tokenizer(), GEN_LEN) >= 7 / 8

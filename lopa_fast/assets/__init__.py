@@ -2,6 +2,8 @@
 
     d2f-arith/   Dream-architecture block-diffusion model for the embedded arithmetic task
                  (recipe: python -m lopa_fast.train.d2f; training_log.txt inside)
+    ar-arith/    causal Qwen2 AR model with the same tokenizer, the APD drafter
+                 (recipe: python -m lopa_fast.train.ar)
 """
 from __future__ import annotations
 

@@ -270,7 +270,10 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     bot = " ".join(b.rjust(k) for (_, b), k in zip(cols, w))
     tail = len(ids) - last - 1
     rounds_tail = sorted({rnd.get(i) for i in range(last + 1, len(ids)) if i in rnd})
-    extra = f"   (+{tail} EOS filler, rounds {rounds_tail[0]}-{rounds_tail[-1]})" if tail and rounds_tail else ""
+    extra = ""
+    if tail and rounds_tail:
+        span = f"round {rounds_tail[0]}" if rounds_tail[0] == rounds_tail[-1] else f"rounds {rounds_tail[0]}-{rounds_tail[-1]}"
+        extra = f"   (+{tail} EOS filler, {span})"
     return f"      tokens: {top}\n      round:  {bot}{extra}"
 
 

@@ -25,8 +25,8 @@ from lopa_fast.train.d2f import init_model, lr_at
 from lopa_fast.train.data import make_batch
 
 DEFAULTS = dict(
-    hidden=128, layers=3, heads=4, kv_heads=2, intermediate=384, gen_len=40, batch=64, steps=600, lr=2e-3,
-    min_lr_frac=0.05, warmup=50, weight_decay=0.01, seed=0, eval_every=200, eval_n=128, threads=1,
+    hidden=128, layers=3, heads=4, kv_heads=2, intermediate=384, gen_len=32, batch=64, steps=600, lr=2e-3,
+    min_lr_frac=0.05, warmup=50, weight_decay=0.01, seed=0, eval_every=300, eval_n=60, threads=1,
 )
 
 
