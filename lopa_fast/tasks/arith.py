@@ -14,8 +14,8 @@ digits by the tokenizer (as Qwen's tokenizer does).
 
 Splits are disjoint on the numeric parameters (a, b, c, d), not only on the text: a tuple is held
 out iff a keyed hash of it falls in the test bucket (10% of tuples) or the dev bucket (5%, used only
-to monitor training), whatever template, name or item it is rendered with. The generator is seeded and deterministic (Python's `random.Random(seed)`;
-no global state).
+to monitor training), whatever template, name or item it is rendered with. The generator is seeded
+and deterministic (Python's `random.Random(seed)`; no global state).
 """
 from __future__ import annotations
 

@@ -171,7 +171,8 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         )
     lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}):", ""]
     for r in results:
-        lines.append(f"- `{r['row']}`: {ROWS[r['row']]}" + (f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""))
+        why = f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""
+        lines.append(f"- `{r['row']}`: {ROWS[r['row']]}{why}")
     lines += [
         "",
         "TPF counts every generated position, EOS filler included (upstream Dream/LoPA and the paper);",
@@ -272,7 +273,8 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     rounds_tail = sorted({rnd.get(i) for i in range(last + 1, len(ids)) if i in rnd})
     extra = ""
     if tail and rounds_tail:
-        span = f"round {rounds_tail[0]}" if rounds_tail[0] == rounds_tail[-1] else f"rounds {rounds_tail[0]}-{rounds_tail[-1]}"
+        first, last_r = rounds_tail[0], rounds_tail[-1]
+        span = f"round {first}" if first == last_r else f"rounds {first}-{last_r}"
         extra = f"   (+{tail} EOS filler, {span})"
     return f"      tokens: {top}\n      round:  {bot}{extra}"
 
