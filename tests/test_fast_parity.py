@@ -27,7 +27,7 @@ BLOCKS = (4, 8, 16, 32)
 # stricter ones that make fallbacks, early activation and multi-block windows frequent
 THRESHOLDS = ((0.1, 0.95, 0.9), (0.5, 0.8, 0.7), (0.3, 0.5, 0.95), (0.0, 0.0, 0.99))
 MODELS = ("gqa64", "mha128", "gqa96", "llada64")
-GRID_CI = 110
+GRID_CI = 90
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "multi_token_rounds", "lookahead_wins", "branch_growth",
             "winner_grew", "eos_fills", "ragged_rounds")  # fmt: skip
 
@@ -113,6 +113,15 @@ def run_case(models: dict, eos_ids: dict, case: dict):
 
 def check_cases(cases: list[dict]) -> dict:
     """Run every case on both backends; assert parity; return summed coverage counters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second intra-op thread only adds synchronisation (10x slower
+    try:  # measured on a loaded 2-core machine)
+        return _check_cases(cases)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_cases(cases: list[dict]) -> dict:
     models = build_models()
     eos_ids = {id(m): frequent_token(m) for m in models.values()}
     cov = dict.fromkeys(COUNTERS + ("eos_stops", "round_caps", "multi_branch_rounds"), 0)
