@@ -10,7 +10,7 @@ import argparse
 import shlex
 import sys
 
-DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}.md"
+DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}.md"  # {block}: "_block32" unless the default 8
 
 
 def _demo(args) -> int:
@@ -21,12 +21,14 @@ def _demo(args) -> int:
 
 
 def _eval(args) -> int:
-    from lopa_fast.tasks.evaluate import run_eval
+    from lopa_fast.tasks.evaluate import BLOCK, check_block_size, run_eval
 
-    out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n)
+    check_block_size(args.block_size)  # before any work (model load, decoding)
+    block = "" if args.block_size == BLOCK else f"_block{args.block_size}"
+    out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block)
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
     run_eval(n=args.n, strategies=args.strategies, backend=args.backend, out=out, model_dir=args.model,
-             progress=not args.no_progress, command=command)
+             progress=not args.no_progress, command=command, block_size=args.block_size)
     return 0
 
 
@@ -49,7 +51,7 @@ def _generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import BACKENDS, ROWS
+    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, GEN_LEN, ROWS
 
     ap = argparse.ArgumentParser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--strategies", default="all",
                    help=f"comma-separated rows: {', '.join(ROWS)}; aliases lopa (= k2,k4,k8), all (default)")
     e.add_argument("--out", default=None, help=f"markdown path (PNG next to it); default {DEFAULT_EVAL_OUT}")
+    e.add_argument("--block-size", type=int, default=BLOCK,
+                   help=f"block size for every row's block knobs; a divisor of max_new_tokens {GEN_LEN}: "
+                        f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK})")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=_eval)
 

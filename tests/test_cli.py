@@ -93,3 +93,54 @@ def test_png_chart_is_a_valid_image(tmp_path):
     raw = zlib.decompress(idat)
     assert (w, h) == (120, 90) and len(raw) == h * (1 + 3 * w)
     assert len(set(raw)) > 2  # something was drawn
+
+
+def test_eval_block_size_bad_value_errors_before_any_work(monkeypatch):
+    def no_work(*a, **k):
+        raise AssertionError("the model was loaded before the block size was checked")
+
+    monkeypatch.setattr(evaluate, "load_default", no_work)
+    for bad in ("12", "0", "64"):
+        with pytest.raises(ValueError, match=rf"block_size={bad}; allowed: a divisor of max_new_tokens 32: "
+                                             r"1, 2, 4, 8, 16, 32"):
+            cli.main(["eval", "--n", "1", "--block-size", bad, "--no-progress"])
+    with pytest.raises(ValueError, match="block_size=3"):
+        evaluate.run_eval(n=1, block_size=3)
+    with pytest.raises(ValueError, match="block_size=True"):
+        evaluate.make_rows(True)
+
+
+def test_eval_block_size_16_end_to_end(monkeypatch, tmp_path):
+    import lopa_fast
+
+    seen = []
+    real = lopa_fast.generate
+
+    def spy(model, ids, **kw):
+        seen.append((kw["strategy"], kw.get("block_size"), kw.get("block_length")))
+        return real(model, ids, **kw)
+
+    monkeypatch.setattr(lopa_fast, "generate", spy)
+    monkeypatch.chdir(tmp_path)  # default output path is relative: bench/results/...
+    argv = ["eval", "--n", "2", "--block-size", "16", "--strategies", "d2f,lopa-k2", "--no-progress"]
+    assert cli.main(argv) == 0
+    assert seen == [("d2f", 16, None)] * 2 + [("lopa", 16, None)] * 2
+    md = tmp_path / "bench/results/eval_reference_n2_block16.md"  # block in the name only when not 8
+    text = md.read_text()
+    assert "block size 16" in text.splitlines()[0]
+    assert "Knobs (temperature 0, max_new_tokens 32, block size 16)" in text
+    assert "python -m lopa_fast eval --n 2 --block-size 16 --strategies d2f,lopa-k2" in text
+    for row in ("d2f", "lopa-k2"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1].endswith("%") and float(cells[2]) >= 1.0, line
+        assert f"- `{row}`: " in text and "'block_size': 16" in text
+    assert "'block_size': 8" not in text
+    assert md.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_rows_apply_block_size_to_every_block_knob():
+    rows = evaluate.make_rows(32)
+    assert rows["vanilla"]["block_size"] == 32 and rows["threshold"]["block_length"] == 32
+    assert all(r["block_size"] == 32 for r in rows.values())
+    assert evaluate.make_rows() == evaluate.ROWS and evaluate.ROWS["d2f"]["block_size"] == 8

@@ -1,7 +1,8 @@
 """The eval (the LoPA paper's Table 1 on the embedded task) and the demo, over `lopa_fast.generate`.
 
-Rows (decoding knobs; temperature 0 everywhere, max_new_tokens = GEN_LEN = 32, block size 8, i.e. the
-spec's GSM8K settings with the block scaled from 32 to this task's answers of at most 27 tokens + EOS):
+Rows (decoding knobs; temperature 0 everywhere, max_new_tokens = GEN_LEN = 32, block size 8 by default, i.e.
+the spec's GSM8K settings with the block scaled from 32 to this task's answers of at most 27 tokens + EOS;
+`block_size` (any divisor of 32, e.g. the spec's 32) applies to every row's block knobs):
 
   vanilla     Dream vanilla, steps = max_new_tokens (one token per forward), alg="entropy" (Dream's
               own evaluation setting; the default alg "origin" reveals positions at random)
@@ -28,16 +29,35 @@ from lopa_fast import tasks
 
 GEN_LEN = 32
 BLOCK = 8
-D2F_KNOBS = dict(block_size=BLOCK, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
-                 sampling_strategy="neg_entropy", use_full_attention=True)
-ROWS: dict[str, dict] = {
-    "vanilla": dict(strategy="vanilla", block_size=BLOCK, steps=GEN_LEN, alg="entropy"),
-    "threshold": dict(strategy="threshold", block_size=BLOCK, block_length=BLOCK, threshold=0.9),
-    "d2f": dict(strategy="d2f", **D2F_KNOBS),
-    "lopa-k2": dict(strategy="lopa", branching_factor=2, **D2F_KNOBS),
-    "lopa-k4": dict(strategy="lopa", branching_factor=4, **D2F_KNOBS),
-    "lopa-k8": dict(strategy="lopa", branching_factor=8, **D2F_KNOBS),
-}
+# block sizes the eval accepts: those that divide GEN_LEN (every decoder splits the answer into whole blocks)
+BLOCK_SIZES = tuple(b for b in range(1, GEN_LEN + 1) if GEN_LEN % b == 0)
+
+
+def check_block_size(block_size) -> int:
+    """Validate the eval's block size (must divide GEN_LEN = 32); returns it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size!r}; allowed: a divisor of max_new_tokens {GEN_LEN}: "
+                         f"{', '.join(map(str, BLOCK_SIZES))}")
+    return block_size
+
+
+def make_rows(block_size: int = BLOCK) -> dict[str, dict]:
+    """Every row's knobs with `block_size` applied to all block knobs (vanilla/threshold block_length too)."""
+    block_size = check_block_size(block_size)
+    d2f = dict(block_size=block_size, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
+               sampling_strategy="neg_entropy", use_full_attention=True)
+    return {
+        "vanilla": dict(strategy="vanilla", block_size=block_size, steps=GEN_LEN, alg="entropy"),
+        "threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size, threshold=0.9),
+        "d2f": dict(strategy="d2f", **d2f),
+        "lopa-k2": dict(strategy="lopa", branching_factor=2, **d2f),
+        "lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
+        "lopa-k8": dict(strategy="lopa", branching_factor=8, **d2f),
+    }
+
+
+ROWS: dict[str, dict] = make_rows(BLOCK)
+D2F_KNOBS = {k: v for k, v in ROWS["d2f"].items() if k != "strategy"}
 ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "all": list(ROWS)}
 BACKENDS = ("reference", "fast", "auto")
 
@@ -111,11 +131,13 @@ class Progress:
             sys.stderr.flush()
 
 
-def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True) -> dict:
-    """Decode every problem with one row's knobs. Returns the row's numbers (or status "unavailable")."""
+def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True,
+            block_size: int = BLOCK) -> dict:
+    """Decode every problem with one row's knobs at `block_size`. Returns the row's numbers (or status
+    "unavailable")."""
     import lopa_fast
 
-    knobs = ROWS[row]
+    knobs = make_rows(block_size)[row]
     correct = forwards = tokens = tokens_eos = 0
     seconds = 0.0
     ran = None
@@ -147,9 +169,12 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
     }
 
 
-def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int) -> str:
+def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int,
+             block_size: int = BLOCK) -> str:
+    rows = make_rows(block_size)
     lines = [
-        "# Eval on the embedded task (held-out split)",
+        "# Eval on the embedded task (held-out split)"
+        + (f", block size {block_size}" if block_size != BLOCK else ""),
         "",
         f"Command: `{command}`",
         "",
@@ -169,10 +194,10 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
             f"| {r['row']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tpf_until_eos']:.2f} | "
             f"{r['forwards_per_answer']:.1f} | {r['tokens_per_s']:.0f} |"
         )
-    lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}):", ""]
+    lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}, block size {block_size}):", ""]
     for r in results:
         why = f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""
-        lines.append(f"- `{r['row']}`: {ROWS[r['row']]}{why}")
+        lines.append(f"- `{r['row']}`: {rows[r['row']]}{why}")
     lines += [
         "",
         "TPF counts every generated position, EOS filler included (upstream Dream/LoPA and the paper);",
@@ -222,19 +247,25 @@ def plot(results: list[dict], path: Path) -> str | None:
 
 
 def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
-             progress: bool = True, command: str | None = None, log=print) -> list[dict]:
-    """Evaluate rows on `n` held-out problems; write the markdown table (and PNG) to `out`."""
+             progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK) -> list[dict]:
+    """Evaluate rows on `n` held-out problems at `block_size` (a divisor of GEN_LEN); write the markdown
+    table (and PNG) to `out`."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    check_block_size(block_size)
     rows = parse_rows(strategies)
     model, tok, path = load_default(model_dir)
     problems = tasks.generate("test", n, seed=0)
-    results = [run_row(model, tok, problems, r, backend, progress) for r in rows]
+    results = [run_row(model, tok, problems, r, backend, progress, block_size) for r in rows]
+    for r in results:
+        r["block_size"] = block_size
     n_params = sum(p.numel() for p in model.parameters())
-    command = command or f"python -m lopa_fast eval --n {n} --strategies {','.join(rows)} --backend {backend}"
-    md = markdown(results, command=command, model_path=path.name, n_params=n_params, backend=backend, n=n)
+    command = command or (f"python -m lopa_fast eval --n {n} --strategies {','.join(rows)} --backend {backend}"
+                          + (f" --block-size {block_size}" if block_size != BLOCK else ""))
+    md = markdown(results, command=command, model_path=path.name, n_params=n_params, backend=backend, n=n,
+                  block_size=block_size)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
