@@ -38,6 +38,7 @@ def test_auto_falls_back_for_temperature(model, prompt):
     assert any("reference backend" in str(x.message) for x in w)
     ref = lopa_fast.generate(model, prompt, "lopa", "reference", **kw)
     assert auto.generated_ids == ref.generated_ids
+    assert auto.stats["backend"] == "reference" and auto.stats["fallback"].startswith("reference")
 
 
 def test_auto_runs_fast_at_t0(model, prompt):

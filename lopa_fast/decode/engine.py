@@ -440,6 +440,7 @@ def run_fast(model, prompt, cfg, branching_factor: int, name: str) -> GenerateOu
         warnings.warn(f"backend='auto': {name} at temperature>0 runs on the reference backend", RuntimeWarning)
         out = importlib.import_module(f"lopa_fast.reference.{name}").generate(model, prompt, cfg)
         out.stats["fallback"] = "reference (temperature > 0)"
+        out.stats["backend"] = "reference"
         return out
     check_fast_config(cfg, name)
     return FastDecoder(model, prompt, cfg, branching_factor, name).run()
