@@ -19,6 +19,7 @@ import subprocess
 import pytest
 import torch
 
+from bench.conftest import event_us
 from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B, SELECT_ROUND
 from lopa_fast import ops
 
@@ -37,24 +38,8 @@ def _machine() -> dict:
             "git": sha}
 
 
-def _event_us(fn, iters=100) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    return sorted(times)[len(times) // 2]
-
-
 def _run(benchmark, fn, nbytes, flops=None):
-    us = _event_us(fn)
+    us = event_us(fn, iters=100)
     benchmark.extra_info.update(_machine(), us_event=us, bytes=nbytes, gbps=nbytes / us / 1e3)
     if flops:
         benchmark.extra_info.update(flops=flops, tflops=flops / us / 1e6)

@@ -36,6 +36,7 @@ import torch
 
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import GenerateOutput, finalize_stats
+from lopa_fast.reference.ops import lowest_k_table
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 
@@ -73,11 +74,6 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, i.reshape(1)).squeeze(0)
 
 
-def _lowest_k_table(n: int, topp: float, device) -> torch.Tensor:
-    """k(m) = max(1, int(m * topp)) for m = 0..n, computed in Python floats exactly as upstream."""
-    return torch.tensor([max(1, int(m * topp)) for m in range(n + 1)], dtype=torch.long, device=device)
-
-
 class FastDecoder:
     """One request of D2F (k = 1) or LoPA (k >= 2) decoding with all branches batched.
 
@@ -112,7 +108,7 @@ class FastDecoder:
         self.pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor"))
         self.onehot = self.pos_block[:, None] == j[None, :]  # [L, G+1]
         self.slot = torch.arange(NB, device=dev)
-        self.ktable = _lowest_k_table(L, cfg.branch_topp, dev)
+        self.ktable = lowest_k_table(L, cfg.branch_topp).to(dev, torch.long)
         # decoded-fraction tests as lookup tables over a block's mask count, computed with Python floats
         # exactly as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0,
         # the same entry as a full generated block, so one table of bs+1 entries serves every block.
