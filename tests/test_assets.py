@@ -14,18 +14,6 @@ from lopa_fast.train.greedy import accuracy
 MODEL = model_dir()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model runs fastest on one thread (a second OpenMP thread on a shared 2-core machine
-    made forwards ~60x slower); restore the suite's setting afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_layout_and_size_budget():
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training_log.txt"):
         assert (MODEL / name).is_file(), name

@@ -9,18 +9,6 @@ from lopa_fast.tasks import evaluate
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model runs fastest on one thread (a second OpenMP thread on a shared 2-core machine
-    made forwards ~60x slower); restore the suite's setting afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_demo_runs(capsys):
     assert cli.main(["demo", "--n", "1"]) == 0
     out = capsys.readouterr().out

@@ -10,15 +10,13 @@ spawn with no lookahead, which we count in stats["upstream_model_calls"] without
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 import pytest
-import torch
 
 import lopa_fast
-from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import golden_models
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "lopa_upstream.json")
 DATA = json.load(open(GOLDEN))
@@ -27,24 +25,9 @@ KNOBS = ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_t
          "eos_token_id")  # fmt: skip
 
 
-def _fingerprint(model) -> str:
-    h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for name, spec in DATA["models"].items():
-        hf = dict(spec["hf"])
-        m = random_model(tiny_hf_config(hf.pop("kind"), **hf), **spec["random"])
-        if _fingerprint(m) != spec["fingerprint"]:
-            pytest.skip(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
-                        "the goldens with tests/golden/make_lopa_golden.py")  # fmt: skip
-        out[name] = m
-    return out
+    return golden_models(DATA, "tests/golden/make_lopa_golden.py")
 
 
 def test_golden_cases_cover_the_grid():

@@ -8,7 +8,6 @@ the global torch seed recorded in the case). Tokens and forward counts must matc
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -16,29 +15,14 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import golden_models
 
 DATA = json.load(open(os.path.join(os.path.dirname(__file__), "golden", "blockloop_upstream.json")))
 
 
-def _fingerprint(model) -> str:
-    h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for name, spec in DATA["models"].items():
-        hf = dict(spec["hf"])
-        m = random_model(tiny_hf_config(hf.pop("kind"), **hf), **spec["random"])
-        if _fingerprint(m) != spec["fingerprint"]:
-            pytest.skip(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
-                        "the goldens with tests/golden/make_blockloop_golden.py")  # fmt: skip
-        out[name] = m
-    return out
+    return golden_models(DATA, "tests/golden/make_blockloop_golden.py")
 
 
 def test_golden_grid_covers_every_mode():

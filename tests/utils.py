@@ -67,3 +67,24 @@ def poisoned_empty():
         yield
     finally:
         torch.empty, torch.empty_like = real_empty, real_like
+
+
+def golden_models(data: dict, script: str) -> dict:
+    """Rebuild the tiny models a golden file was made with (tests/golden/*.json "models"); skip when
+    lopa_fast.testing.random_model no longer reproduces their weights (then rerun `script`)."""
+    import hashlib
+
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    out = {}
+    for name, spec in data["models"].items():
+        hf = dict(spec["hf"])
+        m = random_model(tiny_hf_config(hf.pop("kind"), **hf), **spec["random"])
+        h = hashlib.sha256()
+        for _, p in sorted(m.state_dict().items()):
+            h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+        if h.hexdigest()[:16] != spec["fingerprint"]:
+            pytest.skip(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
+                        f"the goldens with {script}")
+        out[name] = m
+    return out
