@@ -24,7 +24,13 @@ in docs/decoding.md; tests use them as coverage counters.
 """
 from __future__ import annotations
 
+import time
+import warnings
 from dataclasses import dataclass, field
+
+import torch
+
+from lopa_fast.config import RoundCapError
 
 
 @dataclass
@@ -79,3 +85,37 @@ def finalize_stats(
     stats.setdefault("hit_round_cap", False)
     stats["masks_left"] = sum(1 for t in generated_ids if t == mask_token_id) if mask_token_id is not None else 0
     return stats
+
+
+def round_cap_hit(cfg, stats: dict, where: str) -> None:
+    """Record that a loop stopped at cfg.max_rounds; warn, or raise RoundCapError if asked."""
+    stats["hit_round_cap"] = True
+    msg = (
+        f"{where}: stopped at the round cap max_rounds={cfg.max_rounds} before decoding finished; "
+        "unfilled positions keep the mask id (stats['masks_left']). Raise max_rounds, or pass "
+        "suppress_mask_token=True if the model keeps predicting the mask token"
+    )
+    if cfg.on_round_cap == "error":
+        raise RoundCapError(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+class Clock:
+    """Wall time of a decoding loop (synchronizes the device at both ends)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        self._sync()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.seconds = time.perf_counter() - self.t0
+        return False

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lopa_fast.reference.ops import lowest_k_table
+from lopa_fast.contracts import lowest_k_table
 
 _CMP = {"gt": 0, "ge": 1, "le": 2}
 

@@ -35,8 +35,8 @@ import warnings
 import torch
 
 from lopa_fast.decode.syncs import round_scope
-from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.ops import lowest_k_table
+from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.contracts import lowest_k_table
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 
@@ -57,7 +57,7 @@ def token_stats(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, 
         c = ops.confidence(logits, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None)
         conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
         return conf, c.token, c.p_max
-    from lopa_fast.reference.common import token_stats as _ref_stats
+    from lopa_fast.sampling import token_stats as _ref_stats
 
     return _ref_stats(
         logits,
@@ -360,8 +360,6 @@ class FastDecoder:
 
     # ------------------------------------------------------------------------------------------------
     def run(self) -> GenerateOutput:
-        from lopa_fast.reference.common import Clock, round_cap_hit
-
         cfg = self.cfg
         stats = {"forwards": 0, "model_calls": 0}
         trace = [] if cfg.return_trace else None

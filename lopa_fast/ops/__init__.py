@@ -6,6 +6,6 @@ The `torch` backend is what the CPU fast path runs; kernels are picked on CUDA t
 from lopa_fast.ops.branch_attention import branch_attention
 from lopa_fast.ops.confidence import confidence
 from lopa_fast.ops.select_round import select_round
-from lopa_fast.reference.ops import Confidence, RoundSelection
+from lopa_fast.contracts import Confidence, RoundSelection
 
 __all__ = ["branch_attention", "confidence", "select_round", "Confidence", "RoundSelection"]

@@ -6,15 +6,15 @@ Every op here has the same signature as its public op in `lopa_fast.ops`; these 
 from __future__ import annotations
 
 import math
-from collections import namedtuple
-
 import torch
 
-ATTENTION_MODES = ("full", "block_causal", "causal")
-COMPARATORS = ("gt", "ge", "le")
-
-Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
-RoundSelection = namedtuple("RoundSelection", ["accept", "lookahead", "score", "winner"])
+from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract types)
+    ATTENTION_MODES,
+    COMPARATORS,
+    Confidence,
+    RoundSelection,
+    lowest_k_table,
+)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -130,12 +130,6 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
     token = torch.argmax(x, dim=-1)
     neg_entropy = (p * torch.log(p + eps)).sum(-1)
     return Confidence(token, top2[:, 0], top2[:, 0] - top2[:, 1], neg_entropy, lse)
-
-
-def lowest_k_table(n: int, topp: float) -> torch.Tensor:
-    """k(c) = max(1, floor(c * topp)) for c = 0..n as int32 [n + 1], computed in Python float64 exactly as
-    upstream's `int(len(confs) * branch_topp)`; kernels read this table instead of redoing float maths."""
-    return torch.tensor([max(1, int(c * topp)) for c in range(n + 1)], dtype=torch.int32)
 
 
 def select_round(

@@ -1,0 +1,85 @@
+"""Token statistics of logits rows: the one formula for the token choice and its confidence.
+
+Used by the reference decoders and by the torch backend of the fast path (a neutral module: the fast
+decoder and the kernels never import lopa_fast.reference).
+
+Formulas (lopa_fast.ops.confidence and its kernels match these):
+
+    probs       = softmax(processed logits) in float32 (float32 logits stay float32; bf16/fp16 are upcast,
+                  where upstream runs the softmax in bf16 -- see docs/decoding.md, quirk table)
+    processed   = logits (mask id set to -inf first when suppress_mask_token), then / T if T > 0, then the
+                  top-p filter if top_p < 1 (removed entries -> float32 min), then the top-k filter
+    x0, p       = argmax / max of probs at T = 0 (first index on ties); at T > 0 x0 ~ Categorical(probs)
+                  and p = probs[x0]
+    conf        default:     p
+                margin:      p_top1 - p_top2           (sorted probs)
+                neg_entropy: sum_v p_v * log(p_v + 1e-10)   (<= 0; higher = more confident)
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_ENTROPY_EPS = 1e-10
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter [N, V]: keep the smallest prefix of the sorted vocabulary whose cumulative probability
+    exceeds top_p (the first token is always kept); the rest get the dtype's min (upstream: not -inf)."""
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove_sorted = cum > top_p
+    remove_sorted[..., 1:] = remove_sorted[..., :-1].clone()
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove_sorted)
+    return logits.masked_fill(remove, torch.finfo(logits.dtype).min)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the top_k logits per row (ties at the k-th value are kept); the rest get the dtype's min."""
+    k = min(top_k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def token_stats(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    sampling_strategy: str = "default",
+    suppress_token: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row token choice and confidence, as upstream LoPA's `sample_tokens`.
+
+    logits: [N, V] (any float dtype). Returns (conf [N] float32, x0 [N] int64, p [N] float32), where p is
+    the probability that the D2F/LoPA skip threshold tests (p_max at T = 0, p(x0) at T > 0) and conf the
+    `sampling_strategy` confidence (fallback choice, lookahead ranking, branch score).
+    """
+    x = logits.float()
+    if suppress_token is not None:
+        x = x.clone()
+        x[..., suppress_token] = float("-inf")
+    if temperature > 0:
+        x = x / temperature
+    if top_p is not None and top_p < 1:
+        x = top_p_filter(x, top_p)
+    if top_k is not None:
+        x = top_k_filter(x, top_k)
+    probs = torch.softmax(x, dim=-1)
+    if temperature > 0:
+        x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        p = probs.gather(-1, x0[:, None]).squeeze(-1)
+    else:
+        p, x0 = probs.max(dim=-1)
+    if sampling_strategy == "margin":
+        top2 = torch.sort(probs, dim=-1, descending=True).values[..., :2]
+        conf = top2[..., 0] - top2[..., 1]
+    elif sampling_strategy == "neg_entropy":
+        conf = torch.sum(probs * torch.log(probs + NEG_ENTROPY_EPS), dim=-1)
+    elif sampling_strategy == "default":
+        conf = p.clone()
+    else:
+        raise ValueError(f"sampling_strategy={sampling_strategy!r}; allowed: 'default', 'margin', 'neg_entropy'")
+    return conf, x0, p
