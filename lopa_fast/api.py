@@ -10,11 +10,14 @@ happens here, before any forward: implementations may assume a bound, valid conf
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
+import warnings
 
 import torch
 
-from lopa_fast.config import GenerateConfig
+from lopa_fast.config import ALL_SPECIFIC_KNOBS, GenerateConfig
 from lopa_fast.output import GenerateOutput
 
 
@@ -91,50 +94,54 @@ def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
         )
 
 
-def resolve_backend(strategy: str, backend: str):
-    """Return (callable, backend name that runs)."""
+def resolve_backend(cfg: GenerateConfig):
+    """Return (callable, backend name that runs, fallback note or None) for a validated config.
+
+    "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover, e.g.
+    temperature > 0); "auto" runs it where it covers the config, else the reference (with a RuntimeWarning
+    when the strategy has a fast path but the knobs do not fit it).
+    """
+    strategy, backend = cfg.strategy, cfg.backend
     if backend == "reference":
-        return _reference_strategy(strategy), "reference"
+        return _reference_strategy(strategy), "reference", None
     fast = _fast_strategies()
-    if strategy in fast:
-        return fast[strategy], "fast"
+    if strategy not in fast:
+        if backend == "fast":
+            covered = ", ".join(sorted(fast)) or "none yet"
+            raise ValueError(
+                f"backend='fast' does not cover strategy={strategy!r}; the fast backend covers: {covered}. "
+                "Use backend='reference' or backend='auto' (fast where available, else reference)"
+            )
+        return _reference_strategy(strategy), "reference", None
+    from lopa_fast.decode import fast_not_covered
+
+    why = fast_not_covered(cfg)
+    if why is None:
+        return fast[strategy], "fast", None
     if backend == "fast":
-        covered = ", ".join(sorted(fast)) or "none yet"
-        raise ValueError(
-            f"backend='fast' does not cover strategy={strategy!r}; the fast backend covers: {covered}. "
-            "Use backend='reference' or backend='auto' (fast where available, else reference)"
-        )
-    return _reference_strategy(strategy), "reference"
+        raise ValueError(f"backend='fast' ({strategy}) {why}. Use backend='reference' (or 'auto', which falls back)")
+    warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning, stacklevel=3)
+    return _reference_strategy(strategy), "reference", f"reference ({why})"
 
 
-def generate(
-    model,
-    input_ids,
-    strategy: str = "lopa",
-    backend: str = "reference",
-    *,
-    max_new_tokens: int = 512,
-    block_size: int = 32,
-    block_add_threshold: float = 0.1,
-    decoded_token_threshold: float = 0.95,
-    skip_threshold: float = 0.9,
-    sampling_strategy: str = "neg_entropy",
-    branching_factor: int = 4,
-    branch_topp: float = 1.0,
-    selection_conf_alpha: float = 0.0,
-    use_full_attention: bool = True,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    mask_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    seed: int | None = None,
-    return_trace: bool = False,
-    max_rounds: int | None = None,
-    on_round_cap: str = "warn",
-    suppress_mask_token: bool = False,
-    **strategy_specific,
-) -> GenerateOutput:
+_POSITIONAL_KNOBS = ("strategy", "backend")  # generate(model, ids, "lopa", "fast", ...) reads naturally
+
+
+def _generate_signature() -> inspect.Signature:
+    """generate(model, input_ids, strategy, backend, *, <every other GenerateConfig field>): the knobs and
+    their defaults come from the GenerateConfig dataclass only, so users and tools see them in one place."""
+    P = inspect.Parameter
+    params = [P("model", P.POSITIONAL_OR_KEYWORD), P("input_ids", P.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(GenerateConfig):
+        kind = P.POSITIONAL_OR_KEYWORD if f.name in _POSITIONAL_KNOBS else P.KEYWORD_ONLY
+        params.append(P(f.name, kind, default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation="GenerateOutput")
+
+
+_SIGNATURE = _generate_signature()
+
+
+def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     """Decode `max_new_tokens` positions after the prompt with a diffusion LM.
 
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
@@ -142,65 +149,50 @@ def generate(
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" (docs/decoding.md describes each and its knobs).
     backend:    "reference" (per-branch Python, the semantics oracle) | "fast" (batched decoder;
                 raises for strategies it does not cover) | "auto" (fast where available, else reference).
-    D2F/LoPA knobs keep upstream names (block_size, block_add_threshold, decoded_token_threshold,
-    skip_threshold, sampling_strategy, branching_factor, branch_topp, selection_conf_alpha,
-    use_full_attention). branching_factor=1 is plain D2F; k >= 2 verifies k+1 sequences per round.
+    Every other knob is keyword-only, with the defaults of `lopa_fast.GenerateConfig` (the one place they
+    are written; `inspect.signature(generate)` shows them). D2F/LoPA knobs keep upstream names
+    (block_size, block_add_threshold, decoded_token_threshold, skip_threshold, sampling_strategy,
+    branching_factor, branch_topp, selection_conf_alpha, use_full_attention). branching_factor=1 is plain
+    D2F; k >= 2 verifies k+1 sequences per round.
     max_rounds / on_round_cap: the loop cap (default 2 * max_new_tokens + 64) and what happens when it is
     hit ("warn": stats["hit_round_cap"] = True + RuntimeWarning; "error": RoundCapError).
     suppress_mask_token: exclude the mask id from predictions (upstream does not; default False).
-    strategy_specific: vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf,
-    confidence_eos_eot_inf; Dream: steps, alg, alg_temp, eps) and threshold (block_length, steps,
-    exactly one of threshold / factor / entropy_threshold, cache None|"prefix"|"dual", count_noop_forward).
+    Strategy-specific knobs (None = the strategy's default): vanilla (LLaDA: steps, block_length, remasking,
+    cfg_scale, logits_eos_inf, confidence_eos_eot_inf; Dream: steps, alg, alg_temp, eps) and threshold
+    (block_length, steps, exactly one of threshold / factor / entropy_threshold, cache None|"prefix"|"dual",
+    count_noop_forward).
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
-    from lopa_fast.config import ALL_SPECIFIC_KNOBS
-
-    unknown = sorted(set(strategy_specific) - set(ALL_SPECIFIC_KNOBS))
+    known = {p for p in _SIGNATURE.parameters}
+    unknown = sorted(set(knobs) - known)
     if unknown:
         raise TypeError(
             f"generate() got unknown keyword argument(s) {unknown}; strategy-specific knobs are: "
-            f"{', '.join(ALL_SPECIFIC_KNOBS)}"
+            f"{', '.join(ALL_SPECIFIC_KNOBS)}; see inspect.signature(lopa_fast.generate) for all knobs"
         )
-    cfg = GenerateConfig(
-        strategy=strategy,
-        backend=backend,
-        max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        block_add_threshold=block_add_threshold,
-        decoded_token_threshold=decoded_token_threshold,
-        skip_threshold=skip_threshold,
-        sampling_strategy=sampling_strategy,
-        branching_factor=branching_factor,
-        branch_topp=branch_topp,
-        selection_conf_alpha=selection_conf_alpha,
-        use_full_attention=use_full_attention,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        mask_token_id=mask_token_id,
-        eos_token_id=eos_token_id,
-        seed=seed,
-        return_trace=return_trace,
-        max_rounds=max_rounds,
-        on_round_cap=on_round_cap,
-        suppress_mask_token=suppress_mask_token,
-        **strategy_specific,
-    )
-    return generate_with_config(model, input_ids, cfg)
+    bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
+    kw = dict(bound.arguments)
+    model, input_ids = kw.pop("model"), kw.pop("input_ids")
+    return generate_with_config(model, input_ids, GenerateConfig(**kw))
+
+
+generate.__signature__ = _SIGNATURE
 
 
 def generate_with_config(model, input_ids, cfg: GenerateConfig) -> GenerateOutput:
     """`generate` with a prepared GenerateConfig (validated and bound to the model here)."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
-    cfg.validate()
+    cfg.validate()  # the one validation of the knobs, before the prompt is touched
     ids = prepare_prompt(model, input_ids)
-    cfg = cfg.bind(model)
+    cfg = cfg.resolve(model)
     check_prompt(model, ids, cfg)
-    fn, ran = resolve_backend(cfg.strategy, cfg.backend)
+    fn, ran, fallback = resolve_backend(cfg)
     with torch.inference_mode():
         out = fn(model, ids, cfg)
     out.stats.setdefault("strategy", cfg.strategy)
-    out.stats.setdefault("backend", ran)  # a fast entry point that fell back says "reference" itself
+    out.stats["backend"] = ran
+    if fallback is not None:
+        out.stats["fallback"] = fallback
     return out

@@ -228,13 +228,16 @@ class GenerateConfig:
 
     # ---------------------------------------------------------------------------------------------
     def bind(self, model) -> "GenerateConfig":
-        """Resolve the model-dependent defaults; returns a new validated config.
+        """`validate()` then `resolve(model)`: a new, validated, fully resolved config."""
+        return self.validate().resolve(model)
+
+    def resolve(self, model) -> "GenerateConfig":
+        """Resolve the model-dependent defaults of a VALIDATED config (call `validate()` first, or `bind`).
 
         mask/eos ids default to the model's; the round cap defaults to 2 * max_new_tokens + 64 (a round
         fills at least one position unless the mask token itself is emitted, so the cap is only hit by
         such a stall); family-specific vanilla knobs are checked against the model's family.
         """
-        self.validate()
         kind = model.config.kind
         mask = self.mask_token_id if self.mask_token_id is not None else model.mask_token_id
         if mask is None:
@@ -298,7 +301,8 @@ class GenerateConfig:
                 count_noop_forward=bool(self.count_noop_forward),
             )
         out = self.replace(**kw)
-        out.validate()
+        if out.strategy in ("vanilla", "threshold"):
+            out._check_blocks()  # the resolved block_length (default: block_size / max_new_tokens) and steps
         return out
 
     def as_dict(self) -> dict:

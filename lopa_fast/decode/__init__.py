@@ -9,4 +9,16 @@ from lopa_fast.decode.syncs import count_host_syncs
 
 FAST_STRATEGIES = {"d2f": _d2f, "lopa": _lopa}
 
-__all__ = ["FAST_STRATEGIES", "count_host_syncs"]
+
+
+def fast_not_covered(cfg) -> str | None:
+    """Why the fast backend cannot run this validated config (a phrase naming the knob), or None.
+
+    Sampling at T > 0 draws random numbers per block / per branch in the reference's order, which a
+    batched round cannot reproduce, so T > 0 runs on the reference (lopa_fast.api decides)."""
+    if cfg.temperature != 0:
+        return f"covers temperature=0 only (greedy, upstream's setting); got temperature={cfg.temperature!r}"
+    return None
+
+
+__all__ = ["FAST_STRATEGIES", "count_host_syncs", "fast_not_covered"]

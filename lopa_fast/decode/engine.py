@@ -30,7 +30,6 @@ and committing the winner's is the same as committing anyone's.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
@@ -139,11 +138,6 @@ class FastDecoder:
         self.host_reads = 0
 
     # ------------------------------------------------------------------------------------------------
-    def _mask_counts(self) -> torch.Tensor:
-        """mc [NB, G+1]: masks per block (block 0, the prompt, has none: prompts never hold the mask id)."""
-        NB, G, bs, P = self.NB, self.G, self.bs, self.P
-        return torch.nn.functional.pad((self.x[:, P:] == self.mask_id).view(NB, G, bs).sum(-1), (1, 0))
-
     def _plan(self):
         """Grow, activation, termination, shared-prefix end and the to-cache span, all on the device.
 
@@ -416,25 +410,6 @@ class FastDecoder:
         return GenerateOutput(ids, stats, trace)
 
 
-def check_fast_config(cfg, name: str) -> None:
-    """What the fast backend does not cover raises here, naming the knob (generate validated the rest)."""
-    if cfg.temperature != 0:
-        raise ValueError(
-            f"backend='fast' ({name}) covers temperature=0 only (greedy, upstream's setting); got "
-            f"temperature={cfg.temperature!r}. Use backend='reference' (or 'auto', which falls back)"
-        )
-
-
 def run_fast(model, prompt, cfg, branching_factor: int, name: str) -> GenerateOutput:
-    if cfg.temperature != 0 and cfg.backend == "auto":
-        # sampling at T > 0 draws random numbers per block / per branch in the reference's order, which a
-        # batched round cannot reproduce; "auto" therefore runs the reference (documented, with a warning)
-        import importlib
-
-        warnings.warn(f"backend='auto': {name} at temperature>0 runs on the reference backend", RuntimeWarning)
-        out = importlib.import_module(f"lopa_fast.reference.{name}").generate(model, prompt, cfg)
-        out.stats["fallback"] = "reference (temperature > 0)"
-        out.stats["backend"] = "reference"
-        return out
-    check_fast_config(cfg, name)
+    """Run one request on the fast decoder (cfg bound and covered: lopa_fast.api checked both)."""
     return FastDecoder(model, prompt, cfg, branching_factor, name).run()

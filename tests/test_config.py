@@ -1,0 +1,45 @@
+"""The knobs live in one place: GenerateConfig's fields and defaults are generate's signature; validation
+runs once per call."""
+import dataclasses
+import inspect
+
+import lopa_fast
+from lopa_fast.config import GenerateConfig
+from lopa_fast.testing import random_model, tiny_hf_config
+
+
+def test_generate_signature_is_the_config():
+    params = inspect.signature(lopa_fast.generate).parameters
+    fields = dataclasses.fields(GenerateConfig)
+    assert list(params)[:2] == ["model", "input_ids"]
+    assert list(params)[2:] == [f.name for f in fields]
+    for f in fields:
+        p = params[f.name]
+        assert p.default == f.default, f.name
+        want = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name in ("strategy", "backend") else \
+            inspect.Parameter.KEYWORD_ONLY
+        assert p.kind == want, f.name
+
+
+def test_positional_strategy_and_backend_bind_like_keywords(monkeypatch):
+    seen = []
+    monkeypatch.setattr(lopa_fast.api, "generate_with_config", lambda m, ids, cfg: seen.append(cfg))
+    lopa_fast.generate(None, [1], "d2f", "fast", block_size=4, max_new_tokens=8)
+    lopa_fast.generate(None, [1], strategy="d2f", backend="fast", block_size=4, max_new_tokens=8)
+    assert seen[0] == seen[1] == GenerateConfig(strategy="d2f", backend="fast", block_size=4, max_new_tokens=8)
+
+
+def test_validate_runs_once_per_call(monkeypatch):
+    model = random_model(tiny_hf_config("dream"), seed=0)
+    calls = []
+    real = GenerateConfig.validate
+
+    def counting(self):
+        calls.append(self.strategy)
+        return real(self)
+
+    monkeypatch.setattr(GenerateConfig, "validate", counting)
+    for backend in ("reference", "fast"):
+        calls.clear()
+        lopa_fast.generate(model, [1, 2, 3], "lopa", backend, block_size=4, max_new_tokens=8, branching_factor=2)
+        assert calls == ["lopa"], backend
