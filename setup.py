@@ -3,7 +3,7 @@
 The pure-Python package always installs. The top-level `kernels/` directory is installed as
 `lopa_fast.kernels` (a bare top-level `kernels` package would collide in site-packages).
 No CUDA is compiled here: CUDA kernels are compiled at first use on a GPU machine (NVRTC via CuPy),
-because a torch-header CUDA build costs minutes of scarce GPU time (TOOLCHAIN.md).
+because a torch-header CUDA build costs minutes of scarce GPU time (docs/toolchain.md section 5).
 """
 from setuptools import find_packages, setup
 

@@ -75,7 +75,7 @@ def _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids):
         try:
             from flash_attn import flash_attn_with_kvcache
         except ImportError:
-            pytest.skip("flash-attn is not installed (no wheel; TOOLCHAIN.md)")
+            pytest.skip("flash-attn is not installed (no wheel; docs/toolchain.md section 5)")
         # flash-attn has no block-causal mask: time its full-attention kvcache call over the same keys
         kk, vv = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         return lambda: flash_attn_with_kvcache(q, kk, vv, causal=False)

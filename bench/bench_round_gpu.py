@@ -4,7 +4,7 @@ Shapes: Qwen2.5-7B / Dream-7B (28 layers, hidden 3584, 28 query / 4 KV heads, he
 vocab 152064), bf16, prefix 512 / 1024, 32-token windows, branching_factor k in {1, 2, 4, 8}
 (1, 3, 5, 9 sequences per round, T = 32 * sequences query tokens).
 
-Two numbers per shape (spec/anchors.md section 3):
+Two numbers per shape (docs/toolchain.md section 7):
 * `verify_ms`: one batched verification forward (all branches, LM head on every window row), CUDA events.
 * `round_ms`: a whole fast-decoder round (plan, forward, selection, commit, spawn) measured as
   (t(1 + R rounds) - t(1 round)) / R of real `generate` calls, so the prompt prefill is excluded.

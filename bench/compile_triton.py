@@ -4,7 +4,7 @@
     python bench/compile_triton.py --quick    # one variant per kernel, no file (the CI check)
 
 Uses triton.compile with GPUTarget("cuda", 90, 32) (no driver needed) and Triton's bundled ptxas
-(`-arch=sm_90a -v`) on the emitted PTX, because `n_regs` needs a driver (TOOLCHAIN.md). Exits 1 on any
+(`-arch=sm_90a -v`) on the emitted PTX, because `n_regs` needs a driver (docs/toolchain.md section 4). Exits 1 on any
 compile error or any spill. Shapes are Dream-7B's (Hq 28, Hkv 4, D 128, V 152064) with the launchers'
 own tile choices, so the table describes what runs on the H200.
 Must run with TRITON_INTERPRET unset (under the interpreter @triton.jit yields no compilable function).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (TOOLCHAIN.md, "The GPU machine"): install without network, run the `gpu`
+# The one prepared GPU check (docs/toolchain.md section 7): install without network, run the `gpu`
 # tests and the microbenchmarks, full logs and JSON to $OUT, a short summary last on stdout.
 # Run from the repo root on the device machine: bash bench/gpu_check.sh
 set -uo pipefail

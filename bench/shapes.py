@@ -1,9 +1,9 @@
 """Benchmark shapes, named after the model and decoding configuration they come from.
 
-Dream-7B (Qwen2.5-7B geometry, spec lopa_d2f.md section 1): 28 query heads, 4 KV heads, head_dim 128,
+Dream-7B (Qwen2.5-7B geometry, docs/semantics.md section 1): 28 query heads, 4 KV heads, head_dim 128,
 vocab 152,064, bf16. LoPA rounds verify 1, 3, 5, 9 (and up to 16) branch windows of 32-128 positions
 (block 32, 1-4 active blocks) over a committed prefix of 512-2048 tokens.
-H200 ceilings measured on the device machine (TOOLCHAIN.md): ~4.3 TB/s copy, ~790 TFLOP/s bf16 GEMM.
+H200 ceilings measured on the device machine (docs/toolchain.md section 7): ~4.3 TB/s copy, ~790 TFLOP/s bf16 GEMM.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class GenerateConfig:
     backend: str = "reference"
     max_new_tokens: int = 512
     block_size: int = 32
-    # D2F / LoPA (spec lopa_d2f.md section 2-3)
+    # D2F / LoPA (docs/semantics.md sections 2-3)
     block_add_threshold: float = 0.1
     decoded_token_threshold: float = 0.95
     skip_threshold: float = 0.9
@@ -309,4 +309,4 @@ class GenerateConfig:
         return dataclasses.asdict(self)
 
 
-LopaConfig = GenerateConfig  # the name ARCHITECTURE.md uses
+LopaConfig = GenerateConfig  # the name docs/architecture.md uses

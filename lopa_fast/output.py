@@ -1,6 +1,6 @@
 """`GenerateOutput`: what every strategy and backend returns.
 
-Stats keys (ARCHITECTURE.md section 8; every backend fills at least the first block):
+Stats keys (docs/architecture.md section 5, docs/decoding.md "Stats"; every backend fills at least the first block):
 
     forwards          rounds with a verification forward (the paper's TPF denominator; a LoPA round with
                       k+1 branches is ONE forward). Parity checks compare this number.

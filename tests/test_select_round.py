@@ -13,7 +13,7 @@ CMP = {"gt": lambda v, t: v > t, "ge": lambda v, t: v >= t, "le": lambda v, t: v
 
 
 def oracle(val, conf, masked, blk, complete, tau, comparator, n_look, topp, alpha, cc, active):
-    """Per-branch Python loops straight from spec lopa_d2f.md sections 2-3 (no tensor tricks)."""
+    """Per-branch Python loops straight from docs/semantics.md sections 2-3 (no tensor tricks)."""
     B, n = conf.shape
     accept = [[False] * n for _ in range(B)]
     looks, scores = [], []

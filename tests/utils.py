@@ -15,7 +15,7 @@ TOLERANCES = {
 }
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# bf16 only on a GPU: the Triton interpreter's bf16 dot multiplies raw bit patterns (TOOLCHAIN.md)
+# bf16 only on a GPU: the Triton interpreter's bf16 dot multiplies raw bit patterns (docs/toolchain.md section 3)
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 

@@ -1,7 +1,7 @@
 """Triton `confidence`: per-row vocabulary statistics (argmax, p_max, top-2 margin, neg-entropy, lse).
 
 Two chunked passes over V (never a whole 152k row in registers: a 32k-wide tile spilled at 255
-registers on sm_90, TOOLCHAIN.md):
+registers on sm_90, docs/toolchain.md section 4):
   pass 1: online max / argmax / second max / sum exp  -> token, p_max, margin, lse
   pass 2: sum_v p_v * log(p_v + eps) with the final lse (the eps term needs p, so it cannot be folded
           into pass 1 exactly)

@@ -1,4 +1,4 @@
-"""Fast D2F (spec lopa_d2f.md section 2): the batched engine with one branch (no lookahead)."""
+"""Fast D2F (docs/semantics.md section 2): the batched engine with one branch (no lookahead)."""
 from lopa_fast.decode.engine import run_fast
 
 

@@ -1,6 +1,6 @@
 """The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
 
-Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (spec lopa_d2f.md sections 2-3); this
+Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (docs/semantics.md sections 2-3); this
 module only changes *how* a round is computed:
 
 * Geometry is static per request. Positions [0, P) are the prompt (block 0); generated block j >= 1

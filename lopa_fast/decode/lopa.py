@@ -1,4 +1,4 @@
-"""Fast LoPA (spec lopa_d2f.md section 3): anchor + k lookahead branches verified in one forward."""
+"""Fast LoPA (docs/semantics.md section 3): anchor + k lookahead branches verified in one forward."""
 from lopa_fast.decode.engine import run_fast
 
 

@@ -1,4 +1,4 @@
-"""Reference D2F pipelined block decoding (spec lopa_d2f.md section 2), single branch.
+"""Reference D2F pipelined block decoding (docs/semantics.md section 2), single branch.
 
 Mirrors upstream LoPA's `_generate_original_single_branch` (the D2F-on-Dream decoder): one forward per
 step over [to_cache span ; every later position], full attention (`use_full_attention=True`, upstream's

@@ -1,4 +1,4 @@
-"""Reference LoPA (Lookahead Parallel Decoding) on D2F (spec lopa_d2f.md section 3).
+"""Reference LoPA (Lookahead Parallel Decoding) on D2F (docs/semantics.md section 3).
 
 Keeps the structure of upstream `DreamLoRA._generate_enhanced_speculative` (zhijie-group/LoPA,
 scale_dream_d2f): every round verifies the candidate branches one forward each, over the same committed

@@ -146,7 +146,7 @@ def select_round(
     creation_conf: torch.Tensor | None = None,
     branch_active: torch.Tensor | None = None,
 ) -> RoundSelection:
-    """One D2F/LoPA selection round over B branch windows of n positions (spec lopa_d2f.md sections 2-3).
+    """One D2F/LoPA selection round over B branch windows of n positions (docs/semantics.md sections 2-3).
 
     Inputs (window position i of branch b; padding positions must have masked=False, block_ids=-1):
       accept_value   [B, n] float  the thresholded statistic: p_max for D2F (`gt`) and Fast-dLLM (`ge`),

@@ -1,6 +1,6 @@
 """Reference threshold parallel decoding (Fast-dLLM v1 / dParallel) inside LLaDA's semi-AR block loop.
 
-Spec apd_dparallel_fastdllm.md sections 3, 4.6 and 6. x = [prompt | MASK x max_new_tokens], blocks of
+docs/semantics.md sections 4.2-4.4 and 5. x = [prompt | MASK x max_new_tokens], blocks of
 `block_length` decoded left to right; `steps` is only checked for divisibility (as upstream). Per step,
 the masked positions of the current block are candidates and ONE of three commit rules runs (rank 1 is
 always committed):

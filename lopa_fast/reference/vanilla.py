@@ -2,7 +2,7 @@
 
 The model family decides which one runs (config.bind rejects the other family's knobs):
 
-- LLaDA (ML-GSAI/LLaDA generate.py; spec apd_dparallel_fastdllm.md section 1): x = [prompt | MASK x gen],
+- LLaDA (ML-GSAI/LLaDA generate.py; docs/semantics.md section 4.1): x = [prompt | MASK x gen],
   semi-autoregressive blocks of `block_length`, `steps // num_blocks` steps per block with the transfer
   schedule floor(n/S) (+1 for the first n mod S steps); per step one cache-free forward over the whole
   sequence, x0 = argmax (float64 Gumbel-max at T > 0), confidence = softmax(logits)[x0] (`low_confidence`)
