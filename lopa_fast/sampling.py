@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 NEG_ENTROPY_EPS = 1e-10
+SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -67,6 +68,8 @@ def token_stats(
         x = top_p_filter(x, top_p)
     if top_k is not None:
         x = top_k_filter(x, top_k)
+    if sampling_strategy not in SAMPLING_STRATEGIES:
+        raise ValueError(f"sampling_strategy={sampling_strategy!r}; allowed: {SAMPLING_STRATEGIES}")
     probs = torch.softmax(x, dim=-1)
     if temperature > 0:
         x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -74,12 +77,30 @@ def token_stats(
     else:
         p, x0 = probs.max(dim=-1)
     if sampling_strategy == "margin":
-        top2 = torch.sort(probs, dim=-1, descending=True).values[..., :2]
-        conf = top2[..., 0] - top2[..., 1]
+        conf = prob_margin(probs)
     elif sampling_strategy == "neg_entropy":
-        conf = torch.sum(probs * torch.log(probs + NEG_ENTROPY_EPS), dim=-1)
-    elif sampling_strategy == "default":
-        conf = p.clone()
+        conf = prob_neg_entropy(probs)
     else:
-        raise ValueError(f"sampling_strategy={sampling_strategy!r}; allowed: 'default', 'margin', 'neg_entropy'")
+        conf = p.clone()
     return conf, x0, p
+
+
+def prob_margin(probs: torch.Tensor) -> torch.Tensor:
+    """p_top1 - p_top2 per row of probs [N, V] -> [N] (top-2 of the multiset: an exact tie gives 0)."""
+    top2 = torch.topk(probs, 2, dim=-1).values  # the same two values as upstream's full descending sort
+    return top2[..., 0] - top2[..., 1]
+
+
+def prob_neg_entropy(probs: torch.Tensor, eps: float = NEG_ENTROPY_EPS) -> torch.Tensor:
+    """sum_v p_v * log(p_v + eps) per row of probs [N, V] -> [N] (<= 0; higher = more confident)."""
+    return torch.sum(probs * torch.log(probs + eps), dim=-1)
+
+
+def softmax_stats(x: torch.Tensor, eps: float = NEG_ENTROPY_EPS):
+    """The temperature-0 statistics of `token_stats` for every strategy at once, on rows x [N, V] already in
+    the compute dtype (suppressed ids already -inf): (token int64 [N], p_max [N], margin [N], neg_entropy [N]).
+    The one formula behind `token_stats` and `lopa_fast.reference.ops.confidence` (kernels match it within
+    the tests' tolerance rule)."""
+    probs = torch.softmax(x, dim=-1)
+    p_max, token = probs.max(dim=-1)
+    return token, p_max, prob_margin(probs), prob_neg_entropy(probs, eps)

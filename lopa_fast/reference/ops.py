@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import torch
 
+from lopa_fast.sampling import softmax_stats
 from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract types)
     ATTENTION_MODES,
     COMPARATORS,
@@ -106,14 +107,16 @@ def branch_attention(
 
 
 def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10) -> Confidence:
-    """Per-row vocabulary statistics of softmax(logits) computed in float32 (float64 for float64 input).
+    """Per-row vocabulary statistics of softmax(logits) computed in float32 (float64 for float64 input), with
+    the one formula of the decoders' `lopa_fast.sampling.token_stats` (`sampling.softmax_stats`):
+    probs = softmax(x), p_max / token = max / argmax of probs, margin = top1 - top2 of probs.
 
     logits:         [N, V] any float dtype (upcast before the softmax)
     suppress_token: a vocabulary id treated as logit -inf everywhere (argmax, probabilities, lse,
                     entropy), e.g. the mask id when the engine asks; None = nothing suppressed (upstream)
     eps:            inside the entropy log, as upstream: sum_v p_v * log(p_v + eps)
     Returns Confidence(
-        token       int64 [N]  argmax (ties -> lowest index),
+        token       int64 [N]  argmax of probs (ties -> lowest index),
         p_max       fp32  [N]  max_v p_v,
         margin      fp32  [N]  p_top1 - p_top2 (top-2 of the multiset: an exact tie gives 0),
         neg_entropy fp32  [N]  sum_v p_v * log(p_v + eps)  (<= 0; higher = more confident),
@@ -124,12 +127,8 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
     if suppress_token is not None:
         x = x.clone()
         x[:, suppress_token] = float("-inf")
-    lse = torch.logsumexp(x, dim=-1)
-    p = torch.exp(x - lse[:, None])
-    top2 = torch.topk(p, 2, dim=-1).values
-    token = torch.argmax(x, dim=-1)
-    neg_entropy = (p * torch.log(p + eps)).sum(-1)
-    return Confidence(token, top2[:, 0], top2[:, 0] - top2[:, 1], neg_entropy, lse)
+    token, p_max, margin, neg_entropy = softmax_stats(x, eps)
+    return Confidence(token, p_max, margin, neg_entropy, torch.logsumexp(x, dim=-1))
 
 
 def select_round(
@@ -230,3 +229,66 @@ def select_round(
     winner = torch.where(active & (key == best), torch.arange(B, device=dev), B).min()
     winner = torch.where(winner == B, -1, winner)
     return RoundSelection(accept, lookahead, score, winner)
+
+
+# ------------------------------------------------------------------------------------- layer ops
+# The decoder layer's elementwise / row-wise parts. Unlike the ops above these do NOT upcast their
+# result: each formula is exactly the model's (lopa_fast.models.transformer), op for op, so the CPU
+# path that runs these twins stays bitwise identical to the model's own code.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm, HF Qwen2 / LLaDA order: x [..., H] upcast to fp32, x * rsqrt(mean(x^2) + eps), cast
+    back to x.dtype, then times weight [H] (in x.dtype when weight.dtype == x.dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm residual step: s = x + residual in x.dtype (one rounding), then (rms_norm(s), s)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [..., D] for integer positions [...] (e.g. [n], or [B, n] for per-request offsets):
+    inv_freq = 1 / theta ** (arange(0, D, 2) / D) in fp32, angles = positions * inv_freq, duplicated
+    along the last dim (rotate-half layout)."""
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_one(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, fp32: bool) -> torch.Tensor:
+    if fp32:
+        xf = x.float()
+        return (xf * c + _rotate_half(xf) * s).to(x.dtype)
+    c, s = c.to(x.dtype), s.to(x.dtype)
+    return x * c + _rotate_half(x) * s
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [B, n, Hq, D] and k [B, n, Hkv, D] with cos, sin fp32 [n, D] or [B, n, D]
+    (from rope_cos_sin): x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+    fp32=False (Qwen2 family): cos/sin cast to x.dtype, then rotated in x.dtype.
+    fp32=True (LLaDA): rotated in fp32, then cast back to x.dtype.
+    Returns (q_rot, k_rot) in the input dtypes."""
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return _rope_one(q, c, s, fp32), _rope_one(k, c, s, fp32)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's elementwise part: silu(gate) * up in the input dtype (gate, up [..., F])."""
+    return torch.nn.functional.silu(gate) * up
