@@ -31,7 +31,13 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
             f"branch_attention: k_cache/v_cache must be [Lmax, Hkv={Hkv}, D={D}], got {tuple(k_cache.shape)} / "
             f"{tuple(v_cache.shape)}"
         )
-    if not 0 <= int(cache_len) <= k_cache.shape[0]:
+    if isinstance(cache_len, torch.Tensor):
+        if cache_len.numel() != 1 or cache_len.dtype not in _INTS or cache_len.device != q.device:
+            raise ValueError(
+                f"branch_attention: a tensor cache_len must be one int on {q.device}, got shape "
+                f"{tuple(cache_len.shape)} {cache_len.dtype} on {cache_len.device}"
+            )
+    elif not 0 <= int(cache_len) <= k_cache.shape[0]:
         raise ValueError(f"branch_attention: cache_len={cache_len} not in [0, {k_cache.shape[0]}]")
     if mode not in ATTENTION_MODES:
         raise ValueError(f"branch_attention: mode={mode!r}; allowed: {ATTENTION_MODES}")

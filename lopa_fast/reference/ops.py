@@ -56,7 +56,7 @@ def branch_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_len: int,
+    cache_len: int | torch.Tensor,
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     win_lens: torch.Tensor | None = None,
@@ -69,6 +69,7 @@ def branch_attention(
 
     q:        [B, n, Hq, D]
     k_cache:  [Lmax, Hkv, D]  (one layer of the static cache; rows [0, cache_len) are read)
+    cache_len: int, or a 0-d / [1] int tensor on q's device (no host read: rows >= cache_len are masked)
     v_cache:  [Lmax, Hkv, D]
     k_win:    [B, n, Hkv, D]  the branch windows' own keys (post-RoPE)
     v_win:    [B, n, Hkv, D]
@@ -87,19 +88,26 @@ def branch_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdt = _compute_dtype(q)
     qf = q.to(cdt).reshape(B, n, Hkv, group, D)
-    kp = k_cache[:cache_len].to(cdt)
-    vp = v_cache[:cache_len].to(cdt)
+    if isinstance(cache_len, torch.Tensor):
+        # device-resident prefix length (a captured / compiled round): attend over the whole static buffer
+        # with rows >= cache_len masked, so no shape depends on the value
+        kp, vp = k_cache.to(cdt), v_cache.to(cdt)
+        prefix_ok = torch.arange(k_cache.shape[0], device=q.device) < cache_len.reshape(())
+    else:
+        kp, vp = k_cache[:cache_len].to(cdt), v_cache[:cache_len].to(cdt)
+        prefix_ok = None
     kw, vw = k_win.to(cdt), v_win.to(cdt)
     s_prefix = torch.einsum("bnhgd,lhd->bhgnl", qf, kp) * scale  # [B, Hkv, G, n, L]
+    if prefix_ok is not None:
+        s_prefix = s_prefix.masked_fill(~prefix_ok, float("-inf"))
     s_win = torch.einsum("bnhgd,bmhd->bhgnm", qf, kw) * scale  # [B, Hkv, G, n, n]
     vis = window_key_mask(n, win_lens, block_ids, mode, B, q.device)  # [B, n, n]
     s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
     s = torch.cat([s_prefix, s_win], dim=-1)
     lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, n]
     p = torch.exp(s - lse[..., None])
-    o = torch.einsum("bhgnl,lhd->bnhgd", p[..., :cache_len], vp) + torch.einsum(
-        "bhgnm,bmhd->bnhgd", p[..., cache_len:], vw
-    )
+    Lp = kp.shape[0]
+    o = torch.einsum("bhgnl,lhd->bnhgd", p[..., :Lp], vp) + torch.einsum("bhgnm,bmhd->bnhgd", p[..., Lp:], vw)
     o = o.reshape(B, n, Hq, D).to(q.dtype)
     if return_lse:
         return o, lse.permute(0, 3, 1, 2).reshape(B, n, Hq)
