@@ -9,3 +9,5 @@ from lopa_fast.ops.select_round import select_round
 from lopa_fast.contracts import Confidence, RoundSelection
 
 __all__ = ["branch_attention", "confidence", "select_round", "Confidence", "RoundSelection"]
+from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
+__all__ += ["rms_norm", "add_rms_norm"]
