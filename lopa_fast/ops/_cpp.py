@@ -18,14 +18,15 @@ import torch
 
 log = logging.getLogger("lopa_fast.ops.cpp")
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_PKG = Path(__file__).resolve().parents[1]  # csrc/ ships as lopa_fast/csrc in a wheel; the repo keeps it at the top
+CSRC = _PKG / "csrc" if (_PKG / "csrc").is_dir() else _PKG.parent / "csrc"
 SOURCES = ("confidence_cpu.cpp", "select_round_cpu.cpp")
 
 
 @functools.cache
 def build() -> None:
     """Compile and load csrc/*.cpp (registers torch.ops.lopa_fast_cpp.*). Raises RuntimeError when the
-    sources are absent (a non-editable install ships no csrc/) or the build fails."""
+    sources are absent or the build fails."""
     from torch.utils.cpp_extension import load  # noqa: PLC0415 - heavy import, only when asked
 
     missing = [s for s in SOURCES if not (CSRC / s).exists()]
