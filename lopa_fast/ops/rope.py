@@ -1,0 +1,100 @@
+"""`rope`: rotate-half rotary embedding of q and k (one launch), and `rope_cos_sin`, its per-forward
+cos/sin table. See reference.ops.rope / rope_cos_sin.
+
+The table is computed once per forward from a positions *tensor* with the reference's torch ops
+(bitwise the model's formula; a replayed graph reads new positions, no position is a Python int);
+`rope` then rotates every layer's q and k from it. The Triton launcher is registered as the torch custom
+op `lopa_fast::triton_rope` (with a fake implementation), so torch.compile(fullgraph=True) and graph
+capture trace through the public op without a graph break.
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.ops import _backend
+from lopa_fast.reference import ops as ref
+
+_KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FLOATS = _KERNEL_FLOATS + (torch.float64,)
+
+
+def _check(q, k, cos, sin, fp32):
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"rope: {name} must be a [B, n, H, D] tensor, got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"rope: {name}.dtype={t.dtype}; allowed: {_FLOATS}")
+    B, n, _, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, n, D):
+        raise ValueError(f"rope: k {tuple(k.shape)} must match q {tuple(q.shape)} in B, n and D")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise TypeError(f"rope: k is {k.dtype} on {k.device}; q is {q.dtype} on {q.device}")
+    if D % 2:
+        raise ValueError(f"rope: head dim D={D} must be even (rotate-half)")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) not in ((n, D), (B, n, D)):
+            raise ValueError(f"rope: {name} must be [n={n}, D={D}] or [B={B}, n, D], "
+                             f"got {getattr(t, 'shape', type(t))}")
+        if t.dtype != torch.float32 and not (t.dtype == torch.float64 and q.dtype == torch.float64):
+            raise TypeError(f"rope: {name}.dtype={t.dtype}; expected float32 (from rope_cos_sin)")
+        if t.device != q.device:
+            raise ValueError(f"rope: {name} is on {t.device}, q on {q.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if not isinstance(fp32, bool):
+        raise TypeError(f"rope: fp32={fp32!r} must be a bool")
+    _backend.check_last_dim_contiguous("rope", q=q, k=k, cos=cos, sin=sin)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [..., head_dim] for integer positions [n] (or [B, n]): the table `rope` takes, computed
+    once per forward (torch ops on the positions' device; no host read)."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"rope_cos_sin: positions must be an int32/int64 tensor, got {getattr(positions, 'dtype', type(positions))}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"rope_cos_sin: head_dim={head_dim!r} must be a positive even int")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"rope_cos_sin: theta={theta!r} must be a number > 0")
+    return ref.rope_cos_sin(positions, head_dim, theta)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    fp32: bool = False,
+    *,
+    check: bool = True,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [B, n, Hq, D] and k [B, n, Hkv, D] (last dims contiguous; other strides free,
+    e.g. slices of a merged qkv projection) with cos, sin fp32 [n, D] or [B, n, D] from rope_cos_sin.
+    fp32=False: Qwen2 (cos/sin cast to the dtype, rotate in the dtype); fp32=True: LLaDA (rotate in fp32,
+    cast back). Returns (q_rot, k_rot) in q's dtype.
+    backend: None (auto: triton on CUDA, torch on CPU) | "triton" | "torch" (the reference twin, bitwise
+    the model's formula). The Triton kernel performs the same roundings in the same order (no FMA)."""
+    if check:
+        _check(q, k, cos, sin, fp32)
+    b = _backend.resolve("rope", backend, q.device)
+    if b == "torch":
+        return ref.rope(q, k, cos, sin, fp32)
+    if q.dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"rope: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
+    if b == "cuda":
+        return _backend.kernel("rope", b)(q, k, cos, sin, fp32)
+    return torch.ops.lopa_fast.triton_rope(q, k, cos, sin, bool(fp32))
+
+
+# ------------------------------------------------------------------------------ torch custom op (Triton)
+@torch.library.custom_op("lopa_fast::triton_rope", mutates_args=())
+def _rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backend.kernel("rope", "triton")(q, k, cos, sin, fp32)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, fp32):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
