@@ -1,32 +1,16 @@
 """branch_attention: Triton kernel (interpreter on CPU, compiled on GPU) vs the fp64 reference, 2x rule."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
-from tests.utils import DEVICE, DTYPES, TOLERANCES, assert_2x_rule, poisoned_empty
+from tests.utils import DEVICE, DTYPES, TOLERANCES, assert_2x_rule, attention_in_dtype, poisoned_empty
 
 # (B, n, Hq, Hkv, D, cache_len): ragged GQA with odd sizes; no prefix; MHA with D not a power of two
 SHAPES = [(3, 13, 6, 2, 24, 70), (2, 8, 4, 4, 16, 0), (2, 5, 4, 1, 32, 33)]
-
-
-def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode):
-    """What a plain PyTorch implementation gets in the input dtype (the 2x rule's yardstick)."""
-    B, n, Hq, D = q.shape
-    Hkv = kw.shape[2]
-    G = Hq // Hkv
-    rep = lambda t: t.repeat_interleave(G, dim=-2)  # noqa: E731 - [.., Hkv, D] -> [.., Hq, D]
-    k = torch.cat([rep(kc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(kw)], dim=1)  # [B, L+n, Hq, D]
-    v = torch.cat([rep(vc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(vw)], dim=1)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) * (1.0 / math.sqrt(D))
-    vis = ref.window_key_mask(n, win_lens, block_ids, mode, B, q.device)
-    vis = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=q.device), vis], dim=-1)
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), v)
 
 
 def make_inputs(shape, dtype, seed=0):

@@ -30,6 +30,13 @@ def models():
     return golden_models(DATA, "tests/golden/make_lopa_golden.py")
 
 
+def test_changed_golden_weights_fail_not_skip():
+    name, spec = next(iter(DATA["models"].items()))
+    tampered = {"models": {name: dict(spec, fingerprint="0" * 16)}}
+    with pytest.raises(pytest.fail.Exception, match="builds different weights"):
+        golden_models(tampered, "tests/golden/make_lopa_golden.py")
+
+
 def test_golden_cases_cover_the_grid():
     cases = DATA["cases"]
     assert len(cases) >= 52 and sum(c.get("source") == "D2F-eval" for c in cases) >= 6

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
 
-# (atol, rtol) per dtype for elementwise comparisons (house_style: torch defaults for fp32).
+# (atol, rtol) per dtype for elementwise comparisons (torch's defaults for fp32).
 # Attention and reductions use the 2x rule instead (assert_2x_rule).
 TOLERANCES = {
     torch.float32: (1e-5, 1.3e-6),
@@ -70,8 +71,9 @@ def poisoned_empty():
 
 
 def golden_models(data: dict, script: str) -> dict:
-    """Rebuild the tiny models a golden file was made with (tests/golden/*.json "models"); skip when
-    lopa_fast.testing.random_model no longer reproduces their weights (then rerun `script`)."""
+    """Rebuild the tiny models a golden file was made with (tests/golden/*.json "models"); FAIL (not
+    skip: the golden tests must not go quiet) when lopa_fast.testing.random_model no longer reproduces their
+    weights (then rerun `script`)."""
     import hashlib
 
     from lopa_fast.testing import random_model, tiny_hf_config
@@ -84,7 +86,25 @@ def golden_models(data: dict, script: str) -> dict:
         for _, p in sorted(m.state_dict().items()):
             h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
         if h.hexdigest()[:16] != spec["fingerprint"]:
-            pytest.skip(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
-                        f"the goldens with {script}")
+            pytest.fail(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
+                        f"the goldens with {script}", pytrace=False)
         out[name] = m
     return out
+
+
+def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode, softmax_fp32: bool = False):
+    """A plain PyTorch branch attention in the input dtype: the 2x rule's yardstick (softmax in the input
+    dtype, or in fp32 and cast back with softmax_fp32=True, as a kernel that keeps fp32 statistics does)."""
+    from lopa_fast.reference import ops as ref
+
+    B, n, Hq, D = q.shape
+    G = Hq // kw.shape[2]
+    rep = lambda t: t.repeat_interleave(G, dim=-2)  # noqa: E731 - [.., Hkv, D] -> [.., Hq, D]
+    k = torch.cat([rep(kc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(kw)], dim=1)  # [B, L+n, Hq, D]
+    v = torch.cat([rep(vc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(vw)], dim=1)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * (1.0 / math.sqrt(D))
+    vis = ref.window_key_mask(n, win_lens, block_ids, mode, B, q.device)
+    vis = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=q.device), vis], dim=-1)
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype) if softmax_fp32 else torch.softmax(s, dim=-1)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
