@@ -10,8 +10,7 @@ from lopa_fast.contracts import Confidence, RoundSelection
 
 __all__ = ["branch_attention", "confidence", "select_round", "Confidence", "RoundSelection"]
 from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
-__all__ += ["rms_norm", "add_rms_norm"]
 from lopa_fast.ops.rope import rope, rope_cos_sin  # noqa: E402
-__all__ += ["rope", "rope_cos_sin"]
 from lopa_fast.ops.silu_mul import silu_mul  # noqa: E402
-__all__ += ["silu_mul"]
+
+__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul"]

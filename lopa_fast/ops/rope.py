@@ -50,7 +50,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     """cos, sin fp32 [..., head_dim] for integer positions [n] (or [B, n]): the table `rope` takes, computed
     once per forward (torch ops on the positions' device; no host read)."""
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"rope_cos_sin: positions must be an int32/int64 tensor, got {getattr(positions, 'dtype', type(positions))}")
+        got = getattr(positions, "dtype", type(positions))
+        raise TypeError(f"rope_cos_sin: positions must be an int32/int64 tensor, got {got}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"rope_cos_sin: head_dim={head_dim!r} must be a positive even int")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
