@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import lopa_fast
+from bench.conftest import event_us
 from lopa_fast.models.config import parse_config
 from lopa_fast.models.loading import build_model
 from lopa_fast.testing import tiny_hf_config
@@ -69,19 +70,6 @@ def dream7b_random():
     return model
 
 
-def time_cuda(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def verify_forward_ms(model, prefix: int, seqs: int) -> float:
     cache = model.new_cache(prefix + 2 * WINDOW)
     cache.k.normal_()
@@ -91,7 +79,8 @@ def verify_forward_ms(model, prefix: int, seqs: int) -> float:
     tokens = torch.randint(0, V - 200, (seqs, WINDOW), device="cuda")
     rows = torch.arange(seqs * WINDOW, device="cuda")
     with torch.inference_mode():
-        return time_cuda(lambda: model.forward_window(tokens, cache=cache, mask="full", rows=rows))
+        return event_us(lambda: model.forward_window(tokens, cache=cache, mask="full", rows=rows),  # ms
+                        iters=10, reps=3) / 1e3
 
 
 def round_ms(model, prefix: int, k: int, rounds: int = 8) -> tuple[float, float]:

@@ -118,3 +118,21 @@ def random_model(
     model = model.to(dtype).eval()
     model.requires_grad_(False)
     return model
+
+
+def model_from_spec(hf: dict, random: dict) -> DecoderLM:
+    """`random_model(tiny_hf_config(**hf), **random)` where hf holds "kind": the spec form the golden files
+    (tests/golden/*.json "models") record."""
+    hf = dict(hf)
+    return random_model(tiny_hf_config(hf.pop("kind"), **hf), **random)
+
+
+def weights_fingerprint(model) -> str:
+    """16 hex digits of a SHA-256 over the fp32 weights in state_dict key order (golden files record it, so a
+    change of `random_model` is detected instead of silently replaying other weights)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for _, p in sorted(model.state_dict().items()):
+        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -74,18 +74,12 @@ def golden_models(data: dict, script: str) -> dict:
     """Rebuild the tiny models a golden file was made with (tests/golden/*.json "models"); FAIL (not
     skip: the golden tests must not go quiet) when lopa_fast.testing.random_model no longer reproduces their
     weights (then rerun `script`)."""
-    import hashlib
-
-    from lopa_fast.testing import random_model, tiny_hf_config
+    from lopa_fast.testing import model_from_spec, weights_fingerprint
 
     out = {}
     for name, spec in data["models"].items():
-        hf = dict(spec["hf"])
-        m = random_model(tiny_hf_config(hf.pop("kind"), **hf), **spec["random"])
-        h = hashlib.sha256()
-        for _, p in sorted(m.state_dict().items()):
-            h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
-        if h.hexdigest()[:16] != spec["fingerprint"]:
+        m = model_from_spec(spec["hf"], spec["random"])
+        if weights_fingerprint(m) != spec["fingerprint"]:
             pytest.fail(f"lopa_fast.testing.random_model now builds different weights for {name}; regenerate "
                         f"the goldens with {script}", pytrace=False)
         out[name] = m

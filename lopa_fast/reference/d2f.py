@@ -81,6 +81,18 @@ def predictions(model, raw: torch.Tensor, last_logit: torch.Tensor | None) -> to
     return shift_logits(raw, last_logit) if model.logits_shift else raw
 
 
+def stats_kw(cfg, generator) -> dict:
+    """token_stats keywords of a D2F/LoPA run: the sampling knobs, the confidence and the mask suppression."""
+    return dict(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        sampling_strategy=cfg.sampling_strategy,
+        suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
+        generator=generator,
+    )
+
+
 def fill_stats(cfg) -> dict:
     return {"accepted_by_threshold": 0, "fallback_fills": 0, "eos_fills": 0}
 
@@ -112,15 +124,7 @@ def anchor_fill(
         pos = pos[(pos >= lo) & (pos < L)]
         if pos.numel() == 0:
             continue
-        conf, x0, p = token_stats(
-            logits[pos - start],
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            sampling_strategy=cfg.sampling_strategy,
-            suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
-            generator=generator,
-        )
+        conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator))
         hi = (p > cfg.skip_threshold).nonzero(as_tuple=True)[0]
         if hi.numel() > 0:
             chosen = hi

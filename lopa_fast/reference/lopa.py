@@ -35,6 +35,7 @@ from lopa_fast.reference.d2f import (
     new_block,
     predictions,
     retire_blocks,
+    stats_kw,
     update_activation,
 )
 
@@ -72,17 +73,6 @@ def shared_prefix_end(branches: list[Branch], P: int) -> int:
     return P if m == 0 else branches[0].blocks[m - 1]["end"]
 
 
-def _stats_kw(cfg, generator):
-    return dict(
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        sampling_strategy=cfg.sampling_strategy,
-        suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
-        generator=generator,
-    )
-
-
 def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None) -> float:
     """alpha * creation_conf + (1 - alpha) * future, future = mean of the lowest max(1, int(n*branch_topp))
     confidences over ALL the branch's masked positions >= spe (1.0 with none; the value itself with one).
@@ -93,7 +83,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
     if pos.numel() == 0:
         future = 1.0
     else:
-        conf, _, _ = token_stats(logits[pos - start], **_stats_kw(cfg, generator))
+        conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator))
         n = conf.numel()
         if n == 1:
             future = conf.item()
@@ -122,7 +112,7 @@ def spawn_lookaheads(
                 cand.append(q)
     if not cand:
         return []
-    kw = _stats_kw(cfg, generator)
+    kw = stats_kw(cfg, generator)
     idx = torch.tensor(cand, device=logits.device) - start
     conf, x0, _ = token_stats(logits[idx], **kw)
     ranked = sorted(zip(conf.tolist(), range(len(cand))), key=lambda t: t[0], reverse=True)

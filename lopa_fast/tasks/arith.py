@@ -107,29 +107,29 @@ def _eq(x: int, op: str, y: int, z: int) -> str:
     return f"{x} {op} {y} = {z} ."
 
 
+# template -> (prompt format, the worked steps (x, op, y, x op y) from a, b, c, d and m = b * c)
+_FORMS = {
+    "buy": ("{name} has {a} {item} . {pron} buys {b} {container} with {c} {item} in each . "
+            "{pron} gives away {d} {item} . How many {item} does {name} have now ? Answer :",
+            lambda a, b, c, d, m: [(b, "*", c, m), (a, "+", m, a + m), (a + m, "-", d, a + m - d)]),
+    "find": ("{name} has {b} {container} with {c} {item} in each . {pron} finds {a} more {item} "
+             "and loses {d} {item} . How many {item} does {name} have now ? Answer :",
+             lambda a, b, c, d, m: [(b, "*", c, m), (m, "+", a, m + a), (m + a, "-", d, m + a - d)]),
+    "lose": ("{name} has {a} {item} . {pron} loses {d} {item} . Then {pron_low} gets {b} {container} "
+             "with {c} {item} in each . How many {item} does {name} have now ? Answer :",
+             lambda a, b, c, d, m: [(a, "-", d, a - d), (b, "*", c, m), (a - d, "+", m, a - d + m)]),
+}
+
+
 def render(template: str, a: int, b: int, c: int, d: int, name: str, pron: str, item: str, container: str) -> Problem:
     """Render one problem (prompt text, worked solution text, answer)."""
-    m = b * c
-    if template == "buy":
-        prompt = (f"{name} has {a} {item} . {pron} buys {b} {container} with {c} {item} in each . "
-                  f"{pron} gives away {d} {item} . How many {item} does {name} have now ? Answer :")
-        s = a + m
-        r = s - d
-        steps = [(b, "*", c, m), (a, "+", m, s), (s, "-", d, r)]
-    elif template == "find":
-        prompt = (f"{name} has {b} {container} with {c} {item} in each . {pron} finds {a} more {item} "
-                  f"and loses {d} {item} . How many {item} does {name} have now ? Answer :")
-        s = m + a
-        r = s - d
-        steps = [(b, "*", c, m), (m, "+", a, s), (s, "-", d, r)]
-    elif template == "lose":
-        prompt = (f"{name} has {a} {item} . {pron} loses {d} {item} . Then {pron.lower()} gets {b} {container} "
-                  f"with {c} {item} in each . How many {item} does {name} have now ? Answer :")
-        s = a - d
-        r = s + m
-        steps = [(a, "-", d, s), (b, "*", c, m), (s, "+", m, r)]
-    else:
+    if template not in _FORMS:
         raise ValueError(f"render: template={template!r}; allowed: {TEMPLATES}")
+    fmt, worked = _FORMS[template]
+    prompt = fmt.format(name=name, a=a, b=b, c=c, d=d, item=item, container=container, pron=pron,
+                        pron_low=pron.lower())
+    steps = worked(a, b, c, d, b * c)
+    r = steps[-1][3]
     solution = " ".join(_eq(*st) for st in steps) + f" #### {r}"
     return Problem(template, a, b, c, d, name, item, container, prompt, solution, r)
 

@@ -9,7 +9,6 @@ the prompt is context only. Seeded, CPU-only, float32; same data stream and init
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import tasks
-from lopa_fast.models import save_checkpoint
+from lopa_fast.train import run
 from lopa_fast.train.d2f import hf_config as _dream_config
 from lopa_fast.train.d2f import init_model, lr_at
 from lopa_fast.train.data import make_batch
@@ -67,20 +66,12 @@ def greedy_accuracy(model, problems, tok, gen_len: int) -> float:
 
 def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     """Train and save to `out` (HF layout + tokenizer + training_log.txt). Returns a summary dict."""
-    unknown = set(overrides) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"train: unknown options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
-    a = {**DEFAULTS, **overrides}
+    a = run.options(DEFAULTS, overrides)
     torch.set_num_threads(a["threads"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "training_log.txt", "w")
-
-    def emit(msg: str) -> None:
-        log(msg)
-        logf.write(msg + "\n")
-        logf.flush()
-
+    rl = run.RunLog(out, log)
+    emit = rl.emit
     tok = tasks.build_tokenizer()
     cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
     model = init_model(cfg, a["seed"])
@@ -94,14 +85,7 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
         problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step)
         batch = make_batch(problems, tok, a["gen_len"])
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = loss_on(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        v = float(loss.detach())
+        v = run.optimizer_step(model, opt, loss_on(model, batch), lr)
         first = v if first is None else first
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         if step % 50 == 0 or step == a["steps"] - 1:
@@ -111,25 +95,14 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
             acc = greedy_accuracy(model, dev, tok, a["gen_len"])
             model.train()
             emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR)")
-            save_checkpoint(model, out, cfg)
-            tasks.save_tokenizer(out)
-            with open(out / "train_args.json", "w") as f:
-                json.dump({"recipe": "lopa_fast.train.ar", **a}, f, indent=2, sort_keys=True)
+            run.save(model, cfg, out, "lopa_fast.train.ar", a)
     summary = {"params": n_params, "steps": a["steps"], "seconds": round(time.time() - t0, 1),
                "final_loss_ema": round(ema, 4), "first_loss": round(first, 4), "dev_exact_match": acc}
-    emit(f"# done: {json.dumps(summary)}")
-    logf.close()
-    return summary
+    return rl.finish(summary)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m lopa_fast.train.ar", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="output model directory")
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
-    ns = vars(ap.parse_args(argv))
-    out = ns.pop("out")
-    train(out, **ns)
+    run.main("lopa_fast.train.ar", __doc__, DEFAULTS, train, argv)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ torch.Generator per step), CPU-only, float32.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -50,9 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import tasks
-from lopa_fast.models import save_checkpoint
 from lopa_fast.models.config import parse_config
 from lopa_fast.models.loading import build_model
+from lopa_fast.train import run
 from lopa_fast.train.data import block_ids_for, make_batch
 
 MODES = ("block_causal", "full_pipe", "full_uniform", "full_prefix")
@@ -173,10 +172,7 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> flo
 def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     """Train and save to `out` (HF layout: config.json, model.safetensors, tokenizer files,
     training_log.txt, train_args.json). Returns a summary dict."""
-    unknown = set(overrides) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"train: unknown options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
-    a = {**DEFAULTS, **overrides}
+    a = run.options(DEFAULTS, overrides)
     if a["schedule"] not in SCHEDULES:
         raise ValueError(f"train: schedule={a['schedule']!r}; allowed: {sorted(SCHEDULES)}")
     if a["gen_len"] % a["block_size"]:
@@ -187,13 +183,8 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # a continued run (init_from = a previous output) appends to that run's log
-    logf = open(out / "training_log.txt", "a" if a["init_from"] else "w")
-
-    def emit(msg: str) -> None:
-        log(msg)
-        logf.write(msg + "\n")
-        logf.flush()
-
+    rl = run.RunLog(out, log, append=bool(a["init_from"]))
+    emit = rl.emit
     tok = tasks.build_tokenizer()
     cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
     model = init_model(cfg, a["seed"])
@@ -219,14 +210,7 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
         batch = make_batch(problems, tok, a["gen_len"])
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = loss_on(model, batch, mode, a["block_size"], a["gen_len"], g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        v = float(loss.detach())
+        v = run.optimizer_step(model, opt, loss_on(model, batch, mode, a["block_size"], a["gen_len"], g), lr)
         losses.append(v)
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         last = step == last_step - 1
@@ -238,29 +222,14 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
             model.train()
             emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
                  f"sample: {tasks.join_digits(texts[0])!r}")
-            _save(model, cfg, out, a)
+            run.save(model, cfg, out, "lopa_fast.train.d2f", a)
     summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
                "final_loss_ema": round(ema, 4), "first_loss": round(losses[0], 4), "dev_exact_match": dev_acc}
-    emit(f"# done: {json.dumps(summary)}")
-    logf.close()
-    return summary
-
-
-def _save(model, cfg: dict, out: Path, args: dict) -> None:
-    save_checkpoint(model, out, cfg)
-    tasks.save_tokenizer(out)
-    with open(out / "train_args.json", "w") as f:
-        json.dump({"recipe": "lopa_fast.train.d2f", **args}, f, indent=2, sort_keys=True)
+    return rl.finish(summary)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m lopa_fast.train.d2f", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="output model directory")
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
-    ns = vars(ap.parse_args(argv))
-    out = ns.pop("out")
-    train(out, **ns)
+    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv)
 
 
 if __name__ == "__main__":

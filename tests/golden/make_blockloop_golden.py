@@ -34,27 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 
 from lopa_fast.models.transformer import rms_norm  # noqa: E402
-from lopa_fast.testing import random_model, tiny_hf_config  # noqa: E402
+from lopa_fast.testing import model_from_spec, weights_fingerprint  # noqa: E402
 
 MODELS = {
     "llada": (dict(kind="llada", vocab_size=64), dict(seed=4, sharpen=5.0)),
     "dream": (dict(kind="dream", vocab_size=64), dict(seed=5, sharpen=5.0)),
 }
-
-
-def build(name):
-    hf, kw = MODELS[name]
-    hf = dict(hf)
-    return random_model(tiny_hf_config(hf.pop("kind"), **hf), **kw)
-
-
-def fingerprint(model) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def dense_forward(m, ids, past=None, replace=None, layout="bhld"):
@@ -184,7 +169,7 @@ def main():
     fast_dream = load(os.path.join(args.fastdllm, "dream", "model", "generation_utils_block.py"), "fast_dream_block")
     dream_gen = load(os.path.join(args.lopa, "scale_dream_d2f", "model_cache", "dream", "generation_utils.py"),
                      "dream_generation_utils")  # fmt: skip
-    models = {name: build(name) for name in MODELS}
+    models = {name: model_from_spec(*MODELS[name]) for name in MODELS}
     cases = []
     prompts = [[3, 9, 4, 1], [7], [11, 4, 30, 8, 1, 1, 12, 40, 2]]
 
@@ -269,7 +254,7 @@ def main():
         "source": "ML-GSAI/LLaDA b7e6c35 generate.py; NVlabs/Fast-dLLM 24cc59e llada/generate.py and "
         "dream/model/generation_utils_block.py; LoPA 433177a Dream generation_utils.py; CPU fp32, T=0",
         "command": "python tests/golden/make_blockloop_golden.py --llada <LLaDA> --fastdllm <Fast-dLLM> --lopa <LoPA>",
-        "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": fingerprint(models[name])}
+        "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": weights_fingerprint(models[name])}
                    for name in MODELS},  # fmt: skip
         "cases": cases,
     }

@@ -25,7 +25,6 @@ tests/test_reference_golden.py replays every case through `lopa_fast.generate(..
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 
 from lopa_fast.models.transformer import rms_norm  # noqa: E402
-from lopa_fast.testing import random_model, tiny_hf_config  # noqa: E402
+from lopa_fast.testing import model_from_spec, weights_fingerprint  # noqa: E402
 
 MODELS = {
     # name: (tiny_hf_config kwargs, random_model kwargs)
@@ -47,19 +46,6 @@ MODELS = {
     "mha48": (dict(kind="dream", vocab_size=48, num_heads=2, num_kv_heads=2), dict(seed=3, sharpen=8.0,
                                                                                    zero_mask_row=False)),
 }  # fmt: skip
-
-
-def build(name):
-    hf, kw = MODELS[name]
-    hf = dict(hf)
-    return random_model(tiny_hf_config(hf.pop("kind"), **hf), **kw)
-
-
-def fingerprint(model) -> str:
-    h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class LegacyCache:
@@ -287,11 +273,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     up = import_upstream(args.checkout)
-    models = {name: build(name) for name in MODELS}
+    models = {name: model_from_spec(*MODELS[name]) for name in MODELS}
     out = {
         "source": "zhijie-group/LoPA scale_dream_d2f/scale_dream_d2f.py (433177a), run on CPU fp32, T=0",
         "command": "python tests/golden/make_lopa_golden.py <LoPA checkout> --d2f <D2F checkout>",
-        "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": fingerprint(models[name])}
+        "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": weights_fingerprint(models[name])}
                    for name in MODELS},  # fmt: skip
         "cases": [],
     }

@@ -1,0 +1,68 @@
+"""What every training recipe does around its own model and loss: option checks, the training log, one
+optimiser step, the checkpoint layout and the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from lopa_fast import tasks
+from lopa_fast.models import save_checkpoint
+
+
+def options(defaults: dict, overrides: dict) -> dict:
+    """The recipe's defaults updated by `overrides`; unknown names raise ValueError."""
+    unknown = set(overrides) - set(defaults)
+    if unknown:
+        raise ValueError(f"train: unknown options {sorted(unknown)}; allowed: {sorted(defaults)}")
+    return {**defaults, **overrides}
+
+
+class RunLog:
+    """`emit(msg)` prints through `log` and appends the line to out/training_log.txt."""
+
+    def __init__(self, out: Path, log=print, append: bool = False):
+        self.log = log
+        self.f = open(out / "training_log.txt", "a" if append else "w")
+
+    def emit(self, msg: str) -> None:
+        self.log(msg)
+        self.f.write(msg + "\n")
+        self.f.flush()
+
+    def finish(self, summary: dict) -> dict:
+        self.emit(f"# done: {json.dumps(summary)}")
+        self.f.close()
+        return summary
+
+
+def optimizer_step(model, opt, loss: torch.Tensor, lr: float) -> float:
+    """Set the learning rate, back-propagate, clip the gradient norm at 1 and step; returns the loss value."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def save(model, cfg: dict, out: Path, recipe: str, args: dict) -> None:
+    """HF layout (config.json, model.safetensors), the task tokenizer and train_args.json."""
+    save_checkpoint(model, out, cfg)
+    tasks.save_tokenizer(out)
+    with open(out / "train_args.json", "w") as f:
+        json.dump({"recipe": recipe, **args}, f, indent=2, sort_keys=True)
+
+
+def main(recipe: str, doc: str, defaults: dict, train, argv=None) -> None:
+    """`python -m <recipe> --out DIR [--option value ...]`, one flag per default."""
+    ap = argparse.ArgumentParser(prog=f"python -m {recipe}", description=doc.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output model directory")
+    for k, v in defaults.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    ns = vars(ap.parse_args(argv))
+    out = ns.pop("out")
+    train(out, **ns)
