@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.output import Clock, round_cap_hit  # noqa: F401  (re-exported)
-from lopa_fast.sampling import NEG_ENTROPY_EPS, token_stats, top_k_filter, top_p_filter  # noqa: F401
+from lopa_fast.sampling import token_stats, top_k_filter, top_p_filter  # noqa: F401
 
 
 def shift_logits(raw: torch.Tensor, last_logit: torch.Tensor | None) -> torch.Tensor:

@@ -142,7 +142,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
     last_logit = None
     stats = {
         "forwards": 0, "model_calls": 0, "multi_token_rounds": 0, "lookahead_wins": 0, "branch_growth": 0,
-        "winner_grew": 0, "max_branches": 0, "upstream_model_calls": 0, **fill_stats(cfg),
+        "winner_grew": 0, "max_branches": 0, "upstream_model_calls": 0, **fill_stats(),
     }  # fmt: skip
     # upstream forwards the anchor twice in a round that follows a spawn with no lookahead when
     # branching_factor > 1 (it appends the winner itself and its anchor copy); tokens are unaffected, we
