@@ -28,6 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from lopa_fast.contracts import ATTENTION_MODES, COMPARATOR_CODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
@@ -65,10 +66,11 @@ def variants(quick: bool):
         aligned = {"s_qb", "s_qn", "s_qh", "s_kl", "s_kh", "s_vl", "s_vh", "chunk"}
         out.append((f"_prefix_kernel {dt}", ba._prefix_kernel, types, ce, aligned,
                     dict(num_warps=warps, num_stages=2)))
-        modes = [("block_causal", 1)]
+        modes = ["block_causal"]
         if dt == "bf16" and not quick:
-            modes = [("full", 0), ("block_causal", 1), ("causal", 2)]
-        for mode, m in modes:
+            modes = list(ATTENTION_MODES)
+        for mode in modes:
+            m = MODE_CODES[mode]
             for has_wl, ret_lse in ((True, True), (False, False)) if mode == "full" else ((True, True),):
                 _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec)
         if quick:
@@ -121,7 +123,7 @@ def _select_round_variants(out, quick):
                      ktab_ptr="*i32", cc_ptr="*fp32", active_ptr="*u8", accept_ptr="*i8", look_ptr="*i64",
                      score_ptr="*fp32", winner_ptr="*i64", tau="fp32", alpha="fp32")
         BB, BNn, warps = sr.tile_for(B, n)
-        ce = dict(CMP=0, HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
+        ce = dict(CMP=COMPARATOR_CODES["gt"], HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
         out.append((f"_select_round_kernel B={B} n={n}", sr._select_round_kernel, types, ce, set(),
                     dict(num_warps=warps, num_stages=1)))
 

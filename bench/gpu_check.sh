@@ -14,8 +14,9 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
   echo "$name rc=$?" | tee -a "$OUT/summary.txt"
 }
 
-# --- CUDA kernels (kernels/cuda, lopa_fast/ops/_cuda.py): parity + compile checks, then benchmarks
-step cuda_tests 300 python -m pytest tests/test_cuda_gpu.py tests/test_cuda_compile.py tests/test_cuda_loader.py -q
+# --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks, then benchmarks
+step cuda_tests 300 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_select_round.py \
+  tests/test_cuda_graph_capture.py tests/test_cuda_compile.py tests/test_cuda_loader.py -q -k "cuda or nvrtc or nvcc"
 step cuda_bench 300 python -m pytest bench/bench_cuda.py -m bench -k "not cpp" -q --benchmark-group-by=param:shape \
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 

@@ -9,11 +9,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+// The comparator codes come from lopa_fast/contracts.py as -D defines (lopa_fast/ops/_cpp.py passes them).
+#if !defined(LOPA_CMP_GT) || !defined(LOPA_CMP_GE) || !defined(LOPA_CMP_LE)
+#error "build with the -D flags of lopa_fast.contracts.code_defines() (lopa_fast/ops/_cpp.py does)"
+#endif
+
 #include <algorithm>
 #include <limits>
 #include <numeric>
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -21,7 +25,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_round_cpu(
     const at::Tensor& value, const at::Tensor& conf, const at::Tensor& masked, const at::Tensor& block_ids,
-    const at::Tensor& complete, double tau, std::string comparator, int64_t n_look, double topp, double alpha,
+    const at::Tensor& complete, double tau, int64_t cmp, int64_t n_look, double topp, double alpha,
     const std::optional<at::Tensor>& creation_conf, const std::optional<at::Tensor>& branch_active) {
   TORCH_CHECK(conf.dim() == 2 && conf.scalar_type() == at::kFloat && conf.is_contiguous(), "select_round: conf");
   TORCH_CHECK(value.sizes() == conf.sizes() && value.scalar_type() == at::kFloat && value.is_contiguous(),
@@ -33,8 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_round_cpu(
   TORCH_CHECK(complete.dim() == 2 && complete.size(0) == conf.size(0) && complete.scalar_type() == at::kBool &&
                   complete.is_contiguous(),
               "select_round: block_complete");
-  const int cmp = comparator == "gt" ? 0 : comparator == "ge" ? 1 : comparator == "le" ? 2 : -1;
-  TORCH_CHECK(cmp >= 0, "select_round: comparator=", comparator, "; allowed: gt, ge, le");
+  TORCH_CHECK(cmp == LOPA_CMP_GT || cmp == LOPA_CMP_GE || cmp == LOPA_CMP_LE, "select_round: comparator code ", cmp);
   const int64_t B = conf.size(0), n = conf.size(1), nb = complete.size(1);
   const float tau_f = static_cast<float>(tau);  // the reference compares fp32 tensors with the scalar in fp32
   const float a_f = static_cast<float>(alpha), b_f = static_cast<float>(1.0 - alpha);
@@ -59,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_round_cpu(
       const int64_t r = b * n;
       for (int64_t i = 0; i < n; ++i) {
         const float x = v[r + i];
-        const bool hit = cmp == 0 ? x > tau_f : cmp == 1 ? x >= tau_f : x <= tau_f;
+        const bool hit = cmp == LOPA_CMP_GT ? x > tau_f : cmp == LOPA_CMP_GE ? x >= tau_f : x <= tau_f;
         acc[r + i] = msk[r + i] && bid[r + i] >= 0 && hit;
       }
       for (int64_t j = 0; j < nb; ++j) {
@@ -107,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_round_cpu(
 TORCH_LIBRARY_FRAGMENT(lopa_fast_cpp, m) {
   m.def(
       "select_round(Tensor accept_value, Tensor conf, Tensor masked, Tensor block_ids, Tensor block_complete, "
-      "float tau, str comparator, int n_look, float topp, float alpha, Tensor? creation_conf, "
+      "float tau, int comparator, int n_look, float topp, float alpha, Tensor? creation_conf, "
       "Tensor? branch_active) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 

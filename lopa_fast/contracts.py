@@ -5,6 +5,7 @@ A neutral module: `lopa_fast.decode`, `lopa_fast.ops` and `kernels/` import thes
 """
 from __future__ import annotations
 
+import functools
 from collections import namedtuple
 
 import torch
@@ -14,11 +15,31 @@ ATTENTION_MODES = ("full", "block_causal", "causal")
 # threshold comparators of `select_round`: "gt" v > tau (D2F), "ge" v >= tau (Fast-dLLM), "le" v <= tau (dParallel)
 COMPARATORS = ("gt", "ge", "le")
 
+# The integer codes kernels receive for a mode / comparator: its index above. Triton kernels compare with
+# these; CUDA (.cu) and C++ CPU (csrc/) sources get them as -D defines (`code_defines`), never as literals.
+MODE_CODES = {m: i for i, m in enumerate(ATTENTION_MODES)}
+COMPARATOR_CODES = {c: i for i, c in enumerate(COMPARATORS)}
+
+
+def code_defines() -> dict[str, int]:
+    """{"LOPA_MODE_FULL": 0, ..., "LOPA_CMP_GT": 0, ...}: the codes as C preprocessor defines."""
+    out = {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
+    out.update({f"LOPA_CMP_{k.upper()}": c for k, c in COMPARATOR_CODES.items()})
+    return out
+
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
 RoundSelection = namedtuple("RoundSelection", ["accept", "lookahead", "score", "winner"])
 
 
-def lowest_k_table(n: int, topp: float) -> torch.Tensor:
+def lowest_k_table(n: int, topp: float, device=None) -> torch.Tensor:
     """k(c) = max(1, floor(c * topp)) for c = 0..n as int32 [n + 1], computed in Python float64 exactly as
-    upstream's `int(len(confs) * branch_topp)`; kernels read this table instead of redoing float maths."""
-    return torch.tensor([max(1, int(c * topp)) for c in range(n + 1)], dtype=torch.int32)
+    upstream's `int(len(confs) * branch_topp)`; kernels read this table instead of redoing float maths.
+    With a `device`, the table is cached per (n, topp, device): no host-to-device copy per round once warm."""
+    if device is None:
+        return torch.tensor([max(1, int(c * topp)) for c in range(n + 1)], dtype=torch.int32)
+    return _device_table(n, float(topp), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_table(n: int, topp: float, device: str) -> torch.Tensor:
+    return lowest_k_table(n, topp).to(device)

@@ -1,4 +1,5 @@
-"""branch_attention: Triton kernel (interpreter on CPU, compiled on GPU) vs the fp64 reference, 2x rule."""
+"""branch_attention on every backend: torch (the reference), Triton (interpreter on CPU, compiled on GPU), the CUDA
+kernels (host emulation on CPU, NVRTC-compiled on a GPU) vs the fp64 reference, 2x rule."""
 from __future__ import annotations
 
 
@@ -7,21 +8,25 @@ import torch
 
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
-from tests.utils import DEVICE, DTYPES, TOLERANCES, assert_2x_rule, attention_in_dtype, poisoned_empty
+from lopa_fast.ops import cuda
+from lopa_fast.ops.cuda import launch
+from lopa_fast.ops.cuda.emulation import EmuLauncher
+from tests.utils import (  # noqa: F401 - cuda_emu, cuda_kernels: fixtures
+    DEVICE,
+    DTYPES,
+    TOLERANCES,
+    assert_2x_rule,
+    attention_in_dtype,
+    cuda_emu,
+    cuda_kernels,
+    make_attention_inputs,
+    poisoned_empty,
+)
+
+make_inputs = make_attention_inputs
 
 # (B, n, Hq, Hkv, D, cache_len): ragged GQA with odd sizes; no prefix; MHA with D not a power of two
 SHAPES = [(3, 13, 6, 2, 24, 70), (2, 8, 4, 4, 16, 0), (2, 5, 4, 1, 32, 33)]
-
-
-def make_inputs(shape, dtype, seed=0):
-    B, n, Hq, Hkv, D, L = shape
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEVICE)  # noqa: E731
-    q, kc, vc = r(B, n, Hq, D), r(L + 3, Hkv, D), r(L + 3, Hkv, D)  # +3: rows past cache_len must be ignored
-    kw, vw = r(B, n, Hkv, D), r(B, n, Hkv, D)
-    win_lens = torch.tensor([max(1, n - 4 * b) for b in range(B)], device=DEVICE)  # ragged, first is full
-    block_ids = torch.sort(torch.randint(0, 3, (B, n), generator=g), dim=1).values.to(DEVICE)
-    return q, kc, vc, L, kw, vw, win_lens, block_ids
 
 
 @pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
@@ -168,3 +173,210 @@ def test_benchmark_baselines_compute_the_same_attention(provider):
     out = _attn_fn(provider, q, kc, vc, L, kw, vw, win_lens, block_ids)().transpose(1, 2)
     want = ref.branch_attention(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal")
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA kernels (kernels/cuda/branch_attention.cu): the exact source on CPU through the host emulation (index
+# arithmetic, strides, masks, the prefix split + LSE combine, fp16/bf16 conversions; tiny shapes: every CUDA
+# thread is a std::thread, ~1 s per call on 2 cores), then on a GPU (`gpu`).
+DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+EMU_SMS = EmuLauncher.num_sms
+
+
+def emu_inputs(B, n, Hq, Hkv, D, L, dtype, seed=0):
+    """CPU inputs of the CUDA tests: 5 cache rows past cache_len, win_lens n - 3 b."""
+    return make_attention_inputs((B, n, Hq, Hkv, D, L), dtype, seed, device="cpu", extra_rows=5, len_step=3)
+
+
+def to_cuda(inputs):
+    return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+def check_attention(cuda_emu, inputs, mode, scale=None):
+    q, kc, vc, L, kw, vw, wl, bid = inputs
+    with poisoned_empty():
+        o, lse = cuda_emu.branch_attention(q, kc, vc, L, kw, vw, wl, bid, mode, scale, True)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == q.shape[:3]
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode, scale, True)
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode, softmax_fp32=True))
+    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=1e-5)
+
+
+# (B, n, Hq, Hkv, D, cache_len): GQA with a partial last row tile; MHA D=128; no prefix
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_cuda_emu_attention_d64_gqa(cuda_emu, dt, mode):
+    check_attention(cuda_emu, emu_inputs(3, 7, 6, 2, 64, 37, DT[dt]), mode)
+
+
+@pytest.mark.parametrize("dt,mode", [("bf16", "block_causal"), ("f32", "causal")])
+def test_cuda_emu_attention_d128(cuda_emu, dt, mode):
+    check_attention(cuda_emu, emu_inputs(2, 5, 2, 2, 128, 45, DT[dt], seed=1), mode)
+
+
+def test_cuda_emu_attention_no_prefix_and_custom_scale(cuda_emu):
+    check_attention(cuda_emu, emu_inputs(2, 6, 4, 1, 64, 0, torch.float16, seed=2), "block_causal", scale=0.3)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_cuda_emu_attention_prefix_splits_merge(cuda_emu, dt):
+    """cache_len=300 is cut into 3 splits (the last one 44 keys, not a tile multiple) plus the window part."""
+    inputs = emu_inputs(1, 4, 2, 1, 64, 300, DT[dt], seed=3)
+    S, split_len = launch.attention_splits(1, 4, 2, 1, 300, EMU_SMS,
+                                          launch.attention_rows(DT[dt]))
+    assert (S, split_len) == (3, 128)
+    check_attention(cuda_emu, inputs, "full")
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_cuda_emu_attention_in_place_mode_no_window_keys(cuda_emu, dt):
+    """Fast-dLLM's in-place mode: win_lens = 0, every key comes from the cache (the window part is empty)."""
+    q, kc, vc, L, kw, vw, _, _ = emu_inputs(1, 6, 4, 2, 64, 40, DT[dt], seed=6)
+    check_attention(cuda_emu, (q, kc, vc, L, kw, vw, torch.zeros(1, dtype=torch.long), None), "full")
+
+
+def test_cuda_emu_attention_window_longer_than_a_key_tile(cuda_emu):
+    """n=70: the tensor-core kernel's window runs two 64-key tiles and three 64-row tiles per branch."""
+    check_attention(cuda_emu, emu_inputs(1, 70, 2, 1, 64, 5, torch.float16, seed=5), "block_causal")
+
+
+def test_cuda_emu_attention_strided_views(cuda_emu):
+    """q and window K/V as views into larger buffers (kernel strides), the cache as one layer of [layers, L, Hkv, D]."""
+    B, n, Hq, Hkv, D, L = 2, 5, 4, 2, 64, 20
+    g = torch.Generator().manual_seed(4)
+    big_q = torch.randn(B, n + 2, 2 * Hq, D, generator=g)
+    scratch = torch.randn(2, 3, n + 3, Hkv, D, generator=g)  # [K/V, Bmax, nmax, Hkv, D]
+    cache = torch.randn(2, 3, L + 4, Hkv, D, generator=g)  # [K/V, layers, Lmax, Hkv, D]
+    q, kw, vw = big_q[:, 1 : n + 1, Hq:], scratch[0, :B, :n], scratch[1, :B, :n]
+    assert not q.is_contiguous() and not kw.is_contiguous()
+    check_attention(cuda_emu, (q, cache[0, 1], cache[1, 1], L, kw, vw, None, None), "causal")
+
+
+def test_cuda_emu_model_forward_window(cuda_emu, monkeypatch):
+    """The model's real call sites (prefill + commit, cache layer views, window scratch views, ragged
+    block-causal branch windows, Fast-dLLM in-place mode) routed to the emulated CUDA attention: a bf16 model
+    stays within 2x the error of the same model on the torch backend, both against the fp32 model."""
+    from lopa_fast.ops import _backend
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return cuda_emu.branch_attention(*args)
+
+    monkeypatch.setattr(cuda, "branch_attention", counted)
+    usable = _backend._usable
+    monkeypatch.setattr(_backend, "_usable", lambda op, b, dev, args=(): None if b == "cuda" else usable(op, b, dev, args))
+    cfg = tiny_hf_config("dream", vocab_size=96, hidden_size=256, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2)  # head_dim 64, GQA 2
+    g = torch.Generator().manual_seed(0)
+    prompt, win = torch.randint(0, 90, (1, 20), generator=g), torch.randint(0, 90, (2, 16), generator=g)
+    bid, wl = (torch.arange(16) // 8).expand(2, 16).contiguous(), torch.tensor([16, 9])
+
+    def run(dtype, backend):
+        monkeypatch.setenv("LOPA_FAST_BACKEND", backend)
+        model = random_model(cfg, dtype=dtype)
+        cache = model.new_cache(64)
+        model.forward_window(prompt, cache=cache, commit=20)
+        branches = model.forward_window(win, cache=cache, mask="block_causal", block_ids=bid, win_lens=wl)
+        inplace = model.forward_window(win[:1, :8], cache=cache, start=12)  # overwrites cache rows 12..19
+        return branches.float(), inplace.float()
+
+    exact, got, torch_bf16 = run(torch.float32, "torch"), run(torch.bfloat16, "cuda"), run(torch.bfloat16, "torch")
+    assert calls == [torch.bfloat16] * 6  # 3 forwards x 2 layers, all on the emulated kernel
+    rows = torch.arange(16)[None, :] < wl[:, None]
+    assert_2x_rule("branch logits", got[0][rows], exact[0][rows], torch_bf16[0][rows], slack=1e-3)
+    assert_2x_rule("in-place logits", got[1], exact[1], torch_bf16[1], slack=1e-3)
+
+
+def test_cuda_emu_flags_misaligned_vector_access(cuda_emu, monkeypatch):
+    """The loader copies unaligned inputs; bypassing that, the emulation reports the access a GPU would fault on."""
+    monkeypatch.setattr(launch, "aligned", lambda t, vec: t)
+    q = torch.randn(2 * 2 * 64 + 1).to(torch.bfloat16)[1:].view(1, 2, 2, 64)  # 2 bytes past 16-byte alignment
+    kc, kw = torch.randn(8, 1, 64).to(torch.bfloat16), torch.randn(1, 2, 1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="misaligned vector accesses"):
+        cuda_emu.branch_attention(q, kc, kc, 8, kw, kw)
+
+
+# (B, n, Hq, Hkv, D, cache_len): Dream-7B heads (28/4, D=128) with LoPA-sized windows; a prefix that
+# needs several splits and ends mid-tile; D=64 MHA; no prefix; one branch of one position.
+CUDA_SHAPES = [(3, 32, 28, 4, 128, 1000), (9, 33, 28, 4, 128, 517), (2, 17, 8, 8, 64, 70), (4, 9, 6, 2, 64, 0),
+               (1, 1, 28, 4, 128, 1)]
+
+
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("dt", list(DT))
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.gpu
+def test_branch_attention_cuda_matches_reference(cuda_kernels, shape, dt, mode):
+    q, kc, vc, L, kw, vw, wl, bid = to_cuda(emu_inputs(*shape, DT[dt]))
+    with poisoned_empty():
+        o, lse = ops.branch_attention(q, kc, vc, L, kw, vw, wl, bid, mode, return_lse=True, backend="cuda")
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode, return_lse=True)
+    if dt == "f32":
+        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-5)
+    else:
+        assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode))
+    torch.testing.assert_close(lse.double(), lse_ref, atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_model_forward_window(cuda_kernels, monkeypatch):
+    """A bf16 model (D=128, GQA) whose attention runs on the CUDA kernels stays within 2x the error of the same
+    model on the torch backend, both against the fp32 model (prefill + commit, then 3 ragged branch windows)."""
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    cfg = tiny_hf_config("dream", vocab_size=256, hidden_size=512, intermediate_size=256, num_layers=2,
+                         num_heads=4, num_kv_heads=2)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 250, (1, 40), generator=g).cuda()
+    win = torch.randint(0, 250, (3, 32), generator=g).cuda()
+    bid = (torch.arange(32) // 16).expand(3, 32).contiguous().cuda()
+    wl = torch.tensor([32, 32, 16]).cuda()
+
+    def run(dtype, backend):
+        monkeypatch.setenv("LOPA_FAST_BACKEND", backend)
+        model = random_model(cfg, dtype=dtype).cuda()
+        cache = model.new_cache(128, device="cuda")
+        model.forward_window(prompt, cache=cache, commit=40)
+        return model.forward_window(win, cache=cache, mask="block_causal", block_ids=bid, win_lens=wl).float()
+
+    exact = run(torch.float32, "torch")
+    got, torch_bf16 = run(torch.bfloat16, "cuda"), run(torch.bfloat16, "torch")
+    rows = torch.arange(32, device="cuda")[None, :] < wl[:, None]  # padding rows are not compared
+    assert_2x_rule("logits", got[rows], exact[rows], torch_bf16[rows], slack=1e-3)
+
+
+def test_explicit_cuda_refuses_head_dims_without_a_kernel(monkeypatch):
+    """backend="cuda" runs the CUDA kernel or raises naming why: D=96 has no kernel, so even where the CUDA path
+    is available the call is refused (it used to run the reference silently)."""
+    from lopa_fast.ops.cuda import probe
+
+    monkeypatch.setattr(probe, "probe", lambda: None)  # as on a GPU machine with CuPy
+    q, kc, vc, L, kw, vw, wl, bid = make_attention_inputs((1, 3, 2, 1, 96, 4), torch.float32, device="cpu")
+    assert "D=96" in cuda.unsupported("branch_attention", q)
+    with pytest.raises(ValueError, match="backend='cuda' is unavailable: head dim D=96"):
+        ops.branch_attention(q, kc, vc, L, kw, vw, wl, bid, "causal", backend="cuda")
+    with pytest.raises(ValueError, match="cuda branch_attention: head dim D=96"):
+        cuda.branch_attention(q, kc, vc, L, kw, vw, wl, bid, "causal")  # the hook itself, called directly
+    q64, kc64, vc64, _, kw64, vw64, _, _ = make_attention_inputs((1, 3, 2, 1, 64, 4), torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="tensors are on cpu"):  # a supported shape: the device is the reason
+        ops.branch_attention(q64, kc64, vc64, L, kw64, vw64, backend="cuda")
+
+
+def test_auto_backend_skips_a_cuda_kernel_that_cannot_take_the_call(monkeypatch):
+    """auto on a CUDA tensor moves past a kernel backend whose kernel cannot take the shape (here: cuda first,
+    D=96) instead of raising; the dispatcher consults cuda.unsupported with the op's arguments."""
+    from lopa_fast.ops import _backend
+
+    q = torch.empty(1, 3, 2, 96)
+    monkeypatch.setattr(cuda, "available", lambda op=None: True)
+    monkeypatch.setattr(_backend, "AUTO_ORDER", ("cuda",))
+    assert _backend._usable("branch_attention", "cuda", torch.device("cuda"), (q,)).startswith("head dim D=96")
+    assert _backend.resolve("branch_attention", None, torch.device("cuda"), (q,)) == "torch"

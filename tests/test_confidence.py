@@ -1,4 +1,6 @@
-"""confidence: Triton kernel vs the fp64 reference (2x rule for the reductions, exact argmax)."""
+"""confidence on every backend: torch (the reference, = the decoders' token_stats formula), Triton (interpreter
+on CPU), the CUDA kernel (host emulation, GPU) and the C++ CPU op, vs the fp64 reference (2x rule for the
+reductions, exact argmax)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +8,20 @@ import torch
 
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
-from tests.utils import DEVICE, DTYPES, assert_2x_rule, poisoned_empty
+from lopa_fast.ops.cuda import launch
+from lopa_fast.ops.cuda.emulation import EmuLauncher
+from tests.utils import (  # noqa: F401 - cpp_ops, cuda_emu, cuda_kernels: fixtures
+    DEVICE,
+    DTYPES,
+    assert_2x_rule,
+    cpp_ops,
+    cuda_emu,
+    cuda_kernels,
+    poisoned_empty,
+)
+
+DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+EMU_SMS = EmuLauncher.num_sms
 
 # (N, V): odd vocab sizes; 2500 spans several 1024-wide interpreter chunks with a ragged tail
 SHAPES = [(7, 2500), (3, 129), (1, 2)]
@@ -132,3 +147,124 @@ def test_confidence_non_contiguous_rows():
 def test_confidence_bad_input(kwargs, err, word):
     with pytest.raises(err, match=word):
         ops.confidence(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One reference: reference.ops.confidence computes with the decoders' token_stats formula (sampling.softmax_stats).
+@pytest.mark.parametrize("strategy", ["default", "margin", "neg_entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_confidence_is_token_stats(strategy, dtype):
+    """Bitwise: the op reference and the decoders' token_stats (T=0) agree on token, p and every confidence."""
+    from lopa_fast.sampling import token_stats
+
+    x = tie_free_logits(6, 300, dtype).cpu()
+    x[2, 7] = x[2, 9] = x[2].max() + 1  # an exact tie: both take the lowest index, margin 0
+    for suppress in (None, 9):
+        conf, x0, p = token_stats(x, sampling_strategy=strategy, suppress_token=suppress)
+        c = ref.confidence(x, suppress)
+        assert torch.equal(c.token, x0) and torch.equal(c.p_max, p)
+        assert torch.equal({"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[strategy], conf)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA kernel (kernels/cuda/confidence.cu): host emulation on CPU, then a GPU (`gpu`).
+
+
+def emu_vs_reference(cuda_emu, x, suppress=None):
+    with poisoned_empty():
+        got = cuda_emu.confidence(x, suppress)
+    want = ref.confidence(x, suppress)
+    assert torch.equal(got.token, want.token), (got.token, want.token)
+    for name in ("p_max", "margin", "neg_entropy", "lse"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=2e-6, rtol=2e-6, msg=name)
+    return got
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_cuda_emu_confidence_tail_and_suppress(cuda_emu, dt):
+    """V=1003: a vectorised head plus a scalar tail; the suppressed id is the row's true argmax."""
+    x = torch.randn(5, 1003, generator=torch.Generator().manual_seed(5)).mul(3).to(DT[dt])
+    x[:, 17] = 20.0
+    got = emu_vs_reference(cuda_emu, x, suppress=17)
+    assert (got.token != 17).all()
+
+
+def test_cuda_emu_confidence_unaligned_rows_ties_and_neg_inf(cuda_emu):
+    """Rows at an odd element offset (the scalar path), exact ties (lowest index, margin 0), -inf logits."""
+    base = torch.randn(4, 262, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = base[:, 1:]  # stride 262, data pointer 2 bytes past alignment
+    x[0, 40] = x[0, 200] = 9.0  # tie: lowest index wins, margin exactly 0
+    x[1, :] = float("-inf")
+    x[1, 100] = 0.0  # a single finite logit: p_max 1, margin 1
+    got = emu_vs_reference(cuda_emu, x)
+    assert got.token[0] == 40 and got.margin[0] == 0 and got.margin[1] == 1
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_cuda_emu_confidence_split_v_path(cuda_emu, aligned):
+    """Few rows: the vocabulary is cut into splits (3 launches, ordered merge); a tie across two splits keeps
+    the lowest index, the suppressed id sits in split 0, the unaligned variant runs every split scalar."""
+    base = torch.randn(2, 20001, generator=torch.Generator().manual_seed(7)).mul(3).to(torch.bfloat16)
+    x = base[:, :20000] if aligned else base[:, 1:]
+    assert launch.confidence_splits(2, x.shape[1], EMU_SMS)[0] == 4
+    x[0, 4999] = x[0, 15000] = 25.0  # splits 0 and 3 (chunk 5000)
+    x[1, 7] = 30.0
+    got = emu_vs_reference(cuda_emu, x, suppress=7)
+    assert got.token[0] == 4999 and got.margin[0] == 0 and got.token[1] != 7
+    one_cta = cuda_emu.confidence(x, 7, split=False)
+    assert torch.equal(one_cta.token, got.token)
+
+
+@pytest.mark.parametrize("dt", list(DT))
+@pytest.mark.parametrize("N,V", [(96, 152064), (7, 1003), (33, 126464)])
+@pytest.mark.gpu
+def test_confidence_cuda_matches_reference(cuda_kernels, N, V, dt):
+    g = torch.Generator().manual_seed(N)
+    x = (torch.randn(N, V, generator=g) * 4).to(DT[dt]).cuda()
+    x[0, 5] = x[0, 9] = 30.0  # exact tie: lowest index, margin 0
+    for suppress in (None, 9):
+        with poisoned_empty():
+            got = ops.confidence(x, suppress, backend="cuda")
+        want = ref.confidence(x, suppress)
+        assert torch.equal(got.token, want.token)
+        for name in ("p_max", "margin", "neg_entropy", "lse"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=2e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# C++ CPU op (csrc/confidence_cpu.cpp, torch.ops.lopa_fast_cpp.confidence).
+
+
+def cpp_vs_reference(cpp_ops, x, suppress=None):
+    got = cpp_ops.confidence(x, suppress)
+    want = ref.confidence(x.double(), suppress)  # fp64 oracle
+    assert torch.equal(got.token, want.token)
+    for name in ("p_max", "margin", "neg_entropy", "lse"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=2e-6, msg=name)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,V", [(5, 1003), (3, 152064)])
+def test_cpp_confidence_matches_reference(cpp_ops, N, V, dtype):
+    x = (torch.randn(N, V, generator=torch.Generator().manual_seed(V)) * 4).to(dtype)
+    x[:, 7] = 40.0
+    cpp_vs_reference(cpp_ops, x)
+    assert (cpp_vs_reference(cpp_ops, x, suppress=7).token != 7).all()
+
+
+def test_cpp_confidence_ties_neg_inf_and_strided_rows(cpp_ops):
+    base = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    x = base[:, 1:]  # row stride 300, last dim contiguous
+    x[0, 10] = x[0, 20] = 9.0
+    x[1] = float("-inf")
+    x[1, 5] = 1.0
+    got = cpp_vs_reference(cpp_ops, x)
+    assert got.token[0] == 10 and got.margin[0] == 0 and got.p_max[1] == 1
+
+
+def test_cpp_confidence_float64_runs_the_reference(cpp_ops):
+    x = torch.randn(2, 50, dtype=torch.float64)
+    assert cpp_ops.confidence(x).p_max.dtype == torch.float64

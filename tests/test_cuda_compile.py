@@ -2,7 +2,7 @@
 
 1. nvcc: `nvcc -arch=sm_90 -cubin -Xptxas -v --Werror all-warnings -Xptxas -warn-spills` on every .cu of
    kernels/cuda (any warning or register spill fails); skipped when nvcc is absent.
-2. NVRTC: the exact source text, headers and options the runtime loader (lopa_fast.ops._cuda) compiles
+2. NVRTC: the exact source text, headers and options the runtime loader (lopa_fast.ops.cuda.source) compiles
    with, through the same function; skipped when cupy + nvidia-cuda-nvrtc are not installed.
 
 `python tests/test_cuda_compile.py` rewrites bench/results/cuda_resources.md (registers, smem, spills).
@@ -17,15 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from lopa_fast.ops import _cuda
+from lopa_fast.ops.cuda import launch, source
+from lopa_fast.ops.cuda.constants import OPS, define_flags
 
-CU_FILES = sorted(_cuda.KERNEL_DIR.glob("*.cu"))
+CU_FILES = sorted(source.KERNEL_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 NVCC_FLAGS = ["-arch=sm_90", "-cubin", "-Xptxas", "-v", "--Werror", "all-warnings", "-Xptxas", "-warn-spills"]
 
 
 def nvcc_compile(cu: Path, out: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
-    cmd = [NVCC, *NVCC_FLAGS, f"-I{_cuda.KERNEL_DIR}", "-o", str(out), str(cu)]
+    cmd = [NVCC, *NVCC_FLAGS, *define_flags(), f"-I{source.KERNEL_DIR}", "-o", str(out), str(cu)]
     return subprocess.run(cmd, capture_output=True, text=True), cmd
 
 
@@ -58,28 +59,28 @@ def test_nvcc_sm90_no_warnings_no_spills(cu, tmp_path):
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
     res = parse_ptxas(r.stderr + r.stdout)
     op = cu.stem
-    assert set(_cuda.entry_names(op)) <= set(res), "an entry point the loader launches is missing"
+    assert set(source.entry_names(op)) <= set(res), "an entry point the loader launches is missing"
     for name, info in res.items():
         assert info["spill_st"] == info["spill_ld"] == info["stack"] == 0, (name, info)
 
 
 def _nvrtc_ok() -> str | None:
     try:
-        _cuda._nvrtc().getVersion()
+        source.nvrtc().getVersion()
     except Exception as e:  # noqa: BLE001 - ImportError or a missing libnvrtc
         return f"cupy + nvidia-cuda-nvrtc not usable: {type(e).__name__}: {e}"
     return None
 
 
 @pytest.mark.skipif(_nvrtc_ok() is not None, reason=str(_nvrtc_ok()))
-@pytest.mark.parametrize("op", _cuda.OPS)
+@pytest.mark.parametrize("op", OPS)
 def test_nvrtc_compiles_the_loader_source(op):
     """The loader's own compile function, source and options, for sm_90 (no device needed)."""
-    src, headers = _cuda.kernel_source(op)
+    src, headers = source.kernel_source(op)
     assert "#include <" not in src + "".join(headers.values()), "NVRTC has no system include path here"
-    cubin = _cuda.compile_cubin(op, 90)
+    cubin = source.compile_cubin(op, 90)
     assert cubin[:4] == b"\x7fELF"
-    for name in _cuda.entry_names(op):
+    for name in source.entry_names(op):
         assert name.encode() in cubin, f"entry {name} missing from the cubin"
 
 
@@ -88,10 +89,11 @@ def write_resources(path: Path) -> None:
     lines = [
         "# CUDA kernel resources (sm_90, ptxas)",
         "",
-        f"Command: `nvcc {' '.join(NVCC_FLAGS)} -I kernels/cuda <file>.cu` ({nvcc_version}).",
+        f"Command: `nvcc {' '.join(NVCC_FLAGS)} <-D defines of lopa_fast.ops.cuda.constants> -I kernels/cuda "
+        f"<file>.cu` ({nvcc_version}).",
         "Written by `python tests/test_cuda_compile.py`. Threads per CTA: branch_attention partial/combine 128,",
         "confidence 256. smem = static shared memory; branch_attention_partial also takes dynamic shared memory",
-        "(column `dyn smem`, from lopa_fast.ops._cuda.attention_smem_bytes).",
+        "(column `dyn smem`, from lopa_fast.ops.launch.attention_smem_bytes).",
         "",
         "| entry | regs | smem (B) | dyn smem (B) | stack (B) | spill st/ld (B) |",
         "|---|---|---|---|---|---|",
@@ -108,7 +110,7 @@ def write_resources(path: Path) -> None:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr}")
             for name, i in sorted(parse_ptxas(r.stderr + r.stdout).items()):
                 m = re.match(r"branch_attention_partial_(\w+)_d(\d+)$", name)
-                dyn = _cuda.attention_smem_bytes(dts[m.group(1)], int(m.group(2))) if m else 0
+                dyn = launch.attention_smem_bytes(dts[m.group(1)], int(m.group(2))) if m else 0
                 lines.append(f"| {name} | {i['regs']} | {i['smem']} | {dyn} | {i['stack']} | "
                              f"{i['spill_st']}/{i['spill_ld']} |")
     path.write_text("\n".join(lines) + "\n")

@@ -1,4 +1,5 @@
-"""The CUDA loader and dispatch on a machine where the CUDA path is unavailable (CPU torch / no CuPy)."""
+"""The CUDA loader (lopa_fast.ops.cuda: probe, hooks, custom ops, launch maths, compile-time constants) and
+the dispatch, on a machine where the CUDA path is unavailable (CPU torch / no CuPy)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,10 @@ import pytest
 import torch
 
 from lopa_fast import ops
-from lopa_fast.ops import _backend, _cuda
+import re
+
+from lopa_fast.ops import _backend, cuda
+from lopa_fast.ops.cuda import constants, launch, probe, source
 from lopa_fast.reference import ops as ref
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -16,30 +20,30 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
 
 @pytest.fixture
 def fresh_probe():
-    _cuda._probe.cache_clear()
+    probe.probe.cache_clear()
     yield
-    _cuda._probe.cache_clear()
+    probe.probe.cache_clear()
 
 
 @no_cuda
 def test_unavailable_with_a_reason_and_logged(fresh_probe, caplog):
     with caplog.at_level(logging.INFO, logger="lopa_fast.ops.cuda"):
-        assert not _cuda.available() and not _cuda.available("confidence")
-    why = _cuda.why_unavailable()
+        assert not cuda.available() and not cuda.available("confidence")
+    why = cuda.why_unavailable()
     assert "torch.cuda.is_available() is False" in why
     assert any(why in r.getMessage() for r in caplog.records)
 
 
 def test_disable_switch(fresh_probe, monkeypatch):
     monkeypatch.setenv("LOPA_FAST_DISABLE_CUDA", "1")
-    assert not _cuda.available()
-    assert _cuda.why_unavailable() == "disabled by LOPA_FAST_DISABLE_CUDA"
+    assert not cuda.available()
+    assert cuda.why_unavailable() == "disabled by LOPA_FAST_DISABLE_CUDA"
 
 
 def test_unknown_op_is_not_available():
-    assert not _cuda.available("no_such_op")
+    assert not cuda.available("no_such_op")
     with pytest.raises(ValueError, match="op='no_such_op'"):
-        _cuda.kernel_source("no_such_op")
+        source.kernel_source("no_such_op")
 
 
 @no_cuda
@@ -71,26 +75,45 @@ def test_custom_ops_registered_with_fake_impls():
     assert (score.shape, score.dtype, win.shape, win.dtype) == ((3,), torch.float32, (), torch.int64)
 
 
-def test_hooks_run_the_reference_where_no_kernel_exists(caplog):
-    """Head dim 96 (no kernel) and CPU tensors: the hook answers with the reference op and says so once."""
+def test_hooks_refuse_calls_without_a_kernel():
+    """The hooks never run something else: a head dim without a kernel, or CPU tensors, raise a ValueError
+    naming why (they used to answer with the reference op)."""
     g = torch.Generator().manual_seed(0)
     q, kc, kw = torch.randn(1, 3, 2, 96, generator=g), torch.randn(4, 1, 96, generator=g), torch.randn(1, 3, 1, 96)
-    with caplog.at_level(logging.WARNING, logger="lopa_fast.ops.cuda"):
-        o = _cuda.branch_attention(q, kc, kc, 4, kw, kw, None, None, "causal")
-    torch.testing.assert_close(o, ref.branch_attention(q, kc, kc, 4, kw, kw, None, None, "causal"))
-    assert any("running the reference op" in r.getMessage() for r in caplog.records)
-    x = torch.randn(2, 30, generator=g)
-    assert torch.equal(_cuda.confidence(x, 4)[0], ref.confidence(x, 4).token)
+    with pytest.raises(ValueError, match=r"head dim D=96 has no CUDA kernel \(D in \(64, 128\)\)"):
+        cuda.branch_attention(q, kc, kc, 4, kw, kw, None, None, "causal")
+    with pytest.raises(ValueError, match="cuda confidence: tensors are on cpu"):
+        cuda.confidence(torch.randn(2, 30, generator=g), 4)
+    with pytest.raises(ValueError, match="cuda confidence: dtype torch.float64"):
+        cuda.confidence(torch.randn(2, 30, dtype=torch.float64), 4)
     c = torch.rand(2, 9, generator=g)
-    args = (c, c, c > 0.2, torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), 0.5)
-    assert torch.equal(_cuda.select_round(*args)[0], ref.select_round(*args).accept)
+    with pytest.raises(ValueError, match="cuda select_round: tensors are on cpu"):
+        cuda.select_round(c, c, c > 0.2, torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), 0.5)
+
+
+def test_kernel_sources_take_codes_and_tiles_from_the_defines():
+    """Mode / comparator codes and tile sizes live once in Python (lopa_fast.contracts,
+    lopa_fast.ops.cuda.constants): every define is read by a source, and no source compares a mode or a
+    comparator with a literal."""
+    from pathlib import Path
+
+    texts = {p.name: p.read_text() for p in source.KERNEL_DIR.glob("*.cu*")}
+    csrc = Path(source.KERNEL_DIR).parents[1] / "csrc" / "select_round_cpu.cpp"
+    if csrc.exists():
+        texts[csrc.name] = csrc.read_text()
+    every = "".join(texts.values())
+    for name in constants.defines():
+        assert name in every, f"{name} is defined for the kernels but no source reads it"
+    for fname, text in texts.items():
+        assert not re.search(r"\b(mode|cmp|MODE|CMP)\s*==\s*\d", text), f"{fname} compares a code with a literal"
+    assert all(f.startswith("-DLOPA_") for f in source.nvrtc_options(90)[3:])
 
 
 @pytest.mark.parametrize("B,n,Hq,Hkv,L,sms", [(3, 32, 28, 4, 2048, 132), (1, 4, 2, 1, 300, 4), (9, 64, 28, 4, 97, 132),
                                               (2, 5, 4, 2, 0, 132), (1, 1, 28, 4, 1, 132)])
 def test_attention_splits_cover_the_prefix(B, n, Hq, Hkv, L, sms):
-    S, split_len = _cuda.attention_splits(B, n, Hq, Hkv, L, sms)
-    assert split_len % _cuda.MMA_KEYS == 0 and split_len % _cuda.ATTN_KEYS == 0
+    S, split_len = launch.attention_splits(B, n, Hq, Hkv, L, sms)
+    assert split_len % constants.MMA_KEYS == 0 and split_len % constants.ATTN_KEYS == 0
     if L == 0:
         assert S == 0
     else:
@@ -100,8 +123,8 @@ def test_attention_splits_cover_the_prefix(B, n, Hq, Hkv, L, sms):
 
 def test_attention_smem_mirrors_the_kernel_layout():
     # SIMT (fp32): Q fp32 32xD + K 32x(D+4) + V 32xD + P fp32 4x8x32 (attn::Smem in branch_attention.cu)
-    assert _cuda.attention_smem_bytes(torch.float32, 64) == 32 * 64 * 4 + 32 * 68 * 4 + 32 * 64 * 4 + 4096
+    assert launch.attention_smem_bytes(torch.float32, 64) == 32 * 64 * 4 + 32 * 68 * 4 + 32 * 64 * 4 + 4096
     # tensor cores (16-bit): K 64x(D+8) + V^T Dx(64+8) (attn::mma::Smem)
-    assert _cuda.attention_smem_bytes(torch.bfloat16, 128) == 64 * 136 * 2 + 128 * 72 * 2
-    assert _cuda.attention_rows(torch.float16) == 64 and _cuda.attention_rows(torch.float32) == 32
-    assert math.ceil(_cuda.attention_smem_bytes(torch.float32, 128) / 1024) == 53  # > 48 KiB: opt-in attribute
+    assert launch.attention_smem_bytes(torch.bfloat16, 128) == 64 * 136 * 2 + 128 * 72 * 2
+    assert launch.attention_rows(torch.float16) == 64 and launch.attention_rows(torch.float32) == 32
+    assert math.ceil(launch.attention_smem_bytes(torch.float32, 128) / 1024) == 53  # > 48 KiB: opt-in attribute

@@ -1,5 +1,6 @@
-"""select_round: a loop-by-loop oracle written from the spec checks the reference; the Triton kernel must
-match the reference exactly on discrete outputs (accept, lookahead, winner), ties included."""
+"""select_round on every backend: a loop-by-loop oracle written from the spec checks the reference (torch); the
+Triton kernel, the CUDA kernel (host emulation, GPU) and the C++ CPU op must match the reference exactly on
+discrete outputs (accept, lookahead, winner), ties included."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,14 @@ import torch
 
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
-from tests.utils import DEVICE, poisoned_empty
+from tests.utils import (  # noqa: F401 - cpp_ops, cuda_emu, cuda_kernels: fixtures
+    DEVICE,
+    cpp_ops,
+    cuda_emu,
+    cuda_kernels,
+    poisoned_empty,
+    random_round,
+)
 
 CMP = {"gt": lambda v, t: v > t, "ge": lambda v, t: v >= t, "le": lambda v, t: v <= t}
 
@@ -190,3 +198,98 @@ def test_select_round_bad_input(change, err, word):
     a.update(change)
     with pytest.raises(err, match=word):
         ops.select_round(**a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA kernel (kernels/cuda/select_round.cu): host emulation on CPU, then a GPU (`gpu`).
+
+
+def check_round(cuda_emu, *args):
+    got, want = cuda_emu.select_round(*args), ref.select_round(*args)
+    assert torch.equal(got.accept, want.accept)
+    assert torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)  # summation order: <= 1 ulp
+    assert got.winner.item() == want.winner.item()
+    return got
+
+
+# B > 8 makes warps loop over branches; n > 32 gives lanes several positions; nb up to 4 fallback blocks
+@pytest.mark.parametrize("B,n,nb,seed", [(3, 16, 2, 0), (9, 70, 4, 1), (1, 7, 1, 2), (4, 64, 2, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 3, 0.5, 0.3), ("ge", 0.95, 0, 1.0, 0.0),
+                                                       ("le", 0.05, 5, 0.25, 0.7)])
+def test_cuda_emu_select_round_matches_reference(cuda_emu, B, n, nb, seed, cmp, tau, n_look, topp, alpha):
+    value, conf, masked, bid, complete, cc, active = random_round(B, n, nb, seed)
+    check_round(cuda_emu, value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+
+
+def test_cuda_emu_select_round_ties_padding_and_unread_nan(cuda_emu):
+    """Equal branches -> the earliest wins; more lookahead slots than candidates -> -1 padding; NaN at
+    unmasked positions is never read; bf16 conf is upcast like the reference."""
+    value, conf, masked, bid, complete, _, _ = random_round(1, 12, 2, 4)
+    rep = lambda t: t.expand(3, *t.shape[1:]).clone()  # noqa: E731
+    value, conf, masked, bid, complete = map(rep, (value, conf, masked, bid, complete))
+    conf[~masked] = float("nan")
+    got = check_round(cuda_emu, value, conf.to(torch.bfloat16), masked, bid, complete, 0.5, "gt", 12, 1.0, 0.0, None,
+                      None)
+    assert got.winner.item() == 0 and (got.lookahead[:, -1] == -1).all()
+    none_active = torch.zeros(3, dtype=torch.bool)
+    got = check_round(cuda_emu, value, conf, masked, bid, complete, 0.5, "gt", 2, 1.0, 0.0, None, none_active)
+    assert got.winner.item() == -1
+
+
+@pytest.mark.parametrize("B,n,nb", [(3, 32, 1), (9, 64, 2), (16, 128, 4), (1, 1000, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 2, 0.5, 0.3), ("le", 0.05, 15, 1.0, 0.0)])
+@pytest.mark.gpu
+def test_select_round_cuda_matches_reference(cuda_kernels, B, n, nb, cmp, tau, n_look, topp, alpha):
+    args = [t.cuda() for t in random_round(B, n, nb, seed=B)]
+    value, conf, masked, bid, complete, cc, active = args
+    call = (value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+    with poisoned_empty():
+        got = ops.select_round(*call, backend="cuda")
+    want = ref.select_round(*call)
+    assert torch.equal(got.accept, want.accept) and torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)
+    assert got.winner.item() == want.winner.item()
+
+
+def test_explicit_cuda_refuses_windows_over_the_kernel_limit(monkeypatch):
+    """backend="cuda" with n > 1024 positions raises naming why (it used to run the reference silently)."""
+    from lopa_fast.ops import cuda
+    from lopa_fast.ops.cuda import probe
+
+    monkeypatch.setattr(probe, "probe", lambda: None)  # as on a GPU machine with CuPy
+    value, conf, masked, bid, complete, _, _ = random_round(1, 1025, 1, 0)
+    with pytest.raises(ValueError, match="window n=1025 is longer than the CUDA kernel's 1024 positions"):
+        ops.select_round(value, conf, masked, bid, complete, 0.5, backend="cuda")
+    with pytest.raises(ValueError, match="cuda select_round: window n=1025"):
+        cuda.select_round(value, conf, masked, bid, complete, 0.5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# C++ CPU op (csrc/select_round_cpu.cpp, torch.ops.lopa_fast_cpp.select_round).
+
+
+@pytest.mark.parametrize("B,n,nb,seed", [(3, 16, 2, 0), (9, 70, 4, 1), (1, 7, 1, 2), (16, 128, 4, 3)])
+@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 3, 0.5, 0.3), ("ge", 0.95, 0, 1.0, 0.0),
+                                                       ("le", 0.05, 5, 0.25, 0.7)])
+def test_cpp_select_round_matches_reference(cpp_ops, B, n, nb, seed, cmp, tau, n_look, topp, alpha):
+    value, conf, masked, bid, complete, cc, active = random_round(B, n, nb, seed)
+    args = (value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
+    got, want = cpp_ops.select_round(*args), ref.select_round(*args)
+    assert torch.equal(got.accept, want.accept) and torch.equal(got.lookahead, want.lookahead)
+    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)
+    assert got.winner.item() == want.winner.item()
+
+
+def test_cpp_select_round_ties_and_no_active_branch(cpp_ops):
+    g = torch.Generator().manual_seed(9)
+    c = torch.rand(1, 10, generator=g).expand(3, 10).clone()
+    masked = torch.ones(3, 10, dtype=torch.bool)
+    bid = torch.zeros(3, 10, dtype=torch.long)
+    done = torch.ones(3, 1, dtype=torch.bool)
+    got = cpp_ops.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)  # nothing passes: fallback only
+    want = ref.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)
+    assert torch.equal(got.accept, want.accept) and got.accept.sum() == 3 and got.winner.item() == 0
+    assert torch.equal(got.lookahead, want.lookahead) and (got.lookahead[:, -3:] == -1).all()
+    none = cpp_ops.select_round(c, c, masked, bid, done, 2.0, "gt", 0, 1.0, 0.0, None, torch.zeros(3, dtype=torch.bool))
+    assert none.winner.item() == -1

@@ -102,3 +102,71 @@ def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode, softmax_
     s = s.masked_fill(~vis[:, None], float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(q.dtype) if softmax_fp32 else torch.softmax(s, dim=-1)
     return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+# ------------------------------------------------------------------------------ op inputs and yardsticks
+def make_attention_inputs(shape, dtype, seed=0, device=DEVICE, extra_rows=3, len_step=4):
+    """(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids) for shape (B, n, Hq, Hkv, D, L):
+    `extra_rows` cache rows past cache_len (must be ignored), ragged win_lens n - len_step * b (the first branch
+    full), sorted block ids in [0, 3)."""
+    B, n, Hq, Hkv, D, L = shape
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)  # noqa: E731
+    q, kc, vc = r(B, n, Hq, D), r(L + extra_rows, Hkv, D), r(L + extra_rows, Hkv, D)
+    kw, vw = r(B, n, Hkv, D), r(B, n, Hkv, D)
+    win_lens = torch.tensor([max(1, n - len_step * b) for b in range(B)], device=device)
+    block_ids = torch.sort(torch.randint(0, 3, (B, n), generator=g), dim=1).values.to(device)
+    return q, kc, vc, L, kw, vw, win_lens, block_ids
+
+
+def random_round(B, n, nb, seed):
+    """(value, conf, masked, block_ids, complete, creation_conf, active) of a random select_round (CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    value, conf = torch.rand(B, n, generator=g), torch.rand(B, n, generator=g)
+    masked = torch.rand(B, n, generator=g) < 0.7
+    block_ids = torch.sort(torch.randint(-1, nb, (B, n), generator=g), dim=1).values
+    complete = torch.rand(B, nb, generator=g) < 0.6
+    return value, conf, masked, block_ids, complete, torch.rand(B, generator=g), torch.rand(B, generator=g) < 0.8
+
+
+# ------------------------------------------------------------ CUDA emulation and C++ CPU ops (backends)
+@pytest.fixture(scope="module")
+def cuda_emu():
+    """The CUDA kernels' exact source run on CPU (lopa_fast.ops.cuda.emulation); skips without g++ >= 12."""
+    from lopa_fast.ops.cuda import emulation
+
+    if emulation.host_compiler() is None:
+        pytest.skip("no host C++ compiler for the CUDA emulation")
+    try:
+        return emulation.emulator()
+    except RuntimeError as e:  # e.g. a g++ older than 12 (no <barrier>)
+        pytest.skip(f"host emulation does not build here: {e}")
+
+
+@pytest.fixture(scope="module")
+def cpp_ops():
+    """lopa_fast.ops._cpp with csrc/ built (torch.ops.lopa_fast_cpp); skips without a compiler or ninja."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    from lopa_fast.ops import _cpp
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    if not is_ninja_available():
+        pytest.skip("torch.utils.cpp_extension.load needs ninja (pip install ninja)")
+    _cpp.build()
+    assert _cpp.loaded()
+    return _cpp
+
+
+@pytest.fixture
+def cuda_kernels():
+    """lopa_fast.ops.cuda on a GPU machine (`gpu` tests): fails, not skips, when a GPU is present but the
+    CUDA kernels cannot load."""
+    from lopa_fast.ops import cuda
+
+    if not cuda.available():
+        pytest.fail(f"a GPU is present but the CUDA kernels are unavailable: {cuda.why_unavailable()}")
+    return cuda

@@ -3,9 +3,10 @@
 //
 //   q       [B, n, Hq, D]    (last dim contiguous; strides in elements)
 //   k/v     prefix [Lmax, Hkv, D] rows [0, cache_len) ; window [B, n, Hkv, D]
-//   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode 0 full | 1 block_causal | 2 causal
+//   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode LOPA_MODE_{FULL,BLOCK_CAUSAL,CAUSAL}
 //
-// Two launches (the host side is lopa_fast/ops/_cuda.py):
+// Two launches (the host side is lopa_fast/ops/cuda/launch.py; tile sizes and mode codes arrive as -D defines
+// from lopa_fast/ops/cuda/constants.py and lopa_fast/contracts.py):
 //  1. branch_attention_partial: grid (x tiles, Hkv, S + 1). For z < S the CTA takes R query rows from
 //     the rows of ALL branches of kv head h (row = ((b*n + i)*G + g), G = Hq/Hkv), so one prefix K/V
 //     tile brought into shared memory serves up to R (branch, position, head-in-group) queries; the
@@ -23,10 +24,11 @@
 namespace lopa {
 namespace attn {
 
-constexpr int kWarps = 4;
-constexpr int kRowsPerWarp = 8;
+constexpr int kWarps = LOPA_ATTN_WARPS;
+constexpr int kRowsPerWarp = LOPA_ATTN_ROWS_PER_WARP;
 constexpr int kRows = kWarps * kRowsPerWarp;  // query rows per CTA
-constexpr int kKeys = 32;                      // keys per tile: one per lane in Q*K^T
+constexpr int kKeys = LOPA_ATTN_KEYS;          // keys per tile: one per lane in Q*K^T
+static_assert(kKeys == 32, "the SIMT kernel gives each lane one key of a tile");
 constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -60,44 +62,71 @@ LOPA_INLINE void load_kv_tile(const T* __restrict__ k, const T* __restrict__ v, 
   }
 }
 
-template <typename T, int D>
-LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                         const T* __restrict__ k_win, const T* __restrict__ v_win,
-                         const long long* __restrict__ win_lens, const long long* __restrict__ block_ids,
-                         float* __restrict__ ws_o, float* __restrict__ ws_lse, int B, int n, int Hq, int Hkv,
-                         int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,
-                         long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb,
-                         long long kw_si, long long kw_sh) {
-  constexpr int E = Vec<T>::N, DPL = D / 32;
-  using S = Smem<T, D>;
-  const int G = Hq / Hkv, h = blockIdx.y, split = blockIdx.z;
-  const bool window = split == n_splits;
-  const int rows_per_branch = n * G, tiles_per_branch = (rows_per_branch + kRows - 1) / kRows;
+// The arguments of branch_attention_partial (the entry points pack them; both kernel variants read them).
+template <typename T> struct Args {
+  const T *q, *k_cache, *v_cache, *k_win, *v_win;
+  const long long *win_lens, *block_ids;
+  float *ws_o, *ws_lse;
+  int B, n, Hq, Hkv, cache_len, n_splits, split_len, mode;
+  float scale;
+  long long q_sb, q_si, q_sh, kc_sl, kc_sh, kw_sb, kw_si, kw_sh;
+};
 
-  int row_begin, row_end, b_win = 0, key_begin, n_keys;
+// The query rows [row_begin, row_end) and keys of one CTA: grid (x row tiles, y kv head, z split); z == n_splits
+// is the window part (rows of ONE branch against its window keys), z < n_splits a slice of the shared prefix.
+template <typename T> struct Plan {
+  bool window;
+  int b_win, row_begin, row_end, n_keys;
   const T *kb, *vb;
   long long key_stride;
-  if (window) {
-    if ((int)blockIdx.x >= B * tiles_per_branch) return;
-    b_win = blockIdx.x / tiles_per_branch;
-    row_begin = b_win * rows_per_branch + (blockIdx.x % tiles_per_branch) * kRows;
-    row_end = (b_win + 1) * rows_per_branch;
-    key_begin = 0;
-    n_keys = win_lens ? (int)win_lens[b_win] : n;
-    n_keys = n_keys < n ? (n_keys > 0 ? n_keys : 0) : n;  // as the reference: keys j < min(len, n)
-    kb = k_win + b_win * kw_sb + h * kw_sh;
-    vb = v_win + b_win * kw_sb + h * kw_sh;
-    key_stride = kw_si;
+};
+
+// Fills `p` for this CTA (`rows` query rows per CTA); false when the CTA has no work.
+template <typename T>
+LOPA_INLINE bool plan_cta(const Args<T>& a, int rows, Plan<T>& p) {
+  const int h = blockIdx.y, split = blockIdx.z;
+  const int rows_per_branch = a.n * (a.Hq / a.Hkv), tiles_per_branch = (rows_per_branch + rows - 1) / rows;
+  p.window = split == a.n_splits;
+  p.b_win = 0;
+  if (p.window) {
+    if ((int)blockIdx.x >= a.B * tiles_per_branch) return false;
+    p.b_win = blockIdx.x / tiles_per_branch;
+    p.row_begin = p.b_win * rows_per_branch + (blockIdx.x % tiles_per_branch) * rows;
+    p.row_end = (p.b_win + 1) * rows_per_branch;
+    const int len = a.win_lens ? (int)a.win_lens[p.b_win] : a.n;
+    p.n_keys = len < a.n ? (len > 0 ? len : 0) : a.n;  // as the reference: keys j < min(len, n)
+    p.kb = a.k_win + p.b_win * a.kw_sb + h * a.kw_sh;
+    p.vb = a.v_win + p.b_win * a.kw_sb + h * a.kw_sh;
+    p.key_stride = a.kw_si;
   } else {
-    row_begin = blockIdx.x * kRows;
-    row_end = B * rows_per_branch;
-    if (row_begin >= row_end) return;
-    key_begin = split * split_len;
-    n_keys = cache_len - key_begin < split_len ? cache_len - key_begin : split_len;
-    kb = k_cache + key_begin * kc_sl + h * kc_sh;
-    vb = v_cache + key_begin * kc_sl + h * kc_sh;
-    key_stride = kc_sl;
+    p.row_begin = blockIdx.x * rows;
+    p.row_end = a.B * rows_per_branch;
+    if (p.row_begin >= p.row_end) return false;
+    const int key_begin = split * a.split_len;
+    p.n_keys = a.cache_len - key_begin < a.split_len ? a.cache_len - key_begin : a.split_len;
+    p.kb = a.k_cache + key_begin * a.kc_sl + h * a.kc_sh;
+    p.vb = a.v_cache + key_begin * a.kc_sl + h * a.kc_sh;
+    p.key_stride = a.kc_sl;
   }
+  return true;
+}
+
+// Block id of window position i of the plan's branch (block ids fit in 32 bits: a window holds a few hundred).
+template <typename T>
+LOPA_INLINE int block_of(const Args<T>& a, const Plan<T>& p, int i) {
+  return (int)a.block_ids[(long long)p.b_win * a.n + i];
+}
+
+template <typename T, int D>
+LOPA_INLINE void partial(const Args<T>& a) {
+  constexpr int E = Vec<T>::N, DPL = D / 32;
+  using S = Smem<T, D>;
+  Plan<T> pl;
+  if (!plan_cta(a, kRows, pl)) return;
+  const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
+  const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
+  const bool block_causal = pl.window && a.mode == LOPA_MODE_BLOCK_CAUSAL;
+  const bool causal = pl.window && a.mode == LOPA_MODE_CAUSAL;
 
   LOPA_DYNAMIC_SMEM(smem);
   float* qs = reinterpret_cast<float*>(smem);
@@ -106,13 +135,14 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
   float* ps = reinterpret_cast<float*>(smem + S::kQBytes + S::kKBytes + S::kVBytes);
 
   // Q rows, scaled by scale*log2(e) so the softmax runs on exp2.
-  const float qscale = scale * kLog2e;
+  const float qscale = a.scale * kLog2e;
   for (int idx = threadIdx.x; idx < kRows * (D / E); idx += kThreads) {
     const int r = idx / (D / E), c = (idx % (D / E)) * E, row = row_begin + r;
     float f[E];
     if (row < row_end) {
       const int bi = row / G, g = row % G;
-      load_vec(q + (long long)(bi / n) * q_sb + (long long)(bi % n) * q_si + (long long)(h * G + g) * q_sh + c, f);
+      load_vec(a.q + (long long)(bi / n) * a.q_sb + (long long)(bi % n) * a.q_si + (long long)(h * G + g) * a.q_sh + c,
+               f);
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) f[e] = 0.f;
@@ -129,7 +159,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int row = row_begin + warp * kRowsPerWarp + r;
     qi[r] = row < row_end ? (row / G) % n : 0;
-    qblock[r] = (window && mode == 1) ? (int)block_ids[(long long)b_win * n + qi[r]] : 0;
+    qblock[r] = block_causal ? block_of(a, pl, qi[r]) : 0;
   }
 
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][DPL];
@@ -144,7 +174,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
 
   for (int k0 = 0; k0 < n_keys; k0 += kKeys) {
     __syncthreads();  // Q written / previous tile fully consumed
-    load_kv_tile<T, D>(kb, vb, key_stride, k0, n_keys, ks, vs);
+    load_kv_tile<T, D>(pl.kb, pl.vb, pl.key_stride, k0, n_keys, ks, vs);
     __syncthreads();
 
     // S = Q K^T: lane owns key k0 + lane, the warp's 8 rows come from shared memory as broadcasts.
@@ -169,12 +199,12 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
 
     const int key = k0 + lane;
     int kblock = 0;
-    if (window && mode == 1 && key < n_keys) kblock = (int)block_ids[(long long)b_win * n + key];
+    if (block_causal && key < n_keys) kblock = block_of(a, pl, key);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       bool vis = key < n_keys;
-      if (window && mode == 2) vis = vis && key <= qi[r];
-      if (window && mode == 1) vis = vis && kblock <= qblock[r];
+      if (causal) vis = vis && key <= qi[r];
+      if (block_causal) vis = vis && kblock <= qblock[r];
       const float x = vis ? s[r] : LOPA_NEG_INF;
       const float m_new = fmaxf(m[r], warp_max(x));
       float p = 0.f, alpha = 1.f;
@@ -204,7 +234,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     }
   }
 
-  const long long rows_total = (long long)B * n * Hq;
+  const long long rows_total = (long long)a.B * n * Hq;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int row = row_begin + warp * kRowsPerWarp + r;
@@ -213,10 +243,10 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     const long long orow = (long long)bi * Hq + h * G + g;
     const bool any = l[r] > 0.f;
     const float inv = any ? 1.f / l[r] : 0.f;
-    float* o = ws_o + ((long long)split * rows_total + orow) * D + lane * DPL;
+    float* o = a.ws_o + ((long long)split * rows_total + orow) * D + lane * DPL;
 #pragma unroll
     for (int d = 0; d < DPL; ++d) o[d] = acc[r][d] * inv;
-    if (lane == 0) ws_lse[split * rows_total + orow] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
+    if (lane == 0) a.ws_lse[split * rows_total + orow] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
   }
 }
 
@@ -226,9 +256,10 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
 // to 16 bit in registers as the A operand of O += P V. K is staged row-major with 16 bytes of padding per key
 // and V transposed ([D][keys + 8]), so every B-fragment read is one conflict-free 32-bit shared load.
 namespace mma {
-constexpr int kWarps = 4;
-constexpr int kRows = 16 * kWarps;
-constexpr int kKeys = 64;
+constexpr int kWarps = LOPA_MMA_WARPS;
+constexpr int kRows = 16 * kWarps;  // one m16 row block per warp
+constexpr int kKeys = LOPA_MMA_KEYS;
+static_assert(kKeys % 16 == 0, "P V consumes keys in k16 steps");
 constexpr int kThreads = 32 * kWarps;
 
 template <int D> struct Smem {
@@ -241,42 +272,15 @@ template <int D> struct Smem {
 LOPA_INLINE unsigned ld32(const unsigned short* p) { return *vptr<const unsigned>(p); }
 
 template <typename T, int D>
-LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                         const T* __restrict__ k_win, const T* __restrict__ v_win,
-                         const long long* __restrict__ win_lens, const long long* __restrict__ block_ids,
-                         float* __restrict__ ws_o, float* __restrict__ ws_lse, int B, int n, int Hq, int Hkv,
-                         int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,
-                         long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb,
-                         long long kw_si, long long kw_sh) {
+LOPA_INLINE void partial(const Args<T>& a) {
   using S = Smem<D>;
   constexpr int KS = D / 16, NTD = D / 8, NTK = kKeys / 8;
-  const int G = Hq / Hkv, h = blockIdx.y, split = blockIdx.z;
-  const bool window = split == n_splits;
-  const int rows_per_branch = n * G, tiles_per_branch = (rows_per_branch + kRows - 1) / kRows;
-
-  int row_begin, row_end, b_win = 0, n_keys;
-  const T *kb, *vb;
-  long long key_stride;
-  if (window) {
-    if ((int)blockIdx.x >= B * tiles_per_branch) return;
-    b_win = blockIdx.x / tiles_per_branch;
-    row_begin = b_win * rows_per_branch + (blockIdx.x % tiles_per_branch) * kRows;
-    row_end = (b_win + 1) * rows_per_branch;
-    n_keys = win_lens ? (int)win_lens[b_win] : n;
-    n_keys = n_keys < n ? (n_keys > 0 ? n_keys : 0) : n;
-    kb = k_win + b_win * kw_sb + h * kw_sh;
-    vb = v_win + b_win * kw_sb + h * kw_sh;
-    key_stride = kw_si;
-  } else {
-    row_begin = blockIdx.x * kRows;
-    row_end = B * rows_per_branch;
-    if (row_begin >= row_end) return;
-    const int key_begin = split * split_len;
-    n_keys = cache_len - key_begin < split_len ? cache_len - key_begin : split_len;
-    kb = k_cache + key_begin * kc_sl + h * kc_sh;
-    vb = v_cache + key_begin * kc_sl + h * kc_sh;
-    key_stride = kc_sl;
-  }
+  Plan<T> pl;
+  if (!plan_cta(a, kRows, pl)) return;
+  const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
+  const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
+  const bool block_causal = pl.window && a.mode == LOPA_MODE_BLOCK_CAUSAL;
+  const bool causal = pl.window && a.mode == LOPA_MODE_CAUSAL;
 
   LOPA_DYNAMIC_SMEM(smem);
   unsigned short* ks = reinterpret_cast<unsigned short*>(smem);
@@ -294,10 +298,10 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     valid[r] = row < row_end;
     const int bi = valid[r] ? row / G : 0, gg = valid[r] ? row % G : 0;
     qi[r] = bi % n;
-    qblk[r] = (window && mode == 1 && valid[r]) ? (int)block_ids[(long long)b_win * n + qi[r]] : 0;
+    qblk[r] = (block_causal && valid[r]) ? block_of(a, pl, qi[r]) : 0;
     orow[r] = (long long)bi * Hq + h * G + gg;
     const unsigned short* qp = reinterpret_cast<const unsigned short*>(
-        q + (long long)(bi / n) * q_sb + (long long)(bi % n) * q_si + (long long)(h * G + gg) * q_sh);
+        a.q + (long long)(bi / n) * a.q_sb + (long long)(bi % n) * a.q_si + (long long)(h * G + gg) * a.q_sh);
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
       qa[k][r] = valid[r] ? ld32(qp + k * 16 + 2 * t) : 0u;          // a0 / a1: cols 2t, 2t+1
@@ -305,7 +309,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     }
   }
 
-  const float sl2 = scale * kLog2e;
+  const float sl2 = a.scale * kLog2e;
   float m[2] = {LOPA_NEG_INF, LOPA_NEG_INF}, l[2] = {0.f, 0.f};
   float o[NTD][4];
 #pragma unroll
@@ -318,9 +322,9 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
       const int j = idx / C, c = (idx % C) * 8;
       uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
       if (k0 + j < n_keys) {
-        const long long off = (long long)(k0 + j) * key_stride + c;
-        kv = *vptr<const uint4>(kb + off);
-        vv = *vptr<const uint4>(vb + off);
+        const long long off = (long long)(k0 + j) * pl.key_stride + c;
+        kv = *vptr<const uint4>(pl.kb + off);
+        vv = *vptr<const uint4>(pl.vb + off);
       }
       *vptr<uint4>(ks + j * S::kKStride + c) = kv;
       const unsigned w[4] = {vv.x, vv.y, vv.z, vv.w};
@@ -351,8 +355,8 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
         bool vis = key < n_keys;
-        if (window && mode == 2) vis = vis && key <= qi[r];
-        if (window && mode == 1 && vis) vis = (int)block_ids[(long long)b_win * n + key] <= qblk[r];
+        if (causal) vis = vis && key <= qi[r];
+        if (block_causal && vis) vis = block_of(a, pl, key) <= qblk[r];
         sc[nt][e] = vis ? sc[nt][e] * sl2 : LOPA_NEG_INF;
         mx[r] = fmaxf(mx[r], sc[nt][e]);
       }
@@ -396,7 +400,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     }
   }
 
-  const long long rows_total = (long long)B * n * Hq;
+  const long long rows_total = (long long)a.B * n * Hq;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -404,7 +408,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
     if (!valid[r]) continue;
     const bool any = l[r] > 0.f;
     const float inv = any ? 1.f / l[r] : 0.f;
-    float* out = ws_o + ((long long)split * rows_total + orow[r]) * D + 2 * t;
+    float* out = a.ws_o + ((long long)split * rows_total + orow[r]) * D + 2 * t;
 #pragma unroll
     for (int d = 0; d < NTD; ++d) {
       float2 v2;
@@ -412,7 +416,7 @@ LOPA_INLINE void partial(const T* __restrict__ q, const T* __restrict__ k_cache,
       v2.y = o[d][2 * r + 1] * inv;
       *vptr<float2>(out + d * 8) = v2;
     }
-    if (t == 0) ws_lse[split * rows_total + orow[r]] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
+    if (t == 0) a.ws_lse[split * rows_total + orow[r]] = any ? (m[r] + log2f(l[r])) * kLn2 : LOPA_NEG_INF;
   }
 }
 }  // namespace mma
@@ -449,16 +453,18 @@ LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict
 }  // namespace attn
 }  // namespace lopa
 
-// fp32 (a testing dtype) runs the SIMT kernel; bf16/fp16 the tensor-core one. Host side: rows per CTA 32 / 64,
-// dynamic shared memory attn::Smem / attn::mma::Smem (mirrored in lopa_fast/ops/_cuda.py).
+// fp32 (a testing dtype) runs the SIMT kernel; bf16/fp16 the tensor-core one. Host side (lopa_fast/ops/cuda/launch.py):
+// rows per CTA attn::kRows / attn::mma::kRows, dynamic shared memory attn::Smem / attn::mma::Smem (the host's
+// attention_smem_bytes; tests/test_cuda_loader.py checks the two agree).
 #define LOPA_ATTN_ENTRIES(TNAME, T, D, IMPL, THREADS)                                                          \
   extern "C" __global__ void __launch_bounds__(THREADS) branch_attention_partial_##TNAME##_d##D(                \
       const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win, const long long* win_lens, \
       const long long* block_ids, float* ws_o, float* ws_lse, int B, int n, int Hq, int Hkv, int cache_len,    \
       int n_splits, int split_len, int mode, float scale, long long q_sb, long long q_si, long long q_sh,       \
       long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si, long long kw_sh) {                   \
-    IMPL<T, D>(q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq, Hkv, cache_len,  \
-               n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl, kc_sh, kw_sb, kw_si, kw_sh);         \
+    IMPL<T, D>(lopa::attn::Args<T>{q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq, \
+                                   Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl,      \
+                                   kc_sh, kw_sb, kw_si, kw_sh});                                                   \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads) branch_attention_combine_##TNAME##_d##D(    \
       const float* ws_o, const float* ws_lse, int n_parts, long long rows, T* out, float* lse_out) {             \

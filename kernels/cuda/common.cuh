@@ -6,6 +6,17 @@
 // Storage types are plain 16-bit words; conversions are single PTX cvt instructions on the device.
 #pragma once
 
+// Codes and tile sizes are defined once in Python (lopa_fast/contracts.py, lopa_fast/ops/cuda/constants.py)
+// and reach every compiler (NVRTC, nvcc, the host emulation) as -D flags.
+#if !defined(LOPA_MODE_BLOCK_CAUSAL) || !defined(LOPA_CMP_GT) || !defined(LOPA_ATTN_WARPS)
+#error "compile with the -D flags of lopa_fast.ops.cuda.constants.define_flags()"
+#endif
+static_assert(LOPA_MODE_FULL != LOPA_MODE_BLOCK_CAUSAL && LOPA_MODE_FULL != LOPA_MODE_CAUSAL &&
+                  LOPA_MODE_BLOCK_CAUSAL != LOPA_MODE_CAUSAL,
+              "attention mode codes are distinct");
+static_assert(LOPA_CMP_GT != LOPA_CMP_GE && LOPA_CMP_GT != LOPA_CMP_LE && LOPA_CMP_GE != LOPA_CMP_LE,
+              "comparator codes are distinct");
+
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define LOPA_DEVICE_BUILD 1
 #define LOPA_INLINE __device__ __forceinline__
@@ -100,16 +111,10 @@ template <typename T, int N> struct LoadN {
     for (int k = 0; k < N; ++k) o[k] = to_float(p[k]);
   }
 };
-template <> struct LoadN<bf16, 4> {
-  static LOPA_INLINE void run(const bf16* p, float* o) {
+template <typename T> struct LoadN<T, 4> {  // 16-bit T: one 8-byte load
+  static LOPA_INLINE void run(const T* p, float* o) {
     uint2 v = *vptr<const uint2>(p);
-    unpack2(v.x, bf16{}, o); unpack2(v.y, bf16{}, o + 2);
-  }
-};
-template <> struct LoadN<f16, 4> {
-  static LOPA_INLINE void run(const f16* p, float* o) {
-    uint2 v = *vptr<const uint2>(p);
-    unpack2(v.x, f16{}, o); unpack2(v.y, f16{}, o + 2);
+    unpack2(v.x, T{}, o); unpack2(v.y, T{}, o + 2);
   }
 };
 template <> struct LoadN<float, 4> {
@@ -127,23 +132,19 @@ LOPA_INLINE float warp_sum(float x) {
   return x;
 }
 
-// Two floats -> one 32-bit word of two 16-bit values (lo in the low half), round to nearest even.
-LOPA_INLINE unsigned pack2(float lo, float hi, bf16) {
+// Two floats -> one 32-bit word of two 16-bit T values (lo in the low half), round to nearest even.
+template <typename T>
+LOPA_INLINE unsigned pack2(float lo, float hi, T) {
 #ifdef LOPA_DEVICE_BUILD
   unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if constexpr (T::kIsBf16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
   return r;
 #else
-  return (unsigned)lopa_emu::float_to_bf16(lo) | ((unsigned)lopa_emu::float_to_bf16(hi) << 16);
-#endif
-}
-LOPA_INLINE unsigned pack2(float lo, float hi, f16) {
-#ifdef LOPA_DEVICE_BUILD
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-#else
-  return (unsigned)lopa_emu::float_to_half(lo) | ((unsigned)lopa_emu::float_to_half(hi) << 16);
+  return (unsigned)From<T>::cvt(lo).u | ((unsigned)From<T>::cvt(hi).u << 16);
 #endif
 }
 
@@ -151,21 +152,18 @@ LOPA_INLINE unsigned pack2(float lo, float hi, f16) {
 template <typename T>
 LOPA_INLINE void mma_16816(float* d, const unsigned* a, const unsigned* b, const float* c) {
 #ifdef LOPA_DEVICE_BUILD
+#define LOPA_MMA_16816_ASM(TY)                                                                                 \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+               "{%10,%11,%12,%13};"                                                                          \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),       \
+                 "f"(c[2]), "f"(c[3]))
   if constexpr (T::kIsBf16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
+    LOPA_MMA_16816_ASM("bf16");
   } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
+    LOPA_MMA_16816_ASM("f16");
   }
+#undef LOPA_MMA_16816_ASM
 #else
   lopa_emu::mma_16816(d, a, b, c, T::kIsBf16);
 #endif

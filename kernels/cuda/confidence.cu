@@ -1,5 +1,6 @@
 // confidence: per-row vocabulary statistics of softmax(logits) in fp32.
-// Semantics: lopa_fast.reference.ops.confidence.
+// Semantics: lopa_fast.reference.ops.confidence (the softmax formula of lopa_fast.sampling.softmax_stats; here
+// p = exp(x - lse), which stays within the tests' tolerance rule of it).
 //
 //   logits [N, V] (row stride in elements, last dim contiguous) -> token int64 [N], p_max, margin,
 //   neg_entropy, lse fp32 [N]; suppress (-1 = none) is treated as logit -inf; argmax ties -> lowest index.
@@ -15,7 +16,7 @@
 namespace lopa {
 namespace conf {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = LOPA_CONF_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kNoIndex = 0x7fffffff;
 

@@ -16,7 +16,8 @@
 namespace lopa {
 namespace sel {
 
-constexpr int kMaxWarps = 8;
+constexpr int kMaxWarps = LOPA_SEL_MAX_WARPS;
+static_assert(LOPA_SEL_MAX_N <= 32 * 32, "the lookahead picks of a lane live in one 32-bit mask");
 
 LOPA_INLINE void warp_argmax(float& v, int& i) {  // max value, earliest index on ties (i = big: none)
 #pragma unroll
@@ -30,7 +31,9 @@ LOPA_INLINE void warp_argmax(float& v, int& i) {  // max value, earliest index o
   }
 }
 
-LOPA_INLINE bool hit(float v, float tau, int cmp) { return cmp == 0 ? v > tau : (cmp == 1 ? v >= tau : v <= tau); }
+LOPA_INLINE bool hit(float v, float tau, int cmp) {
+  return cmp == LOPA_CMP_GT ? v > tau : (cmp == LOPA_CMP_GE ? v >= tau : v <= tau);
+}
 
 LOPA_INLINE void run(const float* __restrict__ value, const float* __restrict__ conf,
                      const unsigned char* __restrict__ masked, const long long* __restrict__ block_ids,

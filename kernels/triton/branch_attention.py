@@ -21,10 +21,36 @@ import torch
 import triton
 import triton.language as tl
 
+from lopa_fast.contracts import MODE_CODES
 from lopa_fast.kernels.triton._common import is_interpreter
 
 _LOG2E = 1.4426950408889634
-_MODES = {"full": 0, "block_causal": 1, "causal": 2}
+_BLOCK_CAUSAL = tl.constexpr(MODE_CODES["block_causal"])
+_CAUSAL = tl.constexpr(MODE_CODES["causal"])
+
+
+@triton.jit
+def _load_kv(k_base, v_base, offs_n, s_k, s_v, od, kv_mask, UPCAST: tl.constexpr):
+    """One [BLOCK_N, BLOCK_D] tile of K and V (rows offs_n, zeros where masked); fp32 when UPCAST."""
+    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_k + od[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_v + od[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf = invisible) and its V into the running
+    (max m_i, sum l_i, output acc). A row that has seen no visible key yet keeps m = -inf, l = 0, acc = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoids -inf - -inf
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -61,20 +87,10 @@ def _prefix_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_kl + od[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vl + od[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, offs_n, s_kl, s_vl, od, nmask[:, None] & dmask[None, :], UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
     # an empty split (lo >= cache_len) leaves l_i = 0: lse2 = -inf, o = 0 (weight 0 in the merge)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -111,7 +127,7 @@ def _window_kernel(
         wl = tl.minimum(tl.load(wl_ptr + b).to(tl.int32), n)  # never read past the window, whatever the caller
     else:
         wl = n
-    if MODE == 1:
+    if MODE == _BLOCK_CAUSAL:
         bq = tl.load(blk_ptr + b.to(tl.int64) * s_blk + i, mask=rmask, other=0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -121,27 +137,16 @@ def _window_kernel(
     for start in range(0, wl, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < wl
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_kn + od[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vn + od[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, offs_n, s_kn, s_vn, od, nmask[:, None] & dmask[None, :], UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         vis = nmask[None, :] & rmask[:, None]
-        if MODE == 1:
+        if MODE == _BLOCK_CAUSAL:
             bk = tl.load(blk_ptr + b.to(tl.int64) * s_blk + offs_n, mask=nmask, other=0)
             vis = vis & (bk[None, :] <= bq[:, None])
-        elif MODE == 2:
+        elif MODE == _CAUSAL:
             vis = vis & (offs_n[None, :] <= i[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row saw no key yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
     # merge the prefix partials (normalised o_s, base-2 lse_s) by log-sum-exp
     prow = (b * n + i) * G + g  # this row's index in the stacked prefix layout
     for sp in range(num_splits):
@@ -229,7 +234,7 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
         n, R, num_splits, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2), o.stride(0), o.stride(1), o.stride(2), s_blk,
-        G=G, D=D, BLOCK_D=BLOCK_D, MODE=_MODES[mode], HAS_WL=win_lens is not None, RETURN_LSE=return_lse,
+        G=G, D=D, BLOCK_D=BLOCK_D, MODE=MODE_CODES[mode], HAS_WL=win_lens is not None, RETURN_LSE=return_lse,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, num_warps=warps, num_stages=2,
     )
     return (o, lse) if return_lse else o

@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lopa_fast.contracts import lowest_k_table
+from lopa_fast.contracts import COMPARATOR_CODES, lowest_k_table
 
-_CMP = {"gt": 0, "ge": 1, "le": 2}
+_GT = tl.constexpr(COMPARATOR_CODES["gt"])
+_GE = tl.constexpr(COMPARATOR_CODES["ge"])
 
 
 @triton.jit
@@ -42,9 +43,9 @@ def _select_round_kernel(
         val = tl.load(val_ptr + ob[:, None] * s_val + on[None, :], mask=inb, other=0.0).to(tl.float32)
         conf = tl.where(masked, conf, neg_inf)  # never read values outside the candidates (may be NaN)
         in_block = masked & (blk >= 0)
-        if CMP == 0:
+        if CMP == _GT:
             hit = val > tau
-        elif CMP == 1:
+        elif CMP == _GE:
             hit = val >= tau
         else:
             hit = val <= tau
@@ -106,18 +107,6 @@ def tile_for(B: int, n: int, max_lanes: int = 4096) -> tuple[int, int, int]:
     return BLOCK_B, BLOCK_N, 4 if BLOCK_B * BLOCK_N <= 2048 else 8
 
 
-_KTAB: dict = {}
-
-
-def _ktab(n: int, topp: float, device) -> torch.Tensor:
-    # cached per (n, topp, device): no host-to-device copy per round once warm
-    key = (n, float(topp), str(device))
-    t = _KTAB.get(key)
-    if t is None:
-        t = _KTAB[key] = lowest_k_table(n, topp).to(device)
-    return t
-
-
 def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0,
                  topp=1.0, alpha=0.0, creation_conf=None, branch_active=None, max_lanes=4096):
     """See lopa_fast.reference.ops.select_round; returns (accept bool [B, n], lookahead int64 [B, n_look],
@@ -137,12 +126,12 @@ def select_round(accept_value, conf, masked, block_ids, block_complete, tau, com
         active = active.view(torch.uint8)
     BLOCK_B, BLOCK_N, warps = tile_for(B, n, max_lanes)
     _select_round_kernel[(1,)](
-        accept_value, conf, masked_u8, blk, complete_u8, _ktab(n, topp, dev),
+        accept_value, conf, masked_u8, blk, complete_u8, lowest_k_table(n, topp, dev),
         creation_conf if creation_conf is not None else score, active if active is not None else score,
         accept, look, score, winner,
         B, n, nb, n_look, float(tau), float(alpha),
         accept_value.stride(0), conf.stride(0), masked_u8.stride(0), blk.stride(0), complete_u8.stride(0),
-        CMP=_CMP[comparator], HAS_CC=creation_conf is not None, HAS_ACTIVE=branch_active is not None,
+        CMP=COMPARATOR_CODES[comparator], HAS_CC=creation_conf is not None, HAS_ACTIVE=branch_active is not None,
         BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, num_warps=warps,
     )
     return accept.view(torch.bool), look, score, winner

@@ -4,16 +4,20 @@
 backend (what the CPU fast path runs). An explicit backend is honoured or refused with a ValueError:
 `triton` also runs on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1, the tests).
 
-The CUDA hook: a module `lopa_fast.ops._cuda` (added by the CUDA kernels) exposing
-`available(op: str) -> bool` and one function per op with the public op's signature (no `backend`/`check`
-kwargs). Until it exists, `cuda` is simply unavailable.
+The CUDA hook: the package `lopa_fast.ops.cuda` exposing `available(op: str) -> bool`,
+`unsupported(op, *args) -> str | None` (why its kernel cannot take these arguments: head dim, window length,
+dtype) and one function per op with the public op's signature (no `backend`/`check` kwargs). If it cannot be
+imported, `cuda` is simply unavailable. An explicit `backend="cuda"` runs the CUDA kernel or raises.
 """
 from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 import torch
+
+from lopa_fast.kernels.triton._common import is_interpreter as triton_interpreter  # noqa: F401 (re-exported)
 
 BACKENDS = ("cuda", "triton", "torch")
 # Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.
@@ -33,22 +37,25 @@ def triton_available() -> bool:
     return _triton_ok
 
 
-def triton_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def cache_dir(sub: str) -> Path:
+    """$LOPA_FAST_CACHE_DIR/<sub> (default ~/.cache/lopa_fast/<sub>), created: compiled kernels and ops."""
+    d = Path(os.environ.get("LOPA_FAST_CACHE_DIR", Path.home() / ".cache" / "lopa_fast")) / sub
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def cuda_module():
-    """lopa_fast.ops._cuda if present and importable, else None."""
+    """lopa_fast.ops.cuda if present and importable, else None."""
     try:
-        return importlib.import_module("lopa_fast.ops._cuda")
+        return importlib.import_module("lopa_fast.ops.cuda")
     except ModuleNotFoundError as e:
-        if e.name != "lopa_fast.ops._cuda":
+        if e.name != "lopa_fast.ops.cuda":
             raise
         return None
 
 
-def _usable(op: str, backend: str, device: torch.device) -> str | None:
-    """None if `backend` can run `op` on `device`, else the reason."""
+def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> str | None:
+    """None if `backend` can run `op` on `device` (with the public op's `args`, when given), else the reason."""
     if backend == "torch":
         return None
     if backend == "triton":
@@ -60,24 +67,28 @@ def _usable(op: str, backend: str, device: torch.device) -> str | None:
     mod = cuda_module()
     if mod is None or not mod.available(op):
         return f"no CUDA kernel for {op} is loaded"
+    why = mod.unsupported(op, *args) if args else None
+    if why is not None:
+        return why
     if device.type != "cuda":
         return f"tensors are on {device}"
     return None
 
 
-def resolve(op: str, backend: str | None, device: torch.device) -> str:
-    """The backend to run `op` with for tensors on `device`."""
+def resolve(op: str, backend: str | None, device: torch.device, args: tuple = ()) -> str:
+    """The backend to run `op` with for tensors on `device`; `args` (the public op's arguments) let a kernel
+    backend refuse shapes it has no kernel for (auto then moves on; an explicit backend raises)."""
     if backend is None or backend == "auto":
         backend = os.environ.get("LOPA_FAST_BACKEND") or "auto"
         if backend == "auto":
             if device.type == "cuda":
                 for b in AUTO_ORDER:
-                    if _usable(op, b, device) is None:
+                    if _usable(op, b, device, args) is None:
                         return b
             return "torch"
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend={backend!r}; allowed: None/'auto', {BACKENDS}")
-    why = _usable(op, backend, device)
+    why = _usable(op, backend, device, args)
     if why is not None:
         raise ValueError(f"{op}: backend={backend!r} is unavailable: {why}")
     return backend
@@ -94,3 +105,14 @@ def check_last_dim_contiguous(op: str, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} needs a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
+def check_tensors(op: str, ref_name: str, ref: torch.Tensor, specs) -> None:
+    """Each (name, tensor | None, allowed dtypes) of `specs`: dtype in allowed and on `ref`'s device."""
+    for name, t, allowed in specs:
+        if t is None:
+            continue
+        if t.dtype not in allowed:
+            raise TypeError(f"{op}: {name}.dtype={t.dtype}; allowed: {allowed}")
+        if t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, {ref_name} on {ref.device}")

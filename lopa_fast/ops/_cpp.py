@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from lopa_fast.contracts import COMPARATOR_CODES, Confidence, RoundSelection, code_defines
+from lopa_fast.ops._backend import cache_dir
+
 log = logging.getLogger("lopa_fast.ops.cpp")
 
 _PKG = Path(__file__).resolve().parents[1]  # csrc/ ships as lopa_fast/csrc in a wheel; the repo keeps it at the top
@@ -32,9 +35,9 @@ def build() -> None:
     missing = [s for s in SOURCES if not (CSRC / s).exists()]
     if missing:
         raise RuntimeError(f"lopa_fast C++ ops: sources {missing} not found under {CSRC}")
-    cache = Path(os.environ.get("LOPA_FAST_CACHE_DIR", Path.home() / ".cache" / "lopa_fast")) / "cpp"
-    cache.mkdir(parents=True, exist_ok=True)
-    load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
+    cache = cache_dir("cpp")
+    codes = [f"-D{k}={v}" for k, v in sorted(code_defines().items())]  # comparator codes: one definition
+    load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", *codes],
          build_directory=str(cache), is_python_module=False, verbose=False)  # fmt: skip
     log.info("lopa_fast C++ ops loaded from %s", cache)
 
@@ -50,9 +53,8 @@ def wanted() -> bool:
 
 def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10):
     """lopa_fast.reference.ops.confidence on the C++ op (CPU tensors, fp32/fp16/bf16 in, fp32 out;
-    fp64 runs the reference).
-    Returns reference.ops.Confidence."""
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415
+    fp64 runs the reference). Returns lopa_fast.contracts.Confidence."""
+    from lopa_fast.reference import ops as ref  # noqa: PLC0415 - the fp64 contract
 
     if logits.dtype == torch.float64:  # the contract computes fp64 input in fp64; the C++ op is fp32 inside
         return ref.confidence(logits, suppress_token, eps)
@@ -62,14 +64,14 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
         logits = logits.contiguous()
     out = torch.ops.lopa_fast_cpp.confidence(logits, -1 if suppress_token is None else int(suppress_token),
                                              float(eps))
-    return ref.Confidence(*out)
+    return Confidence(*out)
 
 
 def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
                  alpha=0.0, creation_conf=None, branch_active=None):
-    """lopa_fast.reference.ops.select_round on the C++ op (CPU tensors); returns reference.ops.RoundSelection.
+    """lopa_fast.reference.ops.select_round on the C++ op (CPU tensors); returns lopa_fast.contracts.RoundSelection.
     fp64 conf runs the reference (the contract computes it in fp64)."""
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415
+    from lopa_fast.reference import ops as ref  # noqa: PLC0415 - the fp64 contract
 
     args = (accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
             creation_conf, branch_active)
@@ -81,5 +83,6 @@ def select_round(accept_value, conf, masked, block_ids, block_complete, tau, com
     b8 = lambda t: None if t is None else t.to(torch.bool).contiguous()  # noqa: E731
     out = torch.ops.lopa_fast_cpp.select_round(
         f32(accept_value), f32(conf), b8(masked), block_ids.to(torch.int64).contiguous(), b8(block_complete),
-        float(tau), comparator, int(n_look), float(topp), float(alpha), f32(creation_conf), b8(branch_active))
-    return ref.RoundSelection(*out)
+        float(tau), COMPARATOR_CODES[comparator], int(n_look), float(topp), float(alpha), f32(creation_conf),
+        b8(branch_active))
+    return RoundSelection(*out)

@@ -49,35 +49,18 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_win", k_win), ("v_win", v_win)):
         if t.dtype != q.dtype:
             raise TypeError(f"branch_attention: {name}.dtype={t.dtype} differs from q.dtype={q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"branch_attention: {name} is on {t.device}, q on {q.device}")
-    for name, t in (("win_lens", win_lens), ("block_ids", block_ids)):
-        if t is None:
-            continue
-        if t.dtype not in _INTS:
-            raise TypeError(f"branch_attention: {name}.dtype={t.dtype}; allowed: {_INTS}")
-        if t.device != q.device:
-            raise ValueError(f"branch_attention: {name} is on {t.device}, q on {q.device}")
+    _backend.check_tensors("branch_attention", "q", q, [
+        ("k_cache", k_cache, (q.dtype,)), ("v_cache", v_cache, (q.dtype,)), ("k_win", k_win, (q.dtype,)),
+        ("v_win", v_win, (q.dtype,)), ("win_lens", win_lens, _INTS), ("block_ids", block_ids, _INTS)])
     _backend.check_last_dim_contiguous(
         "branch_attention", q=q, k_cache=k_cache, v_cache=v_cache, k_win=k_win, v_win=v_win, block_ids=block_ids
     )
 
 
-def branch_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_len: int,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    win_lens: torch.Tensor | None = None,
-    block_ids: torch.Tensor | None = None,
-    mode: str = "full",
-    scale: float | None = None,
-    return_lse: bool = False,
-    check: bool = True,
-    backend: str | None = None,
-):
+def branch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
+                     k_win: torch.Tensor, v_win: torch.Tensor, win_lens: torch.Tensor | None = None,
+                     block_ids: torch.Tensor | None = None, mode: str = "full", scale: float | None = None,
+                     return_lse: bool = False, check: bool = True, backend: str | None = None):
     """Attention of B branch windows over a shared committed prefix plus each branch's own window.
 
     q [B, n, Hq, D] attends to k/v_cache[:cache_len] ([Lmax, Hkv, D], shared by all branches, always fully
@@ -87,18 +70,16 @@ def branch_attention(
     GQA: query head h reads kv head h // (Hq // Hkv). softmax(q k^T * scale), scale = 1/sqrt(D) by default.
     dtypes: fp16 | bf16 | fp32 (fp64 on the torch backend); fp32 accumulation.
     Returns o [B, n, Hq, D] in q.dtype, and lse [B, n, Hq] fp32 (natural log) if return_lse.
-    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch".
+    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch"; an explicit kernel
+    backend runs that kernel or raises a ValueError saying why (e.g. "cuda" has head dims 64 and 128 only).
     Matches lopa_fast.reference.ops.branch_attention (the torch backend is that reference).
     """
     if check:
         _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode)
-    b = _backend.resolve("branch_attention", backend, q.device)
+    args = (q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse)
+    b = _backend.resolve("branch_attention", backend, q.device, args)
     if b == "torch":
-        return ref.branch_attention(
-            q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse
-        )
+        return ref.branch_attention(*args)
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"branch_attention: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
-    return _backend.kernel("branch_attention", b)(
-        q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse
-    )
+    return _backend.kernel("branch_attention", b)(*args)

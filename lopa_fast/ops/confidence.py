@@ -46,7 +46,7 @@ def confidence(
     """
     if check:
         _check(logits, suppress_token, eps)
-    b = _backend.resolve("confidence", backend, logits.device)
+    b = _backend.resolve("confidence", backend, logits.device, (logits, suppress_token, eps))
     if b == "torch":
         return ref.confidence(logits, suppress_token, eps)
     if logits.dtype not in _KERNEL_FLOATS:

@@ -36,13 +36,7 @@ def _check(accept_value, conf, masked, block_ids, block_complete, tau, comparato
         ("block_ids", block_ids, _INTS), ("block_complete", block_complete, _MASKS),
         ("creation_conf", creation_conf, _FLOATS), ("branch_active", branch_active, _MASKS),
     )
-    for name, t, allowed in dtypes:
-        if t is None:
-            continue
-        if t.dtype not in allowed:
-            raise TypeError(f"select_round: {name}.dtype={t.dtype}; allowed: {allowed}")
-        if t.device != conf.device:
-            raise ValueError(f"select_round: {name} is on {t.device}, conf on {conf.device}")
+    _backend.check_tensors("select_round", "conf", conf, dtypes)
     if comparator not in COMPARATORS:
         raise ValueError(f"select_round: comparator={comparator!r}; allowed: {COMPARATORS}")
     if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not math.isfinite(tau):
@@ -59,23 +53,11 @@ def _check(accept_value, conf, masked, block_ids, block_complete, tau, comparato
     )
 
 
-def select_round(
-    accept_value: torch.Tensor,
-    conf: torch.Tensor,
-    masked: torch.Tensor,
-    block_ids: torch.Tensor,
-    block_complete: torch.Tensor,
-    tau: float,
-    comparator: str = "gt",
-    n_look: int = 0,
-    topp: float = 1.0,
-    alpha: float = 0.0,
-    creation_conf: torch.Tensor | None = None,
-    branch_active: torch.Tensor | None = None,
-    *,
-    check: bool = True,
-    backend: str | None = None,
-) -> RoundSelection:
+def select_round(accept_value: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor, block_ids: torch.Tensor,
+                 block_complete: torch.Tensor, tau: float, comparator: str = "gt", n_look: int = 0, topp: float = 1.0,
+                 alpha: float = 0.0, creation_conf: torch.Tensor | None = None,
+                 branch_active: torch.Tensor | None = None, *, check: bool = True,
+                 backend: str | None = None) -> RoundSelection:
     """Threshold accept + at-least-one fallback + top-n_look lookahead positions + branch score + winner for
     B branch windows of n positions, all on the device (no host sync).
 
@@ -85,14 +67,15 @@ def select_round(
     Returns RoundSelection(accept bool [B, n], lookahead int64 [B, n_look] (-1 padded), score fp32 [B],
     winner int64 0-d (-1 if no branch is active)). The exact contract is the docstring of
     lopa_fast.reference.ops.select_round (the torch backend is that reference).
-    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch".
+    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch"; an explicit kernel
+    backend runs that kernel or raises a ValueError saying why (e.g. "cuda" takes windows of <= 1024 positions).
     """
     if check:
         _check(accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
                creation_conf, branch_active)
     args = (accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
             creation_conf, branch_active)
-    b = _backend.resolve("select_round", backend, conf.device)
+    b = _backend.resolve("select_round", backend, conf.device, args)
     if b == "torch":
         return ref.select_round(*args)
     for name, t in (("accept_value", accept_value), ("conf", conf), ("creation_conf", creation_conf)):

@@ -1,0 +1,81 @@
+"""CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
+
+The hook of lopa_fast.ops._backend: `available(op)`, `unsupported(op, *args)` and one function per op with the
+public op's signature (`branch_attention`, `confidence`, `select_round`). Without a CUDA device or CuPy,
+`available()` is False and `why_unavailable()` says why (logged once at INFO on logger "lopa_fast.ops.cuda");
+the dispatch then picks triton / torch. A call the kernels cannot take (a head dim other than 64/128, a window
+over 1024 positions, a dtype without an instantiation, CPU tensors) raises a ValueError naming why: an explicit
+backend="cuda" never silently runs something else.
+
+Modules, one job each:
+  constants    tile sizes, instantiated dtypes / head dims, and the -D defines every .cu compile receives
+  source       the .cu sources, NVRTC compile, on-disk cubin cache
+  probe        whether the CUDA path can run here (and why not)
+  launch       grids, splits, shared memory, workspaces, argument packing (shared by GPU and emulation)
+  device       the CuPy launcher on torch's current stream
+  custom_ops   the GPU entry points as torch custom ops (torch.compile / CUDA graphs see opaque ops)
+  emulation    the same .cu run on CPU through kernels/cuda/host_emu.cuh (tests only)
+"""
+from __future__ import annotations
+
+from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, SEL_MAX_N
+from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, select_round_op
+from lopa_fast.ops.cuda.probe import available, why_unavailable
+
+__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "select_round"]
+
+
+def unsupported(op: str, *args) -> str | None:
+    """Why the CUDA kernel of `op` cannot take these public-op arguments (shape / dtype), or None.
+    Device and availability are the dispatcher's checks (lopa_fast.ops._backend)."""
+    if op == "branch_attention":
+        q = args[0]
+        D = q.shape[-1]
+        if D not in HEAD_DIMS:
+            return f"head dim D={D} has no CUDA kernel (D in {HEAD_DIMS})"
+        t = q
+    elif op == "confidence":
+        t = args[0]
+    elif op == "select_round":
+        n = args[1].shape[1]
+        if n > SEL_MAX_N:
+            return f"window n={n} is longer than the CUDA kernel's {SEL_MAX_N} positions"
+        return None  # inputs are converted to fp32 by the launcher
+    else:
+        return f"no CUDA kernel for op {op!r} (ops: {OPS})"
+    if t.dtype not in DTYPE_NAMES:
+        return f"dtype {t.dtype} has no CUDA kernel ({tuple(DTYPE_NAMES)})"
+    return None
+
+
+def _require(op: str, *args) -> None:
+    why = unsupported(op, *args)
+    dev = args[1 if op == "select_round" else 0].device
+    if why is None and dev.type != "cuda":
+        why = f"tensors are on {dev}"
+    if why is not None:
+        raise ValueError(f"cuda {op}: {why}")
+
+
+def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
+                     scale=None, return_lse=False):
+    """lopa_fast.ops.branch_attention on the CUDA kernels (inputs already checked by the public op)."""
+    _require("branch_attention", q)
+    o, lse = branch_attention_op(q, k_cache, v_cache, int(cache_len), k_win, v_win, win_lens, block_ids, mode,
+                                 None if scale is None else float(scale))
+    return (o, lse) if return_lse else o
+
+
+def confidence(logits, suppress_token=None, eps=1e-10):
+    """lopa_fast.ops.confidence on the CUDA kernel; returns the 5 fields of lopa_fast.contracts.Confidence."""
+    _require("confidence", logits)
+    return confidence_op(logits, suppress_token, float(eps))
+
+
+def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
+                 alpha=0.0, creation_conf=None, branch_active=None):
+    """lopa_fast.ops.select_round on the CUDA kernel (one CTA per round); returns the 4 RoundSelection fields."""
+    _require("select_round", accept_value, conf)
+    return select_round_op(accept_value, conf, masked, block_ids, block_complete, float(tau), comparator,
+                           int(n_look), float(topp), float(alpha), creation_conf, branch_active)
+

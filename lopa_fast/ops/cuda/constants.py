@@ -1,0 +1,51 @@
+"""Compile-time constants of kernels/cuda/*.cu, defined here once.
+
+The .cu sources read every tile size and code below as a preprocessor define (`defines()`, passed as -D flags
+to NVRTC, nvcc and the host emulation's g++), and the launch maths (lopa_fast.ops.cuda.launch) reads the same
+names, so the host and the kernels cannot drift apart.
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.contracts import code_defines
+
+OPS = ("branch_attention", "confidence", "select_round")
+# the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+HEAD_DIMS = (64, 128)
+
+# branch_attention, SIMT kernel (fp32): kWarps warps x kRowsPerWarp query rows per CTA, 32-key tiles (a key per lane)
+ATTN_WARPS, ATTN_ROWS_PER_WARP, ATTN_KEYS = 4, 8, 32
+ATTN_ROWS = ATTN_WARPS * ATTN_ROWS_PER_WARP
+ATTN_THREADS = 32 * ATTN_WARPS
+# branch_attention, tensor-core kernel (bf16/fp16): one m16 row block per warp, 64-key tiles
+MMA_WARPS, MMA_KEYS = 4, 64
+MMA_ROWS = 16 * MMA_WARPS
+MMA_THREADS = 32 * MMA_WARPS
+# confidence: threads per CTA (one CTA per row or per (row, V split))
+CONF_THREADS = 256
+# select_round: at most this many warps (one branch each at a time); a lane records its lookahead picks in a
+# 32-bit mask over positions lane, lane + 32, ..., so windows hold at most 32 * 32 positions
+SEL_MAX_WARPS = 8
+SEL_MAX_N = 32 * 32
+
+
+def defines() -> dict[str, int]:
+    """Every macro the .cu sources read: the mode / comparator codes of lopa_fast.contracts plus the tiles."""
+    return {
+        **code_defines(),
+        "LOPA_ATTN_WARPS": ATTN_WARPS,
+        "LOPA_ATTN_ROWS_PER_WARP": ATTN_ROWS_PER_WARP,
+        "LOPA_ATTN_KEYS": ATTN_KEYS,
+        "LOPA_MMA_WARPS": MMA_WARPS,
+        "LOPA_MMA_KEYS": MMA_KEYS,
+        "LOPA_CONF_THREADS": CONF_THREADS,
+        "LOPA_SEL_MAX_WARPS": SEL_MAX_WARPS,
+        "LOPA_SEL_MAX_N": SEL_MAX_N,
+    }
+
+
+def define_flags() -> list[str]:
+    """`defines()` as compiler flags ["-DNAME=VALUE", ...] (sorted: part of the cubin cache key)."""
+    return [f"-D{k}={v}" for k, v in sorted(defines().items())]

@@ -1,0 +1,58 @@
+"""The GPU entry points as torch custom ops (`torch.ops.lopa_fast.cuda_*`) with fake implementations, so a
+torch.compile'd or CUDA-graph-captured round treats them as opaque ops."""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.ops.cuda.device import launcher
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_select_round
+
+Tensor = torch.Tensor
+OptTensor = torch.Tensor | None
+
+
+@torch.library.custom_op("lopa_fast::cuda_branch_attention", mutates_args=(), device_types="cuda")
+def branch_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: int, k_win: Tensor, v_win: Tensor,
+                        win_lens: OptTensor, block_ids: OptTensor, mode: str, scale: float | None
+                        ) -> tuple[Tensor, Tensor]:
+    """(o [B, n, Hq, D] in q.dtype, lse [B, n, Hq] fp32) of lopa_fast.ops.branch_attention."""
+    L = launcher("branch_attention", q)
+    return run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids,
+                                mode, scale)
+
+
+@branch_attention_op.register_fake
+def _(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale):
+    B, n, Hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, n, Hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("lopa_fast::cuda_confidence", mutates_args=(), device_types="cuda")
+def confidence_op(logits: Tensor, suppress_token: int | None, eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The 5 Confidence fields of logits [N, V] (split over V when rows are few)."""
+    L = launcher("confidence", logits)
+    return run_confidence(L, logits, suppress_token, eps, L.num_sms)
+
+
+@confidence_op.register_fake
+def _(logits, suppress_token, eps):
+    N = logits.shape[0]
+    return (logits.new_empty(N, dtype=torch.int64), *[logits.new_empty(N, dtype=torch.float32) for _ in range(4)])
+
+
+@torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")
+def select_round_op(accept_value: Tensor, conf: Tensor, masked: Tensor, block_ids: Tensor, block_complete: Tensor,
+                    tau: float, comparator: str, n_look: int, topp: float, alpha: float, creation_conf: OptTensor,
+                    branch_active: OptTensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The 4 RoundSelection fields of one round (one CTA)."""
+    return run_select_round(launcher("select_round", conf), accept_value, conf, masked, block_ids, block_complete,
+                            tau, comparator, n_look, topp, alpha, creation_conf, branch_active)
+
+
+@select_round_op.register_fake
+def _(accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha, creation_conf,
+      branch_active):
+    B, n = conf.shape
+    return (conf.new_empty((B, n), dtype=torch.bool), conf.new_empty((B, n_look), dtype=torch.int64),
+            conf.new_empty(B, dtype=torch.float32), conf.new_empty((), dtype=torch.int64))

@@ -1,0 +1,198 @@
+"""Launch maths of the CUDA kernels: grids, splits, shared memory, workspaces and argument packing.
+
+Every `run_*` takes a launcher: a callable (entry name, grid, block, dynamic smem bytes, args) -> None, where
+each arg is (kind, value) with kind "p" pointer, "i" int32, "q" int64, "f" float32 (the C types of the
+extern "C" entry points). The GPU launcher is lopa_fast.ops.cuda.device.CupyLauncher, the CPU one the host
+emulation's (lopa_fast.ops.cuda.emulation), so both run exactly this code.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from lopa_fast.contracts import COMPARATOR_CODES, MODE_CODES, lowest_k_table
+from lopa_fast.ops.cuda.constants import (
+    ATTN_KEYS,
+    ATTN_ROWS,
+    ATTN_ROWS_PER_WARP,
+    ATTN_THREADS,
+    ATTN_WARPS,
+    CONF_THREADS,
+    DTYPE_NAMES,
+    MMA_KEYS,
+    MMA_ROWS,
+    MMA_THREADS,
+    SEL_MAX_WARPS,
+)
+
+Launch = Callable[[str, tuple, tuple, int, list], None]
+
+
+def _ptr(t: torch.Tensor | None) -> tuple[str, int]:
+    return ("p", 0 if t is None else t.data_ptr())
+
+
+# ------------------------------------------------------------------------------------- branch_attention
+def attention_rows(dtype: torch.dtype) -> int:
+    """Query rows per CTA of branch_attention_partial for `dtype` (fp32: SIMT kernel, else tensor cores)."""
+    return ATTN_ROWS if dtype == torch.float32 else MMA_ROWS
+
+
+def attention_threads(dtype: torch.dtype) -> int:
+    """Threads per CTA of branch_attention_partial for `dtype`."""
+    return ATTN_THREADS if dtype == torch.float32 else MMA_THREADS
+
+
+def attention_smem_bytes(dtype: torch.dtype, D: int) -> int:
+    """Dynamic shared memory of branch_attention_partial (attn::Smem / attn::mma::Smem in the .cu)."""
+    if dtype != torch.float32:  # K [keys][D + 8] + V^T [D][keys + 8], 16-bit
+        return MMA_KEYS * (D + 8) * 2 + D * (MMA_KEYS + 8) * 2
+    es = torch.empty((), dtype=dtype).element_size()
+    return (
+        ATTN_ROWS * D * 4  # Q, fp32, pre-scaled
+        + ATTN_KEYS * (D + 16 // es) * es  # K, padded by 16 bytes per key
+        + ATTN_KEYS * D * es  # V
+        + ATTN_WARPS * ATTN_ROWS_PER_WARP * ATTN_KEYS * 4  # per-warp probabilities
+    )
+
+
+def attention_splits(B: int, n: int, Hq: int, Hkv: int, cache_len: int, num_sms: int,
+                     rows: int = ATTN_ROWS) -> tuple[int, int]:
+    """(prefix splits S, keys per split, a multiple of 64). Enough CTAs for ~2 per SM, no split under 128 keys.
+    `rows`: query rows per CTA (attention_rows(dtype))."""
+    if cache_len == 0:
+        return 0, MMA_KEYS
+    tiles = math.ceil(B * n * (Hq // Hkv) / rows) * Hkv
+    s = max(1, min(math.ceil(2 * num_sms / tiles), math.ceil(cache_len / 128)))
+    split_len = math.ceil(math.ceil(cache_len / s) / MMA_KEYS) * MMA_KEYS
+    return math.ceil(cache_len / split_len), split_len
+
+
+def aligned(t: torch.Tensor, vec: int) -> torch.Tensor:
+    """t with a contiguous last dim, 16-byte aligned base and every other stride a multiple of `vec`."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor, vec: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = aligned(a, vec), aligned(b, vec)
+    if a.stride() != b.stride():  # the kernel indexes K and V with one set of strides
+        a, b = a.contiguous(), b.contiguous()
+    return a, b
+
+
+def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens,
+                         block_ids, mode, scale):
+    """Launch branch_attention (shapes: lopa_fast.reference.ops.branch_attention); returns o [B, n, Hq, D] in
+    q.dtype and lse [B, n, Hq] fp32 (the combine kernel writes both)."""
+    B, n, Hq, D = q.shape
+    Hkv = k_win.shape[2]
+    G = Hq // Hkv
+    tname = DTYPE_NAMES[q.dtype]
+    vec = 16 // q.element_size()
+    cache_len = int(cache_len)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q = aligned(q, vec)
+    k_cache, v_cache = _pair(k_cache, v_cache, vec)
+    k_win, v_win = _pair(k_win, v_win, vec)
+    wl = None if win_lens is None else win_lens.to(device=q.device, dtype=torch.int64).contiguous()
+    bid = None
+    if mode == "block_causal":
+        bid = block_ids.to(device=q.device, dtype=torch.int64).contiguous()
+    R = attention_rows(q.dtype)
+    S, split_len = attention_splits(B, n, Hq, Hkv, cache_len, num_sms, R)
+    rows = B * n * Hq
+    ws_o = torch.empty((S + 1, rows, D), dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty((S + 1, rows), dtype=torch.float32, device=q.device)
+    grid_x = max(math.ceil(B * n * G / R) if S else 0, B * math.ceil(n * G / R))
+    P = _ptr
+    args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(ws_o), P(ws_lse),
+            ("i", B), ("i", n), ("i", Hq), ("i", Hkv), ("i", cache_len), ("i", S), ("i", split_len),
+            ("i", MODE_CODES[mode]), ("f", scale),
+            ("q", q.stride(0)), ("q", q.stride(1)), ("q", q.stride(2)),
+            ("q", k_cache.stride(0)), ("q", k_cache.stride(1)),
+            ("q", k_win.stride(0)), ("q", k_win.stride(1)), ("q", k_win.stride(2))]  # fmt: skip
+    launch(f"branch_attention_partial_{tname}_d{D}", (grid_x, Hkv, S + 1), (attention_threads(q.dtype), 1, 1),
+           attention_smem_bytes(q.dtype, D), args)
+    o = torch.empty((B, n, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, n, Hq), dtype=torch.float32, device=q.device)
+    # combine: one warp per output row, ATTN_WARPS rows per CTA
+    launch(f"branch_attention_combine_{tname}_d{D}", (math.ceil(rows / ATTN_WARPS), 1, 1), (ATTN_THREADS, 1, 1), 0,
+           [P(ws_o), P(ws_lse), ("i", S + 1), ("q", rows), P(o), P(lse)])
+    return o, lse
+
+
+# ------------------------------------------------------------------------------------------- confidence
+def confidence_splits(N: int, V: int, num_sms: int) -> tuple[int, int]:
+    """(V splits S, columns per split, a multiple of 8). S = 1 (one CTA per row) once N rows fill ~2 CTAs per
+    SM; below that the row is cut so that N * S ~ 2 * SMs, never into chunks under 4096 columns."""
+    s = max(1, min(math.ceil(2 * num_sms / max(N, 1)), V // 4096))
+    chunk = math.ceil(math.ceil(V / s) / 8) * 8
+    return math.ceil(V / chunk), chunk
+
+
+def run_confidence(launch: Launch, logits, suppress_token, eps, num_sms=None):
+    """Launch confidence on logits [N, V]; returns (token int64 [N], p_max, margin, neg_entropy, lse fp32 [N]).
+    num_sms=None: one CTA per row; else the split-V path when rows are few (confidence_splits)."""
+    N, V = logits.shape
+    tname = DTYPE_NAMES[logits.dtype]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    e = 16 // logits.element_size()
+    vec = int(logits.data_ptr() % 16 == 0 and logits.stride(0) % e == 0)
+    dev = logits.device
+    token = torch.empty(N, dtype=torch.int64, device=dev)
+    stats = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4)]
+    if N == 0:
+        return (token, *stats)
+    P = _ptr
+    sup = -1 if suppress_token is None else int(suppress_token)
+    S, chunk = (1, V) if num_sms is None else confidence_splits(N, V, num_sms)
+    block = (CONF_THREADS, 1, 1)
+    if S == 1:
+        launch(f"confidence_{tname}", (N, 1, 1), block, 0,
+               [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", sup), ("f", float(eps)), ("i", vec),
+                P(token), *[P(s) for s in stats]])  # fmt: skip
+        return (token, *stats)
+    p_max, margin, neg_entropy, lse = stats
+    ws_state = torch.empty((N, S, 5), dtype=torch.float32, device=dev)
+    ws_ent = torch.empty((N, S), dtype=torch.float32, device=dev)
+    head = [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", chunk), ("i", sup)]
+    launch(f"confidence_split_stats_{tname}", (N, S, 1), block, 0, [*head, ("i", vec), P(ws_state)])
+    launch(f"confidence_split_entropy_{tname}", (N, S, 1), block, 0,
+           [*head, ("f", float(eps)), ("i", vec), P(ws_state), P(ws_ent), P(token), P(p_max), P(margin), P(lse)])
+    launch("confidence_split_finalize", (math.ceil(N / (CONF_THREADS // 32)), 1, 1), block, 0,
+           [P(ws_ent), ("i", N), ("i", S), P(neg_entropy)])
+    return (token, *stats)
+
+
+# ----------------------------------------------------------------------------------------- select_round
+def run_select_round(launch: Launch, accept_value, conf, masked, block_ids, block_complete, tau, comparator,
+                     n_look, topp, alpha, creation_conf, branch_active):
+    """Launch select_round (one CTA); returns (accept bool [B, n], lookahead int64 [B, n_look], score fp32 [B],
+    winner int64 0-d)."""
+    B, n = conf.shape
+    nb = block_complete.shape[1]
+    dev = conf.device
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731 - [B, n] rows of a round: a few KB
+    u8 = lambda t: t.to(torch.bool).contiguous().view(torch.uint8)  # noqa: E731
+    value, c = f32(accept_value), f32(conf)
+    m, done = u8(masked), u8(block_complete)
+    bid = block_ids.to(torch.int64).contiguous()
+    cc = None if creation_conf is None else f32(creation_conf)
+    act = None if branch_active is None else u8(branch_active)
+    accept = torch.empty((B, n), dtype=torch.bool, device=dev)
+    look = torch.empty((B, n_look), dtype=torch.int64, device=dev)
+    score = torch.empty(B, dtype=torch.float32, device=dev)
+    winner = torch.empty((), dtype=torch.int64, device=dev)
+    warps = max(1, min(B, SEL_MAX_WARPS))
+    P = _ptr
+    # tau and alpha rounded to fp32 as the reference's tensor-scalar ops do; 1 - alpha formed in float64 first
+    launch("select_round_f32", (1, 1, 1), (32 * warps, 1, 1), warps * n * 4,
+           [P(value), P(c), P(m), P(bid), P(done), P(lowest_k_table(n, topp, dev)), P(cc), P(act), P(accept),
+            P(look), P(score), P(winner), ("i", B), ("i", n), ("i", nb), ("i", int(n_look)),
+            ("i", COMPARATOR_CODES[comparator]), ("f", float(tau)), ("f", float(alpha)),
+            ("f", 1.0 - float(alpha))])  # fmt: skip
+    return accept, look, score, winner
