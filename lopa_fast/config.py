@@ -105,6 +105,8 @@ class GenerateConfig:
     max_rounds: int | None = None
     on_round_cap: str = "warn"
     suppress_mask_token: bool = False
+    # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
+    compile: bool = False
     # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
     #          Dream: steps, alg, alg_temp, eps) and threshold (Fast-dLLM / dParallel)
     steps: int | None = None
@@ -153,6 +155,9 @@ class GenerateConfig:
         _positive_int("max_rounds", self.max_rounds, allow_none=True)
         _choice("on_round_cap", self.on_round_cap, ROUND_CAP_ACTIONS)
         _bool("suppress_mask_token", self.suppress_mask_token)
+        _bool("compile", self.compile)
+        if self.compile and self.backend == "reference":
+            raise ValueError("compile=True applies to backend='fast' or 'auto'; the reference backend runs eagerly")
 
         allowed = STRATEGY_KNOBS[self.strategy]
         for knob in ALL_SPECIFIC_KNOBS:

@@ -226,32 +226,23 @@ class DecoderLM(nn.Module):
             raise ValueError("forward_window: commit > 0 needs a cache")
 
         positions = torch.arange(start, start + n, device=tokens.device)
-        cos, sin = self._rope(positions)
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.embedding(tokens, self.embed_weight())
-        empty = h.new_zeros((0, Hkv, D))
-        for i in range(cfg.num_layers):
-            w = self.layer(i)
-            x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-            q = w.q(x).view(B, n, Hq, D)
-            k = w.k(x).view(B, n, Hkv, D)
-            v = w.v(x).view(B, n, Hkv, D)
-            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+        Hkv, D = cfg.num_kv_heads, cfg.head_dim
+        empty = torch.zeros((0, Hkv, D), dtype=self.dtype, device=tokens.device)
+
+        def attend(i, q, k, v):
             if cache is None:
-                attn = ops.branch_attention(q, empty, empty, 0, k, v, win_lens, block_ids, mask)
-            elif inplace:
+                return ops.branch_attention(q, empty, empty, 0, k, v, win_lens, block_ids, mask)
+            if inplace:
                 cache.k[i, start : start + n] = k[0]
                 cache.v[i, start : start + n] = v[0]
                 no_window = torch.zeros(1, dtype=torch.long, device=tokens.device)
-                attn = ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, k, v, no_window, None, "full")
-            else:
-                kw, vw = cache.window_kv(i)
-                kw.copy_(k)
-                vw.copy_(v)
-                attn = ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, kw, vw, win_lens, block_ids, mask)
-            h = h + w.o(attn.reshape(B, n, Hq * D))
-            x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
-            h = h + w.down(F.silu(w.gate(x)) * w.up(x))
+                return ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, k, v, no_window, None, "full")
+            kw, vw = cache.window_kv(i)
+            kw.copy_(k)
+            vw.copy_(v)
+            return ops.branch_attention(q, cache.k[i], cache.v[i], cache_len, kw, vw, win_lens, block_ids, mask)
+
+        h = self._layers(tokens, positions, attend)
         if rows is not None:
             h = h.reshape(B * n, -1).index_select(0, rows)
         h = rms_norm(h, self.final_norm_weight(), cfg.rms_norm_eps)
@@ -260,3 +251,63 @@ class DecoderLM(nn.Module):
         if output == "hidden":
             return h
         return F.linear(h, self.head_weight())
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Embedding + every decoder layer for tokens [B, n] at positions [n]; returns h [B, n, H].
+
+        attend(layer, q [B, n, Hq, D], k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (keys post-RoPE) is where the
+        callers differ (cache-free, in-place, append window, static round)."""
+        cfg = self.config
+        B, n = tokens.shape
+        cos, sin = self._rope(positions)
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.embedding(tokens, self.embed_weight())
+        for i in range(cfg.num_layers):
+            w = self.layer(i)
+            x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
+            q = w.q(x).view(B, n, Hq, D)
+            k = w.k(x).view(B, n, Hkv, D)
+            v = w.v(x).view(B, n, Hkv, D)
+            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+            attn = attend(i, q, k, v)
+            h = h + w.o(attn.reshape(B, n, Hq * D))
+            x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
+            h = h + w.down(F.silu(w.gate(x)) * w.up(x))
+        return h
+
+    def forward_static(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        cache_len: torch.Tensor | int,
+        win_lens: torch.Tensor,
+        block_ids: torch.Tensor | None,
+        mask: str,
+        rows: torch.Tensor,
+        attn_backend: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A window forward whose shapes depend only on the bucket, never on a per-round value.
+
+        tokens [B, n] at positions start + arange(n) (start: 0-d long tensor); the committed prefix is
+        cache_k/v [num_layers, Lc, Hkv, D] rows [0, cache_len) (cache_len: 0-d long tensor, or an int when
+        the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid window lengths; block_ids [B, n] for block_causal;
+        rows [R] flat row indices that get the LM head. No host read, no input check (callers validate
+        once per request), so the call can be captured as a CUDA graph or compiled with fullgraph=True.
+        Returns (raw logits [R, V], window keys and values [num_layers, B, n, Hkv, D], post-RoPE).
+        """
+        B, n = tokens.shape
+        positions = start + torch.arange(n, device=tokens.device)
+        ks, vs = [], []
+
+        def attend(i, q, k, v):
+            ks.append(k)
+            vs.append(v)
+            return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
+                                        check=False, backend=attn_backend)  # fmt: skip
+
+        h = self._layers(tokens, positions, attend)
+        h = h.reshape(B * n, -1).index_select(0, rows)
+        h = rms_norm(h, self.final_norm_weight(), self.config.rms_norm_eps)
+        return F.linear(h, self.head_weight()), torch.stack(ks), torch.stack(vs)

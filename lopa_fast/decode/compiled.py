@@ -1,0 +1,132 @@
+"""Compiled rounds: `generate(..., compile=True)` compiles each bucket's round once and replays it.
+
+A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the statistics knobs); its round
+(`lopa_fast.decode.round.round_step`: forward + selection + commit + spawn + the next plan) is
+
+* on CUDA: captured as one `torch.cuda.CUDAGraph` over a static workspace (the round state tensors,
+  allocated once per model and Geometry and reused by every later request of the same shapes); a replay
+  updates the workspace in place. Capturing needs no compiler, so a 28-layer model costs one eager round
+  per bucket instead of minutes of `torch.compile`.
+* on CPU: `torch.compile(fullgraph=True, dynamic=False)` of the same function (Inductor); shapes are
+  static per bucket, so every bucket compiles exactly once.
+
+Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
+nothing. `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
+The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
+Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from lopa_fast.decode import round as rnd
+
+_PER_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledRounds:
+    """The compiled / captured rounds of one model, keyed by bucket."""
+
+    def __init__(self):
+        self.fns: dict = {}  # bucket key -> callable(st, T) -> st
+        self.workspaces: dict = {}  # (geo) -> static state dict (CUDA graphs)
+        self.compile_seconds: dict = {}  # bucket key -> seconds of its first (compiling) call
+        self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
+        self._req_graphs0 = 0
+        self._req_buckets: set = set()
+
+    @classmethod
+    def for_model(cls, model) -> "CompiledRounds":
+        cr = _PER_MODEL.get(model)
+        if cr is None:
+            cr = _PER_MODEL[model] = cls()
+        cr._req_graphs0 = cr.graphs
+        cr._req_buckets = set()
+        return cr
+
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def key(geo, cfg, Nb: int, Rb: int) -> tuple:
+        stats_knobs = (cfg.sampling_strategy, cfg.top_p, cfg.top_k, cfg.suppress_mask_token)
+        return (geo, stats_knobs, Nb, Rb)
+
+    def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:
+        """Run one round of bucket (Nb, Rb) with the compiled / captured callable; returns the new state."""
+        key = self.key(geo, cfg, Nb, Rb)
+        self._req_buckets.add((Nb, Rb))
+        fn = self.fns.get(key)
+        if st["x"].is_cuda:
+            if fn is None:
+                t0 = time.perf_counter()
+                fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
+                self.compile_seconds[key] = time.perf_counter() - t0
+                self.graphs += 1
+            return fn(st)
+        if fn is None:
+            fn = self.fns[key] = torch.compile(
+                _bound_step(model, geo, cfg, Nb, Rb), fullgraph=True, dynamic=False
+            )
+            t0, g0 = time.perf_counter(), _dynamo_graphs()
+            out = fn(st, T)
+            self.compile_seconds[key] = time.perf_counter() - t0
+            self.graphs += _dynamo_graphs() - g0
+            return out
+        g0 = _dynamo_graphs()
+        out = fn(st, T)
+        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+    def _capture(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int):
+        """Capture the bucket's round as a CUDA graph over the Geometry's static workspace."""
+        ws = self.workspaces.get(geo)
+        if ws is None or ws["state"].keys() != st.keys():
+            ws = self.workspaces[geo] = {"state": {k: v.clone() for k, v in st.items()},
+                                         "tables": {k: v.clone() for k, v in T.items()}}  # fmt: skip
+        S, TS = ws["state"], ws["tables"]
+        step = _bound_step(model, geo, cfg, Nb, Rb)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on scratch copies: kernels compile / autotune, cuBLAS inits
+            step({k: v.clone() for k, v in S.items()}, TS)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(dict(S), TS)
+            for k, v in out.items():
+                S[k].copy_(v)
+
+        def replay(cur: dict) -> dict:
+            if cur is not S:  # a new request (or the eager prefill round): load its state into the workspace
+                for k, v in cur.items():
+                    S[k].copy_(v)
+                for k, v in T.items():
+                    TS[k].copy_(v)
+            graph.replay()
+            return S
+
+        return replay
+
+    def stats(self) -> dict:
+        """Per-request view: graphs built during this request, buckets used, compile seconds per bucket."""
+        return {
+            "compiled_graphs": self.graphs - self._req_graphs0,
+            "compiled_buckets": sorted(self._req_buckets),
+            "compile_seconds": {f"{k[2]}x{k[3]}": round(v, 3) for k, v in self.compile_seconds.items()},
+        }
+
+
+def _bound_step(model, geo, cfg, Nb: int, Rb: int):
+    def step(st: dict, T: dict) -> dict:
+        return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
+
+    return step

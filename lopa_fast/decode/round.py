@@ -1,0 +1,315 @@
+"""One D2F / LoPA round as a function of fixed-shape device tensors (no host read, no value-dependent shape).
+
+The fast decoder (lopa_fast.decode.engine) keeps a request's round state in a dict of tensors whose shapes
+are fixed for the request (`init_state`), and runs each round as `round_step(...)` on a *bucket*
+(Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
+branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
+and then the plan of the NEXT round (grow, activation, termination, window start s, cached span u,
+window length n, LM-head rows R), ending in the 7-int `head` the driver reads once per round to pick
+the next bucket and to stop. Every per-round scalar (s, u, the prefix length, the winner, the alive
+count) stays a device tensor, so the same step can run eagerly, under `torch.compile(fullgraph=True)`
+or be captured once as a CUDA graph and replayed.
+
+Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs,
+NB branch slots = k + 1 for k >= 2, else 1):
+  x        [NB, L + 1] long   token rows; column L is a trash column (scatters of padding go there)
+  nblk     [NB] long          generated blocks present per slot
+  state    [G + 1] long       block states 0 active, 1 to_cache, 2 in_cache (shared by every slot:
+                              a new branch always gets the winner's table, growth appends active blocks)
+  complete [NB, G + 1] bool   is_complete ("fully activated": the fallback may fill)
+  eos, alive [NB] bool; cconf [NB] float64 (the confidence that created a branch); look_pos [NB] long
+  last_logit [V]              the raw logit saved with the last committed span (Dream's shift)
+  cache_k/v [layers, L + 1, Hkv, D]; cache_len 0-d long  (row L is a trash row for masked commits)
+  plan tensors of the coming round: exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u
+  head [7] long: done, alive slots nA, s, u, n, R, ragged
+Slots [0, n_look) hold lookaheads in rank order and the anchor comes last among the alive slots (slot
+nA - 1): upstream's verification order, so "first maximum" is its tie rule for the winner.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lopa_fast import ops
+from lopa_fast.contracts import lowest_k_table
+from lopa_fast.sampling import token_stats as softmax_token_stats
+
+ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
+HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged")
+
+
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """t[i] for a 0-d device index without a host read (indexing with a 0-d tensor would call .item())."""
+    return t.index_select(0, i.reshape(1)).squeeze(0)
+
+
+def token_stats(logits: torch.Tensor, cfg, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V] at temperature 0.
+
+    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity).
+    use_kernel=True (CUDA, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics within
+    ~1e-6 (not bitwise)."""
+    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    if use_kernel:
+        c = ops.confidence(logits, suppress_token=suppress, check=False)
+        conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
+        return conf, c.token, c.p_max
+    return softmax_token_stats(logits, temperature=0.0, top_p=cfg.top_p, top_k=cfg.top_k,
+                               sampling_strategy=cfg.sampling_strategy, suppress_token=suppress)  # fmt: skip
+
+
+def init_tables(P: int, bs: int, G: int, cfg, dev) -> dict:
+    """Request constants as tensors: block geometry, position tables (L + 1 entries: the trash column
+    belongs to no block), the lowest-k table and the decoded-fraction lookup tables."""
+    L = P + G * bs
+    j = torch.arange(G + 1, device=dev)
+    p = torch.arange(L + 1, device=dev)
+    pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor"))  # trash column: G + 1
+    # decoded-fraction tests as lookup tables over a block's mask count, computed with Python floats exactly
+    # as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0, the same entry
+    # as a full generated block, so one table of bs + 1 entries serves every block.
+    frac = [(bs - c) / bs for c in range(bs + 1)]
+    return dict(
+        jidx=j,
+        bstart=torch.where(j == 0, 0, P + (j - 1) * bs),
+        bend=torch.where(j == 0, P, P + j * bs),
+        pos=p,
+        pos_block=pos_block,
+        onehot=pos_block[:, None] == j[None, :],  # [L + 1, G + 1]
+        ktable=lowest_k_table(L, cfg.branch_topp).to(dev, torch.long),
+        tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
+        tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
+    )
+
+
+def init_state(model, prompt: torch.Tensor, G: int, bs: int, NB: int, mask_id: int) -> dict:
+    """The round state of a fresh request (round 1: the prompt-only anchor in slot 0)."""
+    dev = prompt.device
+    P = prompt.numel()
+    L = P + G * bs
+    cfg = model.config
+    x = torch.full((NB, L + 1), mask_id, dtype=torch.long, device=dev)
+    x[:, :P] = prompt
+    state = torch.zeros(G + 1, dtype=torch.long, device=dev)
+    state[0] = TO_CACHE
+    complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
+    complete[:, 0] = True
+    kv = (cfg.num_layers, L + 1, cfg.num_kv_heads, cfg.head_dim)
+    zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
+    st = dict(
+        x=x, nblk=torch.zeros(NB, dtype=torch.long, device=dev), state=state, complete=complete,
+        eos=torch.zeros(NB, dtype=torch.bool, device=dev), alive=torch.arange(NB, device=dev) == 0,
+        cconf=torch.ones(NB, dtype=torch.float64, device=dev),
+        look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
+        last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
+        cache_k=torch.zeros(kv, dtype=model.dtype, device=dev), cache_v=torch.zeros(kv, dtype=model.dtype, device=dev),
+        cache_len=zero(),
+    )  # fmt: skip
+    for name in ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
+                 "max_branches"):  # fmt: skip
+        st["c_" + name] = zero()
+    return st
+
+
+def plan(st: dict, T: dict, geo) -> None:
+    """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
+    device; writes nblk / complete and the plan tensors + `head` into st (no host read)."""
+    P, G, bs, L, NB = geo.P, geo.G, geo.bs, geo.L, geo.NB
+    alive, state = st["alive"], st["state"]
+    x = st["x"]
+    ismask_all = x == geo.mask_id  # [NB, L + 1]; positions past a row's length hold masks too
+    mc = F.pad((x[:, P:L] == geo.mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G + 1]
+    # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
+    last_mc = mc.gather(1, st["nblk"][:, None]).squeeze(1)
+    grow = alive & (st["nblk"] < G) & ~st["eos"] & T["tab_add"][last_mc]
+    nblk = st["nblk"] + grow
+    exists = T["jidx"][None, :] <= nblk[:, None]  # [NB, G + 1]
+    # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky, per branch)
+    complete = st["complete"].clone()
+    complete[:, 1:] |= T["tab_act"][mc[:, :-1]] & exists[:, 1:]
+    # 3. done: no mask and no active block
+    active = exists & (state == ACTIVE)[None, :]
+    lens = P + nblk * bs
+    ismask = ismask_all & (T["pos"][None, :] < lens[:, None]) & alive[:, None]
+    done = alive & ~ismask.any(1) & ~active.any(1)
+    rem = alive & ~done
+    # 4. shared-prefix end: the leading run of non-active blocks (a non-active block never holds a mask,
+    # so upstream's min over branches is this one run of the shared state row)
+    lead = (state != ACTIVE).cumprod(0).sum()
+    spe = _at(T["bend"], lead - 1)
+    # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
+    tc = state == TO_CACHE
+    has_tc = tc.any()
+    s = torch.where(has_tc, torch.where(tc, T["bstart"], L).min(), spe)
+    u = torch.where(has_tc, torch.where(tc, T["bend"], 0).max() - s, 0)
+    wl = lens - s
+    n = torch.where(rem, wl, 0).max()
+    # the layout branch (the anchor if still running, else the first running one): its row length tells
+    # branch-specific growth apart (counters only)
+    nA = alive.sum()
+    first_rem = torch.where(rem, torch.arange(NB, device=x.device), NB - 1).min()
+    lay = torch.where(_at(rem, nA - 1), nA - 1, first_rem)
+    ragged = (torch.where(alive, wl, n) != n).any()
+    # LM-head rows: raw row q is needed iff it predicts a masked position (q+1 with the Dream shift, q
+    # without), or q = s+u-1, the last cached position (its logit becomes last_logit); q >= s.
+    if geo.shift:
+        last = (T["pos"] == s + u - 1) & (u > 0)
+        need = (F.pad(ismask[:, 1:], (0, 1)) | last[None, :]) & alive[:, None]
+        need &= (T["pos"] >= s)[None, :]
+    else:
+        need = ismask
+    st.update(nblk=nblk, complete=complete, exists=exists, active=active, rem=rem, done=done, ismask=ismask,
+              need=need, lens=lens, wl=wl, tc=tc, spe=spe, lay=lay, s=s, u=u)  # fmt: skip
+    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged]).long()
+
+
+def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int | None = None) -> dict:
+    """One round on the bucket (Nb window columns >= n, Rb LM-head rows >= R) followed by the next plan.
+
+    prefix_len: the committed prefix length as a host int when the caller knows it (the eager path: it
+    equals the window start s of the head it just read), so attention slices exactly the reference's
+    keys (bitwise equal sums); None (compiled / captured) attends over the static buffer with rows
+    >= st["cache_len"] masked (equal up to float summation order: tokens stay exact, the parity grid says).
+
+    Reads and replaces the tensors of `st` (returns it); returns nothing the host must read except
+    `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
+    masked keys and never masked positions, extra LM-head rows are computed and never read."""
+    dev = st["x"].device
+    P, G, bs, L, NB = geo.P, geo.G, geo.bs, geo.L, geo.NB
+    s, u = st["s"], st["u"]
+    alive, rem, lens = st["alive"], st["rem"], st["lens"]
+    slot = torch.arange(NB, device=dev)
+    i = torch.arange(Nb, device=dev)
+    wpos = s + i
+    wvalid = wpos < L
+    wpos = torch.where(wvalid, wpos, L)  # padding columns read / write the trash column
+    st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
+    st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
+
+    # ---- the forward: every slot's window [s, s + Nb) over the committed prefix, LM head on Rb rows
+    tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
+    bids = T["pos_block"].index_select(0, wpos)[None, :].expand(NB, Nb) if geo.mode == "block_causal" else None
+    win_lens = torch.where(alive, st["wl"], Nb)  # dead slots see their whole (ignored) window: no empty row
+    need = st["need"].index_select(1, wpos) & wvalid[None, :]  # [NB, Nb]
+    need_flat = need.reshape(-1)
+    # the needed rows in ascending flat order, without a host read: a stable sort puts them first
+    rows = torch.sort((~need_flat).to(torch.uint8), stable=True).indices[:Rb]
+    logits, k_win, v_win = model.forward_static(
+        tokens, s, st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
+        win_lens, bids, geo.mode, rows,
+        attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
+    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
+    csum = need_flat.long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
+    if geo.shift:
+        sidx = F.pad(csum[:, :-1], (1, 0))
+    else:
+        sidx = (csum - 1).clamp(min=0)
+    c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
+
+    # ---- branch scores (every alive slot): mean of the lowest k = max(1, int(m * topp)) confidences over
+    # all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
+    masked = st["ismask"].index_select(1, wpos) & wvalid[None, :]
+    m = masked.sum(1)
+    kk = T["ktable"][m]
+    asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
+    low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
+    future = torch.where(m > 0, low.double(), 1.0)
+    score = future if geo.alpha == 0.0 else geo.alpha * st["cconf"] + (1.0 - geo.alpha) * future
+    score = torch.where(lens <= st["spe"], 1.0, score)
+    keyw = torch.where(rem, score, float("-inf"))
+    W = torch.where(keyw == keyw.max(), slot, NB).min()  # first max = upstream's tie order
+    W1 = W.reshape(1)
+
+    # ---- commit the winner's first u window positions (rows past u go to the trash row L)
+    dst = torch.where(i < u, st["cache_len"] + i, L)
+    st["cache_k"] = st["cache_k"].index_copy(1, dst, k_win.index_select(1, W1)[:, 0])
+    st["cache_v"] = st["cache_v"].index_copy(1, dst, v_win.index_select(1, W1)[:, 0])
+    st["cache_len"] = st["cache_len"] + u
+    if geo.shift:  # the winner's raw row u-1 is the next last_logit
+        new_last = _at(table, _at(csum.index_select(1, (u - 1).clamp(min=0).reshape(1))[:, 0], W))
+        st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
+
+    # ---- the D2F fill rule on the winner only (its own block states and logits)
+    sW = sidx.index_select(0, W1)[0]
+    mW = masked.index_select(0, W1)[0]
+    cW, tokW, pW = conf[sW], x0[sW], p[sW]  # [Nb]
+    actWb = st["active"].index_select(0, W1)[0]  # [G + 1]
+    onehot = T["onehot"].index_select(0, wpos)  # [Nb, G + 1]: window position i lies in block j
+    candW = mW & actWb[T["pos_block"].index_select(0, wpos).clamp(max=G)]
+    thr = candW & (pW > geo.skip_threshold)  # strict, as upstream
+    # fallback: a fully activated active block with masks and no accept fills its most confident mask
+    # (first index on exact ties)
+    cand_b = candW[:, None] & onehot
+    key = torch.where(cand_b, cW[:, None], float("-inf"))
+    best = key.max(0).values
+    firstpos = torch.where(cand_b & (key == best), i[:, None], Nb).min(0).values  # [G + 1]
+    need_fb = st["complete"].index_select(0, W1)[0] & actWb & cand_b.any(0) & ~(thr[:, None] & onehot).any(0)
+    fb = ((firstpos[None, :] == i[:, None]) & need_fb[None, :]).any(1)
+    accW = thr | fb
+    xW = st["x"].index_select(0, W1)[0]
+    xW = xW.scatter(0, wpos, torch.where(accW, tokW, xW.index_select(0, wpos)))
+    eos_hit = accW & (tokW == geo.eos_id) if geo.eos_id is not None else torch.zeros_like(accW)
+    eosW = _at(st["eos"], W) | eos_hit.any()
+    is_look = W != alive.sum() - 1  # the anchor is the last alive slot
+    st["c_thresh"] = st["c_thresh"] + thr.sum()
+    st["c_fallback"] = st["c_fallback"] + fb.sum()
+    st["c_eos_fills"] = st["c_eos_fills"] + eos_hit.sum()
+    st["c_winner_grew"] = st["c_winner_grew"] + (_at(lens, W) != _at(lens, st["lay"])).long()
+    st["c_look_wins"] = st["c_look_wins"] + is_look.long()
+    # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
+    st["c_multi"] = st["c_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
+
+    # ---- winner's block table after the fill
+    existsW = st["exists"].index_select(0, W1)[0]
+    mcW = F.pad((xW[P:L] == geo.mask_id).view(G, bs).sum(-1), (1, 0))
+    base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
+
+    # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
+    x_new = xW[None, :].expand(NB, L + 1).clone()
+    eos_new = eosW.expand(NB).clone()
+    cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
+    look_pos = torch.full((NB,), -1, dtype=torch.long, device=dev)
+    n_look = geo.n_look
+    if n_look > 0:
+        rest = candW & ~accW
+        keyl = torch.where(rest, cW, float("-inf"))
+        order = torch.sort(keyl, descending=True, stable=True).indices[:n_look]
+        valid = rest[order]
+        if Nb < n_look:  # fewer window positions than lookaheads (static: known per bucket)
+            order = F.pad(order, (0, n_look - Nb))
+            valid = F.pad(valid, (0, n_look - Nb))
+        n_valid = valid.sum()
+        lpos = wpos[order]
+        ltok = tokW[order]
+        # flat index slot * (L + 1) + pos; an invalid slot rewrites its own token
+        flat = slot[:n_look] * (L + 1) + lpos
+        x_flat = x_new.view(-1)
+        x_new = x_flat.scatter(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat))).view(NB, L + 1)
+        cconf_new = torch.cat([torch.where(valid, cW[order].double(), 1.0), cconf_new[n_look:]])
+        if geo.eos_id is not None:
+            eos_new = eos_new | F.pad(valid & (ltok == geo.eos_id), (0, NB - n_look))
+        look_pos = torch.cat([torch.where(valid, lpos, -1), look_pos[n_look:]])
+    else:
+        n_valid = torch.zeros((), dtype=torch.long, device=dev)
+
+    # ---- new block tables: cached span -> in_cache; a block becomes to_cache only if the anchor rule
+    # completed it (base_done), it has no mask, and every lower block is non-active after its own update
+    # (upstream's in-order loop = a cumulative AND). A lookahead token always lands on a mask of a block the
+    # anchor did NOT complete, so every new branch gets the same table: computed once.
+    stt = torch.where(st["tc"], IN_CACHE, st["state"])
+    act = existsW & (stt == ACTIVE)
+    retire = act & base_done
+    chain = (~act | retire).long().cumprod(0).bool()
+    stt = torch.where(retire & chain, TO_CACHE, stt)
+
+    # the trace's per-round facts (read by the host only when a trace is asked for)
+    st["t_score"], st["t_winner"], st["t_acc"], st["t_tok"], st["t_wpos"] = score, W, accW, tokW, wpos
+    st["t_look_pos"] = st["look_pos"]
+    st.update(x=x_new, state=stt, nblk=_at(st["nblk"], W).expand(NB).clone(),
+              complete=st["complete"].index_select(0, W1).expand(NB, -1).clone(), eos=eos_new,
+              cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
+    plan(st, T, geo)
+    return st
