@@ -14,12 +14,10 @@ the resulting GB/s, plus GPU name and versions.
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
-from bench.conftest import event_us
+from bench.conftest import event_us, machine_info
 from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B, SELECT_ROUND
 from lopa_fast import ops
 
@@ -30,17 +28,9 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA 
 PROVIDERS = ["cuda", "triton", "torch"]
 
 
-def _machine() -> dict:
-    import triton  # noqa: PLC0415
-
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "git": sha}
-
-
 def _run(benchmark, fn, nbytes, flops=None):
     us = event_us(fn, iters=100)
-    benchmark.extra_info.update(_machine(), us_event=us, bytes=nbytes, gbps=nbytes / us / 1e3)
+    benchmark.extra_info.update(machine_info(), us_event=us, bytes=nbytes, gbps=nbytes / us / 1e3)
     if flops:
         benchmark.extra_info.update(flops=flops, tflops=flops / us / 1e6)
 

@@ -1,4 +1,5 @@
-// CPU C++ `confidence` (semantics: lopa_fast.reference.ops.confidence), registered with TORCH_LIBRARY as
+// CPU C++ `confidence` (semantics: lopa_fast.reference.ops.confidence; p = exp(x - lse) here, within the tests'
+// tolerance rule of the reference's softmax), registered with TORCH_LIBRARY as
 // torch.ops.lopa_fast_cpp.confidence. Per-op ATen headers only (11-15 s build; torch/extension.h ~90 s).
 // Rows in parallel (at::parallel_for); per row the same two passes as kernels/cuda/confidence.cu:
 //   max + top-1 (lowest index on ties) + top-2, then sum exp(x - max) (-> lse), then sum p*log(p+eps).
@@ -22,7 +23,7 @@ void rows(const T* x, int64_t row_stride, int64_t V, int64_t suppress, float eps
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = begin; r < end; ++r) {
     const T* row = x + r * row_stride;
-    float m = kNegInf, t1 = kNegInf, t2 = kNegInf;
+    float t1 = kNegInf, t2 = kNegInf;
     int64_t i1 = -1;
     for (int64_t j = 0; j < V; ++j) {  // max and top-2 first: no per-element rescale of the sum
       const float f = j == suppress ? kNegInf : static_cast<float>(row[j]);
@@ -34,7 +35,7 @@ void rows(const T* x, int64_t row_stride, int64_t V, int64_t suppress, float eps
         t2 = f;
       }
     }
-    m = t1;
+    const float m = t1;  // the row max
     double s = 0.0;  // double sums: a sequential fp32 sum over 152k entries drifts by ~5e-4 (measured)
     if (m != kNegInf) {
       for (int64_t j = 0; j < V; ++j) s += j == suppress ? 0.f : std::exp(static_cast<float>(row[j]) - m);

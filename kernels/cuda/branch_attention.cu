@@ -75,7 +75,7 @@ template <typename T> struct Args {
 // The query rows [row_begin, row_end) and keys of one CTA: grid (x row tiles, y kv head, z split); z == n_splits
 // is the window part (rows of ONE branch against its window keys), z < n_splits a slice of the shared prefix.
 template <typename T> struct Plan {
-  bool window;
+  bool window, block_causal, causal;  // the masks apply to the window part only
   int b_win, row_begin, row_end, n_keys;
   const T *kb, *vb;
   long long key_stride;
@@ -87,6 +87,8 @@ LOPA_INLINE bool plan_cta(const Args<T>& a, int rows, Plan<T>& p) {
   const int h = blockIdx.y, split = blockIdx.z;
   const int rows_per_branch = a.n * (a.Hq / a.Hkv), tiles_per_branch = (rows_per_branch + rows - 1) / rows;
   p.window = split == a.n_splits;
+  p.block_causal = p.window && a.mode == LOPA_MODE_BLOCK_CAUSAL;
+  p.causal = p.window && a.mode == LOPA_MODE_CAUSAL;
   p.b_win = 0;
   if (p.window) {
     if ((int)blockIdx.x >= a.B * tiles_per_branch) return false;
@@ -125,8 +127,6 @@ LOPA_INLINE void partial(const Args<T>& a) {
   if (!plan_cta(a, kRows, pl)) return;
   const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
   const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
-  const bool block_causal = pl.window && a.mode == LOPA_MODE_BLOCK_CAUSAL;
-  const bool causal = pl.window && a.mode == LOPA_MODE_CAUSAL;
 
   LOPA_DYNAMIC_SMEM(smem);
   float* qs = reinterpret_cast<float*>(smem);
@@ -159,7 +159,7 @@ LOPA_INLINE void partial(const Args<T>& a) {
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int row = row_begin + warp * kRowsPerWarp + r;
     qi[r] = row < row_end ? (row / G) % n : 0;
-    qblock[r] = block_causal ? block_of(a, pl, qi[r]) : 0;
+    qblock[r] = pl.block_causal ? block_of(a, pl, qi[r]) : 0;
   }
 
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][DPL];
@@ -199,12 +199,12 @@ LOPA_INLINE void partial(const Args<T>& a) {
 
     const int key = k0 + lane;
     int kblock = 0;
-    if (block_causal && key < n_keys) kblock = block_of(a, pl, key);
+    if (pl.block_causal && key < n_keys) kblock = block_of(a, pl, key);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       bool vis = key < n_keys;
-      if (causal) vis = vis && key <= qi[r];
-      if (block_causal) vis = vis && kblock <= qblock[r];
+      if (pl.causal) vis = vis && key <= qi[r];
+      if (pl.block_causal) vis = vis && kblock <= qblock[r];
       const float x = vis ? s[r] : LOPA_NEG_INF;
       const float m_new = fmaxf(m[r], warp_max(x));
       float p = 0.f, alpha = 1.f;
@@ -279,8 +279,6 @@ LOPA_INLINE void partial(const Args<T>& a) {
   if (!plan_cta(a, kRows, pl)) return;
   const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
   const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
-  const bool block_causal = pl.window && a.mode == LOPA_MODE_BLOCK_CAUSAL;
-  const bool causal = pl.window && a.mode == LOPA_MODE_CAUSAL;
 
   LOPA_DYNAMIC_SMEM(smem);
   unsigned short* ks = reinterpret_cast<unsigned short*>(smem);
@@ -298,7 +296,7 @@ LOPA_INLINE void partial(const Args<T>& a) {
     valid[r] = row < row_end;
     const int bi = valid[r] ? row / G : 0, gg = valid[r] ? row % G : 0;
     qi[r] = bi % n;
-    qblk[r] = (block_causal && valid[r]) ? block_of(a, pl, qi[r]) : 0;
+    qblk[r] = (pl.block_causal && valid[r]) ? block_of(a, pl, qi[r]) : 0;
     orow[r] = (long long)bi * Hq + h * G + gg;
     const unsigned short* qp = reinterpret_cast<const unsigned short*>(
         a.q + (long long)(bi / n) * a.q_sb + (long long)(bi % n) * a.q_si + (long long)(h * G + gg) * a.q_sh);
@@ -355,8 +353,8 @@ LOPA_INLINE void partial(const Args<T>& a) {
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
         bool vis = key < n_keys;
-        if (causal) vis = vis && key <= qi[r];
-        if (block_causal && vis) vis = block_of(a, pl, key) <= qblk[r];
+        if (pl.causal) vis = vis && key <= qi[r];
+        if (pl.block_causal && vis) vis = block_of(a, pl, key) <= qblk[r];
         sc[nt][e] = vis ? sc[nt][e] * sl2 : LOPA_NEG_INF;
         mx[r] = fmaxf(mx[r], sc[nt][e]);
       }

@@ -178,9 +178,7 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) {
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return lopa_emu::shfl_from(v, (unsigned)src); }
 inline unsigned __ballot_sync(unsigned, int pred) {
   unsigned r = 0;
-  const unsigned lane = lopa_emu::flat_tid() & 31u;
   for (unsigned l = 0; l < 32; ++l) r |= (lopa_emu::shfl_from(pred ? 1u : 0u, l) & 1u) << l;
-  (void)lane;
   return r;
 }
 inline float __fadd_rn(float a, float b) { return a + b; }  // x86-64 without -mfma: no contraction
