@@ -37,7 +37,7 @@ class CompiledRounds:
     """The compiled / captured rounds of one model, keyed by bucket."""
 
     def __init__(self):
-        self.fns: dict = {}  # bucket key -> callable(st, T) -> st
+        self.fns: dict = {}  # bucket key -> callable(st, T) -> (st, info)
         self.workspaces: dict = {}  # (geo) -> static state dict (CUDA graphs)
         self.compile_seconds: dict = {}  # bucket key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
@@ -60,7 +60,7 @@ class CompiledRounds:
         return (geo, stats_knobs, Nb, Rb)
 
     def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:
-        """Run one round of bucket (Nb, Rb) with the compiled / captured callable; returns the new state."""
+        """Run one round of bucket (Nb, Rb) with the compiled / captured callable; returns (state, info)."""
         key = self.key(geo, cfg, Nb, Rb)
         self._req_buckets.add((Nb, Rb))
         fn = self.fns.get(key)
@@ -70,7 +70,7 @@ class CompiledRounds:
                 fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
                 self.compile_seconds[key] = time.perf_counter() - t0
                 self.graphs += 1
-            return fn(st)
+            return fn(st, T)
         if fn is None:
             fn = self.fns[key] = torch.compile(
                 _bound_step(model, geo, cfg, Nb, Rb), fullgraph=True, dynamic=False
@@ -97,22 +97,22 @@ class CompiledRounds:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up on scratch copies: kernels compile / autotune, cuBLAS inits
-            step({k: v.clone() for k, v in S.items()}, TS)
+            step({k: v.clone() for k, v in S.items()}, TS)  # (state, info) discarded
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = step(dict(S), TS)
+            out, info = step(dict(S), TS)
             for k, v in out.items():
                 S[k].copy_(v)
 
-        def replay(cur: dict) -> dict:
+        def replay(cur: dict, tables: dict) -> tuple[dict, dict]:
             if cur is not S:  # a new request (or the eager prefill round): load its state into the workspace
                 for k, v in cur.items():
                     S[k].copy_(v)
-                for k, v in T.items():
+                for k, v in tables.items():
                     TS[k].copy_(v)
             graph.replay()
-            return S
+            return S, info  # info: graph-owned outputs, rewritten by the next replay
 
         return replay
 
@@ -126,7 +126,7 @@ class CompiledRounds:
 
 
 def _bound_step(model, geo, cfg, Nb: int, Rb: int):
-    def step(st: dict, T: dict) -> dict:
+    def step(st: dict, T: dict) -> tuple[dict, dict]:
         return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
 
     return step

@@ -115,22 +115,24 @@ class FastDecoder:
     def _step(self, Nb: int, Rb: int, s: int) -> None:
         self.max_Nb = max(self.max_Nb, Nb)
         if self.compiled is not None and self._rounds > 0:
-            self.st = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
+            self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
         else:  # eager (and the prefill round, whose bucket depends on the prompt length)
-            self.st = rnd.round_step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s)
+            self.st, self.info = rnd.round_step(
+                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s
+            )
 
     def _trace_entry(self, head: list[int]) -> dict:
-        st, P = self.st, self.geo.P
+        info, P = self.info, self.geo.P
         nA = head[1]
-        W = int(st["t_winner"])
-        look = [None if q < 0 else q - P for q in st["t_look_pos"][:nA].tolist()]
-        acc_mask = st["t_acc"]
-        acc = [[q - P, t] for q, t in zip(st["t_wpos"][acc_mask].tolist(), st["t_tok"][acc_mask].tolist())]
+        W = int(info["winner"])
+        look = [None if q < 0 else q - P for q in info["look_pos"][:nA].tolist()]
+        acc_mask = info["acc"]
+        acc = [[q - P, t] for q, t in zip(info["wpos"][acc_mask].tolist(), info["tok"][acc_mask].tolist())]
         if look[W] is not None:
-            acc.append([look[W], int(st["x"][0, look[W] + P])])
+            acc.append([look[W], int(self.st["x"][0, look[W] + P])])
         return {
             "round": None, "window_start": head[2] - P, "cached": head[3],
-            "branches": [{"score": float(st["t_score"][b]), "lookahead": look[b], "window_len": wl}
+            "branches": [{"score": float(info["score"][b]), "lookahead": look[b], "window_len": wl}
                          for b, wl in enumerate(self._wl[:nA])],
             "winner": W, "accepted": sorted(acc),
         }  # fmt: skip

@@ -171,8 +171,9 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     keys (bitwise equal sums); None (compiled / captured) attends over the static buffer with rows
     >= st["cache_len"] masked (equal up to float summation order: tokens stay exact, the parity grid says).
 
-    Reads and replaces the tensors of `st` (returns it); returns nothing the host must read except
-    `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
+    Reads and replaces the tensors of `st`; returns (st, info), where info holds this round's trace facts
+    (score, winner, accepted mask, tokens, window positions, lookahead positions). Nothing needs a host
+    read except `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
     masked keys and never masked positions, extra LM-head rows are computed and never read."""
     dev = st["x"].device
     P, G, bs, L, NB = geo.P, geo.G, geo.bs, geo.L, geo.NB
@@ -268,8 +269,8 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
 
     # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
-    x_new = xW[None, :].expand(NB, L + 1).clone()
-    eos_new = eosW.expand(NB).clone()
+    x_new = xW.repeat(NB, 1)  # repeat, not expand().clone(): fresh strides, so eager and compiled rounds hand over identically strided state (a stride-0 dim would recompile)
+    eos_new = eosW.reshape(1).repeat(NB)
     cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
     look_pos = torch.full((NB,), -1, dtype=torch.long, device=dev)
     n_look = geo.n_look
@@ -305,11 +306,11 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     chain = (~act | retire).long().cumprod(0).bool()
     stt = torch.where(retire & chain, TO_CACHE, stt)
 
-    # the trace's per-round facts (read by the host only when a trace is asked for)
-    st["t_score"], st["t_winner"], st["t_acc"], st["t_tok"], st["t_wpos"] = score, W, accW, tokW, wpos
-    st["t_look_pos"] = st["look_pos"]
-    st.update(x=x_new, state=stt, nblk=_at(st["nblk"], W).expand(NB).clone(),
-              complete=st["complete"].index_select(0, W1).expand(NB, -1).clone(), eos=eos_new,
+    # the trace's per-round facts (read by the host only when a trace is asked for); kept out of `st`,
+    # whose shapes must not depend on the bucket
+    info = dict(score=score, winner=W, acc=accW, tok=tokW, wpos=wpos, look_pos=st["look_pos"])
+    st.update(x=x_new, state=stt, nblk=_at(st["nblk"], W).reshape(1).repeat(NB),
+              complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
               cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
     plan(st, T, geo)
-    return st
+    return st, info

@@ -1,0 +1,85 @@
+"""compile=True: the round compiled once per bucket (torch.compile fullgraph on CPU) is token- and
+forward-exact with the eager fast path and the reference, and a second request of the same shapes compiles
+nothing (no recompile inside a bucket). CI compiles at most 2 graphs, in one session-scoped fixture; the
+compile grid runs under `-m slow`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.testing import random_model, tiny_hf_config
+
+# one geometry per config (same prompt length, block size, k, mode, thresholds): every bucket after the
+# first request is a replay. max_new_tokens = block_size: the decode rounds all use the Nb = 8 bucket.
+CONFIGS = {
+    "lopa_full_k2": dict(strategy="lopa", branching_factor=2, use_full_attention=True, sampling_strategy="neg_entropy"),
+    "d2f_block_causal": dict(strategy="d2f", use_full_attention=False, sampling_strategy="default"),
+}
+COMMON = dict(block_size=8, max_new_tokens=8, skip_threshold=0.8, block_add_threshold=0.1, decoded_token_threshold=0.9)
+PROMPT_LEN = 9
+
+
+@pytest.fixture(scope="session")
+def compiled_runs():
+    """For each config: (reference, eager fast, compiled) outputs on 3 prompts of one length."""
+    model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 60, (PROMPT_LEN,), generator=g) for _ in range(3)]
+    runs = {}
+    for name, kw in CONFIGS.items():
+        kw = {**COMMON, **kw}
+        strategy = kw.pop("strategy")
+        runs[name] = [
+            (
+                lopa_fast.generate(model, p, strategy, "reference", **kw),
+                lopa_fast.generate(model, p, strategy, "fast", **kw),
+                lopa_fast.generate(model, p, strategy, "fast", compile=True, **kw),
+            )
+            for p in prompts
+        ]
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_is_token_and_forward_exact(compiled_runs, name):
+    for ref, eager, comp in compiled_runs[name]:
+        assert comp.generated_ids == eager.generated_ids == ref.generated_ids
+        assert comp.stats["forwards"] == eager.stats["forwards"] == ref.stats["forwards"]
+        assert comp.stats["backend"] == "fast"
+        for key in ("accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills"):
+            assert comp.stats[key] == eager.stats[key], key
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiles_once_per_bucket(compiled_runs, name):
+    runs = compiled_runs[name]
+    first = runs[0][2].stats
+    # the test has teeth only if decode rounds ran compiled (round 1, the prefill, is eager)
+    assert first["forwards"] >= 2 and first["compiled_buckets"], first
+    assert first["compiled_graphs"] == len(first["compiled_buckets"])  # one graph per bucket, no break
+    for _, _, comp in runs[1:]:  # same shapes: replays only
+        assert comp.stats["compiled_graphs"] == 0, comp.stats["compiled_buckets"]
+    assert all(sec > 0 for sec in first["compile_seconds"].values())
+
+
+def test_compile_needs_a_fast_backend():
+    with pytest.raises(ValueError, match="compile=True applies to backend='fast'"):
+        lopa_fast.GenerateConfig(backend="reference", compile=True).validate()
+    with pytest.raises(TypeError, match="compile"):
+        lopa_fast.GenerateConfig(compile="yes").validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("bs", [4, 8])
+def test_compile_grid(k, full, bs):
+    model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+    g = torch.Generator().manual_seed(k * 10 + bs)
+    kw = dict(branching_factor=k, use_full_attention=full, block_size=bs, max_new_tokens=4 * bs, skip_threshold=0.7)
+    for _ in range(2):
+        p = torch.randint(0, 60, (11,), generator=g)
+        ref = lopa_fast.generate(model, p, "lopa", "reference", **kw)
+        comp = lopa_fast.generate(model, p, "lopa", "fast", compile=True, **kw)
+        assert comp.generated_ids == ref.generated_ids and comp.stats["forwards"] == ref.stats["forwards"]
