@@ -16,7 +16,7 @@ DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}.md"  # {block}: "_b
 def _demo(args) -> int:
     from lopa_fast.tasks.evaluate import run_demo
 
-    run_demo(n=args.n, backend=args.backend, model_dir=args.model)
+    run_demo(n=args.n, backend=args.backend, model_dir=args.model, compile=args.compile)
     return 0
 
 
@@ -28,7 +28,7 @@ def _eval(args) -> int:
     out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block)
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
     run_eval(n=args.n, strategies=args.strategies, backend=args.backend, out=out, model_dir=args.model,
-             progress=not args.no_progress, command=command, block_size=args.block_size)
+             progress=not args.no_progress, command=command, block_size=args.block_size, compile=args.compile)
     return 0
 
 
@@ -43,7 +43,7 @@ def _generate(args) -> int:
     model, tok, _ = load_default(args.model)
     ids = torch.tensor(tok(args.prompt)["input_ids"], dtype=torch.long)
     out = lopa_fast.generate(model, ids, backend=args.backend, max_new_tokens=GEN_LEN, temperature=0.0,
-                             **ROWS[args.strategy])
+                             compile=args.compile, **ROWS[args.strategy])
     st = out.stats
     print(answer_text(tok, out.generated_ids))
     print(f"TPF {st['tpf']:.2f}, forwards {st['forwards']}, wall {1000 * st['seconds']:.0f} ms", file=sys.stderr)
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=None, help="model directory (default: the embedded d2f-arith model)")
     # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
     # a second OpenMP thread made each forward ~60x slower (18 ms vs 0.3 ms per matmul, measured)
+    common.add_argument("--compile", action="store_true",
+                        help="compile each round bucket once and replay it (fast backend; d2f / lopa rows)")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")

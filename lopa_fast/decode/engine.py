@@ -41,16 +41,20 @@ from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hi
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64
+# buffer lengths are rounded up to this many positions, so requests whose prompt + generation lengths fall
+# in one band share their compiled rounds (the prefix attention reads at most LENGTH_QUANTUM - 1 extra
+# masked rows)
+LENGTH_QUANTUM = 64
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """The Python constants of a request's round (they are baked into a compiled / captured round)."""
+    """The Python constants of a request's round (they are baked into a compiled / captured round; the
+    prompt length is not one of them: it lives in the device tables)."""
 
-    P: int
     bs: int
     G: int
-    L: int
+    Lb: int
     NB: int
     n_look: int
     shift: bool
@@ -91,15 +95,17 @@ class FastDecoder:
             dev.type == "cuda" and os.environ.get("LOPA_FAST_DECODE_OPS", "1") != "0"
             and cfg.top_p is None and cfg.top_k is None
         )  # fmt: skip
+        self.P = P
+        Lb = -(-(P + G * bs) // LENGTH_QUANTUM) * LENGTH_QUANTUM
         self.geo = Geometry(
-            P=P, bs=bs, G=G, L=P + G * bs, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
+            bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
             mode="full" if cfg.use_full_attention else "block_causal", mask_id=cfg.mask_token_id,
             eos_id=cfg.eos_token_id, skip_threshold=cfg.skip_threshold,
             alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))),
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
         )  # fmt: skip
-        self.tables = rnd.init_tables(P, bs, G, cfg, dev)
-        self.st = rnd.init_state(model, prompt, G, bs, self.geo.NB, cfg.mask_token_id)
+        self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
+        self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id)
         self.host_reads = 0
         self.max_Nb = 0
         self.compiled = None
@@ -122,7 +128,7 @@ class FastDecoder:
             )
 
     def _trace_entry(self, head: list[int]) -> dict:
-        info, P = self.info, self.geo.P
+        info, P = self.info, self.P
         nA = head[1]
         W = int(info["winner"])
         look = [None if q < 0 else q - P for q in info["look_pos"][:nA].tolist()]
@@ -174,8 +180,8 @@ class FastDecoder:
                 if head[1] > 1 else 0
         else:
             out_slot = int(st["lay"])  # the cap: the running anchor (else the first running branch)
-        length = geo.P + int(st["nblk"][out_slot]) * geo.bs
-        ids = st["x"][out_slot, geo.P : length].tolist()
+        length = self.P + int(st["nblk"][out_slot]) * geo.bs
+        ids = st["x"][out_slot, self.P : length].tolist()
         c = {k[2:]: int(v) for k, v in st.items() if k.startswith("c_")}
         stats.update(
             accepted_by_threshold=c["thresh"], fallback_fills=c["fallback"], eos_fills=c["eos_fills"],

@@ -10,16 +10,17 @@ the next bucket and to stop. Every per-round scalar (s, u, the prefix length, th
 count) stays a device tensor, so the same step can run eagerly, under `torch.compile(fullgraph=True)`
 or be captured once as a CUDA graph and replayed.
 
-Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs,
-NB branch slots = k + 1 for k >= 2, else 1):
-  x        [NB, L + 1] long   token rows; column L is a trash column (scatters of padding go there)
+Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
+buffer length Lb >= L (L rounded up, so prompts of nearby lengths share compiled rounds: P and L are
+device tensors in the tables, never shapes), NB branch slots = k + 1 for k >= 2, else 1):
+  x        [NB, Lb + 1] long  token rows; column Lb is a trash column (scatters of padding go there)
   nblk     [NB] long          generated blocks present per slot
   state    [G + 1] long       block states 0 active, 1 to_cache, 2 in_cache (shared by every slot:
                               a new branch always gets the winner's table, growth appends active blocks)
   complete [NB, G + 1] bool   is_complete ("fully activated": the fallback may fill)
   eos, alive [NB] bool; cconf [NB] float64 (the confidence that created a branch); look_pos [NB] long
   last_logit [V]              the raw logit saved with the last committed span (Dream's shift)
-  cache_k/v [layers, L + 1, Hkv, D]; cache_len 0-d long  (row L is a trash row for masked commits)
+  cache_k/v [layers, Lb + 1, Hkv, D]; cache_len 0-d long  (row Lb is a trash row for masked commits)
   plan tensors of the coming round: exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u
   head [7] long: done, alive slots nA, s, u, n, R, ragged
 Slots [0, n_look) hold lookaheads in rank order and the anchor comes last among the alive slots (slot
@@ -58,43 +59,46 @@ def token_stats(logits: torch.Tensor, cfg, use_kernel: bool) -> tuple[torch.Tens
                                sampling_strategy=cfg.sampling_strategy, suppress_token=suppress)  # fmt: skip
 
 
-def init_tables(P: int, bs: int, G: int, cfg, dev) -> dict:
-    """Request constants as tensors: block geometry, position tables (L + 1 entries: the trash column
-    belongs to no block), the lowest-k table and the decoded-fraction lookup tables."""
+def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
+    """Request constants as tensors: P and L, block geometry, position tables (Lb + 1 entries; positions
+    >= L, the trash column included, belong to no block), the lowest-k table and the decoded-fraction
+    lookup tables. Shapes depend on (bs, G, Lb) only."""
     L = P + G * bs
     j = torch.arange(G + 1, device=dev)
-    p = torch.arange(L + 1, device=dev)
-    pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor"))  # trash column: G + 1
+    p = torch.arange(Lb + 1, device=dev)
+    pos_block = torch.where(p < P, 0, 1 + (p - P).div(bs, rounding_mode="floor")).clamp(max=G + 1)
     # decoded-fraction tests as lookup tables over a block's mask count, computed with Python floats exactly
     # as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0, the same entry
     # as a full generated block, so one table of bs + 1 entries serves every block.
     frac = [(bs - c) / bs for c in range(bs + 1)]
     return dict(
+        P=torch.tensor(P, device=dev),
+        L=torch.tensor(L, device=dev),
+        gen_pos=P + torch.arange(G * bs, device=dev),  # the generated positions, block-major
         jidx=j,
         bstart=torch.where(j == 0, 0, P + (j - 1) * bs),
         bend=torch.where(j == 0, P, P + j * bs),
         pos=p,
         pos_block=pos_block,
-        onehot=pos_block[:, None] == j[None, :],  # [L + 1, G + 1]
-        ktable=lowest_k_table(L, cfg.branch_topp).to(dev, torch.long),
+        onehot=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]
+        ktable=lowest_k_table(Lb, cfg.branch_topp).to(dev, torch.long),
         tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
     )
 
 
-def init_state(model, prompt: torch.Tensor, G: int, bs: int, NB: int, mask_id: int) -> dict:
+def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int) -> dict:
     """The round state of a fresh request (round 1: the prompt-only anchor in slot 0)."""
     dev = prompt.device
     P = prompt.numel()
-    L = P + G * bs
     cfg = model.config
-    x = torch.full((NB, L + 1), mask_id, dtype=torch.long, device=dev)
+    x = torch.full((NB, Lb + 1), mask_id, dtype=torch.long, device=dev)
     x[:, :P] = prompt
     state = torch.zeros(G + 1, dtype=torch.long, device=dev)
     state[0] = TO_CACHE
     complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
     complete[:, 0] = True
-    kv = (cfg.num_layers, L + 1, cfg.num_kv_heads, cfg.head_dim)
+    kv = (cfg.num_layers, Lb + 1, cfg.num_kv_heads, cfg.head_dim)
     zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
     st = dict(
         x=x, nblk=torch.zeros(NB, dtype=torch.long, device=dev), state=state, complete=complete,
@@ -114,11 +118,11 @@ def init_state(model, prompt: torch.Tensor, G: int, bs: int, NB: int, mask_id: i
 def plan(st: dict, T: dict, geo) -> None:
     """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
     device; writes nblk / complete and the plan tensors + `head` into st (no host read)."""
-    P, G, bs, L, NB = geo.P, geo.G, geo.bs, geo.L, geo.NB
+    G, bs, Lb, NB = geo.G, geo.bs, geo.Lb, geo.NB
     alive, state = st["alive"], st["state"]
     x = st["x"]
-    ismask_all = x == geo.mask_id  # [NB, L + 1]; positions past a row's length hold masks too
-    mc = F.pad((x[:, P:L] == geo.mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G + 1]
+    ismask_all = x == geo.mask_id  # [NB, Lb + 1]; positions past a row's length hold masks too
+    mc = F.pad((x.index_select(1, T["gen_pos"]) == geo.mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G+1]
     # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
     last_mc = mc.gather(1, st["nblk"][:, None]).squeeze(1)
     grow = alive & (st["nblk"] < G) & ~st["eos"] & T["tab_add"][last_mc]
@@ -129,7 +133,7 @@ def plan(st: dict, T: dict, geo) -> None:
     complete[:, 1:] |= T["tab_act"][mc[:, :-1]] & exists[:, 1:]
     # 3. done: no mask and no active block
     active = exists & (state == ACTIVE)[None, :]
-    lens = P + nblk * bs
+    lens = T["P"] + nblk * bs
     ismask = ismask_all & (T["pos"][None, :] < lens[:, None]) & alive[:, None]
     done = alive & ~ismask.any(1) & ~active.any(1)
     rem = alive & ~done
@@ -140,7 +144,7 @@ def plan(st: dict, T: dict, geo) -> None:
     # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
     tc = state == TO_CACHE
     has_tc = tc.any()
-    s = torch.where(has_tc, torch.where(tc, T["bstart"], L).min(), spe)
+    s = torch.where(has_tc, torch.where(tc, T["bstart"], Lb).min(), spe)
     u = torch.where(has_tc, torch.where(tc, T["bend"], 0).max() - s, 0)
     wl = lens - s
     n = torch.where(rem, wl, 0).max()
@@ -176,14 +180,14 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     read except `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
     masked keys and never masked positions, extra LM-head rows are computed and never read."""
     dev = st["x"].device
-    P, G, bs, L, NB = geo.P, geo.G, geo.bs, geo.L, geo.NB
+    G, Lb, NB = geo.G, geo.Lb, geo.NB
     s, u = st["s"], st["u"]
     alive, rem, lens = st["alive"], st["rem"], st["lens"]
     slot = torch.arange(NB, device=dev)
     i = torch.arange(Nb, device=dev)
     wpos = s + i
-    wvalid = wpos < L
-    wpos = torch.where(wvalid, wpos, L)  # padding columns read / write the trash column
+    wvalid = wpos < T["L"]
+    wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
     st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
     st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
 
@@ -224,8 +228,8 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     W = torch.where(keyw == keyw.max(), slot, NB).min()  # first max = upstream's tie order
     W1 = W.reshape(1)
 
-    # ---- commit the winner's first u window positions (rows past u go to the trash row L)
-    dst = torch.where(i < u, st["cache_len"] + i, L)
+    # ---- commit the winner's first u window positions (rows past u go to the trash row Lb)
+    dst = torch.where(i < u, st["cache_len"] + i, Lb)
     st["cache_k"] = st["cache_k"].index_copy(1, dst, k_win.index_select(1, W1)[:, 0])
     st["cache_v"] = st["cache_v"].index_copy(1, dst, v_win.index_select(1, W1)[:, 0])
     st["cache_len"] = st["cache_len"] + u
@@ -265,7 +269,7 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
 
     # ---- winner's block table after the fill
     existsW = st["exists"].index_select(0, W1)[0]
-    mcW = F.pad((xW[P:L] == geo.mask_id).view(G, bs).sum(-1), (1, 0))
+    mcW = F.pad((xW.index_select(0, T["gen_pos"]) == geo.mask_id).view(G, geo.bs).sum(-1), (1, 0))
     base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
 
     # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
@@ -285,10 +289,10 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
         n_valid = valid.sum()
         lpos = wpos[order]
         ltok = tokW[order]
-        # flat index slot * (L + 1) + pos; an invalid slot rewrites its own token
-        flat = slot[:n_look] * (L + 1) + lpos
+        # flat index slot * (Lb + 1) + pos; an invalid slot rewrites its own token
+        flat = slot[:n_look] * (Lb + 1) + lpos
         x_flat = x_new.view(-1)
-        x_new = x_flat.scatter(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat))).view(NB, L + 1)
+        x_new = x_flat.scatter(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat))).view(NB, Lb + 1)
         cconf_new = torch.cat([torch.where(valid, cW[order].double(), 1.0), cconf_new[n_look:]])
         if geo.eos_id is not None:
             eos_new = eos_new | F.pad(valid & (ltok == geo.eos_id), (0, NB - n_look))

@@ -131,8 +131,13 @@ class Progress:
             sys.stderr.flush()
 
 
+def _compiles(backend: str, knobs: dict) -> bool:
+    """compile=True applies to the rows the fast backend runs (d2f / lopa); the others run eagerly."""
+    return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa")
+
+
 def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True,
-            block_size: int = BLOCK) -> dict:
+            block_size: int = BLOCK, compile: bool = False) -> dict:
     """Decode every problem with one row's knobs at `block_size`. Returns the row's numbers (or status
     "unavailable")."""
     import lopa_fast
@@ -145,7 +150,8 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
     for i, p in enumerate(problems):
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         try:
-            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0, **knobs)
+            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
+                                     compile=compile and _compiles(backend, knobs), **knobs)
         except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
             reason = _unavailable(exc)
             if reason is None:
@@ -247,7 +253,8 @@ def plot(results: list[dict], path: Path) -> str | None:
 
 
 def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
-             progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK) -> list[dict]:
+             progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK,
+             compile: bool = False) -> list[dict]:
     """Evaluate rows on `n` held-out problems at `block_size` (a divisor of GEN_LEN); write the markdown
     table (and PNG) to `out`."""
     if not isinstance(n, int) or n < 1:
@@ -258,7 +265,7 @@ def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=Non
     rows = parse_rows(strategies)
     model, tok, path = load_default(model_dir)
     problems = tasks.generate("test", n, seed=0)
-    results = [run_row(model, tok, problems, r, backend, progress, block_size) for r in rows]
+    results = [run_row(model, tok, problems, r, backend, progress, block_size, compile) for r in rows]
     for r in results:
         r["block_size"] = block_size
     n_params = sum(p.numel() for p in model.parameters())
@@ -310,7 +317,7 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     return f"      tokens: {top}\n      round:  {bot}{extra}"
 
 
-def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print) -> list[dict]:
+def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print, compile: bool = False) -> list[dict]:
     """Decode `n` held-out problems with D2F and LoPA (k=4) and print answers, fill order and stats."""
     import lopa_fast
 
@@ -332,7 +339,8 @@ def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print) 
         for row in DEMO_ROWS:
             try:
                 out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
-                                         return_trace=True, **ROWS[row])
+                                         return_trace=True, compile=compile and _compiles(backend, ROWS[row]),
+                                         **ROWS[row])
             except Exception as exc:  # noqa: BLE001
                 reason = _unavailable(exc)
                 if reason is None:
