@@ -87,6 +87,98 @@ def test_branch_attention_dream7b_shapes_gpu(B, n, L):
     assert_2x_rule("o", o, o_ref, attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal"))
 
 
+# ------------------------------------------------- device cache_len (graph-safe: no host read of the length)
+LMAX = 70
+
+
+def _device_len_inputs(dtype, seed=7, device=DEVICE):
+    """Inputs over a static [LMAX, Hkv, D] cache (no extra rows: cache_len = LMAX is the full buffer)."""
+    return make_attention_inputs((2, 5, 4, 2, 16, LMAX), dtype, seed, device=device, extra_rows=0)
+
+
+@pytest.mark.parametrize("cache_len", [0, 33, LMAX])
+@pytest.mark.parametrize("mode", ["full", "block_causal"])
+def test_branch_attention_triton_device_cache_len(cache_len, mode):
+    """A 0-d int64 cache_len tensor (grid and splits from Lmax, the kernel reads the length) equals the int path
+    and the reference, for an empty, a partial and a full prefix."""
+    from lopa_fast.kernels.triton.branch_attention import branch_attention as tri
+
+    q, kc, vc, _, kw, vw, wl, bid = _device_len_inputs(torch.float32)
+    cl = torch.tensor(cache_len, dtype=torch.int64, device=q.device)
+    with poisoned_empty():
+        o_t, lse_t = ops.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, mode, return_lse=True, backend="triton")
+        o_i, lse_i = tri(q, kc, vc, cache_len, kw, vw, wl, bid, mode, return_lse=True)
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kc), d(vc), cache_len, d(kw), d(vw), wl, bid, mode,
+                                          return_lse=True)
+    torch.testing.assert_close(o_t, o_i, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_t, lse_i, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o_t.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_t.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    # the reference itself takes the tensor too (rows >= cache_len masked)
+    torch.testing.assert_close(ref.branch_attention(d(q), d(kc), d(vc), cl, d(kw), d(vw), wl, bid, mode), o_ref)
+
+
+def test_branch_attention_triton_device_cache_len_int32_and_split_count():
+    """int32 length tensors work; a forced split count over Lmax leaves the splits past cache_len empty."""
+    from lopa_fast.kernels.triton.branch_attention import branch_attention as tri
+
+    q, kc, vc, _, kw, vw, wl, bid = _device_len_inputs(torch.float32, seed=8)
+    o_ref = ref.branch_attention(q.double(), kc.double(), vc.double(), 20, kw.double(), vw.double(), wl, bid,
+                                 "causal")
+    for splits in (1, 3):
+        o = tri(q, kc, vc, torch.tensor(20, dtype=torch.int32), kw, vw, wl, bid, "causal", num_splits=splits)
+        torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_len", [0, 37, 300])
+def test_cuda_emu_attention_device_cache_len(cuda_emu, cache_len):
+    """The CUDA kernels with the length as a device int64 (splits sized for Lmax = 300, those past cache_len
+    empty) equal the int path and the reference: empty, mid and full prefix."""
+    for dt in ("f32", "bf16"):
+        q, kc, vc, _, kw, vw, wl, bid = make_attention_inputs((1, 4, 2, 1, 64, 300), DT[dt], 9, device="cpu",
+                                                              extra_rows=0, len_step=1)
+        cl = torch.tensor(cache_len, dtype=torch.int64)
+        with poisoned_empty():
+            o_t, lse_t = cuda_emu.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal", None, True)
+            o_i, lse_i = cuda_emu.branch_attention(q, kc, vc, cache_len, kw, vw, wl, bid, "block_causal", None, True)
+        torch.testing.assert_close(o_t.float(), o_i.float(), atol=1e-5 if dt == "f32" else 1e-2, rtol=1e-5)
+        torch.testing.assert_close(lse_t, lse_i, atol=2e-5, rtol=1e-5)
+        check_attention(cuda_emu, (q, kc, vc, cache_len, kw, vw, wl, bid), "block_causal")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_branch_attention_device_cache_len_cuda_graph(backend):
+    """A branch_attention call captured in a torch.cuda.CUDAGraph with a device cache_len replays at the length
+    the tensor holds at replay time (the graph baked in no value)."""
+    if backend == "cuda" and not cuda.available():
+        pytest.skip(f"CUDA kernels unavailable: {cuda.why_unavailable()}")
+    q, kc, vc, _, kw, vw, wl, bid = make_attention_inputs((3, 32, 28, 4, 128, 1024), torch.bfloat16, 11,
+                                                          device="cuda", extra_rows=0)
+    cl = torch.tensor(1000, dtype=torch.int64, device="cuda")
+
+    def call():
+        return ops.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal", backend=backend, check=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (kernel compile) off the capture stream
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    d = lambda t: t.double()  # noqa: E731
+    for new_len in (1000, 17, 0, 1024, 512):
+        cl.fill_(new_len)
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref = ref.branch_attention(d(q), d(kc), d(vc), new_len, d(kw), d(vw), wl, bid, "block_causal")
+        o_pt = attention_in_dtype(q, kc, vc, new_len, kw, vw, wl, bid, "block_causal")
+        assert_2x_rule(f"o@{new_len}", out, o_ref, o_pt)
+
+
 def test_branch_attention_empty_window():
     q, kc, vc, L, kw, vw, _, _ = make_inputs((2, 4, 4, 2, 16, 8), torch.float32)
     o = ops.branch_attention(q[:, :0], kc, vc, L, kw[:, :0], vw[:, :0], backend="triton")

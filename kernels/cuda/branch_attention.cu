@@ -3,6 +3,8 @@
 //
 //   q       [B, n, Hq, D]    (last dim contiguous; strides in elements)
 //   k/v     prefix [Lmax, Hkv, D] rows [0, cache_len) ; window [B, n, Hkv, D]
+//   cache_len_dev: null (cache_len is the prefix length) or a device int64 holding it (cache_len is then Lmax and
+//           the splits cover Lmax, so a captured CUDA graph replays any prefix length)
 //   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode LOPA_MODE_{FULL,BLOCK_CAUSAL,CAUSAL}
 //
 // Two launches (the host side is lopa_fast/ops/cuda/launch.py; tile sizes and mode codes arrive as -D defines
@@ -66,6 +68,7 @@ LOPA_INLINE void load_kv_tile(const T* __restrict__ k, const T* __restrict__ v, 
 template <typename T> struct Args {
   const T *q, *k_cache, *v_cache, *k_win, *v_win;
   const long long *win_lens, *block_ids;
+  const long long* cache_len_dev;  // null: cache_len is the prefix length; else the device length, cache_len Lmax
   float *ws_o, *ws_lse;
   int B, n, Hq, Hkv, cache_len, n_splits, split_len, mode;
   float scale;
@@ -105,7 +108,13 @@ LOPA_INLINE bool plan_cta(const Args<T>& a, int rows, Plan<T>& p) {
     p.row_end = a.B * rows_per_branch;
     if (p.row_begin >= p.row_end) return false;
     const int key_begin = split * a.split_len;
-    p.n_keys = a.cache_len - key_begin < a.split_len ? a.cache_len - key_begin : a.split_len;
+    int cl = a.cache_len;
+    if (a.cache_len_dev) {  // graph-safe: splits were sized for Lmax = a.cache_len; those past the length are empty
+      const long long d = *a.cache_len_dev;
+      cl = d < 0 ? 0 : (d < a.cache_len ? (int)d : a.cache_len);
+    }
+    const int left = cl - key_begin;
+    p.n_keys = left < a.split_len ? (left > 0 ? left : 0) : a.split_len;  // 0 keys: l = 0, lse = -inf (weight 0)
     p.kb = a.k_cache + key_begin * a.kc_sl + h * a.kc_sh;
     p.vb = a.v_cache + key_begin * a.kc_sl + h * a.kc_sh;
     p.key_stride = a.kc_sl;
@@ -457,11 +466,11 @@ LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict
 #define LOPA_ATTN_ENTRIES(TNAME, T, D, IMPL, THREADS)                                                          \
   extern "C" __global__ void __launch_bounds__(THREADS) branch_attention_partial_##TNAME##_d##D(                \
       const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win, const long long* win_lens, \
-      const long long* block_ids, float* ws_o, float* ws_lse, int B, int n, int Hq, int Hkv, int cache_len,    \
-      int n_splits, int split_len, int mode, float scale, long long q_sb, long long q_si, long long q_sh,       \
+      const long long* block_ids, const long long* cache_len_dev, float* ws_o, float* ws_lse, int B, int n,    \
+      int Hq, int Hkv, int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb, long long q_si, long long q_sh,       \
       long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si, long long kw_sh) {                   \
-    IMPL<T, D>(lopa::attn::Args<T>{q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, ws_o, ws_lse, B, n, Hq, \
-                                   Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl,      \
+    IMPL<T, D>(lopa::attn::Args<T>{q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, cache_len_dev, ws_o,   \
+                                   ws_lse, B, n, Hq, Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl,  \
                                    kc_sh, kw_sb, kw_si, kw_sh});                                                   \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads) branch_attention_combine_##TNAME##_d##D(    \

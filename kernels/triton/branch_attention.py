@@ -56,10 +56,11 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 @triton.jit
 def _prefix_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    cache_len, R, n, chunk, qk_scale,
+    cache_len, Lmax, R, n, chunk, qk_scale,
     s_qb, s_qn, s_qh, s_kl, s_kh, s_vl, s_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    CL_PTR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,8 +81,12 @@ def _prefix_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if CL_PTR:  # device prefix length (graph-safe): the grid covers Lmax, splits past it are empty
+        cl = tl.minimum(tl.maximum(tl.load(cache_len).to(tl.int32), 0), Lmax)
+    else:
+        cl = cache_len
     lo = split * chunk
-    hi = tl.minimum(lo + chunk, cache_len)
+    hi = tl.minimum(lo + chunk, cl)
     k_base = k_ptr + kvh.to(tl.int64) * s_kh
     v_base = v_ptr + kvh.to(tl.int64) * s_vh
     for start in range(lo, hi, BLOCK_N):
@@ -190,11 +195,20 @@ def block_sizes(dtype: torch.dtype):
 
 def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
                      scale=None, return_lse=False, num_splits=None):
-    """Shapes as lopa_fast.reference.ops.branch_attention; inputs need a contiguous last dim."""
+    """Shapes as lopa_fast.reference.ops.branch_attention; inputs need a contiguous last dim.
+    cache_len: an int (grid and prefix splits sized to it) or a 0-d / [1] int tensor on q's device (read by the
+    prefix kernel; grid and splits sized to Lmax = k_cache.shape[0], so a captured CUDA graph replays any
+    prefix length; values are clamped to [0, Lmax])."""
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     G = Hq // Hkv
-    cache_len = int(cache_len)
+    Lmax = k_cache.shape[0]
+    cl_ptr = isinstance(cache_len, torch.Tensor)
+    if cl_ptr:  # a 0-d device tensor: nothing below depends on its value (no host read, CUDA-graph safe)
+        cl_arg = cache_len.reshape(1)
+        cache_len = Lmax  # grid, splits and workspaces sized for the static buffer
+    else:
+        cache_len = cl_arg = int(cache_len)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qk_scale = scale * _LOG2E
     dev = q.device
@@ -218,11 +232,11 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
         part_lse = torch.empty(num_splits, Hkv, R, dtype=torch.float32, device=dev)
         _prefix_kernel[(m_tiles, Hkv, num_splits)](
             q, k_cache, v_cache, part_o, part_lse,
-            cache_len, R, n, chunk, qk_scale,
+            cl_arg, Lmax, R, n, chunk, qk_scale,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1),
             G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec,
-            num_warps=warps, num_stages=2,
+            CL_PTR=cl_ptr, num_warps=warps, num_stages=2,
         )
     else:
         part_o = part_lse = torch.empty(1, dtype=torch.float32, device=dev)

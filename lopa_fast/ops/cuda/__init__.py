@@ -18,6 +18,8 @@ Modules, one job each:
 """
 from __future__ import annotations
 
+import torch
+
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, SEL_MAX_N
 from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, select_round_op
 from lopa_fast.ops.cuda.probe import available, why_unavailable
@@ -61,8 +63,13 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
                      scale=None, return_lse=False):
     """lopa_fast.ops.branch_attention on the CUDA kernels (inputs already checked by the public op)."""
     _require("branch_attention", q)
-    o, lse = branch_attention_op(q, k_cache, v_cache, int(cache_len), k_win, v_win, win_lens, block_ids, mode,
-                                 None if scale is None else float(scale))
+    scale = None if scale is None else float(scale)
+    if isinstance(cache_len, torch.Tensor):  # device length: read by the kernel, no host sync (graph-safe)
+        o, lse = branch_attention_op(q, k_cache, v_cache, k_cache.shape[0], k_win, v_win, win_lens, block_ids, mode,
+                                     scale, cache_len)
+    else:
+        o, lse = branch_attention_op(q, k_cache, v_cache, int(cache_len), k_win, v_win, win_lens, block_ids, mode,
+                                     scale)
     return (o, lse) if return_lse else o
 
 

@@ -86,13 +86,20 @@ def _pair(a: torch.Tensor, b: torch.Tensor, vec: int) -> tuple[torch.Tensor, tor
 def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens,
                          block_ids, mode, scale):
     """Launch branch_attention (shapes: lopa_fast.reference.ops.branch_attention); returns o [B, n, Hq, D] in
-    q.dtype and lse [B, n, Hq] fp32 (the combine kernel writes both)."""
+    q.dtype and lse [B, n, Hq] fp32 (the combine kernel writes both). cache_len: an int, or a 0-d / [1] int
+    tensor on q's device that the kernel reads (grid, splits and workspace then sized for Lmax =
+    k_cache.shape[0]: nothing depends on its value, so a CUDA graph can capture the launch)."""
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     G = Hq // Hkv
     tname = DTYPE_NAMES[q.dtype]
     vec = 16 // q.element_size()
-    cache_len = int(cache_len)
+    cl_dev = None
+    if isinstance(cache_len, torch.Tensor):  # device length (graph-safe): splits sized for Lmax, no host read
+        cl_dev = cache_len.reshape(1).to(device=q.device, dtype=torch.int64)
+        cache_len = k_cache.shape[0]
+    else:
+        cache_len = int(cache_len)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q = aligned(q, vec)
     k_cache, v_cache = _pair(k_cache, v_cache, vec)
@@ -108,7 +115,7 @@ def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len
     ws_lse = torch.empty((S + 1, rows), dtype=torch.float32, device=q.device)
     grid_x = max(math.ceil(B * n * G / R) if S else 0, B * math.ceil(n * G / R))
     P = _ptr
-    args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(ws_o), P(ws_lse),
+    args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(cl_dev), P(ws_o), P(ws_lse),
             ("i", B), ("i", n), ("i", Hq), ("i", Hkv), ("i", cache_len), ("i", S), ("i", split_len),
             ("i", MODE_CODES[mode]), ("f", scale),
             ("q", q.stride(0)), ("q", q.stride(1)), ("q", q.stride(2)),
