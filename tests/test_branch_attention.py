@@ -472,3 +472,24 @@ def test_auto_backend_skips_a_cuda_kernel_that_cannot_take_the_call(monkeypatch)
     monkeypatch.setattr(_backend, "AUTO_ORDER", ("cuda",))
     assert _backend._usable("branch_attention", "cuda", torch.device("cuda"), (q,)).startswith("head dim D=96")
     assert _backend.resolve("branch_attention", None, torch.device("cuda"), (q,)) == "torch"
+
+
+# ------------------------------------------------- torch.library registration (Triton, interpreter on CPU)
+def test_triton_branch_attention_custom_op_opcheck_and_fullgraph_compile():
+    """lopa_fast::triton_branch_attention passes torch.library.opcheck (int and device cache_len, optional
+    tensors given and None) and torch.compile(fullgraph=True) traces the public op with no graph break."""
+    q, kc, vc, _, kw, vw, wl, bid = _device_len_inputs(torch.float32, seed=12)
+    cl = torch.tensor(33, dtype=torch.int64, device=q.device)
+    op = torch.ops.lopa_fast.triton_branch_attention.default
+    for args in [(q, kc, vc, cl, LMAX, kw, vw, wl, bid, "block_causal", None, True),
+                 (q, kc, vc, None, 33, kw, vw, None, None, "causal", 0.3, False)]:
+        torch.library.opcheck(op, args)
+
+    def f(q, cl):
+        return ops.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal", return_lse=True,
+                                    backend="triton", check=False)
+
+    want_o, want_lse = f(q, cl)
+    got_o, got_lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, cl)
+    torch.testing.assert_close(got_o, want_o, atol=0, rtol=0)
+    torch.testing.assert_close(got_lse, want_lse, atol=0, rtol=0)

@@ -268,3 +268,22 @@ def test_cpp_confidence_ties_neg_inf_and_strided_rows(cpp_ops):
 def test_cpp_confidence_float64_runs_the_reference(cpp_ops):
     x = torch.randn(2, 50, dtype=torch.float64)
     assert cpp_ops.confidence(x).p_max.dtype == torch.float64
+
+
+# ------------------------------------------------- torch.library registration (Triton, interpreter on CPU)
+def test_triton_confidence_custom_op_opcheck_and_fullgraph_compile():
+    """lopa_fast::triton_confidence passes torch.library.opcheck (suppress id given and None) and
+    torch.compile(fullgraph=True) traces the public op (namedtuple rebuilt outside the op) with no graph break."""
+    x = tie_free_logits(4, 300, torch.float32, seed=3)
+    op = torch.ops.lopa_fast.triton_confidence.default
+    for args in [(x, None, 1e-10), (x, 5, 1e-6)]:
+        torch.library.opcheck(op, args)
+
+    def f(x):
+        c = ops.confidence(x, suppress_token=5, backend="triton", check=False)
+        return c.token, c.p_max, c.margin, c.neg_entropy, c.lse
+
+    want = f(x)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -293,3 +293,24 @@ def test_cpp_select_round_ties_and_no_active_branch(cpp_ops):
     assert torch.equal(got.lookahead, want.lookahead) and (got.lookahead[:, -3:] == -1).all()
     none = cpp_ops.select_round(c, c, masked, bid, done, 2.0, "gt", 0, 1.0, 0.0, None, torch.zeros(3, dtype=torch.bool))
     assert none.winner.item() == -1
+
+
+# ------------------------------------------------- torch.library registration (Triton, interpreter on CPU)
+def test_triton_select_round_custom_op_opcheck_and_fullgraph_compile():
+    """lopa_fast::triton_select_round passes torch.library.opcheck (optional tensors given and None) and
+    torch.compile(fullgraph=True) traces the public op (namedtuple rebuilt outside the op) with no graph break."""
+    value, conf, masked, bid, complete, cc, active = (t.to(DEVICE) for t in random_round(3, 10, 2, seed=5))
+    op = torch.ops.lopa_fast.triton_select_round.default
+    for args in [(value, conf, masked, bid, complete, 0.5, "gt", 2, 0.8, 0.3, cc, active),
+                 (value, conf, masked, bid, complete, 0.4, "ge", 0, 1.0, 0.0, None, None)]:
+        torch.library.opcheck(op, args)
+
+    def f(value, conf):
+        r = ops.select_round(value, conf, masked, bid, complete, 0.5, "gt", 2, 0.8, 0.3, cc, active,
+                             backend="triton", check=False)
+        return r.accept, r.lookahead, r.score, r.winner
+
+    want = f(value, conf)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(value, conf)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -1,5 +1,12 @@
-"""`branch_attention`: B branch windows over one shared prefix KV cache. See reference.ops.branch_attention."""
+"""`branch_attention`: B branch windows over one shared prefix KV cache. See reference.ops.branch_attention.
+
+The Triton launcher is registered as a torch custom op (`lopa_fast::triton_branch_attention`, with a fake
+implementation), so torch.compile(fullgraph=True) and CUDA-graph capture trace through the public op with no
+graph break. cache_len may be a 0-d device tensor (graph-safe: the kernel reads it).
+"""
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -82,4 +89,40 @@ def branch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return ref.branch_attention(*args)
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"branch_attention: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
-    return _backend.kernel("branch_attention", b)(*args)
+    if b == "cuda":
+        return _backend.kernel("branch_attention", b)(*args)
+    if isinstance(cache_len, torch.Tensor):
+        cl_t, cl = cache_len, k_cache.shape[0]
+    else:
+        cl_t, cl = None, int(cache_len)
+    o, lse = torch.ops.lopa_fast.triton_branch_attention(
+        q, k_cache, v_cache, cl_t, cl, k_win, v_win, win_lens, block_ids, mode,
+        None if scale is None else float(scale), bool(return_lse))
+    return (o, lse) if return_lse else o
+
+
+# ------------------------------------------------------------------------------ torch custom op (Triton)
+def _triton():
+    return importlib.import_module("lopa_fast.kernels.triton.branch_attention").branch_attention  # triton: optional
+
+
+@torch.library.custom_op("lopa_fast::triton_branch_attention", mutates_args=())
+def _branch_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         cache_len_t: torch.Tensor | None, cache_len: int, k_win: torch.Tensor, v_win: torch.Tensor,
+                         win_lens: torch.Tensor | None, block_ids: torch.Tensor | None, mode: str,
+                         scale: float | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of the Triton launcher; cache_len_t (device length, graph-safe) wins over cache_len when given.
+    lse is an empty fp32 tensor when not return_lse (an output must not alias another)."""
+    cl = cache_len if cache_len_t is None else cache_len_t
+    if return_lse:
+        o, lse = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, True)
+        return o, lse
+    o = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, False)
+    return o, q.new_empty(0, dtype=torch.float32)
+
+
+@_branch_attention_op.register_fake
+def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse):
+    B, n, Hq, _ = q.shape
+    lse = q.new_empty((B, n, Hq) if return_lse else (0,), dtype=torch.float32)
+    return torch.empty_like(q), lse

@@ -1,6 +1,8 @@
 """`confidence`: per-row vocabulary statistics for the decoding strategies. See reference.ops.confidence."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from lopa_fast.ops import _backend
@@ -51,4 +53,23 @@ def confidence(
         return ref.confidence(logits, suppress_token, eps)
     if logits.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"confidence: logits.dtype={logits.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
-    return Confidence(*_backend.kernel("confidence", b)(logits, suppress_token, eps))
+    if b == "cuda":
+        return Confidence(*_backend.kernel("confidence", b)(logits, suppress_token, eps))
+    sup = None if suppress_token is None else int(suppress_token)
+    return Confidence(*torch.ops.lopa_fast.triton_confidence(logits, sup, float(eps)))
+
+
+# ------------------------------------------------------------------------------ torch custom op (Triton)
+# Registered so that torch.compile(fullgraph=True) and CUDA-graph capture trace through the public op; the
+# op returns plain tensors and the namedtuple is rebuilt outside it.
+@torch.library.custom_op("lopa_fast::triton_confidence", mutates_args=())
+def _confidence_op(logits: torch.Tensor, suppress_token: int | None, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    launch = importlib.import_module("lopa_fast.kernels.triton.confidence").confidence  # triton: optional
+    return tuple(launch(logits, suppress_token, eps))
+
+
+@_confidence_op.register_fake
+def _(logits, suppress_token, eps):
+    N = logits.shape[0]
+    return (logits.new_empty(N, dtype=torch.int64), *[logits.new_empty(N, dtype=torch.float32) for _ in range(4)])

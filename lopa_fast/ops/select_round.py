@@ -1,6 +1,7 @@
 """`select_round`: one D2F/LoPA selection round on the device. See reference.ops.select_round (the contract)."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -81,4 +82,30 @@ def select_round(accept_value: torch.Tensor, conf: torch.Tensor, masked: torch.T
     for name, t in (("accept_value", accept_value), ("conf", conf), ("creation_conf", creation_conf)):
         if t is not None and t.dtype not in _KERNEL_FLOATS:
             raise TypeError(f"select_round: {name}.dtype={t.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
-    return RoundSelection(*_backend.kernel("select_round", b)(*args))
+    if b == "cuda":
+        return RoundSelection(*_backend.kernel("select_round", b)(*args))
+    return RoundSelection(*torch.ops.lopa_fast.triton_select_round(
+        accept_value, conf, masked, block_ids, block_complete, float(tau), comparator, int(n_look), float(topp),
+        float(alpha), creation_conf, branch_active))
+
+
+# ------------------------------------------------------------------------------ torch custom op (Triton)
+# Registered so that torch.compile(fullgraph=True) and CUDA-graph capture trace through the public op; the
+# op returns plain tensors and the namedtuple is rebuilt outside it.
+@torch.library.custom_op("lopa_fast::triton_select_round", mutates_args=())
+def _select_round_op(accept_value: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor, block_ids: torch.Tensor,
+                     block_complete: torch.Tensor, tau: float, comparator: str, n_look: int, topp: float,
+                     alpha: float, creation_conf: torch.Tensor | None, branch_active: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    launch = importlib.import_module("lopa_fast.kernels.triton.select_round").select_round  # triton: optional
+    accept, look, score, winner = launch(accept_value, conf, masked, block_ids, block_complete, tau, comparator,
+                                         n_look, topp, alpha, creation_conf, branch_active)
+    return accept, look, score, winner
+
+
+@_select_round_op.register_fake
+def _(accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha, creation_conf,
+      branch_active):
+    B, n = conf.shape
+    return (conf.new_empty((B, n), dtype=torch.bool), conf.new_empty((B, n_look), dtype=torch.int64),
+            conf.new_empty(B, dtype=torch.float32), conf.new_empty((), dtype=torch.int64))
