@@ -1,0 +1,197 @@
+"""Round latency (eager vs CUDA-graph-captured) and compile=True token parity, as one script for bench/gpu_check.sh.
+
+Stages (each writes $OUT/<stage>.json and prints a short table):
+* round: a random-weight Dream-7B-shaped bf16 model (28 layers, hidden 3584, 28/4 heads, head_dim 128, FFN 18944,
+  vocab 152064; weights drawn directly on the GPU, bench_round_gpu.dream7b_random), LoPA at k = 1, 2, 4, 8,
+  window 32, prefix 1024: ms per steady-state round of `generate(backend="fast")` eager and with
+  compile=True (each bucket captured once as a CUDA graph by lopa_fast.decode.compiled.CompiledRounds, then
+  replayed), as (t(1 + R rounds) - t(1 round)) / R after a warm-up run of the same length (captures every
+  bucket first), beside the weight-streaming floor = bytes of weights / 4.8 TB/s.
+* parity: `generate(backend="fast", compile=True)` vs `backend="reference"` on tiny random models: fp32 must be
+  token-exact (reported as mismatching runs); bf16 reports the token agreement rate (the GPU confidence kernel
+  is not bitwise).
+
+--dry-run: tiny shapes on the CPU (compile=True then means torch.compile; one k only) to catch errors without
+a GPU. Usage: python bench/bench_round_captured.py --stage round|parity|all [--dry-run] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `lopa_fast` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lopa_fast  # noqa: E402
+from lopa_fast.testing import random_model, tiny_hf_config  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+WINDOW, PREFIX, KS = 32, 1024, (1, 2, 4, 8)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _gen(model, prompt, n_rounds, k, window, compile_):
+    kw = dict(branching_factor=k, block_size=window, max_new_tokens=4 * window, block_add_threshold=1.0,
+              skip_threshold=0.9, sampling_strategy="neg_entropy")  # windows stay one block per branch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return lopa_fast.generate(model, prompt, "lopa", "fast", max_rounds=n_rounds, compile=compile_, **kw)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def round_ms(model, prompt, k, window, compile_, rounds):
+    """(ms per steady-state round, host reads per round, stats of the long run)."""
+    dev = prompt.device
+    t_warm = time.perf_counter()
+    _gen(model, prompt, 1 + rounds, k, window, compile_)  # warm-up: allocations, kernel compiles, captures
+    _sync(dev)
+    t_warm = time.perf_counter() - t_warm
+    ts, out = {}, None
+    for n in (1, 1 + rounds):
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = _gen(model, prompt, n, k, window, compile_)
+        _sync(dev)
+        ts[n] = time.perf_counter() - t0
+    done = max(1, out.stats["forwards"] - 1)
+    return 1e3 * (ts[1 + rounds] - ts[1]) / done, out.stats.get("host_reads_per_round", float("nan")), t_warm, out
+
+
+def stage_round(dry: bool) -> dict:
+    if dry:
+        dev = torch.device("cpu")
+        model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+        window, prefix, ks, rounds, compile_ks = 8, 16, (1, 2), 2, (1,)
+    else:
+        from bench.bench_round_gpu import dream7b_random
+
+        dev = torch.device("cuda")
+        model = dream7b_random()
+        window, prefix, ks, rounds, compile_ks = WINDOW, PREFIX, KS, 8, KS
+    V = model.config.vocab_size
+    g = torch.Generator(device=dev).manual_seed(1)
+    prompt = torch.randint(0, V - 200 if V > 400 else V - 4, (prefix,), device=dev, generator=g)
+    floor = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
+    rows = []
+    for k in ks:
+        row = dict(k=k, seqs=k + 1 if k >= 2 else 1, window=window, prefix=prefix, floor_ms=floor)
+        row["eager_ms"], row["eager_reads"], _, _ = round_ms(model, prompt, k, window, False, rounds)
+        if k in compile_ks:
+            ms, reads, warm, out = round_ms(model, prompt, k, window, True, rounds)
+            row.update(captured_ms=ms, captured_reads=reads, capture_warmup_s=warm,
+                       compile_seconds=out.stats.get("compile_seconds"))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    by = {r["k"]: r for r in rows}
+    summary = {}
+    if 4 in by and "captured_ms" in by[4]:
+        summary = dict(captured_k4_over_floor=by[4]["captured_ms"] / floor,
+                       captured_k4_over_k1=by[4]["captured_ms"] / by[1]["captured_ms"])
+    return dict(device=str(dev), gpu=torch.cuda.get_device_name() if dev.type == "cuda" else None,
+                torch=torch.__version__, weight_bytes=weight_bytes(model), rows=rows, summary=summary)
+
+
+PARITY_CONFIGS = {
+    "lopa_k2_full": dict(strategy="lopa", branching_factor=2, use_full_attention=True, sampling_strategy="neg_entropy"),
+    "lopa_k4_block": dict(strategy="lopa", branching_factor=4, use_full_attention=False, sampling_strategy="default"),
+    "d2f_block": dict(strategy="d2f", use_full_attention=False, sampling_strategy="margin"),
+}
+PARITY_COMMON = dict(block_size=8, max_new_tokens=16, skip_threshold=0.8, block_add_threshold=0.1,
+                     decoded_token_threshold=0.9)
+
+
+def stage_parity(dry: bool) -> dict:
+    dev = torch.device("cpu" if dry else "cuda")
+    configs = dict(list(PARITY_CONFIGS.items())[:1]) if dry else PARITY_CONFIGS
+    dtypes = (torch.float32,) if dry else (torch.float32, torch.bfloat16)
+    n_prompts = 1 if dry else 3
+    res = {}
+    for dtype in dtypes:
+        model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6,
+                             dtype=dtype).to(dev)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 60, (9,), generator=g).to(dev) for _ in range(n_prompts)]
+        same = total = runs_exact = runs = 0
+        per = {}
+        for name, kw in configs.items():
+            kw = {**PARITY_COMMON, **kw}
+            strategy = kw.pop("strategy")
+            for p in prompts:
+                ref = lopa_fast.generate(model, p, strategy, "reference", **kw).generated_ids
+                fast = lopa_fast.generate(model, p, strategy, "fast", compile=True, **kw).generated_ids
+                n = max(len(ref), len(fast))
+                eq = sum(int(a == b) for a, b in zip(ref, fast))
+                same, total, runs = same + eq, total + n, runs + 1
+                runs_exact += int(ref == fast)
+                per.setdefault(name, []).append(dict(exact=ref == fast, agree=eq, n=n))
+        key = str(dtype).replace("torch.", "")
+        res[key] = dict(runs=runs, exact_runs=runs_exact, agreement=same / max(1, total), per_config=per)
+        print(key, json.dumps({k: v for k, v in res[key].items() if k != "per_config"}), flush=True)
+    return res
+
+
+def table(results: dict) -> str:
+    lines = []
+    r = results.get("round")
+    if r:
+        lines.append(f"round latency ({r['device']}, prefix {r['rows'][0]['prefix']}, window {r['rows'][0]['window']})")
+        lines.append(f"{'k':>2} {'seqs':>4} {'eager ms':>9} {'captured ms':>11} {'floor ms':>8} {'capt/floor':>10} "
+                     f"{'reads/rnd':>9}")
+        for x in r["rows"]:
+            c = x.get("captured_ms", float("nan"))
+            lines.append(f"{x['k']:>2} {x['seqs']:>4} {x['eager_ms']:>9.2f} {c:>11.2f} {x['floor_ms']:>8.2f} "
+                         f"{c / x['floor_ms']:>10.2f} {x.get('captured_reads', float('nan')):>9.2f}")
+        if r["summary"]:
+            s = r["summary"]
+            lines.append(f"captured k=4 / floor = {s['captured_k4_over_floor']:.2f} (target <= 1.5); "
+                         f"k=4 / k=1 = {s['captured_k4_over_k1']:.2f} (target <= 1.3)")
+    p = results.get("parity")
+    if p:
+        for dt, x in p.items():
+            if not isinstance(x, dict):  # 'seconds'
+                continue
+            lines.append(f"parity {dt}: {x['exact_runs']}/{x['runs']} runs token-exact, agreement {x['agreement']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", choices=("round", "parity", "all", "table"), default="all")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_dry" if a.dry_run else ""
+    if a.stage == "table":  # read back what the stages wrote (gpu_check.sh prints this last)
+        res = {s: json.loads((out / f"{s}{suffix}.json").read_text()) for s in ("round", "parity")
+               if (out / f"{s}{suffix}.json").exists()}
+        print(table(res))
+        return 0
+    stages = ("round", "parity") if a.stage == "all" else (a.stage,)
+    res = {}
+    for s in stages:
+        t0 = time.perf_counter()
+        res[s] = {"round": stage_round, "parity": stage_parity}[s](a.dry_run)
+        res[s]["seconds"] = time.perf_counter() - t0
+        (out / f"{s}{suffix}.json").write_text(json.dumps(res[s], indent=1, default=str))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
