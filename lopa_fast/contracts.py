@@ -43,3 +43,32 @@ def lowest_k_table(n: int, topp: float, device=None) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _device_table(n: int, topp: float, device: str) -> torch.Tensor:
     return lowest_k_table(n, topp).to(device)
+
+
+def window_key_mask(
+    n: int,
+    win_lens: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
+    mode: str,
+    batch: int,
+    device,
+) -> torch.Tensor:
+    """Visibility of window keys: bool [B, n_query, n_key] (True = visible).
+
+    Query (b, i) sees window key j iff j < win_lens[b] and
+      full:          always
+      block_causal:  block_ids[b, j] <= block_ids[b, i]
+      causal:        j <= i
+    Built from block ids and lengths; the prefix (cache) part is always fully visible.
+    """
+    j = torch.arange(n, device=device)
+    if win_lens is None:
+        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+    else:
+        valid = j[None, :] < win_lens.to(device).reshape(batch, 1)
+    vis = valid[:, None, :].expand(batch, n, n)
+    if mode == "causal":
+        vis = vis & (j[None, :, None] >= j[None, None, :])
+    elif mode == "block_causal":
+        vis = vis & (block_ids[:, None, :] <= block_ids[:, :, None])
+    return vis

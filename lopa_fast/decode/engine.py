@@ -104,6 +104,7 @@ class FastDecoder:
             alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))),
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
         )  # fmt: skip
+        model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
         self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id)
         self.host_reads = 0

@@ -19,6 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lopa_fast import ops
+from lopa_fast.contracts import window_key_mask
+from lopa_fast.ops import _backend as ops_backend
+from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.kv_cache import KVCache
 
@@ -50,6 +53,33 @@ class LayerWeights:
     gate: nn.Linear
     up: nn.Linear
     down: nn.Linear
+
+
+@dataclass
+class FusedLayer:
+    """One layer's inference view for the fast forward: q/k/v and gate/up weights merged so each is ONE
+    GEMM. The HF-named parameters are re-pointed as views into the merged tensors (what `state_dict`,
+    LoRA merging and training see is unchanged; no second copy of the weights is held)."""
+
+    attn_norm: torch.Tensor
+    qkv_w: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_b: torch.Tensor | None  # [(Hq + 2 Hkv) * D] or None
+    o: nn.Linear
+    mlp_norm: torch.Tensor
+    gate_up_w: torch.Tensor  # [2 * I, H]: gate rows first
+    down: nn.Linear
+
+
+@torch.no_grad()
+def _merge_as_views(params: list[torch.Tensor]) -> torch.Tensor:
+    """cat(params, 0) once, then make every param's .data a view of its rows of the result."""
+    merged = torch.cat([p.data for p in params], 0)
+    off = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = merged[off : off + rows]
+        off += rows
+    return merged
 
 
 class DecoderLM(nn.Module):
@@ -104,6 +134,27 @@ class DecoderLM(nn.Module):
 
     def layer(self, i: int) -> LayerWeights:
         raise NotImplementedError
+
+    def fused_layers(self) -> list[FusedLayer]:
+        """The merged-weight inference view of every layer, built on first use and rebuilt if the weights
+        were replaced since (e.g. `model.to(...)`): a check of one pointer per layer."""
+        cached = getattr(self, "_fused", None)
+        if cached is not None and all(
+            fl.qkv_w.data_ptr() == self.layer(i).q.weight.data_ptr() for i, fl in enumerate(cached)
+        ):
+            return cached
+        out = []
+        for i in range(self.config.num_layers):
+            w = self.layer(i)
+            qkv_w = _merge_as_views([w.q.weight, w.k.weight, w.v.weight])
+            biases = [w.q.bias, w.k.bias, w.v.bias]
+            qkv_b = _merge_as_views(biases) if all(b is not None for b in biases) else None
+            if qkv_b is None and any(b is not None for b in biases):
+                raise ValueError(f"layer {i}: q/k/v biases must be all present or all absent to merge")
+            gate_up_w = _merge_as_views([w.gate.weight, w.up.weight])
+            out.append(FusedLayer(w.attn_norm, qkv_w, qkv_b, w.o, w.mlp_norm, gate_up_w, w.down))
+        self._fused = out
+        return out
 
     # ---- RoPE -----------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,22 +343,50 @@ class DecoderLM(nn.Module):
 
         tokens [B, n] at positions start + arange(n) (start: 0-d long tensor); the committed prefix is
         cache_k/v [num_layers, Lc, Hkv, D] rows [0, cache_len) (cache_len: 0-d long tensor, or an int when
-        the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid window lengths; block_ids [B, n] for block_causal;
-        rows [R] flat row indices that get the LM head. No host read, no input check (callers validate
-        once per request), so the call can be captured as a CUDA graph or compiled with fullgraph=True.
+        the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid
+        window lengths; block_ids [B, n] for block_causal; rows [R] flat row indices that get the LM head.
+        No host read, no input check (callers validate once per request), so the call can be captured as a
+        CUDA graph or compiled with fullgraph=True.
+        The fused layer (the fast path's, while `forward_window` keeps the plain readable one): q/k/v and
+        gate/up as one GEMM each over merged weights (`fused_layers`), RoPE on q and k in one pass, the
+        rms_norm / rope / silu_mul ops (Triton on CUDA; on CPU their torch backends, bitwise the plain
+        layer's formulas), and attention masks built once per forward instead of once per layer.
         Returns (raw logits [R, V], window keys and values [num_layers, B, n, Hkv, D], post-RoPE).
         """
+        cfg = self.config
         B, n = tokens.shape
-        positions = start + torch.arange(n, device=tokens.device)
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dev = tokens.device
+        b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
+        eps = cfg.rms_norm_eps
+        positions = start + torch.arange(n, device=dev)
+        cos, sin = self._rope(positions)
+        if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
+            vis = window_key_mask(n, win_lens, block_ids, mask, B, dev)
+            prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
+        h = F.embedding(tokens, self.embed_weight())
         ks, vs = [], []
-
-        def attend(i, q, k, v):
+        # under torch.compile the view built (or checked) by the caller at the request start is read as is
+        layers = self._fused if torch.compiler.is_compiling() else self.fused_layers()
+        for i, w in enumerate(layers):
+            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=b)
+            qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
+            q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
+                            check=False, backend=b)  # fmt: skip
+            v = qkv[:, :, Hq + Hkv :]
             ks.append(k)
             vs.append(v)
-            return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
-                                        check=False, backend=attn_backend)  # fmt: skip
-
-        h = self._layers(tokens, positions, attend)
+            if b == "torch":
+                attn = branch_attention_torch(
+                    q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok
+                )
+            else:
+                attn = ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
+                                            check=False, backend=b)  # fmt: skip
+            h = h + w.o(attn.reshape(B, n, Hq * D))
+            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=b)
+            gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
+            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=b))
         h = h.reshape(B * n, -1).index_select(0, rows)
-        h = rms_norm(h, self.final_norm_weight(), self.config.rms_norm_eps)
+        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=b)
         return F.linear(h, self.head_weight()), torch.stack(ks), torch.stack(vs)

@@ -7,6 +7,7 @@ graph break. cache_len may be a 0-d device tensor (graph-safe: the kernel reads 
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
@@ -126,3 +127,64 @@ def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block
     B, n, Hq, _ = q.shape
     lse = q.new_empty((B, n, Hq) if return_lse else (0,), dtype=torch.float32)
     return torch.empty_like(q), lse
+
+
+def prefix_visibility(cache_len, lmax: int, device) -> torch.Tensor | None:
+    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced)."""
+    if isinstance(cache_len, torch.Tensor):
+        return torch.arange(lmax, device=device) < cache_len.reshape(())
+    return None
+
+
+def branch_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    vis: torch.Tensor,
+    prefix_ok: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The torch backend of `branch_attention` for a layer loop: the masks come in precomputed (built once
+    per forward, not per layer: `vis` = contracts.window_key_mask(...) [B, n, n], `prefix_ok` =
+    prefix_visibility(...)), and each contraction is the one batched matmul the reference's einsum runs,
+    so the result is bitwise the reference's (tests/test_branch_attention.py) with about a third of its
+    ops. Returns o [B, n, Hq, D] in q.dtype (no lse)."""
+    B, n, Hq, D = q.shape
+    Hkv = k_win.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(cdt).reshape(B, n, Hkv, G, D)
+    if prefix_ok is None:
+        kp, vp = k_cache[:cache_len].to(cdt), v_cache[:cache_len].to(cdt)
+    else:
+        kp, vp = k_cache.to(cdt), v_cache.to(cdt)
+    Lp = kp.shape[0]
+    kw, vw = k_win.to(cdt), v_win.to(cdt)
+    # scores: [Hkv, B*G*n, D] @ [Hkv, D, Lp] (prefix) and [B*Hkv, G*n, D] @ [B*Hkv, D, n] (window)
+    # einsum takes another path for a one-row prefix (measured: not bitwise the bmm); use it there
+    one_row = Lp == 1
+    if one_row:
+        s_prefix = torch.einsum("bnhgd,lhd->bhgnl", qf, kp) * scale
+    else:
+        s_prefix = (qf.permute(2, 0, 3, 1, 4).reshape(Hkv, B * G * n, D) @ kp.permute(1, 2, 0)).view(
+            Hkv, B, G, n, Lp).permute(1, 0, 2, 3, 4) * scale  # fmt: skip
+    if prefix_ok is not None:
+        s_prefix = s_prefix.masked_fill(~prefix_ok, float("-inf"))
+    s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D) @ kw.permute(0, 2, 3, 1).reshape(B * Hkv, D, n)
+             ).view(B, Hkv, G, n, n) * scale  # fmt: skip
+    s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
+    s = torch.cat([s_prefix, s_win], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    if one_row:
+        o_prefix = torch.einsum("bhgnl,lhd->bnhgd", p[..., :Lp], vp)
+    else:
+        o_prefix = (p[..., :Lp].permute(1, 0, 2, 3, 4).reshape(Hkv, B * G * n, Lp) @ vp.permute(1, 0, 2)).view(
+            Hkv, B, G, n, D).permute(1, 3, 0, 2, 4)  # fmt: skip
+    o_win = (p[..., Lp:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
+        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+    return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)

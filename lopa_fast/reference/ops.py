@@ -6,50 +6,23 @@ Every op here has the same signature as its public op in `lopa_fast.ops`; these 
 from __future__ import annotations
 
 import math
+
 import torch
 
-from lopa_fast.sampling import softmax_stats
 from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract types)
     ATTENTION_MODES,
     COMPARATORS,
     Confidence,
     RoundSelection,
     lowest_k_table,
+    window_key_mask,
 )
+from lopa_fast.sampling import softmax_stats
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32 for fp16/bf16/fp32 inputs, float64 for float64 inputs (tests use fp64 as the exact oracle)."""
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def window_key_mask(
-    n: int,
-    win_lens: torch.Tensor | None,
-    block_ids: torch.Tensor | None,
-    mode: str,
-    batch: int,
-    device,
-) -> torch.Tensor:
-    """Visibility of window keys: bool [B, n_query, n_key] (True = visible).
-
-    Query (b, i) sees window key j iff j < win_lens[b] and
-      full:          always
-      block_causal:  block_ids[b, j] <= block_ids[b, i]
-      causal:        j <= i
-    Built from block ids and lengths; the prefix (cache) part is always fully visible.
-    """
-    j = torch.arange(n, device=device)
-    if win_lens is None:
-        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
-    else:
-        valid = j[None, :] < win_lens.to(device).reshape(batch, 1)
-    vis = valid[:, None, :].expand(batch, n, n)
-    if mode == "causal":
-        vis = vis & (j[None, :, None] >= j[None, None, :])
-    elif mode == "block_causal":
-        vis = vis & (block_ids[:, None, :] <= block_ids[:, :, None])
-    return vis
 
 
 def branch_attention(

@@ -1,0 +1,118 @@
+"""CPU, one thread: reference vs eager fast vs compiled fast (compile=True, after warm-up), side by side.
+
+The grid of the compiled-round issue: LoPA/D2F with branching_factor k in {1, 2, 4} (1, 3, 5 sequences
+per round), both attention modes, block sizes 4 and 8, on the project's tiny random Dream model (2 layers,
+hidden 32, vocab 64, sharpened), three prompts of one length per config (so the compiled rounds of the
+first prompt serve the others). The three paths produce the same tokens and forwards (asserted), so the
+ratios compare equal work. One benchmark round runs the three paths alternately on the three prompts, so
+a burst of load on the shared CPU hits all of them alike. Compile seconds (first request, per config) and
+the number of requests after which compiling pays off are reported beside the ratios.
+
+Run (results + the exact command in bench/results/round_cpu.md):
+    python -m pytest bench/bench_round_cpu.py -m bench -q --benchmark-json=bench/results/round_cpu.json
+    python bench/bench_round_cpu.py bench/results/round_cpu.json > bench/results/round_cpu.md
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.testing import random_model, tiny_hf_config
+
+RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
+PATHS = ("reference", "fast", "compiled")
+PROMPTS, PROMPT_LEN, ROUNDS = 3, 16, 5
+_model = None
+
+
+def model():
+    global _model
+    if _model is None:
+        _model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+    return _model
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 60, (PROMPT_LEN,), generator=g) for _ in range(PROMPTS)]
+
+
+def knobs(k: int, full: bool, bs: int) -> dict:
+    return dict(branching_factor=k, use_full_attention=full, block_size=bs, max_new_tokens=32, skip_threshold=0.9,
+                sampling_strategy="neg_entropy", eos_token_id=0)  # eos 0: rarely predicted, all 32 decode
+
+
+def run(path: str, p, kw: dict):
+    backend = "reference" if path == "reference" else "fast"
+    return lopa_fast.generate(model(), p, "lopa", backend, compile=path == "compiled", **kw)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("bs", [4, 8])
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_round_cpu(benchmark, k, full, bs):
+    torch.set_num_threads(1)
+    kw = knobs(k, full, bs)
+    ps = prompts()
+    t0 = time.perf_counter()
+    warm = [run("compiled", p, kw) for p in ps]  # compiles every bucket (the explicit warm-up)
+    warm_s = time.perf_counter() - t0
+    compile_s = sum(sum(o.stats["compile_seconds"].values()) for o in warm[:1])
+    graphs = sum(o.stats["compiled_graphs"] for o in warm)
+    refs = [run("reference", p, kw) for p in ps]
+    times = {path: [] for path in PATHS}
+    outs = {}
+
+    def triple():
+        for path in PATHS:
+            t = time.perf_counter()
+            outs[path] = [run(path, p, kw) for p in ps]
+            times[path].append(time.perf_counter() - t)
+
+    benchmark.pedantic(triple, rounds=ROUNDS, iterations=1)
+    for path in ("fast", "compiled"):
+        for o, r in zip(outs[path], refs):
+            assert o.generated_ids == r.generated_ids and o.stats["forwards"] == r.stats["forwards"], path
+    assert all(o.stats["compiled_graphs"] == 0 for o in outs["compiled"])  # replays only after warm-up
+    med = {path: statistics.median(v) for path, v in times.items()}
+    benchmark.extra_info.update(
+        k=k, full=full, bs=bs, forwards=sum(o.stats["forwards"] for o in refs), graphs=graphs,
+        buckets=sorted({tuple(b) for o in warm for b in o.stats["compiled_buckets"]}), compile_s=compile_s,
+        warmup_s=warm_s, **{f"{p}_median": med[p] for p in PATHS}, **{f"{p}_min": min(times[p]) for p in PATHS},
+        torch=torch.__version__, threads=torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def report(path: str) -> str:
+    """Markdown table from the JSON: seconds per 3 requests (median of the rounds) and the ratios."""
+    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    out = ["| k (seqs) | attention | block | forwards | reference s | fast s | compiled s | fast vs ref "
+           "| compiled vs ref | graphs | compile s | pays off after |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    tot = {p: 0.0 for p in PATHS}
+    for e in sorted(rows, key=lambda e: (e["k"], not e["full"], e["bs"])):
+        r, f, c = (e[f"{p}_median"] for p in PATHS)
+        for p in PATHS:
+            tot[p] += e[f"{p}_median"]
+        per_req_gain = (f - c) / PROMPTS
+        pay = f"{e['compile_s'] / per_req_gain:.0f} requests" if per_req_gain > 0 else "never"
+        k = e["k"]
+        out.append(
+            f"| {k} ({k + 1 if k > 1 else 1}) | {'full' if e['full'] else 'block-causal'} | {e['bs']} "
+            f"| {e['forwards']} | {r:.4f} | {f:.4f} | {c:.4f} | **{r / f:.2f}x** | **{r / c:.2f}x** "
+            f"| {e['graphs']} | {e['compile_s']:.1f} | {pay} |"
+        )
+    out.append(f"| all | | | | {tot['reference']:.3f} | {tot['fast']:.3f} | {tot['compiled']:.3f} "
+               f"| **{tot['reference'] / tot['fast']:.2f}x** | **{tot['reference'] / tot['compiled']:.2f}x** | | | |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(report(sys.argv[1]))
