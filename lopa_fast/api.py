@@ -135,6 +135,8 @@ def _generate_signature() -> inspect.Signature:
     for f in dataclasses.fields(GenerateConfig):
         kind = P.POSITIONAL_OR_KEYWORD if f.name in _POSITIONAL_KNOBS else P.KEYWORD_ONLY
         params.append(P(f.name, kind, default=f.default, annotation=f.type))
+    # the one argument that is not a knob: APD's verifier model (never stored in the copyable config)
+    params.append(P("verifier", P.KEYWORD_ONLY, default=None))
     return inspect.Signature(params, return_annotation="GenerateOutput")
 
 
@@ -146,7 +148,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
 
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
     input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; batch 1.
-    strategy:   "vanilla" | "threshold" | "d2f" | "lopa" (docs/decoding.md describes each and its knobs).
+    strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
     backend:    "reference" (per-branch Python, the semantics oracle) | "fast" (batched decoder;
                 raises for strategies it does not cover) | "auto" (fast where available, else reference).
     Every other knob is keyword-only, with the defaults of `lopa_fast.GenerateConfig` (the one place they
@@ -160,7 +162,10 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     Strategy-specific knobs (None = the strategy's default): vanilla (LLaDA: steps, block_length, remasking,
     cfg_scale, logits_eos_inf, confidence_eos_eot_inf; Dream: steps, alg, alg_temp, eps) and threshold
     (block_length, steps, exactly one of threshold / factor / entropy_threshold, cache None|"prefix"|"dual",
-    count_noop_forward).
+    count_noop_forward); apd (apd_mixture_weight, kv_window, max_lookahead, tokens_per_step,
+    single_temperature, coupled_gumbel, exact_prev_logits).
+    verifier:   strategy="apd" only: the causal AR qwen2 model that verifies the drafts (its vocabulary a
+                prefix of the drafter's); None with apd_mixture_weight=None runs the leftright baseline.
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
@@ -174,23 +179,39 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
+    verifier = kw.pop("verifier", None)
+    if verifier is not None:
+        return generate_with_config(model, input_ids, GenerateConfig(**kw), verifier=verifier)
     return generate_with_config(model, input_ids, GenerateConfig(**kw))
 
 
 generate.__signature__ = _SIGNATURE
 
 
-def generate_with_config(model, input_ids, cfg: GenerateConfig) -> GenerateOutput:
-    """`generate` with a prepared GenerateConfig (validated and bound to the model here)."""
+def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -> GenerateOutput:
+    """`generate` with a prepared GenerateConfig (validated and bound to the model here).
+
+    verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
+    if verifier is not None and cfg.strategy != "apd":
+        raise ValueError(f"verifier= applies to strategy='apd' (the AR model that verifies drafts); strategy={cfg.strategy!r}")
     ids = prepare_prompt(model, input_ids)
     cfg = cfg.resolve(model)
     check_prompt(model, ids, cfg)
     fn, ran, fallback = resolve_backend(cfg)
+    if cfg.strategy == "apd":  # the pair is checked before any forward; the verifier travels beside the config
+        from lopa_fast.reference.apd import check_models
+
+        check_models(model, verifier, cfg)
+        if verifier is not None and verifier.config.max_position_embeddings < ids.numel() + cfg.max_new_tokens:
+            raise ValueError(
+                f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
+                f"max_position_embeddings={verifier.config.max_position_embeddings}"
+            )
     with torch.inference_mode():
-        out = fn(model, ids, cfg)
+        out = fn(model, ids, cfg, verifier=verifier) if cfg.strategy == "apd" else fn(model, ids, cfg)
     out.stats.setdefault("strategy", cfg.strategy)
     out.stats["backend"] = ran
     if fallback is not None:

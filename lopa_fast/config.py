@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-STRATEGIES = ("vanilla", "threshold", "d2f", "lopa")
+STRATEGIES = ("vanilla", "threshold", "d2f", "lopa", "apd")
 BACKENDS = ("reference", "fast", "auto")
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 ROUND_CAP_ACTIONS = ("warn", "error")
@@ -30,11 +30,15 @@ CACHE_MODES = (None, "prefix", "dual")
 LLADA_VANILLA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
 DREAM_VANILLA_KNOBS = ("steps", "alg", "alg_temp", "eps")
 THRESHOLD_KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
+# APD (danielmisrael/apd `apd_sample`): R, W, M, the leftright baseline's K, and the opt-in fixes of quirks Q1-Q3
+APD_KNOBS = ("apd_mixture_weight", "kv_window", "max_lookahead", "tokens_per_step", "single_temperature",
+             "coupled_gumbel", "exact_prev_logits")  # fmt: skip
 STRATEGY_KNOBS = {
     "vanilla": tuple(dict.fromkeys(LLADA_VANILLA_KNOBS + DREAM_VANILLA_KNOBS)),
     "threshold": THRESHOLD_KNOBS,
     "d2f": (),
     "lopa": (),
+    "apd": APD_KNOBS,
 }
 ALL_SPECIFIC_KNOBS = tuple(dict.fromkeys(k for v in STRATEGY_KNOBS.values() for k in v))
 
@@ -123,6 +127,16 @@ class GenerateConfig:
     entropy_threshold: float | None = None
     cache: str | None = None
     count_noop_forward: bool | None = None
+    # apd (docs/decoding.md "APD"): apd_mixture_weight R in [0, 1] (None: the verifier-free leftright baseline),
+    # kv_window W >= 0 (None: no dLLM cache), max_lookahead M >= 1 (None: the whole canvas), tokens_per_step K
+    # (leftright only; None: 1), and the opt-in fixes of upstream quirks Q1 / Q2 / Q3 (None or False: upstream)
+    apd_mixture_weight: float | None = None
+    kv_window: int | None = None
+    max_lookahead: int | None = None
+    tokens_per_step: int | None = None
+    single_temperature: bool | None = None
+    coupled_gumbel: bool | None = None
+    exact_prev_logits: bool | None = None
 
     # ---------------------------------------------------------------------------------------------
     def replace(self, **kw) -> "GenerateConfig":
@@ -212,7 +226,36 @@ class GenerateConfig:
                 )
         if self.strategy in ("vanilla", "threshold"):
             self._check_blocks()
+        if self.strategy == "apd":
+            self._check_apd()
         return self
+
+    def _check_apd(self) -> None:
+        _prob("apd_mixture_weight", self.apd_mixture_weight, allow_none=True)
+        _num("kv_window", self.kv_window, allow_none=True, integer=True)
+        if self.kv_window is not None and self.kv_window < 0:
+            raise ValueError(f"kv_window={self.kv_window!r}; allowed: an int >= 0 (recomputed positions) or None (no cache)")
+        _positive_int("max_lookahead", self.max_lookahead, allow_none=True)
+        _positive_int("tokens_per_step", self.tokens_per_step, allow_none=True)
+        for name in ("single_temperature", "coupled_gumbel", "exact_prev_logits"):
+            if getattr(self, name) is not None:
+                _bool(name, getattr(self, name))
+        if self.apd_mixture_weight is not None and self.tokens_per_step is not None:
+            raise ValueError(
+                f"tokens_per_step={self.tokens_per_step!r} applies to the verifier-free leftright baseline "
+                f"(apd_mixture_weight=None); with apd_mixture_weight={self.apd_mixture_weight!r} the verifier decides "
+                "how many tokens each step accepts"
+            )
+        if self.apd_mixture_weight is None:
+            for name in ("coupled_gumbel", "exact_prev_logits"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True applies to APD with a verifier; apd_mixture_weight=None (leftright) has none")
+        k = self.tokens_per_step or 1
+        if self.max_lookahead is not None and k > self.max_lookahead:
+            raise ValueError(
+                f"tokens_per_step={k} > max_lookahead={self.max_lookahead}: a step cannot commit more tokens than the "
+                "lookahead window drafts; allowed: tokens_per_step <= max_lookahead"
+            )
 
     def _check_blocks(self) -> None:
         """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0."""
@@ -305,6 +348,9 @@ class GenerateConfig:
                 steps=self.steps if self.steps is not None else self.max_new_tokens // bl,
                 count_noop_forward=bool(self.count_noop_forward),
             )
+        if self.strategy == "apd":
+            kw.update(single_temperature=bool(self.single_temperature), coupled_gumbel=bool(self.coupled_gumbel),
+                      exact_prev_logits=bool(self.exact_prev_logits))  # fmt: skip
         out = self.replace(**kw)
         if out.strategy in ("vanilla", "threshold"):
             out._check_blocks()  # the resolved block_length (default: block_size / max_new_tokens) and steps

@@ -12,7 +12,10 @@ def test_generate_signature_is_the_config():
     params = inspect.signature(lopa_fast.generate).parameters
     fields = dataclasses.fields(GenerateConfig)
     assert list(params)[:2] == ["model", "input_ids"]
-    assert list(params)[2:] == [f.name for f in fields]
+    # the one extra: APD's verifier model, an argument beside the knobs (never stored in the copyable config)
+    assert list(params)[2:] == [f.name for f in fields] + ["verifier"]
+    assert params["verifier"].default is None and params["verifier"].kind == inspect.Parameter.KEYWORD_ONLY
+    assert "verifier" not in {f.name for f in fields}
     for f in fields:
         p = params[f.name]
         assert p.default == f.default, f.name
