@@ -1,11 +1,21 @@
 """lopa_fast: fast, faithful decoding for diffusion LLMs (LoPA, D2F, Fast-dLLM, APD, dParallel)."""
 from lopa_fast.api import generate
-from lopa_fast.config import GenerateConfig, LopaConfig, RoundCapError
+from lopa_fast.config import GenerateConfig, LopaConfig
+from lopa_fast.errors import (
+    CheckpointError,
+    ConfigError,
+    KnobError,
+    LopaError,
+    MemoryBudgetError,
+    NonFiniteLogitsError,
+    RoundCapError,
+)
 from lopa_fast.models import KVCache, load_model, load_tokenizer
 from lopa_fast.output import GenerateOutput
 
 __version__ = "0.1.0"
 __all__ = [
+    "CheckpointError", "ConfigError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
     "GenerateConfig", "GenerateOutput", "KVCache", "LopaConfig", "RoundCapError", "generate", "load_model",
     "load_tokenizer",
 ]  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 STRATEGIES = ("vanilla", "threshold", "d2f", "lopa", "apd")
@@ -43,18 +44,22 @@ STRATEGY_KNOBS = {
 ALL_SPECIFIC_KNOBS = tuple(dict.fromkeys(k for v in STRATEGY_KNOBS.values() for k in v))
 
 
-class RoundCapError(RuntimeError):
-    """Raised when a decoding loop hits `max_rounds` and `on_round_cap="error"`."""
+from lopa_fast.errors import KnobError, RoundCapError  # noqa: E402,F401  (RoundCapError re-exported here)
+
+INT_KNOB_LIMIT = 2**31  # every int knob is below it (device tables index with int32); seeds: below 2**63
 
 
-def _num(name, value, *, allow_none=False, integer=False):
+def _num(name, value, *, allow_none=False, integer=False, limit=INT_KNOB_LIMIT):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an int" if integer else "a number"
         raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected {kind}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name}={value!r}; expected a finite number")
+        raise KnobError(f"{name}={value!r}; expected a finite number", knob=name, value=value)
+    if isinstance(value, int) and abs(value) >= limit:
+        raise KnobError(f"{name}={value!r} is out of range; allowed: |{name}| < 2**{limit.bit_length() - 1}",
+                        knob=name, value=value)  # fmt: skip
 
 
 def _prob(name, value, *, allow_none=False):
@@ -162,7 +167,7 @@ class GenerateConfig:
         _positive_int("top_k", self.top_k, allow_none=True)
         for name in ("mask_token_id", "eos_token_id", "seed"):
             v = getattr(self, name)
-            _num(name, v, allow_none=True, integer=True)
+            _num(name, v, allow_none=True, integer=True, limit=2**63 if name == "seed" else INT_KNOB_LIMIT)
             if v is not None and v < 0:
                 raise ValueError(f"{name}={v!r}; allowed: an int >= 0")
         _bool("return_trace", self.return_trace)
@@ -323,7 +328,7 @@ class GenerateConfig:
                 bl = self.block_length if self.block_length is not None else self.max_new_tokens
                 kw.update(
                     block_length=bl,
-                    steps=self.steps if self.steps is not None else self.max_new_tokens,
+                    steps=self._vanilla_steps(),
                     remasking=self.remasking or "low_confidence",
                     cfg_scale=self.cfg_scale if self.cfg_scale is not None else 0.0,
                     logits_eos_inf=bool(self.logits_eos_inf),
@@ -337,7 +342,7 @@ class GenerateConfig:
                         f"Dream vanilla knobs: {', '.join(DREAM_VANILLA_KNOBS)}"
                     )
                 kw.update(
-                    steps=self.steps if self.steps is not None else self.max_new_tokens,
+                    steps=self._vanilla_steps(),
                     alg=self.alg or "origin",
                     eps=self.eps if self.eps is not None else 1e-3,
                 )
@@ -355,6 +360,19 @@ class GenerateConfig:
         if out.strategy in ("vanilla", "threshold"):
             out._check_blocks()  # the resolved block_length (default: block_size / max_new_tokens) and steps
         return out
+
+    def _vanilla_steps(self) -> int:
+        """Vanilla's steps (default max_new_tokens). More steps than positions only adds forwards that transfer
+        nothing (upstream runs them): capped at max_new_tokens with a RuntimeWarning, or refused with
+        on_round_cap="error" (the round-cap policy; a documented deviation, docs/decoding.md)."""
+        if self.steps is None or self.steps <= self.max_new_tokens:
+            return self.steps if self.steps is not None else self.max_new_tokens
+        msg = (f"steps={self.steps} exceeds max_new_tokens={self.max_new_tokens} (at least one position per step); "
+               "the extra steps would only repeat forwards")  # fmt: skip
+        if self.on_round_cap == "error":
+            raise KnobError(msg + "; pass steps <= max_new_tokens", knob="steps", value=self.steps)
+        warnings.warn(msg + f"; capped at steps={self.max_new_tokens}", RuntimeWarning, stacklevel=4)
+        return self.max_new_tokens
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

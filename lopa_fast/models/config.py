@@ -52,6 +52,51 @@ class ModelConfig:
         return self.kind in ("dream", "qwen2")
 
 
+_MISSING = object()
+SIZE_LIMIT = 2**31  # every size / id is below it (int32 device indices)
+
+
+def _fail(source, key, value, allowed):
+    from lopa_fast.errors import ConfigError
+
+    raise ConfigError(f"{source}: {key}={value!r}; allowed: {allowed}", file=source, key=key, value=value)
+
+
+def _int(cfg: dict, key: str, source: str, default=_MISSING, *, lo: int = 1, hi: int = SIZE_LIMIT) -> int:
+    """cfg[key] as an int in [lo, hi) (a whole float such as 4096.0 is accepted), else ConfigError naming it."""
+    value = cfg.get(key, default)
+    if value is _MISSING:
+        from lopa_fast.errors import ConfigError
+
+        raise ConfigError(f"{source}: missing required key {key!r}", file=source, key=key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(source, key, value, f"an int in [{lo}, {hi})")
+    if not lo <= value < hi:
+        _fail(source, key, value, f"an int in [{lo}, {hi})")
+    return value
+
+
+def _float(cfg: dict, key: str, source: str, default: float, *, lo: float, hi: float, what: str) -> float:
+    """cfg[key] as a finite float in (lo, hi) (exclusive), else ConfigError naming it."""
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < float(value) < hi:
+        _fail(source, key, value, what)
+    return float(value)
+
+
+def _flag(cfg: dict, key: str, source: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        _fail(source, key, value, "true or false")
+    return value
+
+
 def _first_id(value):
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
@@ -68,8 +113,27 @@ def _id_list(value) -> list[int]:
 
 def _require(cfg: dict, key: str, source: str):
     if key not in cfg:
-        raise ValueError(f"{source}: missing required key {key!r}")
+        from lopa_fast.errors import ConfigError
+
+        raise ConfigError(f"{source}: missing required key {key!r}", file=source, key=key)
     return cfg[key]
+
+
+def _check_ids(mc: "ModelConfig", source: str) -> None:
+    """Every special id an int inside the vocabulary."""
+    ids = [(n, getattr(mc, n)) for n in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")]
+    ids += [("eos_token_id", v) for v in mc.eos_token_ids]
+    for name, v in ids:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < mc.vocab_size):
+            _fail(source, name, v, f"an id in [0, vocab_size={mc.vocab_size})")
+
+
+def _check_consistency(mc: "ModelConfig", source: str, keys: dict) -> None:
+    """Heads divide the hidden size (when head_dim is derived), kv heads divide heads, head_dim even (RoPE)."""
+    if mc.num_heads % mc.num_kv_heads:
+        _fail(source, keys["kv"], mc.num_kv_heads, f"a divisor of {keys['heads']}={mc.num_heads}")
+    if mc.head_dim % 2:
+        _fail(source, keys["head_dim"], mc.head_dim, "an even head dimension (RoPE rotates pairs)")
 
 
 def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "config.json") -> ModelConfig:
@@ -77,77 +141,90 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
 
     Special ids come from config.json first, then generation_config.json for the ones it lacks.
     """
+    from lopa_fast.errors import ConfigError
+
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: holds a JSON {type(cfg).__name__}, expected an object", file=source, value=cfg)
+    if generation_cfg is not None and not isinstance(generation_cfg, dict):
+        raise ConfigError(f"generation_config.json next to {source}: expected a JSON object", file=source)
     gen = generation_cfg or {}
     model_type = cfg.get("model_type")
     if model_type is None:
-        raise ValueError(f"{source}: no 'model_type'; supported: {SUPPORTED_MODEL_TYPES}")
+        raise ConfigError(f"{source}: no 'model_type'; supported: {SUPPORTED_MODEL_TYPES}", file=source, key="model_type")
+    if not isinstance(model_type, str):
+        _fail(source, "model_type", model_type, f"a string, one of {SUPPORTED_MODEL_TYPES}")
     key = str(model_type).lower()
     if key in QWEN2_FAMILY_TYPES:
         kind = QWEN2_FAMILY_TYPES[key]
-        hidden = int(_require(cfg, "hidden_size", source))
-        heads = int(_require(cfg, "num_attention_heads", source))
+        hidden = _int(cfg, "hidden_size", source)
+        heads = _int(cfg, "num_attention_heads", source)
         rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            _fail(source, "rope_scaling", rope_scaling, "null or an object")
         if rope_scaling not in (None, {}) and (rope_scaling or {}).get("type", rope_scaling.get("rope_type")) not in (
             None,
             "default",
         ):
-            raise ValueError(f"{source}: rope_scaling={rope_scaling!r} is not supported (only none/default)")
+            raise ConfigError(f"{source}: rope_scaling={rope_scaling!r} is not supported (only none/default)", file=source)
         mc = ModelConfig(
             kind=kind,
             model_type=str(model_type),
-            vocab_size=int(_require(cfg, "vocab_size", source)),
+            vocab_size=_int(cfg, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", source)),
-            num_layers=int(_require(cfg, "num_hidden_layers", source)),
+            intermediate_size=_int(cfg, "intermediate_size", source),
+            num_layers=_int(cfg, "num_hidden_layers", source),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_kv_heads=_int(cfg, "num_key_value_heads", source, cfg.get("num_key_value_heads") or heads),
+            head_dim=_int(cfg, "head_dim", source) if cfg.get("head_dim") else _derived_head_dim(hidden, heads, source),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", source, 32768),
+            rope_theta=_float(cfg, "rope_theta", source, 10000.0, lo=0.0, hi=float("inf"), what="a finite number > 0"),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-6, lo=0.0, hi=1.0, what="a number in (0, 1)"),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, False),
             qkv_bias=True,
         )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+            raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')", file=source)
     elif key in LLADA_TYPES:
-        hidden = int(_require(cfg, "d_model", source))
-        heads = int(_require(cfg, "n_heads", source))
-        mlp_hidden = cfg.get("mlp_hidden_size")
-        if mlp_hidden is None:
-            mlp_hidden = int(cfg.get("mlp_ratio", 4)) * hidden
+        hidden = _int(cfg, "d_model", source)
+        heads = _int(cfg, "n_heads", source)
+        if cfg.get("mlp_hidden_size") is not None:
+            mlp_hidden = _int(cfg, "mlp_hidden_size", source)
+        else:
+            mlp_hidden = _int(cfg, "mlp_ratio", source, 4) * hidden
         # LLaDA's SwiGLU splits ff_proj / up_proj, each of width mlp_hidden_size (12288 for 8B).
         norm = cfg.get("layer_norm_type", "rms")
         if norm not in ("rms", "default_rms"):
-            raise ValueError(f"{source}: layer_norm_type={norm!r} is not supported (only 'rms')")
+            raise ConfigError(f"{source}: layer_norm_type={norm!r} is not supported (only 'rms')", file=source)
         block = cfg.get("block_type", "llama")
         if block != "llama":
-            raise ValueError(f"{source}: block_type={block!r} is not supported (only 'llama')")
+            raise ConfigError(f"{source}: block_type={block!r} is not supported (only 'llama')", file=source)
         if cfg.get("include_bias", False):
-            raise ValueError(f"{source}: include_bias=true is not supported (LLaDA checkpoints have no biases)")
-        vocab = int(cfg.get("embedding_size") or _require(cfg, "vocab_size", source))
+            raise ConfigError(f"{source}: include_bias=true is not supported (LLaDA checkpoints have no biases)", file=source)
+        vocab = _int(cfg, "embedding_size", source) if cfg.get("embedding_size") else _int(cfg, "vocab_size", source)
         mc = ModelConfig(
             kind="llada",
             model_type=str(model_type),
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=int(mlp_hidden),
-            num_layers=int(_require(cfg, "n_layers", source)),
+            num_layers=_int(cfg, "n_layers", source),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("n_kv_heads") or heads),
-            head_dim=hidden // heads,
-            max_position_embeddings=int(cfg.get("max_sequence_length", 4096)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(cfg.get("weight_tying", False)),
-            qkv_bias=bool(cfg.get("include_qkv_bias", False)),
+            num_kv_heads=_int(cfg, "n_kv_heads", source, cfg.get("n_kv_heads") or heads),
+            head_dim=_derived_head_dim(hidden, heads, source, ("d_model", "n_heads")),
+            max_position_embeddings=_int(cfg, "max_sequence_length", source, 4096),
+            rope_theta=_float(cfg, "rope_theta", source, 10000.0, lo=0.0, hi=float("inf"), what="a finite number > 0"),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-5, lo=0.0, hi=1.0, what="a number in (0, 1)"),
+            tie_word_embeddings=_flag(cfg, "weight_tying", source, False),
+            qkv_bias=_flag(cfg, "include_qkv_bias", source, False),
         )
     else:
-        raise ValueError(f"{source}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}", file=source)
 
-    if mc.num_heads % mc.num_kv_heads:
-        raise ValueError(f"{source}: num_attention_heads={mc.num_heads} is not a multiple of kv heads {mc.num_kv_heads}")
+    llada = mc.kind == "llada"
+    _check_consistency(mc, source, {"kv": "n_kv_heads" if llada else "num_key_value_heads",
+                                    "heads": "n_heads" if llada else "num_attention_heads",
+                                    "head_dim": "d_model" if llada else "head_dim"})  # fmt: skip
     defaults = {"llada": {"mask_token_id": 126336, "eos_token_id": 126081, "pad_token_id": 126081}}.get(mc.kind, {})
     for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
         value = cfg.get(name)
@@ -155,7 +232,18 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
             value = gen.get(name)
         if value is None:
             value = defaults.get(name)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)) and not (
+            isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            _fail(source, name, value, f"an int id in [0, vocab_size={mc.vocab_size}) (or a list of them)")
         if name == "eos_token_id":
             mc.eos_token_ids = _id_list(value)
         setattr(mc, name, _first_id(value))
+    _check_ids(mc, source)
     return mc
+
+
+def _derived_head_dim(hidden: int, heads: int, source: str, keys=("hidden_size", "num_attention_heads")) -> int:
+    if hidden % heads:
+        _fail(source, keys[1], heads, f"a divisor of {keys[0]}={hidden}")
+    return hidden // heads

@@ -30,8 +30,7 @@ SUPPORTED_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory or adapter that cannot be loaded as asked."""
+from lopa_fast.errors import CheckpointError, ConfigError, MemoryBudgetError  # noqa: E402  (CheckpointError re-exported)
 
 
 def _resolve_dtype(dtype) -> torch.dtype:
@@ -46,10 +45,14 @@ def _resolve_dtype(dtype) -> torch.dtype:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raise ConfigError(f"{path}: not valid JSON ({e})", file=path) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})", file=path) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply", file=path) from None
 
 
 def build_model(cfg: ModelConfig) -> DecoderLM:
@@ -58,10 +61,128 @@ def build_model(cfg: ModelConfig) -> DecoderLM:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, exactly as the checkpoint must hold them."""
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """Tensor name -> shape, exactly as the checkpoint must hold them (computed from the config: no model
+    skeleton is built, so a config with a million layers costs nothing before it is refused)."""
+    H, V, I, D = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.kind == "llada":
+        pre = "model.transformer."
+        out[pre + "wte.weight"] = (V, H)
+        names = {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "attn_out": (H, q), "ff_proj": (I, H),
+                 "up_proj": (I, H), "ff_out": (H, I), "attn_norm": (H,), "ff_norm": (H,)}  # fmt: skip
+        bias = cfg.qkv_bias
+        layer = pre + "blocks.{}."
+        tail = {pre + "ln_f.weight": (H,)}
+        head = pre + "ff_out.weight"
+    else:
+        out["model.embed_tokens.weight"] = (V, H)
+        names = {"input_layernorm": (H,), "self_attn.q_proj": (q, H), "self_attn.k_proj": (kv, H),
+                 "self_attn.v_proj": (kv, H), "self_attn.o_proj": (H, q), "post_attention_layernorm": (H,),
+                 "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}  # fmt: skip
+        bias = True
+        layer = "model.layers.{}."
+        tail = {"model.norm.weight": (H,)}
+        head = "lm_head.weight"
+    for i in range(cfg.num_layers):
+        p = layer.format(i)
+        for n, shape in names.items():
+            out[p + n + ".weight"] = shape
+            if bias and n.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+                out[p + n + ".bias"] = shape[:1]
+    out.update(tail)
+    if not cfg.tie_word_embeddings:
+        out[head] = (V, H)
+    return out
+
+
+def head_names(cfg: ModelConfig) -> tuple[str, str]:
+    """(embedding tensor name, separate head tensor name) of a family."""
+    if cfg.kind == "llada":
+        return "model.transformer.wte.weight", "model.transformer.ff_out.weight"
+    return "model.embed_tokens.weight", "lm_head.weight"
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor: (shape, safetensors dtype)} from the headers of the weight files (no tensor is read).
+    Any safetensors error is re-raised as CheckpointError naming the file."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    out = {}
+    for f, names in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                present = set(sf.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there",
+                                              path=f, key=name)  # fmt: skip
+                    sl = sf.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+        except CheckpointError:
+            raise
+        except Exception as e:  # SafetensorError, OSError, ...: name the file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})", path=f) from e
+    return out
+
+
+def total_memory(device="cpu") -> tuple[int, int]:
+    """(total, available) bytes of the device's memory; on the CPU the smaller of the machine's and the cgroup's
+    limit (v2 memory.max, v1 memory.limit_in_bytes), available from MemAvailable (and the cgroup's headroom)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(total), int(free)
+    total = avail = None
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        total = int(info["MemTotal"].split()[0]) * 1024
+        avail = int(info.get("MemAvailable", info["MemFree"]).split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return 1 << 62, 1 << 62
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            raw = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < total:
+            total = int(raw)
+            try:
+                avail = min(avail, total - int(Path(usage_file).read_text().strip()))
+            except (OSError, ValueError):
+                avail = min(avail, total)
+        break
+    return int(total), int(avail)
+
+
+def check_memory(needed: int, device, what: str) -> None:
+    """Refuse (MemoryBudgetError) when `needed` bytes exceed the device's total memory; warn above what is free."""
+    total, avail = total_memory(device)
+    gib = 2**30
+    if needed > total:
+        raise MemoryBudgetError(
+            f"{what} needs about {needed / gib:.2f} GiB, more than the {torch.device(device).type} memory of this "
+            f"machine ({total / gib:.2f} GiB, cgroup limits included)", needed_bytes=needed, total_bytes=total, what=what)
+    if needed > avail:
+        import warnings
+
+        warnings.warn(f"{what} needs about {needed / gib:.2f} GiB, more than is free now ({avail / gib:.2f} GiB)",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -81,12 +202,22 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[str, dict[str, Path]]
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no 'weight_map' object")
+            raise CheckpointError(f"{index}: no 'weight_map' object", path=index, key="weight_map")
         files = {}
         for name, fname in weight_map.items():
+            if not isinstance(fname, str) or not fname or "\x00" in fname:
+                raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}; expected a shard file name",
+                                      path=index, key=name)  # fmt: skip
+            parts = Path(fname).parts
+            if Path(fname).is_absolute() or os.path.isabs(fname) or ".." in parts or "\\" in fname:
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} maps to shard {fname!r}, outside the model directory "
+                    "(shard names must be relative, without '..')", path=index, key=name)
             f = path / fname
+            # the lexical check above is the rule; a shard that is a symlink (HF cache layout: blobs/) is allowed
             if not f.is_file():
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to shard {fname!r}, which is missing")
             files[name] = f
@@ -94,8 +225,12 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[str, dict[str, Path]]
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return "safetensors", {k: single for k in f.keys()}
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return "safetensors", {k: single for k in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{single}: not a readable safetensors file ({type(e).__name__}: {e})",
+                                  path=single) from e
     pickles = sorted(path.glob("pytorch_model*.bin"))
     if pickles:
         if not allow_pickle:
@@ -120,13 +255,44 @@ def _read_tensors(path: Path, kind: str, files: dict[str, Path]) -> dict[str, to
         by_file.setdefault(f, []).append(name)
     out = {}
     for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as sf:
-            present = set(sf.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there")
-                out[name] = sf.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                present = set(sf.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there",
+                                              path=f, key=name)  # fmt: skip
+                    out[name] = sf.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{f}: reading tensors failed ({type(e).__name__}: {e})", path=f) from e
     return out
+
+
+_LAYER_INDEX = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
+
+
+def _check_against_headers(cfg: ModelConfig, headers: dict, cfg_file: Path) -> None:
+    """The config's layer count, vocabulary and hidden size against the weight headers, before any shape table
+    or skeleton is built from them (a config claiming a million layers fails here, in microseconds)."""
+    seen = {int(m.group(1)) for k in headers for m in [_LAYER_INDEX.search(k)] if m}
+    layers_key = "n_layers" if cfg.kind == "llada" else "num_hidden_layers"
+    n = max(seen) + 1 if seen else 0
+    if n != cfg.num_layers:
+        raise ConfigError(
+            f"{cfg_file}: {layers_key}={cfg.num_layers}, but the weight files hold {n} layer(s)",
+            file=cfg_file, key=layers_key, value=cfg.num_layers)
+    emb_name, _ = head_names(cfg)
+    if emb_name in headers:
+        shape = headers[emb_name][0]
+        want = (cfg.vocab_size, cfg.hidden_size)
+        if tuple(shape) != want:
+            key = ("embedding_size/vocab_size", "d_model") if cfg.kind == "llada" else ("vocab_size", "hidden_size")
+            bad = key[0] if len(shape) != 2 or shape[0] != want[0] else key[1]
+            raise ConfigError(
+                f"{cfg_file}: {bad} disagrees with the weights: {emb_name!r} has shape {tuple(shape)}, "
+                f"the config implies {want}", file=cfg_file, key=bad)
 
 
 def _check_tensors(tensors: dict, shapes: dict, source: str) -> None:
@@ -140,11 +306,16 @@ def _check_tensors(tensors: dict, shapes: dict, source: str) -> None:
             "(not part of this model_type's architecture)"
         )
     for name, shape in shapes.items():
-        actual = tuple(tensors[name].shape)
+        t = tensors[name]
+        if isinstance(t, tuple):  # (shape, dtype) from a safetensors header
+            actual, floating = tuple(t[0]), t[1] in _FLOAT_DTYPES
+        else:
+            actual, floating = tuple(t.shape), t.is_floating_point()
         if actual != shape:
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {actual}, expected {shape}")
-        if not tensors[name].is_floating_point():
-            raise CheckpointError(f"{source}: tensor {name!r} has dtype {tensors[name].dtype}, expected a float")
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {actual}, expected {shape}", path=source, key=name)
+        if not floating:
+            dt = t[1] if isinstance(t, tuple) else t.dtype
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {dt}, expected a float", path=source, key=name)
 
 
 # ---- PEFT LoRA ------------------------------------------------------------------------------------
@@ -163,6 +334,30 @@ def _lora_scale(acfg: dict, module: str) -> float:
     return alpha / math.sqrt(r) if acfg.get("use_rslora", False) else alpha / r
 
 
+def _check_lora_numbers(acfg: dict, cfg_file: Path) -> None:
+    """r / lora_alpha (and their per-module patterns) are positive numbers: r an int >= 1, alpha finite."""
+    def bad(key, value, allowed):
+        raise ConfigError(f"{cfg_file}: {key}={value!r}; allowed: {allowed}", file=cfg_file, key=key, value=value)
+
+    def check_r(key, v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad(key, v, "an int >= 1 (the LoRA rank)")
+
+    def check_alpha(key, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            bad(key, v, "a finite number")
+
+    check_r("r", acfg.get("r", 8))
+    if "lora_alpha" in acfg:
+        check_alpha("lora_alpha", acfg["lora_alpha"])
+    for key, check in (("rank_pattern", check_r), ("alpha_pattern", check_alpha)):
+        pat = acfg.get(key) or {}
+        if not isinstance(pat, dict):
+            bad(key, pat, "an object {module pattern: value}")
+        for k, v in pat.items():
+            check(f"{key}[{k!r}]", v)
+
+
 def read_lora(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(adapter_config, {base module name: (A [r, in], B [out, r])}) of a PEFT LoRA adapter directory."""
     adapter_dir = Path(adapter_dir)
@@ -173,7 +368,9 @@ def read_lora(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, tuple[tor
     if not cfg_file.is_file():
         raise CheckpointError(f"lora: {cfg_file} is missing")
     acfg = _read_json(cfg_file)
-    if acfg.get("peft_type", "LORA").upper() != "LORA":
+    if not isinstance(acfg, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object", file=cfg_file)
+    if str(acfg.get("peft_type", "LORA")).upper() != "LORA":
         raise CheckpointError(f"{cfg_file}: peft_type={acfg.get('peft_type')!r}; only 'LORA' adapters are supported")
     if acfg.get("bias", "none") != "none":
         raise CheckpointError(f"{cfg_file}: bias={acfg.get('bias')!r}; only bias='none' adapters are supported")
@@ -185,10 +382,17 @@ def read_lora(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, tuple[tor
         if (adapter_dir / "adapter_model.bin").is_file():
             raise CheckpointError(f"lora: {adapter_dir} has only adapter_model.bin (pickle); lopa_fast reads safetensors")
         raise CheckpointError(f"lora: {weights} is missing")
+    _check_lora_numbers(acfg, cfg_file)
     from safetensors.torch import load_file
 
+    try:
+        state = load_file(str(weights))
+    except Exception as e:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})", path=weights) from e
+    if not state:
+        raise CheckpointError(f"lora: {weights} holds no tensors (an empty adapter would load as a no-op)", path=weights)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in load_file(str(weights)).items():
+    for key, t in state.items():
         m = _LORA_KEY.match(key)
         if m is None:
             raise CheckpointError(f"{weights}: unexpected tensor {key!r} (expected base_model.model.<module>.lora_A/B.weight)")
@@ -240,18 +444,60 @@ def load_model(
     dtype = _resolve_dtype(dtype)
     path = Path(path)
     cfg = read_config(path)
+    cfg_file = path / "config.json"
     kind, files = _weight_files(path, allow_pickle)
-    tensors = _read_tensors(path, kind, files)
+    if kind == "pickle":
+        tensors = _read_tensors(path, kind, files)
+        headers = {k: (tuple(v.shape), "F32" if v.is_floating_point() else "I64") for k, v in tensors.items()}
+    else:
+        tensors, headers = None, read_headers(files)  # names, shapes, dtypes: nothing is read yet
+    _check_against_headers(cfg, headers, cfg_file)  # layer count / embedding first: no skeleton before this
+    emb_name, head_name = head_names(cfg)
+    untie = cfg.tie_word_embeddings and head_name in headers
+    if untie:  # a separate head next to a tied embedding: loaded (untied) unless it is an exact copy
+        from safetensors import safe_open
+
+        if tensors is None:
+            pair = {}
+            for n in (emb_name, head_name):
+                with safe_open(str(files[n]), framework="pt") as sf:
+                    pair[n] = sf.get_tensor(n)
+        else:
+            pair = tensors
+        if tuple(pair[head_name].shape) == tuple(pair[emb_name].shape) and torch.equal(pair[head_name], pair[emb_name]):
+            untie = False
+            headers = {k: v for k, v in headers.items() if k != head_name}
+            files = {k: v for k, v in files.items() if k != head_name}
+            if tensors is not None:
+                tensors.pop(head_name)
+        else:
+            import dataclasses
+            import warnings
+
+            warnings.warn(
+                f"{cfg_file}: tie_word_embeddings is set but the checkpoint's {head_name!r} differs from the "
+                f"embedding {emb_name!r}; loading it as a separate (untied) head", RuntimeWarning, stacklevel=2)
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     shapes = expected_shapes(cfg)
-    # Tied-embedding checkpoints may still carry an lm_head copy (some exports do): drop only an exact tie.
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors and "lm_head.weight" not in shapes:
-        tensors.pop("lm_head.weight")
-    _check_tensors(tensors, shapes, str(path))
+    _check_tensors(headers, shapes, str(path))
+    needed = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+    check_memory(needed, device, f"load_model({path}): the weights in {dtype}")
+    if tensors is None:
+        tensors = _read_tensors(path, kind, files)
     if lora is not None:
         tensors = merge_lora(tensors, lora)
+    cast = {}
+    for k, v in tensors.items():
+        c = v.to(dtype)
+        if c.dtype != v.dtype and bool(torch.isinf(c).any()) and not bool(torch.isinf(v).any()):
+            big = float(v.float().abs().max())
+            raise CheckpointError(
+                f"{path}: tensor {k!r} overflows {dtype} (max |w| = {big:.4g} > {torch.finfo(dtype).max:.4g}); "
+                "load it in a wider dtype (torch.float32 or torch.bfloat16)", path=path, key=k)
+        cast[k] = c
     with torch.device("meta"):
         model = build_model(cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    model.load_state_dict(cast, assign=True, strict=True)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
