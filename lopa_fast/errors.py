@@ -65,7 +65,7 @@ class NonFiniteLogitsError(LopaError, RuntimeError):
     """NaN or +-inf in the raw model output on a row the strategy reads (before any deliberate -inf)."""
 
     def __init__(self, message: str | None = None, *, strategy: str = "", round: int = 0, position: int = -1,
-                 value: float | None = None):  # fmt: skip
+                 value=None):  # fmt: skip
         if message is None:
             message = (
                 f"{strategy}: non-finite logits ({value}) in round {round} at sequence position {position}; "

@@ -43,3 +43,30 @@ def record_step(trace: list | None, round_: int, before: torch.Tensor, x: torch.
     mask_id = extra.pop("mask_id")
     pos = ((before == mask_id) & (x != mask_id)).nonzero(as_tuple=True)[0]
     trace.append({"round": round_, "accepted": [[int(q) - P, int(x[q])] for q in pos], **extra})
+
+
+def check_finite(rows: torch.Tensor, positions, cfg, round_: int, strategy: str | None = None) -> None:
+    """The numerics guard: raise NonFiniteLogitsError when a raw logits row a strategy reads (rows [N, V], before
+    any deliberate -inf) holds NaN / inf, naming the strategy, the round and the sequence position
+    (`positions`: [N] absolute positions, or the first position of a contiguous run). At T > 0 the rows scaled
+    by 1 / T are checked too (a tiny temperature overflows finite logits), so torch.multinomial never sees NaN.
+    Reads nothing when the rows are finite beyond one reduction (no token changes)."""
+    x = rows.float()
+    ok = torch.isfinite(x).all(dim=-1)
+    if cfg.temperature > 0 and bool(ok.all()):
+        ok = torch.isfinite(x / cfg.temperature).all(dim=-1)
+    if bool(ok.all()):
+        return
+    from lopa_fast.errors import NonFiniteLogitsError
+
+    r = int((~ok).nonzero()[0, 0]) if ok.dim() else 0
+    row = x[r] if x.dim() > 1 else x
+    bad = row[~torch.isfinite(row)]
+    value = float(bad[0]) if bad.numel() else float(row.abs().max())
+    if isinstance(positions, int):
+        pos = positions + r
+    else:
+        pos = int(positions[r])
+    if bad.numel() == 0:
+        value = f"{value} / temperature {cfg.temperature}"
+    raise NonFiniteLogitsError(strategy=strategy or getattr(cfg, "strategy", "?"), round=round_, position=pos, value=value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, shift_logits, token_stats
+from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, shift_logits, token_stats
 
 
 # ---- block table --------------------------------------------------------------------------------
@@ -125,6 +125,7 @@ def anchor_fill(
         pos = pos[(pos >= lo) & (pos < L)]
         if pos.numel() == 0:
             continue
+        check_finite(logits[pos - start], pos, cfg, counters.get("forwards", 0))
         conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator))
         hi = (p > cfg.skip_threshold).nonzero(as_tuple=True)[0]
         if hi.numel() > 0:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, token_stats
+from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, token_stats
 from lopa_fast.reference.d2f import (
     active_ids,
     anchor_fill,
@@ -73,7 +73,7 @@ def shared_prefix_end(branches: list[Branch], P: int) -> int:
     return P if m == 0 else branches[0].blocks[m - 1]["end"]
 
 
-def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None) -> float:
+def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None, round_: int = 0) -> float:
     """alpha * creation_conf + (1 - alpha) * future, future = mean of the lowest max(1, int(n*branch_topp))
     confidences over ALL the branch's masked positions >= spe (1.0 with none; the value itself with one).
     A branch with no positions past spe scores 1.0 outright (upstream)."""
@@ -83,6 +83,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
     if pos.numel() == 0:
         future = 1.0
     else:
+        check_finite(logits[pos - start], pos, cfg, round_)
         conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator))
         n = conf.numel()
         if n == 1:
@@ -95,7 +96,8 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
 
 
 def spawn_lookaheads(
-    w: Branch, logits: torch.Tensor, start: int, spe: int, acts: list[int], fills: dict, cfg, generator=None
+    w: Branch, logits: torch.Tensor, start: int, spe: int, acts: list[int], fills: dict, cfg, generator=None,
+    round_: int = 0,
 ) -> list[Branch]:
     """Top-k lookaheads of the filled winner w: its masked positions inside its active blocks (block, then
     position order), ranked by confidence from the winner's logits (descending, stable: the earlier
@@ -114,6 +116,7 @@ def spawn_lookaheads(
         return []
     kw = stats_kw(cfg, generator)
     idx = torch.tensor(cand, device=logits.device) - start
+    check_finite(logits[idx], idx + start, cfg, round_)
     conf, x0, _ = token_stats(logits[idx], **kw)
     ranked = sorted(zip(conf.tolist(), range(len(cand))), key=lambda t: t[0], reverse=True)
     out = []
@@ -192,7 +195,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             stats["upstream_model_calls"] += len(order) + int(upstream_duplicate)
 
             # scores and the winner (first maximum in round order)
-            scores = [branch_score(br, lg, start, spe, cfg, gen) for br, lg, _, _ in results]
+            scores = [branch_score(br, lg, start, spe, cfg, gen, stats["forwards"]) for br, lg, _, _ in results]
             wi = max(range(len(scores)), key=lambda i: (scores[i], -i))
             w, wlogits, wspan, wll = results[wi]
             if u > 0:
@@ -213,7 +216,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             completed = retire_blocks(w.x, w.blocks, acts, mask_id)
 
             # spawn: lookaheads (ranked) then the new anchor, which sorts last
-            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen) if cfg.branching_factor > 1 else []
+            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"]) if cfg.branching_factor > 1 else []
             upstream_duplicate = cfg.branching_factor > 1 and not new
             anchor = w.copy()
             anchor.is_base, anchor.rank, anchor.creation_conf, anchor.lookahead = True, len(new), 1.0, None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, record_step, round_cap_hit, token_stats
+from lopa_fast.reference.common import Clock, check_finite, make_generator, record_step, round_cap_hit, token_stats
 from lopa_fast.reference.vanilla import gumbel_argmax
 
 ENTROPY_EPS = 1e-12
@@ -118,6 +118,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
 
     def commit(lo: int, logits: torch.Tensor, cand: torch.Tensor) -> None:
         """Decode one step from window logits [n, V] covering positions [lo, lo+n)."""
+        guard(lo, logits, cand)
         x0, conf, ent = step_stats(model, logits, cfg, gen)
         sel = select(conf, ent, cand, cfg)
         before = x.clone() if trace is not None else None
@@ -127,6 +128,14 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             stats["multi_token_steps"] += 1
         if sel.numel() == 0:
             stats["noop_forwards"] += 1
+
+    def guard(lo: int, logits: torch.Tensor, cand) -> None:
+        """The numerics guard on the rows this step reads (the candidates; every row the sampler draws at T > 0)."""
+        if cand is None or (cfg.temperature > 0 and dream):
+            check_finite(logits, lo, cfg, stats["forwards"])
+        else:
+            idx = cand.nonzero(as_tuple=True)[0]
+            check_finite(logits[idx], idx + lo, cfg, stats["forwards"])
 
     def count(refresh=False):
         stats["forwards"] += 1
@@ -158,6 +167,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 logits = align(model, model.forward_window(x[None], cache=cache, mask="full", commit=keep)[0])
                 count(refresh=True)
                 if dream:
+                    guard(s, logits[s : s + 1], None)
                     x0, _, _ = step_stats(model, logits[s : s + 1], cfg, gen)
                     before = x.clone() if trace is not None else None
                     x[s] = x0[0]

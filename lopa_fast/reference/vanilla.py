@@ -22,10 +22,12 @@ No early exit: forwards == steps always (both upstreams).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, record_step, token_stats
+from lopa_fast.reference.common import Clock, check_finite, make_generator, record_step, token_stats
 
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
@@ -74,6 +76,8 @@ def _llada(model, prompt, cfg, gen, stats, trace):
                 logits = _forward_full(model, x)[0]
             stats["forwards"] += 1
             stats["model_calls"] += 1
+            read = (mask_index & (torch.arange(x.numel(), device=x.device) < e)).nonzero(as_tuple=True)[0]
+            check_finite(logits[read], read, cfg, stats["forwards"])  # before the deliberate -inf below
             if cfg.logits_eos_inf and cfg.eos_token_id is not None:
                 logits = logits.clone()
                 logits[:, cfg.eos_token_id] = float("-inf")
@@ -120,6 +124,7 @@ def _dream(model, prompt, cfg, gen, stats, trace):
         stats["model_calls"] += 1
         logits = torch.cat([raw[:1], raw[:-1]])
         mask_logits = logits[mask_index]
+        check_finite(mask_logits, mask_index.nonzero(as_tuple=True)[0], cfg, stats["forwards"])
         t, s = timesteps[i], timesteps[i + 1]
         if cfg.alg == "origin":
             p_transfer = 1 - s / t if i < steps - 1 else 1
@@ -160,4 +165,9 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
         x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats, trace)
     ids = x[prompt.numel() :].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
+    if stats["masks_left"]:
+        warnings.warn(
+            f"vanilla: {stats['masks_left']} of {len(ids)} generated positions still hold the mask id "
+            f"{cfg.mask_token_id} after steps={cfg.steps} (the model predicted the mask token, or alg='origin' left "
+            "them); see stats['masks_left'], or pass suppress_mask_token=True", RuntimeWarning, stacklevel=3)
     return GenerateOutput(ids, stats, trace)
