@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from lopa_fast.config import ALL_SPECIFIC_KNOBS, GenerateConfig
+from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
 
 
@@ -45,6 +46,11 @@ def prepare_prompt(model, input_ids) -> torch.Tensor:
     if isinstance(input_ids, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise TypeError("input_ids: a list must hold only ints")
+        big = next((i for i, t in enumerate(input_ids) if not -(2**63) <= t < 2**63), None)
+        if big is not None:  # torch.tensor would overflow without naming the id
+            vocab = model.config.vocab_size
+            raise KnobError(f"input_ids contains token id {input_ids[big]} (at position {big}); allowed: ids in "
+                            f"[0, vocab_size={vocab})", knob="input_ids", value=input_ids[big])  # fmt: skip
         ids = torch.tensor(list(input_ids), dtype=torch.long, device=device)
     elif isinstance(input_ids, torch.Tensor):
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -92,6 +98,36 @@ def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
             f"prompt length {P} + max_new_tokens {cfg.max_new_tokens} = {total} exceeds the model's "
             f"max_position_embeddings={limit}"
         )
+    check_request_memory(model, total, cfg)
+
+
+def _first_param(model):
+    params = getattr(model, "parameters", None)
+    return next(iter(params()), None) if callable(params) else None
+
+
+def request_bytes(model, total: int, cfg: GenerateConfig) -> int:
+    """Rough peak memory of one request of `total` positions: the static KV cache, the float32 logits of one
+    round (every branch of a LoPA round) and, on the fast backend, its [L, L / block_size] round tables."""
+    c = model.config
+    p = _first_param(model)
+    elem = p.element_size() if p is not None else 4
+    cache = 2 * getattr(c, "num_layers", 0) * total * getattr(c, "num_kv_heads", 0) * getattr(c, "head_dim", 0) * elem
+    branches = cfg.branching_factor + 1 if cfg.strategy == "lopa" else 2
+    logits = branches * total * c.vocab_size * 4
+    tables = 0 if cfg.backend == "reference" else total * (-(-total // cfg.block_size)) * 8
+    return cache + logits + tables
+
+
+def check_request_memory(model, total: int, cfg: GenerateConfig) -> None:
+    """Refuse (MemoryBudgetError naming max_new_tokens) a request whose estimate exceeds the device's memory."""
+    from lopa_fast.models.loading import check_memory
+
+    p = _first_param(model)
+    device = p.device if p is not None else "cpu"
+    check_memory(request_bytes(model, total, cfg), device,
+                 f"generate(max_new_tokens={cfg.max_new_tokens}, branching_factor={cfg.branching_factor}, "
+                 f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip
 
 
 def resolve_backend(cfg: GenerateConfig):
