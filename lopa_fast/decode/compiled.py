@@ -17,7 +17,9 @@ Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (d
 """
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import weakref
 
 import torch
@@ -25,6 +27,7 @@ import torch
 from lopa_fast.decode import round as rnd
 
 _PER_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CODE_IDS = itertools.count()
 
 
 def _dynamo_graphs() -> int:
@@ -126,7 +129,13 @@ class CompiledRounds:
 
 
 def _bound_step(model, geo, cfg, Nb: int, Rb: int):
+    """round_step with the bucket's constants bound, as a function with its OWN code object: Dynamo keeps
+    its compiled graphs per code object (and refuses more than `recompile_limit` = 8 per object), so one
+    shared closure would turn every new bucket into a "recompile" of the same code and scan all the other
+    buckets' guards on each call."""
+
     def step(st: dict, T: dict) -> tuple[dict, dict]:
         return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
 
-    return step
+    code = step.__code__.replace(co_name=f"round_step_{Nb}x{Rb}_{next(_CODE_IDS)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
