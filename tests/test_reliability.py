@@ -285,13 +285,16 @@ def test_guard_changes_no_token_on_finite_models():
     assert len(out.generated_ids) == 8 and out.stats["forwards"] >= 1
 
 
-@pytest.mark.xfail(reason="fast-path numerics guard: built by the decoder owner (lopa_fast/decode)", strict=False)
-def test_fast_and_reference_raise_the_same_type_for_nan():
+@pytest.mark.parametrize("compile", [False, True])
+def test_fast_and_reference_raise_the_same_type_for_nan(compile):
     model = _tiny_model()
     with torch.no_grad():
         model.final_norm_weight().fill_(float("nan"))
-    with pytest.raises(NonFiniteLogitsError):
-        lopa_fast.generate(model, [3, 4, 5], "lopa", "fast", max_new_tokens=8, block_size=4, branching_factor=2)
+    for backend in ("reference", "fast"):
+        with pytest.raises(NonFiniteLogitsError) as ei:
+            lopa_fast.generate(model, [3, 4, 5], "lopa", backend, max_new_tokens=8, block_size=4, branching_factor=2,
+                               **({"compile": compile} if backend == "fast" else {}))  # fmt: skip
+        assert ei.value.strategy == "lopa" and ei.value.position >= 3, (backend, ei.value)
 
 
 # ---- caps and knobs -----------------------------------------------------------------------------------------

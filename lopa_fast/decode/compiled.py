@@ -11,7 +11,7 @@ A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the sta
   static per bucket, so every bucket compiles exactly once.
 
 Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
-nothing. `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
+nothing. A workspace serves one request at a time (requests of one model run one after another). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
 The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
 Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
 """
@@ -106,7 +106,8 @@ class CompiledRounds:
         with torch.cuda.graph(graph):
             out, info = step(dict(S), TS)
             for k, v in out.items():
-                S[k].copy_(v)
+                if v is not S[k]:  # the cache is updated in place
+                    S[k].copy_(v)
 
         def replay(cur: dict, tables: dict) -> tuple[dict, dict]:
             if cur is not S:  # a new request (or the eager prefill round): load its state into the workspace

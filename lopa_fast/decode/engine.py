@@ -144,6 +144,14 @@ class FastDecoder:
             "winner": W, "accepted": sorted(acc),
         }  # fmt: skip
 
+    def _refuse_nonfinite(self, flat_row: int, round_: int) -> None:
+        """Raise NonFiniteLogitsError for window row `flat_row` (slot * Nb + column) of round `round_`."""
+        from lopa_fast.errors import NonFiniteLogitsError
+
+        s, Nb = self._last_window
+        pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
+        raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value="NaN/inf")
+
     def run(self) -> GenerateOutput:
         cfg, geo = self.cfg, self.geo
         stats = {"forwards": 0, "model_calls": 0}
@@ -155,7 +163,9 @@ class FastDecoder:
                 rnd.plan(self.st, self.tables, geo)
                 head = self._read_head()
             while True:
-                done, nA, s, u, n, R, ragged = head
+                done, nA, s, u, n, R, ragged, nonfinite = head
+                if nonfinite >= 0:
+                    self._refuse_nonfinite(nonfinite, stats["forwards"])
                 if done:
                     break
                 if stats["forwards"] >= cfg.max_rounds:
@@ -163,16 +173,20 @@ class FastDecoder:
                     break
                 if trace is not None:
                     self._wl = self.st["wl"].tolist()
+                Nb, Rb = bucket(n, R, geo)
+                self._last_window = (s, Nb)
                 with round_scope():
-                    self._step(*bucket(n, R, geo), s)
+                    self._step(Nb, Rb, s)
                     head = self._read_head()
                 self._rounds += 1
                 stats["forwards"] += 1
                 stats["model_calls"] += 1
                 ragged_rounds += bool(ragged)
                 if trace is not None:
-                    trace.append(self._trace_entry([done, nA, s, u, n, R, ragged]))
+                    trace.append(self._trace_entry([done, nA, s, u, n, R, ragged, nonfinite]))
                     trace[-1]["round"] = stats["forwards"]
+        if head[7] >= 0:
+            self._refuse_nonfinite(head[7], stats["forwards"])
         st = self.st
         if head[0]:
             # every alive branch finished in the same round (lookaheads always keep an active block, so a

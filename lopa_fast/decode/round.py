@@ -22,7 +22,9 @@ device tensors in the tables, never shapes), NB branch slots = k + 1 for k >= 2,
   last_logit [V]              the raw logit saved with the last committed span (Dream's shift)
   cache_k/v [layers, Lb + 1, Hkv, D]; cache_len 0-d long  (row Lb is a trash row for masked commits)
   plan tensors of the coming round: exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u
-  head [7] long: done, alive slots nA, s, u, n, R, ragged
+  head [8] long: done, alive slots nA, s, u, n, R, ragged, and the flat window row (slot * Nb + column)
+           of the first non-finite raw logits row the last round read, or -1 (the numerics guard rides on
+           the round's one host read: the driver raises before any token of that round is returned)
 Slots [0, n_look) hold lookaheads in rank order and the anchor comes last among the alive slots (slot
 nA - 1): upstream's verification order, so "first maximum" is its tie rule for the winner.
 """
@@ -36,7 +38,7 @@ from lopa_fast.contracts import lowest_k_table
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
-HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged")
+HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged", "nonfinite")
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         cache_k=torch.zeros(kv, dtype=model.dtype, device=dev), cache_v=torch.zeros(kv, dtype=model.dtype, device=dev),
         cache_len=zero(),
     )  # fmt: skip
+    st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     for name in ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
                  "max_branches"):  # fmt: skip
         st["c_" + name] = zero()
@@ -164,7 +167,7 @@ def plan(st: dict, T: dict, geo) -> None:
         need = ismask
     st.update(nblk=nblk, complete=complete, exists=exists, active=active, rem=rem, done=done, ismask=ismask,
               need=need, lens=lens, wl=wl, tc=tc, spe=spe, lay=lay, s=s, u=u)  # fmt: skip
-    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged]).long()
+    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"]]).long()
 
 
 def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int | None = None) -> dict:
@@ -204,6 +207,10 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
         win_lens, bids, geo.mode, rows,
         attn_backend=geo.attn_backend,
     )  # fmt: skip
+    # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
+    real = torch.arange(Rb, device=dev) < need_flat.sum()
+    bad = real & ~torch.isfinite(logits).all(-1)
+    st["nonfinite"] = torch.where(bad.any(), torch.where(bad, rows, NB * Nb).min(), -1)
     # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
     conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
@@ -225,13 +232,16 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     score = future if geo.alpha == 0.0 else geo.alpha * st["cconf"] + (1.0 - geo.alpha) * future
     score = torch.where(lens <= st["spe"], 1.0, score)
     keyw = torch.where(rem, score, float("-inf"))
-    W = torch.where(keyw == keyw.max(), slot, NB).min()  # first max = upstream's tie order
+    # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
+    # host read) cannot index out of range first
+    W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
     W1 = W.reshape(1)
 
     # ---- commit the winner's first u window positions (rows past u go to the trash row Lb)
     dst = torch.where(i < u, st["cache_len"] + i, Lb)
-    st["cache_k"] = st["cache_k"].index_copy(1, dst, k_win.index_select(1, W1)[:, 0])
-    st["cache_v"] = st["cache_v"].index_copy(1, dst, v_win.index_select(1, W1)[:, 0])
+    # in place: the cache is the round's largest tensor (a Dream-7B request: ~70 MB), never copied per round
+    st["cache_k"].index_copy_(1, dst, k_win.index_select(1, W1)[:, 0])
+    st["cache_v"].index_copy_(1, dst, v_win.index_select(1, W1)[:, 0])
     st["cache_len"] = st["cache_len"] + u
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         new_last = _at(table, _at(csum.index_select(1, (u - 1).clamp(min=0).reshape(1))[:, 0], W))

@@ -358,6 +358,7 @@ class DecoderLM(nn.Module):
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dev = tokens.device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
+        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)  # layer ops
         eps = cfg.rms_norm_eps
         positions = start + torch.arange(n, device=dev)
         cos, sin = self._rope(positions)
@@ -369,10 +370,10 @@ class DecoderLM(nn.Module):
         # under torch.compile the view built (or checked) by the caller at the request start is read as is
         layers = self._fused if torch.compiler.is_compiling() else self.fused_layers()
         for i, w in enumerate(layers):
-            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=b)
+            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
             q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
-                            check=False, backend=b)  # fmt: skip
+                            check=False, backend=lb)  # fmt: skip
             v = qkv[:, :, Hq + Hkv :]
             ks.append(k)
             vs.append(v)
@@ -384,9 +385,9 @@ class DecoderLM(nn.Module):
                 attn = ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
                                             check=False, backend=b)  # fmt: skip
             h = h + w.o(attn.reshape(B, n, Hq * D))
-            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=b)
+            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=b))
+            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
         h = h.reshape(B * n, -1).index_select(0, rows)
-        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=b)
+        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
         return F.linear(h, self.head_weight()), torch.stack(ks), torch.stack(vs)
