@@ -107,9 +107,9 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{tensor: (shape, safetensors dtype)} from the headers of the weight files (no tensor is read).
-    Any safetensors error is re-raised as CheckpointError naming the file."""
+def _map_shards(files: dict[str, Path], read, what: str) -> dict:
+    """{tensor: read(safe_open handle, name)} over the shards `files` maps the tensors to, each shard opened
+    once. A tensor missing from its shard, or any safetensors error, is a CheckpointError naming the file."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
@@ -124,13 +124,23 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
                     if name not in present:
                         raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there",
                                               path=f, key=name)  # fmt: skip
-                    sl = sf.get_slice(name)
-                    out[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+                    out[name] = read(sf, name)
         except CheckpointError:
             raise
         except Exception as e:  # SafetensorError, OSError, ...: name the file
-            raise CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})", path=f) from e
+            raise CheckpointError(f"{f}: {what} ({type(e).__name__}: {e})", path=f) from e
     return out
+
+
+def _shape_and_dtype(sf, name: str) -> tuple[tuple[int, ...], str]:
+    sl = sf.get_slice(name)
+    return tuple(sl.get_shape()), str(sl.get_dtype())
+
+
+def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor: (shape, safetensors dtype)} from the headers of the weight files (no tensor is read).
+    Any safetensors error is re-raised as CheckpointError naming the file."""
+    return _map_shards(files, _shape_and_dtype, "not a readable safetensors file")
 
 
 def total_memory(device="cpu") -> tuple[int, int]:
@@ -248,26 +258,7 @@ def _read_tensors(path: Path, kind: str, files: dict[str, Path]) -> dict[str, to
         for f in sorted(path.glob("pytorch_model*.bin")):
             out.update(torch.load(f, map_location="cpu", weights_only=True))
         return out
-    from safetensors import safe_open
-
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
-    out = {}
-    for f, names in by_file.items():
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                present = set(sf.keys())
-                for name in names:
-                    if name not in present:
-                        raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there",
-                                              path=f, key=name)  # fmt: skip
-                    out[name] = sf.get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{f}: reading tensors failed ({type(e).__name__}: {e})", path=f) from e
-    return out
+    return _map_shards(files, lambda sf, name: sf.get_tensor(name), "reading tensors failed")
 
 
 _LAYER_INDEX = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
