@@ -234,6 +234,7 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -
     if verifier is not None and cfg.strategy != "apd":
         raise ValueError(f"verifier= applies to strategy='apd' (the AR model that verifies drafts); strategy={cfg.strategy!r}")
     ids = prepare_prompt(model, input_ids)
+    cfg, length = cfg.plan_length(model, ids.numel())  # max_new_tokens -> the whole-block length decoded
     cfg = cfg.resolve(model)
     check_prompt(model, ids, cfg)
     fn, ran, fallback = resolve_backend(cfg)
@@ -252,4 +253,35 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -
     out.stats["backend"] = ran
     if fallback is not None:
         out.stats["fallback"] = fallback
+    return cut_to_length(out, length, cfg)
+
+
+def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> GenerateOutput:
+    """Cut the decoded whole blocks to the requested length and record how the output ended.
+
+    stats: max_new_tokens (the request the output is cut to), decoded_new_tokens (the whole blocks decoded),
+    max_new_tokens_source ("argument" | "generation_config.json" | "default"), max_new_tokens_clipped (the reason,
+    only when a default was clipped to the position limit), finish_reason ("stop": the returned tokens hold an EOS;
+    "length": they do not). After a cut the token counts (generated_tokens, tokens_until_eos, tpf, tpf_until_eos,
+    tokens_per_second, masks_left) describe the returned tokens; forwards and the trace describe the decoding.
+    """
+    n = length["requested"]
+    st = out.stats
+    if len(out.generated_ids) > n:
+        ids = out.generated_ids = list(out.generated_ids[:n])
+        fw, eos = int(st.get("forwards", 0)), cfg.eos_token_id
+        until = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+        st["generated_tokens"], st["tokens_until_eos"] = len(ids), until
+        st["tpf"] = len(ids) / fw if fw else 0.0
+        st["tpf_until_eos"] = until / fw if fw else 0.0
+        sec = st.get("seconds", 0.0)
+        st["tokens_per_second"] = len(ids) / sec if sec > 0 else 0.0
+        st["masks_left"] = sum(1 for t in ids if t == cfg.mask_token_id)
+    st["max_new_tokens"] = n
+    st["decoded_new_tokens"] = length["decoded"]
+    st["max_new_tokens_source"] = length["source"]
+    if "clipped" in length:
+        st["max_new_tokens_clipped"] = length["clipped"]
+    eos = cfg.eos_token_id
+    st["finish_reason"] = "stop" if eos is not None and eos in out.generated_ids else "length"
     return out

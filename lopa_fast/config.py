@@ -90,7 +90,11 @@ class GenerateConfig:
 
     strategy: str = "lopa"
     backend: str = "reference"
-    max_new_tokens: int = 512
+    # None: the model's generation_config.json `max_new_tokens` (else DEFAULT_MAX_NEW_TOKENS), clipped to the room
+    # left in max_position_embeddings. A length that is not a whole number of blocks is decoded in whole blocks
+    # and the output cut to it (stats["finish_reason"]); strict_length=True refuses such a length instead.
+    max_new_tokens: int | None = None
+    strict_length: bool = False
     block_size: int = 32
     # D2F / LoPA (docs/semantics.md sections 2-3)
     block_add_threshold: float = 0.1
@@ -151,7 +155,8 @@ class GenerateConfig:
         """Check every knob that needs no model; raise ValueError/TypeError before any work."""
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("backend", self.backend, BACKENDS)
-        _positive_int("max_new_tokens", self.max_new_tokens)
+        _positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
+        _bool("strict_length", self.strict_length)
         _positive_int("block_size", self.block_size)
         for name in ("block_add_threshold", "decoded_token_threshold", "skip_threshold"):
             _prob(name, getattr(self, name))
@@ -186,10 +191,12 @@ class GenerateConfig:
                     f"{knob}={getattr(self, knob)!r} does not apply to strategy={self.strategy!r}; "
                     f"it is a knob of {' / '.join(owners)}"
                 )
-        if self.strategy in ("d2f", "lopa") and self.max_new_tokens % self.block_size:
+        if (self.strict_length and self.max_new_tokens is not None and self.strategy in ("d2f", "lopa")
+                and self.max_new_tokens % self.block_size):  # fmt: skip
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} must be a multiple of block_size={self.block_size} "
-                f"for strategy={self.strategy!r} (blocks of block_size tokens are appended)"
+                f"for strategy={self.strategy!r} with strict_length=True (blocks of block_size tokens are appended; "
+                "strict_length=False decodes whole blocks and cuts the output to max_new_tokens)"
             )
         _positive_int("steps", self.steps, allow_none=True)
         _positive_int("block_length", self.block_length, allow_none=True)
@@ -263,21 +270,85 @@ class GenerateConfig:
             )
 
     def _check_blocks(self) -> None:
-        """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0."""
+        """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0 (gen_length: the
+        decoded length, i.e. max_new_tokens rounded up to whole blocks unless strict_length)."""
         bl = self.block_length if self.block_length is not None else None
-        if bl is None:
+        if bl is None or self.max_new_tokens is None:
             return  # vanilla Dream has no blocks; LLaDA/threshold default block_length is resolved in bind()
-        if self.max_new_tokens % bl:
+        if self.strict_length and self.max_new_tokens % bl:
             raise ValueError(
-                f"block_length={bl} must divide max_new_tokens={self.max_new_tokens} "
+                f"block_length={bl} must divide max_new_tokens={self.max_new_tokens} with strict_length=True "
                 f"(strategy={self.strategy!r} decodes max_new_tokens in blocks of block_length)"
             )
-        nb = self.max_new_tokens // bl
+        n = self.decode_length(self.max_new_tokens)
+        nb = n // bl
         if self.steps is not None and self.steps % nb:
             raise ValueError(
                 f"steps={self.steps} must be a multiple of the number of blocks {nb} "
-                f"(= max_new_tokens {self.max_new_tokens} / block_length {bl})"
+                f"(= max_new_tokens {n} / block_length {bl})"
             )
+
+    # ---- lengths (rounded up to whole blocks before decoding, cut after; docs/decoding.md "Lengths") ----------
+    def length_unit(self) -> int:
+        """The block the strategy decodes in whole (d2f / lopa: block_size; threshold: block_length, default
+        block_size; vanilla: block_length when given; 1 where there are no blocks)."""
+        if self.strategy in ("d2f", "lopa"):
+            return self.block_size
+        if self.strategy == "threshold":
+            return self.block_length if self.block_length is not None else self.block_size
+        if self.strategy == "vanilla" and self.block_length is not None:
+            return self.block_length
+        return 1
+
+    def decode_length(self, n: int) -> int:
+        """The length decoded for a request of `n` new tokens: n rounded up to whole blocks (n itself with
+        strict_length=True, where validate() refuses a non-multiple)."""
+        if self.strict_length:
+            return n
+        u = self.length_unit()
+        return -(-n // u) * u
+
+    def plan_length(self, model, prompt_len: int) -> tuple["GenerateConfig", dict]:
+        """(config whose max_new_tokens is the length to DECODE, info) for a prompt of `prompt_len` tokens.
+
+        info: requested (the length the output is cut to), decoded (whole blocks), source ("argument",
+        "generation_config.json" or "default"), clipped (the reason, when the default was clipped to the room
+        left in max_position_embeddings). An explicit max_new_tokens that fits but whose whole-block rounding
+        does not raises KnobError (the position limit check of a plain overflow stays in api.check_prompt).
+        """
+        limit = model.config.max_position_embeddings
+        room = limit - prompt_len
+        info: dict = {}
+        unit = self.length_unit()  # decoding needs whole blocks of it, strict or not
+        if self.max_new_tokens is None:
+            n, source = default_max_new_tokens(model)
+            if self.strict_length and n % unit:
+                raise KnobError(
+                    f"max_new_tokens=None: the default {n} ({source}) is not a multiple of the block {unit} and "
+                    "strict_length=True; pass max_new_tokens=", knob="max_new_tokens", value=n)  # fmt: skip
+            fit = (room // unit) * unit
+            if fit < 1:
+                raise KnobError(
+                    f"max_new_tokens: the prompt ({prompt_len} tokens) leaves {max(room, 0)} of the model's "
+                    f"max_position_embeddings={limit} positions, less than one block of {unit}; shorten the prompt",
+                    knob="max_new_tokens", value=None)  # fmt: skip
+            if n > fit:
+                info["clipped"] = (f"max_new_tokens {n} ({source}) clipped to {fit}: prompt {prompt_len} + {n} "
+                                   f"exceeds max_position_embeddings={limit}")  # fmt: skip
+                n = fit
+            info["source"] = source
+        else:
+            n = self.max_new_tokens
+            info["source"] = "argument"
+            d = self.decode_length(n)
+            if prompt_len + n <= limit < prompt_len + d:
+                raise KnobError(
+                    f"max_new_tokens={n} is decoded in whole blocks of {unit} ({d} positions), and prompt length "
+                    f"{prompt_len} + {d} exceeds the model's max_position_embeddings={limit}; pass max_new_tokens <= "
+                    f"{max(room // unit * unit, 0)} or a smaller block", knob="max_new_tokens", value=n)  # fmt: skip
+        info["requested"] = n
+        info["decoded"] = self.decode_length(n)
+        return self.replace(max_new_tokens=info["decoded"]), info
 
     # ---------------------------------------------------------------------------------------------
     def bind(self, model) -> "GenerateConfig":
@@ -291,6 +362,10 @@ class GenerateConfig:
         fills at least one position unless the mask token itself is emitted, so the cap is only hit by
         such a stall); family-specific vanilla knobs are checked against the model's family.
         """
+        if self.max_new_tokens is None or self.decode_length(self.max_new_tokens) != self.max_new_tokens:
+            # no prompt here (generate plans the length with it): the model's default, in whole blocks
+            n = self.max_new_tokens if self.max_new_tokens is not None else default_max_new_tokens(model)[0]
+            self = self.replace(max_new_tokens=self.decode_length(n))
         kind = model.config.kind
         mask = self.mask_token_id if self.mask_token_id is not None else model.mask_token_id
         if mask is None:
@@ -379,3 +454,29 @@ class GenerateConfig:
 
 
 LopaConfig = GenerateConfig  # the name docs/architecture.md uses
+
+DEFAULT_MAX_NEW_TOKENS = 512  # max_new_tokens=None when the model's generation_config.json has none
+
+
+def default_max_new_tokens(model) -> tuple[int, str]:
+    """(max_new_tokens, source) for `max_new_tokens=None`: `max_new_tokens` of the generation_config.json in the
+    model's directory (`model.name_or_path`, set by load_model) when it has one, else DEFAULT_MAX_NEW_TOKENS."""
+    import json
+    from pathlib import Path
+
+    from lopa_fast.errors import ConfigError
+
+    where = getattr(model, "name_or_path", None)
+    f = Path(where) / "generation_config.json" if where else None
+    if f is None or not f.is_file():
+        return DEFAULT_MAX_NEW_TOKENS, "default"
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{f}: unreadable ({e})", file=f) from None
+    n = data.get("max_new_tokens") if isinstance(data, dict) else None
+    if n is None:
+        return DEFAULT_MAX_NEW_TOKENS, "default"
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < INT_KNOB_LIMIT:
+        raise ConfigError(f"{f}: max_new_tokens={n!r}; expected an int >= 1", file=f, key="max_new_tokens", value=n)
+    return n, "generation_config.json"

@@ -97,7 +97,7 @@ BAD = [
     ("lopa", dict(branching_factor=2.5), TypeError, "branching_factor=2.5"),
     ("lopa", dict(block_size=0), ValueError, "block_size=0"),
     ("lopa", dict(block_size=-4), ValueError, "block_size=-4"),
-    ("lopa", dict(block_size=3), ValueError, "multiple of block_size=3"),
+    ("lopa", dict(block_size=3, strict_length=True), ValueError, "multiple of block_size=3"),  # else cut (lengths)
     ("d2f", dict(max_new_tokens=0), ValueError, "max_new_tokens=0"),
     ("lopa", dict(temperature=-1.0), ValueError, "temperature=-1.0"),
     ("lopa", dict(top_p=1.5), ValueError, "top_p=1.5"),
@@ -116,7 +116,7 @@ BAD = [
     ("threshold", dict(threshold=0.9, entropy_threshold=0.5), ValueError, "exactly one of"),
     ("threshold", {}, ValueError, "none of threshold="),
     ("threshold", dict(threshold=0.9, cache="full"), ValueError, "cache='full'"),
-    ("threshold", dict(threshold=0.9, block_length=3), ValueError, "block_length=3 must divide"),
+    ("threshold", dict(threshold=0.9, block_length=3, strict_length=True), ValueError, "block_length=3 must divide"),
     ("threshold", dict(threshold=0.9, block_length=2, steps=3), ValueError, "steps=3 must be a multiple"),
     ("vanilla", dict(remasking="lowest"), ValueError, "remasking='lowest'"),
     ("vanilla", dict(alg="greedy"), ValueError, "alg='greedy'"),

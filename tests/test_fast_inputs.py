@@ -55,7 +55,7 @@ def test_auto_runs_fast_at_t0(model, prompt):
 @pytest.mark.parametrize(
     "kw, exc, pattern",
     [
-        (dict(block_size=5, max_new_tokens=8), ValueError, "multiple of block_size"),
+        (dict(block_size=5, max_new_tokens=8, strict_length=True), ValueError, "multiple of block_size"),
         (dict(branching_factor=0), ValueError, "branching_factor"),
         (dict(skip_threshold=1.5), ValueError, "skip_threshold"),
         (dict(sampling_strategy="topk"), ValueError, "sampling_strategy"),
