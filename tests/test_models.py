@@ -187,3 +187,52 @@ def test_forward_window_bad_input():
     with pytest.raises(ValueError, match="cache.max_len"):
         small = model.new_cache(4)
         model.forward_window(torch.zeros(1, 5, dtype=torch.long), cache=small)
+
+
+# ---- the fast path's fused layer (merged q/k/v and gate/up as views) ---------------------------------------
+def _fused_vs_plain(kind):
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    m = random_model(tiny_hf_config(kind, vocab_size=64, num_kv_heads=2), seed=3)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 60, (3, 7), generator=torch.Generator().manual_seed(0))
+    plain = m(ids)
+    Hkv, D, layers = m.config.num_kv_heads, m.config.head_dim, m.config.num_layers
+    empty = torch.zeros(layers, 1, Hkv, D)
+    rows = torch.arange(3 * 7)
+    fused, k_win, v_win = m.forward_static(ids, torch.tensor(0), empty, empty, 0, torch.full((3,), 7), None,
+                                           m.attention, rows)  # fmt: skip
+    return m, before, plain, fused.view(3, 7, -1), k_win
+
+
+@pytest.mark.parametrize("kind", ["dream", "llada"])
+def test_fused_layer_equals_the_plain_one(kind):
+    m, before, plain, fused, k_win = _fused_vs_plain(kind)
+    torch.testing.assert_close(fused, plain, rtol=1.3e-6, atol=1e-5)  # merged GEMMs may reorder the sums
+    assert k_win.shape == (m.config.num_layers, 3, 7, m.config.num_kv_heads, m.config.head_dim)
+    # the HF-named parameters are unchanged (names, shapes, values) and are views of the merged tensors
+    after = m.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    fl = m.fused_layers()[0]
+    w = m.layer(0)
+    assert w.q.weight.data_ptr() == fl.qkv_w.data_ptr() and w.gate.weight.data_ptr() == fl.gate_up_w.data_ptr()
+    assert m.fused_layers() is m._fused  # cached while the weights stay put
+
+
+def test_fused_view_follows_weight_edits_and_replacement(tmp_path):
+    from lopa_fast.models.loading import save_checkpoint
+
+    m, _, _, _, _ = _fused_vs_plain("dream")
+    fl = m.fused_layers()[0]
+    with torch.no_grad():
+        m.layer(0).k.weight.add_(1.0)  # in-place edits (LoRA merge, training) reach the merged tensor
+    Hq, D = m.config.num_heads, m.config.head_dim
+    assert torch.equal(fl.qkv_w[Hq * D : Hq * D + m.layer(0).k.weight.shape[0]], m.layer(0).k.weight)
+    m.to(torch.float64)  # replacement: the view is rebuilt on the next use
+    assert m.fused_layers()[0].qkv_w.dtype == torch.float64
+    save_checkpoint(m, tmp_path, {})  # views of one storage are written as separate tensors
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"].shape == \
+        m.layer(0).k.weight.shape

@@ -507,6 +507,12 @@ def save_checkpoint(model: DecoderLM, path: str | os.PathLike, config: dict, sha
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # the fast path's merged q/k/v and gate/up tensors make those parameters views of one storage, which
+    # safetensors refuses to write as separate tensors: give each such view its own copy (only those)
+    seen: dict[int, int] = {}
+    for v in state.values():
+        seen[v.untyped_storage().data_ptr()] = seen.get(v.untyped_storage().data_ptr(), 0) + 1
+    state = {k: v.clone() if seen[v.untyped_storage().data_ptr()] > 1 else v for k, v in state.items()}
     with open(path / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     if shard_size is None:
