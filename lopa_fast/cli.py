@@ -2,28 +2,69 @@
 
     python -m lopa_fast demo                      # the main job: embedded model, D2F vs LoPA, fill order
     python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> bench/results/
-    python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --strategy lopa
+    python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --preset lopa-k4
+    python -m lopa_fast generate --model DIR [--lora DIR] --chat --prompt "..." --strategy lopa --block-size 32 --json
+
+`generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
+from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or
+value, a missing / unreadable model directory, a non-UTF-8 prompt file, an empty prompt, a lopa_fast error, a
+knob the validation refuses) prints one line to stderr and exits 2; called with an argv list, `main` raises the
+typed exception instead (programmatic use, tests).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import shlex
 import sys
+import warnings
+
+from lopa_fast.errors import LopaError
+
+
+class CLIError(LopaError, ValueError):
+    """A command-line user error (bad prompt, unreadable file, a knob the validation refused)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2, no usage block)."""
+
+    def error(self, message):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _user_errors(fn, *args, **kw):
+    """Run a validation; its ValueError / TypeError (by type) becomes a CLIError (exit 2 from the command line)."""
+    try:
+        return fn(*args, **kw)
+    except LopaError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise CLIError(str(e)) from e
 
 DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}.md"  # {block}: "_block32" unless the default 8
 
 
 def _demo(args) -> int:
-    from lopa_fast.tasks.evaluate import run_demo
+    from lopa_fast.tasks.evaluate import BACKENDS, run_demo
 
+    if args.n < 1:
+        raise CLIError(f"--n {args.n}; allowed: an int >= 1")
+    if args.backend not in BACKENDS:
+        raise CLIError(f"--backend {args.backend!r}; allowed: {', '.join(BACKENDS)}")
     run_demo(n=args.n, backend=args.backend, model_dir=args.model, compile=args.compile)
     return 0
 
 
 def _eval(args) -> int:
-    from lopa_fast.tasks.evaluate import BLOCK, check_block_size, run_eval
+    from lopa_fast.tasks.evaluate import BLOCK, check_block_size, parse_rows, run_eval
 
-    check_block_size(args.block_size)  # before any work (model load, decoding)
+    _user_errors(check_block_size, args.block_size)  # before any work (model load, decoding)
+    _user_errors(parse_rows, args.strategies)
+    if args.n < 1:
+        raise CLIError(f"--n {args.n}; allowed: an int >= 1")
     block = "" if args.block_size == BLOCK else f"_block{args.block_size}"
     out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block)
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
@@ -32,30 +73,192 @@ def _eval(args) -> int:
     return 0
 
 
+# ---- generate -------------------------------------------------------------------------------------------
+_OWN_FLAGS = ("strategy", "backend", "compile")  # GenerateConfig fields with their own (common) flag
+
+
+def _knob_type(annotation: str):
+    """(argparse type, is_bool) from a GenerateConfig field annotation ("int | None", "float", "bool", ...)."""
+    base = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"][0]
+    return {"int": int, "float": float, "str": str, "bool": bool}[base], base == "bool"
+
+
+def add_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per GenerateConfig field (`--max-new-tokens`, `--no-use-full-attention`, ...); unset flags stay
+    absent from the namespace (the config's or the preset's default applies). Returns the field names."""
+    from lopa_fast.config import GenerateConfig
+
+    names = []
+    grp = parser.add_argument_group("decoding knobs (lopa_fast.generate; docs/decoding.md)")
+    for f in dataclasses.fields(GenerateConfig):
+        if f.name in _OWN_FLAGS:
+            continue
+        typ, is_bool = _knob_type(f.type)
+        flag = "--" + f.name.replace("_", "-")
+        default = "model's" if f.default is None else f.default
+        if is_bool:
+            grp.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                             help=f"(default {default})")
+        else:
+            grp.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
+                             help=f"(default {default})")
+        names.append(f.name)
+    return names
+
+
+def read_prompt(args) -> str:
+    """The prompt text from --prompt, --prompt-file or stdin; CLIError when unreadable, not UTF-8 or empty."""
+    if args.prompt is not None:
+        text, where = args.prompt, "--prompt"
+    else:
+        if args.prompt_file is not None:
+            where = f"--prompt-file {args.prompt_file}"
+            try:
+                with open(args.prompt_file, "rb") as fh:
+                    data = fh.read()
+            except OSError as e:
+                raise CLIError(f"{where}: cannot read it ({e.strerror or type(e).__name__})") from e
+        else:
+            where = "stdin"
+            if sys.stdin is None or sys.stdin.isatty():
+                raise CLIError("no prompt: pass --prompt TEXT, --prompt-file F, or pipe the text on stdin")
+            data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CLIError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from e
+    if not text.strip():
+        raise CLIError(f"{where}: the prompt is empty (or only whitespace)")
+    return text
+
+
+def unknown_words(tok, text: str, ids=None) -> list[str]:
+    """The words of `text` the tokenizer maps to its unknown token (empty when it has none or maps everything)."""
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:
+        return []
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    words = [text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk]
+    return list(dict.fromkeys(w for w in words if w))
+
+
+def encode_prompt(tok, text: str, chat: bool) -> list[int]:
+    """Token ids of the prompt: the tokenizer's own special tokens (e.g. bos), or its chat template with one user
+    message and the generation prompt."""
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise CLIError("--chat: the model's tokenizer has no chat template (tokenizer_config.json "
+                           "'chat_template' or chat_template.jinja)")
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tok(text)["input_ids"])
+
+
+def _load(args):
+    """(model, tokenizer, embedded?) for --model / --lora / --dtype / --device."""
+    import torch
+
+    import lopa_fast
+    from lopa_fast.assets import model_dir
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    embedded = args.model is None
+    path = model_dir() if embedded else args.model
+    if not embedded and not os.path.isdir(path):
+        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)")
+    try:
+        model = lopa_fast.load_model(path, dtype=getattr(torch, dtype), device=device, lora=args.lora)
+        tok = lopa_fast.load_tokenizer(path)
+    except OSError as e:
+        raise CLIError(f"--model {path}: cannot read it ({e.strerror or type(e).__name__})") from e
+    except RuntimeError as e:  # e.g. torch: the device does not exist on this machine
+        if "device" in type(e).__name__.lower() or not device.startswith("cpu"):
+            raise CLIError(f"--device {device}: {str(e).splitlines()[0]}") from e
+        raise
+    return model, tok, embedded
+
+
+def generate_knobs(args, knob_names) -> dict:
+    """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
+    nor --strategy is given), then every flag given."""
+    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+
+    preset = args.preset
+    if preset is None and args.model is None and args.strategy is None:
+        preset = "lopa-k4"  # the embedded model's own setting
+    knobs: dict = {}
+    if preset is not None:
+        knobs.update(ROWS[preset], max_new_tokens=GEN_LEN, temperature=0.0)
+    if args.strategy is not None:
+        knobs["strategy"] = args.strategy
+    knobs["backend"] = args.backend
+    if args.compile:
+        knobs["compile"] = True
+    knobs.update({k: getattr(args, k) for k in knob_names if hasattr(args, k)})
+    return knobs
+
+
 def _generate(args) -> int:
     import torch
 
     import lopa_fast
-    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS, answer_text, load_default
+    from lopa_fast import tasks
+    from lopa_fast.config import GenerateConfig
 
-    if args.strategy not in ROWS:
-        raise ValueError(f"--strategy {args.strategy!r}; allowed: {', '.join(ROWS)}")
-    model, tok, _ = load_default(args.model)
-    ids = torch.tensor(tok(args.prompt)["input_ids"], dtype=torch.long)
-    out = lopa_fast.generate(model, ids, backend=args.backend, max_new_tokens=GEN_LEN, temperature=0.0,
-                             compile=args.compile, **ROWS[args.strategy])
+    text = read_prompt(args)  # before any load: a bad prompt costs nothing
+    knobs = generate_knobs(args, args.knob_names)
+    cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
+    model, tok, embedded = _load(args)
+    ids = encode_prompt(tok, text, args.chat)
+    missing = unknown_words(tok, text)
+    if missing:
+        print(f"warning: {len(missing)} word(s) unknown to the tokenizer (encoded as {tok.unk_token!r}): "
+              + ", ".join(repr(w) for w in missing), file=sys.stderr)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
+    from lopa_fast import api
+
+    def check():  # the checks generate runs before any forward, here so their ValueError / TypeError exit 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # generate itself warns once, below
+            planned, _ = cfg.plan_length(model, ids_t.numel())
+            bound = planned.resolve(model)
+            api.check_prompt(model, api.prepare_prompt(model, ids_t), bound)
+            api.resolve_backend(bound)
+
+    _user_errors(check)
+    out = api.generate_with_config(model, ids_t, cfg)
+    gen = out.generated_ids
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
+    shown = gen[: gen.index(eos)] if eos is not None and eos in gen else gen
+    answer = tok.decode(shown, skip_special_tokens=True)
+    if embedded:
+        answer = tasks.join_digits(answer)  # the task's tokenizer splits numbers into digits
     st = out.stats
-    print(answer_text(tok, out.generated_ids))
-    print(f"TPF {st['tpf']:.2f}, forwards {st['forwards']}, wall {1000 * st['seconds']:.0f} ms", file=sys.stderr)
+    if args.json:
+        obj = {"text": answer, "generated_ids": gen, "stats": st}
+        if out.trace is not None:
+            obj["trace"] = out.trace
+        print(json.dumps(obj, default=str))
+    else:
+        print(answer)
+        print(f"{st['strategy']} ({st['backend']}): TPF {st['tpf']:.2f}, forwards {st['forwards']}, "
+              f"{st['generated_tokens']} tokens, finish_reason {st['finish_reason']}, "
+              f"wall {1000 * st['seconds']:.0f} ms" + (f"; {st['max_new_tokens_clipped']}"
+                                                       if "max_new_tokens_clipped" in st else ""), file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, GEN_LEN, ROWS
 
-    ap = argparse.ArgumentParser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
+    from lopa_fast.config import STRATEGIES
+
+    ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--backend", default="reference", choices=BACKENDS, help="decoder backend (default reference)")
     common.add_argument("--model", default=None, help="model directory (default: the embedded d2f-arith model)")
     # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
@@ -79,19 +282,48 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=_eval)
 
-    g = sub.add_parser("generate", parents=[common], help="decode one prompt with the embedded model")
-    g.add_argument("--prompt", required=True, help="task-format prompt text (ends with 'Answer :')")
-    g.add_argument("--strategy", default="lopa-k4", help=f"one of {', '.join(ROWS)} (default lopa-k4)")
-    g.set_defaults(fn=_generate)
+    g = sub.add_parser("generate", parents=[common], help="decode one prompt (any model; default the embedded one)",
+                       description="Decode one prompt. Every knob of lopa_fast.generate is a flag of the same name "
+                                   "(dashes for underscores); unset knobs keep GenerateConfig's defaults (or the "
+                                   "--preset's). Text to stdout, stats to stderr; --json prints one JSON object.")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text")
+    src.add_argument("--prompt-file", default=None, help="UTF-8 file holding the prompt (neither: read stdin)")
+    g.add_argument("--lora", default=None, help="PEFT LoRA adapter directory, merged at load (e.g. D2F's)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help=f"decoding strategy: {', '.join(STRATEGIES)} (default lopa)")
+    g.add_argument("--preset", default=None, choices=list(ROWS),
+                   help="an eval row's knobs (embedded model: lopa-k4 unless --strategy is given)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, generated_ids, stats")
+    g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, exit_on_error: bool | None = None) -> int:
+    """Run the CLI. From the command line (argv None) a user error prints one line to stderr and returns 2;
+    with an argv list the typed exception propagates (exit_on_error= overrides either way)."""
+    if exit_on_error is None:
+        exit_on_error = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except LopaError as e:  # CLIError, CheckpointError, KnobError, RoundCapError, ...: by type, never by message
+        if not exit_on_error:
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"python -m lopa_fast: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _run(argv) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.threads < 1:
-        raise ValueError(f"--threads {args.threads}; allowed: an int >= 1")
+        raise CLIError(f"--threads {args.threads}; allowed: an int >= 1")
     import torch
 
     torch.set_num_threads(args.threads)

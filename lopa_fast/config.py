@@ -341,7 +341,11 @@ class GenerateConfig:
             n = self.max_new_tokens
             info["source"] = "argument"
             d = self.decode_length(n)
-            if prompt_len + n <= limit < prompt_len + d:
+            if prompt_len + n > limit:
+                raise KnobError(
+                    f"prompt length {prompt_len} + max_new_tokens {n} = {prompt_len + n} exceeds the model's "
+                    f"max_position_embeddings={limit}", knob="max_new_tokens", value=n)  # fmt: skip
+            if prompt_len + d > limit:
                 raise KnobError(
                     f"max_new_tokens={n} is decoded in whole blocks of {unit} ({d} positions), and prompt length "
                     f"{prompt_len} + {d} exceeds the model's max_position_embeddings={limit}; pass max_new_tokens <= "

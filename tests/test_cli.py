@@ -132,3 +132,111 @@ def test_eval_rows_apply_block_size_to_every_block_knob():
     assert rows["vanilla"]["block_size"] == 32 and rows["threshold"]["block_length"] == 32
     assert all(r["block_size"] == 32 for r in rows.values())
     assert evaluate.make_rows() == evaluate.ROWS and evaluate.ROWS["d2f"]["block_size"] == 8
+
+
+# ---- generate for any model: --json, --chat, --preset, stdin, knob flags, user errors (exit 2, one line) ------
+PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"
+
+
+def _cli(*argv, stdin=None):
+    return subprocess.run([sys.executable, "-m", "lopa_fast", "generate", *argv], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_generate_json_preset_and_knob_flags():
+    import json
+
+    r = _cli("--prompt", PROMPT + " Answer :", "--preset", "lopa-k2", "--max-new-tokens", "13", "--json",
+             "--no-use-full-attention", "--backend", "fast")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)  # one JSON object on stdout
+    assert set(obj) == {"text", "generated_ids", "stats"}
+    st = obj["stats"]
+    assert len(obj["generated_ids"]) == st["generated_tokens"] == st["max_new_tokens"] == 13
+    assert st["decoded_new_tokens"] == 16 and st["finish_reason"] == "length" and st["backend"] == "fast"
+    assert st["strategy"] == "lopa" and obj["text"].startswith("4 * 6 = 24")
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_chat_template_and_stdin():
+    r = _cli("--chat", "--strategy", "d2f", "--block-size", "8", "--max-new-tokens", "32", stdin=PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("#### 26")  # the template appends the task's "Answer :" cue
+    assert "d2f (reference)" in r.stderr and "finish_reason stop" in r.stderr
+
+
+def test_chat_template_ships_with_the_embedded_tokenizer():
+    import lopa_fast
+    from lopa_fast.assets import model_dir
+    from lopa_fast.tasks.tokenizer import CHAT_TEMPLATE
+
+    tok = lopa_fast.load_tokenizer(model_dir())
+    assert tok.chat_template == CHAT_TEMPLATE
+    ids = cli.encode_prompt(tok, "Tom has 7 pens .", chat=True)
+    assert tok.decode(ids) == "<|beginoftext|> Tom has 7 pens . Answer :"
+    assert cli.unknown_words(tok, "Zorg has 7 pens . Blip") == ["Zorg", "Blip"]
+
+
+def test_generate_knob_flags_are_typed_from_the_config():
+    import dataclasses
+
+    from lopa_fast.config import GenerateConfig
+
+    g = cli.build_parser()._subparsers._group_actions[0].choices["generate"]
+    flags = {s for a in g._actions for s in a.option_strings}
+    for f in dataclasses.fields(GenerateConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+    a = g.parse_args(["--max-new-tokens", "7", "--top-p", "0.5", "--no-use-full-attention", "--cache", "dual"])
+    assert (a.max_new_tokens, a.top_p, a.use_full_attention, a.cache) == (7, 0.5, False, "dual")
+    assert not hasattr(a, "block_size")  # unset knobs keep the config's (or the preset's) default
+
+
+ERRORS = [
+    (["--prompt", "x", "--strategy", "lopa-k4"], "invalid choice: 'lopa-k4'"),  # rows are --preset now
+    (["--prompt", "x", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--prompt", "x", "--block-size", "many"], "invalid int value: 'many'"),
+    (["--prompt", "   \n"], "the prompt is empty"),
+    (["--model", "/no/such/dir", "--prompt", "x"], "--model /no/such/dir: not a directory"),
+    (["--prompt", "x", "--skip-threshold", "2"], "skip_threshold=2.0"),  # knob validation (ValueError)
+]
+
+
+@pytest.mark.parametrize("argv,needle", ERRORS, ids=[e[1][:20] for e in ERRORS])
+def test_user_errors_exit_2_with_one_line(argv, needle):
+    r = _cli(*argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_more_user_errors_in_process(tmp_path, capsys):
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"Tom has \xff pens")
+    empty_model = tmp_path / "m"
+    empty_model.mkdir()
+    cases = [
+        (["--prompt-file", str(bad)], "not UTF-8 text (byte 0xff at offset 8)"),
+        (["--prompt-file", str(tmp_path / "none.txt")], "cannot read it"),
+        (["--model", str(empty_model), "--prompt", "x"], "config.json is missing"),  # CheckpointError
+        (["--prompt", "Tom", "--max-new-tokens", "200", "--strategy", "d2f"],
+         "prompt length 2 + max_new_tokens 200 = 202 exceeds the model's max_position_embeddings=128"),
+        (["--prompt", "Tom", "--strategy", "d2f", "--threshold", "0.9"], "does not apply to strategy='d2f'"),
+        (["--prompt", "Tom", "--chat", "--model", str(tmp_path / "ar")], "no chat template"),
+    ]
+    import shutil
+
+    from lopa_fast.assets import ASSETS_DIR
+
+    shutil.copytree(ASSETS_DIR / "ar-arith", tmp_path / "ar")
+    for argv, needle in cases:
+        assert cli.main(["generate", *argv], exit_on_error=True) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(cli.CLIError, match="empty"):  # with an argv list, main raises the typed error
+        cli.main(["generate", "--prompt", ""])
+
+
+def test_unknown_words_are_reported(capsys):
+    assert cli.main(["generate", "--prompt", "Zorg has 7 pens . Answer :", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 word(s) unknown to the tokenizer" in err and "'Zorg'" in err

@@ -56,6 +56,15 @@ def build_tokenizer():
     return tok
 
 
+# A minimal chat template (so `--chat` and chat entry points can be tested on the embedded model): bos, each user
+# message's text, each assistant message as "Answer : <text> <eos>", and "Answer :" as the generation prompt (the
+# task's answer cue). Words outside the task's vocabulary still encode as <|unk|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ 'Answer : ' + message['content'] + ' ' + eos_token + ' ' }}{% else %}{{ message['content'] + ' ' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Answer :' }}{% endif %}"
+)
+
 TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast",
     "bos_token": BOS,
@@ -65,6 +74,7 @@ TOKENIZER_CONFIG = {
     "mask_token": MASK,
     "add_bos_token": True,
     "model_max_length": 128,
+    "chat_template": CHAT_TEMPLATE,
 }
 
 
