@@ -67,20 +67,14 @@ def test_module_entry_point_help():
     assert r.returncode == 0 and "demo" in r.stdout and "eval" in r.stdout
 
 
-def test_png_chart_is_a_valid_image(tmp_path):
-    import struct
-    import zlib
-
-    from lopa_fast.tasks.pngplot import line_chart
+def test_eval_plot_is_matplotlib_png(tmp_path):
+    from lopa_fast.viz import png_size
 
     path = tmp_path / "c.png"
-    line_chart(path, [1, 2, 4], [("TPF", [1.5, 2.0, 2.5], 0, 4)], "T", "K", w=120, h=90)
-    data = path.read_bytes()
-    w, h = struct.unpack(">II", data[16:24])
-    idat = data[data.index(b"IDAT") + 4 : data.index(b"IEND") - 8]
-    raw = zlib.decompress(idat)
-    assert (w, h) == (120, 90) and len(raw) == h * (1 + 3 * w)
-    assert len(set(raw)) > 2  # something was drawn
+    rows = [{"row": r, "status": "ok", "tpf": t, "accuracy": 0.9} for r, t in (("d2f", 6.0), ("lopa-k2", 6.5))]
+    assert evaluate.plot(rows, path) is None
+    assert png_size(path) == (550, 352)  # figsize (5, 3.2) at dpi 110
+    assert evaluate.plot([{"row": "vanilla", "status": "ok"}], tmp_path / "n.png") is not None
 
 
 def test_eval_block_size_bad_value_errors_before_any_work(monkeypatch):

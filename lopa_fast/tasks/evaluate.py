@@ -111,24 +111,12 @@ def _unavailable(exc: BaseException) -> str | None:
     return None
 
 
-class Progress:
-    """A dependency-free progress bar on stderr (silent when `enabled` is False)."""
+def progress_bar(label: str, total: int, enabled: bool = True):
+    """A tqdm progress bar on stderr (disabled when `enabled` is False)."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, label: str, total: int, enabled: bool = True, width: int = 24):
-        self.label, self.total, self.enabled, self.width, self.t0 = label, total, enabled, width, time.time()
-
-    def update(self, done: int, note: str = "") -> None:
-        if not self.enabled:
-            return
-        fill = int(self.width * done / max(1, self.total))
-        bar = "#" * fill + "." * (self.width - fill)
-        sys.stderr.write(f"\r{self.label:>9s} [{bar}] {done}/{self.total} {time.time() - self.t0:6.1f}s {note}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+    return tqdm(total=total, desc=f"{label:>9s}", disable=not enabled, file=sys.stderr, leave=True,
+                dynamic_ncols=True)
 
 
 def _compiles(backend: str, knobs: dict) -> bool:
@@ -146,7 +134,7 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
     correct = forwards = tokens = tokens_eos = 0
     seconds = 0.0
     ran = None
-    bar = Progress(row, len(problems), progress)
+    bar = progress_bar(row, len(problems), progress)
     for i, p in enumerate(problems):
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         try:
@@ -165,7 +153,8 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
         tokens += st["generated_tokens"]
         tokens_eos += st["tokens_until_eos"]
         seconds += st["seconds"]
-        bar.update(i + 1, f"acc {correct / (i + 1):.3f} tpf {tokens / max(1, forwards):.2f}")
+        bar.set_postfix_str(f"acc {correct / (i + 1):.3f} tpf {tokens / max(1, forwards):.2f}", refresh=False)
+        bar.update(1)
     bar.close()
     n = len(problems)
     return {
@@ -215,8 +204,13 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
 
 
 def plot(results: list[dict], path: Path) -> str | None:
-    """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib if installed, else the built-in
-    rasteriser in tasks.pngplot); returns a note when there is nothing to plot."""
+    """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib, Agg backend); returns a note when there is
+    nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ks = {"d2f": 1, "lopa-k2": 2, "lopa-k4": 4, "lopa-k8": 8}
     pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
     if not pts:
@@ -224,17 +218,6 @@ def plot(results: list[dict], path: Path) -> str | None:
     x = [k for k, _ in pts]
     tpf = [r["tpf"] for _, r in pts]
     acc = [100 * r["accuracy"] for _, r in pts]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
-        from lopa_fast.tasks.pngplot import line_chart
-
-        line_chart(path, x, [("TPF", tpf, 0.0, max(4.0, 1.1 * max(tpf))), ("ACCURACY %", acc, 0.0, 100.0)],
-                   "LOPA ON THE EMBEDDED MODEL", "BRANCHING FACTOR K (1 = D2F)")
-        return None
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(x, tpf, "o-", label="TPF")
     ax.set_xscale("log", base=2)
@@ -290,31 +273,23 @@ DEMO_ROWS = ("d2f", "lopa-k4")
 
 
 def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
-    """Two aligned lines: the generated tokens up to the first EOS and the round that filled each
-    (`*` marks a token taken from a winning LoPA lookahead branch)."""
-    rnd: dict[int, int] = {}
-    look: set[int] = set()
-    for r in trace:
-        for pos, _ in r["accepted"]:
-            rnd.setdefault(pos, r["round"])
-        w = r["branches"][r["winner"]].get("lookahead")
-        if w is not None:
-            look.add(w)
+    """Two aligned lines (lopa_fast.viz.fill_order_text): the generated tokens up to the first EOS and the round
+    that filled each (`*` marks a token taken from a winning LoPA lookahead branch), then the EOS filler's rounds."""
+    from lopa_fast.viz import fill_order_text, fill_rounds
+
     eos = tok.eos_token_id
     last = ids.index(eos) if eos in ids else len(ids) - 1
     toks = ["<eos>" if t == eos else tok.convert_ids_to_tokens(t) for t in ids[: last + 1]]
-    cols = [(t, f"{rnd.get(i, '?')}{'*' if i in look else ''}") for i, t in enumerate(toks)]
-    w = [max(len(a), len(b)) for a, b in cols]
-    top = " ".join(a.rjust(k) for (a, _), k in zip(cols, w))
-    bot = " ".join(b.rjust(k) for (_, b), k in zip(cols, w))
+    top, bot = fill_order_text(trace, toks).split("\n")
+    rounds, _ = fill_rounds(trace, len(ids))
     tail = len(ids) - last - 1
-    rounds_tail = sorted({rnd.get(i) for i in range(last + 1, len(ids)) if i in rnd})
+    rounds_tail = sorted({rounds[i] for i in range(last + 1, len(ids)) if rounds[i]})
     extra = ""
     if tail and rounds_tail:
         first, last_r = rounds_tail[0], rounds_tail[-1]
         span = f"round {first}" if first == last_r else f"rounds {first}-{last_r}"
         extra = f"   (+{tail} EOS filler, {span})"
-    return f"      tokens: {top}\n      round:  {bot}{extra}"
+    return f"      {top}\n      {bot}{extra}"
 
 
 def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print, compile: bool = False) -> list[dict]:
