@@ -60,6 +60,8 @@ def test_compiles_once_per_bucket(compiled_runs, name):
     assert first["compiled_graphs"] == len(first["compiled_buckets"])  # one graph per bucket, no break
     for _, _, comp in runs[1:]:  # same shapes: replays only
         assert comp.stats["compiled_graphs"] == 0, comp.stats["compiled_buckets"]
+        assert comp.stats["compile_seconds"] == {}  # per request: nothing compiled in this one
+    assert len(first["compile_seconds"]) == first["compiled_graphs"]
     assert all(sec > 0 for sec in first["compile_seconds"].values())
 
 

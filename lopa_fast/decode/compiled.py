@@ -46,6 +46,7 @@ class CompiledRounds:
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
         self._req_graphs0 = 0
         self._req_buckets: set = set()
+        self._req_compile_seconds: dict = {}  # "NbxRb" -> seconds, buckets compiled during this request
 
     @classmethod
     def for_model(cls, model) -> "CompiledRounds":
@@ -54,6 +55,7 @@ class CompiledRounds:
             cr = _PER_MODEL[model] = cls()
         cr._req_graphs0 = cr.graphs
         cr._req_buckets = set()
+        cr._req_compile_seconds = {}
         return cr
 
     # ------------------------------------------------------------------------------------------------
@@ -71,7 +73,7 @@ class CompiledRounds:
             if fn is None:
                 t0 = time.perf_counter()
                 fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
-                self.compile_seconds[key] = time.perf_counter() - t0
+                self._compiled(key, time.perf_counter() - t0)
                 self.graphs += 1
             return fn(st, T)
         if fn is None:
@@ -80,7 +82,7 @@ class CompiledRounds:
             )
             t0, g0 = time.perf_counter(), _dynamo_graphs()
             out = fn(st, T)
-            self.compile_seconds[key] = time.perf_counter() - t0
+            self._compiled(key, time.perf_counter() - t0)
             self.graphs += _dynamo_graphs() - g0
             return out
         g0 = _dynamo_graphs()
@@ -120,12 +122,17 @@ class CompiledRounds:
 
         return replay
 
+    def _compiled(self, key, seconds: float) -> None:
+        self.compile_seconds[key] = seconds
+        self._req_compile_seconds[f"{key[2]}x{key[3]}"] = round(seconds, 3)
+
     def stats(self) -> dict:
-        """Per-request view: graphs built during this request, buckets used, compile seconds per bucket."""
+        """Per-request view: graphs built during this request, the buckets it used, and the seconds of each
+        bucket it compiled (empty on a warm cache)."""
         return {
             "compiled_graphs": self.graphs - self._req_graphs0,
             "compiled_buckets": sorted(self._req_buckets),
-            "compile_seconds": {f"{k[2]}x{k[3]}": round(v, 3) for k, v in self.compile_seconds.items()},
+            "compile_seconds": dict(self._req_compile_seconds),
         }
 
 
