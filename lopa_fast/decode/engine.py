@@ -1,26 +1,16 @@
 """The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
 
 Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (docs/semantics.md sections 2-3); this
-module only changes *how* a round is computed:
+module only changes *how* a round is computed. The round itself is `lopa_fast.decode.round` (fixed-shape
+device tensors: the layout is documented there); this module is its driver:
 
-* Geometry is static per request. Positions [0, P) are the prompt (block 0); generated block j >= 1
-  covers [P + (j-1)*bs, P + j*bs). The token rows `x[slot, L]` (L = P + max_new_tokens) are allocated
-  once and pre-filled with the mask id, so appending a block is `nblk += 1` (no concatenation).
-* Branches live in slots of fixed tensors (NB = k+1 slots for branching_factor k >= 2, one for k = 1):
-  slots [0, n_look) hold the lookaheads in rank order and slot n_look the anchor, which is exactly the
-  order upstream verifies them in (lookaheads by branch id, anchor last), so "first maximum" is
-  upstream's tie rule for the winner. Alive slots are always a prefix [0, nA).
-* Block tables are small tensors: nblk [NB] (generated blocks present), state [NB, G+1] (0 active,
-  1 to_cache, 2 in_cache), complete [NB, G+1] (is_complete), eos [NB], creation confidence [NB].
-  Mask counts are recounted from x (they equal upstream's recorded counts: x only changes at a fill /
-  spawn, after which upstream recounts every active block).
-* A round: grow / activation / done / shared-prefix end / to-cache span on the device -> ONE host read
-  of a 7-int plan (done flag, alive branches, window start, cached span u, window length, LM-head rows,
-  ragged flag) -> one `forward_window` over all branches with the LM head only on the rows whose
-  (shifted) prediction lands on a masked position plus row u-1 (the next `last_logit`) -> token stats
-  on those rows -> threshold accept, fallback, branch scores, winner, anchor fill, lookahead spawn and
-  the to_cache transitions as tensor ops -> `cache.commit_window(winner, u)` from the forward's own K/V.
-  No Python loop runs over branches, blocks or positions inside a round.
+* per request: the Geometry (the Python constants a compiled round bakes in; the prompt length is not
+  one of them), the device tables and the state (`round.init_tables`, `round.init_state`), the merged
+  weight view (`model.fused_layers()`), and, with `compile=True`, the model's `CompiledRounds`;
+* per round: ONE host read of the plan's 8-int head (done, alive slots, window start s, cached span u,
+  window length n, LM-head rows R, ragged, the non-finite guard) -> the bucket (Nb, Rb) -> the round
+  (eager, or the bucket's compiled / captured graph), which also plans the next round;
+* at the end: the output slot, the counters, stats (host reads, memory, compile stats), the trace.
 
 The static KV cache holds the committed prefix once; branches never copy it. Under full attention the
 to-cache span's K/V is branch-specific and only the winner's is committed (Commit-Winner-Cache); under
