@@ -55,6 +55,7 @@ class Geometry:
     alpha: float
     attn_backend: str
     use_conf_kernel: bool
+    trace: bool  # branch scores are computed for a one-slot round only when a trace asks for them
 
 
 def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
@@ -93,6 +94,7 @@ class FastDecoder:
             eos_id=cfg.eos_token_id, skip_threshold=cfg.skip_threshold,
             alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))),
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
+            trace=bool(cfg.return_trace),
         )  # fmt: skip
         model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
         self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
@@ -193,8 +195,9 @@ class FastDecoder:
             multi_token_rounds=c["multi"], eos_detected=bool(st["eos"][out_slot]),
         )  # fmt: skip
         if self.name == "lopa":
+            max_branches = c["max_branches"] if geo.NB > 1 else int(stats["forwards"] > 0)
             stats.update(lookahead_wins=c["look_wins"], branch_growth=c["growth_split"],
-                         winner_grew=c["winner_grew"], max_branches=c["max_branches"], ragged_rounds=ragged_rounds)
+                         winner_grew=c["winner_grew"], max_branches=max_branches, ragged_rounds=ragged_rounds)
         stats["host_reads"] = self.host_reads
         stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
         # memory: the prefix cache is allocated once (independent of k); the window K/V grow with k

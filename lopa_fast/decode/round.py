@@ -191,8 +191,9 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     wpos = s + i
     wvalid = wpos < T["L"]
     wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
-    st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
-    st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
+    if NB > 1:  # LoPA-only counters (one slot: no growth split, max_branches is set at the end)
+        st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
+        st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
 
     # ---- the forward: every slot's window [s, s + Nb) over the committed prefix, LM head on Rb rows
     tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
@@ -221,20 +222,25 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
         sidx = (csum - 1).clamp(min=0)
     c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
 
-    # ---- branch scores (every alive slot): mean of the lowest k = max(1, int(m * topp)) confidences over
-    # all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
     masked = st["ismask"].index_select(1, wpos) & wvalid[None, :]
-    m = masked.sum(1)
-    kk = T["ktable"][m]
-    asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
-    low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
-    future = torch.where(m > 0, low.double(), 1.0)
-    score = future if geo.alpha == 0.0 else geo.alpha * st["cconf"] + (1.0 - geo.alpha) * future
-    score = torch.where(lens <= st["spe"], 1.0, score)
-    keyw = torch.where(rem, score, float("-inf"))
-    # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
-    # host read) cannot index out of range first
-    W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
+    single = NB == 1  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
+    if single and not geo.trace:
+        score = None
+        W = torch.zeros((), dtype=torch.long, device=dev)
+    else:
+        # ---- branch scores (every alive slot): mean of the lowest k = max(1, int(m * topp)) confidences over
+        # all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
+        m = masked.sum(1)
+        kk = T["ktable"][m]
+        asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
+        low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
+        future = torch.where(m > 0, low.double(), 1.0)
+        score = future if geo.alpha == 0.0 else geo.alpha * st["cconf"] + (1.0 - geo.alpha) * future
+        score = torch.where(lens <= st["spe"], 1.0, score)
+        keyw = torch.where(rem, score, float("-inf"))
+        # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
+        # host read) cannot index out of range first
+        W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
     W1 = W.reshape(1)
 
     # ---- commit the winner's first u window positions (rows past u go to the trash row Lb)
@@ -268,14 +274,17 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     xW = xW.scatter(0, wpos, torch.where(accW, tokW, xW.index_select(0, wpos)))
     eos_hit = accW & (tokW == geo.eos_id) if geo.eos_id is not None else torch.zeros_like(accW)
     eosW = _at(st["eos"], W) | eos_hit.any()
-    is_look = W != alive.sum() - 1  # the anchor is the last alive slot
     st["c_thresh"] = st["c_thresh"] + thr.sum()
     st["c_fallback"] = st["c_fallback"] + fb.sum()
     st["c_eos_fills"] = st["c_eos_fills"] + eos_hit.sum()
-    st["c_winner_grew"] = st["c_winner_grew"] + (_at(lens, W) != _at(lens, st["lay"])).long()
-    st["c_look_wins"] = st["c_look_wins"] + is_look.long()
-    # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
-    st["c_multi"] = st["c_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
+    if single:
+        st["c_multi"] = st["c_multi"] + (accW.sum() >= 2).long()
+    else:
+        is_look = W != alive.sum() - 1  # the anchor is the last alive slot
+        st["c_winner_grew"] = st["c_winner_grew"] + (_at(lens, W) != _at(lens, st["lay"])).long()
+        st["c_look_wins"] = st["c_look_wins"] + is_look.long()
+        # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
+        st["c_multi"] = st["c_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
 
     # ---- winner's block table after the fill
     existsW = st["exists"].index_select(0, W1)[0]
