@@ -261,9 +261,11 @@ def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> Gen
 
     stats: max_new_tokens (the request the output is cut to), decoded_new_tokens (the whole blocks decoded),
     max_new_tokens_source ("argument" | "generation_config.json" | "default"), max_new_tokens_clipped (the reason,
-    only when a default was clipped to the position limit), finish_reason ("stop": the returned tokens hold an EOS;
-    "length": they do not). After a cut the token counts (generated_tokens, tokens_until_eos, tpf, tpf_until_eos,
-    tokens_per_second, masks_left) describe the returned tokens; forwards and the trace describe the decoding.
+    only when a default was clipped to the position limit), finish_reason ("round_cap": the loop stopped at
+    max_rounds, stats["hit_round_cap"]; else "stop": the returned tokens hold an EOS; else "length"). After a cut
+    the token counts (generated_tokens, tokens_until_eos, tpf, tpf_until_eos, tokens_per_second, masks_left)
+    describe the returned tokens, and the trace's `accepted` lists drop the positions past the cut (its entries,
+    one per round / forward, stay); forwards describe the decoding.
     """
     n = length["requested"]
     st = out.stats
@@ -277,11 +279,18 @@ def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> Gen
         sec = st.get("seconds", 0.0)
         st["tokens_per_second"] = len(ids) / sec if sec > 0 else 0.0
         st["masks_left"] = sum(1 for t in ids if t == cfg.mask_token_id)
+        if out.trace is not None:
+            for entry in out.trace:
+                if "accepted" in entry:
+                    entry["accepted"] = [a for a in entry["accepted"] if int(a[0]) < n]
     st["max_new_tokens"] = n
     st["decoded_new_tokens"] = length["decoded"]
     st["max_new_tokens_source"] = length["source"]
     if "clipped" in length:
         st["max_new_tokens_clipped"] = length["clipped"]
     eos = cfg.eos_token_id
-    st["finish_reason"] = "stop" if eos is not None and eos in out.generated_ids else "length"
+    if st.get("hit_round_cap"):
+        st["finish_reason"] = "round_cap"
+    else:
+        st["finish_reason"] = "stop" if eos is not None and eos in out.generated_ids else "length"
     return out

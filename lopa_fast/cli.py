@@ -4,6 +4,7 @@
     python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> bench/results/
     python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --preset lopa-k4
     python -m lopa_fast generate --model DIR [--lora DIR] --chat --prompt "..." --strategy lopa --block-size 32 --json
+    python -m lopa_fast generate --prompt "..." --png fill.png   # + the fill-order heatmap (lopa_fast.viz)
 
 `generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
 from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or
@@ -210,6 +211,11 @@ def _generate(args) -> int:
 
     text = read_prompt(args)  # before any load: a bad prompt costs nothing
     knobs = generate_knobs(args, args.knob_names)
+    want_trace = bool(knobs.get("return_trace"))  # --return-trace: the trace goes into --json's object
+    if args.png is not None:
+        if os.path.isdir(args.png):
+            raise CLIError(f"--png {args.png}: a directory; pass a file path (e.g. fill.png)")
+        knobs["return_trace"] = True  # the picture is drawn from the run's trace
     cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
     model, tok, embedded = _load(args)
     ids = encode_prompt(tok, text, args.chat)
@@ -239,7 +245,7 @@ def _generate(args) -> int:
     st = out.stats
     if args.json:
         obj = {"text": answer, "generated_ids": gen, "stats": st}
-        if out.trace is not None:
+        if want_trace and out.trace is not None:
             obj["trace"] = out.trace
         print(json.dumps(obj, default=str))
     else:
@@ -248,7 +254,26 @@ def _generate(args) -> int:
               f"{st['generated_tokens']} tokens, finish_reason {st['finish_reason']}, "
               f"wall {1000 * st['seconds']:.0f} ms" + (f"; {st['max_new_tokens_clipped']}"
                                                        if "max_new_tokens_clipped" in st else ""), file=sys.stderr)
+    if args.png is not None:
+        write_png(out, tok, args.png)
     return 0
+
+
+def write_png(out, tok, path) -> None:
+    """The fill-order heatmap of a traced run (`lopa_fast.viz.fill_order_png`), one cell per returned token."""
+    from lopa_fast import viz
+
+    if not out.trace:
+        raise CLIError(f"--png {path}: strategy {out.stats['strategy']!r} returned no trace to draw")
+    st = out.stats
+    tokens = [str(t) for t in tok.convert_ids_to_tokens(out.generated_ids)]
+    title = (f"fill order: {st['strategy']} ({st['backend']}), {len(tokens)} tokens, {st['forwards']} forwards, "
+             f"TPF {st['tpf']:.2f}")
+    try:
+        viz.fill_order_png(out.trace, path, tokens=tokens, title=title)
+    except OSError as e:
+        raise CLIError(f"--png {path}: cannot write it ({e.strerror or type(e).__name__})") from e
+    print(f"wrote {path} (fill order)", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, generated_ids, stats")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, generated_ids, stats (and trace with --return-trace)")
+    g.add_argument("--png", default=None, metavar="PATH",
+                   help="also write the fill-order heatmap of the run (lopa_fast.viz.fill_order_png) to PATH")
     g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))
     return ap
 

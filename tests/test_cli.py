@@ -234,3 +234,20 @@ def test_unknown_words_are_reported(capsys):
     assert cli.main(["generate", "--prompt", "Zorg has 7 pens . Answer :", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     assert "warning: 1 word(s) unknown to the tokenizer" in err and "'Zorg'" in err
+
+
+def test_generate_png_writes_the_fill_order_heatmap(tmp_path, capsys):
+    import json
+
+    from lopa_fast.viz import png_size
+
+    png = tmp_path / "out" / "fill.png"
+    r = _cli("--prompt", PROMPT + " Answer :", "--max-new-tokens", "13", "--json", "--png", str(png),
+             "--backend", "fast")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert set(obj) == {"text", "generated_ids", "stats"}  # the trace feeds the picture, not the JSON
+    assert png_size(png) == (800, 220) and png.stat().st_size > 2000
+    assert f"wrote {png}" in r.stderr and "Traceback" not in r.stderr
+    assert cli.main(["generate", "--prompt", "Tom", "--png", str(tmp_path)], exit_on_error=True) == 2
+    assert "--png" in capsys.readouterr().err  # a directory: one line, before any decoding

@@ -94,3 +94,24 @@ def test_default_from_generation_config(tmp_path, prompt):
     (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": "lots"}))
     with pytest.raises(lopa_fast.ConfigError, match="max_new_tokens='lots'"):
         lopa_fast.generate(model, prompt, **_knobs("d2f"))
+
+
+def test_round_cap_finish_reason_and_trace_cut_with_the_tokens(embedded, prompt):
+    import warnings
+
+    model, _ = embedded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the round-cap warning
+        capped = lopa_fast.generate(model, prompt, max_new_tokens=13, max_rounds=1, **_knobs("lopa-k4"))
+    assert capped.stats["hit_round_cap"] and capped.stats["finish_reason"] == "round_cap"
+    for backend in ("reference", "fast"):
+        full = lopa_fast.generate(model, prompt, backend=backend, max_new_tokens=16, return_trace=True,
+                                  **_knobs("lopa-k4"))
+        cut = lopa_fast.generate(model, prompt, backend=backend, max_new_tokens=13, return_trace=True,
+                                 **_knobs("lopa-k4"))
+        assert cut.generated_ids == full.generated_ids[:13]
+        assert len(cut.trace) == len(full.trace) == cut.stats["forwards"]  # one entry per round stays
+        assert any(p >= 13 for r in full.trace for p, _ in r["accepted"])  # the whole blocks decoded past 13
+        assert [[a for a in r["accepted"] if a[0] < 13] for r in full.trace] == [r["accepted"] for r in cut.trace]
+        filled = {p: t for r in cut.trace for p, t in r["accepted"]}
+        assert sorted(filled) == list(range(13)) and [filled[p] for p in range(13)] == cut.generated_ids

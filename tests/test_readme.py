@@ -1,0 +1,83 @@
+"""The README's quick start, run verbatim: its Python block loads a Dream checkpoint with a D2F LoRA adapter,
+tokenises a chat prompt and decodes with LoPA. Here the two placeholder paths (and nothing else) are replaced by a
+tiny Dream checkpoint and a PEFT LoRA adapter written in the real layout (config.json + model.safetensors +
+tokenizer files; adapter_config.json + adapter_model.safetensors)."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import lopa_fast
+from lopa_fast.assets import model_dir
+from lopa_fast.models import save_checkpoint
+from lopa_fast.testing import random_model, tiny_hf_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BASE_PLACEHOLDER = "path/to/Dream-v0-Instruct-7B"
+LORA_PLACEHOLDER = "path/to/D2F_Dream_Instruct_7B_Lora"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def quick_start_block() -> str:
+    """The ```python block of the README's "Quick start on your own checkpoint" section."""
+    text = README.read_text()
+    section = text[text.index("## Quick start on your own checkpoint"):]
+    section = section[: section.index("\n## ", 1)]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the quick start section holds one Python block"
+    return blocks[0]
+
+
+def write_tiny_dream(d: Path) -> None:
+    """A tiny Dream checkpoint whose ids match the embedded tokenizer (65 tokens; eos/pad 0, mask 1, bos 2)."""
+    hf = tiny_hf_config("dream", vocab_size=65, mask_token_id=1, eos_token_id=0, pad_token_id=0, bos_token_id=2,
+                        max_position_embeddings=512)
+    save_checkpoint(random_model(hf, seed=3, sharpen=8), d, hf)  # peaked: multi-token rounds, lookahead wins
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded model's tokenizer (same vocabulary)
+        shutil.copy(Path(model_dir()) / name, d / name)
+
+
+def write_lora(d: Path, base: Path) -> None:
+    """A PEFT LoRA adapter for `base` in D2F's layout (every attention and MLP projection)."""
+    model = lopa_fast.load_model(base, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] in TARGETS:
+            out_f, in_f = mod.weight.shape
+            tensors[f"base_model.model.{name}.lora_A.weight"] = 0.1 * torch.randn(4, in_f, generator=g)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = 0.1 * torch.randn(out_f, 4, generator=g)
+    d.mkdir()
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": TARGETS, "use_rslora": False, "base_model_name_or_path": "Dream-org/Dream-v0-Instruct-7B"}))
+
+
+def test_readme_quick_start_runs_verbatim(tmp_path, capsys):
+    code = quick_start_block()
+    for needle in ("lopa_fast.load_model(", "lora=", "lopa_fast.load_tokenizer(", "lopa_fast.generate(",
+                   'strategy="lopa"'):
+        assert needle in code, needle
+    base, lora = tmp_path / "Dream-v0-Instruct-7B", tmp_path / "D2F_Dream_Instruct_7B_Lora"
+    write_tiny_dream(base)
+    write_lora(lora, base)
+    assert code.count(BASE_PLACEHOLDER) == 1 and code.count(LORA_PLACEHOLDER) == 1
+    code = code.replace(BASE_PLACEHOLDER, str(base)).replace(LORA_PLACEHOLDER, str(lora))  # the only change
+
+    ns: dict = {"__name__": "__readme__"}
+    exec(compile(code, str(README), "exec"), ns)
+
+    out, model = ns["out"], ns["model"]
+    st = out.stats
+    assert st["strategy"] == "lopa" and st["max_new_tokens"] == 256
+    assert st["finish_reason"] in ("stop", "length") and 1 <= st["forwards"] < 256 and st["lookahead_wins"] > 0
+    assert len(out.generated_ids) == 256
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == f"{st['finish_reason']} {st['tpf']} {st['forwards']}"
+    plain = lopa_fast.load_model(base, dtype=torch.bfloat16, device=model.device)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[q], plain.state_dict()[q])  # the adapter was merged
