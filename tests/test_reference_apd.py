@@ -269,3 +269,187 @@ def test_knob_validation(kw, match):
 def test_apd_knobs_belong_to_apd():
     with pytest.raises(ValueError, match=r"kv_window=4 does not apply to strategy='lopa'; it is a knob of apd"):
         GenerateConfig(strategy="lopa", kv_window=4).validate()
+
+
+# ---- the real checkpoints' layouts: Dream-v0-Instruct-7B drafting, Qwen2.5-0.5B verifying ----------------------
+# Scaled down from the public files, keeping every structural fact: Dream (model_type "Dream", DreamModel, q/k/v
+# biases, untied lm_head, 28 query / 4 KV heads -> 7 per KV head, mask 151666, eos = pad = bos 151643, sharded
+# safetensors + index) and Qwen2.5-0.5B (model_type "qwen2", Qwen2ForCausalLM, 14 query / 2 KV heads,
+# tie_word_embeddings true and no lm_head.weight in the file, one model.safetensors). Vocabularies: Qwen2.5's head
+# has 151,936 rows (151,665 tokenizer entries, then padding) and Dream's 152,064 = 151,936 + 128, its tokenizer
+# Qwen2.5's plus <|beginoftext|> 151665 and <|mask|> 151666. Here: ordinary tokens 0..79, <|endoftext|> 80,
+# <|im_start|> 81, <|im_end|> 82 (verifier tokenizer: 83 entries, head 96 rows), Dream adds <|beginoftext|> 83 and
+# <|mask|> 84 (tokenizer 85 entries, head 104 rows = 96 + 8). Weights are stored in bfloat16 like the originals.
+LAYOUT_V_AR, LAYOUT_V_DLLM, LAYOUT_EOS, LAYOUT_MASK = 96, 104, 80, 84
+_LAYOUT_WORDS = [f"w{i}" for i in range(80)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _layout_config(kind, vocab_size):
+    if kind == "dream":  # Dream-v0-Instruct-7B's config.json keys (geometry scaled down)
+        return {
+            "architectures": ["DreamModel"], "attention_dropout": 0.0,
+            "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+            "bos_token_id": LAYOUT_EOS, "eos_token_id": LAYOUT_EOS, "hidden_act": "silu", "hidden_size": 56,
+            "initializer_range": 0.02, "intermediate_size": 296, "mask_token_id": LAYOUT_MASK,
+            "max_position_embeddings": 256, "max_window_layers": 2, "model_type": "Dream", "num_attention_heads": 7,
+            "num_hidden_layers": 2, "num_key_value_heads": 1, "pad_token_id": LAYOUT_EOS, "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "transformers_version": "4.46.2", "use_cache": True,
+            "use_sliding_window": False, "vocab_size": vocab_size,
+        }  # fmt: skip
+    return {  # Qwen2.5-0.5B's config.json keys (geometry scaled down)
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": LAYOUT_EOS,
+        "eos_token_id": LAYOUT_EOS, "hidden_act": "silu", "hidden_size": 56, "initializer_range": 0.02,
+        "intermediate_size": 304, "max_position_embeddings": 256, "max_window_layers": 2, "model_type": "qwen2",
+        "num_attention_heads": 14, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 256, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }  # fmt: skip
+
+
+def _layout_tensors(cfg, seed):
+    """The public tensor names and shapes (HF Qwen2 layout), random bf16 values."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    D = H // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * D
+    shapes = {"model.embed_tokens.weight": (V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (H, H), p + "self_attn.q_proj.bias": (H,),
+            p + "self_attn.k_proj.weight": (kv, H), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (H, H), p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I),
+        })  # fmt: skip
+    shapes["model.norm.weight"] = (H,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, H)
+    out = {}
+    for name, shape in shapes.items():
+        r = torch.randn(shape, generator=g)
+        t = 1 + 0.1 * r if name.endswith("norm.weight") else 0.3 * r
+        out[name] = t.to(torch.bfloat16)
+    if "lm_head.weight" in out:  # the drafter never prefers <|mask|> or the rows past the verifier's vocabulary
+        out["lm_head.weight"][LAYOUT_MASK] = 0
+        out["lm_head.weight"][LAYOUT_V_AR:] = 0
+    return out
+
+
+def _write_layout(path, kind, vocab_size, words, seed=0, shards=None, **cfg_kw):
+    """An HF directory in the public layout: config.json, (sharded) safetensors, tokenizer.json."""
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    path.mkdir(parents=True)
+    cfg = _layout_config(kind, vocab_size) | cfg_kw
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = _layout_tensors(cfg, seed)
+    if shards is None:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:  # Dream-v0-Instruct-7B ships model-0000N-of-00004.safetensors + model.safetensors.index.json
+        names = list(tensors)
+        chunks = [names[i::shards] for i in range(shards)]
+        weight_map = {}
+        for i, chunk in enumerate(chunks):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({k: tensors[k] for k in chunk}, str(path / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in chunk})
+        total = sum(t.numel() * 2 for t in tensors.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in words if w.startswith("<|")])
+    tok.save(str(path / "tokenizer.json"))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def real_layout(tmp_path_factory):
+    root = tmp_path_factory.mktemp("apd_layout")
+    dream_words = _LAYOUT_WORDS + ["<|beginoftext|>", "<|mask|>"]
+    d_t = _write_layout(root / "Dream-v0-Instruct-7B", "dream", LAYOUT_V_DLLM, dream_words, seed=1, shards=4)
+    q_t = _write_layout(root / "Qwen2.5-0.5B", "qwen2", LAYOUT_V_AR, _LAYOUT_WORDS, seed=2)
+    return root, d_t, q_t
+
+
+def test_real_checkpoint_layouts_load_and_run_apd(real_layout):
+    """Dream-v0-Instruct-7B / Qwen2.5-0.5B layouts (scaled): load_model reads both, the verifier's head is its
+    embedding (no lm_head tensor), the vocabularies pair (verifier rows a strict prefix), and APD runs."""
+    root, d_t, q_t = real_layout
+    assert "lm_head.weight" not in q_t and "lm_head.weight" in d_t
+    assert not (root / "Qwen2.5-0.5B" / "model.safetensors.index.json").exists()
+    assert len(list((root / "Dream-v0-Instruct-7B").glob("model-0000?-of-00004.safetensors"))) == 4
+    d = lopa_fast.load_model(root / "Dream-v0-Instruct-7B", dtype=torch.float32)
+    q = lopa_fast.load_model(root / "Qwen2.5-0.5B", dtype=torch.float32)
+    dtok = lopa_fast.load_tokenizer(root / "Dream-v0-Instruct-7B")
+    qtok = lopa_fast.load_tokenizer(root / "Qwen2.5-0.5B")
+    assert (d.config.kind, d.attention, d.logits_shift, d.config.tie_word_embeddings) == ("dream", "full", True, False)
+    assert (q.config.kind, q.attention, q.config.tie_word_embeddings) == ("qwen2", "causal", True)
+    assert (d.mask_token_id, d.eos_token_id, d.pad_token_id, q.eos_token_id) == (LAYOUT_MASK, LAYOUT_EOS, LAYOUT_EOS,
+                                                                                  LAYOUT_EOS)  # fmt: skip
+    assert (len(qtok), len(dtok)) == (83, 85) and dtok.convert_ids_to_tokens(LAYOUT_MASK) == "<|mask|>"
+    # tied head: the verifier's logits are its final hidden states times the file's embedding
+    emb = q_t["model.embed_tokens.weight"].float()
+    assert q.head_weight().data_ptr() == q.model.embed_tokens.weight.data_ptr() and torch.equal(q.head_weight(), emb)
+    ids = torch.tensor([[3, 17, 42, 80, 5]])
+    with torch.no_grad():
+        h = q.forward_window(ids, mask="causal", output="hidden")
+        logits_q, logits_d = q(ids), d(ids)
+    torch.testing.assert_close(logits_q, h @ emb.T)
+    assert logits_q.shape[-1] == LAYOUT_V_AR and logits_d.shape[-1] == LAYOUT_V_DLLM
+    torch.testing.assert_close(d.head_weight(), d_t["lm_head.weight"].float())
+    cfg = GenerateConfig(strategy="apd", apd_mixture_weight=0.7, max_new_tokens=24).resolve(d)
+    apd.check_models(d, q, cfg, tokenizer=dtok, verifier_tokenizer=qtok)  # the shared 83 token strings agree
+
+    prompt = dtok("w3 w17 w42 w5 w9")["input_ids"]
+    assert prompt == [3, 17, 42, 5, 9]
+    for R, W, M in ((0.7, 16, 100), (0.6, 2, 5), (0.9, None, None)):
+        out = lopa_fast.generate(d, prompt, strategy="apd", verifier=q, apd_mixture_weight=R, kv_window=W,
+                                 max_lookahead=M, max_new_tokens=24, temperature=0.0)  # fmt: skip
+        st = out.stats
+        assert st["backend"] == "reference" and st["dllm_forwards"] == st["verifier_forwards"] == st["forwards"]
+        assert len(st["acceptance_counts"]) == st["forwards"] and all(c >= 1 for c in st["acceptance_counts"])
+        assert sum(st["acceptance_counts"]) == len(out.generated_ids) <= 24
+        assert all(t < LAYOUT_V_AR and t != LAYOUT_MASK for t in out.generated_ids)
+        assert out.generated_ids[-1] == LAYOUT_EOS or len(out.generated_ids) == 24
+        assert st["tpf"] == pytest.approx(len(out.generated_ids) / st["dllm_forwards"])
+        # the same models built in memory give the same trajectory (the layout loses nothing)
+        again = apd.generate(d, torch.tensor(prompt), dataclasses_replace(cfg, R, W, M), verifier=q)
+        assert again.generated_ids == out.generated_ids and again.stats["acceptance_counts"] == st["acceptance_counts"]
+
+
+def dataclasses_replace(cfg, R, W, M):
+    """cfg with other APD knobs (already validated and bound)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, apd_mixture_weight=R, kv_window=W, max_lookahead=M)
+
+
+def test_real_checkpoint_layout_mismatches_raise(real_layout, tmp_path):
+    """A verifier whose vocabulary is not a prefix of Dream's (more rows; the stop token outside it; other token
+    strings) or that is not causal (Dream itself) is refused before any forward, with the documented error."""
+    root, _, _ = real_layout
+    d = lopa_fast.load_model(root / "Dream-v0-Instruct-7B", dtype=torch.float32)
+    kw = dict(strategy="apd", apd_mixture_weight=0.7, max_new_tokens=8)
+    _write_layout(tmp_path / "big", "qwen2", LAYOUT_V_DLLM + 8, _LAYOUT_WORDS, seed=3)
+    with pytest.raises(ValueError, match=rf"verifier vocab_size={LAYOUT_V_DLLM + 8} > drafter vocab_size="
+                                         rf"{LAYOUT_V_DLLM}.*prefix"):
+        lopa_fast.generate(d, [3, 4], verifier=lopa_fast.load_model(tmp_path / "big"), **kw)
+    # a smaller vocabulary of its own (its stop token 60 inside it) does not hold the drafter's stop token
+    _write_layout(tmp_path / "small", "qwen2", 64, _LAYOUT_WORDS[:64], seed=3, eos_token_id=60, bos_token_id=60)
+    with pytest.raises(ValueError, match=rf"eos_token_id={LAYOUT_EOS} is outside the verifier's vocabulary \[0, 64\)"):
+        lopa_fast.generate(d, [3, 4], verifier=lopa_fast.load_model(tmp_path / "small"), **kw)
+    with pytest.raises(ValueError, match=r"verifier kind 'dream'.*causal AR qwen2"):
+        lopa_fast.generate(d, [3, 4], verifier=d, **kw)
+    other = _LAYOUT_WORDS[:10] + ["x10"] + _LAYOUT_WORDS[11:]
+    _write_layout(tmp_path / "other", "qwen2", LAYOUT_V_AR, other, seed=3)
+    cfg = GenerateConfig(**kw).resolve(d)
+    with pytest.raises(ValueError, match=r"tokenizers differ on the shared vocabulary prefix: id 10 is 'w10'"):
+        apd.check_models(d, lopa_fast.load_model(tmp_path / "other"), cfg,
+                         tokenizer=lopa_fast.load_tokenizer(root / "Dream-v0-Instruct-7B"),
+                         verifier_tokenizer=lopa_fast.load_tokenizer(tmp_path / "other"))  # fmt: skip

@@ -77,3 +77,53 @@ def test_bad_arguments_raise():
         tasks.generate("test", 10_000)
     with pytest.raises(ValueError, match="template"):
         arith.render("nope", 20, 2, 2, 2, "Tom", "He", "pens", "bags")
+
+
+# ---- the eval's APD rows (lopa_fast/tasks/evaluate.py) -------------------------------------------------------
+def test_eval_apd_rows_are_the_scaled_upstream_presets():
+    from lopa_fast.tasks import evaluate as E
+
+    # upstream's (R, W, M) = (0.6, 32, 200) and (0.7, 16, 100) for 256 new tokens, W and M scaled by 32/256
+    assert E.APD_ROWS == {
+        "apd-r0.6": dict(strategy="apd", apd_mixture_weight=0.6, kv_window=4, max_lookahead=25),
+        "apd-r0.7": dict(strategy="apd", apd_mixture_weight=0.7, kv_window=2, max_lookahead=13),
+        "apd-r0.9": dict(strategy="apd", apd_mixture_weight=0.9, kv_window=2, max_lookahead=13),
+    }
+    assert E.parse_rows("apd") == ["apd-r0.6", "apd-r0.7", "apd-r0.9"]
+    assert E.parse_rows("d2f,apd-r0.7,apd") == ["d2f", "apd-r0.7", "apd-r0.6", "apd-r0.9"]
+    assert E.parse_rows("all")[-3:] == list(E.APD_ROWS)
+    # the dLLM-only rows stay the generate presets (an APD row needs the verifier model)
+    assert not set(E.APD_ROWS) & set(E.ROWS) and E.make_rows(16, apd=True)["apd-r0.6"] == E.APD_ROWS["apd-r0.6"]
+    with pytest.raises(ValueError, match="apd-r0.6, apd-r0.7, apd-r0.9, lopa, apd, all"):
+        E.parse_rows("apd-r0.5")
+    # steps that accepted their whole window (min(M, tokens left) drafts)
+    assert E._full_window_steps([13, 13, 6], 13) == 3 and E._full_window_steps([13, 5, 14], 13) == 2
+    assert E._full_window_steps([1, 31], None) == 1 and E._full_window_steps([25, 7], 25) == 2
+
+
+def test_eval_apd_rows_run_with_the_shipped_verifier(tmp_path):
+    from lopa_fast.tasks import evaluate as E
+
+    out = tmp_path / "apd.md"
+    res = E.run_eval(n=3, strategies="d2f,apd", backend="auto", out=out, progress=False, log=lambda *_: None)
+    by = {r["row"]: r for r in res}
+    for row in E.APD_ROWS:
+        r = by[row]
+        assert r["status"] == "ok" and r["backend"] == "reference", r  # auto falls back: no fast apd
+        assert r["dllm_forwards_per_answer"] == r["forwards_per_answer"] >= 1 and r["verifier_forwards_per_answer"] >= 1
+        assert r["mean_accepted"] == pytest.approx(r["tpf"]) and 0 <= r["full_window_share"] <= 1
+    text = out.read_text()
+    assert "| dLLM forwards / answer | verifier forwards / answer | accepted / step | full-window steps |" in text
+    assert next(ln for ln in text.splitlines() if ln.startswith("| d2f |")).endswith("| - | - | - |")
+    assert "scaled by 32/256" in text and "(0.6, 4, 25), (0.7, 2, 13)" in text and "`ar-arith` verifies" in text
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # backend="fast" never runs a row elsewhere: while the fast backend does not cover apd the rows say so
+    fast = E.run_row(*E.load_default()[:2], tasks.generate("test", 1, seed=0), "apd-r0.7", "fast", False,
+                     verifier=E.load_verifier())  # fmt: skip
+    if fast["status"] == "unavailable":
+        assert "does not cover strategy='apd'" in fast["reason"]
+    else:
+        assert fast["backend"] == "fast"
+    # a verifier that does not fit the drafter is reported before the row runs
+    miss = E.run_row(*E.load_default()[:2], [], "apd-r0.6", verifier=None)
+    assert miss["status"] == "unavailable" and "no verifier" in miss["reason"]

@@ -11,9 +11,16 @@ the spec's GSM8K settings with the block scaled from 32 to this task's answers o
               GSM8K row), full attention (LoPA's default)
   lopa-kK     LoPA with branching_factor K in {2, 4, 8} and the same D2F thresholds, branch_topp 1,
               alpha 0 (the spec defaults); k = 1 is d2f
+  apd-rR      APD (strategy="apd"): the embedded model drafts, the shipped causal `ar-arith` verifies
+              (`verifier=`); (R, W, M) = (0.6, 4, 25) and (0.7, 2, 13): upstream's Pareto presets
+              (0.6, 32, 200) and (0.7, 16, 100) with kv_window W and max_lookahead M scaled by 32/256 (this
+              task's 32 new tokens against upstream's 256, rounded half up), plus R = 0.9 at (2, 13); block
+              knobs do not apply. The fast backend does not cover apd: `auto` runs these rows on the reference
 
 Columns: exact-match accuracy, TPF (generated positions / forwards, EOS filler included, the paper's
-and upstream Dream's count), TPF until EOS, forwards per answer, tokens/s (wall clock of this run).
+and upstream Dream's count), TPF until EOS, forwards per answer, tokens/s (wall clock of this run); with
+APD rows also dLLM and verifier forwards per answer, mean tokens accepted per step and the share of steps
+that accepted their whole lookahead window (APD's TPF counts dLLM forwards only, as upstream and the paper).
 A strategy whose implementation is missing is reported as unavailable, never approximated.
 """
 from __future__ import annotations
@@ -41,8 +48,27 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def make_rows(block_size: int = BLOCK) -> dict[str, dict]:
-    """Every row's knobs with `block_size` applied to all block knobs (vanilla/threshold block_length too)."""
+# APD rows: upstream's Pareto presets (R, W, M) = (0.6, 32, 200) and (0.7, 16, 100) for 256 new tokens, W and M
+# scaled by GEN_LEN / 256 = 1/8 (rounded half up: 12.5 -> 13), plus R = 0.9 at the second preset's (W, M)
+APD_SCALE = GEN_LEN / 256
+APD_UPSTREAM_PRESETS = {"apd-r0.6": (0.6, 32, 200), "apd-r0.7": (0.7, 16, 100), "apd-r0.9": (0.9, 16, 100)}
+
+
+def _scaled(v: int) -> int:
+    return int(v * APD_SCALE + 0.5)
+
+
+APD_ROWS: dict[str, dict] = {
+    name: dict(strategy="apd", apd_mixture_weight=R, kv_window=_scaled(W), max_lookahead=_scaled(M))
+    for name, (R, W, M) in APD_UPSTREAM_PRESETS.items()
+}
+VERIFIER_MODEL = "ar-arith"  # the shipped causal qwen2 model (same tokenizer as d2f-arith): APD's verifier
+
+
+def make_rows(block_size: int = BLOCK, apd: bool = False) -> dict[str, dict]:
+    """Every row's knobs with `block_size` applied to all block knobs (vanilla/threshold block_length too).
+
+    apd=True appends the APD rows (no block knobs; they need the verifier, so they are not `generate --preset`s)."""
     block_size = check_block_size(block_size)
     d2f = dict(block_size=block_size, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
                sampling_strategy="neg_entropy", use_full_attention=True)
@@ -53,17 +79,18 @@ def make_rows(block_size: int = BLOCK) -> dict[str, dict]:
         "lopa-k2": dict(strategy="lopa", branching_factor=2, **d2f),
         "lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
         "lopa-k8": dict(strategy="lopa", branching_factor=8, **d2f),
-    }
+    } | ({k: dict(v) for k, v in APD_ROWS.items()} if apd else {})
 
 
-ROWS: dict[str, dict] = make_rows(BLOCK)
+ROWS: dict[str, dict] = make_rows(BLOCK)  # the dLLM-only rows (also the CLI's generate presets)
+EVAL_ROWS: dict[str, dict] = make_rows(BLOCK, apd=True)  # every eval row
 D2F_KNOBS = {k: v for k, v in ROWS["d2f"].items() if k != "strategy"}
-ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "all": list(ROWS)}
+ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "apd": list(APD_ROWS), "all": list(EVAL_ROWS)}
 BACKENDS = ("reference", "fast", "auto")
 
 
 def parse_rows(spec: str | list[str]) -> list[str]:
-    """"vanilla,d2f,lopa" -> row names (aliases: lopa = k2,k4,k8; all)."""
+    """"vanilla,d2f,lopa" -> row names (aliases: lopa = k2,k4,k8; apd = apd-r0.6,apd-r0.7,apd-r0.9; all)."""
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[str] = []
     for raw in names:
@@ -72,12 +99,13 @@ def parse_rows(spec: str | list[str]) -> list[str]:
             continue
         expanded = ALIASES.get(name, [name])
         for e in expanded:
-            if e not in ROWS:
-                raise ValueError(f"strategies: {name!r} is not a row; allowed: {', '.join(list(ROWS) + list(ALIASES))}")
+            if e not in EVAL_ROWS:
+                raise ValueError(f"strategies: {name!r} is not a row; allowed: "
+                                 f"{', '.join(list(EVAL_ROWS) + list(ALIASES))}")
             if e not in out:
                 out.append(e)
     if not out:
-        raise ValueError(f"strategies: {spec!r} names no row; allowed: {', '.join(list(ROWS) + list(ALIASES))}")
+        raise ValueError(f"strategies: {spec!r} names no row; allowed: {', '.join(list(EVAL_ROWS) + list(ALIASES))}")
     return out
 
 
@@ -88,6 +116,15 @@ def load_default(model_dir=None, dtype=torch.float32):
 
     path = Path(model_dir) if model_dir is not None else _embedded()
     return lopa_fast.load_model(path, dtype=dtype), lopa_fast.load_tokenizer(path), path
+
+
+def load_verifier(dtype=torch.float32):
+    """The shipped APD verifier (`ar-arith`, a causal qwen2 model with d2f-arith's tokenizer), loaded like
+    `load_default` loads the drafter."""
+    import lopa_fast
+    from lopa_fast.assets import model_dir as _embedded
+
+    return lopa_fast.load_model(_embedded(VERIFIER_MODEL), dtype=dtype)
 
 
 def prompt_ids(tok, problem) -> list[int]:
@@ -124,14 +161,35 @@ def _compiles(backend: str, knobs: dict) -> bool:
     return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa")
 
 
+def _apd_pair_problem(model, verifier, knobs) -> str | None:
+    """Why `verifier` cannot verify this drafter with an APD row's knobs (None: the pair fits), checked once
+    before the row runs (e.g. `eval --model` on a drafter whose vocabulary ar-arith's is not a prefix of)."""
+    from lopa_fast.config import GenerateConfig
+    from lopa_fast.reference.apd import check_models
+
+    if verifier is None:
+        return "no verifier loaded"
+    try:
+        cfg = GenerateConfig(max_new_tokens=GEN_LEN, temperature=0.0, **knobs).resolve(model)
+        check_models(model, verifier, cfg)
+    except (ValueError, TypeError) as exc:
+        return f"verifier {VERIFIER_MODEL} does not fit this drafter: {exc}"
+    return None
+
+
 def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True,
-            block_size: int = BLOCK, compile: bool = False) -> dict:
-    """Decode every problem with one row's knobs at `block_size`. Returns the row's numbers (or status
-    "unavailable")."""
+            block_size: int = BLOCK, compile: bool = False, verifier=None) -> dict:
+    """Decode every problem with one row's knobs at `block_size` (APD rows: with `verifier`). Returns the row's
+    numbers (or status "unavailable")."""
     import lopa_fast
 
-    knobs = make_rows(block_size)[row]
+    knobs = make_rows(block_size, apd=True)[row]
+    is_apd = knobs["strategy"] == "apd"
+    extra = {"verifier": verifier} if is_apd else {}
+    if is_apd and (why := _apd_pair_problem(model, verifier, knobs)) is not None:
+        return {"row": row, "status": "unavailable", "reason": why}
     correct = forwards = tokens = tokens_eos = 0
+    dllm_fw = verifier_fw = steps = accepted = full_steps = 0
     seconds = 0.0
     ran = None
     bar = progress_bar(row, len(problems), progress)
@@ -139,7 +197,7 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         try:
             out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
-                                     compile=compile and _compiles(backend, knobs), **knobs)
+                                     compile=compile and _compiles(backend, knobs), **knobs, **extra)
         except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
             reason = _unavailable(exc)
             if reason is None:
@@ -153,20 +211,47 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
         tokens += st["generated_tokens"]
         tokens_eos += st["tokens_until_eos"]
         seconds += st["seconds"]
+        if is_apd:
+            dllm_fw += st["dllm_forwards"]
+            verifier_fw += st["verifier_forwards"]
+            counts = st["acceptance_counts"]
+            steps += len(counts)
+            accepted += sum(counts)
+            full_steps += _full_window_steps(counts, knobs["max_lookahead"])
         bar.set_postfix_str(f"acc {correct / (i + 1):.3f} tpf {tokens / max(1, forwards):.2f}", refresh=False)
         bar.update(1)
     bar.close()
     n = len(problems)
-    return {
+    res = {
         "row": row, "status": "ok", "backend": ran, "n": n, "accuracy": correct / n if n else float("nan"),
         "tpf": tokens / forwards if forwards else 0.0, "tpf_until_eos": tokens_eos / forwards if forwards else 0.0,
         "forwards_per_answer": forwards / n if n else 0.0, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
     }
+    if is_apd:
+        res.update({
+            "dllm_forwards_per_answer": dllm_fw / n if n else 0.0,
+            "verifier_forwards_per_answer": verifier_fw / n if n else 0.0,
+            "steps": steps, "mean_accepted": accepted / steps if steps else 0.0,
+            "full_window_share": full_steps / steps if steps else 0.0,
+        })  # fmt: skip
+    return res
+
+
+def _full_window_steps(counts: list[int], max_lookahead: int | None, gen_len: int = GEN_LEN) -> int:
+    """Steps of one APD answer that accepted every drafted token: the window of a step starting at offset c holds
+    min(M, gen_len - c) drafts (M None: gen_len - c)."""
+    full, c = 0, 0
+    for a in counts:
+        window = gen_len - c if max_lookahead is None else min(max_lookahead, gen_len - c)
+        full += a >= window
+        c += a
+    return full
 
 
 def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int,
              block_size: int = BLOCK) -> str:
-    rows = make_rows(block_size)
+    rows = make_rows(block_size, apd=True)
+    apd_rows = [r for r in results if r["row"] in APD_ROWS]
     lines = [
         "# Eval on the embedded task (held-out split)"
         + (f", block size {block_size}" if block_size != BLOCK else ""),
@@ -178,17 +263,23 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         f"{platform.machine()} / torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        "| strategy | accuracy | TPF | TPF until EOS | forwards / answer | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| strategy | accuracy | TPF | TPF until EOS | forwards / answer | tokens/s |"
+        + (" dLLM forwards / answer | verifier forwards / answer | accepted / step | full-window steps |"
+           if apd_rows else ""),
+        "|---|---|---|---|---|---|" + ("---|---|---|---|" if apd_rows else ""),
     ]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['row']} | unavailable | - | - | - | - |")
+            lines.append(f"| {r['row']} | unavailable | - | - | - | - |" + (" - | - | - | - |" if apd_rows else ""))
             continue
-        lines.append(
-            f"| {r['row']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tpf_until_eos']:.2f} | "
-            f"{r['forwards_per_answer']:.1f} | {r['tokens_per_s']:.0f} |"
-        )
+        line = (f"| {r['row']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tpf_until_eos']:.2f} | "
+                f"{r['forwards_per_answer']:.1f} | {r['tokens_per_s']:.0f} |")
+        if apd_rows and r["row"] in APD_ROWS:
+            line += (f" {r['dllm_forwards_per_answer']:.2f} | {r['verifier_forwards_per_answer']:.2f} | "
+                     f"{r['mean_accepted']:.2f} | {100 * r['full_window_share']:.0f}% |")
+        elif apd_rows:
+            line += f" {r['forwards_per_answer']:.1f} | - | - | - |"
+        lines.append(line)
     lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}, block size {block_size}):", ""]
     for r in results:
         why = f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""
@@ -200,12 +291,27 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         "tokens/s is wall clock on this machine with the named backend; compare ratios within one run only.",
         "",
     ]
+    if apd_rows:
+        ran = sorted({r.get("backend") or "?" for r in apd_rows if r["status"] == "ok"})
+        lines += [
+            f"APD rows: the embedded model drafts and the shipped causal `{VERIFIER_MODEL}` verifies. (R, W, M) are "
+            "upstream's Pareto presets (0.6, 32, 200) and (0.7, 16, 100) for 256 new tokens with kv_window W and "
+            f"max_lookahead M scaled by {GEN_LEN}/256 to this task's {GEN_LEN} (rounded half up: (0.6, 4, 25), "
+            "(0.7, 2, 13)), plus R = 0.9 at (2, 13); block knobs do not apply. TPF and forwards / answer count dLLM "
+            "forwards (upstream's and the paper's convention); the verifier's forwards are reported beside them. "
+            "accepted / step = mean tokens accepted per step over all steps of all answers (each step is one dLLM "
+            "forward, so it equals TPF before any cut); full-window steps = share of steps that accepted every "
+            "drafted token (min(M, tokens left) of them)."
+            + (f" Backend that ran them: {', '.join(ran)}." if ran else ""),
+            "",
+        ]
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> str | None:
-    """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib, Agg backend); returns a note when there is
-    nothing to plot."""
+    """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib, Agg backend), with a second panel for the
+    APD rows (TPF, verifier forwards per answer and accuracy against R) when they ran; returns a note when there
+    is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,12 +319,23 @@ def plot(results: list[dict], path: Path) -> str | None:
 
     ks = {"d2f": 1, "lopa-k2": 2, "lopa-k4": 4, "lopa-k8": 8}
     pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
+    apd = sorted((APD_ROWS[r["row"]]["apd_mixture_weight"], r["row"], r) for r in results
+                 if r["row"] in APD_ROWS and r["status"] == "ok")
+    if not pts and not apd:
+        return "no D2F/LoPA/APD rows ran: no plot written"
+    n_panels = bool(pts) + bool(apd)
+    fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 3.2), squeeze=False)
+    if apd:
+        _plot_apd(axes[0, -1], apd)
     if not pts:
-        return "no D2F/LoPA rows ran: no plot written"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return None
     x = [k for k, _ in pts]
     tpf = [r["tpf"] for _, r in pts]
     acc = [100 * r["accuracy"] for _, r in pts]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax = axes[0, 0]
     ax.plot(x, tpf, "o-", label="TPF")
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(k) for k in x])
@@ -228,11 +345,37 @@ def plot(results: list[dict], path: Path) -> str | None:
     ax2.plot(x, acc, "s--", color="tab:red", label="accuracy")
     ax2.set_ylabel("exact match (%)")
     ax2.set_ylim(0, 100)
-    fig.legend(loc="lower right")
+    if apd:
+        ax.set_title("D2F / LoPA", fontsize=9)
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
+    else:
+        fig.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def _plot_apd(ax, apd: list[tuple]) -> None:
+    """APD panel: TPF (= mean accepted per step) and verifier forwards per answer against R, accuracy on the right."""
+    x = list(range(len(apd)))
+    labels = [f"R={R:g}\nW={APD_ROWS[name]['kv_window']} M={APD_ROWS[name]['max_lookahead']}" for R, name, _ in apd]
+    ax.plot(x, [r["tpf"] for *_, r in apd], "o-", label="TPF (dLLM forwards)")
+    ax.plot(x, [r["verifier_forwards_per_answer"] for *_, r in apd], "^:", color="tab:green",
+            label="verifier forwards / answer")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("tokens per forward / forwards")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"APD (verifier {VERIFIER_MODEL})", fontsize=9)
+    ax2 = ax.twinx()
+    ax2.plot(x, [100 * r["accuracy"] for *_, r in apd], "s--", color="tab:red", label="accuracy")
+    ax2.set_ylabel("exact match (%)")
+    ax2.set_ylim(0, 100)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="lower center", bbox_to_anchor=(0.5, 0.14), fontsize=8)
 
 
 def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
@@ -248,7 +391,9 @@ def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=Non
     rows = parse_rows(strategies)
     model, tok, path = load_default(model_dir)
     problems = tasks.generate("test", n, seed=0)
-    results = [run_row(model, tok, problems, r, backend, progress, block_size, compile) for r in rows]
+    verifier = load_verifier() if any(r in APD_ROWS for r in rows) else None
+    results = [run_row(model, tok, problems, r, backend, progress, block_size, compile, verifier=verifier)
+               for r in rows]
     for r in results:
         r["block_size"] = block_size
     n_params = sum(p.numel() for p in model.parameters())
