@@ -277,7 +277,7 @@ def write_png(out, tok, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, GEN_LEN, ROWS
+    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, GEN_LEN, ROWS
 
     from lopa_fast.config import STRATEGIES
 
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
     e.add_argument("--n", type=int, default=100, help="held-out problems per strategy (default 100)")
     e.add_argument("--strategies", default="all",
-                   help=f"comma-separated rows: {', '.join(ROWS)}; aliases lopa (= k2,k4,k8), all (default)")
+                   help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three apd rows), all (default)")
     e.add_argument("--out", default=None, help=f"markdown path (PNG next to it); default {DEFAULT_EVAL_OUT}")
     e.add_argument("--block-size", type=int, default=BLOCK,
                    help=f"block size for every row's block knobs; a divisor of max_new_tokens {GEN_LEN}: "
