@@ -85,3 +85,41 @@ def test_compile_grid(k, full, bs):
         ref = lopa_fast.generate(model, p, "lopa", "reference", **kw)
         comp = lopa_fast.generate(model, p, "lopa", "fast", compile=True, **kw)
         assert comp.generated_ids == ref.generated_ids and comp.stats["forwards"] == ref.stats["forwards"]
+
+
+def test_graph_workspace_logic_on_cpu(monkeypatch):
+    """The CUDA-graph path's workspace logic (a static state per geometry, a new request's state and tables
+    loaded into it, the round written back in place, graph-owned trace facts) with the capture emulated on
+    CPU: the "graph" reruns the captured body and rewrites the outputs captured the first time."""
+    from lopa_fast.decode.compiled import CompiledRounds
+
+    def emulated_capture(warmup, body):
+        # a real capture records kernels without running them: the workspace is not touched until a replay,
+        # so the emulation takes its output tensors from the warm-up (a round on scratch copies)
+        _, info = warmup()
+        outputs = {k: v.clone() for k, v in info.items()}
+
+        def replay():
+            for k, v in body().items():
+                outputs[k].copy_(v)
+
+        return replay, outputs
+
+    model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=1, sharpen=6)
+    cr = CompiledRounds.for_model(model)
+    cr.emulate_graphs = True
+    monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
+    g = torch.Generator().manual_seed(9)
+    kw = {**COMMON, "branching_factor": 2, "max_new_tokens": 16, "return_trace": True}
+    outs = []
+    for thresholds in ((0.1, 0.9), (0.1, 0.9), (0.3, 0.6)):  # the third: same geometry, other tables
+        kw.update(block_add_threshold=thresholds[0], decoded_token_threshold=thresholds[1])
+        p = torch.randint(0, 60, (PROMPT_LEN,), generator=g)
+        ref = lopa_fast.generate(model, p, "lopa", "reference", **kw)
+        got = lopa_fast.generate(model, p, "lopa", "fast", compile=True, **kw)
+        assert got.generated_ids == ref.generated_ids and got.stats["forwards"] == ref.stats["forwards"]
+        assert [r["accepted"] for r in got.trace] == [r["accepted"] for r in ref.trace]
+        outs.append(got.stats)
+    assert outs[0]["compiled_graphs"] >= 1 and outs[0]["forwards"] >= 3
+    assert outs[1]["compiled_graphs"] == 0 and outs[2]["compiled_graphs"] == 0  # replays of the same captures
+    assert len(cr.workspaces) == 1

@@ -41,6 +41,7 @@ class CompiledRounds:
 
     def __init__(self):
         self.fns: dict = {}  # bucket key -> callable(st, T) -> (st, info)
+        self.emulate_graphs = False  # tests: take the CUDA-graph path on CPU (with `capture` emulated)
         self.workspaces: dict = {}  # (geo) -> static state dict (CUDA graphs)
         self.compile_seconds: dict = {}  # bucket key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
@@ -69,7 +70,7 @@ class CompiledRounds:
         key = self.key(geo, cfg, Nb, Rb)
         self._req_buckets.add((Nb, Rb))
         fn = self.fns.get(key)
-        if st["x"].is_cuda:
+        if st["x"].is_cuda or self.emulate_graphs:
             if fn is None:
                 t0 = time.perf_counter()
                 fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
@@ -99,17 +100,16 @@ class CompiledRounds:
                                          "tables": {k: v.clone() for k, v in T.items()}}  # fmt: skip
         S, TS = ws["state"], ws["tables"]
         step = _bound_step(model, geo, cfg, Nb, Rb)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on scratch copies: kernels compile / autotune, cuBLAS inits
-            step({k: v.clone() for k, v in S.items()}, TS)  # (state, info) discarded
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def body() -> dict:  # one round on the workspace, written back into it; returns the trace facts
             out, info = step(dict(S), TS)
             for k, v in out.items():
                 if v is not S[k]:  # the cache is updated in place
                     S[k].copy_(v)
+            return info
+
+        # warm-up on scratch copies (kernels compile / autotune, cuBLAS initialises), then the capture
+        graph_replay, info = self.capture(lambda: step({k: v.clone() for k, v in S.items()}, TS), body)
 
         def replay(cur: dict, tables: dict) -> tuple[dict, dict]:
             if cur is not S:  # a new request (or the eager prefill round): load its state into the workspace
@@ -117,10 +117,25 @@ class CompiledRounds:
                     S[k].copy_(v)
                 for k, v in tables.items():
                     TS[k].copy_(v)
-            graph.replay()
+            graph_replay()
             return S, info  # info: graph-owned outputs, rewritten by the next replay
 
         return replay
+
+    @staticmethod
+    def capture(warmup, body):
+        """(replay, body's outputs): `warmup()` on a side stream, then `body()` captured as one CUDA graph;
+        replay() reruns the captured kernels, rewriting the same output tensors. (Tests replace this with a
+        CPU emulation that reruns `body` to exercise the workspace logic without a device.)"""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warmup()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = body()
+        return graph.replay, outputs
 
     def _compiled(self, key, seconds: float) -> None:
         self.compile_seconds[key] = seconds

@@ -331,7 +331,8 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
 
     # the trace's per-round facts (read by the host only when a trace is asked for); kept out of `st`,
     # whose shapes must not depend on the bucket
-    info = dict(score=score, winner=W, acc=accW, tok=tokW, wpos=wpos, look_pos=st["look_pos"])
+    # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
+    info = dict(score=score, winner=W, acc=accW, tok=tokW, wpos=wpos, look_pos=st["look_pos"].clone())
     st.update(x=x_new, state=stt, nblk=_at(st["nblk"], W).reshape(1).repeat(NB),
               complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
               cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
