@@ -136,3 +136,40 @@ def weights_fingerprint(model) -> str:
     for _, p in sorted(model.state_dict().items()):
         h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def sdpa_forward(model, input_ids: torch.Tensor, past_layers: list, start: int, attn_mask=None):
+    """A tiny model run the way upstream's HF modules run it (the golden makers' adapters): positions
+    start..start+n, each layer's SDPA over [past K ; new K] (GQA by repeat_interleave), the plain layer's
+    formulas otherwise. input_ids [1, n]; past_layers: per layer (K, V) [1, Hkv, start, D] or [] when empty;
+    attn_mask: SDPA's mask over the start + n keys, passed as given (None = full). Returns (logits [1, n, V], the per-layer
+    (K, V) [1, Hkv, start + n, D])."""
+    import torch.nn.functional as F
+
+    from lopa_fast.models.transformer import rms_norm
+
+    cfg = model.config
+    n = input_ids.shape[1]
+    cos, sin = model._rope(torch.arange(start, start + n))
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = F.embedding(input_ids, model.embed_weight())
+    layers = []
+    for i in range(cfg.num_layers):
+        w = model.layer(i)
+        x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
+        q = model._apply_rope(w.q(x).view(1, n, Hq, D), cos, sin).transpose(1, 2)
+        k = model._apply_rope(w.k(x).view(1, n, Hkv, D), cos, sin).transpose(1, 2)
+        v = w.v(x).view(1, n, Hkv, D).transpose(1, 2)
+        if past_layers:
+            pk, pv = past_layers[i]
+            k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        layers.append((k, v))
+        rep = Hq // Hkv
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                           attn_mask=attn_mask)  # fmt: skip
+        h = h + w.o(a.transpose(1, 2).reshape(1, n, Hq * D))
+        x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
+        h = h + w.down(F.silu(w.gate(x)) * w.up(x))
+    h = rms_norm(h, model.final_norm_weight(), cfg.rms_norm_eps)
+    return F.linear(h, model.head_weight()), layers

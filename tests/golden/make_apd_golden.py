@@ -29,13 +29,11 @@ import sys
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 
-from lopa_fast.models.transformer import rms_norm  # noqa: E402
-from lopa_fast.testing import model_from_spec, weights_fingerprint  # noqa: E402
+from lopa_fast.testing import model_from_spec, sdpa_forward, weights_fingerprint  # noqa: E402
 
 # name: (tiny_hf_config kwargs, random_model kwargs, head rows zeroed from this id on (or None))
 MODELS = {
@@ -84,41 +82,16 @@ class Adapter:
                  **kw):  # fmt: skip
         if attention_mask is not None and attention_mask != "full":
             raise AssertionError(f"unexpected attention_mask {attention_mask!r}")
-        m, cfg = self.m, self.m.config
+        m = self.m
         self.calls += 1
         cache = past_key_values if past_key_values is not None else Cache()
         start, n = cache.get_seq_length(), input_ids.shape[1]
         pos = torch.arange(start, start + n)
         if position_ids is not None:
             assert torch.equal(position_ids[0], pos), (position_ids, start)
-        cos, sin = m._rope(pos)
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.embedding(input_ids, m.embed_weight())
-        new_layers = []
-        for i in range(cfg.num_layers):
-            w = m.layer(i)
-            x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-            q = m._apply_rope(w.q(x).view(1, n, Hq, D), cos, sin).transpose(1, 2)
-            k = m._apply_rope(w.k(x).view(1, n, Hkv, D), cos, sin).transpose(1, 2)
-            v = w.v(x).view(1, n, Hkv, D).transpose(1, 2)
-            if cache.layers:
-                pk, pv = cache.layers[i]
-                K, V = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-            else:
-                K, V = k, v
-            new_layers.append((K, V))
-            rep = Hq // Hkv
-            mask = None
-            if self.causal:
-                mask = torch.arange(K.shape[2])[None, :] <= pos[:, None]
-            a = F.scaled_dot_product_attention(q, K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1),
-                                               attn_mask=mask)  # fmt: skip
-            h = h + w.o(a.transpose(1, 2).reshape(1, n, Hq * D))
-            x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
-            h = h + w.down(F.silu(w.gate(x)) * w.up(x))
-        cache.layers = new_layers
-        h = rms_norm(h, m.final_norm_weight(), cfg.rms_norm_eps)
-        return SimpleNamespace(logits=F.linear(h, m.head_weight()), past_key_values=cache)
+        mask = (torch.arange(start + n)[None, :] <= pos[:, None]) if self.causal else None
+        logits, cache.layers = sdpa_forward(m, input_ids, cache.layers, start, mask)
+        return SimpleNamespace(logits=logits, past_key_values=cache)
 
 
 def import_upstream(checkout: str, verifier_vocab: int):

@@ -32,13 +32,11 @@ import types
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
 
-from lopa_fast.models.transformer import rms_norm  # noqa: E402
-from lopa_fast.testing import model_from_spec, weights_fingerprint  # noqa: E402
+from lopa_fast.testing import model_from_spec, sdpa_forward, weights_fingerprint  # noqa: E402
 
 MODELS = {
     # name: (tiny_hf_config kwargs, random_model kwargs)
@@ -78,40 +76,18 @@ class DenseAdapter:
 
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask=None, past_key_values=None, use_cache=True, update_kvcache=0):
-        m, cfg = self.m, self.m.config
+        m = self.m
         self.calls += 1
         if past_key_values is None:
             past_key_values = LegacyCache()
         start = past_key_values.get_seq_length()
         n = input_ids.shape[1]
-        cos, sin = m._rope(torch.arange(start, start + n))
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.embedding(input_ids, m.embed_weight())
-        new_layers = []
-        for i in range(cfg.num_layers):
-            w = m.layer(i)
-            x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-            q = m._apply_rope(w.q(x).view(1, n, Hq, D), cos, sin).transpose(1, 2)
-            k = m._apply_rope(w.k(x).view(1, n, Hkv, D), cos, sin).transpose(1, 2)
-            v = w.v(x).view(1, n, Hkv, D).transpose(1, 2)
-            if past_key_values.layers:
-                pk, pv = past_key_values.layers[i]
-                K, V = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-            else:
-                K, V = k, v
-            if update_kvcache:
-                new_layers.append((K[:, :, : start + update_kvcache], V[:, :, : start + update_kvcache]))
-            rep = Hq // Hkv
-            Kr, Vr = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-            mask = None if attention_mask is None else attention_mask[..., : K.shape[2]].to(q.dtype)
-            a = F.scaled_dot_product_attention(q, Kr, Vr, attn_mask=mask)
-            h = h + w.o(a.transpose(1, 2).reshape(1, n, Hq * D))
-            x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
-            h = h + w.down(F.silu(w.gate(x)) * w.up(x))
+        mask = None if attention_mask is None else attention_mask[..., : start + n].to(m.dtype)
+        logits, layers = sdpa_forward(m, input_ids, past_key_values.layers, start, mask)
         if update_kvcache:
-            past_key_values.layers = new_layers
-        h = rms_norm(h, m.final_norm_weight(), cfg.rms_norm_eps)
-        return SimpleNamespace(logits=F.linear(h, m.head_weight()), past_key_values=past_key_values)
+            keep = start + update_kvcache
+            past_key_values.layers = [(K[:, :, :keep], V[:, :, :keep]) for K, V in layers]
+        return SimpleNamespace(logits=logits, past_key_values=past_key_values)
 
 
 def import_upstream(checkout: str):
