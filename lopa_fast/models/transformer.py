@@ -367,8 +367,13 @@ class DecoderLM(nn.Module):
             prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
         h = F.embedding(tokens, self.embed_weight())
         ks, vs = [], []
-        # under torch.compile the view built (or checked) by the caller at the request start is read as is
-        layers = self._fused if torch.compiler.is_compiling() else self.fused_layers()
+        # the view built (or checked) by the caller at the request start; per call, only layer 0's pointer is
+        # re-checked (weights are replaced all together, e.g. by .to()), and nothing under torch.compile
+        layers = getattr(self, "_fused", None)
+        if not torch.compiler.is_compiling() and (
+            layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr()
+        ):
+            layers = self.fused_layers()
         for i, w in enumerate(layers):
             x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
