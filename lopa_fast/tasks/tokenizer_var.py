@@ -1,0 +1,76 @@
+"""The tokenizer of `arith-var`: one word-level tokenizer for both embedded tasks.
+
+Its first ids are the `arith` tokenizer's vocabulary unchanged (`lopa_fast.tasks.tokenizer.vocab()`: the 4
+special tokens, the ten digits, the 51 words of `arith`: ids 0-64), followed by the words only `arith-var`
+emits, sorted (ids 65 and up). So every `arith` text encodes to the same ids under both tokenizers, and the
+shipped `d2f-arith` / `ar-arith` models (embedding of 65 rows) keep working on `arith` text with this
+tokenizer; an `arith-var` solution contains ids >= 65, which those models cannot embed: `arith-var` needs a
+model trained with this vocabulary (issue 12's `d2f-arith-var`). The shipped assets are not changed.
+
+Same pre-tokenizer (whitespace split, every digit a token), same special ids and chat template as
+`tokenizer.py`; `model_max_length` is raised to 256 (prompt <= 32 tokens + solution <= 128 tokens incl. EOS).
+The appended words are the frozen list `VAR_WORDS` (new phrasings append their new words at its end).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lopa_fast.tasks import tokenizer as base
+
+EOS_ID, MASK_ID, BOS_ID, UNK_ID = base.EOS_ID, base.MASK_ID, base.BOS_ID, base.UNK_ID
+BASE_VOCAB_SIZE = len(base.vocab())
+
+
+# The words `arith-var` adds to the `arith` vocabulary (ids 65, 66, ...), frozen: a new phrasing's new words go at
+# the end of this list, so that the ids of a trained model's vocabulary never move (tests: no word of
+# `arith_var.task_words()` is missing, and no word here is unused).
+VAR_WORDS = (
+    ",", "Adding", "Each", "In", "Let", "So", "Taking", "The", "There", "To", "Together", "We", "Without", "a",
+    "after", "all", "answer", "any", "are", "at", "before", "by", "count", "end", "find", "first", "from", "go",
+    "gone", "had", "hold", "how", "is", "it", "keep", "keeps", "leaves", "left", "losing", "make", "makes", "mind",
+    "number", "of", "one", "order", "out", "point", "remain", "since", "so", "start", "step", "that", "the",
+    "them", "then", "this", "time", "total", "us", "we", "which", "work",
+)
+
+
+def var_words() -> list[str]:
+    """The words `arith-var` adds to the `arith` vocabulary, in id order."""
+    return list(VAR_WORDS)
+
+
+def vocab() -> dict[str, int]:
+    """token -> id: `tokenizer.vocab()` unchanged, then `var_words()`."""
+    v = dict(base.vocab())
+    for w in var_words():
+        v[w] = len(v)
+    return v
+
+
+def build_tokenizer():
+    """A `tokenizers.Tokenizer` over `vocab()` (as `tokenizer.build_tokenizer`, with the larger vocabulary)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=base.UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in base.SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single=f"{base.BOS} $A",
+                                                       special_tokens=[(base.BOS, BOS_ID)])
+    return tok
+
+
+TOKENIZER_CONFIG = {**base.TOKENIZER_CONFIG, "model_max_length": 256}
+
+
+def save_tokenizer(path: str | Path) -> None:
+    """Write tokenizer.json + tokenizer_config.json into `path` (created if missing)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer().save(str(path / "tokenizer.json"))
+    with open(path / "tokenizer_config.json", "w") as f:
+        json.dump(TOKENIZER_CONFIG, f, indent=2)
+
+
+encode_problem = base.encode_problem  # (prompt ids with bos, solution + EOS padded to gen_len); any tokenizer

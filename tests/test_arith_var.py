@@ -1,0 +1,125 @@
+"""Task `arith-var` (issue 12): seeded generator, parameter-disjoint splits, variable renderings that all parse
+back to the answer, solution lengths 64-128 tokens, the rendering count floor, the shared tokenizer."""
+import random
+
+import pytest
+
+from lopa_fast import tasks
+from lopa_fast.tasks import arith, arith_var as av, tokenizer as base_tok, tokenizer_var as tv
+
+
+def test_registered():
+    assert tasks.TASKS["arith-var"] is av and tasks.TASKS["arith"] is arith
+
+
+def test_generator_is_deterministic():
+    assert av.generate("train", 40, seed=3) == av.generate("train", 40, seed=3)
+    assert av.generate("train", 40, seed=3) != av.generate("train", 40, seed=4)
+    assert av.generate("test", 20, seed=0) == av.generate("test", 20, seed=0)
+    # the renderings vary within one stream
+    assert len({p.choice.plan for p in av.generate("train", 40, seed=3)}) == 3
+    with pytest.raises(ValueError):
+        av.generate("val", 1)
+    with pytest.raises(ValueError):
+        av.generate("test", 10_000)
+
+
+def test_splits_disjoint_on_problem_parameters():
+    train = set(arith.all_tuples("train"))
+    held = set(arith.all_tuples("test")) | set(arith.all_tuples("dev"))
+    assert not train & held
+    tr = av.generate("train", 400, seed=1)
+    te = av.generate("test", 200, seed=1)
+    assert all(p.numbers in train for p in tr)
+    assert all(p.numbers in set(arith.all_tuples("test")) for p in te)
+    assert all(p.numbers in set(arith.all_tuples("dev")) for p in av.generate("dev", 100, seed=1))
+    assert not {p.numbers for p in tr} & {p.numbers for p in te}
+    # test sampling is without replacement
+    assert len({p.numbers for p in te}) == 200
+
+
+def test_prompt_and_answer_are_arith_s():
+    for p in av.generate("train", 30, seed=5):
+        q = arith.render(p.template, p.a, p.b, p.c, p.d, p.name, p.pron, p.item, p.container)
+        assert p.prompt == q.prompt and p.answer == q.answer == p.a + p.b * p.c - p.d
+
+
+def test_every_rendering_parses_back_to_the_answer():
+    rng = random.Random(0)
+    probs = av.generate("test", 3, seed=2) + [av.render("buy", 4, 2, 2, 1, "Tom", "He", "pens", "jars",
+                                                        av.Choice("A", (0,) * 6))]
+    for p in probs:
+        texts = av.renderings(p)
+        assert all(av.check_solution(t) == p.answer for t in texts)
+        assert all(arith.extract_answer(t) == p.answer for t in rng.sample(texts, 200))
+        assert all(t.endswith(f"#### {p.answer}") for t in texts)
+    # a wrong equation is caught
+    assert av.check_solution(probs[0].solution.replace(" = ", " = 1", 1)) is None
+
+
+def test_solution_lengths_within_64_128():
+    for sp in arith.SPLITS:
+        for tp in arith.all_tuples(sp):
+            lo, hi = av.length_bounds(*tp)
+            assert av.MIN_SOLUTION_TOKENS <= lo and hi <= av.MAX_SOLUTION_TOKENS, (tp, lo, hi)
+    # length_bounds is the real extreme of one problem's renderings; longest names/items/containers too
+    p = av.generate("test", 1, seed=7)[0]
+    lens = [av.solution_length(t) for t in av.renderings(p)]
+    assert (min(lens), max(lens)) == av.length_bounds(*p.numbers, p.name, p.pron, p.item, p.container)
+    for p in av.generate("train", 200, seed=0):
+        assert 64 <= av.solution_length(p.solution) <= 128
+
+
+RENDERINGS_FLOOR = 4608  # measured: min over every tuple of av.min_renderings(); n_choices() = 13824
+
+
+def test_renderings_count_and_floor():
+    assert av.n_choices() == 13824
+    assert av.min_renderings() >= RENDERINGS_FLOOR
+    # the per-slot count equals the enumeration, on generic and degenerate tuples (b == c; a == m; t == m)
+    for tp in [(9, 3, 7, 2), (4, 2, 2, 1), (6, 2, 3, 2), (8, 2, 2, 4)]:
+        p = av.render("lose", *tp, "Mia", "She", "eggs", "bags", av.Choice("C", (0,) * 6))
+        assert av.count_renderings(p) == len(av.renderings(p)) >= RENDERINGS_FLOOR
+    counts = [av.count_renderings(p) for p in av.generate("test", 50, seed=0)]
+    assert sum(counts) / len(counts) >= 8 * 1000
+
+
+def test_position_entropy_is_spread():
+    p = av.generate("test", 1, seed=0)[0]
+    ent = av.position_entropy(p)
+    assert len(ent) == av.MAX_SOLUTION_TOKENS
+    assert sum(e > 1.0 for e in ent) >= 48  # most of the answer is uncertain before pivots are chosen
+    assert max(ent[-16:]) < 1e-9  # every rendering has ended (EOS) by position 112
+
+
+def test_tokenizer_prefix_and_round_trip():
+    v, b = tv.vocab(), base_tok.vocab()
+    assert list(v.items())[:len(b)] == list(b.items())  # arith's ids unchanged
+    assert len(set(v.values())) == len(v) == len(b) + len(tv.VAR_WORDS)
+    words = set(av.task_words())
+    assert words <= set(v)  # no unknown word
+    assert set(tv.VAR_WORDS) <= words  # no unused word
+    tok = tv.build_tokenizer()
+    rng = random.Random(1)
+    probs = av.generate("train", 20, seed=9)
+    texts = [p.prompt for p in probs] + [t for p in probs[:3] for t in rng.sample(av.renderings(p), 50)]
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False).ids
+        assert tv.UNK_ID not in ids
+        assert tok.decode(ids) == " ".join(av.tokens(t))
+    # arith text: same ids under both tokenizers
+    old = base_tok.build_tokenizer()
+    for q in arith.generate("train", 10, seed=0):
+        assert tok.encode(q.prompt).ids == old.encode(q.prompt).ids
+    for p in probs:
+        prompt, target = tv.encode_problem(tok, p, av.MAX_SOLUTION_TOKENS)
+        assert prompt[0] == tv.BOS_ID and len(prompt) <= 32 and len(target) == 128
+        assert arith.extract_answer(tok.decode(target, skip_special_tokens=True)) == p.answer
+
+
+def test_save_tokenizer(tmp_path):
+    tv.save_tokenizer(tmp_path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == len(tv.vocab())
