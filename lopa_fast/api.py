@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from lopa_fast.config import ALL_SPECIFIC_KNOBS, GenerateConfig
+from lopa_fast.contracts import first_stop
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
 
@@ -262,13 +263,19 @@ def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> Gen
     stats: max_new_tokens (the request the output is cut to), decoded_new_tokens (the whole blocks decoded),
     max_new_tokens_source ("argument" | "generation_config.json" | "default"), max_new_tokens_clipped (the reason,
     only when a default was clipped to the position limit), finish_reason ("round_cap": the loop stopped at
-    max_rounds, stats["hit_round_cap"]; else "stop": the returned tokens hold an EOS; else "length"). After a cut
+    max_rounds, stats["hit_round_cap"]; else "stop": the returned tokens hold an EOS; else "length"; a stop
+    sequence (cfg.stop) in the finalised prefix cuts the output before it: finish_reason "stop" first,
+    stats["stop_sequence_at"] its position). After a cut
     the token counts (generated_tokens, tokens_until_eos, tpf, tpf_until_eos, tokens_per_second, masks_left)
     describe the returned tokens, and the trace's `accepted` lists drop the positions past the cut (its entries,
     one per round / forward, stay); forwards describe the decoding.
     """
     n = length["requested"]
     st = out.stats
+    stop_at = first_stop(out.generated_ids[:n], cfg.stop, cfg.mask_token_id) if cfg.stop else None
+    if stop_at is not None:  # a stop sequence in the finalised prefix: the output ends before it
+        n = stop_at
+        st["stop_sequence_at"] = stop_at
     if len(out.generated_ids) > n:
         ids = out.generated_ids = list(out.generated_ids[:n])
         fw, eos = int(st.get("forwards", 0)), cfg.eos_token_id
@@ -289,7 +296,9 @@ def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> Gen
     if "clipped" in length:
         st["max_new_tokens_clipped"] = length["clipped"]
     eos = cfg.eos_token_id
-    if st.get("hit_round_cap"):
+    if stop_at is not None:
+        st["finish_reason"] = "stop"
+    elif st.get("hit_round_cap"):
         st["finish_reason"] = "round_cap"
     else:
         st["finish_reason"] = "stop" if eos is not None and eos in out.generated_ids else "length"

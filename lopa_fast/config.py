@@ -20,6 +20,8 @@ import warnings
 from dataclasses import dataclass
 
 STRATEGIES = ("vanilla", "threshold", "d2f", "lopa", "apd")
+STOP_STRATEGIES = ("d2f", "lopa")  # strategies that end at a stop sequence (the others: not yet)
+MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 ROUND_CAP_ACTIONS = ("warn", "error")
@@ -120,6 +122,9 @@ class GenerateConfig:
     suppress_mask_token: bool = False
     # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
     compile: bool = False
+    # stop sequences (token ids; d2f / lopa): decoding ends once one lies in the finalised prefix (the tokens
+    # before the first mask); the output is cut before it. A list of lists is accepted (stored as tuples).
+    stop: tuple[tuple[int, ...], ...] | None = None
     # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
     #          Dream: steps, alg, alg_temp, eps) and threshold (Fast-dLLM / dParallel)
     steps: int | None = None
@@ -147,6 +152,12 @@ class GenerateConfig:
     coupled_gumbel: bool | None = None
     exact_prev_logits: bool | None = None
 
+    def __post_init__(self):
+        # stop=[[...], ...] (lists, what users and JSON send) -> tuples, so the config stays hashable; a value
+        # that is not a sequence of sequences is left for validate() to name
+        if isinstance(self.stop, (list, tuple)) and all(isinstance(q, (list, tuple)) for q in self.stop):
+            object.__setattr__(self, "stop", tuple(tuple(q) for q in self.stop))
+
     # ---------------------------------------------------------------------------------------------
     def replace(self, **kw) -> "GenerateConfig":
         return dataclasses.replace(self, **kw)
@@ -157,6 +168,7 @@ class GenerateConfig:
         _choice("backend", self.backend, BACKENDS)
         _positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         _bool("strict_length", self.strict_length)
+        self._check_stop()
         _positive_int("block_size", self.block_size)
         for name in ("block_add_threshold", "decoded_token_threshold", "skip_threshold"):
             _prob(name, getattr(self, name))
@@ -267,6 +279,27 @@ class GenerateConfig:
             raise ValueError(
                 f"tokens_per_step={k} > max_lookahead={self.max_lookahead}: a step cannot commit more tokens than the "
                 "lookahead window drafts; allowed: tokens_per_step <= max_lookahead"
+            )
+
+    def _check_stop(self) -> None:
+        if self.stop is None:
+            return
+        example = "e.g. stop=[[13, 198], [7]]"
+        if not isinstance(self.stop, tuple) or not self.stop:
+            raise TypeError(f"stop={self.stop!r}; expected a non-empty list of token-id sequences ({example})")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop: {len(self.stop)} sequences; allowed: at most {MAX_STOP_SEQUENCES}")
+        for q in self.stop:
+            if not q or len(q) > MAX_STOP_LENGTH or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in q
+            ):
+                raise ValueError(
+                    f"stop sequence {list(q)!r}; allowed: 1..{MAX_STOP_LENGTH} token ids (ints >= 0) ({example})"
+                )
+        if self.strategy not in STOP_STRATEGIES:
+            raise ValueError(
+                f"stop= applies to strategy {' / '.join(repr(s) for s in STOP_STRATEGIES)}; got "
+                f"strategy={self.strategy!r}"
             )
 
     def _check_blocks(self) -> None:
@@ -384,6 +417,9 @@ class GenerateConfig:
             raise ValueError(f"eos_token_id={eos} equals mask_token_id; they must differ")
         if self.top_k is not None and self.top_k > vocab:
             raise ValueError(f"top_k={self.top_k}; allowed: 1..vocab_size={vocab}")
+        for q in self.stop or ():
+            if max(q) >= vocab:
+                raise ValueError(f"stop sequence {list(q)!r} holds id {max(q)}; allowed: ids in [0, vocab_size={vocab})")
         if kind == "qwen2":
             raise ValueError(
                 f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "

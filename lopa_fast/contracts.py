@@ -72,3 +72,19 @@ def window_key_mask(
     elif mode == "block_causal":
         vis = vis & (block_ids[:, None, :] <= block_ids[:, :, None])
     return vis
+
+
+def first_stop(ids: list[int], stops, mask_token_id: int | None = None) -> int | None:
+    """Where a stop sequence first starts in the finalised prefix of `ids` (the tokens before the first
+    mask), or None. The earliest start over all sequences wins (ties: any; the cut is the same)."""
+    if not stops:
+        return None
+    end = ids.index(mask_token_id) if mask_token_id is not None and mask_token_id in ids else len(ids)
+    best = None
+    for q in stops:
+        q = list(q)
+        for i in range(0, end - len(q) + 1):
+            if ids[i : i + len(q)] == q:
+                best = i if best is None else min(best, i)
+                break
+    return best

@@ -56,6 +56,7 @@ class Geometry:
     attn_backend: str
     use_conf_kernel: bool
     trace: bool  # branch scores are computed for a one-slot round only when a trace asks for them
+    stop_lens: tuple  # lengths of the stop sequences (their ids are a device table: T["stops"])
 
 
 def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
@@ -94,7 +95,7 @@ class FastDecoder:
             eos_id=cfg.eos_token_id, skip_threshold=cfg.skip_threshold,
             alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))),
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
-            trace=bool(cfg.return_trace),
+            trace=bool(cfg.return_trace), stop_lens=tuple(len(q) for q in cfg.stop or ()),
         )  # fmt: skip
         model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
         self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
@@ -155,9 +156,12 @@ class FastDecoder:
                 rnd.plan(self.st, self.tables, geo)
                 head = self._read_head()
             while True:
-                done, nA, s, u, n, R, ragged, nonfinite = head
+                done, nA, s, u, n, R, ragged, nonfinite, stop = head
                 if nonfinite >= 0:
                     self._refuse_nonfinite(nonfinite, stats["forwards"])
+                if stop:  # a stop sequence in the anchor's finalised prefix (the API cuts the output before it)
+                    stats["stopped"] = True
+                    break
                 if done:
                     break
                 if stats["forwards"] >= cfg.max_rounds:
@@ -175,12 +179,14 @@ class FastDecoder:
                 stats["model_calls"] += 1
                 ragged_rounds += bool(ragged)
                 if trace is not None:
-                    trace.append(self._trace_entry([done, nA, s, u, n, R, ragged, nonfinite]))
+                    trace.append(self._trace_entry([done, nA, s, u, n, R, ragged, nonfinite, stop]))
                     trace[-1]["round"] = stats["forwards"]
         if head[7] >= 0:
             self._refuse_nonfinite(head[7], stats["forwards"])
         st = self.st
-        if head[0]:
+        if head[8]:
+            out_slot = head[1] - 1  # the anchor (the last alive slot): the accepted sequence
+        elif head[0]:
             # every alive branch finished in the same round (lookaheads always keep an active block, so a
             # finished round holds just the anchor): upstream returns the first finished branch in list order
             out_slot = int(torch.where(st["done"], torch.arange(geo.NB, device=self.dev), geo.NB).min()) \

@@ -22,9 +22,10 @@ device tensors in the tables, never shapes), NB branch slots = k + 1 for k >= 2,
   last_logit [V]              the raw logit saved with the last committed span (Dream's shift)
   cache_k/v [layers, Lb + 1, Hkv, D]; cache_len 0-d long  (row Lb is a trash row for masked commits)
   plan tensors of the coming round: exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u
-  head [8] long: done, alive slots nA, s, u, n, R, ragged, and the flat window row (slot * Nb + column)
+  head [9] long: done, alive slots nA, s, u, n, R, ragged, the flat window row (slot * Nb + column)
            of the first non-finite raw logits row the last round read, or -1 (the numerics guard rides on
-           the round's one host read: the driver raises before any token of that round is returned)
+           the round's one host read: the driver raises before any token of that round is returned), and
+           whether a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
 Slots [0, n_look) hold lookaheads in rank order and the anchor comes last among the alive slots (slot
 nA - 1): upstream's verification order, so "first maximum" is its tie rule for the winner.
 """
@@ -38,7 +39,7 @@ from lopa_fast.contracts import lowest_k_table
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
-HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged", "nonfinite")
+HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged", "nonfinite", "stop")
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -84,9 +85,20 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
         pos_block=pos_block,
         onehot=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]
         ktable=lowest_k_table(Lb, cfg.branch_topp).to(dev, torch.long),
+        stops=_stop_table(cfg.stop, dev),
         tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
     )
+
+
+def _stop_table(stop, dev) -> torch.Tensor:
+    """The stop sequences as a zero-padded [S, max length] long tensor ([0, 1] when there are none)."""
+    seqs = list(stop or ())
+    width = max((len(q) for q in seqs), default=1)
+    t = torch.zeros((len(seqs), width), dtype=torch.long)
+    for j, q in enumerate(seqs):
+        t[j, : len(q)] = torch.tensor(q)
+    return t.to(dev)
 
 
 def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int) -> dict:
@@ -167,7 +179,27 @@ def plan(st: dict, T: dict, geo) -> None:
         need = ismask
     st.update(nblk=nblk, complete=complete, exists=exists, active=active, rem=rem, done=done, ismask=ismask,
               need=need, lens=lens, wl=wl, tc=tc, spe=spe, lay=lay, s=s, u=u)  # fmt: skip
-    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"]]).long()
+    stop = _stop_in_prefix(x, nA - 1, T, geo)
+    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"], stop]).long()
+
+
+def _stop_in_prefix(x: torch.Tensor, anchor: torch.Tensor, T: dict, geo) -> torch.Tensor:
+    """0-d bool: a stop sequence (T["stops"] rows, lengths geo.stop_lens) lies in the anchor row's finalised
+    prefix, the generated tokens before its first mask. A static loop over the (few, short) sequences."""
+    if not geo.stop_lens:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    gen = x.index_select(0, anchor.reshape(1))[0].index_select(0, T["gen_pos"])  # [G * bs]
+    nG = gen.shape[0]
+    masks = gen == geo.mask_id
+    first_mask = torch.where(masks.any(), masks.long().argmax(), nG)  # argmax: the first True
+    hit = torch.zeros((), dtype=torch.bool, device=x.device)
+    for j, ln in enumerate(geo.stop_lens):
+        if ln > nG:
+            continue
+        match = (gen.unfold(0, ln, 1) == T["stops"][j, :ln][None, :]).all(1)  # [nG - ln + 1]
+        ends_before = torch.arange(nG - ln + 1, device=x.device) + ln <= first_mask
+        hit = hit | (match & ends_before).any()
+    return hit
 
 
 def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int | None = None) -> dict:

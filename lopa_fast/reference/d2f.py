@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast.contracts import first_stop
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, shift_logits, token_stats
 
@@ -182,6 +183,9 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
     trace = [] if cfg.return_trace else None
     with Clock(prompt.device) as clock:
         while True:
+            if cfg.stop and first_stop(x[P:].tolist(), cfg.stop, mask_id) is not None:
+                stats["stopped"] = True  # a stop sequence in the finalised prefix: the output ends before it
+                break
             x = maybe_grow(x, blocks, cfg, eos_detected)
             update_activation(blocks, cfg)
             if is_done(x, blocks, mask_id):

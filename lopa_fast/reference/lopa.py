@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast.contracts import first_stop
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, token_stats
 from lopa_fast.reference.d2f import (
@@ -155,6 +156,12 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
     result = candidates[0]
     with Clock(prompt.device) as clock:
         while True:
+            if cfg.stop:  # a stop sequence in the anchor's finalised prefix: the output ends before it
+                base = next(b for b in candidates if b.is_base)
+                if first_stop(base.x[P:].tolist(), cfg.stop, mask_id) is not None:
+                    result = base
+                    stats["stopped"] = True
+                    break
             # 1-3: grow, activation, termination, per branch with the branch's own counts
             active, finished = [], []
             for br in candidates:
