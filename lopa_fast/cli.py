@@ -78,10 +78,25 @@ def _eval(args) -> int:
 _OWN_FLAGS = ("strategy", "backend", "compile")  # GenerateConfig fields with their own (common) flag
 
 
+def token_sequences(text: str) -> list[list[int]]:
+    """`--stop 13,198;7` -> [[13, 198], [7]] (token-id sequences separated by ';', ids by ',')."""
+    try:
+        seqs = [[int(t) for t in part.split(",")] for part in text.split(";") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids like 13,198;7") from None
+    if not seqs:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids like 13,198;7")
+    return seqs
+
+
+token_sequences.__name__ = "ids"  # the metavar
+
+
 def _knob_type(annotation: str):
     """(argparse type, is_bool) from a GenerateConfig field annotation ("int | None", "float", "bool", ...)."""
     base = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"][0]
-    return {"int": int, "float": float, "str": str, "bool": bool}[base], base == "bool"
+    types = {"int": int, "float": float, "str": str, "bool": bool, "tuple[tuple[int, ...], ...]": token_sequences}
+    return types[base], base == "bool"
 
 
 def add_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -96,7 +111,7 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
             continue
         typ, is_bool = _knob_type(f.type)
         flag = "--" + f.name.replace("_", "-")
-        default = "model's" if f.default is None else f.default
+        default = ("none: token ids like 13,198;7" if f.name == "stop" else "model's") if f.default is None else f.default
         if is_bool:
             grp.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                              help=f"(default {default})")
