@@ -251,3 +251,20 @@ def test_generate_png_writes_the_fill_order_heatmap(tmp_path, capsys):
     assert f"wrote {png}" in r.stderr and "Traceback" not in r.stderr
     assert cli.main(["generate", "--prompt", "Tom", "--png", str(tmp_path)], exit_on_error=True) == 2
     assert "--png" in capsys.readouterr().err  # a directory: one line, before any decoding
+
+
+def test_generate_stop_flag(capsys):
+    import json
+
+    prompt = ("Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . "
+              "How many pens does Tom have now ? Answer :")
+    assert cli.main(["generate", "--preset", "lopa-k4", "--prompt", prompt, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    stop = full["generated_ids"][4:6]
+    assert cli.main(["generate", "--preset", "lopa-k4", "--prompt", prompt, "--json",
+                     "--stop", ",".join(map(str, stop))]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["finish_reason"] == "stop"
+    cut = out["stats"]["stop_sequence_at"]
+    assert out["generated_ids"] == full["generated_ids"][:cut] and cut <= 4
+    assert cli.token_sequences("13,198;7") == [[13, 198], [7]]
