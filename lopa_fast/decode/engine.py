@@ -7,8 +7,8 @@ device tensors: the layout is documented there); this module is its driver:
 * per request: the Geometry (the Python constants a compiled round bakes in; the prompt length is not
   one of them), the device tables and the state (`round.init_tables`, `round.init_state`), the merged
   weight view (`model.fused_layers()`), and, with `compile=True`, the model's `CompiledRounds`;
-* per round: ONE host read of the plan's 8-int head (done, alive slots, window start s, cached span u,
-  window length n, LM-head rows R, ragged, the non-finite guard) -> the bucket (Nb, Rb) -> the round
+* per round: ONE host read of the plan's 9-int head (done, alive slots, window start s, cached span u,
+  window length n, LM-head rows R, ragged, the non-finite guard, the stop-sequence flag) -> the bucket (Nb, Rb) -> the round
   (eager, or the bucket's compiled / captured graph), which also plans the next round;
 * at the end: the output slot, the counters, stats (host reads, memory, compile stats), the trace.
 

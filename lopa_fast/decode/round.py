@@ -5,7 +5,7 @@ are fixed for the request (`init_state`), and runs each round as `round_step(...
 (Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
 branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
 and then the plan of the NEXT round (grow, activation, termination, window start s, cached span u,
-window length n, LM-head rows R), ending in the 7-int `head` the driver reads once per round to pick
+window length n, LM-head rows R), ending in the 9-int `head` the driver reads once per round to pick
 the next bucket and to stop. Every per-round scalar (s, u, the prefix length, the winner, the alive
 count) stays a device tensor, so the same step can run eagerly, under `torch.compile(fullgraph=True)`
 or be captured once as a CUDA graph and replayed.
