@@ -148,6 +148,13 @@ def generate(split: str, n: int, seed: int = 0, variant: str = DEFAULT_VARIANT) 
         raise ValueError(f"generate: n={n!r}; expected an int >= 0")
     _check_variant("generate", variant)
     rng = random.Random(f"{split}:{seed}")
+    return [render(*problem) for problem in draw_problems(rng, split, variant, n)]
+
+
+def draw_problems(rng: random.Random, split: str, variant, n: int):
+    """Yield n problems of `split` as render()'s leading arguments (template, a, b, c, d, name, pronoun, item,
+    container), drawn from `rng` one problem at a time (a caller may draw more from rng between two problems):
+    held-out splits without replacement, train with replacement."""
     tuples = _tuples_cached(split, variant)
     if split != "train":
         if n > len(tuples):
@@ -155,14 +162,12 @@ def generate(split: str, n: int, seed: int = 0, variant: str = DEFAULT_VARIANT) 
         chosen = rng.sample(tuples, n)
     else:
         chosen = [tuples[rng.randrange(len(tuples))] for _ in range(n)]
-    out = []
     for a, b, c, d in chosen:
         template = TEMPLATES[rng.randrange(len(TEMPLATES))]
         name, pron = NAMES[rng.randrange(len(NAMES))]
         item = ITEMS[rng.randrange(len(ITEMS))]
         container = CONTAINERS[rng.randrange(len(CONTAINERS))]
-        out.append(render(template, a, b, c, d, name, pron, item, container))
-    return out
+        yield template, a, b, c, d, name, pron, item, container
 
 
 _CACHE: dict[tuple, list] = {}

@@ -203,21 +203,8 @@ def generate(split: str, n: int, seed: int = 0) -> list[VarProblem]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"generate: n={n!r}; expected an int >= 0")
     rng = random.Random(f"{TASK}:{split}:{seed}")
-    tuples = arith._tuples_cached(split, VARIANT)
-    if split != "train":
-        if n > len(tuples):
-            raise ValueError(f"generate: n={n} exceeds the {len(tuples)} held-out tuples")
-        chosen = rng.sample(tuples, n)
-    else:
-        chosen = [tuples[rng.randrange(len(tuples))] for _ in range(n)]
-    out = []
-    for a, b, c, d in chosen:
-        template = arith.TEMPLATES[rng.randrange(len(arith.TEMPLATES))]
-        name, pron = arith.NAMES[rng.randrange(len(arith.NAMES))]
-        item = arith.ITEMS[rng.randrange(len(arith.ITEMS))]
-        container = arith.CONTAINERS[rng.randrange(len(arith.CONTAINERS))]
-        out.append(render(template, a, b, c, d, name, pron, item, container, sample_choice(rng)))
-    return out
+    # the rendering choice is drawn right after each problem's surface, from the same stream
+    return [render(*problem, sample_choice(rng)) for problem in arith.draw_problems(rng, split, VARIANT, n)]
 
 
 def _args(p: VarProblem) -> tuple:

@@ -78,13 +78,14 @@ TOKENIZER_CONFIG = {
 }
 
 
-def save_tokenizer(path: str | Path) -> None:
-    """Write tokenizer.json + tokenizer_config.json into `path` (created if missing)."""
+def save_tokenizer(path: str | Path, build=None, config: dict | None = None) -> None:
+    """Write tokenizer.json + tokenizer_config.json into `path` (created if missing); `build` / `config`
+    default to this task tokenizer's (another task's tokenizer passes its own)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(path / "tokenizer.json"))
+    (build or build_tokenizer)().save(str(path / "tokenizer.json"))
     with open(path / "tokenizer_config.json", "w") as f:
-        json.dump(TOKENIZER_CONFIG, f, indent=2)
+        json.dump(TOKENIZER_CONFIG if config is None else config, f, indent=2)
 
 
 def encode_problem(tok, problem, gen_len: int) -> tuple[list[int], list[int]]:

@@ -13,7 +13,6 @@ The appended words are the frozen list `VAR_WORDS` (new phrasings append their n
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lopa_fast.tasks import tokenizer as base
@@ -66,11 +65,7 @@ TOKENIZER_CONFIG = {**base.TOKENIZER_CONFIG, "model_max_length": 256}
 
 def save_tokenizer(path: str | Path) -> None:
     """Write tokenizer.json + tokenizer_config.json into `path` (created if missing)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(path / "tokenizer.json"))
-    with open(path / "tokenizer_config.json", "w") as f:
-        json.dump(TOKENIZER_CONFIG, f, indent=2)
+    base.save_tokenizer(path, build_tokenizer, TOKENIZER_CONFIG)
 
 
 encode_problem = base.encode_problem  # (prompt ids with bos, solution + EOS padded to gen_len); any tokenizer
