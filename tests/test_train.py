@@ -101,3 +101,56 @@ def test_continue_from_a_previous_run(tmp_path):
     assert '"init_from": "' in log and "# done" in log
     with pytest.raises(ValueError, match="different architecture"):
         d2f.train(tmp_path / "c", init_from=str(tmp_path / "a"), **{**kw, "hidden": 64})
+
+
+TINY_VAR = dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=4, gen_len=112, max_positions=160,
+                task="arith-var", warmup=2, eval_every=0, eval_n=2, threads=1)
+
+
+def test_a_resumed_run_is_the_uninterrupted_run(tmp_path):
+    """stop after 3 of 6 steps, resume: the weights equal those of 6 uninterrupted steps bit for bit."""
+    from safetensors.torch import load_file
+
+    quiet = dict(log=lambda *_: None, steps=6, ckpt_every=2, **TINY_VAR)
+    d2f.train(tmp_path / "a", **quiet)
+    d2f.train(tmp_path / "b", stop_at=3, **quiet)
+    assert (tmp_path / "b" / "resume.pt").is_file()
+    d2f.train(tmp_path / "b", resume=True, **quiet)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    log = (tmp_path / "b" / "training_log.txt").read_text()
+    assert "# resumed at step 3" in log and log.count("# done") == 2
+    with pytest.raises(ValueError, match="differ"):  # a resume must keep the options
+        d2f.train(tmp_path / "b", resume=True, **{**quiet, "lr": 1e-2})
+    with pytest.raises(FileNotFoundError, match="no training state"):
+        d2f.train(tmp_path / "c", resume=True, **quiet)
+
+
+def test_arith_var_training_grows_the_arith_model(tmp_path):
+    """task arith-var: the 129-id tokenizer is saved with the model; init_from an arith model copies its 65 rows."""
+    quiet = dict(log=lambda *_: None, steps=1, **{k: v for k, v in TINY.items() if k != "gen_len"}, gen_len=32)
+    d2f.train(tmp_path / "arith", eval_every=0, eval_n=2, threads=1, **{**quiet, "batch": 2})
+    d2f.train(tmp_path / "var", init_from=str(tmp_path / "arith"), seed=1, log=lambda *_: None, steps=1,
+              **{**TINY_VAR, "gen_len": 112})
+    old = lopa_fast.load_model(tmp_path / "arith", dtype=torch.float32).state_dict()
+    new = lopa_fast.load_model(tmp_path / "var", dtype=torch.float32)
+    assert new.config.vocab_size == 129 and new.config.max_position_embeddings == 160
+    assert len(lopa_fast.load_tokenizer(tmp_path / "var")) == 129
+    with pytest.raises(ValueError, match="max_positions"):
+        d2f.train(tmp_path / "x", **{**TINY_VAR, "max_positions": 128})
+    with pytest.raises(ValueError, match="variant"):
+        d2f.train(tmp_path / "x", **{**TINY_VAR, "variant": "v1"})
+    with pytest.raises(ValueError, match="task"):
+        d2f.train(tmp_path / "x", **{**TINY_VAR, "task": "gsm8k"})
+    assert old["model.embed_tokens.weight"].shape[0] == 65
+
+
+def test_load_grown_copies_the_old_rows():
+    cfg = d2f.hf_config(65, 32, 1, 2, 1, 64)
+    small = d2f.init_model(cfg, 0)
+    big = d2f.init_model({**cfg, "vocab_size": 129, "max_position_embeddings": 256}, 1)
+    fresh = big.state_dict()["lm_head.weight"][65:].clone()
+    assert d2f.load_grown(big, small) == ["model.embed_tokens.weight", "lm_head.weight"]
+    for name, w in small.state_dict().items():
+        assert torch.equal(big.state_dict()[name][: w.shape[0]], w), name
+    assert torch.equal(big.state_dict()["lm_head.weight"][65:], fresh)  # new rows keep their init

@@ -66,9 +66,8 @@ DEFAULTS = dict(
     hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=32, variant="v2",
     batch=64, steps=2000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
     eval_every=250, eval_n=100, threads=1, init_from="", stop_at=0, schedule="prefix",
+    task="arith", max_positions=128, ckpt_every=100,
 )
-
-
 def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
               max_positions: int = 128) -> dict:
     """The config.json of the model (Dream model_type, Qwen2 layout, the task tokenizer's special ids)."""
@@ -111,6 +110,30 @@ def init_model(cfg: dict, seed: int):
                 std = resid_std if ("o_proj" in name or "down_proj" in name) else 0.02
                 p.copy_(std * torch.randn(p.shape, generator=g))
     return model.float().train().requires_grad_(True)
+
+
+def load_grown(model, prev) -> list[str]:
+    """Copy `prev`'s weights into `model` (same architecture; `model` may have a larger vocabulary and more
+    positions): equal shapes are copied, the embedding / output rows of `prev`'s vocabulary are copied into the
+    first rows (the new rows keep `model`'s init, because the grown tokenizer keeps the old ids, see
+    tasks/tokenizer_var.py). Returns the names of the grown tensors."""
+    from lopa_fast.errors import CheckpointError
+
+    grown, mine = [], model.state_dict()
+    for name, w in prev.state_dict().items():
+        if name not in mine:
+            raise CheckpointError(f"init_from: tensor {name} is not in the model (a different architecture)", key=name)
+        t = mine[name]
+        if t.shape == w.shape:
+            t.copy_(w)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")) and t.shape[1:] == w.shape[1:] \
+                and t.shape[0] > w.shape[0]:
+            t[: w.shape[0]].copy_(w)
+            grown.append(name)
+        else:
+            raise CheckpointError(f"init_from: a different architecture than the options: tensor {name} has shape "
+                                  f"{tuple(w.shape)}, the options give {tuple(t.shape)}", key=name)
+    return grown
 
 
 def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator):
@@ -169,49 +192,78 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> flo
     return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(out: str | os.PathLike, log=print, **overrides) -> dict:
+def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) -> dict:
     """Train and save to `out` (HF layout: config.json, model.safetensors, tokenizer files,
-    training_log.txt, train_args.json). Returns a summary dict."""
+    training_log.txt, train_args.json). Returns a summary dict.
+
+    Every `ckpt_every` steps (and at every eval) the training state (model, optimiser, next step, loss EMA,
+    the torch RNG) goes to out/resume.pt; `resume=True` continues from it with the same options. Each step's
+    data and masks are seeded by the step number, so a resumed run is the uninterrupted run (tested)."""
     a = run.options(DEFAULTS, overrides)
     if a["schedule"] not in SCHEDULES:
         raise ValueError(f"train: schedule={a['schedule']!r}; allowed: {sorted(SCHEDULES)}")
     if a["gen_len"] % a["block_size"]:
         raise ValueError(f"train: gen_len={a['gen_len']} must be a multiple of block_size={a['block_size']}")
+    tasks.check_task(a["task"])
+    if a["ckpt_every"] < 0:
+        raise ValueError(f"train: ckpt_every={a['ckpt_every']}; expected >= 0 (0: only at evals and the end)")
     from lopa_fast.train.greedy import accuracy
 
     torch.set_num_threads(a["threads"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # a continued run (init_from = a previous output) appends to that run's log
-    rl = run.RunLog(out, log, append=bool(a["init_from"]))
+    state = run.load_state(out, a) if resume else None
+    # a continued run (init_from = a previous output, or a resumed one) appends to that run's log
+    rl = run.RunLog(out, log, append=bool(a["init_from"]) or resume)
     emit = rl.emit
-    tok = tasks.build_tokenizer()
-    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
+    tok_mod = tasks.TOKENIZERS[a["task"]]
+    tok = tok_mod.build_tokenizer()
+    # the dev problems (and a check of the task/variant pair) before any work
+    dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0, variant=a["variant"])
+    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"],
+                    a["max_positions"])
+    longest_prompt = 40  # both tasks' prompts are <= 32 tokens with bos (docs/tasks.md); 8 to spare
+    if longest_prompt + a["gen_len"] > a["max_positions"]:
+        raise ValueError(f"train: max_positions={a['max_positions']} < {longest_prompt} (prompt) + gen_len="
+                         f"{a['gen_len']}")
     model = init_model(cfg, a["seed"])
-    if a["init_from"]:
+    if a["init_from"] and state is None:
         import lopa_fast
 
-        prev = lopa_fast.load_model(a["init_from"], dtype=torch.float32)
-        if prev.config != model.config:
-            raise ValueError(f"train: init_from={a['init_from']!r} has a different architecture than the options")
-        model.load_state_dict(prev.state_dict())
+        grown = load_grown(model, lopa_fast.load_model(a["init_from"], dtype=torch.float32))
         model.requires_grad_(True).train()
     n_params = sum(p.numel() for p in model.parameters())
-    emit(f"# d2f recipe: {json.dumps(a, sort_keys=True)}")
-    emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    dev = tasks.generate("dev", a["eval_n"], seed=0, variant=a["variant"])
-    t0 = time.time()
-    ema, losses, dev_acc = None, [], None
+    start, ema, first_loss, dev_acc, spent = 0, None, None, None, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["torch_rng"])
+        start, ema, first_loss, dev_acc, spent = (state[k] for k in ("step", "ema", "first_loss", "dev_acc",
+                                                                      "seconds"))
+        emit(f"# resumed at step {start} from {out / run.RESUME_FILE} ({spent:.1f}s trained before)")
+    else:
+        emit(f"# d2f recipe: {json.dumps(a, sort_keys=True)}")
+        if a["init_from"]:
+            emit(f"# init_from {a['init_from']}: grown {grown or 'nothing'} to vocab {cfg['vocab_size']}")
+        emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
+    t0 = time.time() - spent
+
+    def checkpoint(next_step: int) -> None:
+        run.save_state(out, dict(args=a, model=model.state_dict(), opt=opt.state_dict(), step=next_step, ema=ema,
+                                 first_loss=first_loss, dev_acc=dev_acc, seconds=time.time() - t0,
+                                 torch_rng=torch.get_rng_state()))
+
     last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
-    for step in range(last_step):
+    for step in range(start, last_step):
         mode = SCHEDULES[a["schedule"]][step % len(SCHEDULES[a["schedule"]])]
-        problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step, variant=a["variant"])
+        problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step,
+                                       variant=a["variant"])
         batch = make_batch(problems, tok, a["gen_len"])
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         v = run.optimizer_step(model, opt, loss_on(model, batch, mode, a["block_size"], a["gen_len"], g), lr)
-        losses.append(v)
+        first_loss = v if first_loss is None else first_loss
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         last = step == last_step - 1
         if step % 50 == 0 or last:
@@ -221,15 +273,19 @@ def train(out: str | os.PathLike, log=print, **overrides) -> dict:
             dev_acc, texts = accuracy(model, dev, tok, a["gen_len"])
             model.train()
             emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
-                 f"sample: {tasks.join_digits(texts[0])!r}")
-            run.save(model, cfg, out, "lopa_fast.train.d2f", a)
+                 f"t {time.time() - t0:7.1f}s sample: {tasks.join_digits(texts[0])!r}")
+            run.save(model, cfg, out, "lopa_fast.train.d2f", a, tok_mod.save_tokenizer)
+            checkpoint(step + 1)
+        elif a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0:
+            checkpoint(step + 1)
     summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
-               "final_loss_ema": round(ema, 4), "first_loss": round(losses[0], 4), "dev_exact_match": dev_acc}
+               "final_loss_ema": None if ema is None else round(ema, 4),
+               "first_loss": None if first_loss is None else round(first_loss, 4), "dev_exact_match": dev_acc}
     return rl.finish(summary)
 
 
 def main(argv=None) -> None:
-    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv)
+    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv, resumable=True)
 
 
 if __name__ == "__main__":

@@ -49,18 +49,49 @@ def optimizer_step(model, opt, loss: torch.Tensor, lr: float) -> float:
     return float(loss.detach())
 
 
-def save(model, cfg: dict, out: Path, recipe: str, args: dict) -> None:
-    """HF layout (config.json, model.safetensors), the task tokenizer and train_args.json."""
+def save(model, cfg: dict, out: Path, recipe: str, args: dict, save_tokenizer=None) -> None:
+    """HF layout (config.json, model.safetensors), the task tokenizer (`save_tokenizer(out)`, default `arith`'s)
+    and train_args.json."""
     save_checkpoint(model, out, cfg)
-    tasks.save_tokenizer(out)
+    (save_tokenizer or tasks.save_tokenizer)(out)
     with open(out / "train_args.json", "w") as f:
         json.dump({"recipe": recipe, **args}, f, indent=2, sort_keys=True)
 
 
-def main(recipe: str, doc: str, defaults: dict, train, argv=None) -> None:
-    """`python -m <recipe> --out DIR [--option value ...]`, one flag per default."""
+RESUME_FILE = "resume.pt"  # the periodic training state inside the output directory (train + optimiser + step)
+
+
+def save_state(out: Path, state: dict) -> None:
+    """Write the resumable training state atomically (a temporary file, then a rename: a job killed while
+    writing leaves the previous state intact)."""
+    tmp = out / (RESUME_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out / RESUME_FILE)
+
+
+def load_state(out: Path, args: dict, ignore=("threads", "stop_at")) -> dict:
+    """The resumable state of `out`; its recorded options must equal `args` (except `ignore`), so a resumed run
+    continues the same schedule, data stream and masks."""
+    path = out / RESUME_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"resume: no training state {path}")
+    state = torch.load(path, weights_only=False)
+    diff = sorted(k for k in set(args) | set(state["args"])
+                  if k not in ignore and args.get(k) != state["args"].get(k))
+    if diff:
+        raise ValueError(f"resume: options {diff} differ from the checkpointed run's "
+                         f"{ {k: state['args'].get(k) for k in diff} }")
+    return state
+
+
+def main(recipe: str, doc: str, defaults: dict, train, argv=None, resumable: bool = False) -> None:
+    """`python -m <recipe> --out DIR [--option value ...]`, one flag per default (and `--resume` when the
+    recipe is resumable)."""
     ap = argparse.ArgumentParser(prog=f"python -m {recipe}", description=doc.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model directory")
+    if resumable:
+        ap.add_argument("--resume", action="store_true",
+                        help=f"continue from OUT/{RESUME_FILE} (same options; the log is appended)")
     for k, v in defaults.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     ns = vars(ap.parse_args(argv))
