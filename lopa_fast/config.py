@@ -20,7 +20,6 @@ import warnings
 from dataclasses import dataclass
 
 STRATEGIES = ("vanilla", "threshold", "d2f", "lopa", "apd")
-STOP_STRATEGIES = ("d2f", "lopa")  # strategies that end at a stop sequence (the others: not yet)
 MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
@@ -28,6 +27,7 @@ ROUND_CAP_ACTIONS = ("warn", "error")
 REMASKING = ("low_confidence", "random")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHE_MODES = (None, "prefix", "dual")
+SAMPLERS = ("keyed", "upstream")
 
 # strategy-specific knobs (passed through generate's **strategy_specific); None = "not given"
 LLADA_VANILLA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
@@ -115,6 +115,10 @@ class GenerateConfig:
     mask_token_id: int | None = None
     eos_token_id: int | None = None
     seed: int | None = None
+    # the random draws (T > 0; vanilla's random remasking / origin reveal / alg_temp): "keyed" = a pure function
+    # of (seed, step, branch, position), the same tokens on both backends, CPU or GPU; "upstream" = upstream's
+    # draw order from one torch.Generator (reference backend only). None: "keyed" (apd: "upstream")
+    sampler: str | None = None
     return_trace: bool = False
     # loop caps and deliberate deviations from upstream (all off = upstream-exact)
     max_rounds: int | None = None
@@ -122,7 +126,7 @@ class GenerateConfig:
     suppress_mask_token: bool = False
     # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
     compile: bool = False
-    # stop sequences (token ids; d2f / lopa): decoding ends once one lies in the finalised prefix (the tokens
+    # stop sequences (token ids; every strategy): decoding ends once one lies in the finalised prefix (the tokens
     # before the first mask); the output is cut before it. A list of lists is accepted (stored as tuples).
     stop: tuple[tuple[int, ...], ...] | None = None
     # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
@@ -187,6 +191,11 @@ class GenerateConfig:
             _num(name, v, allow_none=True, integer=True, limit=2**63 if name == "seed" else INT_KNOB_LIMIT)
             if v is not None and v < 0:
                 raise ValueError(f"{name}={v!r}; allowed: an int >= 0")
+        if self.sampler is not None:
+            _choice("sampler", self.sampler, SAMPLERS)
+            if self.strategy == "apd" and self.sampler == "keyed":
+                raise ValueError("sampler='keyed' does not cover strategy='apd' yet (its draws are upstream's); "
+                                 "leave sampler=None or pass sampler='upstream'")
         _bool("return_trace", self.return_trace)
         _positive_int("max_rounds", self.max_rounds, allow_none=True)
         _choice("on_round_cap", self.on_round_cap, ROUND_CAP_ACTIONS)
@@ -296,11 +305,6 @@ class GenerateConfig:
                 raise ValueError(
                     f"stop sequence {list(q)!r}; allowed: 1..{MAX_STOP_LENGTH} token ids (ints >= 0) ({example})"
                 )
-        if self.strategy not in STOP_STRATEGIES:
-            raise ValueError(
-                f"stop= applies to strategy {' / '.join(repr(s) for s in STOP_STRATEGIES)}; got "
-                f"strategy={self.strategy!r}"
-            )
 
     def _check_blocks(self) -> None:
         """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0 (gen_length: the
@@ -426,6 +430,8 @@ class GenerateConfig:
                 "use a Dream / D2F / DiffuCoder / LLaDA model"
             )
         kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
+        if self.sampler is None:
+            kw["sampler"] = "upstream" if self.strategy == "apd" else "keyed"
         kw["max_rounds"] = self.max_rounds if self.max_rounds is not None else 2 * self.max_new_tokens + 64
         if self.strategy == "vanilla":
             if kind == "llada":

@@ -10,7 +10,9 @@ Formulas (lopa_fast.ops.confidence and its kernels match these):
     processed   = logits (mask id set to -inf first when suppress_mask_token), then / T if T > 0, then the
                   top-p filter if top_p < 1 (removed entries -> float32 min), then the top-k filter
     x0, p       = argmax / max of probs at T = 0 (first index on ties); at T > 0 x0 ~ Categorical(probs)
-                  and p = probs[x0]
+                  and p = probs[x0]: drawn with the keyed sampler when `keys` is given
+                  (lopa_fast.keyed.categorical: a pure function of the keys, no host read), else with
+                  torch.multinomial on `generator` (upstream's draw order, sampler="upstream")
     conf        default:     p
                 margin:      p_top1 - p_top2           (sorted probs)
                 neg_entropy: sum_v p_v * log(p_v + 1e-10)   (<= 0; higher = more confident)
@@ -18,6 +20,8 @@ Formulas (lopa_fast.ops.confidence and its kernels match these):
 from __future__ import annotations
 
 import torch
+
+from lopa_fast import keyed
 
 NEG_ENTROPY_EPS = 1e-10
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
@@ -51,12 +55,14 @@ def token_stats(
     sampling_strategy: str = "default",
     suppress_token: int | None = None,
     generator: torch.Generator | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row token choice and confidence, as upstream LoPA's `sample_tokens`.
 
     logits: [N, V] (any float dtype). Returns (conf [N] float32, x0 [N] int64, p [N] float32), where p is
     the probability that the D2F/LoPA skip threshold tests (p_max at T = 0, p(x0) at T > 0) and conf the
     `sampling_strategy` confidence (fallback choice, lookahead ranking, branch score).
+    keys: [N] int64 keyed-sampler keys (lopa_fast.keyed.key) of the rows; used at T > 0 instead of `generator`.
     """
     x = logits.float()
     if suppress_token is not None:
@@ -72,7 +78,10 @@ def token_stats(
         raise ValueError(f"sampling_strategy={sampling_strategy!r}; allowed: {SAMPLING_STRATEGIES}")
     probs = torch.softmax(x, dim=-1)
     if temperature > 0:
-        x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if keys is not None:
+            x0 = keyed.categorical(probs, keys)
+        else:
+            x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         p = probs.gather(-1, x0[:, None]).squeeze(-1)
     else:
         p, x0 = probs.max(dim=-1)

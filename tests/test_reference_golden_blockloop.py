@@ -41,6 +41,7 @@ def test_reference_matches_upstream(models, i):
     kw = {k: v for k, v in case["kw"].items() if not (k == "cfg_scale" and v == 0.0)}
     if case.get("torch_seed") is not None:
         torch.manual_seed(case["torch_seed"])  # upstream draws from the global generator
+        kw["sampler"] = "upstream"  # in upstream's order (the default keyed sampler draws by key)
     out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"],
                              max_new_tokens=case["max_new_tokens"], **kw)  # fmt: skip
     assert out.generated_ids == case["generated_ids"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast.keyed import TOKEN, KeyedNoise, request_noise
 from lopa_fast.output import Clock, round_cap_hit  # noqa: F401  (re-exported)
 from lopa_fast.sampling import token_stats, top_k_filter, top_p_filter  # noqa: F401
 
@@ -32,6 +33,21 @@ def make_generator(cfg, device) -> torch.Generator | None:
     g = torch.Generator(device=device)
     g.manual_seed(int(cfg.seed))
     return g
+
+
+def make_noise(cfg, device):
+    """The request's noise: lopa_fast.keyed.KeyedNoise (sampler="keyed") or upstream's torch.Generator / None
+    (sampler="upstream"); see lopa_fast.keyed.request_noise."""
+    return request_noise(cfg, device)
+
+
+def draw_kw(noise, cfg, stream: int, step: int, branch: int, pos) -> dict:
+    """`generator=` / `keys=` for one draw site: keyed keys at (stream, step, branch, pos) when `noise` is
+    KeyedNoise and the site draws (T > 0 for the token stream), else the upstream generator."""
+    if isinstance(noise, KeyedNoise):
+        draws = stream != TOKEN or cfg.temperature > 0
+        return {"generator": None, "keys": noise.keys(stream, step, branch, pos) if draws else None}
+    return {"generator": noise, "keys": None}
 
 
 def record_step(trace: list | None, round_: int, before: torch.Tensor, x: torch.Tensor, P: int, **extra) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.contracts import first_stop
+from lopa_fast.contracts import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, shift_logits, token_stats
+from lopa_fast.keyed import TOKEN
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, round_cap_hit, shift_logits, token_stats
 
 
 # ---- block table --------------------------------------------------------------------------------
@@ -82,15 +83,18 @@ def predictions(model, raw: torch.Tensor, last_logit: torch.Tensor | None) -> to
     return shift_logits(raw, last_logit) if model.logits_shift else raw
 
 
-def stats_kw(cfg, generator) -> dict:
-    """token_stats keywords of a D2F/LoPA run: the sampling knobs, the confidence and the mask suppression."""
+def stats_kw(cfg, generator, step: int = 0, branch: int = 0, pos=None) -> dict:
+    """token_stats keywords of a D2F/LoPA run: the sampling knobs, the confidence and the mask suppression.
+    generator: the request's noise (reference.common.make_noise); with the keyed sampler the draws of rows
+    predicting absolute positions `pos` are keyed by (round `step`, `branch`: the slot in the round's
+    verification order, lookaheads first, the anchor last; D2F: 0)."""
     return dict(
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         sampling_strategy=cfg.sampling_strategy,
         suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
-        generator=generator,
+        **draw_kw(generator, cfg, TOKEN, step, branch, pos),
     )
 
 
@@ -108,6 +112,7 @@ def anchor_fill(
     cfg,
     counters: dict,
     generator=None,
+    branch: int = 0,
 ) -> tuple[dict, bool]:
     """Step 5, the D2F fill rule, for every active block in id order, from one forward's logits.
 
@@ -127,7 +132,7 @@ def anchor_fill(
         if pos.numel() == 0:
             continue
         check_finite(logits[pos - start], pos, cfg, counters.get("forwards", 0))
-        conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator))
+        conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator, counters.get("forwards", 0), branch, pos))
         hi = (p > cfg.skip_threshold).nonzero(as_tuple=True)[0]
         if hi.numel() > 0:
             chosen = hi
@@ -169,11 +174,12 @@ def mark_to_cache(blocks: list[dict], ids: list[int], completed: list[int]) -> N
 
 
 # ---- the loop -----------------------------------------------------------------------------------
-def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
-    """D2F single-branch decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
+def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
+    """D2F single-branch decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig;
+    on_round: the progress hook (lopa_fast.contracts.report_round), called after every round."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id
-    gen = make_generator(cfg, prompt.device)
+    gen = make_noise(cfg, prompt.device)
     cache = model.new_cache(P + cfg.max_new_tokens)
     x = prompt.clone()
     blocks = [new_block(0, P, prompt=True)]
@@ -230,6 +236,8 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                         "accepted": sorted([q - P, t] for q, t in fills.items()),
                     }
                 )
+            if on_round is not None:
+                report_round(on_round, x[P:], mask_id, cfg.max_new_tokens, stats["forwards"])
     ids = x[P:].tolist()
     stats["eos_detected"] = eos_detected
     stats["cache_length"] = cache.length

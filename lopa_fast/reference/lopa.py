@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast.contracts import first_stop
+from lopa_fast.contracts import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, token_stats
+from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, token_stats
 from lopa_fast.reference.d2f import (
     active_ids,
     anchor_fill,
@@ -74,7 +74,8 @@ def shared_prefix_end(branches: list[Branch], P: int) -> int:
     return P if m == 0 else branches[0].blocks[m - 1]["end"]
 
 
-def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None, round_: int = 0) -> float:
+def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None, round_: int = 0,
+                 slot: int = 0) -> float:
     """alpha * creation_conf + (1 - alpha) * future, future = mean of the lowest max(1, int(n*branch_topp))
     confidences over ALL the branch's masked positions >= spe (1.0 with none; the value itself with one).
     A branch with no positions past spe scores 1.0 outright (upstream)."""
@@ -85,7 +86,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
         future = 1.0
     else:
         check_finite(logits[pos - start], pos, cfg, round_)
-        conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator))
+        conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator, round_, slot, pos))
         n = conf.numel()
         if n == 1:
             future = conf.item()
@@ -98,7 +99,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
 
 def spawn_lookaheads(
     w: Branch, logits: torch.Tensor, start: int, spe: int, acts: list[int], fills: dict, cfg, generator=None,
-    round_: int = 0,
+    round_: int = 0, slot: int = 0,
 ) -> list[Branch]:
     """Top-k lookaheads of the filled winner w: its masked positions inside its active blocks (block, then
     position order), ranked by confidence from the winner's logits (descending, stable: the earlier
@@ -115,17 +116,17 @@ def spawn_lookaheads(
                 cand.append(q)
     if not cand:
         return []
-    kw = stats_kw(cfg, generator)
     idx = torch.tensor(cand, device=logits.device) - start
     check_finite(logits[idx], idx + start, cfg, round_)
-    conf, x0, _ = token_stats(logits[idx], **kw)
+    conf, x0, _ = token_stats(logits[idx], **stats_kw(cfg, generator, round_, slot, idx + start))
     ranked = sorted(zip(conf.tolist(), range(len(cand))), key=lambda t: t[0], reverse=True)
     out = []
     for r, (c, i) in enumerate(ranked[: cfg.branching_factor]):
         q = cand[i]
         tok, creation = int(x0[i]), c
         if cfg.temperature > 0:  # upstream samples the chosen position a second time (quirk 7)
-            c2, t2, _ = token_stats(logits[q - start][None], **kw)
+            # (keyed sampler: the same key, so the same draw as the ranking's)
+            c2, t2, _ = token_stats(logits[q - start][None], **stats_kw(cfg, generator, round_, slot, torch.tensor([q], device=logits.device)))
             tok, creation = int(t2[0]), float(c2[0])
         nb = w.copy()
         nb.is_base, nb.rank, nb.lookahead, nb.creation_conf = False, r, q, creation
@@ -136,11 +137,13 @@ def spawn_lookaheads(
     return out
 
 
-def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
-    """LoPA decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
+def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
+    """LoPA decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
+    progress hook (lopa_fast.contracts.report_round), called after every round with the winner (the accepted
+    sequence, the next round's anchor)."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id
-    gen = make_generator(cfg, prompt.device)
+    gen = make_noise(cfg, prompt.device)
     cache = model.new_cache(P + cfg.max_new_tokens)
     candidates = [Branch(prompt.clone(), [new_block(0, P, prompt=True)], is_base=True, rank=0)]
     last_logit = None
@@ -202,7 +205,8 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             stats["upstream_model_calls"] += len(order) + int(upstream_duplicate)
 
             # scores and the winner (first maximum in round order)
-            scores = [branch_score(br, lg, start, spe, cfg, gen, stats["forwards"]) for br, lg, _, _ in results]
+            scores = [branch_score(br, lg, start, spe, cfg, gen, stats["forwards"], j)
+                      for j, (br, lg, _, _) in enumerate(results)]
             wi = max(range(len(scores)), key=lambda i: (scores[i], -i))
             w, wlogits, wspan, wll = results[wi]
             if u > 0:
@@ -215,7 +219,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
 
             # 5: anchor fill on the winner with its own block states and logits
             acts = active_ids(w.blocks)
-            fills, eos = anchor_fill(w.x, w.blocks, wlogits, start, spe, cfg, stats, gen)
+            fills, eos = anchor_fill(w.x, w.blocks, wlogits, start, spe, cfg, stats, gen, branch=wi)
             w.eos_detected = w.eos_detected or eos
             accepted = len(fills) + (0 if w.is_base else 1)
             if accepted >= 2:
@@ -223,7 +227,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             completed = retire_blocks(w.x, w.blocks, acts, mask_id)
 
             # spawn: lookaheads (ranked) then the new anchor, which sorts last
-            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"]) if cfg.branching_factor > 1 else []
+            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"], wi) if cfg.branching_factor > 1 else []
             upstream_duplicate = cfg.branching_factor > 1 and not new
             anchor = w.copy()
             anchor.is_base, anchor.rank, anchor.creation_conf, anchor.lookahead = True, len(new), 1.0, None
@@ -257,6 +261,8 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                     }
                 )
             candidates = new
+            if on_round is not None:
+                report_round(on_round, w.x[P:], mask_id, cfg.max_new_tokens, stats["forwards"])
     ids = result.x[P:].tolist()
     stats["eos_detected"] = bool(result.eos_detected)
     stats["cache_length"] = cache.length

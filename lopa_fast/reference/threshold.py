@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast.contracts import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, make_generator, record_step, round_cap_hit, token_stats
+from lopa_fast.keyed import TOKEN
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, round_cap_hit, token_stats
 from lopa_fast.reference.vanilla import gumbel_argmax
 
 ENTROPY_EPS = 1e-12
@@ -76,18 +78,20 @@ def select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> to
     return idx[keep]
 
 
-def step_stats(model, logits: torch.Tensor, cfg, gen):
-    """x0 [n], conf [n] (float64 LLaDA, float32 Dream), entropy [n] float64 for aligned logits [n, V]."""
+def step_stats(model, logits: torch.Tensor, cfg, gen, step: int = 0, lo: int = 0):
+    """x0 [n], conf [n] (float64 LLaDA, float32 Dream), entropy [n] float64 for aligned logits [n, V] whose
+    rows predict positions lo, lo + 1, ... (the keyed sampler's draws are keyed by (step, position))."""
+    draw = draw_kw(gen, cfg, TOKEN, step, 0, lo + torch.arange(logits.shape[0], device=logits.device))
     if cfg.suppress_mask_token:
         logits = logits.clone()
         logits[:, cfg.mask_token_id] = float("-inf")
     p64 = torch.softmax(logits.to(torch.float64), dim=-1)
     ent = -(p64 * torch.log(p64 + ENTROPY_EPS)).sum(-1)
     if model.config.kind == "llada":
-        x0 = gumbel_argmax(logits, cfg.temperature, gen)
+        x0 = gumbel_argmax(logits, cfg.temperature, **draw)
         conf = p64.gather(-1, x0[:, None]).squeeze(-1)
     else:
-        c, x0, _ = token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, generator=gen)
+        c, x0, _ = token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, **draw)
         conf = c  # float32: upstream compares the fp32 tensor with tau (tau rounds to fp32)
     return x0, conf, ent
 
@@ -97,11 +101,13 @@ def align(model, raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([raw[:1], raw[:-1]]) if model.logits_shift else raw
 
 
-def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
-    """Threshold decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
+def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
+    """Threshold decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
+    progress hook (lopa_fast.contracts.report_round), called after every forward. A stop sequence (`stop=`)
+    in the finalised prefix ends decoding after the forward that completed it."""
     P, G, B = prompt.numel(), cfg.max_new_tokens, cfg.block_length
     mask_id = cfg.mask_token_id
-    gen = make_generator(cfg, prompt.device)
+    gen = make_noise(cfg, prompt.device)
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
     L = x.numel()
     cache = model.new_cache(L) if cfg.cache is not None else None
@@ -115,11 +121,12 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
         return True
 
     trace = [] if cfg.return_trace else None
+    stopped: list[bool] = []  # appended to when a stop sequence ends decoding
 
     def commit(lo: int, logits: torch.Tensor, cand: torch.Tensor) -> None:
         """Decode one step from window logits [n, V] covering positions [lo, lo+n)."""
         guard(lo, logits, cand)
-        x0, conf, ent = step_stats(model, logits, cfg, gen)
+        x0, conf, ent = step_stats(model, logits, cfg, gen, stats["forwards"], lo)
         sel = select(conf, ent, cand, cfg)
         before = x.clone() if trace is not None else None
         x[lo + sel] = x0[sel]
@@ -128,6 +135,8 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
             stats["multi_token_steps"] += 1
         if sel.numel() == 0:
             stats["noop_forwards"] += 1
+        if after_step(x[P:], cfg, stats, on_round):  # the hook; a stop sequence in the finalised prefix
+            stopped.append(True)
 
     def guard(lo: int, logits: torch.Tensor, cand) -> None:
         """The numerics guard on the rows this step reads (the candidates; every row the sampler draws at T > 0)."""
@@ -157,7 +166,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                     cand = x == mask_id
                     cand[e:] = False
                     commit(0, logits, cand)
-                    if block_full(s, e):
+                    if block_full(s, e) or stopped:
                         break
             else:
                 if not budget():
@@ -168,16 +177,18 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                 count(refresh=True)
                 if dream:
                     guard(s, logits[s : s + 1], None)
-                    x0, _, _ = step_stats(model, logits[s : s + 1], cfg, gen)
+                    x0, _, _ = step_stats(model, logits[s : s + 1], cfg, gen, stats["forwards"], s)
                     before = x.clone() if trace is not None else None
                     x[s] = x0[0]
                     record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id, window_start=0)
+                    if after_step(x[P:], cfg, stats, on_round):
+                        stopped.append(True)
                 else:
                     cand = x == mask_id
                     cand[e:] = False
                     commit(0, logits, cand)
                 first = True
-                while True:
+                while not stopped:
                     if block_full(s, e) and not (cfg.count_noop_forward and first):
                         break
                     first = False
@@ -194,7 +205,7 @@ def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
                     commit(s, align(model, raw), cand)
                     if block_full(s, e):
                         break
-            if stats.get("hit_round_cap"):
+            if stats.get("hit_round_cap") or stopped:
                 break
     ids = x[P:].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, mask_id, clock.seconds, steps_plus_one=False)

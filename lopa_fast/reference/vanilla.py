@@ -18,7 +18,8 @@ The model family decides which one runs (config.bind rejects the other family's 
   softmax(conf / alg_temp) when alg_temp > 0. With steps = max_new_tokens, step 0 transfers nothing
   (int(0.999...)) and the last step two (spec section 6 item 6): reproduced.
 
-No early exit: forwards == steps always (both upstreams).
+No early exit: forwards == steps always (both upstreams), except at a stop sequence (`stop=`): decoding ends
+after the step that completes one in the finalised prefix (the tokens before the first mask).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ import warnings
 
 import torch
 
+from lopa_fast.contracts import after_step
+from lopa_fast import keyed
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, make_generator, record_step, token_stats
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, token_stats
 
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
@@ -38,10 +41,13 @@ def transfer_schedule(n_masks: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
-    """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits)."""
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, keys=None) -> torch.Tensor:
+    """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits); U keyed
+    (lopa_fast.keyed.gumbel_argmax) when `keys` [N] is given, else drawn from `generator`."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
+    if keys is not None:
+        return keyed.gumbel_argmax(logits, temperature, keys)
     l64 = logits.to(torch.float64)
     u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
     return torch.argmax(l64.exp() / (-torch.log(u)) ** temperature, dim=-1)
@@ -51,7 +57,7 @@ def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
     return model.forward_window(x if x.dim() == 2 else x[None], mask="full")
 
 
-def _llada(model, prompt, cfg, gen, stats, trace):
+def _llada(model, prompt, cfg, gen, stats, trace, on_round=None):
     P, G = prompt.numel(), cfg.max_new_tokens
     mask_id = cfg.mask_token_id
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
@@ -84,10 +90,13 @@ def _llada(model, prompt, cfg, gen, stats, trace):
             if cfg.suppress_mask_token:
                 logits = logits.clone()
                 logits[:, mask_id] = float("-inf")
-            x0 = gumbel_argmax(logits, cfg.temperature, gen)
+            allpos = torch.arange(x.numel(), device=x.device)
+            x0 = gumbel_argmax(logits, cfg.temperature, **draw_kw(gen, cfg, keyed.TOKEN, stats["forwards"], 0, allpos))
             if cfg.remasking == "low_confidence":
                 p = torch.softmax(logits, dim=-1)
                 x0_p = p.gather(-1, x0[:, None]).squeeze(-1)
+            elif isinstance(gen, keyed.KeyedNoise):
+                x0_p = keyed.uniform(gen.keys(keyed.REMASK, stats["forwards"], 0, allpos))
             else:
                 x0_p = torch.rand(x0.shape, device=x0.device, generator=gen)
             if cfg.confidence_eos_eot_inf:
@@ -105,17 +114,19 @@ def _llada(model, prompt, cfg, gen, stats, trace):
             x[sel] = x0[sel]
             stats["transferred"] += k
             record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
+            if after_step(x[P:], cfg, stats, on_round):  # the hook; a stop sequence in the finalised prefix ends it
+                return x
     return x
 
 
-def _dream(model, prompt, cfg, gen, stats, trace):
+def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
     P, G = prompt.numel(), cfg.max_new_tokens
     mask_id = cfg.mask_token_id
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
     steps = cfg.steps
     timesteps = torch.linspace(1, cfg.eps, steps + 1, device=x.device)  # float32, as upstream
     kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-              suppress_token=mask_id if cfg.suppress_mask_token else None, generator=gen)  # fmt: skip
+              suppress_token=mask_id if cfg.suppress_mask_token else None)  # fmt: skip
     for i in range(steps):
         before = x.clone() if trace is not None else None
         mask_index = x == mask_id
@@ -124,21 +135,29 @@ def _dream(model, prompt, cfg, gen, stats, trace):
         stats["model_calls"] += 1
         logits = torch.cat([raw[:1], raw[:-1]])
         mask_logits = logits[mask_index]
-        check_finite(mask_logits, mask_index.nonzero(as_tuple=True)[0], cfg, stats["forwards"])
+        mpos = mask_index.nonzero(as_tuple=True)[0]
+        check_finite(mask_logits, mpos, cfg, stats["forwards"])
+        step = stats["forwards"]
         t, s = timesteps[i], timesteps[i + 1]
         if cfg.alg == "origin":
             p_transfer = 1 - s / t if i < steps - 1 else 1
             x0 = torch.full((int(mask_index.sum()),), mask_id, dtype=torch.long, device=x.device)
-            reveal = torch.rand(x0.shape, device=x.device, generator=gen) < p_transfer
+            if isinstance(gen, keyed.KeyedNoise):
+                reveal = keyed.uniform(gen.keys(keyed.REVEAL, step, 0, mpos)) < p_transfer
+            else:
+                reveal = torch.rand(x0.shape, device=x.device, generator=gen) < p_transfer
             if bool(reveal.any()):
-                _, tok, _ = token_stats(mask_logits[reveal], **kw)
+                _, tok, _ = token_stats(mask_logits[reveal], **kw, **draw_kw(gen, cfg, keyed.TOKEN, step, 0, mpos[reveal]))
                 x0[reveal] = tok
             x[mask_index] = x0
             stats["transferred"] += int(reveal.sum())
             record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
+            if after_step(x[P:], cfg, stats, on_round):
+                break
             continue
         strategy = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}[cfg.alg]
-        conf, x0, _ = token_stats(mask_logits, sampling_strategy=strategy, **kw)
+        conf, x0, _ = token_stats(mask_logits, sampling_strategy=strategy, **kw,
+                                  **draw_kw(gen, cfg, keyed.TOKEN, step, 0, mpos))
         num_mask = mask_index.sum() / 1  # float32 tensor (upstream: mask_index.sum() / batch)
         n = int(num_mask * (1 - s / t)) if i < steps - 1 else int(num_mask)
         full_conf = torch.full(x.shape, float("-inf"), dtype=logits.dtype, device=x.device)
@@ -146,6 +165,10 @@ def _dream(model, prompt, cfg, gen, stats, trace):
         if n > 0:
             if cfg.alg_temp is None or cfg.alg_temp == 0:
                 sel = torch.topk(full_conf, n).indices
+            elif isinstance(gen, keyed.KeyedNoise):  # n of L without replacement, p ~ softmax(conf / alg_temp)
+                w = torch.softmax(full_conf / cfg.alg_temp, dim=-1)
+                allpos = torch.arange(x.numel(), device=x.device)
+                sel = keyed.top_n_race(w, n, gen.keys(keyed.ORDER, step, 0, allpos)).nonzero(as_tuple=True)[0]
             else:
                 sel = torch.multinomial(torch.softmax(full_conf / cfg.alg_temp, dim=-1), n, generator=gen)
             x_ = torch.full_like(x, mask_id)
@@ -153,19 +176,22 @@ def _dream(model, prompt, cfg, gen, stats, trace):
             x[sel] = x_[sel]
             stats["transferred"] += n
         record_step(trace, stats["forwards"], before, x, P, mask_id=mask_id)
+        if after_step(x[P:], cfg, stats, on_round):
+            break
     return x
 
 
-def generate(model, prompt: torch.Tensor, cfg) -> GenerateOutput:
-    """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
-    gen = make_generator(cfg, prompt.device)
+def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
+    """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
+    progress hook (lopa_fast.contracts.report_round), called after every step."""
+    gen = make_noise(cfg, prompt.device)
     stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
     trace = [] if cfg.return_trace else None
     with Clock(prompt.device) as clock:
-        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats, trace)
+        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats, trace, on_round)
     ids = x[prompt.numel() :].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
-    if stats["masks_left"]:
+    if stats["masks_left"] and not stats.get("stopped"):  # a stop ends decoding with masks left (cut by the API)
         warnings.warn(
             f"vanilla: {stats['masks_left']} of {len(ids)} generated positions still hold the mask id "
             f"{cfg.mask_token_id} after steps={cfg.steps} (the model predicted the mask token, or alg='origin' left "

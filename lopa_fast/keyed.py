@@ -1,0 +1,154 @@
+"""The keyed sampler: every random draw is a pure function of (seed, stream, step, branch, position, vocab id).
+
+A batched fast round cannot replay the reference's draw-for-draw order from one global generator (the
+reference samples branch by branch, block by block). The keyed sampler removes the order: the noise of a
+draw comes from a counter-based hash of its key, so the reference decoders and the fast ones, on CPU and on
+CUDA, eager or compiled, draw the same numbers for the same seed whatever the order, batching or padding.
+
+Hash: splitmix64 (Steele, Lea, Flood 2014; the finaliser of java.util.SplittableRandom) on int64 tensors with
+torch ops only (multiplication wraps mod 2**64 on CPU and CUDA; `>>` on int64 is arithmetic, so every shift
+is masked to make it logical). A key folds its fields one at a time: h <- mix(h + (field + 1) * GOLDEN).
+Uniforms: the top 53 bits of the hash, (m + 0.5) / 2**53, in the open interval (0, 1), float64.
+
+Draws (all sync-free, all on the logits' device):
+  categorical(probs [N, V], keys [N])      argmax_v probs[n, v] / E[n, v], E = -log U (exponential race; the
+                                           winner is distributed as probs[n]); float64 so that two backends
+                                           with bitwise-equal probs pick the same id
+  gumbel_argmax(logits [N, V], T, keys)    LLaDA's formula argmax exp(l) / E**T in float64, keyed
+  uniform(keys [N])                        one U per key (random remasking, Dream's `origin` reveal)
+  top_n_race(weights [N], n, keys)         sampling n of N without replacement with probability
+                                           proportional to weights (the n largest weights / E)
+
+Streams keep the draws of one step apart: TOKEN (the token choice), REMASK (LLaDA random remasking),
+REVEAL (Dream `origin`), ORDER (Dream alg_temp > 0). Steps count forwards (1-based: the step's forward);
+branch is the slot of a LoPA round (lookaheads in rank order, the anchor last), 0 elsewhere; position is
+the absolute sequence position that the draw decides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOKEN, REMASK, REVEAL, ORDER = 0, 1, 2, 3
+
+_U64 = 1 << 64
+
+
+def _s64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    return c - _U64 if c >= 1 << 63 else c
+
+
+GOLDEN = _s64(0x9E3779B97F4A7C15)
+_M1 = _s64(0xBF58476D1CE4E5B9)
+_M2 = _s64(0x94D049BB133111EB)
+_LOW = {k: (1 << (64 - k)) - 1 for k in (11, 27, 30, 31)}  # masks that make `>>` logical
+_INV53 = 2.0**-53
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & _LOW[k]
+
+
+def mix(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on an int64 tensor (elementwise, wrapping arithmetic)."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def fold(h: torch.Tensor, field) -> torch.Tensor:
+    """h [*] int64 with one more key field (int or int64 tensor broadcasting with h) folded in."""
+    if isinstance(field, torch.Tensor):
+        return mix(h + (field + 1) * GOLDEN)
+    return mix(h + _s64(((int(field) + 1) * GOLDEN) % _U64))
+
+
+def key(seed, stream: int, step, branch, pos) -> torch.Tensor:
+    """The int64 key of the draws at (seed, stream, step, branch, pos); every field an int or an int64
+    tensor (on one device); the result broadcasts them (pos is usually [N])."""
+    pos = torch.as_tensor(pos, dtype=torch.long)
+    h = torch.full_like(pos, _s64(int(seed) % _U64))
+    for f in (stream, step, branch):
+        h = fold(h, f.to(torch.long) if isinstance(f, torch.Tensor) else int(f))
+    return fold(h, pos)
+
+
+def uniform_of(h: torch.Tensor) -> torch.Tensor:
+    """Hashes [*] int64 -> uniforms in (0, 1), float64, from the top 53 bits."""
+    return (_shr(h, 11).to(torch.float64) + 0.5) * _INV53
+
+
+def uniform(keys: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per key: keys [N] int64 -> [N] float64."""
+    return uniform_of(mix(keys))
+
+
+def row_exponentials(keys: torch.Tensor, V: int) -> torch.Tensor:
+    """Exp(1) noise E = -log U per (key, vocab id): keys [N] int64 -> [N, V] float64 (all > 0)."""
+    v = torch.arange(V, device=keys.device, dtype=torch.long)
+    return -torch.log(uniform_of(fold(keys[:, None], v[None, :])))
+
+
+def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """x0 [N] ~ Categorical(probs[n]) per row, probs [N, V] (rows sum to 1, zeros allowed), keys [N]: the
+    exponential race argmax probs / E in float64 (first index on an exact tie)."""
+    return torch.argmax(probs.to(torch.float64) / row_exponentials(keys, probs.shape[-1]), dim=-1)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> torch.Tensor:
+    """LLaDA's sampler, keyed: argmax exp(l) / E**T in float64 (E = -log U); T = 0: argmax of the logits."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    l64 = logits.to(torch.float64)
+    return torch.argmax(l64.exp() / row_exponentials(keys, l64.shape[-1]) ** temperature, dim=-1)
+
+
+def top_n_race(weights: torch.Tensor, n, keys: torch.Tensor) -> torch.Tensor:
+    """Bool [N]: n entries drawn without replacement with probability proportional to weights [N] (>= 0),
+    the n largest weights / E (n: int or 0-d long tensor, <= the count of positive weights; no host read)."""
+    race = weights.to(torch.float64) / -torch.log(uniform(keys))
+    order = torch.sort(race, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return rank < n
+
+
+@dataclass(frozen=True)
+class KeyedNoise:
+    """The keyed noise of one request (seed resolved): `keys(stream, step, branch, pos)` -> int64 keys."""
+
+    seed: int
+
+    def keys(self, stream: int, step, branch, pos) -> torch.Tensor:
+        return key(self.seed, stream, step, branch, pos)
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The request's seed: `seed`, or (None) one draw from torch's global generator (so torch.manual_seed
+    makes an unseeded keyed run reproducible, as it does an upstream one)."""
+    if seed is not None:
+        return int(seed)
+    return int(torch.randint(0, 2**62, (), dtype=torch.long))
+
+
+def needs_draws(cfg) -> bool:
+    """Whether a bound config draws random numbers at all (T > 0, LLaDA random remasking, Dream's `origin`
+    reveal, Dream alg_temp > 0); a request that draws none ignores the sampler."""
+    return bool(
+        cfg.temperature > 0 or getattr(cfg, "remasking", None) == "random"
+        or (cfg.strategy == "vanilla" and getattr(cfg, "alg", None) == "origin")
+        or (getattr(cfg, "alg_temp", None) or 0) > 0
+    )  # fmt: skip
+
+
+def request_noise(cfg, device) -> "KeyedNoise | torch.Generator | None":
+    """The noise source of one request: KeyedNoise (sampler="keyed"; seed resolved only when the request
+    draws), else upstream's: a torch.Generator seeded with cfg.seed, or None (the global generator)."""
+    if getattr(cfg, "sampler", "keyed") == "upstream":
+        if cfg.seed is None:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(int(cfg.seed))
+        return g
+    return KeyedNoise(resolve_seed(cfg.seed) if needs_draws(cfg) else 0)
