@@ -223,11 +223,16 @@ def test_errors(models):
         lopa_fast.generate(llada, [1, 2], strategy="apd", max_new_tokens=8)
     with pytest.raises(ValueError, match=r"verifier= applies to strategy='apd'"):
         lopa_fast.generate(d, [1, 2], strategy="d2f", verifier=q, max_new_tokens=8, block_size=4)
-    with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='apd'"):
-        lopa_fast.generate(d, [1, 2], strategy="apd", backend="fast", max_new_tokens=8)
+    # the fast backend covers apd at T = 0 (tests/test_fast_apd.py); T > 0 stays on the reference
+    with pytest.raises(ValueError, match=r"backend='fast' \(apd\) covers temperature=0 only"):
+        lopa_fast.generate(d, [1, 2], strategy="apd", backend="fast", max_new_tokens=8, temperature=0.5)
     out = lopa_fast.generate(d, [1, 2], strategy="apd", backend="auto", verifier=q, apd_mixture_weight=0.7,
                              max_new_tokens=8)  # fmt: skip
-    assert out.stats["backend"] == "reference" and out.stats["strategy"] == "apd"
+    assert out.stats["backend"] == "fast" and out.stats["strategy"] == "apd"
+    with pytest.warns(RuntimeWarning, match=r"apd runs on the reference backend"):
+        hot = lopa_fast.generate(d, [1, 2], strategy="apd", backend="auto", verifier=q, apd_mixture_weight=0.7,
+                                 max_new_tokens=8, temperature=0.5, seed=1)  # fmt: skip
+    assert hot.stats["backend"] == "reference"
 
 
 class _Tok:

@@ -1,13 +1,15 @@
 """Fast decoders: all branches of a round in one batched forward, round state on the device.
 
 `FAST_STRATEGIES` maps a strategy name to `fn(model, prompt_ids [P], cfg) -> GenerateOutput`
-(looked up by lopa_fast.api for backend="fast" / "auto"). Covered: d2f, lopa (temperature 0).
+(looked up by lopa_fast.api for backend="fast" / "auto"; apd's takes `verifier=` too). Covered: d2f, lopa,
+apd (temperature 0).
 """
+from lopa_fast.decode.apd import generate as _apd
 from lopa_fast.decode.d2f import generate as _d2f
 from lopa_fast.decode.lopa import generate as _lopa
 from lopa_fast.decode.syncs import count_host_syncs
 
-FAST_STRATEGIES = {"d2f": _d2f, "lopa": _lopa}
+FAST_STRATEGIES = {"d2f": _d2f, "lopa": _lopa, "apd": _apd}
 
 
 

@@ -1,0 +1,371 @@
+"""The fast APD decoder: draft, verify and accept on the device, both KV caches static, ONE host read per step.
+
+Semantics are exactly those of the APD reference (docs/semantics.md "APD"; upstream `apd_sample`); this
+module only changes *how* a step is computed. Per step (curr = the first undecided position, n_d = right - curr
+drafted positions):
+
+    drafter   one full-attention forward of x[left:right] over its static cache rows [0, left): the cache is
+              never cropped or copied; "crop to left" is just the prefix length the next forward reads, and the
+              window's K/V are written in place at rows [left, right) (the next step reads [0, left'), left' =
+              curr - W + 1 <= curr, so every row it reads was written by an earlier step). W = None: no cache.
+              The LM head runs on the n_d rows that predict the window's masks only (Dream's shift: row m-1
+              predicts position m; a mask at window row 0 keeps its own row, as upstream).
+    draft     x0 = argmax of those rows (mask id suppressed / top-p / top-k filtered as the reference does)
+    verifier  first step: a causal forward of x[:right] with x0 written in; later steps: a causal forward of x0
+              at positions [curr, right) over its static cache rows [0, curr). Rollback to the accepted length
+              is again just the next step's prefix length (no copy); the K/V of every drafted position is
+              written in place and the rejected ones are overwritten by the next step.
+    accept    target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR) (quirk Q2), the longest agreeing prefix,
+              at least 1; prev_logits kept on the device (quirk Q3 unless exact_prev_logits)
+    leftright apd_mixture_weight = None: no verifier, tokens_per_step accepted per step
+    end       curr >= L, the EOS id anywhere in x (the prompt too, as upstream), a stop sequence in the committed
+              prefix, or the round cap (max_rounds -> hit_round_cap, finish_reason "round_cap")
+
+Every step ends in the 11-int `head` (HEAD_FIELDS) the host reads once: the accepted count, the new curr and the
+next window [left, right) (the shapes of the next step), the end flags and the error flags (non-finite logits
+of either model, a drafted mask id committed, a drafted id outside the verifier's vocabulary), which the host
+turns into the reference's errors before returning anything.
+
+Shapes: eager steps use the exact window (Nb = right - left columns, Db = n_d draft rows) and pass the prefix
+lengths as host ints, so attention slices exactly the reference's keys; a compiled step (compile=True) rounds
+(Nb, Db) up to buckets and masks the padding (window keys past n are masked, padded draft rows never agree,
+their K/V and tokens go to a trash row / column Lb).
+
+Layout (request constants: P prompt length, L = P + max_new_tokens, the buffer length Lb >= L (L rounded up to
+LENGTH_QUANTUM)):
+  x          [Lb + 1] long   the canvas; column Lb is a trash column (padded writes go there)
+  curr, left, right  0-d long
+  dk, dv     [layers_D, Lb + 1, Hkv_D, D_D]  the drafter's static cache (W = None: one unused row)
+  vk, vv     [layers_V, Lb + 1, Hkv_V, D_V]  the verifier's static cache (leftright: absent)
+  prev       [V_ar]          the verifier's logits for position curr (prev_logits)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lopa_fast.decode.syncs import round_scope
+from lopa_fast.errors import NonFiniteLogitsError
+from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.sampling import top_k_filter, top_p_filter
+
+HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonfinite_drafter",
+               "nonfinite_verifier", "mask_committed", "outside_vocab")  # fmt: skip
+# buffer lengths are rounded up to this many positions so requests of nearby lengths share compiled steps
+LENGTH_QUANTUM = 64
+# the smallest bucket of a compiled step (window columns, draft rows): below it a bucket costs a compile more
+# than the padded rows cost
+MIN_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class ApdGeometry:
+    """The Python constants of a request's step (baked into a compiled step; P and L are device tables)."""
+
+    Lb: int
+    W: int | None  # kv_window (None: no drafter cache)
+    M: int | None  # max_lookahead (None: the whole canvas)
+    R: float | None  # apd_mixture_weight (None: the leftright baseline)
+    K: int  # tokens_per_step of the leftright baseline
+    V_ar: int  # the verifier's vocabulary (0 without one)
+    mask_id: int
+    eos_id: int | None
+    exact_prev: bool
+    suppress_mask: bool
+    top_p: float | None
+    top_k: int | None
+    stop_lens: tuple
+    attn_backend: str
+
+
+def bucket(n: int) -> int:
+    """A compiled step's size for n rows / columns: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool) -> tuple[int, int]:
+    """(left, right) of the step that starts at `curr` after `accepted` tokens were accepted (host ints)."""
+    right = min(curr + geo.M, L) if geo.M is not None else L
+    left = 0 if (geo.W is None or first) else max(curr - geo.W - accepted + 1, 0)
+    return left, right
+
+
+def _stop_table(stop, dev) -> torch.Tensor:
+    seqs = list(stop or ())
+    width = max((len(q) for q in seqs), default=1)
+    t = torch.zeros((max(len(seqs), 1), width), dtype=torch.long)
+    for j, q in enumerate(seqs):
+        t[j, : len(q)] = torch.tensor(q)
+    return t.to(dev)
+
+
+def _stop_hit(x: torch.Tensor, T: dict, geo: ApdGeometry) -> torch.Tensor:
+    """0-d bool: a stop sequence lies in the committed prefix x[P : first mask) (the prompt holds no mask, so the
+    first mask of the whole row ends it). One static loop over the few, short sequences."""
+    dev = x.device
+    if not geo.stop_lens:
+        return torch.zeros((), dtype=torch.bool, device=dev)
+    row = x[: geo.Lb]
+    masks = row == geo.mask_id
+    end = torch.where(masks.any(), masks.long().argmax(), geo.Lb)
+    hit = torch.zeros((), dtype=torch.bool, device=dev)
+    for j, ln in enumerate(geo.stop_lens):
+        if ln > geo.Lb:
+            continue
+        start = torch.arange(geo.Lb - ln + 1, device=dev)
+        match = (row.unfold(0, ln, 1) == T["stops"][j, :ln][None, :]).all(1)
+        hit = hit | (match & (start >= T["P"]) & (start + ln <= end)).any()
+    return hit
+
+
+def _first_bad(logits: torch.Tensor, read: torch.Tensor, curr: torch.Tensor) -> torch.Tensor:
+    """0-d long: the sequence position (curr + row) of the first read row holding NaN / inf, or -1."""
+    bad = read & ~torch.isfinite(logits).all(-1)
+    rows = torch.arange(bad.shape[0], device=bad.device)
+    return torch.where(bad.any(), curr + torch.where(bad, rows, bad.shape[0]).min(), -1)
+
+
+def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db: int, first: bool,
+             prefix: tuple[int, int] | None = None) -> tuple[dict, dict]:  # fmt: skip
+    """One APD step on the bucket (Nb window columns >= right - left, Db draft rows >= right - curr).
+
+    first: the prefill step (the verifier runs over the whole draft x[:right]); prefix: (drafter, verifier)
+    committed prefix lengths as host ints (eager: exact key slices), or None (compiled: masked static buffers).
+    Reads and replaces the tensors of `st` (the caches are written in place); returns (st, info) with info the
+    step's draft x0 [Db] (read by the host only for a trace). No host read."""
+    dev = st["x"].device
+    Lb = geo.Lb
+    x, curr, left, right = st["x"], st["curr"], st["left"], st["right"]
+    i = torch.arange(Nb, device=dev)
+    j = torch.arange(Db, device=dev)
+    n_d = right - curr
+    dvalid = j < n_d  # [Db] real draft rows
+    wcol = torch.where(left + i < right, left + i, Lb)  # [Nb] window columns (padding -> the trash column)
+
+    # ---- the drafter: x[left:right] over its cache [0, left), LM head on the rows predicting [curr, right)
+    tokens = x.index_select(0, wcol)[None]
+    d_prefix = (0 if geo.W is None or first else prefix[0]) if prefix is not None else (
+        left if geo.W is not None else torch.zeros((), dtype=torch.long, device=dev))  # fmt: skip
+    raw_row = (curr - left + j - 1).clamp(min=0)  # Dream's shift; a mask at window row 0 keeps its own row
+    raw_row = torch.where(dvalid, raw_row, 0)
+    l_d, k_win, v_win = drafter.forward_static(
+        tokens, left, st["dk"], st["dv"], d_prefix, (right - left).reshape(1), None, "full", raw_row,
+        attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    if geo.W is not None:  # the window's K/V at rows [left, right): the next step's prefix reads [0, left')
+        st["dk"].index_copy_(1, wcol, k_win[:, 0])
+        st["dv"].index_copy_(1, wcol, v_win[:, 0])
+    nf_d = _first_bad(l_d, dvalid, curr)
+
+    # ---- the draft (the reference's draft_tokens at T = 0: filters, then argmax)
+    lg = l_d
+    if geo.suppress_mask:
+        lg = lg.index_fill(1, torch.tensor([geo.mask_id], device=dev), float("-inf"))
+    if geo.top_p is not None and geo.top_p < 1:
+        lg = top_p_filter(lg, geo.top_p)
+    if geo.top_k is not None:
+        lg = top_k_filter(lg, geo.top_k)
+    x0 = torch.argmax(lg, dim=-1)  # [Db]
+
+    # ---- the verifier and the acceptance rule
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    if geo.R is not None:
+        Vq = geo.V_ar
+        outside = (dvalid & (x0 >= Vq)).any()
+        vtok = x0.clamp(max=Vq - 1)  # an outside id is refused after the read; it must not index the embedding
+        if first:  # the whole draft x[:right] (left = 0: the window columns are positions 0..Nb-1)
+            dst = torch.where(dvalid, curr + j, Lb)
+            vt = x.index_copy(0, dst, vtok).index_select(0, wcol)[None]
+            er = torch.arange(Db + 1, device=dev)
+            vrows = torch.where(er <= n_d, curr - 1 + er, 0)  # AR predictions for positions curr .. right
+            ext, vk_win, vv_win = verifier.forward_static(
+                vt, zero, st["vk"], st["vv"], 0 if prefix is not None else zero, right.reshape(1), None,
+                "causal", vrows, attn_backend=geo.attn_backend,
+            )  # fmt: skip
+            vdst = wcol
+        else:  # x0 at positions [curr, right) over the verifier's cache [0, curr)
+            l_v, vk_win, vv_win = verifier.forward_static(
+                vtok[None], curr, st["vk"], st["vv"], prefix[1] if prefix is not None else curr, n_d.reshape(1),
+                None, "causal", j, attn_backend=geo.attn_backend,
+            )  # fmt: skip
+            ext = torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept last step
+            vdst = torch.where(dvalid, curr + j, Lb)
+        st["vk"].index_copy_(1, vdst, vk_win[:, 0])
+        st["vv"].index_copy_(1, vdst, vv_win[:, 0])
+        er = torch.arange(Db + 1, device=dev)
+        read = (er < n_d) | ((er == n_d) & geo.exact_prev)
+        nf_v = _first_bad(ext, read, curr)
+        l_ar = ext[:Db]
+        mix = geo.R * l_d[:, :Vq] + (1 - geo.R) * l_ar
+        target = torch.argmax(mix, dim=-1)
+        agree = ((x0 == target) | (j == 0)) & dvalid
+        accepted = agree.long().cumprod(0).sum()
+        # prev_logits: the AR row for the first rejected position; all accepted: row n_d - 1 (Q3) or n_d (exact)
+        keep = accepted if geo.exact_prev else torch.where(accepted < n_d, accepted, n_d - 1)
+        st["prev"] = ext.index_select(0, keep.reshape(1))[0]
+    else:
+        outside = torch.zeros((), dtype=torch.bool, device=dev)
+        nf_v = torch.full((), -1, dtype=torch.long, device=dev)
+        accepted = torch.full((), geo.K, dtype=torch.long, device=dev)
+
+    # ---- commit the accepted prefix (at most the drafted rows), then the end tests and the next window
+    written = dvalid & (j < accepted)
+    x = x.index_copy(0, torch.where(written, curr + j, Lb), x0)
+    mask_committed = (written & (x0 == geo.mask_id)).any()
+    curr = curr + accepted
+    eos = (x[:Lb] == geo.eos_id).any() if geo.eos_id is not None else torch.zeros((), dtype=torch.bool, device=dev)
+    done = (curr >= T["L"]) | eos
+    stop = _stop_hit(x, T, geo)
+    right = torch.minimum(curr + geo.M, T["L"]) if geo.M is not None else T["L"]
+    left = (curr - geo.W - accepted + 1).clamp(min=0) if geo.W is not None else zero
+    st.update(x=x, curr=curr, left=left, right=right)
+    st["head"] = torch.stack([accepted, curr, left, right, eos, done, stop, nf_d, nf_v, mask_committed,
+                              outside]).long()  # fmt: skip
+    return st, {"x0": x0}
+
+
+class FastApd:
+    """One APD / leftright request on the fast machinery. drafter: a Dream-family DecoderLM; verifier: a causal
+    qwen2 DecoderLM or None; prompt: LongTensor [P] on drafter.device; cfg: bound, validated and checked by
+    lopa_fast.api (knobs, prompt, the drafter / verifier pair). `run()` equals the reference's output."""
+
+    name = "apd"
+
+    def __init__(self, drafter, prompt: torch.Tensor, cfg, verifier=None):
+        from lopa_fast.ops import _backend
+
+        self.drafter, self.verifier, self.cfg = drafter, verifier, cfg
+        dev = self.dev = prompt.device
+        P, L = prompt.numel(), prompt.numel() + cfg.max_new_tokens
+        self.P, self.L = P, L
+        Lb = -(-L // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        R = cfg.apd_mixture_weight
+        self.geo = ApdGeometry(
+            Lb=Lb, W=cfg.kv_window, M=cfg.max_lookahead, R=R,
+            K=cfg.tokens_per_step if cfg.tokens_per_step is not None else 1,
+            V_ar=verifier.config.vocab_size if verifier is not None else 0, mask_id=cfg.mask_token_id,
+            eos_id=cfg.eos_token_id, exact_prev=bool(cfg.exact_prev_logits), suppress_mask=bool(cfg.suppress_mask_token),
+            top_p=cfg.top_p, top_k=cfg.top_k, stop_lens=tuple(len(q) for q in cfg.stop or ()),
+            attn_backend=_backend.resolve("branch_attention", None, dev),
+        )  # fmt: skip
+        self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
+                       "stops": _stop_table(cfg.stop, dev)}  # fmt: skip
+        x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
+        x[:P] = prompt
+        self.st = {"x": x}
+        self.st.update(_cache("d", drafter, Lb + 1 if cfg.kv_window is not None else 1))
+        drafter.fused_layers()  # the merged-weight views, built or checked once per request (outside any graph)
+        if R is not None:
+            self.st.update(_cache("v", verifier, Lb + 1))
+            self.st["prev"] = torch.zeros(verifier.config.vocab_size, dtype=verifier.dtype, device=dev)
+            verifier.fused_layers()
+        self.host_reads = 0
+        self.compiled = None
+        if cfg.compile:
+            from lopa_fast.decode.compiled import CompiledRounds
+
+            self.compiled = CompiledRounds.for_model(drafter)
+
+    def _step(self, first: bool, curr: int, left: int, right: int) -> dict:
+        n, n_d = right - left, right - curr
+        if self.compiled is not None and not first:
+            self.st, info = self.compiled.apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo,
+                                                   bucket(n), bucket(n_d))  # fmt: skip
+        else:  # eager (and the prefill step, whose verifier window is the whole draft)
+            self.st, info = apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo, n, n_d, first,
+                                     prefix=(left, curr))  # fmt: skip
+        return info
+
+    def _read_head(self) -> list[int]:
+        self.host_reads += 1
+        return self.st["head"].tolist()  # the step's one device-to-host read
+
+    def _refuse(self, head: dict, step: int) -> None:
+        """The reference's errors, in its order, for the step just run (before any of its tokens is returned)."""
+        if head["nonfinite_drafter"] >= 0:
+            raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_drafter"],
+                                       value="NaN/inf (drafter)")  # fmt: skip
+        if head["outside_vocab"]:
+            raise RuntimeError(
+                f"apd: the drafter drafted a token id outside the verifier's vocabulary [0, {self.geo.V_ar}) "
+                "(upstream's verifier cannot embed it either)"
+            )
+        if head["nonfinite_verifier"] >= 0:
+            raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_verifier"],
+                                       value="NaN/inf (verifier)")  # fmt: skip
+
+    def run(self) -> GenerateOutput:
+        cfg, geo, P, L = self.cfg, self.geo, self.P, self.L
+        stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}
+        counts: list[int] = []
+        trace = [] if cfg.return_trace else None
+        curr, accepted, first = P, 0, True
+        left, right = next_window(curr, accepted, L, geo, first)
+        eos_detected = mask_pending = False
+        self.st.update(curr=torch.tensor(curr, device=self.dev), left=torch.tensor(left, device=self.dev),
+                       right=torch.tensor(right, device=self.dev))  # fmt: skip
+        with Clock(self.dev) as clock:
+            while True:
+                if stats["forwards"] >= cfg.max_rounds:
+                    round_cap_hit(cfg, stats, "apd")
+                    break
+                if mask_pending:  # the reference finds the committed mask in this step's window
+                    raise RuntimeError(
+                        f"apd: the window [{left}, {right}) holds more masks than the {right - curr} ahead of the "
+                        "decoding position: the drafter emitted the mask token as a draft token (upstream's "
+                        "apd_sample misaligns the draft here). Pass suppress_mask_token=True"
+                    )
+                with round_scope():
+                    info = self._step(first, curr, left, right)
+                    head = dict(zip(HEAD_FIELDS, self._read_head()))
+                stats["dllm_forwards"] += 1
+                stats["verifier_forwards"] += geo.R is not None
+                stats["forwards"] += 1
+                self._refuse(head, stats["forwards"])
+                accepted = head["accepted"]
+                if trace is not None:
+                    x0 = info["x0"][: right - curr].tolist()
+                    trace.append({
+                        "round": stats["forwards"], "window_start": left - P, "window_len": right - left, "draft": x0,
+                        "num_accept": accepted,
+                        "accepted": [[curr + q - P, x0[q]] for q in range(min(accepted, L - curr))],
+                    })  # fmt: skip
+                counts.append(accepted)
+                curr, left, right = head["curr"], head["left"], head["right"]
+                first = False
+                mask_pending = bool(head["mask_committed"])
+                eos_detected |= bool(head["eos"])
+                if head["stop"]:  # a stop sequence in the committed prefix (the API cuts the output before it)
+                    stats["stopped"] = True
+                    break
+                if head["done"]:
+                    break
+        ids = self.st["x"][P : min(curr, L)].tolist()
+        stats["model_calls"] = stats["dllm_forwards"] + stats["verifier_forwards"]
+        stats["acceptance_counts"] = counts
+        stats["mean_accepted"] = sum(counts) / len(counts) if counts else 0.0
+        stats["eos_detected"] = eos_detected
+        stats["host_reads"] = self.host_reads
+        stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
+        if self.compiled is not None:
+            stats.update(self.compiled.stats())
+        finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
+        return GenerateOutput(ids, stats, trace)
+
+
+def _cache(prefix: str, model, rows: int) -> dict:
+    """A static K/V buffer pair {prefix}k / {prefix}v [layers, rows, Hkv, D] for one model."""
+    c = model.config
+    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
+    z = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+    return {prefix + "k": z(), prefix + "v": z()}
+
+
+def generate(model, prompt: torch.Tensor, cfg, verifier=None) -> GenerateOutput:
+    """APD / leftright on the fast backend (cfg bound and covered: temperature 0; lopa_fast.api checked the pair)."""
+    return FastApd(model, prompt, cfg, verifier).run()
+
+
+__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "bucket", "generate", "next_window"]
