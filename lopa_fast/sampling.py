@@ -24,6 +24,7 @@ import torch
 from lopa_fast import keyed
 
 NEG_ENTROPY_EPS = 1e-10
+ENTROPY_EPS = 1e-12  # Fast-dLLM / dParallel's entropy (float64, nats)
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 
 
@@ -113,3 +114,40 @@ def softmax_stats(x: torch.Tensor, eps: float = NEG_ENTROPY_EPS):
     probs = torch.softmax(x, dim=-1)
     p_max, token = probs.max(dim=-1)
     return token, p_max, prob_margin(probs), prob_neg_entropy(probs, eps)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, keys=None) -> torch.Tensor:
+    """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits); U keyed
+    (lopa_fast.keyed.gumbel_argmax) when `keys` [N] is given, else drawn from `generator`."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    if keys is not None:
+        return keyed.gumbel_argmax(logits, temperature, keys)
+    l64 = logits.to(torch.float64)
+    u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
+    return torch.argmax(l64.exp() / (-torch.log(u)) ** temperature, dim=-1)
+
+
+def threshold_stats(
+    logits: torch.Tensor, *, llada: bool, temperature: float, top_p=None, top_k=None, suppress_token=None,
+    generator=None, keys=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-row statistics of a threshold (Fast-dLLM / dParallel) step, logits [n, V] already aligned:
+    (x0 [n] int64, conf [n], entropy [n] float64 = -sum p log(p + 1e-12) of the float64 softmax).
+
+    LLaDA family: x0 = argmax (LLaDA's float64 Gumbel-max at T > 0), conf = float64 softmax[x0] (Fast-dLLM).
+    Dream family: Dream's sampler (`token_stats`: temperature, top-p, top-k, fp32 softmax), conf = p(x0) in
+    float32 (upstream compares the fp32 tensor with tau, which rounds to fp32).
+    Used by lopa_fast.reference.threshold and lopa_fast.decode.threshold alike."""
+    if suppress_token is not None:
+        logits = logits.clone()
+        logits[:, suppress_token] = float("-inf")
+    p64 = torch.softmax(logits.to(torch.float64), dim=-1)
+    ent = -(p64 * torch.log(p64 + ENTROPY_EPS)).sum(-1)
+    if llada:
+        x0 = gumbel_argmax(logits, temperature, generator, keys)
+        conf = p64.gather(-1, x0[:, None]).squeeze(-1)
+    else:
+        conf, x0, _ = token_stats(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
+                                  keys=keys)  # fmt: skip
+    return x0, conf, ent

@@ -39,10 +39,8 @@ import torch
 from lopa_fast.contracts import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
-from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, round_cap_hit, token_stats
-from lopa_fast.reference.vanilla import gumbel_argmax
-
-ENTROPY_EPS = 1e-12
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, round_cap_hit
+from lopa_fast.sampling import ENTROPY_EPS, threshold_stats  # noqa: F401
 
 
 def factor_count(sorted_conf: list[float], factor: float) -> int:
@@ -80,20 +78,12 @@ def select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> to
 
 def step_stats(model, logits: torch.Tensor, cfg, gen, step: int = 0, lo: int = 0):
     """x0 [n], conf [n] (float64 LLaDA, float32 Dream), entropy [n] float64 for aligned logits [n, V] whose
-    rows predict positions lo, lo + 1, ... (the keyed sampler's draws are keyed by (step, position))."""
+    rows predict positions lo, lo + 1, ... (lopa_fast.sampling.threshold_stats; the keyed sampler's draws are
+    keyed by (step, position))."""
     draw = draw_kw(gen, cfg, TOKEN, step, 0, lo + torch.arange(logits.shape[0], device=logits.device))
-    if cfg.suppress_mask_token:
-        logits = logits.clone()
-        logits[:, cfg.mask_token_id] = float("-inf")
-    p64 = torch.softmax(logits.to(torch.float64), dim=-1)
-    ent = -(p64 * torch.log(p64 + ENTROPY_EPS)).sum(-1)
-    if model.config.kind == "llada":
-        x0 = gumbel_argmax(logits, cfg.temperature, **draw)
-        conf = p64.gather(-1, x0[:, None]).squeeze(-1)
-    else:
-        c, x0, _ = token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, **draw)
-        conf = c  # float32: upstream compares the fp32 tensor with tau (tau rounds to fp32)
-    return x0, conf, ent
+    return threshold_stats(logits, llada=model.config.kind == "llada", temperature=cfg.temperature, top_p=cfg.top_p,
+                           top_k=cfg.top_k, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
+                           **draw)  # fmt: skip
 
 
 def align(model, raw: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from lopa_fast.contracts import after_step
 from lopa_fast import keyed
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, token_stats
+from lopa_fast.sampling import gumbel_argmax  # noqa: F401  (LLaDA's sampler; re-exported here)
 
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
@@ -39,18 +40,6 @@ def transfer_schedule(n_masks: int, steps: int) -> list[int]:
     """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S."""
     base, rem = divmod(n_masks, steps)
     return [base + (1 if i < rem else 0) for i in range(steps)]
-
-
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, keys=None) -> torch.Tensor:
-    """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits); U keyed
-    (lopa_fast.keyed.gumbel_argmax) when `keys` [N] is given, else drawn from `generator`."""
-    if temperature == 0:
-        return torch.argmax(logits, dim=-1)
-    if keys is not None:
-        return keyed.gumbel_argmax(logits, temperature, keys)
-    l64 = logits.to(torch.float64)
-    u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
-    return torch.argmax(l64.exp() / (-torch.log(u)) ** temperature, dim=-1)
 
 
 def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
