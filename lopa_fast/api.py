@@ -131,13 +131,34 @@ def check_request_memory(model, total: int, cfg: GenerateConfig) -> None:
                  f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip
 
 
-def resolve_backend(cfg: GenerateConfig):
+def _takes_hook(fn) -> bool:
+    """Whether a strategy implementation accepts the `on_round=` progress hook."""
+    try:
+        return "on_round" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def resolve_backend(cfg: GenerateConfig, hook: bool = False):
     """Return (callable, backend name that runs, fallback note or None) for a validated config.
 
     "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover, e.g.
     temperature > 0); "auto" runs it where it covers the config, else the reference (with a RuntimeWarning
-    when the strategy has a fast path but the knobs do not fit it).
+    when the strategy has a fast path but the knobs do not fit it). hook: an `on_round=` hook is given (a fast
+    implementation that does not accept one counts as not covering the request).
     """
+    fn, ran, fallback = _resolve_backend(cfg)
+    if hook and ran == "fast" and not _takes_hook(fn):
+        why = "does not take the on_round= progress hook yet"
+        if cfg.backend == "fast":
+            raise ValueError(f"backend='fast' ({cfg.strategy}) {why}. Use backend='reference' (or 'auto')")
+        warnings.warn(f"backend='auto': {cfg.strategy} runs on the reference backend ({why})", RuntimeWarning,
+                      stacklevel=4)  # fmt: skip
+        return _reference_strategy(cfg.strategy), "reference", f"reference ({why})"
+    return fn, ran, fallback
+
+
+def _resolve_backend(cfg: GenerateConfig):
     strategy, backend = cfg.strategy, cfg.backend
     if backend == "reference":
         return _reference_strategy(strategy), "reference", None
@@ -157,7 +178,7 @@ def resolve_backend(cfg: GenerateConfig):
         return fast[strategy], "fast", None
     if backend == "fast":
         raise ValueError(f"backend='fast' ({strategy}) {why}. Use backend='reference' (or 'auto', which falls back)")
-    warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning, stacklevel=4)
     return _reference_strategy(strategy), "reference", f"reference ({why})"
 
 
@@ -172,8 +193,10 @@ def _generate_signature() -> inspect.Signature:
     for f in dataclasses.fields(GenerateConfig):
         kind = P.POSITIONAL_OR_KEYWORD if f.name in _POSITIONAL_KNOBS else P.KEYWORD_ONLY
         params.append(P(f.name, kind, default=f.default, annotation=f.type))
-    # the one argument that is not a knob: APD's verifier model (never stored in the copyable config)
+    # the arguments that are not knobs (never stored in the copyable config): APD's verifier model and the
+    # per-round progress hook
     params.append(P("verifier", P.KEYWORD_ONLY, default=None))
+    params.append(P("on_round", P.KEYWORD_ONLY, default=None))
     return inspect.Signature(params, return_annotation="GenerateOutput")
 
 
@@ -203,6 +226,14 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     single_temperature, coupled_gumbel, exact_prev_logits).
     verifier:   strategy="apd" only: the causal AR qwen2 model that verifies the drafts (its vocabulary a
                 prefix of the drafter's); None with apd_mixture_weight=None runs the leftright baseline.
+    stop:       token-id sequences (every strategy): decoding ends once one lies in the finalised prefix (the
+                tokens before the first mask); the output is cut before it, finish_reason "stop".
+    on_round:   a progress hook `on_round(prefix, info)` called after every round / step with the accepted
+                sequence's finalised prefix (list[int]: generated ids before its first mask) and info
+                {"round", "forwards", "canvas" (every decoded position, mask id where not yet filled),
+                "mask_token_id"} (lopa_fast.contracts.report_round). It costs one host read per round (the
+                fast backend otherwise reads only its small round head). An exception raised by the hook
+                ends decoding and propagates. lopa_fast.stream is built on it.
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
@@ -217,18 +248,18 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     verifier = kw.pop("verifier", None)
-    if verifier is not None:
-        return generate_with_config(model, input_ids, GenerateConfig(**kw), verifier=verifier)
-    return generate_with_config(model, input_ids, GenerateConfig(**kw))
+    on_round = kw.pop("on_round", None)
+    return generate_with_config(model, input_ids, GenerateConfig(**kw), verifier=verifier, on_round=on_round)
 
 
 generate.__signature__ = _SIGNATURE
 
 
-def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -> GenerateOutput:
+def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None) -> GenerateOutput:
     """`generate` with a prepared GenerateConfig (validated and bound to the model here).
 
-    verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`."""
+    verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`.
+    on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
@@ -238,7 +269,9 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -
     cfg, length = cfg.plan_length(model, ids.numel())  # max_new_tokens -> the whole-block length decoded
     cfg = cfg.resolve(model)
     check_prompt(model, ids, cfg)
-    fn, ran, fallback = resolve_backend(cfg)
+    if on_round is not None and not callable(on_round):
+        raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
+    fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None)
     if cfg.strategy == "apd":  # the pair is checked before any forward; the verifier travels beside the config
         from lopa_fast.reference.apd import check_models
 
@@ -248,8 +281,11 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None) -
                 f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
                 f"max_position_embeddings={verifier.config.max_position_embeddings}"
             )
+    extra = {"verifier": verifier} if cfg.strategy == "apd" else {}
+    if on_round is not None:
+        extra["on_round"] = on_round
     with torch.inference_mode():
-        out = fn(model, ids, cfg, verifier=verifier) if cfg.strategy == "apd" else fn(model, ids, cfg)
+        out = fn(model, ids, cfg, **extra)
     out.stats.setdefault("strategy", cfg.strategy)
     out.stats["backend"] = ran
     if fallback is not None:

@@ -21,10 +21,33 @@ MODE_CODES = {m: i for i, m in enumerate(ATTENTION_MODES)}
 COMPARATOR_CODES = {c: i for i, c in enumerate(COMPARATORS)}
 
 
+# The D2F / LoPA round's state (lopa_fast/decode/round.py) as the C++ CPU twin of its bookkeeping
+# (csrc/round_cpu.cpp) receives it (ROUND_STATE_FIELDS) and returns it (ROUND_OUT_FIELDS, then the round's trace
+# facts ROUND_INFO_FIELDS); the C++ source gets the indices as -D defines (LOPA_ST_<NAME>, LOPA_OUT_<NAME>).
+# The counters stay consecutive (the C++ loops over them).
+ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
+                  "max_branches")  # fmt: skip
+ROUND_STATE_FIELDS = (
+    "x", "nblk", "state", "complete", "eos", "alive", "cconf", "look_pos", "last_logit", "cache_len",
+    "exists", "active", "rem", "ismask", "need", "lens", "wl", "tc", "spe", "lay", "s", "u",
+) + tuple("c_" + c for c in ROUND_COUNTERS)  # fmt: skip
+ROUND_OUT_FIELDS = ROUND_STATE_FIELDS + ("done", "nonfinite", "head")
+ROUND_INFO_FIELDS = ("score", "winner", "acc", "tok")
+
+
 def code_defines() -> dict[str, int]:
     """{"LOPA_MODE_FULL": 0, ..., "LOPA_CMP_GT": 0, ...}: the codes as C preprocessor defines."""
     out = {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
     out.update({f"LOPA_CMP_{k.upper()}": c for k, c in COMPARATOR_CODES.items()})
+    return out
+
+
+def round_defines() -> dict[str, int]:
+    """{"LOPA_ST_X": 0, ..., "LOPA_OUT_HEAD": ..., "LOPA_N_ST": ..., "LOPA_N_OUT": ...}: the round-state indices
+    of csrc/round_cpu.cpp as C preprocessor defines."""
+    out = {f"LOPA_ST_{f.upper()}": i for i, f in enumerate(ROUND_STATE_FIELDS)}
+    out.update({f"LOPA_OUT_{f.upper()}": i for i, f in enumerate(ROUND_OUT_FIELDS)})
+    out.update(LOPA_N_ST=len(ROUND_STATE_FIELDS), LOPA_N_OUT=len(ROUND_OUT_FIELDS))
     return out
 
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
@@ -88,3 +111,48 @@ def first_stop(ids: list[int], stops, mask_token_id: int | None = None) -> int |
                 best = i if best is None else min(best, i)
                 break
     return best
+
+
+def stop_reached(generated, cfg) -> bool:
+    """Whether a stop sequence of `cfg.stop` lies in the finalised prefix of `generated` (the generated
+    positions, LongTensor [G] or list[int], masks included); False when cfg.stop is None.
+
+    The per-step stop check of the host-driven loops (vanilla, threshold, apd): one host read of the row per
+    step, only when stop sequences are given. Device-driven loops check on the device instead
+    (decode/round.py `_stop_in_prefix`) and read the flag with their step's one host read."""
+    if not cfg.stop:
+        return False
+    ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)
+    return first_stop(ids, cfg.stop, cfg.mask_token_id) is not None
+
+
+def report_round(on_round, canvas, mask_id: int, total: int, forwards: int) -> None:
+    """Call a progress hook `on_round(prefix, info)` after a round / step (lopa_fast.generate's `on_round=`).
+
+    canvas: the accepted sequence's generated positions (LongTensor [n] or list[int], n <= total; d2f / lopa
+    hold only the blocks appended so far), padded here with the mask id to `total` (the decoded length).
+    prefix: canvas[: first mask], the tokens that no later round changes. info: {"round": the number of
+    rounds so far (1-based; one verification forward each, so equal to "forwards"), "forwards", "canvas":
+    list[int] [total] with mask_id where not yet decoded, "mask_token_id"}. An exception raised by the hook
+    ends decoding and propagates out of generate (lopa_fast.stream uses that to stop early)."""
+    ids = canvas.tolist() if isinstance(canvas, torch.Tensor) else list(canvas)
+    ids += [mask_id] * (total - len(ids))
+    end = ids.index(mask_id) if mask_id in ids else len(ids)
+    on_round(ids[:end], {"round": forwards, "forwards": forwards, "canvas": ids, "mask_token_id": mask_id})
+
+
+def after_step(generated, cfg, stats: dict, on_round=None) -> bool:
+    """End of one step of a host-driven loop (vanilla, threshold, apd): the progress hook, when given, and the
+    stop check, when cfg.stop is set. generated: the generated positions (LongTensor [max_new_tokens] or list,
+    masks included); stats["forwards"] counts the step. Returns True (and sets stats["stopped"]) when a stop
+    sequence lies in the finalised prefix: the loop ends, the API cuts the output before it. One host read of
+    the row when either is asked for, none otherwise."""
+    if on_round is None and not cfg.stop:
+        return False
+    ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)
+    if on_round is not None:
+        report_round(on_round, ids, cfg.mask_token_id, cfg.max_new_tokens, stats["forwards"])
+    if stop_reached(ids, cfg):
+        stats["stopped"] = True
+        return True
+    return False

@@ -1,6 +1,7 @@
-"""Stop sequences (d2f / lopa): decoding ends once a stop sequence lies in the finalised prefix (the tokens
+"""Stop sequences (every strategy): decoding ends once a stop sequence lies in the finalised prefix (the tokens
 before the first mask), the output is cut before it, finish_reason "stop"; the fast backend ends at the same
-round as the reference (the check rides on the round's one host read)."""
+round as the reference (the check rides on the round's one host read); vanilla, threshold and apd check the
+finalised prefix after every step (lopa_fast.contracts.after_step)."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,36 @@ def test_stop_ends_early_and_cuts(model, strategy, extra):
     assert outs["fast"].stats.get("stopped") == outs["reference"].stats.get("stopped")
 
 
+STEP_CASES = [  # (strategy, knobs): each ends a few forwards early at a stop inside its answer (measured)
+    ("vanilla", dict(steps=12, alg="origin", seed=3)),
+    ("vanilla", dict(steps=24, alg="maskgit_plus")),
+    ("threshold", dict(threshold=0.5, block_length=8)),
+    ("threshold", dict(threshold=0.5, block_length=8, cache="dual")),
+    ("apd", dict(max_lookahead=6, tokens_per_step=2, eos_token_id=1, suppress_mask_token=True)),
+]
+
+
+@pytest.mark.parametrize("strategy, extra", STEP_CASES)
+def test_stop_step_strategies(model, strategy, extra):
+    """vanilla / threshold / apd: the output is the full decode cut before the stop, finish_reason "stop", and
+    decoding ends after the step that completed the stop in the finalised prefix (never later)."""
+    prompt = torch.randint(0, 60, (9,), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=24, **extra)
+    full = lopa_fast.generate(model, prompt, strategy, "reference", **kw)
+    ids = full.generated_ids
+    i = min(j for j in range(6, len(ids) - 1) if first_stop(ids, [ids[j : j + 2]]) == j)
+    prefixes = []
+    out = lopa_fast.generate(model, prompt, strategy, "reference", stop=[ids[i : i + 2]], **kw,
+                             on_round=lambda prefix, info: prefixes.append(prefix))  # fmt: skip
+    assert out.generated_ids == ids[:i]
+    assert out.stats["finish_reason"] == "stop" and out.stats["stop_sequence_at"] == i and out.stats["stopped"]
+    assert first_stop(prefixes[-1], [ids[i : i + 2]]) == i  # the last step completed the stop ...
+    assert all(first_stop(p, [ids[i : i + 2]]) is None for p in prefixes[:-1])  # ... and no earlier one did
+    assert out.stats["forwards"] == len(prefixes) <= full.stats["forwards"]
+    if strategy != "vanilla" or extra["alg"] == "origin":  # maskgit_plus fills by confidence: final at the end
+        assert out.stats["forwards"] < full.stats["forwards"]
+
+
 def test_stop_that_never_appears_changes_nothing(model):
     prompt = torch.randint(0, 60, (9,), generator=torch.Generator().manual_seed(5))
     base = lopa_fast.generate(model, prompt, "lopa", "fast", **KW)
@@ -71,8 +102,6 @@ def test_bad_stop_values(model, stop, exc, pattern):
 def test_stop_ids_and_strategies_checked(model):
     with pytest.raises(ValueError, match="vocab_size=64"):
         lopa_fast.generate(model, [1, 2, 3], "d2f", "reference", stop=[[64]], **KW)
-    with pytest.raises(ValueError, match="stop= applies to strategy"):
-        lopa_fast.generate(model, [1, 2, 3], "vanilla", "reference", stop=[[5]], max_new_tokens=8)
     assert lopa_fast.GenerateConfig(stop=[[1, 2], (3,)]).stop == ((1, 2), (3,))  # lists stored as tuples
 
 

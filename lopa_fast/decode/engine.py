@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast.contracts import report_round
 from lopa_fast.decode import round as rnd
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -145,7 +146,9 @@ class FastDecoder:
         pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
         raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value="NaN/inf")
 
-    def run(self) -> GenerateOutput:
+    def run(self, on_round=None) -> GenerateOutput:
+        """Decode the request. on_round: the progress hook (lopa_fast.contracts.report_round), called after every
+        round with the anchor row (the accepted sequence): one extra host read per round, only with a hook."""
         cfg, geo = self.cfg, self.geo
         stats = {"forwards": 0, "model_calls": 0}
         trace = [] if cfg.return_trace else None
@@ -181,6 +184,10 @@ class FastDecoder:
                 if trace is not None:
                     trace.append(self._trace_entry([done, nA, s, u, n, R, ragged, nonfinite, stop]))
                     trace[-1]["round"] = stats["forwards"]
+                if on_round is not None:  # the anchor is the last alive slot of the next round's plan
+                    self.host_reads += 1
+                    row = self.st["x"][max(head[1], 1) - 1, self.P : self.P + geo.G * geo.bs]
+                    report_round(on_round, row, geo.mask_id, geo.G * geo.bs, stats["forwards"])
         if head[7] >= 0:
             self._refuse_nonfinite(head[7], stats["forwards"])
         st = self.st
@@ -218,6 +225,6 @@ class FastDecoder:
         return GenerateOutput(ids, stats, trace)
 
 
-def run_fast(model, prompt, cfg, branching_factor: int, name: str) -> GenerateOutput:
+def run_fast(model, prompt, cfg, branching_factor: int, name: str, on_round=None) -> GenerateOutput:
     """Run one request on the fast decoder (cfg bound and covered: lopa_fast.api checked both)."""
-    return FastDecoder(model, prompt, cfg, branching_factor, name).run()
+    return FastDecoder(model, prompt, cfg, branching_factor, name).run(on_round)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast.contracts import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, top_k_filter, top_p_filter
 
@@ -162,8 +163,10 @@ def dllm_window_logits(model, cache, x: torch.Tensor, left: int, right: int) -> 
 
 
 # ---- the loop -----------------------------------------------------------------------------------
-def generate(model, prompt: torch.Tensor, cfg, verifier=None) -> GenerateOutput:
-    """APD / leftright decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig."""
+def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> GenerateOutput:
+    """APD / leftright decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round:
+    the progress hook (lopa_fast.contracts.report_round), called after every step. A stop sequence (`stop=`)
+    in the committed prefix x[P:curr] ends decoding after the step that completed it."""
     check_models(model, verifier, cfg)
     P, L = prompt.numel(), prompt.numel() + cfg.max_new_tokens
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
@@ -239,7 +242,8 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None) -> GenerateOutput:
             has_eos = eos_id is not None and bool((x == eos_id).any())
             if has_eos:
                 eos_detected = True
-            if no_mask or has_eos:
+            # the hook; a stop sequence in the committed prefix x[P:curr] ends decoding too
+            if after_step(x[P:], cfg, stats, on_round) or no_mask or has_eos:
                 break
     ids = x[P : min(curr, L)].tolist()
     stats["model_calls"] = stats["dllm_forwards"] + stats["verifier_forwards"]
