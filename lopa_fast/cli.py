@@ -45,7 +45,8 @@ def _user_errors(fn, *args, **kw):
     except (ValueError, TypeError) as e:
         raise CLIError(str(e)) from e
 
-DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}.md"  # {block}: "_block32" unless the default 8
+DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}{task}.md"  # {block}: "_block32" unless the default 8;
+# {task}: "_arith_var" unless the default task arith
 
 
 def _demo(args) -> int:
@@ -60,17 +61,21 @@ def _demo(args) -> int:
 
 
 def _eval(args) -> int:
-    from lopa_fast.tasks.evaluate import BLOCK, check_block_size, parse_rows, run_eval
+    from lopa_fast.tasks.evaluate import BLOCK, DEFAULT_TASK, check_block_size, eval_task, parse_rows, run_eval
 
-    _user_errors(check_block_size, args.block_size)  # before any work (model load, decoding)
-    _user_errors(parse_rows, args.strategies)
+    task = _user_errors(eval_task, args.task)  # before any work (model load, decoding)
+    _user_errors(check_block_size, args.block_size, task.gen_len)
+    _user_errors(parse_rows, args.strategies, args.task)
     if args.n < 1:
         raise CLIError(f"--n {args.n}; allowed: an int >= 1")
     block = "" if args.block_size == BLOCK else f"_block{args.block_size}"
-    out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block)
+    suffix = "" if args.task == DEFAULT_TASK else "_" + args.task.replace("-", "_")
+    out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block,
+                                                                        task=suffix)
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
     run_eval(n=args.n, strategies=args.strategies, backend=args.backend, out=out, model_dir=args.model,
-             progress=not args.no_progress, command=command, block_size=args.block_size, compile=args.compile)
+             progress=not args.no_progress, command=command, block_size=args.block_size, compile=args.compile,
+             task=args.task, student_dir=args.student)
     return 0
 
 
@@ -292,7 +297,7 @@ def write_png(out, tok, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, GEN_LEN, ROWS
+    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, EVAL_TASKS, GEN_LEN, ROWS
 
     from lopa_fast.config import STRATEGIES
 
@@ -314,11 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
     e.add_argument("--n", type=int, default=100, help="held-out problems per strategy (default 100)")
     e.add_argument("--strategies", default="all",
-                   help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three apd rows), all (default)")
+                   help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three apd rows), all (default); --task arith-var adds dparallel-h0.45, dparallel-lopa-k4 (alias dparallel)")
     e.add_argument("--out", default=None, help=f"markdown path (PNG next to it); default {DEFAULT_EVAL_OUT}")
     e.add_argument("--block-size", type=int, default=BLOCK,
                    help=f"block size for every row's block knobs; a divisor of max_new_tokens {GEN_LEN}: "
                         f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK})")
+    e.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
+                   help="the held-out task (default arith): arith-var has max_new_tokens 112 (block sizes: the "
+                        "divisors of 112), its model d2f-arith-var, verifier ar-arith-var and dparallel rows")
+    e.add_argument("--student", default=None,
+                   help="model directory of the dparallel rows (default: the task's shipped student)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=_eval)
 

@@ -22,12 +22,21 @@ and upstream Dream's count), TPF until EOS, forwards per answer, tokens/s (wall 
 APD rows also dLLM and verifier forwards per answer, mean tokens accepted per step and the share of steps
 that accepted their whole lookahead window (APD's TPF counts dLLM forwards only, as upstream and the paper).
 A strategy whose implementation is missing is reported as unavailable, never approximated.
+
+Tasks (`task=`, the CLI's `--task`; default `arith`): `arith` (max_new_tokens 32, model d2f-arith, APD verifier
+ar-arith) and `arith-var` (issue 12: variable worked solutions of 72-104 tokens + EOS, max_new_tokens 112 = 14
+blocks of 8, model d2f-arith-var, verifier ar-arith-var, and the dParallel student dparallel-arith-var with rows
+`dparallel-h0.45` (the entropy-threshold rule, tau_H 0.45 nats: dParallel's Dream GSM8K setting, block_length
+= the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above)). Vanilla takes max_new_tokens
+steps; the APD presets scale by max_new_tokens / 256. A model a row needs that is not shipped makes the row
+unavailable (with the reason), never approximated.
 """
 from __future__ import annotations
 
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,11 +49,42 @@ BLOCK = 8
 BLOCK_SIZES = tuple(b for b in range(1, GEN_LEN + 1) if GEN_LEN % b == 0)
 
 
-def check_block_size(block_size) -> int:
-    """Validate the eval's block size (must divide GEN_LEN = 32); returns it."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size={block_size!r}; allowed: a divisor of max_new_tokens {GEN_LEN}: "
-                         f"{', '.join(map(str, BLOCK_SIZES))}")
+@dataclass(frozen=True)
+class EvalTask:
+    """What the eval runs for one task: its answer length and the shipped models of its rows."""
+
+    name: str
+    gen_len: int  # max_new_tokens of every row (a multiple of the default block 8)
+    model: str  # the dLLM asset (lopa_fast/assets/<model>)
+    verifier: str  # the causal verifier of the APD rows
+    student: str | None = None  # the dParallel student of the dparallel-* rows (None: the task has no such rows)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(b for b in range(1, self.gen_len + 1) if self.gen_len % b == 0)
+
+
+# arith-var: the longest solution is 104 tokens + EOS (docs/tasks.md); 112 = 14 blocks of 8, as the model was trained
+EVAL_TASKS = {
+    "arith": EvalTask("arith", GEN_LEN, "d2f-arith", "ar-arith"),
+    "arith-var": EvalTask("arith-var", 112, "d2f-arith-var", "ar-arith-var", "dparallel-arith-var"),
+}
+DEFAULT_TASK = "arith"
+
+
+def eval_task(task) -> EvalTask:
+    """The EvalTask of a task name; ValueError naming the allowed ones."""
+    if task not in EVAL_TASKS:
+        raise ValueError(f"task={task!r}; allowed: {', '.join(EVAL_TASKS)}")
+    return EVAL_TASKS[task]
+
+
+def check_block_size(block_size, gen_len: int = GEN_LEN) -> int:
+    """Validate the eval's block size (must divide max_new_tokens `gen_len`, 32 for arith); returns it."""
+    sizes = tuple(b for b in range(1, gen_len + 1) if gen_len % b == 0)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in sizes:
+        raise ValueError(f"block_size={block_size!r}; allowed: a divisor of max_new_tokens {gen_len}: "
+                         f"{', '.join(map(str, sizes))}")
     return block_size
 
 
@@ -54,32 +94,52 @@ APD_SCALE = GEN_LEN / 256
 APD_UPSTREAM_PRESETS = {"apd-r0.6": (0.6, 32, 200), "apd-r0.7": (0.7, 16, 100), "apd-r0.9": (0.9, 16, 100)}
 
 
-def _scaled(v: int) -> int:
-    return int(v * APD_SCALE + 0.5)
+def _scaled(v: int, gen_len: int = GEN_LEN) -> int:
+    return int(v * gen_len / 256 + 0.5)
 
 
-APD_ROWS: dict[str, dict] = {
-    name: dict(strategy="apd", apd_mixture_weight=R, kv_window=_scaled(W), max_lookahead=_scaled(M))
-    for name, (R, W, M) in APD_UPSTREAM_PRESETS.items()
-}
+def apd_rows(gen_len: int = GEN_LEN) -> dict[str, dict]:
+    """The APD rows with kv_window and max_lookahead scaled by gen_len / 256 (rounded half up)."""
+    return {name: dict(strategy="apd", apd_mixture_weight=R, kv_window=_scaled(W, gen_len),
+                       max_lookahead=_scaled(M, gen_len)) for name, (R, W, M) in APD_UPSTREAM_PRESETS.items()}
+
+
+APD_ROWS: dict[str, dict] = apd_rows(GEN_LEN)
+# the dParallel student's rows (tasks with a student): the entropy-threshold rule at dParallel's Dream GSM8K
+# tau_H = 0.45 nats, and LoPA k=4 with the D2F knobs
+STUDENT_ROWS = ("dparallel-h0.45", "dparallel-lopa-k4")
+STUDENT_ENTROPY_THRESHOLD = 0.45
 VERIFIER_MODEL = "ar-arith"  # the shipped causal qwen2 model (same tokenizer as d2f-arith): APD's verifier
 
 
-def make_rows(block_size: int = BLOCK, apd: bool = False) -> dict[str, dict]:
-    """Every row's knobs with `block_size` applied to all block knobs (vanilla/threshold block_length too).
+def make_rows(block_size: int = BLOCK, apd: bool = False, gen_len: int = GEN_LEN,
+              student: bool = False) -> dict[str, dict]:
+    """Every row's knobs with `block_size` applied to all block knobs (vanilla/threshold block_length too), for
+    answers of `gen_len` tokens (vanilla: gen_len steps; APD presets scaled by gen_len / 256).
 
-    apd=True appends the APD rows (no block knobs; they need the verifier, so they are not `generate --preset`s)."""
-    block_size = check_block_size(block_size)
+    apd=True appends the APD rows (no block knobs; they need the verifier, so they are not `generate --preset`s);
+    student=True appends the dParallel student's rows (they run on the student model)."""
+    block_size = check_block_size(block_size, gen_len)
     d2f = dict(block_size=block_size, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
                sampling_strategy="neg_entropy", use_full_attention=True)
     return {
-        "vanilla": dict(strategy="vanilla", block_size=block_size, steps=GEN_LEN, alg="entropy"),
+        "vanilla": dict(strategy="vanilla", block_size=block_size, steps=gen_len, alg="entropy"),
         "threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size, threshold=0.9),
         "d2f": dict(strategy="d2f", **d2f),
         "lopa-k2": dict(strategy="lopa", branching_factor=2, **d2f),
         "lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
         "lopa-k8": dict(strategy="lopa", branching_factor=8, **d2f),
-    } | ({k: dict(v) for k, v in APD_ROWS.items()} if apd else {})
+    } | (apd_rows(gen_len) if apd else {}) | ({
+        "dparallel-h0.45": dict(strategy="threshold", block_size=block_size, block_length=block_size,
+                                entropy_threshold=STUDENT_ENTROPY_THRESHOLD),
+        "dparallel-lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
+    } if student else {})
+
+
+def task_rows(task: str = DEFAULT_TASK, block_size: int = BLOCK) -> dict[str, dict]:
+    """Every eval row of `task` (its APD rows, and its student's rows when it has a student)."""
+    t = eval_task(task)
+    return make_rows(block_size, apd=True, gen_len=t.gen_len, student=t.student is not None)
 
 
 ROWS: dict[str, dict] = make_rows(BLOCK)  # the dLLM-only rows (also the CLI's generate presets)
@@ -89,42 +149,54 @@ ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "apd": list(APD_ROWS), "al
 BACKENDS = ("reference", "fast", "auto")
 
 
-def parse_rows(spec: str | list[str]) -> list[str]:
-    """"vanilla,d2f,lopa" -> row names (aliases: lopa = k2,k4,k8; apd = apd-r0.6,apd-r0.7,apd-r0.9; all)."""
+def parse_rows(spec: str | list[str], task: str = DEFAULT_TASK) -> list[str]:
+    """"vanilla,d2f,lopa" -> row names of `task` (aliases: lopa = k2,k4,k8; apd = apd-r0.6,apd-r0.7,apd-r0.9;
+    dparallel = the student's rows (tasks with a student); all)."""
+    allowed = list(task_rows(task))  # the row names do not depend on the block size
+    aliases = {**ALIASES, "all": allowed}
+    if eval_task(task).student is not None:
+        aliases["dparallel"] = list(STUDENT_ROWS)
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[str] = []
     for raw in names:
         name = raw.strip()
         if not name:
             continue
-        expanded = ALIASES.get(name, [name])
+        expanded = aliases.get(name, [name])
         for e in expanded:
-            if e not in EVAL_ROWS:
-                raise ValueError(f"strategies: {name!r} is not a row; allowed: "
-                                 f"{', '.join(list(EVAL_ROWS) + list(ALIASES))}")
+            if e not in allowed:
+                raise ValueError(f"strategies: {name!r} is not a row of task {task}; allowed: "
+                                 f"{', '.join(allowed + list(aliases))}")
             if e not in out:
                 out.append(e)
     if not out:
-        raise ValueError(f"strategies: {spec!r} names no row; allowed: {', '.join(list(EVAL_ROWS) + list(ALIASES))}")
+        raise ValueError(f"strategies: {spec!r} names no row; allowed: {', '.join(allowed + list(aliases))}")
     return out
 
 
-def load_default(model_dir=None, dtype=torch.float32):
-    """(model, tokenizer, directory) of the embedded model (or `model_dir`)."""
+def load_default(model_dir=None, dtype=torch.float32, task: str = DEFAULT_TASK):
+    """(model, tokenizer, directory) of `task`'s embedded model (or `model_dir`)."""
     import lopa_fast
     from lopa_fast.assets import model_dir as _embedded
 
-    path = Path(model_dir) if model_dir is not None else _embedded()
+    path = Path(model_dir) if model_dir is not None else _embedded(eval_task(task).model)
     return lopa_fast.load_model(path, dtype=dtype), lopa_fast.load_tokenizer(path), path
 
 
-def load_verifier(dtype=torch.float32):
-    """The shipped APD verifier (`ar-arith`, a causal qwen2 model with d2f-arith's tokenizer), loaded like
+def load_verifier(dtype=torch.float32, name: str = VERIFIER_MODEL):
+    """A shipped APD verifier (default `ar-arith`, a causal qwen2 model with d2f-arith's tokenizer), loaded like
     `load_default` loads the drafter."""
     import lopa_fast
     from lopa_fast.assets import model_dir as _embedded
 
-    return lopa_fast.load_model(_embedded(VERIFIER_MODEL), dtype=dtype)
+    return lopa_fast.load_model(_embedded(name), dtype=dtype)
+
+
+def shipped(name: str) -> bool:
+    """Whether lopa_fast/assets/<name> holds a model."""
+    from lopa_fast.assets import ASSETS_DIR
+
+    return (ASSETS_DIR / name / "config.json").is_file()
 
 
 def prompt_ids(tok, problem) -> list[int]:
@@ -161,32 +233,33 @@ def _compiles(backend: str, knobs: dict) -> bool:
     return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa")
 
 
-def _apd_pair_problem(model, verifier, knobs) -> str | None:
+def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
     """Why `verifier` cannot verify this drafter with an APD row's knobs (None: the pair fits), checked once
     before the row runs (e.g. `eval --model` on a drafter whose vocabulary ar-arith's is not a prefix of)."""
     from lopa_fast.config import GenerateConfig
     from lopa_fast.reference.apd import check_models
 
     if verifier is None:
-        return "no verifier loaded"
+        return f"no verifier loaded ({verifier_name} is not shipped)"
     try:
-        cfg = GenerateConfig(max_new_tokens=GEN_LEN, temperature=0.0, **knobs).resolve(model)
+        cfg = GenerateConfig(max_new_tokens=gen_len, temperature=0.0, **knobs).resolve(model)
         check_models(model, verifier, cfg)
     except (ValueError, TypeError) as exc:
-        return f"verifier {VERIFIER_MODEL} does not fit this drafter: {exc}"
+        return f"verifier {verifier_name} does not fit this drafter: {exc}"
     return None
 
 
 def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True,
-            block_size: int = BLOCK, compile: bool = False, verifier=None) -> dict:
-    """Decode every problem with one row's knobs at `block_size` (APD rows: with `verifier`). Returns the row's
+            block_size: int = BLOCK, compile: bool = False, verifier=None, task: str = DEFAULT_TASK) -> dict:
+    """Decode every problem with one row of `task` at `block_size` (APD rows: with `verifier`). Returns the row's
     numbers (or status "unavailable")."""
     import lopa_fast
 
-    knobs = make_rows(block_size, apd=True)[row]
+    t = eval_task(task)
+    knobs = task_rows(task, block_size)[row]
     is_apd = knobs["strategy"] == "apd"
     extra = {"verifier": verifier} if is_apd else {}
-    if is_apd and (why := _apd_pair_problem(model, verifier, knobs)) is not None:
+    if is_apd and (why := _apd_pair_problem(model, verifier, knobs, t.gen_len, t.verifier)) is not None:
         return {"row": row, "status": "unavailable", "reason": why}
     correct = forwards = tokens = tokens_eos = 0
     dllm_fw = verifier_fw = steps = accepted = full_steps = 0
@@ -196,7 +269,7 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
     for i, p in enumerate(problems):
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         try:
-            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
+            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
                                      compile=compile and _compiles(backend, knobs), **knobs, **extra)
         except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
             reason = _unavailable(exc)
@@ -217,7 +290,7 @@ def run_row(model, tok, problems, row: str, backend: str = "reference", progress
             counts = st["acceptance_counts"]
             steps += len(counts)
             accepted += sum(counts)
-            full_steps += _full_window_steps(counts, knobs["max_lookahead"])
+            full_steps += _full_window_steps(counts, knobs["max_lookahead"], t.gen_len)
         bar.set_postfix_str(f"acc {correct / (i + 1):.3f} tpf {tokens / max(1, forwards):.2f}", refresh=False)
         bar.update(1)
     bar.close()
@@ -249,17 +322,22 @@ def _full_window_steps(counts: list[int], max_lookahead: int | None, gen_len: in
 
 
 def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int,
-             block_size: int = BLOCK) -> str:
-    rows = make_rows(block_size, apd=True)
+             block_size: int = BLOCK, task: str = DEFAULT_TASK, student_path=None) -> str:
+    t = eval_task(task)
+    rows = task_rows(task, block_size)
     apd_rows = [r for r in results if r["row"] in APD_ROWS]
+    gen = (f"tasks.generate('test', {n}, seed=0)" if task == DEFAULT_TASK
+           else f"tasks.generate_task({task!r}, 'test', {n}, seed=0)")
     lines = [
-        "# Eval on the embedded task (held-out split)"
+        ("# Eval on the embedded task (held-out split)" if task == DEFAULT_TASK
+         else f"# Eval on task `{task}` (held-out split)")
         + (f", block size {block_size}" if block_size != BLOCK else ""),
         "",
         f"Command: `{command}`",
         "",
-        f"Model: `{model_path}` ({n_params / 1e6:.2f}M parameters, Dream architecture, float32, CPU); "
-        f"{n} held-out problems (`tasks.generate('test', {n}, seed=0)`); backend `{backend}`; "
+        f"Model: `{model_path}` ({n_params / 1e6:.2f}M parameters, Dream architecture, float32, CPU)"
+        + (f"; dparallel rows: the student `{student_path}`" if student_path else "") + "; "
+        f"{n} held-out problems (`{gen}`); backend `{backend}`; "
         f"{platform.machine()} / torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
@@ -280,7 +358,7 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         elif apd_rows:
             line += f" {r['forwards_per_answer']:.1f} | - | - | - |"
         lines.append(line)
-    lines += ["", f"Knobs (temperature 0, max_new_tokens {GEN_LEN}, block size {block_size}):", ""]
+    lines += ["", f"Knobs (temperature 0, max_new_tokens {t.gen_len}, block size {block_size}):", ""]
     for r in results:
         why = f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""
         lines.append(f"- `{r['row']}`: {rows[r['row']]}{why}")
@@ -293,11 +371,13 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
     ]
     if apd_rows:
         ran = sorted({r.get("backend") or "?" for r in apd_rows if r["status"] == "ok"})
+        p6, p7 = rows["apd-r0.6"], rows["apd-r0.7"]
         lines += [
-            f"APD rows: the embedded model drafts and the shipped causal `{VERIFIER_MODEL}` verifies. (R, W, M) are "
+            f"APD rows: the embedded model drafts and the shipped causal `{t.verifier}` verifies. (R, W, M) are "
             "upstream's Pareto presets (0.6, 32, 200) and (0.7, 16, 100) for 256 new tokens with kv_window W and "
-            f"max_lookahead M scaled by {GEN_LEN}/256 to this task's {GEN_LEN} (rounded half up: (0.6, 4, 25), "
-            "(0.7, 2, 13)), plus R = 0.9 at (2, 13); block knobs do not apply. TPF and forwards / answer count dLLM "
+            f"max_lookahead M scaled by {t.gen_len}/256 to this task's {t.gen_len} (rounded half up: "
+            f"(0.6, {p6['kv_window']}, {p6['max_lookahead']}), (0.7, {p7['kv_window']}, {p7['max_lookahead']})), "
+            f"plus R = 0.9 at ({p7['kv_window']}, {p7['max_lookahead']}); block knobs do not apply. TPF and forwards / answer count dLLM "
             "forwards (upstream's and the paper's convention); the verifier's forwards are reported beside them. "
             "accepted / step = mean tokens accepted per step over all steps of all answers (each step is one dLLM "
             "forward, so it equals TPF before any cut); full-window steps = share of steps that accepted every "
@@ -308,7 +388,7 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> str | None:
+def plot(results: list[dict], path: Path, gen_len: int = GEN_LEN, verifier: str = VERIFIER_MODEL) -> str | None:
     """TPF and accuracy against k (k = 1 is D2F) as a PNG (matplotlib, Agg backend), with a second panel for the
     APD rows (TPF, verifier forwards per answer and accuracy against R) when they ran; returns a note when there
     is nothing to plot."""
@@ -321,12 +401,14 @@ def plot(results: list[dict], path: Path) -> str | None:
     pts = sorted((ks[r["row"]], r) for r in results if r["row"] in ks and r["status"] == "ok")
     apd = sorted((APD_ROWS[r["row"]]["apd_mixture_weight"], r["row"], r) for r in results
                  if r["row"] in APD_ROWS and r["status"] == "ok")
+    student = {"dparallel-lopa-k4": 4}
+    spts = sorted((student[r["row"]], r) for r in results if r["row"] in student and r["status"] == "ok")
     if not pts and not apd:
         return "no D2F/LoPA/APD rows ran: no plot written"
     n_panels = bool(pts) + bool(apd)
     fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 3.2), squeeze=False)
     if apd:
-        _plot_apd(axes[0, -1], apd)
+        _plot_apd(axes[0, -1], apd, apd_rows(gen_len), verifier)
     if not pts:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -341,6 +423,9 @@ def plot(results: list[dict], path: Path) -> str | None:
     ax.set_xticks(x, [str(k) for k in x])
     ax.set_xlabel("branching factor k (1 = D2F)")
     ax.set_ylabel("tokens per forward")
+    if spts:
+        ax.plot([k for k, _ in spts], [r["tpf"] for _, r in spts], "D", color="tab:purple",
+                label="TPF, dParallel student")
     ax2 = ax.twinx()
     ax2.plot(x, acc, "s--", color="tab:red", label="accuracy")
     ax2.set_ylabel("exact match (%)")
@@ -358,17 +443,17 @@ def plot(results: list[dict], path: Path) -> str | None:
     return None
 
 
-def _plot_apd(ax, apd: list[tuple]) -> None:
+def _plot_apd(ax, apd: list[tuple], knobs: dict = APD_ROWS, verifier: str = VERIFIER_MODEL) -> None:
     """APD panel: TPF (= mean accepted per step) and verifier forwards per answer against R, accuracy on the right."""
     x = list(range(len(apd)))
-    labels = [f"R={R:g}\nW={APD_ROWS[name]['kv_window']} M={APD_ROWS[name]['max_lookahead']}" for R, name, _ in apd]
+    labels = [f"R={R:g}\nW={knobs[name]['kv_window']} M={knobs[name]['max_lookahead']}" for R, name, _ in apd]
     ax.plot(x, [r["tpf"] for *_, r in apd], "o-", label="TPF (dLLM forwards)")
     ax.plot(x, [r["verifier_forwards_per_answer"] for *_, r in apd], "^:", color="tab:green",
             label="verifier forwards / answer")
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("tokens per forward / forwards")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"APD (verifier {VERIFIER_MODEL})", fontsize=9)
+    ax.set_title(f"APD (verifier {verifier})", fontsize=9)
     ax2 = ax.twinx()
     ax2.plot(x, [100 * r["accuracy"] for *_, r in apd], "s--", color="tab:red", label="accuracy")
     ax2.set_ylabel("exact match (%)")
@@ -380,37 +465,55 @@ def _plot_apd(ax, apd: list[tuple]) -> None:
 
 def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
              progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK,
-             compile: bool = False) -> list[dict]:
-    """Evaluate rows on `n` held-out problems at `block_size` (a divisor of GEN_LEN); write the markdown
-    table (and PNG) to `out`."""
+             compile: bool = False, task: str = DEFAULT_TASK, student_dir=None) -> list[dict]:
+    """Evaluate `task`'s rows on `n` held-out problems at `block_size` (a divisor of the task's max_new_tokens);
+    write the markdown table (and PNG) to `out`. The dparallel rows run on the shipped student (or
+    `student_dir`); APD rows on the task's shipped verifier; a row whose model is not shipped is unavailable."""
+    t = eval_task(task)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
-    check_block_size(block_size)
-    rows = parse_rows(strategies)
-    model, tok, path = load_default(model_dir)
-    problems = tasks.generate("test", n, seed=0)
-    verifier = load_verifier() if any(r in APD_ROWS for r in rows) else None
-    results = [run_row(model, tok, problems, r, backend, progress, block_size, compile, verifier=verifier)
-               for r in rows]
+    check_block_size(block_size, t.gen_len)
+    rows = parse_rows(strategies, task)
+    model, tok, path = load_default(model_dir, task=task)
+    problems = tasks.generate_task(task, "test", n, seed=0)
+    verifier = (load_verifier(name=t.verifier) if any(r in APD_ROWS for r in rows) and shipped(t.verifier)
+                else None)
+    student, student_path = None, None
+    if any(r in STUDENT_ROWS for r in rows) and (student_dir is not None or shipped(t.student)):
+        student, _, student_path = load_default(student_dir or _asset_path(t.student), task=task)
+    results = []
+    for r in rows:
+        if r in STUDENT_ROWS and student is None:
+            results.append({"row": r, "status": "unavailable", "reason": f"the student {t.student} is not shipped"})
+            continue
+        results.append(run_row(student if r in STUDENT_ROWS else model, tok, problems, r, backend, progress,
+                               block_size, compile, verifier=verifier, task=task))
     for r in results:
         r["block_size"] = block_size
     n_params = sum(p.numel() for p in model.parameters())
     command = command or (f"python -m lopa_fast eval --n {n} --strategies {','.join(rows)} --backend {backend}"
-                          + (f" --block-size {block_size}" if block_size != BLOCK else ""))
+                          + (f" --block-size {block_size}" if block_size != BLOCK else "")
+                          + (f" --task {task}" if task != DEFAULT_TASK else ""))
     md = markdown(results, command=command, model_path=path.name, n_params=n_params, backend=backend, n=n,
-                  block_size=block_size)
+                  block_size=block_size, task=task, student_path=student_path and Path(student_path).name)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        note = plot(results, out.with_suffix(".png"))
+        note = plot(results, out.with_suffix(".png"), t.gen_len, t.verifier)
         if note:
             md += f"\nPlot: {note}.\n"
         out.write_text(md)
         log(f"wrote {out}" + ("" if note else f" and {out.with_suffix('.png')}"))
     log(md)
     return results
+
+
+def _asset_path(name: str) -> Path:
+    from lopa_fast.assets import model_dir as _embedded
+
+    return _embedded(name)
 
 
 # ---- demo -----------------------------------------------------------------------------------------
