@@ -247,9 +247,8 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
-    verifier = kw.pop("verifier", None)
-    on_round = kw.pop("on_round", None)
-    return generate_with_config(model, input_ids, GenerateConfig(**kw), verifier=verifier, on_round=on_round)
+    extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
+    return generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
 
 
 generate.__signature__ = _SIGNATURE

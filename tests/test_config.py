@@ -12,8 +12,8 @@ def test_generate_signature_is_the_config():
     params = inspect.signature(lopa_fast.generate).parameters
     fields = dataclasses.fields(GenerateConfig)
     assert list(params)[:2] == ["model", "input_ids"]
-    # the one extra: APD's verifier model, an argument beside the knobs (never stored in the copyable config)
-    assert list(params)[2:] == [f.name for f in fields] + ["verifier"]
+    # the extras: APD's verifier model and the on_round hook, arguments beside the knobs (not in the config)
+    assert list(params)[2:] == [f.name for f in fields] + ["verifier", "on_round"]
     assert params["verifier"].default is None and params["verifier"].kind == inspect.Parameter.KEYWORD_ONLY
     assert "verifier" not in {f.name for f in fields}
     for f in fields:
