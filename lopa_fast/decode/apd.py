@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast.contracts import report_round
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -296,7 +297,9 @@ class FastApd:
             raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_verifier"],
                                        value="NaN/inf (verifier)")  # fmt: skip
 
-    def run(self) -> GenerateOutput:
+    def run(self, on_round=None) -> GenerateOutput:
+        """Decode the request. on_round: the progress hook (lopa_fast.contracts.report_round), called after every
+        step with the committed prefix (one extra host read per step, only with a hook)."""
         cfg, geo, P, L = self.cfg, self.geo, self.P, self.L
         stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}
         counts: list[int] = []
@@ -333,6 +336,8 @@ class FastApd:
                         "accepted": [[curr + q - P, x0[q]] for q in range(min(accepted, L - curr))],
                     })  # fmt: skip
                 counts.append(accepted)
+                if on_round is not None:
+                    report_round(on_round, self.st["x"][P:L], geo.mask_id, cfg.max_new_tokens, stats["forwards"])
                 curr, left, right = head["curr"], head["left"], head["right"]
                 first = False
                 mask_pending = bool(head["mask_committed"])
@@ -363,9 +368,10 @@ def _cache(prefix: str, model, rows: int) -> dict:
     return {prefix + "k": z(), prefix + "v": z()}
 
 
-def generate(model, prompt: torch.Tensor, cfg, verifier=None) -> GenerateOutput:
-    """APD / leftright on the fast backend (cfg bound and covered: temperature 0; lopa_fast.api checked the pair)."""
-    return FastApd(model, prompt, cfg, verifier).run()
+def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> GenerateOutput:
+    """APD / leftright on the fast backend (cfg bound and covered: temperature 0; lopa_fast.api checked the pair).
+    on_round: the progress hook, called after every step (lopa_fast.contracts.report_round)."""
+    return FastApd(model, prompt, cfg, verifier).run(on_round)
 
 
 __all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "bucket", "generate", "next_window"]
