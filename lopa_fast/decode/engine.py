@@ -103,6 +103,14 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id)
         self.host_reads = 0
         self.max_Nb = 0
+        # on CPU the eager rounds run their bookkeeping on the C++ twin (csrc/round_cpu.cpp), the same state
+        # round by round; compiled rounds and CUDA keep the torch round (traced / captured)
+        self.cpp_tables = None
+        if dev.type == "cpu":
+            from lopa_fast.ops import _cpp
+
+            if _cpp.round_ops():
+                self.cpp_tables = rnd.cpp_tables(self.tables)
         self.compiled = None
         if cfg.compile:
             from lopa_fast.decode.compiled import CompiledRounds
@@ -117,6 +125,11 @@ class FastDecoder:
         self.max_Nb = max(self.max_Nb, Nb)
         if self.compiled is not None and self._rounds > 0:
             self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
+        elif self.cpp_tables is not None:  # eager on CPU (and the prefill round): the C++ bookkeeping
+            self.st, self.info = rnd.round_step_cpp(
+                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, s, self.P, self.P + self.geo.G * self.geo.bs,
+                self.cpp_tables,
+            )  # fmt: skip
         else:  # eager (and the prefill round, whose bucket depends on the prompt length)
             self.st, self.info = rnd.round_step(
                 self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import ops
-from lopa_fast.contracts import lowest_k_table
+from lopa_fast.contracts import ROUND_COUNTERS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS, ROUND_STATE_FIELDS, lowest_k_table
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
@@ -124,8 +124,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         cache_len=zero(),
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
-    for name in ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
-                 "max_branches"):  # fmt: skip
+    for name in ROUND_COUNTERS:
         st["c_" + name] = zero()
     return st
 
@@ -369,4 +368,44 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
               complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
               cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
     plan(st, T, geo)
+    return st, info
+
+
+# ----------------------------------------------------------------------------- the C++ CPU twin (eager only)
+def cpp_tables(T: dict) -> list[torch.Tensor]:
+    """The request tables csrc/round_cpu.cpp reads, in its order (built once per request)."""
+    return [T["pos_block"], T["bstart"], T["bend"], T["tab_add"], T["tab_act"], T["ktable"]]
+
+
+def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int, P: int, L: int,
+                   tables: list) -> tuple[dict, dict]:
+    """`round_step` with its bookkeeping on the C++ CPU ops (csrc/round_cpu.cpp: `round_prepare` builds the
+    forward's inputs, `round_update` does everything after the token statistics, the next plan included):
+    the same forward, the same `token_stats`, and the same state after every round as `round_step`
+    (tests/test_round_cpp.py compares every field, round by round). Eager on CPU only: the two calls replace
+    ~270 small tensor ops per round (about as long as the tiny models' whole forward; bench/results/round_cpu.md).
+    prefix_len: the window start s of the head just read (host int); P, L: the prompt and total lengths."""
+    cpp = torch.ops.lopa_fast_cpp
+    wpos, tokens, bids, win_lens, rows = cpp.round_prepare(
+        st["x"], st["need"], T["pos_block"], st["alive"], st["wl"], prefix_len, Nb, Rb, L, geo.mode == "block_causal"
+    )  # fmt: skip
+    logits, k_win, v_win = model.forward_static(
+        tokens, prefix_len, st["cache_k"], st["cache_v"], prefix_len, win_lens,
+        bids if geo.mode == "block_causal" else None, geo.mode, rows, attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
+    ints = [P, L, geo.G, geo.bs, geo.mask_id, -1 if geo.eos_id is None else geo.eos_id, geo.n_look,
+            int(geo.shift), int(geo.NB > 1 or geo.trace), Nb, Rb]  # fmt: skip
+    vals = cpp.round_update(
+        [st[f] for f in ROUND_STATE_FIELDS], tables, logits, rows, wpos, conf, x0, p, k_win, v_win,
+        st["cache_k"], st["cache_v"], ints, [float(geo.skip_threshold), float(geo.alpha)],
+    )  # fmt: skip
+    n_out = len(ROUND_OUT_FIELDS)
+    info = dict(zip(ROUND_INFO_FIELDS, vals[n_out:]), wpos=wpos, look_pos=st["look_pos"])
+    if info["score"].numel() == 0:  # D2F without a trace: nothing scored (as round_step)
+        info["score"] = None
+    st.update(zip(ROUND_OUT_FIELDS, vals[:n_out]))
+    if geo.stop_lens:  # the C++ head leaves the stop flag 0
+        st["head"][8] = _stop_in_prefix(st["x"], st["head"][1] - 1, T, geo)
     return st, info

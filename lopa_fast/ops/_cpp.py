@@ -1,5 +1,6 @@
-"""CPU C++ ops of csrc/ (`confidence`, `select_round`; TORCH_LIBRARY `lopa_fast_cpp`), JIT-built with
-torch.utils.cpp_extension.load only when asked: `build()` (callers may gate it on `wanted()`, LOPA_FAST_CPP=1).
+"""CPU C++ ops of csrc/ (`confidence`, `select_round`, and the fast round's bookkeeping `round_prepare` /
+`round_update`; TORCH_LIBRARY `lopa_fast_cpp`), JIT-built with torch.utils.cpp_extension.load on first use:
+`build()`; the fast decoder on CPU asks for them through `round_ops()` (LOPA_FAST_CPP=0 turns that off).
 Nothing builds at import or install.
 
 Measured side by side (bench/results/cuda_cpp_ops.md), 2-core CPU: confidence 1.2-2.1x faster than the torch
@@ -12,18 +13,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-from lopa_fast.contracts import COMPARATOR_CODES, Confidence, RoundSelection, code_defines
+from lopa_fast.contracts import COMPARATOR_CODES, Confidence, RoundSelection, code_defines, round_defines
 from lopa_fast.ops._backend import cache_dir
 
 log = logging.getLogger("lopa_fast.ops.cpp")
 
 _PKG = Path(__file__).resolve().parents[1]  # csrc/ ships as lopa_fast/csrc in a wheel; the repo keeps it at the top
 CSRC = _PKG / "csrc" if (_PKG / "csrc").is_dir() else _PKG.parent / "csrc"
-SOURCES = ("confidence_cpu.cpp", "select_round_cpu.cpp")
+SOURCES = ("confidence_cpu.cpp", "select_round_cpu.cpp", "round_cpu.cpp")
 
 
 @functools.cache
@@ -36,8 +38,10 @@ def build() -> None:
     if missing:
         raise RuntimeError(f"lopa_fast C++ ops: sources {missing} not found under {CSRC}")
     cache = cache_dir("cpp")
-    codes = [f"-D{k}={v}" for k, v in sorted(code_defines().items())]  # comparator codes: one definition
-    load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", *codes],
+    # comparator codes and round-state indices: one definition (lopa_fast.contracts)
+    codes = [f"-D{k}={v}" for k, v in sorted({**code_defines(), **round_defines()}.items())]
+    # -ffp-contract=off: no fused multiply-adds, so float maths rounds as torch's separate ops do
+    load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", "-ffp-contract=off", *codes],
          build_directory=str(cache), is_python_module=False, verbose=False)  # fmt: skip
     log.info("lopa_fast C++ ops loaded from %s", cache)
 
@@ -47,8 +51,29 @@ def loaded() -> bool:
 
 
 def wanted() -> bool:
-    """LOPA_FAST_CPP=1 asks the CPU paths to build and use the C++ ops."""
-    return os.environ.get("LOPA_FAST_CPP", "0") not in ("", "0")
+    """Whether the CPU paths may build and use the C++ ops: yes unless LOPA_FAST_CPP=0."""
+    return os.environ.get("LOPA_FAST_CPP", "1") != "0"
+
+
+def round_ops() -> bool:
+    """Whether the fast round's C++ CPU bookkeeping (`round_prepare` / `round_update`, csrc/round_cpu.cpp) is
+    used: unless LOPA_FAST_CPP=0 (read per request), built on first use (~20-80 s once, then cached under
+    $LOPA_FAST_CACHE_DIR/cpp). A failed build (no C++ compiler or ninja) warns once and the round keeps its
+    torch bookkeeping."""
+    return wanted() and _round_ops_built()
+
+
+@functools.cache
+def _round_ops_built() -> bool:
+    try:
+        if not loaded():
+            build()
+    except Exception as e:  # noqa: BLE001 - any build failure: fall back to the torch round, said once
+        warnings.warn(f"lopa_fast: the C++ CPU round ops could not be built ({type(e).__name__}: {e}); the fast "
+                      "round keeps its torch bookkeeping (slower on CPU). Set LOPA_FAST_CPP=0 to skip the build.",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return hasattr(torch.ops.lopa_fast_cpp, "round_update")
 
 
 def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10):
