@@ -1,7 +1,8 @@
 """A self-contained one-token-per-forward greedy decoder, used to monitor training and as the
 quality-bar check: the generation region starts fully masked; each forward (full attention over
 prompt + the whole region, Dream's vanilla layout) fills the single masked position whose
-prediction has the highest max-probability with its argmax. gen_len forwards per problem.
+prediction has the highest max-probability (alg="max_prob") or the lowest entropy (alg="entropy", Dream's
+alg="entropy", the eval's vanilla row; the dParallel teacher) with its argmax. gen_len forwards per problem.
 
 This is deliberately independent of lopa_fast.generate (which it cross-checks).
 """
@@ -12,13 +13,18 @@ import torch
 from lopa_fast import tasks
 from lopa_fast.train.data import Batch, make_batch
 
+ALGS = ("max_prob", "entropy")
+
 
 @torch.no_grad()
-def greedy_fill(model, batch: Batch, gen_len: int) -> torch.Tensor:
+def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob") -> torch.Tensor:
     """Decode the generation regions of `batch` -> generated ids [B, gen_len] (mask-free).
 
-    Dream alignment: the raw logit at position j - 1 predicts token j.
+    Dream alignment: the raw logit at position j - 1 predicts token j. alg: which masked position a forward
+    fills, "max_prob" (highest max-probability) or "entropy" (lowest entropy); ties go to the leftmost.
     """
+    if alg not in ALGS:
+        raise ValueError(f"greedy_fill: alg={alg!r}; allowed: {ALGS}")
     ids = batch.ids.clone()
     B, n = ids.shape
     gen_pos = batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]  # [B, gen_len]
@@ -30,7 +36,9 @@ def greedy_fill(model, batch: Batch, gen_len: int) -> torch.Tensor:
         prob = pred.softmax(-1)
         p_max, x0 = prob.max(-1)
         still = ids[rows, gen_pos] == tasks.MASK_ID
-        p_max = p_max.masked_fill(~still, -1.0)
+        if alg == "entropy":  # confidence = negative entropy (nats)
+            p_max = (prob * prob.clamp_min(1e-30).log()).sum(-1)
+        p_max = p_max.masked_fill(~still, -float("inf"))
         pick = p_max.argmax(-1)  # [B]
         has = still.any(-1)
         b = torch.arange(B)[has]
