@@ -5,6 +5,8 @@
     python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --preset lopa-k4
     python -m lopa_fast generate --model DIR [--lora DIR] --chat --prompt "..." --strategy lopa --block-size 32 --json
     python -m lopa_fast generate --prompt "..." --png fill.png   # + the fill-order heatmap (lopa_fast.viz)
+    python -m lopa_fast generate --prompt "..." --stream --stop-text '\\n\\n'   # text as it becomes final
+    python -m lopa_fast generate --prompt "..." --show-steps   # the live denoising view, round by round
 
 `generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
 from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or
@@ -18,11 +20,13 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 import warnings
 
 from lopa_fast.errors import LopaError
+from lopa_fast.text import encode_prompt, unknown_words  # noqa: F401  (the CLI's prompt encoding; re-exported)
 
 
 class CLIError(LopaError, ValueError):
@@ -56,7 +60,7 @@ def _demo(args) -> int:
         raise CLIError(f"--n {args.n}; allowed: an int >= 1")
     if args.backend not in BACKENDS:
         raise CLIError(f"--backend {args.backend!r}; allowed: {', '.join(BACKENDS)}")
-    run_demo(n=args.n, backend=args.backend, model_dir=args.model, compile=args.compile)
+    run_demo(n=args.n, backend=args.backend, model_dir=args.model, compile=args.compile, task=args.task)
     return 0
 
 
@@ -153,28 +157,14 @@ def read_prompt(args) -> str:
     return text
 
 
-def unknown_words(tok, text: str, ids=None) -> list[str]:
-    """The words of `text` the tokenizer maps to its unknown token (empty when it has none or maps everything)."""
-    unk = getattr(tok, "unk_token_id", None)
-    if unk is None:
-        return []
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    words = [text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk]
-    return list(dict.fromkeys(w for w in words if w))
+def text_stop(text: str) -> str:
+    """`--stop-text '\\n\\n'` -> the stop string, with the escapes \\n, \\t and \\\\ read as newline, tab, backslash."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty stop string")
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}.get(m.group(1), m.group(0)), text)
 
 
-def encode_prompt(tok, text: str, chat: bool) -> list[int]:
-    """Token ids of the prompt: the tokenizer's own special tokens (e.g. bos), or its chat template with one user
-    message and the generation prompt."""
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise CLIError("--chat: the model's tokenizer has no chat template (tokenizer_config.json "
-                           "'chat_template' or chat_template.jinja)")
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tok(text)["input_ids"])
+text_stop.__name__ = "text"  # the metavar
 
 
 def _load(args):
@@ -225,9 +215,9 @@ def generate_knobs(args, knob_names) -> dict:
 def _generate(args) -> int:
     import torch
 
-    import lopa_fast
-    from lopa_fast import tasks
+    from lopa_fast import api
     from lopa_fast.config import GenerateConfig
+    from lopa_fast.text import answer_text, split_stops, text_decoder
 
     text = read_prompt(args)  # before any load: a bad prompt costs nothing
     knobs = generate_knobs(args, args.knob_names)
@@ -236,15 +226,16 @@ def _generate(args) -> int:
         if os.path.isdir(args.png):
             raise CLIError(f"--png {args.png}: a directory; pass a file path (e.g. fill.png)")
         knobs["return_trace"] = True  # the picture is drawn from the run's trace
-    cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
+    _user_errors(lambda: GenerateConfig(**knobs).validate())
     model, tok, embedded = _load(args)
-    ids = encode_prompt(tok, text, args.chat)
-    missing = unknown_words(tok, text)
-    if missing:
-        print(f"warning: {len(missing)} word(s) unknown to the tokenizer (encoded as {tok.unk_token!r}): "
-              + ", ".join(repr(w) for w in missing), file=sys.stderr)
+    ids = encode_prompt(tok, text, args.chat, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
-    from lopa_fast import api
+    seqs, texts = _user_errors(split_stops, tok, args.stop_text)  # text stops: tokenised + matched on the text
+    if seqs:
+        knobs["stop"] = [*(knobs.get("stop") or []), *seqs]
+    cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
+    decode = text_decoder(tok, digits_joined=embedded)  # the task tokenizer splits numbers into digits
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
 
     def check():  # the checks generate runs before any forward, here so their ValueError / TypeError exit 2
         with warnings.catch_warnings():
@@ -252,16 +243,15 @@ def _generate(args) -> int:
             planned, _ = cfg.plan_length(model, ids_t.numel())
             bound = planned.resolve(model)
             api.check_prompt(model, api.prepare_prompt(model, ids_t), bound)
-            api.resolve_backend(bound)
+            api.resolve_backend(bound, hook=args.stream or args.show_steps)
 
     _user_errors(check)
-    out = api.generate_with_config(model, ids_t, cfg)
+    if args.stream or args.show_steps:
+        answer, out = _stream(args, model, tok, ids_t, knobs, texts, embedded)
+    else:
+        out = api.generate_with_config(model, ids_t, cfg)
+        answer = answer_text(out, decode, eos, texts)
     gen = out.generated_ids
-    eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
-    shown = gen[: gen.index(eos)] if eos is not None and eos in gen else gen
-    answer = tok.decode(shown, skip_special_tokens=True)
-    if embedded:
-        answer = tasks.join_digits(answer)  # the task's tokenizer splits numbers into digits
     st = out.stats
     if args.json:
         obj = {"text": answer, "generated_ids": gen, "stats": st}
@@ -269,7 +259,8 @@ def _generate(args) -> int:
             obj["trace"] = out.trace
         print(json.dumps(obj, default=str))
     else:
-        print(answer)
+        if not args.stream:
+            print(answer)
         print(f"{st['strategy']} ({st['backend']}): TPF {st['tpf']:.2f}, forwards {st['forwards']}, "
               f"{st['generated_tokens']} tokens, finish_reason {st['finish_reason']}, "
               f"wall {1000 * st['seconds']:.0f} ms" + (f"; {st['max_new_tokens_clipped']}"
@@ -277,6 +268,28 @@ def _generate(args) -> int:
     if args.png is not None:
         write_png(out, tok, args.png)
     return 0
+
+
+def _stream(args, model, tok, ids_t, knobs, text_stops, embedded):
+    """--stream: print the text as it becomes final (lopa_fast.stream); --show-steps: the live denoising view
+    (lopa_fast.viz.StepView: redrawn in place on a terminal, one line per round otherwise). (text, output)."""
+    import lopa_fast
+    from lopa_fast.viz import StepView
+
+    view = None
+    if args.show_steps:
+        view = StepView(lambda ids: [tok.decode([t]) for t in ids])
+    knobs = dict(knobs)
+    stop = [*(knobs.pop("stop", None) or []), *text_stops] or None
+    s = _user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop, digits_joined=embedded,
+                     on_round=view, **knobs)  # fmt: skip
+    with s:
+        for piece in s:
+            if args.stream:
+                print(piece, end="", flush=True)
+    if args.stream:
+        print(flush=True)
+    return s.text, s.result
 
 
 def write_png(out, tok, path) -> None:
@@ -314,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
+    d.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
+                   help="the held-out task (default arith; arith-var: its model d2f-arith-var, 112 new tokens)")
     d.set_defaults(fn=_demo)
 
     e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
@@ -348,8 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
-    g.add_argument("--json", action="store_true",
-                   help="print one JSON object: text, generated_ids, stats (and trace with --return-trace)")
+    g.add_argument("--stop-text", action="append", default=None, type=text_stop, metavar="TEXT",
+                   help="a text stop (repeatable; escapes \\n \\t \\\\): its tokenisation ends decoding early "
+                        "and the text is cut at its first occurrence (--stop takes token ids)")
+    shown = g.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true",
+                       help="print one JSON object: text, generated_ids, stats (and trace with --return-trace)")
+    shown.add_argument("--stream", action="store_true",
+                       help="print the text as it becomes final (a block once it and every earlier one is complete)")
+    shown.add_argument("--show-steps", action="store_true",
+                       help="draw the live denoising view each round (redrawn in place on a terminal; one line "
+                            "per round otherwise), then the text")
     g.add_argument("--png", default=None, metavar="PATH",
                    help="also write the fill-order heatmap of the run (lopa_fast.viz.fill_order_png) to PATH")
     g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))

@@ -540,28 +540,30 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     return f"      {top}\n      {bot}{extra}"
 
 
-def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print, compile: bool = False) -> list[dict]:
-    """Decode `n` held-out problems with D2F and LoPA (k=4) and print answers, fill order and stats."""
+def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print, compile: bool = False,
+             task: str = DEFAULT_TASK) -> list[dict]:
+    """Decode `n` held-out problems of `task` with D2F and LoPA (k=4) and print answers, fill order and stats."""
     import lopa_fast
 
+    t = eval_task(task)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     t0 = time.time()
-    model, tok, path = load_default(model_dir)
+    model, tok, path = load_default(model_dir, task=task)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"lopa_fast demo: embedded model {path.name} ({n_params / 1e6:.2f}M params, Dream architecture, "
+    log(f"lopa_fast demo (task {task}): embedded model {path.name} ({n_params / 1e6:.2f}M params, Dream architecture, "
         f"trained by lopa_fast.train.d2f), backend {backend}, temperature 0")
     log("knobs: block 8, tau_add 0.1, tau_act 0.95, tau_conf 0.9, neg_entropy, full attention; LoPA k=4\n")
     records = []
-    for p in tasks.generate("test", n, seed=0):
+    for p in tasks.generate_task(task, "test", n, seed=0):
         log(f"Q: {tasks.join_digits(p.prompt)}")
         log(f"   expected: #### {p.answer}")
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long)
         for row in DEMO_ROWS:
             try:
-                out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=GEN_LEN, temperature=0.0,
+                out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
                                          return_trace=True, compile=compile and _compiles(backend, ROWS[row]),
                                          **ROWS[row])
             except Exception as exc:  # noqa: BLE001
