@@ -2,10 +2,14 @@
 the drafter for APD on the embedded task.
 
     python -m lopa_fast.train.ar --out lopa_fast/assets/ar-arith
+    python -m lopa_fast.train.ar --out runs/ar-arith-var --task arith-var --gen-len 112 --max-positions 256 \
+        --init-from lopa_fast/assets/ar-arith        # APD's verifier for arith-var (issue 12)
 
 Plain next-token cross-entropy on the generation region (solution, EOS, then the EOS filler up to
 gen_len, the same targets the diffusion model learns, so that the drafter agrees with it after EOS);
-the prompt is context only. Seeded, CPU-only, float32; same data stream and init as lopa_fast.train.d2f.
+the prompt is context only. Seeded, CPU-only, float32; same data stream and init as lopa_fast.train.d2f,
+and like it: `--task`, `--init-from` (a smaller vocabulary grows, its rows copied) and resumable (`--resume`
+from OUT/resume.pt, written every `ckpt_every` steps and at every eval).
 """
 from __future__ import annotations
 
@@ -20,18 +24,20 @@ import torch.nn.functional as F
 from lopa_fast import tasks
 from lopa_fast.train import run
 from lopa_fast.train.d2f import hf_config as _dream_config
-from lopa_fast.train.d2f import init_model, lr_at
+from lopa_fast.train.d2f import init_model, load_grown, lr_at
 from lopa_fast.train.data import make_batch
 
 DEFAULTS = dict(
     hidden=128, layers=3, heads=4, kv_heads=2, intermediate=384, gen_len=32, batch=64, steps=600, lr=2e-3,
     min_lr_frac=0.05, warmup=50, weight_decay=0.01, seed=0, eval_every=300, eval_n=60, threads=1,
+    task="arith", max_positions=128, init_from="", ckpt_every=100, stop_at=0,
 )
 
 
-def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
+def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+              max_positions: int = 128) -> dict:
     """config.json of the AR drafter (Qwen2ForCausalLM layout, no mask token)."""
-    cfg = _dream_config(vocab_size, hidden, layers, heads, kv_heads, intermediate)
+    cfg = _dream_config(vocab_size, hidden, layers, heads, kv_heads, intermediate, max_positions)
     cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     cfg.pop("mask_token_id")
     return cfg
@@ -64,45 +70,78 @@ def greedy_accuracy(model, problems, tok, gen_len: int) -> float:
     return correct / max(1, len(problems))
 
 
-def train(out: str | os.PathLike, log=print, **overrides) -> dict:
+def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) -> dict:
     """Train and save to `out` (HF layout + tokenizer + training_log.txt). Returns a summary dict."""
     a = run.options(DEFAULTS, overrides)
+    tasks.check_task(a["task"])
     torch.set_num_threads(a["threads"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rl = run.RunLog(out, log)
+    state = run.load_state(out, a) if resume else None
+    rl = run.RunLog(out, log, append=bool(a["init_from"]) or resume)
     emit = rl.emit
-    tok = tasks.build_tokenizer()
-    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"])
+    tok_mod = tasks.TOKENIZERS[a["task"]]
+    tok = tok_mod.build_tokenizer()
+    dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0)
+    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"],
+                    a["max_positions"])
+    if 40 + a["gen_len"] > a["max_positions"]:  # prompts are <= 32 tokens with bos (docs/tasks.md)
+        raise ValueError(f"train: max_positions={a['max_positions']} < 40 (prompt) + gen_len={a['gen_len']}")
     model = init_model(cfg, a["seed"])
+    if a["init_from"] and state is None:
+        import lopa_fast
+
+        grown = load_grown(model, lopa_fast.load_model(a["init_from"], dtype=torch.float32))
+        model.requires_grad_(True).train()
     n_params = sum(p.numel() for p in model.parameters())
-    emit(f"# ar recipe: {json.dumps(a, sort_keys=True)}")
-    emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    dev = tasks.generate("dev", a["eval_n"], seed=0)
-    t0, ema, first, acc = time.time(), None, None, None
-    for step in range(a["steps"]):
-        problems = tasks.generate("train", a["batch"], seed=a["seed"] * 1_000_003 + step)
+    start, ema, first, acc, spent = 0, None, None, None, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["torch_rng"])
+        start, ema, first, acc, spent = (state[k] for k in ("step", "ema", "first_loss", "dev_acc", "seconds"))
+        emit(f"# resumed at step {start} from {out / run.RESUME_FILE} ({spent:.1f}s trained before)")
+    else:
+        emit(f"# ar recipe: {json.dumps(a, sort_keys=True)}")
+        if a["init_from"]:
+            emit(f"# init_from {a['init_from']}: grown {grown or 'nothing'} to vocab {cfg['vocab_size']}")
+        emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
+    t0 = time.time() - spent
+
+    def checkpoint(next_step: int) -> None:
+        run.save_state(out, dict(args=a, model=model.state_dict(), opt=opt.state_dict(), step=next_step, ema=ema,
+                                 first_loss=first, dev_acc=acc, seconds=time.time() - t0,
+                                 torch_rng=torch.get_rng_state()))
+
+    last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+    for step in range(start, last_step):
+        problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step)
         batch = make_batch(problems, tok, a["gen_len"])
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         v = run.optimizer_step(model, opt, loss_on(model, batch), lr)
         first = v if first is None else first
         ema = v if ema is None else 0.98 * ema + 0.02 * v
-        if step % 50 == 0 or step == a["steps"] - 1:
+        last = step == last_step - 1
+        if step % 50 == 0 or last:
             emit(f"step {step:5d} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or step == a["steps"] - 1:
+        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
             model.eval()
             acc = greedy_accuracy(model, dev, tok, a["gen_len"])
             model.train()
-            emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR)")
-            run.save(model, cfg, out, "lopa_fast.train.ar", a)
-    summary = {"params": n_params, "steps": a["steps"], "seconds": round(time.time() - t0, 1),
-               "final_loss_ema": round(ema, 4), "first_loss": round(first, 4), "dev_exact_match": acc}
+            emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) t {time.time() - t0:7.1f}s")
+            run.save(model, cfg, out, "lopa_fast.train.ar", a, tok_mod.save_tokenizer)
+            checkpoint(step + 1)
+        elif a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0:
+            checkpoint(step + 1)
+    summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
+               "final_loss_ema": None if ema is None else round(ema, 4),
+               "first_loss": None if first is None else round(first, 4), "dev_exact_match": acc}
     return rl.finish(summary)
 
 
 def main(argv=None) -> None:
-    run.main("lopa_fast.train.ar", __doc__, DEFAULTS, train, argv)
+    run.main("lopa_fast.train.ar", __doc__, DEFAULTS, train, argv, resumable=True)
 
 
 if __name__ == "__main__":
