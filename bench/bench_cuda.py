@@ -1,12 +1,9 @@
 """Microbenchmarks of the CUDA kernels vs the Triton kernels and the torch backend at Dream-7B shapes
-(bench/shapes.py), and of the CPU C++ confidence (csrc/) vs the vectorised torch path.
+(bench/shapes.py).
 
 GPU (bench/conftest.py skips these without CUDA):
-    python -m pytest bench/bench_cuda.py -m bench -k "not cpp" --benchmark-group-by=param:shape \
+    python -m pytest bench/bench_cuda.py -m bench --benchmark-group-by=param:shape \
         --benchmark-json=$OUT/bench_cuda.json
-CPU, C++ vs torch side by side (RUNS_ON_CPU: bench/conftest.py leaves this module's items alone; the GPU ones
-carry their own skip):
-    python -m pytest bench/bench_cuda.py -m bench -k cpp --benchmark-group-by=param:shape,param:dtype
 
 Inputs are built outside the timed function; each timed GPU call ends with torch.cuda.synchronize().
 extra_info carries a CUDA-event median over 100 back-to-back launches (us), the bytes the op must move and
@@ -22,7 +19,6 @@ from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B, SELECT_ROUND
 from lopa_fast import ops
 
 pytestmark = pytest.mark.bench
-RUNS_ON_CPU = True
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROVIDERS = ["cuda", "triton", "torch"]
@@ -91,49 +87,3 @@ def test_bench_select_round(benchmark, shape, provider):
         ops.select_round(c, c, masked, bid, complete, 0.9, "gt", n_look, 0.5, 0.0, backend=provider, check=False)
 
     _run(benchmark, fn, 3 * c.numel() * 4)
-
-
-CPP_CONF = {"N32_V152064": (32, 152064), "N96_V152064": (96, 152064), "N8_V1000": (8, 1000)}
-
-
-@pytest.mark.parametrize("provider", ["cpp", "torch"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", list(CPP_CONF))
-def test_bench_cpp_confidence(benchmark, shape, dtype, provider):
-    """CPU: the C++ op (csrc/confidence_cpu.cpp) vs the torch backend (reference.ops.confidence)."""
-    from lopa_fast.ops import _cpp  # noqa: PLC0415
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415
-
-    N, V = CPP_CONF[shape]
-    x = (torch.randn(N, V) * 4).to(getattr(torch, dtype))
-    if provider == "cpp":
-        _cpp.build()
-        fn = lambda: _cpp.confidence(x)  # noqa: E731
-    else:
-        fn = lambda: ref.confidence(x)  # noqa: E731
-    benchmark.extra_info.update(threads=torch.get_num_threads())
-    benchmark.pedantic(fn, rounds=7, warmup_rounds=2)
-
-
-@pytest.mark.parametrize("provider", ["cpp", "torch"])
-@pytest.mark.parametrize("dtype", ["float32"])  # so one --benchmark-group-by covers both CPU benchmarks
-@pytest.mark.parametrize("shape", list(SELECT_ROUND))
-def test_bench_cpp_select_round(benchmark, shape, dtype, provider):
-    """CPU: the C++ op (csrc/select_round_cpu.cpp) vs the torch backend (reference.ops.select_round)."""
-    from lopa_fast.ops import _cpp  # noqa: PLC0415
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415
-
-    B, n, nb, n_look = SELECT_ROUND[shape]
-    g = torch.Generator().manual_seed(0)
-    c = torch.rand(B, n, generator=g)
-    masked = torch.rand(B, n, generator=g) < 0.7
-    bid = (torch.arange(n) // max(1, n // nb)).clamp(max=nb - 1).expand(B, n).contiguous()
-    complete = torch.ones(B, nb, dtype=torch.bool)
-    args = (c, c, masked, bid, complete, 0.9, "gt", n_look, 0.5, 0.0)
-    if provider == "cpp":
-        _cpp.build()
-        fn = lambda: _cpp.select_round(*args)  # noqa: E731
-    else:
-        fn = lambda: ref.select_round(*args)  # noqa: E731
-    benchmark.extra_info.update(threads=torch.get_num_threads())
-    benchmark.pedantic(fn, rounds=30, warmup_rounds=3)

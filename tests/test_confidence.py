@@ -10,11 +10,10 @@ from lopa_fast import ops
 from lopa_fast.reference import ops as ref
 from lopa_fast.ops.cuda import launch
 from lopa_fast.ops.cuda.emulation import EmuLauncher
-from tests.utils import (  # noqa: F401 - cpp_ops, cuda_emu, cuda_kernels: fixtures
+from tests.utils import (  # noqa: F401 - cuda_emu, cuda_kernels: fixtures
     DEVICE,
     DTYPES,
     assert_2x_rule,
-    cpp_ops,
     cuda_emu,
     cuda_kernels,
     poisoned_empty,
@@ -229,45 +228,6 @@ def test_confidence_cuda_matches_reference(cuda_kernels, N, V, dt):
         assert torch.equal(got.token, want.token)
         for name in ("p_max", "margin", "neg_entropy", "lse"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=2e-5, msg=name)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# C++ CPU op (csrc/confidence_cpu.cpp, torch.ops.lopa_fast_cpp.confidence).
-
-
-def cpp_vs_reference(cpp_ops, x, suppress=None):
-    got = cpp_ops.confidence(x, suppress)
-    want = ref.confidence(x.double(), suppress)  # fp64 oracle
-    assert torch.equal(got.token, want.token)
-    for name in ("p_max", "margin", "neg_entropy", "lse"):
-        g, w = getattr(got, name), getattr(want, name)
-        assert g.dtype == torch.float32
-        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=2e-6, msg=name)
-    return got
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("N,V", [(5, 1003), (3, 152064)])
-def test_cpp_confidence_matches_reference(cpp_ops, N, V, dtype):
-    x = (torch.randn(N, V, generator=torch.Generator().manual_seed(V)) * 4).to(dtype)
-    x[:, 7] = 40.0
-    cpp_vs_reference(cpp_ops, x)
-    assert (cpp_vs_reference(cpp_ops, x, suppress=7).token != 7).all()
-
-
-def test_cpp_confidence_ties_neg_inf_and_strided_rows(cpp_ops):
-    base = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
-    x = base[:, 1:]  # row stride 300, last dim contiguous
-    x[0, 10] = x[0, 20] = 9.0
-    x[1] = float("-inf")
-    x[1, 5] = 1.0
-    got = cpp_vs_reference(cpp_ops, x)
-    assert got.token[0] == 10 and got.margin[0] == 0 and got.p_max[1] == 1
-
-
-def test_cpp_confidence_float64_runs_the_reference(cpp_ops):
-    x = torch.randn(2, 50, dtype=torch.float64)
-    assert cpp_ops.confidence(x).p_max.dtype == torch.float64
 
 
 # ------------------------------------------------- torch.library registration (Triton, interpreter on CPU)

@@ -95,12 +95,7 @@ def test_kernel_sources_take_codes_and_tiles_from_the_defines():
     """Mode / comparator codes and tile sizes live once in Python (lopa_fast.contracts,
     lopa_fast.ops.cuda.constants): every define is read by a source, and no source compares a mode or a
     comparator with a literal."""
-    from pathlib import Path
-
     texts = {p.name: p.read_text() for p in source.KERNEL_DIR.glob("*.cu*")}
-    csrc = Path(source.KERNEL_DIR).parents[1] / "csrc" / "select_round_cpu.cpp"
-    if csrc.exists():
-        texts[csrc.name] = csrc.read_text()
     every = "".join(texts.values())
     for name in constants.defines():
         assert name in every, f"{name} is defined for the kernels but no source reads it"

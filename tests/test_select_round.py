@@ -8,9 +8,8 @@ import torch
 
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
-from tests.utils import (  # noqa: F401 - cpp_ops, cuda_emu, cuda_kernels: fixtures
+from tests.utils import (  # noqa: F401 - cuda_emu, cuda_kernels: fixtures
     DEVICE,
-    cpp_ops,
     cuda_emu,
     cuda_kernels,
     poisoned_empty,
@@ -263,36 +262,6 @@ def test_explicit_cuda_refuses_windows_over_the_kernel_limit(monkeypatch):
         ops.select_round(value, conf, masked, bid, complete, 0.5, backend="cuda")
     with pytest.raises(ValueError, match="cuda select_round: window n=1025"):
         cuda.select_round(value, conf, masked, bid, complete, 0.5)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# C++ CPU op (csrc/select_round_cpu.cpp, torch.ops.lopa_fast_cpp.select_round).
-
-
-@pytest.mark.parametrize("B,n,nb,seed", [(3, 16, 2, 0), (9, 70, 4, 1), (1, 7, 1, 2), (16, 128, 4, 3)])
-@pytest.mark.parametrize("cmp,tau,n_look,topp,alpha", [("gt", 0.9, 3, 0.5, 0.3), ("ge", 0.95, 0, 1.0, 0.0),
-                                                       ("le", 0.05, 5, 0.25, 0.7)])
-def test_cpp_select_round_matches_reference(cpp_ops, B, n, nb, seed, cmp, tau, n_look, topp, alpha):
-    value, conf, masked, bid, complete, cc, active = random_round(B, n, nb, seed)
-    args = (value, conf, masked, bid, complete, tau, cmp, n_look, topp, alpha, cc, active)
-    got, want = cpp_ops.select_round(*args), ref.select_round(*args)
-    assert torch.equal(got.accept, want.accept) and torch.equal(got.lookahead, want.lookahead)
-    torch.testing.assert_close(got.score, want.score, atol=1e-6, rtol=1e-6)
-    assert got.winner.item() == want.winner.item()
-
-
-def test_cpp_select_round_ties_and_no_active_branch(cpp_ops):
-    g = torch.Generator().manual_seed(9)
-    c = torch.rand(1, 10, generator=g).expand(3, 10).clone()
-    masked = torch.ones(3, 10, dtype=torch.bool)
-    bid = torch.zeros(3, 10, dtype=torch.long)
-    done = torch.ones(3, 1, dtype=torch.bool)
-    got = cpp_ops.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)  # nothing passes: fallback only
-    want = ref.select_round(c, c, masked, bid, done, 2.0, "gt", 12, 1.0, 0.0)
-    assert torch.equal(got.accept, want.accept) and got.accept.sum() == 3 and got.winner.item() == 0
-    assert torch.equal(got.lookahead, want.lookahead) and (got.lookahead[:, -3:] == -1).all()
-    none = cpp_ops.select_round(c, c, masked, bid, done, 2.0, "gt", 0, 1.0, 0.0, None, torch.zeros(3, dtype=torch.bool))
-    assert none.winner.item() == -1
 
 
 # ------------------------------------------------- torch.library registration (Triton, interpreter on CPU)

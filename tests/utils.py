@@ -143,24 +143,6 @@ def cuda_emu():
         pytest.skip(f"host emulation does not build here: {e}")
 
 
-@pytest.fixture(scope="module")
-def cpp_ops():
-    """lopa_fast.ops._cpp with csrc/ built (torch.ops.lopa_fast_cpp); skips without a compiler or ninja."""
-    import shutil
-
-    from torch.utils.cpp_extension import is_ninja_available
-
-    from lopa_fast.ops import _cpp
-
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler")
-    if not is_ninja_available():
-        pytest.skip("torch.utils.cpp_extension.load needs ninja (pip install ninja)")
-    _cpp.build()
-    assert _cpp.loaded()
-    return _cpp
-
-
 @pytest.fixture
 def cuda_kernels():
     """lopa_fast.ops.cuda on a GPU machine (`gpu` tests): fails, not skips, when a GPU is present but the

@@ -1,12 +1,12 @@
-"""CPU C++ ops of csrc/ (`confidence`, `select_round`, and the fast round's bookkeeping `round_prepare` /
-`round_update`; TORCH_LIBRARY `lopa_fast_cpp`), JIT-built with torch.utils.cpp_extension.load on first use:
-`build()`; the fast decoder on CPU asks for them through `round_ops()` (LOPA_FAST_CPP=0 turns that off).
-Nothing builds at import or install.
+"""The CPU C++ ops of csrc/ (TORCH_LIBRARY `lopa_fast_cpp`): the fast round's bookkeeping `round_prepare` /
+`round_update` (csrc/round_cpu.cpp, the C++ twin of lopa_fast/decode/round.py), JIT-built with
+torch.utils.cpp_extension.load on first use: `build()`; the fast decoder on CPU asks for them through
+`round_ops()` (LOPA_FAST_CPP=0 turns that off). Nothing builds at import or install. Build: ~20-80 s on the
+2-core machine (per-op ATen headers; needs ninja), cached under $LOPA_FAST_CACHE_DIR/cpp.
 
-Measured side by side (bench/results/cuda_cpp_ops.md), 2-core CPU: confidence 1.2-2.1x faster than the torch
-path at the Dream vocabulary, select_round 11-16x (against single-threaded torch; far more against 2 threads
-on a loaded machine), so both are kept. Build: ~15-35 s (per-op ATen headers; needs ninja), cached under
-$LOPA_FAST_CACHE_DIR/cpp.
+The earlier C++ `confidence` and `select_round` ops left the package (bench/results/cuda_cpp_ops.md): the
+round's CPU bookkeeping is `round_update` (one call per round, superseding `select_round`), and its token
+statistics must be bitwise the reference's torch formula, which a C++ softmax is not.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from lopa_fast.contracts import COMPARATOR_CODES, Confidence, RoundSelection, code_defines, round_defines
+from lopa_fast.contracts import code_defines, round_defines
 from lopa_fast.ops._backend import cache_dir
 
 log = logging.getLogger("lopa_fast.ops.cpp")
 
 _PKG = Path(__file__).resolve().parents[1]  # csrc/ ships as lopa_fast/csrc in a wheel; the repo keeps it at the top
 CSRC = _PKG / "csrc" if (_PKG / "csrc").is_dir() else _PKG.parent / "csrc"
-SOURCES = ("confidence_cpu.cpp", "select_round_cpu.cpp", "round_cpu.cpp")
+SOURCES = ("round_cpu.cpp",)
 
 
 @functools.cache
@@ -47,7 +47,7 @@ def build() -> None:
 
 
 def loaded() -> bool:
-    return hasattr(torch.ops, "lopa_fast_cpp") and hasattr(torch.ops.lopa_fast_cpp, "select_round")
+    return hasattr(torch.ops, "lopa_fast_cpp") and hasattr(torch.ops.lopa_fast_cpp, "round_update")
 
 
 def wanted() -> bool:
@@ -74,40 +74,3 @@ def _round_ops_built() -> bool:
                       RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
     return hasattr(torch.ops.lopa_fast_cpp, "round_update")
-
-
-def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10):
-    """lopa_fast.reference.ops.confidence on the C++ op (CPU tensors, fp32/fp16/bf16 in, fp32 out;
-    fp64 runs the reference). Returns lopa_fast.contracts.Confidence."""
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415 - the fp64 contract
-
-    if logits.dtype == torch.float64:  # the contract computes fp64 input in fp64; the C++ op is fp32 inside
-        return ref.confidence(logits, suppress_token, eps)
-    if not loaded():
-        build()
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    out = torch.ops.lopa_fast_cpp.confidence(logits, -1 if suppress_token is None else int(suppress_token),
-                                             float(eps))
-    return Confidence(*out)
-
-
-def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
-                 alpha=0.0, creation_conf=None, branch_active=None):
-    """lopa_fast.reference.ops.select_round on the C++ op (CPU tensors); returns lopa_fast.contracts.RoundSelection.
-    fp64 conf runs the reference (the contract computes it in fp64)."""
-    from lopa_fast.reference import ops as ref  # noqa: PLC0415 - the fp64 contract
-
-    args = (accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha,
-            creation_conf, branch_active)
-    if conf.dtype == torch.float64:
-        return ref.select_round(*args)
-    if not loaded():
-        build()
-    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-    b8 = lambda t: None if t is None else t.to(torch.bool).contiguous()  # noqa: E731
-    out = torch.ops.lopa_fast_cpp.select_round(
-        f32(accept_value), f32(conf), b8(masked), block_ids.to(torch.int64).contiguous(), b8(block_complete),
-        float(tau), COMPARATOR_CODES[comparator], int(n_look), float(topp), float(alpha), f32(creation_conf),
-        b8(branch_active))
-    return RoundSelection(*out)
