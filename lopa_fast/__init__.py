@@ -12,10 +12,11 @@ from lopa_fast.errors import (
 )
 from lopa_fast.models import KVCache, load_model, load_tokenizer
 from lopa_fast.output import GenerateOutput
+from lopa_fast.stream import TextStream, stream
 
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "ConfigError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
     "GenerateConfig", "GenerateOutput", "KVCache", "LopaConfig", "RoundCapError", "generate", "load_model",
-    "load_tokenizer",
+    "load_tokenizer", "stream", "TextStream",
 ]  # fmt: skip

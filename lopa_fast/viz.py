@@ -99,3 +99,43 @@ def png_size(path) -> tuple[int, int]:
 
 
 __all__ = ["fill_order_png", "fill_order_text", "fill_rounds", "png_size"]
+
+
+class StepView:
+    """The live denoising view, as a progress hook `view(prefix, info)` (generate's / stream's `on_round=`): the
+    decoded positions, each shown as its token's text and every mask as `_`, after every round.
+
+    On a terminal (`tty`, default: out.isatty()) the view is redrawn in place (ANSI: cursor up over the lines
+    the last view took, clear to the end of the screen); otherwise one plain line per round
+    ("round R (F/N filled): ..."), which logs and tests read.
+    token_text: ids -> list[str], one text per position (default str of the id).
+    """
+
+    MASK = "_"
+
+    def __init__(self, token_text=None, out=None, tty: bool | None = None, width: int | None = None):
+        import shutil
+        import sys
+
+        self.out = out if out is not None else sys.stdout
+        self.tty = bool(tty if tty is not None else getattr(self.out, "isatty", lambda: False)())
+        self.width = width or shutil.get_terminal_size((100, 24)).columns
+        self.token_text = token_text or (lambda ids: [str(t) for t in ids])
+        self._lines = 0
+
+    def line(self, info: dict) -> str:
+        """One round's view: 'round R (F/N filled): tok tok _ _ ...'."""
+        canvas, mask = info["canvas"], info["mask_token_id"]
+        known = [t for t in canvas if t != mask]
+        texts = iter(self.token_text(known))
+        cells = [self.MASK if t == mask else (next(texts).strip() or "·") for t in canvas]
+        return f"round {info['round']} ({len(known)}/{len(canvas)} filled): " + " ".join(cells)
+
+    def __call__(self, prefix, info) -> None:
+        text = self.line(info)
+        if self.tty:
+            if self._lines:
+                self.out.write(f"\x1b[{self._lines}F\x1b[J")  # up to the start of the last view, clear below
+            self._lines = max(1, -(-len(text) // max(1, self.width)))
+        self.out.write(text + "\n")
+        self.out.flush()

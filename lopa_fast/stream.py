@@ -1,0 +1,178 @@
+"""`lopa_fast.stream`: the generated text as it becomes final, built on generate's per-round hook (`on_round=`).
+
+    s = lopa_fast.stream(model, "Tom has 23 pens ...", tokenizer=tok, strategy="lopa", stop=["\\n\\n"])
+    for piece in s:            # str pieces, append-only
+        print(piece, end="", flush=True)
+    s.text, s.result.stats     # the same text and stats as generate (lopa_fast.text.answer_text)
+
+What is final: after every round the hook reports the accepted sequence's finalised prefix (the tokens before
+its first mask; no later round changes them). The stream cuts it to whole blocks (`GenerateConfig.length_unit`:
+block_size for d2f / lopa, block_length for threshold and LLaDA vanilla, one token for Dream vanilla and apd),
+so a block's text is shown once it and every earlier block are complete, and to the requested length, the first
+EOS and the first token-id stop. It decodes that whole prefix (never token by token: multi-byte characters and
+merged tokens decode correctly) and yields the new suffix only when it extends what was yielded, holding back a
+tail that a later token may still change (trailing whitespace, an unfinished character, the start of a text
+stop). When decoding ends the rest of the final text is yielded: the concatenation of the pieces is `.text`.
+
+Decoding runs in a worker thread (the hook cannot yield); closing the stream early (`break`, `.close()`) stops
+decoding at the next round. Bad input raises from `stream(...)` itself, before any decoding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import warnings
+
+import torch
+
+from lopa_fast import api
+from lopa_fast.config import GenerateConfig
+from lopa_fast.contracts import first_stop
+from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
+    text_decoder  # fmt: skip
+
+
+class _Closed(Exception):
+    """Raised inside the decoding thread's hook when the consumer closed the stream."""
+
+
+class TextStream:
+    """Iterator over str pieces of the generated text (see the module docstring).
+
+    After the iteration ends: `.text` (the whole text, equal to the pieces joined), `.result` (the
+    GenerateOutput: generated_ids, stats, trace; stats["finish_reason"] "stop" also when a text stop cut the
+    text, with stats["stop_text"]), `.prompt_ids` (the encoded prompt, list[int]). Both are None before.
+    `on_round(prefix, info)`, if given, runs in the consuming thread for every round, before that round's piece.
+    """
+
+    def __init__(self, model, ids: torch.Tensor, cfg: GenerateConfig, length: int, decode, text_stops: list[str],
+                 verifier=None, on_round=None):  # fmt: skip
+        self._model, self._ids, self._cfg, self._verifier = model, ids, cfg, verifier
+        self._length, self._decode, self._text_stops, self._on_round = length, decode, text_stops, on_round
+        self._unit = max(1, cfg.length_unit())
+        self._eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.prompt_ids = ids.tolist()
+        self.text: str | None = None
+        self.result = None
+        self._iter = self._pieces()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop decoding (at the next round) and wait for the decoding thread."""
+        self._closed.set()
+        self._iter.close()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- the worker ------------------------------------------------------------------------------------
+    def _run(self, events: queue.Queue) -> None:
+        def hook(prefix, info):
+            if self._closed.is_set():
+                raise _Closed
+            events.put(("round", prefix, info))
+
+        try:
+            extra = {"verifier": self._verifier} if self._verifier is not None else {}
+            out = api.generate_with_config(self._model, self._ids, self._cfg, on_round=hook, **extra)
+            events.put(("done", out, None))
+        except _Closed:
+            events.put(("closed", None, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consuming thread, raised there
+            events.put(("error", e, None))
+
+    def _stable_text(self, prefix: list[int]) -> str:
+        """The text of a finalised prefix that no later round can change, cut as the module docstring says."""
+        ids = prefix[: min(len(prefix) // self._unit * self._unit, self._length)]
+        ids = answer_ids(ids, self._eos)
+        if self._cfg.stop:
+            at = first_stop(ids, self._cfg.stop)
+            ids = ids if at is None else ids[:at]
+        text, hit = cut_at_text_stop(self._decode(ids), self._text_stops)
+        return text if hit is not None else held_back(text, self._text_stops)
+
+    def _pieces(self):
+        events: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(events,), name="lopa_fast.stream", daemon=True)
+        self._thread.start()
+        shown = ""
+        try:
+            while True:
+                kind, a, b = events.get()
+                if kind == "round":
+                    if self._on_round is not None:
+                        self._on_round(a, b)
+                    text = self._stable_text(a)
+                    if len(text) > len(shown) and text.startswith(shown):
+                        piece, shown = text[len(shown) :], text
+                        yield piece
+                    continue
+                if kind == "error":
+                    raise a
+                if kind == "closed":
+                    return
+                self.result = a
+                self.text = answer_text(a, self._decode, self._eos, self._text_stops)
+                if self.text.startswith(shown):
+                    if len(self.text) > len(shown):
+                        yield self.text[len(shown) :]
+                else:  # the tokenizer's decoding was not prefix-stable: the pieces already shown cannot be taken back
+                    warnings.warn(f"stream: the text shown ({shown!r}) is not a prefix of the final text "
+                                  f"({self.text!r}); the tokenizer's decoding changed earlier characters",
+                                  RuntimeWarning, stacklevel=2)  # fmt: skip
+                return
+        finally:
+            self._closed.set()
+            self._thread.join()
+
+
+def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digits_joined: bool = False,
+           verifier=None, on_round=None, **knobs) -> TextStream:  # fmt: skip
+    """Stream the generated text of one prompt (module docstring). Returns a TextStream (iterate it for str pieces;
+    then `.text` and `.result` hold generate's text and output).
+
+    model:      a DecoderLM (lopa_fast.load_model).
+    prompt:     text (str; encoded with `tokenizer`, or its chat template with chat=True; empty or
+                whitespace-only text is a KnobError, unknown words are warned about) or token ids (a list of ints /
+                LongTensor [P] / [1, P], as generate takes).
+    tokenizer:  the model's tokenizer (lopa_fast.load_tokenizer); required (the text is decoded with it).
+    stop:       stop strings (text) and / or token-id sequences, e.g. ["\\n\\n", [13, 198]] (lopa_fast.text
+                .split_stops: a text stop ends decoding early when the model emits its tokenisation, and cuts the
+                text at its first occurrence in any case).
+    digits_joined: undo the embedded task tokenizer's digit split in the text (lopa_fast.text.join_digits).
+    verifier, on_round: as generate's (on_round runs in the consuming thread).
+    **knobs:    every knob of lopa_fast.generate (strategy, backend, max_new_tokens, ...).
+    """
+    if tokenizer is None:
+        raise TypeError("stream(): tokenizer= is required (the model's tokenizer, lopa_fast.load_tokenizer(dir))")
+    if on_round is not None and not callable(on_round):
+        raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
+    ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
+    seqs, texts = split_stops(tokenizer, stop)
+    bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
+    if bad:
+        raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
+    cfg = GenerateConfig(**knobs, stop=seqs).validate()
+    ids_t = api.prepare_prompt(model, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # generate warns itself (once, when it runs)
+        planned, length = cfg.plan_length(model, ids_t.numel())
+        bound = planned.resolve(model)
+        api.check_prompt(model, ids_t, bound)
+        api.resolve_backend(bound, hook=True)
+    return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer, digits_joined=digits_joined),
+                      texts, verifier=verifier, on_round=on_round)  # fmt: skip

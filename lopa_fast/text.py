@@ -1,0 +1,143 @@
+"""Text in, text out: the pieces every text entry point shares (`lopa_fast.stream`, the CLI, the lm-eval model).
+
+- `encode_prompt`: a text prompt -> token ids (the tokenizer's own specials, or its chat template); an empty or
+  whitespace-only prompt is a KnobError (knob "prompt"); words the tokenizer maps to its unknown token are warned
+  about by name (`unknown_words`), never silently mapped.
+- `split_stops`: `stop=` of a text entry point: strings are TEXT stops, lists of ints token-id stops. A text stop
+  is used twice: its tokenisation (`add_special_tokens=False`) joins the token-id stops, so decoding ends early
+  when the model emits exactly those tokens (the one stop mechanism of `generate`), and the decoded text is cut
+  at the string's first occurrence (`answer_text`), so a stop string the model produced with other tokens (e.g.
+  merged into a longer token) still ends the text, though decoding then ran on.
+- `answer_text`: the text of a GenerateOutput: the generated ids before the first EOS, decoded without special
+  tokens, cut before the first text stop.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+from lopa_fast.errors import KnobError
+
+
+def join_digits(text: str) -> str:
+    """The embedded task tokenizer splits numbers into digits: "2 3 + 2 4" -> "23 + 24" (display only)."""
+    from lopa_fast.tasks import join_digits as join
+
+    return join(text)
+
+
+def text_decoder(tokenizer, *, digits_joined: bool = False):
+    """ids -> text: `tokenizer.decode(ids, skip_special_tokens=True)` (then `join_digits` for the embedded task
+    tokenizer, which splits numbers into digits)."""
+
+    def decode(ids) -> str:
+        text = tokenizer.decode(list(ids), skip_special_tokens=True)
+        return join_digits(text) if digits_joined else text
+
+    return decode
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The words of `text` the tokenizer maps to its unknown token (empty when it has none or maps everything)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    words = [text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk]
+    return list(dict.fromkeys(w for w in words if w))
+
+
+def check_text_prompt(text, where: str = "prompt") -> str:
+    """A text prompt as given, or KnobError (knob "prompt") when it is not a str, or empty / only whitespace."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: {type(text).__name__}; expected text (str)")
+    if not text.strip():
+        raise KnobError(f"{where}: the prompt is empty (or only whitespace)", knob="prompt", value=text)
+    return text
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> list[int]:
+    """Token ids of a text prompt: the tokenizer's own special tokens (e.g. bos), or (chat=True) its chat
+    template with one user message and the generation prompt. Empty / whitespace-only text: KnobError. Words
+    the tokenizer does not know are reported through `warn(message)` (default: a UserWarning) by name."""
+    check_text_prompt(text)
+    missing = unknown_words(tokenizer, text)
+    if missing:
+        msg = (f"{len(missing)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
+               + ", ".join(repr(w) for w in missing))  # fmt: skip
+        (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(msg)
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise KnobError("chat=True: the model's tokenizer has no chat template (tokenizer_config.json "
+                            "'chat_template' or chat_template.jinja)", knob="chat", value=True)  # fmt: skip
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)  # fmt: skip
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def split_stops(tokenizer, stop) -> tuple[list[list[int]] | None, list[str]]:
+    """(token-id stop sequences for generate's `stop=`, text stop strings) from a text entry point's `stop=`:
+    a list whose str items are text stops and whose list-of-int items are token-id stops (None: no stops).
+    A text stop's tokenisation joins the token-id stops unless it holds the unknown token."""
+    if stop is None:
+        return None, []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not stop:
+        raise TypeError(f"stop={stop!r}; expected a non-empty list of stop strings and/or token-id sequences")
+    seqs: list[list[int]] = []
+    texts: list[str] = []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for item in stop:
+        if isinstance(item, str):
+            if item == "":
+                raise KnobError("stop: an empty stop string; allowed: non-empty text", knob="stop", value=item)
+            texts.append(item)
+            ids = list(tokenizer(item, add_special_tokens=False)["input_ids"])
+            if ids and (unk is None or unk not in ids) and list(ids) not in seqs:
+                seqs.append(ids)
+        elif isinstance(item, (list, tuple)):
+            seqs.append(list(item))  # checked by GenerateConfig.validate (ids, lengths, count)
+        else:
+            raise TypeError(f"stop item {item!r} ({type(item).__name__}); expected a str or a list of token ids")
+    return (seqs or None), texts
+
+
+def cut_at_text_stop(text: str, stops) -> tuple[str, str | None]:
+    """(text before the earliest text stop, that stop or None)."""
+    best = None
+    for s in stops or ():
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return (text, None) if best is None else (text[: best[0]], best[1])
+
+
+def held_back(text: str, stops) -> str:
+    """`text` less a tail that may still turn into a text stop (a proper prefix of one ends the text) or that a
+    later token may rewrite (trailing whitespace; an unfinished multi-byte character, decoded as U+FFFD)."""
+    text = re.sub("\ufffd+$", "", text)
+    for s in stops or ():
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                text = text[:-k]
+                break
+    return text.rstrip()
+
+
+def answer_ids(ids: list[int], eos_token_id: int | None) -> list[int]:
+    """The generated ids before the first EOS (all of them without one)."""
+    return ids[: ids.index(eos_token_id)] if eos_token_id is not None and eos_token_id in ids else list(ids)
+
+
+def answer_text(out, decode, eos_token_id: int | None, text_stops=()) -> str:
+    """The text of a GenerateOutput: ids before the first EOS, `decode`d, cut before the first text stop. A text
+    cut sets stats["finish_reason"] = "stop" and stats["stop_text"] (the string) on `out`."""
+    text, hit = cut_at_text_stop(decode(answer_ids(out.generated_ids, eos_token_id)), text_stops)
+    if hit is not None:
+        out.stats["finish_reason"] = "stop"
+        out.stats["stop_text"] = hit
+    return text
