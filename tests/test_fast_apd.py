@@ -237,3 +237,85 @@ def test_trace_and_hook_equal_the_reference(models):
                            kv_window=4, max_lookahead=8, max_new_tokens=16, eos_token_id=61,
                            on_round=lambda prefix, info, b=backend: seen[b].append((prefix, info)))  # fmt: skip
     assert seen["fast"] == seen["reference"] and len(seen["fast"]) == fast.stats["forwards"]
+
+
+# ---- compile=True: the step compiled once per bucket (CPU: torch.compile fullgraph; CUDA: a captured graph) ----
+# W = 2, M = 4, 12 new tokens: every step's window (<= M + W - 1 + M = 9 columns) and draft (<= 4 rows) fall in the
+# smallest bucket (16 x 16), so CI compiles ONE graph; the second request replays it.
+COMPILE_KW = dict(strategy="apd", apd_mixture_weight=0.7, kv_window=2, max_lookahead=4, max_new_tokens=12,
+                  eos_token_id=61)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def compiled_apd_runs():
+    spec = json.load(open(os.path.join(HERE, "golden", "apd_upstream.json")))["models"]
+    d, q = (model_from_spec(spec[k]["hf"], spec[k]["random"]) for k in PAIRS["a"])
+    runs = []
+    for prompt in ([5, 9, 2], [4, 8, 15]):
+        ref = lopa_fast.generate(d, prompt, backend="reference", verifier=q, **COMPILE_KW)
+        comp = lopa_fast.generate(d, prompt, backend="fast", compile=True, verifier=q, **COMPILE_KW)
+        runs.append((ref, comp))
+    return runs
+
+
+def test_compiled_step_is_exact_and_compiles_once(compiled_apd_runs):
+    for ref, comp in compiled_apd_runs:
+        assert_parity(ref, comp, COMPILE_KW)
+        assert comp.stats["host_reads_per_round"] == 1.0
+    first, second = compiled_apd_runs[0][1].stats, compiled_apd_runs[1][1].stats
+    assert first["forwards"] >= 3 and first["compiled_buckets"] == [(16, 16)], first  # steps after the prefill ran compiled
+    assert first["compiled_graphs"] == 1 and list(first["compile_seconds"]) == ["16x16"]
+    assert second["compiled_graphs"] == 0 and second["compile_seconds"] == {}  # a replay: nothing recompiled
+
+
+def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
+    """The CUDA-graph path of the APD step (the workspace per ApdGeometry, a request's state loaded into it, the
+    caches written in place, the step's draft graph-owned) with the capture emulated on CPU (as
+    tests/test_compiled_round.py does for the D2F / LoPA round): token-exact, traces included, over requests
+    whose buckets differ."""
+    from lopa_fast.decode.compiled import CompiledRounds
+
+    def emulated_capture(warmup, body):
+        _, info = warmup()  # a real capture runs nothing: the outputs come from a warm-up on scratch copies
+        outputs = {k: v.clone() for k, v in info.items()}
+
+        def replay():
+            for k, v in body().items():
+                outputs[k].copy_(v)
+
+        return replay, outputs
+
+    d, q = models["d64"], models["q64"]
+    cr = CompiledRounds.for_model(d)
+    cr.emulate_graphs = True
+    monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
+    try:
+        stats = []
+        for prompt, R in (([5, 9, 2], 0.7), ([4, 8, 15], 0.7), ([1, 2, 3], 0.9)):
+            kw = dict(COMPILE_KW, apd_mixture_weight=R, kv_window=4, max_lookahead=8, max_new_tokens=24,
+                      return_trace=True)  # fmt: skip
+            ref = lopa_fast.generate(d, prompt, backend="reference", verifier=q, **kw)
+            got = lopa_fast.generate(d, prompt, backend="fast", compile=True, verifier=q, **kw)
+            assert_parity(ref, got, kw)
+            assert got.trace == ref.trace
+            stats.append(got.stats)
+        assert stats[0]["compiled_graphs"] >= 1 and len(stats[0]["compiled_buckets"]) >= 1
+        assert sum(s["compiled_graphs"] for s in stats[1:]) < sum(len(s["compiled_buckets"]) for s in stats[1:])
+        assert len([g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]) == 2  # one per R (a constant)
+    finally:
+        cr.emulate_graphs = False  # the per-model compiled steps are shared with later tests
+        for key in [k for k in cr.fns if k[0] == "apd"]:
+            del cr.fns[key]
+        for geo in [g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]:
+            del cr.workspaces[geo]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", [case(R=0.9, W=None, M=None, P=9, eos="never", n=24),
+                               case(R=None, K=2, W=1, M=4, P=1, n=24),
+                               case(pair="b", R=0.6, W=4, M=8, P=3, n=24, suppress_mask_token=True)])  # fmt: skip
+def test_compile_grid(models, c):
+    ref, fast = run_both(models, c)
+    _, comp = run_both(models, c, compile=True)
+    assert_parity(ref, comp, c)
+    assert comp.stats["compiled_buckets"], comp.stats

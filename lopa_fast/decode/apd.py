@@ -150,7 +150,9 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     d_prefix = (0 if geo.W is None or first else prefix[0]) if prefix is not None else (
         left if geo.W is not None else torch.zeros((), dtype=torch.long, device=dev))  # fmt: skip
     raw_row = (curr - left + j - 1).clamp(min=0)  # Dream's shift; a mask at window row 0 keeps its own row
-    raw_row = torch.where(dvalid, raw_row, 0)
+    # every gather index is in range by construction, whatever the state (a captured graph's warm-up runs on
+    # the workspace's last state, possibly a finished request's: an out-of-range index would be a device assert)
+    raw_row = torch.where(dvalid, raw_row, 0).clamp(max=Nb - 1)
     l_d, k_win, v_win = drafter.forward_static(
         tokens, left, st["dk"], st["dv"], d_prefix, (right - left).reshape(1), None, "full", raw_row,
         attn_backend=geo.attn_backend,
@@ -163,7 +165,8 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     # ---- the draft (the reference's draft_tokens at T = 0: filters, then argmax)
     lg = l_d
     if geo.suppress_mask:
-        lg = lg.index_fill(1, torch.tensor([geo.mask_id], device=dev), float("-inf"))
+        lg = lg.clone()
+        lg[:, geo.mask_id] = float("-inf")  # a fill kernel (no host-to-device copy: capturable)
     if geo.top_p is not None and geo.top_p < 1:
         lg = top_p_filter(lg, geo.top_p)
     if geo.top_k is not None:
@@ -180,7 +183,7 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
             dst = torch.where(dvalid, curr + j, Lb)
             vt = x.index_copy(0, dst, vtok).index_select(0, wcol)[None]
             er = torch.arange(Db + 1, device=dev)
-            vrows = torch.where(er <= n_d, curr - 1 + er, 0)  # AR predictions for positions curr .. right
+            vrows = torch.where(er <= n_d, curr - 1 + er, 0).clamp(0, Nb - 1)  # AR predictions for curr .. right
             ext, vk_win, vv_win = verifier.forward_static(
                 vt, zero, st["vk"], st["vv"], 0 if prefix is not None else zero, right.reshape(1), None,
                 "causal", vrows, attn_backend=geo.attn_backend,
@@ -204,7 +207,7 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
         agree = ((x0 == target) | (j == 0)) & dvalid
         accepted = agree.long().cumprod(0).sum()
         # prev_logits: the AR row for the first rejected position; all accepted: row n_d - 1 (Q3) or n_d (exact)
-        keep = accepted if geo.exact_prev else torch.where(accepted < n_d, accepted, n_d - 1)
+        keep = (accepted if geo.exact_prev else torch.where(accepted < n_d, accepted, n_d - 1)).clamp(0, Db)
         st["prev"] = ext.index_select(0, keep.reshape(1))[0]
     else:
         outside = torch.zeros((), dtype=torch.bool, device=dev)

@@ -91,15 +91,43 @@ class CompiledRounds:
         self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
         return out
 
+    def apd_step(self, drafter, verifier, st: dict, T: dict, geo, Nb: int, Db: int) -> tuple[dict, dict]:
+        """One APD step (lopa_fast.decode.apd.apd_step after the prefill) of bucket (Nb window columns, Db draft
+        rows) with the compiled / captured callable, kept per (verifier, ApdGeometry, Nb, Db); returns
+        (state, info). The same compile / capture machinery as `step` (the verifier is bound into the callable,
+        which holds it alive, so its id keys the bucket)."""
+        key = ("apd", id(verifier), geo, Nb, Db)
+        self._req_buckets.add((Nb, Db))
+        fn = self.fns.get(key)
+        if fn is None:
+            t0, g0 = time.perf_counter(), _dynamo_graphs()
+            step = _bound_apd_step(drafter, verifier, geo, Nb, Db)
+            if st["x"].is_cuda or self.emulate_graphs:
+                fn = self.fns[key] = self._capture(drafter, st, T, geo, None, Nb, Db, step=step)
+                self.graphs += 1
+                out = fn(st, T)
+            else:
+                fn = self.fns[key] = torch.compile(step, fullgraph=True, dynamic=False)
+                out = fn(st, T)
+                self.graphs += _dynamo_graphs() - g0
+            self.compile_seconds[key] = time.perf_counter() - t0
+            self._req_compile_seconds[f"{Nb}x{Db}"] = round(self.compile_seconds[key], 3)
+            return out
+        g0 = _dynamo_graphs()
+        out = fn(st, T)
+        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
+        return out
+
     # ------------------------------------------------------------------------------------------------
-    def _capture(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int):
-        """Capture the bucket's round as a CUDA graph over the Geometry's static workspace."""
+    def _capture(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, step=None):
+        """Capture the bucket's round (or `step(st, T) -> (st, info)`, e.g. an APD step) as a CUDA graph over
+        the Geometry's static workspace."""
         ws = self.workspaces.get(geo)
         if ws is None or ws["state"].keys() != st.keys():
             ws = self.workspaces[geo] = {"state": {k: v.clone() for k, v in st.items()},
                                          "tables": {k: v.clone() for k, v in T.items()}}  # fmt: skip
         S, TS = ws["state"], ws["tables"]
-        step = _bound_step(model, geo, cfg, Nb, Rb)
+        step = step or _bound_step(model, geo, cfg, Nb, Rb)
 
         def body() -> dict:  # one round on the workspace, written back into it; returns the trace facts
             out, info = step(dict(S), TS)
@@ -161,4 +189,15 @@ def _bound_step(model, geo, cfg, Nb: int, Rb: int):
         return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
 
     code = step.__code__.replace(co_name=f"round_step_{Nb}x{Rb}_{next(_CODE_IDS)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+
+
+def _bound_apd_step(drafter, verifier, geo, Nb: int, Db: int):
+    """apd_step (not the prefill) with the bucket's constants bound, with its own code object (as _bound_step)."""
+    from lopa_fast.decode import apd
+
+    def step(st: dict, T: dict) -> tuple[dict, dict]:
+        return apd.apd_step(drafter, verifier, st, T, geo, Nb, Db, first=False)
+
+    code = step.__code__.replace(co_name=f"apd_step_{Nb}x{Db}_{next(_CODE_IDS)}")
     return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
