@@ -1,4 +1,4 @@
-"""Command line: `python -m lopa_fast {demo, eval, generate}` (`lopa-fast` when installed).
+"""Command line: `python -m lopa_fast {demo, eval, generate, lm-eval}` (`lopa-fast` when installed).
 
     python -m lopa_fast demo                      # the main job: embedded model, D2F vs LoPA, fill order
     python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> bench/results/
@@ -7,6 +7,7 @@
     python -m lopa_fast generate --prompt "..." --png fill.png   # + the fill-order heatmap (lopa_fast.viz)
     python -m lopa_fast generate --prompt "..." --stream --stop-text '\\n\\n'   # text as it becomes final
     python -m lopa_fast generate --prompt "..." --show-steps   # the live denoising view, round by round
+    python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,strategy=lopa --tasks gsm8k  # lm-eval's args
 
 `generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
 from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or
@@ -377,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--png", default=None, metavar="PATH",
                    help="also write the fill-order heatmap of the run (lopa_fast.viz.fill_order_png) to PATH")
     g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))
+
+    sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the lopa_fast model registered: "
+                   "python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,... --tasks T "
+                   "(every argument is lm-eval's; needs pip install .[eval])")  # fmt: skip
     return ap
 
 
@@ -396,7 +401,20 @@ def main(argv=None, *, exit_on_error: bool | None = None) -> int:
         return 2
 
 
+def _lm_eval(argv) -> int:
+    """`lm-eval ARGS`: lm-eval's own command line with the `lopa_fast` model registered (lopa_fast.lm_eval)."""
+    try:
+        from lopa_fast import lm_eval
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise CLIError("lm-eval: lm-evaluation-harness is not installed; pip install '.[eval]' (or lm-eval)") from e
+    return lm_eval.main(argv)
+
+
 def _run(argv) -> int:
+    if argv[:1] == ["lm-eval"]:  # every further argument is lm-eval's own (it parses them)
+        return _lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.threads < 1:
