@@ -126,6 +126,9 @@ class GenerateConfig:
     suppress_mask_token: bool = False
     # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
     compile: bool = False
+    # the fast backend (d2f / lopa, T = 0): split each round's branch slots over the ranks of the initialised
+    # torch.distributed process group (lopa_fast.distributed; docs/distributed.md); every rank returns the result
+    distributed: bool = False
     # stop sequences (token ids; every strategy): decoding ends once one lies in the finalised prefix (the tokens
     # before the first mask); the output is cut before it. A list of lists is accepted (stored as tuples).
     stop: tuple[tuple[int, ...], ...] | None = None
@@ -203,6 +206,11 @@ class GenerateConfig:
         _bool("compile", self.compile)
         if self.compile and self.backend == "reference":
             raise ValueError("compile=True applies to backend='fast' or 'auto'; the reference backend runs eagerly")
+        _bool("distributed", self.distributed)
+        if self.distributed:  # the strategy / backend / process-group checks (KnobError naming the knob)
+            from lopa_fast.distributed import check_config
+
+            check_config(self)
 
         allowed = STRATEGY_KNOBS[self.strategy]
         for knob in ALL_SPECIFIC_KNOBS:

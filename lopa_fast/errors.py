@@ -15,6 +15,8 @@ catch (ValueError / RuntimeError), so `except ValueError` keeps working:
     RoundCapError           RuntimeError: a decoding loop hit `max_rounds` with on_round_cap="error"
     NonFiniteLogitsError    RuntimeError: NaN / inf in the raw model output on a row a strategy reads
                             (.strategy, .round, .position, .value)
+    DistributedError        RuntimeError: a branch-parallel round failed on some rank, or a collective failed / timed
+                            out (.rank: the failing rank, -1 if unknown; .round)
 """
 from __future__ import annotations
 
@@ -75,7 +77,16 @@ class NonFiniteLogitsError(LopaError, RuntimeError):
         self.strategy, self.round, self.position, self.value = strategy, int(round), int(position), value
 
 
+class DistributedError(LopaError, RuntimeError):
+    """A branch-parallel request (generate(..., distributed=True)) failed: a rank raised (every rank raises this,
+    naming it) or a collective failed or timed out (a peer died)."""
+
+    def __init__(self, message: str, *, rank: int = -1, round: int = 0):
+        super().__init__(message)
+        self.rank, self.round = int(rank), int(round)
+
+
 __all__ = [
-    "CheckpointError", "ConfigError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
-    "RoundCapError",
+    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
+    "NonFiniteLogitsError", "RoundCapError",
 ]  # fmt: skip

@@ -122,7 +122,6 @@ class FastDecoder:
         return self.st["head"].tolist()  # the round's one device-to-host read
 
     def _step(self, Nb: int, Rb: int, s: int) -> None:
-        self.max_Nb = max(self.max_Nb, Nb)
         if self.compiled is not None and self._rounds > 0:
             self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
         elif self.cpp_tables is not None:  # eager on CPU (and the prefill round): the C++ bookkeeping
@@ -159,48 +158,78 @@ class FastDecoder:
         pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
         raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value="NaN/inf")
 
-    def run(self, on_round=None) -> GenerateOutput:
-        """Decode the request. on_round: the progress hook (lopa_fast.contracts.report_round), called after every
-        round with the anchor row (the accepted sequence): one extra host read per round, only with a hook."""
-        cfg, geo = self.cfg, self.geo
-        stats = {"forwards": 0, "model_calls": 0}
-        trace = [] if cfg.return_trace else None
-        ragged_rounds = 0
+    # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
+    def begin(self, on_round=None) -> None:
+        """Start the clock, plan round 1 and read its head (the request's first host read). on_round: the
+        progress hook (lopa_fast.contracts.report_round), called after every round with the anchor row (the
+        accepted sequence): one extra host read per round, only with a hook."""
+        self.on_round = on_round
+        self.stats = {"forwards": 0, "model_calls": 0}
+        self.trace = [] if self.cfg.return_trace else None
+        self.ragged_rounds = 0
         self._rounds = 0
-        with Clock(self.dev) as clock:
+        self.clock = Clock(self.dev).__enter__()
+        with round_scope():
+            rnd.plan(self.st, self.tables, self.geo)
+            self.head = self._read_head()
+
+    def next_bucket(self) -> tuple[int, int, int] | None:
+        """The coming round's bucket and window start (Nb, Rb, s), or None when the request has finished (all
+        branches done, a stop sequence, or the round cap: said in stats). Raises NonFiniteLogitsError when the
+        last round read NaN / inf logits."""
+        done, nA, s, u, n, R, ragged, nonfinite, stop = self.head
+        if nonfinite >= 0:
+            self._refuse_nonfinite(nonfinite, self.stats["forwards"])
+        if stop:  # a stop sequence in the anchor's finalised prefix (the API cuts the output before it)
+            self.stats["stopped"] = True
+            return None
+        if done:
+            return None
+        if self.stats["forwards"] >= self.cfg.max_rounds:
+            round_cap_hit(self.cfg, self.stats, self.name)
+            return None
+        if self.trace is not None:
+            self._wl = self.st["wl"].tolist()
+        Nb, Rb = bucket(n, R, self.geo)
+        self._last_window = (s, Nb)
+        self.max_Nb = max(self.max_Nb, Nb)
+        return Nb, Rb, s
+
+    def read_head(self) -> None:
+        """The round's one host read: the next plan's head (inside the caller's round_scope)."""
+        self._prev_head, self.head = self.head, self._read_head()
+
+    def after_round(self) -> None:
+        """Counters, the trace entry and the progress hook of the round just run (outside the round's scope)."""
+        geo, stats, head = self.geo, self.stats, self.head
+        self._rounds += 1
+        stats["forwards"] += 1
+        stats["model_calls"] += 1
+        self.ragged_rounds += bool(self._prev_head[6])
+        if self.trace is not None:
+            self.trace.append(self._trace_entry(self._prev_head))
+            self.trace[-1]["round"] = stats["forwards"]
+        if self.on_round is not None:  # the anchor is the last alive slot of the next round's plan
+            self.host_reads += 1
+            row = self.st["x"][max(head[1], 1) - 1, self.P : self.P + geo.G * geo.bs]
+            report_round(self.on_round, row, geo.mask_id, geo.G * geo.bs, stats["forwards"])
+
+    def run(self, on_round=None) -> GenerateOutput:
+        """Decode the request (see `begin` for on_round)."""
+        self.begin(on_round)
+        while (b := self.next_bucket()) is not None:
+            Nb, Rb, s = b
             with round_scope():
-                rnd.plan(self.st, self.tables, geo)
-                head = self._read_head()
-            while True:
-                done, nA, s, u, n, R, ragged, nonfinite, stop = head
-                if nonfinite >= 0:
-                    self._refuse_nonfinite(nonfinite, stats["forwards"])
-                if stop:  # a stop sequence in the anchor's finalised prefix (the API cuts the output before it)
-                    stats["stopped"] = True
-                    break
-                if done:
-                    break
-                if stats["forwards"] >= cfg.max_rounds:
-                    round_cap_hit(cfg, stats, self.name)
-                    break
-                if trace is not None:
-                    self._wl = self.st["wl"].tolist()
-                Nb, Rb = bucket(n, R, geo)
-                self._last_window = (s, Nb)
-                with round_scope():
-                    self._step(Nb, Rb, s)
-                    head = self._read_head()
-                self._rounds += 1
-                stats["forwards"] += 1
-                stats["model_calls"] += 1
-                ragged_rounds += bool(ragged)
-                if trace is not None:
-                    trace.append(self._trace_entry([done, nA, s, u, n, R, ragged, nonfinite, stop]))
-                    trace[-1]["round"] = stats["forwards"]
-                if on_round is not None:  # the anchor is the last alive slot of the next round's plan
-                    self.host_reads += 1
-                    row = self.st["x"][max(head[1], 1) - 1, self.P : self.P + geo.G * geo.bs]
-                    report_round(on_round, row, geo.mask_id, geo.G * geo.bs, stats["forwards"])
+                self._step(Nb, Rb, s)
+                self.read_head()
+            self.after_round()
+        return self.result()
+
+    def result(self) -> GenerateOutput:
+        """Stop the clock; the output slot, its tokens, the counters and stats, the trace."""
+        self.clock.__exit__(None, None, None)
+        cfg, geo, stats, head, trace, clock = self.cfg, self.geo, self.stats, self.head, self.trace, self.clock
+        ragged_rounds = self.ragged_rounds
         if head[7] >= 0:
             self._refuse_nonfinite(head[7], stats["forwards"])
         st = self.st
@@ -240,4 +269,8 @@ class FastDecoder:
 
 def run_fast(model, prompt, cfg, branching_factor: int, name: str, on_round=None) -> GenerateOutput:
     """Run one request on the fast decoder (cfg bound and covered: lopa_fast.api checked both)."""
+    if cfg.distributed:  # the round's branch slots split over the process group's ranks
+        from lopa_fast.distributed import run_distributed
+
+        return run_distributed(model, prompt, cfg, branching_factor, name, on_round)
     return FastDecoder(model, prompt, cfg, branching_factor, name).run(on_round)

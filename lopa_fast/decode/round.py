@@ -212,12 +212,40 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     Reads and replaces the tensors of `st`; returns (st, info), where info holds this round's trace facts
     (score, winner, accepted mask, tokens, window positions, lookahead positions). Nothing needs a host
     read except `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
-    masked keys and never masked positions, extra LM-head rows are computed and never read."""
+    masked keys and never masked positions, extra LM-head rows are computed and never read.
+
+    The stages (`window_inputs`, the forward, `token_stats`, `select_winner`, the commit, `apply_winner`) are
+    separate functions so that lopa_fast.distributed can run the forward on a share of the slots and
+    exchange token statistics between them; the single-process round is exactly their composition."""
+    w = window_inputs(st, T, geo, Nb, Rb)
+    logits, k_win, v_win = model.forward_static(
+        w["tokens"], st["s"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
+        w["win_lens"], w["bids"], geo.mode, w["rows"],
+        attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
+    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
+    # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
+    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
+    sel = select_winner(st, T, geo, w, conf)
+    W1 = sel["W"].reshape(1)
+    commit_span(st, st["u"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
+    if geo.shift:  # the winner's raw row u-1 is the next last_logit
+        new_last = _at(table, sel["last_row"])
+        st["last_logit"] = torch.where(st["u"] > 0, new_last, st["last_logit"].to(new_last.dtype))
+    return st, apply_winner(st, T, geo, w, sel, conf, x0, p)
+
+
+def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
+    """The forward's inputs for every slot on the bucket (Nb, Rb) and the round's window facts; also bumps the
+    LoPA-only counters that read the plan. Returns i [Nb] (column index), wpos [Nb] (window positions, padding
+    -> the trash column Lb), wvalid [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
+    need [NB, Nb] (LM-head rows needed), need_flat [NB * Nb], rows [Rb] (needed flat rows first, ascending)."""
     dev = st["x"].device
-    G, Lb, NB = geo.G, geo.Lb, geo.NB
-    s, u = st["s"], st["u"]
+    Lb, NB = geo.Lb, geo.NB
+    s = st["s"]
     alive, rem, lens = st["alive"], st["rem"], st["lens"]
-    slot = torch.arange(NB, device=dev)
     i = torch.arange(Nb, device=dev)
     wpos = s + i
     wvalid = wpos < T["L"]
@@ -225,8 +253,6 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     if NB > 1:  # LoPA-only counters (one slot: no growth split, max_branches is set at the end)
         st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
         st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
-
-    # ---- the forward: every slot's window [s, s + Nb) over the committed prefix, LM head on Rb rows
     tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
     bids = T["pos_block"].index_select(0, wpos)[None, :].expand(NB, Nb) if geo.mode == "block_causal" else None
     win_lens = torch.where(alive, st["wl"], Nb)  # dead slots see their whole (ignored) window: no empty row
@@ -234,28 +260,37 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     need_flat = need.reshape(-1)
     # the needed rows in ascending flat order, without a host read: a stable sort puts them first
     rows = torch.sort((~need_flat).to(torch.uint8), stable=True).indices[:Rb]
-    logits, k_win, v_win = model.forward_static(
-        tokens, s, st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
-        win_lens, bids, geo.mode, rows,
-        attn_backend=geo.attn_backend,
-    )  # fmt: skip
-    # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-    real = torch.arange(Rb, device=dev) < need_flat.sum()
+    return dict(i=i, wpos=wpos, wvalid=wvalid, tokens=tokens, bids=bids, win_lens=win_lens, need=need,
+                need_flat=need_flat, rows=rows)  # fmt: skip
+
+
+def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
+    """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
+    NaN / inf, else -1 (none: any value > every flat row, the min's neutral element)."""
+    real = torch.arange(logits.shape[0], device=logits.device) < n_real
     bad = real & ~torch.isfinite(logits).all(-1)
-    st["nonfinite"] = torch.where(bad.any(), torch.where(bad, rows, NB * Nb).min(), -1)
-    # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
-    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
-    csum = need_flat.long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
+    return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
+
+
+def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
+    """Branch scores and the winner from the statistics table (conf [1 + R or R, ...]: row 0 the last_logit's
+    under the shift, then the needed rows in ascending flat order). Returns W (0-d long), score [NB] or None
+    (D2F without a trace), sidx [NB, Nb] (the table row predicting each window position), masked [NB, Nb],
+    last_row (0-d: the table row of the winner's raw row u - 1, the next last_logit under the shift)."""
+    dev = conf.device
+    NB = geo.NB
+    i = w["i"]
+    Nb = i.shape[0]
+    rem, lens = st["rem"], st["lens"]
+    slot = torch.arange(NB, device=dev)
+    csum = w["need_flat"].long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
     if geo.shift:
         sidx = F.pad(csum[:, :-1], (1, 0))
     else:
         sidx = (csum - 1).clamp(min=0)
     c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
-
-    masked = st["ismask"].index_select(1, wpos) & wvalid[None, :]
-    single = NB == 1  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
-    if single and not geo.trace:
+    masked = st["ismask"].index_select(1, w["wpos"]) & w["wvalid"][None, :]
+    if NB == 1 and not geo.trace:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
         score = None
         W = torch.zeros((), dtype=torch.long, device=dev)
     else:
@@ -272,17 +307,34 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
         # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
         # host read) cannot index out of range first
         W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
-    W1 = W.reshape(1)
+    last_row = _at(csum.index_select(1, (st["u"] - 1).clamp(min=0).reshape(1))[:, 0], W) if geo.shift else None
+    return dict(W=W, score=score, sidx=sidx, masked=masked, last_row=last_row)
 
-    # ---- commit the winner's first u window positions (rows past u go to the trash row Lb)
-    dst = torch.where(i < u, st["cache_len"] + i, Lb)
+
+def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None:
+    """Commit the winner's first u window positions (u: this round's span length, 0-d tensor or int;
+    k_span / v_span [layers, c, Hkv, D]: its window K/V from column 0, c >= u; rows past u go to the trash
+    row Lb) and advance cache_len by u."""
+    i = torch.arange(k_span.shape[1], device=k_span.device)
+    dst = torch.where(i < u, st["cache_len"] + i, st["cache_k"].shape[1] - 1)
     # in place: the cache is the round's largest tensor (a Dream-7B request: ~70 MB), never copied per round
-    st["cache_k"].index_copy_(1, dst, k_win.index_select(1, W1)[:, 0])
-    st["cache_v"].index_copy_(1, dst, v_win.index_select(1, W1)[:, 0])
+    st["cache_k"].index_copy_(1, dst, k_span)
+    st["cache_v"].index_copy_(1, dst, v_span)
     st["cache_len"] = st["cache_len"] + u
-    if geo.shift:  # the winner's raw row u-1 is the next last_logit
-        new_last = _at(table, _at(csum.index_select(1, (u - 1).clamp(min=0).reshape(1))[:, 0], W))
-        st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
+
+
+def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dict:
+    """The D2F fill rule on the winner, its completed blocks, the spawn of the next lookaheads, the block-state
+    transitions and the next plan (writes st); returns the round's trace facts (info)."""
+    dev = st["x"].device
+    G, Lb, NB = geo.G, geo.Lb, geo.NB
+    alive, lens = st["alive"], st["lens"]
+    i, wpos = w["i"], w["wpos"]
+    Nb = i.shape[0]
+    slot = torch.arange(NB, device=dev)
+    W, score, sidx, masked = sel["W"], sel["score"], sel["sidx"], sel["masked"]
+    W1 = W.reshape(1)
+    single = NB == 1
 
     # ---- the D2F fill rule on the winner only (its own block states and logits)
     sW = sidx.index_select(0, W1)[0]
@@ -368,7 +420,7 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
               complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
               cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
     plan(st, T, geo)
-    return st, info
+    return info
 
 
 # ----------------------------------------------------------------------------- the C++ CPU twin (eager only)

@@ -1,0 +1,218 @@
+"""Branch parallelism (lopa_fast.distributed) on CPU with gloo: processes spawned here with torch.multiprocessing,
+one process group per world size, every config of the grid decoded inside it.
+
+Parity: world sizes 2 and 3 x {full, block-causal} x k in {1, 2, 4, 5} (k + 1 = 2, 3, 5, 6 slots: not always
+a multiple of the world size; k = 1 and round 1 leave ranks without a slot): tokens, forwards and the
+coverage counters equal to the single-process fast backend, on every rank. Faults: a rank that raises
+mid-round ends every rank with DistributedError naming it; a rank that dies ends its peer with
+DistributedError; both within a bounded time. Each spawned group is bounded by JOIN_TIMEOUT_S.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lopa_fast
+from lopa_fast.distributed import slot_owner, slot_share
+from lopa_fast.errors import DistributedError, KnobError
+from lopa_fast.testing import random_model, tiny_hf_config
+
+KS = (1, 2, 4, 5)
+COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
+            "branch_growth", "winner_grew", "hit_round_cap", "eos_detected")  # fmt: skip
+PG_TIMEOUT_S = 20  # the process group's collective timeout in the spawned workers (bounds a dead peer's wait)
+JOIN_TIMEOUT_S = 180  # a whole spawned group (start-up ~5 s per process on a loaded 2-core machine + its cases)
+
+
+def build_models() -> dict:
+    """A Dream-family model (logit shift, GQA) and a LLaDA one (no shift), seeded: the same in every process."""
+    return {
+        "dream": random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6),
+        "llada": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6),
+    }
+
+
+def grid() -> list[dict]:
+    """16 cases: k x attention mode, the model, block size, thresholds, prompt length and EOS varying with them."""
+    cases = []
+    ths = ((0.1, 0.95, 0.9), (0.5, 0.8, 0.7), (0.3, 0.5, 0.95), (0.0, 0.0, 0.99))
+    for i, (k, full) in enumerate((k, full) for k in KS for full in (True, False)):
+        th = ths[i % len(ths)]
+        bs = (4, 8)[i % 2]
+        cases.append(dict(
+            model=("dream", "llada")[(k + full) % 2], prompt_len=3 + 5 * i, prompt_seed=i, eos=i % 3 == 0,
+            strategy="d2f" if (k == 1 and full) else "lopa", branching_factor=k, use_full_attention=full,
+            block_size=bs, max_new_tokens=bs * (2 + i % 3), block_add_threshold=th[0],
+            decoded_token_threshold=th[1], skip_threshold=th[2],
+            sampling_strategy=("default", "margin", "neg_entropy")[i % 3],
+        ))  # fmt: skip
+    return cases
+
+
+def _frequent_token(model) -> int:
+    g = torch.Generator().manual_seed(0)
+    pred = model(torch.randint(0, 61, (4, 48), generator=g)).argmax(-1).flatten()
+    pred = pred[pred != model.mask_token_id]
+    return int(torch.bincount(pred, minlength=model.config.vocab_size).argmax())
+
+
+def run_case(models: dict, case: dict, **extra):
+    """generate() on one case (the fast backend; distributed=True etc. via extra)."""
+    case = dict(case)
+    m = models[case.pop("model")]
+    prompt = torch.randint(0, 61, (case.pop("prompt_len"),), generator=torch.Generator().manual_seed(case.pop("prompt_seed")))
+    if case.pop("eos"):
+        case["eos_token_id"] = _frequent_token(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return lopa_fast.generate(m, prompt, backend="fast", **case, **extra)
+
+
+def summary(out) -> dict:
+    return {"ids": out.generated_ids, "forwards": out.stats["forwards"],
+            **{k: out.stats.get(k) for k in COUNTERS}}  # fmt: skip
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fault: str | None) -> None:
+    """One rank: start the group, decode every case with distributed=True, write rank<r>.json (results or the error)."""
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
+    res: dict = {"rank": rank}
+    try:
+        models = build_models()
+        if fault is not None and rank == world - 1:  # the last rank fails in its 2nd forward (round >= 3: it has
+            # no slot in round 1)
+            calls = [0]
+            fwd = type(models["dream"]).forward_static
+
+            def broken(self, *a, **k):
+                calls[0] += 1
+                if calls[0] == 2:
+                    if fault == "die":
+                        os._exit(3)
+                    raise RuntimeError("injected fault")
+                return fwd(self, *a, **k)
+
+            type(models["dream"]).forward_static = broken
+        res["cases"] = []
+        for case in cases:
+            out = run_case(models, case, distributed=True)
+            res["cases"].append({**summary(out), "dist": out.stats["distributed"]})
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+        res["error"] = {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+    res["seconds"] = time.monotonic() - t0
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    if dist.is_initialized() and "error" not in res:
+        dist.destroy_process_group()
+
+
+def spawn_group(world: int, tmp_path, cases: list, fault: str | None = None) -> list[dict | None]:
+    """Run _worker on `world` spawned processes; every process must end within JOIN_TIMEOUT_S (else it is
+    killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
+    ctx = mp.get_context("spawn")
+    init_file = str(tmp_path / f"pg{world}{fault or ''}")
+    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, fault)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (a hang)"
+    out = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else None)
+        if path.exists():
+            path.unlink()
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """The single-process fast backend's results on the grid."""
+    models = build_models()
+    return [summary(run_case(models, c)) for c in grid()]
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_parity_with_one_process(world, tmp_path, expected):
+    ranks = spawn_group(world, tmp_path, grid())
+    for r, res in enumerate(ranks):
+        assert res is not None and "error" not in res, f"rank {r}: {res}"
+        assert len(res["cases"]) == len(expected)
+        for case, got, want in zip(grid(), res["cases"], expected):
+            dist_stats = got["dist"]
+            assert {k: v for k, v in got.items() if k != "dist"} == want, f"rank {r} world {world} case {case}"
+            assert dist_stats["world_size"] == world and dist_stats["rank"] == r
+    cases0 = ranks[0]["cases"]
+    # the paths the grid must exercise: lookahead wins, span K/V broadcasts (full attention), ranks without a
+    # slot (k = 1 or round 1 with world > 1), the statistics all_gather once per round
+    assert sum(c["lookahead_wins"] or 0 for c in expected) > 0
+    full_kv = [c["dist"]["kv_broadcast_rounds"] for c, g in zip(cases0, grid()) if g["use_full_attention"]]
+    causal_kv = [c["dist"]["kv_broadcast_rounds"] for c, g in zip(cases0, grid()) if not g["use_full_attention"]]
+    assert sum(full_kv) > 0 and sum(causal_kv) == 0
+    for c in cases0:
+        d = c["dist"]
+        assert d["collectives"]["all_gather"] == c["forwards"] + 1  # one per round + the request fingerprint
+        assert d["collectives"]["broadcast"] == d["kv_broadcast_rounds"]
+        assert d["bytes"]["stats"] > 0
+
+
+@pytest.mark.parametrize("fault", ("raise", "die"))
+def test_fault_ends_every_rank(fault, tmp_path):
+    """The last of 2 ranks raises (or exits) in its 2nd forward: every surviving rank ends with DistributedError,
+    in bounded time (a raise: at once, through the round's error flag; a death: the peer's closed connection or
+    the group's timeout)."""
+    case = dict(grid()[6], model="dream", block_size=4, max_new_tokens=32)  # k = 4, full attention: many rounds
+    ranks = spawn_group(2, tmp_path, [case], fault=fault)
+    survivors = ranks if fault == "raise" else ranks[:1]
+    for r, res in enumerate(survivors):
+        assert res is not None, f"rank {r} wrote nothing"
+        err = res.get("error")
+        assert err is not None and err["type"] == "DistributedError", f"rank {r}: {res}"
+        if fault == "raise":
+            assert err["rank"] == 1 and "injected fault" in err["message"]
+        assert res["seconds"] < PG_TIMEOUT_S + 60
+    if fault == "die":
+        assert ranks[1] is None  # it died before writing
+
+
+def test_slot_share_partitions_any_count():
+    for world in range(1, 6):
+        for n in range(0, 13):
+            shares = [slot_share(n, world, r) for r in range(world)]
+            sizes = [hi - lo for lo, hi in shares]
+            assert [s for lo, hi in shares for s in range(lo, hi)] == list(range(n))  # contiguous, in order
+            assert max(sizes) - min(sizes) <= 1
+            assert all(slot_share(n, world, slot_owner(s, n, world))[0] <= s for s in range(n))
+
+
+def test_refused_without_group_or_with_uncovered_knobs():
+    m = build_models()["dream"]
+    prompt = [1, 2, 3]
+    assert not dist.is_initialized()
+    with pytest.raises(KnobError) as e:
+        lopa_fast.generate(m, prompt, "lopa", "fast", distributed=True, max_new_tokens=8, block_size=4)
+    assert e.value.knob == "distributed" and "init_process_group" in str(e.value)
+    for kw, knob in ((dict(backend="reference"), "backend"), (dict(compile=True), "compile"),
+                     (dict(temperature=0.5), "temperature"), (dict(strategy="vanilla"), "strategy")):  # fmt: skip
+        with pytest.raises(KnobError) as e:
+            lopa_fast.generate(m, prompt, **{"strategy": "lopa", "backend": "fast", **kw}, distributed=True,
+                               max_new_tokens=8, block_size=4)  # fmt: skip
+        assert e.value.knob == knob
+    assert issubclass(DistributedError, RuntimeError) and issubclass(KnobError, ValueError)
