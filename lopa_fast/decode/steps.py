@@ -1,0 +1,132 @@
+"""Shared machinery of the fast vanilla and threshold decoders: the forwards over a static KV cache, the
+device-side numerics guard, the one host read per step, the commit rules as tensor ops.
+
+The block loop of vanilla / threshold decoding is host-driven by nature (block boundaries, step counts and
+caches are Python constants of the request), so the fast decoders keep the loop in Python and move the
+*step* to the device: candidates, token statistics, the commit rule and the counters are tensors, and each
+step ends in ONE host read of a small head (the first non-finite row, the first mask, whether the block
+is full). The reference decoders (lopa_fast.reference.{vanilla,threshold}) read the state several times per
+step (`int(cand.sum())`, `.tolist()` of sorted confidences, `bool(...)` checks).
+
+Forwards (`StepForward`), all over ONE static cache buffer [num_layers, L, Hkv, D] allocated per request:
+  full(tokens [B, L], rows)       cache-free forward of the whole sequence (`model.forward_static`, the fused
+                                  layer); rows: flat row indices that get the LM head
+  refresh(x [L], rows, keep)      the same, and its keys / values of positions [0, keep) become the cache
+                                  (Fast-dLLM's refresh: keep = block start for "prefix", L for "dual")
+  prefix(win [n], s, rows)        window x[s:s+n] over the cached prefix [0, s) (append mode, nothing stored)
+  dual(win [n], s, rows)          window x[s:s+n] whose K/V overwrite cache rows [s, s+n) in place, attending
+                                  to the whole cache [0, L) (Fast-dLLM's dual cache: the model's in-place
+                                  mode, the plain layer with the cache write inside the layer loop)
+Row helpers map aligned positions to raw rows: with Dream's shift (upstream's `cat(l[:1], l[:-1])` over a
+window), aligned row i is raw row i - 1, except the window's first row, which keeps its own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lopa_fast import ops
+from lopa_fast.errors import NonFiniteLogitsError
+from lopa_fast.models.transformer import rms_norm
+
+
+class StepForward:
+    """The forwards of one request of L positions (see the module docstring). model: DecoderLM."""
+
+    def __init__(self, model, L: int, cache: bool):
+        from lopa_fast.ops import _backend
+
+        self.model = model
+        c = model.config
+        dev = model.device
+        self.L = L
+        shape = (c.num_layers, L if cache else 1, c.num_kv_heads, c.head_dim)
+        self.cache_k = torch.zeros(shape, dtype=model.dtype, device=dev)
+        self.cache_v = torch.zeros(shape, dtype=model.dtype, device=dev)
+        self.backend = _backend.resolve("branch_attention", None, dev)
+        self.zero = torch.zeros((), dtype=torch.long, device=dev)
+        model.fused_layers()  # the merged-weight view, built or checked once per request
+
+    def _static(self, tokens: torch.Tensor, start: int, prefix: int, rows: torch.Tensor):
+        B, n = tokens.shape
+        win_lens = torch.full((B,), n, dtype=torch.long, device=tokens.device)
+        return self.model.forward_static(tokens, self.zero + start, self.cache_k, self.cache_v, prefix, win_lens,
+                                         None, "full", rows, attn_backend=self.backend)  # fmt: skip
+
+    def full(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Cache-free forward of tokens [B, L]; raw logits [R, V] of the flat rows [R]."""
+        return self._static(tokens, 0, 0, rows)[0]
+
+    def refresh(self, x: torch.Tensor, rows: torch.Tensor, keep: int) -> torch.Tensor:
+        """Cache-free forward of x [L]; K/V of positions [0, keep) become the cache; raw logits [R, V]."""
+        logits, k, v = self._static(x[None], 0, 0, rows)
+        self.cache_k[:, :keep] = k[:, 0, :keep]
+        self.cache_v[:, :keep] = v[:, 0, :keep]
+        return logits
+
+    def prefix(self, win: torch.Tensor, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """Window win [n] at positions s.. over the cached prefix [0, s); raw logits [R, V]."""
+        return self._static(win[None], s, s, rows)[0]
+
+    def dual(self, win: torch.Tensor, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """Window win [n] at positions s.., its K/V written over cache rows [s, s + n) in place, attending to the
+        whole cache [0, L) (`forward_window`'s in-place mode on the request's buffer); raw logits [R, V]."""
+        model, ck, cv, L = self.model, self.cache_k, self.cache_v, self.L
+        n = win.numel()
+        no_window = torch.zeros(1, dtype=torch.long, device=win.device)
+
+        def attend(i, q, k, v):
+            ck[i, s : s + n] = k[0]
+            cv[i, s : s + n] = v[0]
+            return ops.branch_attention(q, ck[i], cv[i], L, k, v, no_window, None, "full")
+
+        positions = torch.arange(s, s + n, device=win.device)
+        h = model._layers(win[None], positions, attend).reshape(n, -1).index_select(0, rows)
+        h = rms_norm(h, model.final_norm_weight(), model.config.rms_norm_eps)
+        return F.linear(h, model.head_weight())
+
+
+def raw_rows(lo: int, hi: int, win_start: int, shift: bool, device) -> torch.Tensor:
+    """Raw window rows [hi - lo] whose (aligned) logits predict positions [lo, hi) of a window starting at
+    win_start: position q reads raw row q - win_start - 1 under Dream's shift (row 0 keeps its own)."""
+    r = torch.arange(lo - win_start, hi - win_start, device=device)
+    return (r - 1).clamp(min=0) if shift else r
+
+
+def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature: float) -> torch.Tensor:
+    """0-d long: the first row r with read[r] whose logits [n, V] hold NaN / inf (or overflow when divided
+    by the temperature, T > 0), else -1. No host read."""
+    x = logits.float()
+    ok = torch.isfinite(x).all(-1)
+    if temperature > 0:
+        ok = ok & torch.isfinite(x / temperature).all(-1)
+    bad = read & ~ok
+    idx = torch.arange(bad.numel(), device=bad.device)
+    return torch.where(bad.any(), torch.where(bad, idx, bad.numel()).min(), -1)
+
+
+def refuse(logits_row: torch.Tensor, position: int, step: int, strategy: str, temperature: float):
+    """Raise NonFiniteLogitsError for one raw logits row [V] (the value: the first NaN / inf entry, else the
+    largest magnitude that the temperature overflows, as the reference's guard reports it)."""
+    row = logits_row.float()
+    bad = row[~torch.isfinite(row)]
+    value = float(bad[0]) if bad.numel() else f"{float(row.abs().max())} / temperature {temperature}"
+    raise NonFiniteLogitsError(strategy=strategy, round=step, position=position, value=value)
+
+
+def first_mask(x: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """0-d long: the first position of x [L] holding the mask id, L when none."""
+    m = x == mask_id
+    return torch.where(m.any(), m.long().argmax(), x.numel())
+
+
+def rank_desc(key: torch.Tensor) -> torch.Tensor:
+    """rank [n] long of each entry in a descending stable sort of key [n] (0 = the largest; exact ties: the
+    lower index first)."""
+    order = torch.sort(key, descending=True, stable=True).indices
+    return torch.empty_like(order).scatter_(0, order, torch.arange(key.numel(), device=key.device))
+
+
+def read_head(*fields: torch.Tensor) -> list[int]:
+    """The step's one device-to-host read: 0-d integer tensors -> ints."""
+    return torch.stack([f.reshape(()).long() for f in fields]).tolist()

@@ -1,0 +1,172 @@
+"""The fast threshold decoder (Fast-dLLM v1 / dParallel): the step on the device, one host read per step.
+
+Semantics are exactly `lopa_fast.reference.threshold` (docs/semantics.md sections 4.2-4.4 and 5; token- and
+forward-exact at T = 0 and, with the keyed sampler, at T > 0): blocks of `block_length` left to right, per
+step the masked positions of the block (cache=None: every mask before the block end) are candidates and one
+rule commits (rank 1 always): `threshold` (conf >= tau), `factor` (the first rank k with c(k) < 1 - f/(k+1),
+upstream's edge cases), `entropy_threshold` (H <= h). Caches: None, "prefix" (refresh forward at each block
+start, then the block and every later position over the cached prefix), "dual" (refresh caches every
+position; later steps forward only the block, overwriting its K/V in place). Dream refresh steps commit the
+block's first token unconditionally; `count_noop_forward` keeps the old loop's extra forward.
+
+What changes is how: the commit rule is tensor ops on the device (`select`), the candidates never leave it,
+the LM head runs only on the rows a step reads (the candidates' rows, `steps.raw_rows`), the forwards are
+the fused static-cache ones of `steps.StepForward`, and the step's one host read is the head
+(first non-finite row, first mask, block full).
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.contracts import after_step
+from lopa_fast.decode import steps
+from lopa_fast.keyed import TOKEN, request_noise
+from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.sampling import threshold_stats
+
+
+def select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> torch.Tensor:
+    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read).
+
+    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
+    adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
+    conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
+    `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
+    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
+    any_c = cand.any()
+    idx = torch.arange(cand.numel(), device=cand.device)
+    if cfg.factor is not None:
+        c = torch.where(cand, conf, float("-inf"))
+        rank = steps.rank_desc(c)
+        desc = torch.sort(c, descending=True, stable=True).values.double()
+        n = cand.sum()
+        th = torch.where(idx == 0, -1.0, 1 - cfg.factor / (idx + 2).double())
+        viol = (desc < th) & (idx < n)
+        b = torch.where(viol.any(), viol.long().argmax(), n)
+        count = torch.where(b < n - 1, b, n)
+        return cand & (rank < count)
+    if cfg.entropy_threshold is not None:
+        first = idx == torch.where(cand, ent, float("inf")).argmin()
+        keep = cand & ~(ent > cfg.entropy_threshold)
+    else:
+        first = idx == torch.where(cand, conf, float("-inf")).argmax()
+        keep = cand & ~(conf < cfg.threshold)
+    return (keep | (first & cand)) & any_c
+
+
+def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
+    """Threshold decoding on the fast backend. prompt: LongTensor [P] on model.device; cfg: bound
+    GenerateConfig (covered: lopa_fast.decode.fast_not_covered); on_round: the progress hook."""
+    P, G, B = prompt.numel(), cfg.max_new_tokens, cfg.block_length
+    mask_id = cfg.mask_token_id
+    dev = prompt.device
+    noise = request_noise(cfg, dev)
+    x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
+    L = x.numel()
+    fw = steps.StepForward(model, L, cache=cfg.cache is not None)
+    llada = model.config.kind == "llada"
+    shift = bool(model.logits_shift)
+    suppress = mask_id if cfg.suppress_mask_token else None
+    stats = {"forwards": 0, "model_calls": 0, "refresh_forwards": 0, "host_reads": 0}
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    counters = {"multi_token_steps": zero.clone(), "noop_forwards": zero.clone()}
+    trace = [] if cfg.return_trace else None
+    stopped = False
+
+    def budget() -> bool:
+        if stats["forwards"] >= cfg.max_rounds:
+            round_cap_hit(cfg, stats, "threshold")
+            return False
+        return True
+
+    def count(refresh=False):
+        stats["forwards"] += 1
+        stats["model_calls"] += 1
+        stats["refresh_forwards"] += int(refresh)
+
+    def stats_of(logits: torch.Tensor, lo: int):
+        keys = noise.keys(TOKEN, stats["forwards"], 0, lo + torch.arange(logits.shape[0], device=dev)) \
+            if cfg.temperature > 0 else None
+        return threshold_stats(logits, llada=llada, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               suppress_token=suppress, keys=keys)  # fmt: skip
+
+    def step(logits: torch.Tensor, lo: int, hi: int, s: int, e: int, wstart: int, only_first: bool = False):
+        """Decode one step from aligned logits [hi - lo, V] predicting positions [lo, hi); ends in the step's
+        one host read: (block [s, e) full, the first mask position) after the numerics guard."""
+        cand = x[lo:hi] == mask_id
+        read = torch.ones_like(cand) if only_first else cand
+        bad = steps.first_bad_row(logits, read, cfg.temperature)
+        x0, conf, ent = stats_of(logits, lo)
+        if only_first:  # Dream refresh: the block's first token, unconditionally (Fast-dLLM's Dream loop)
+            sel = torch.ones_like(cand)
+        else:
+            sel = select(conf, ent, cand, cfg)
+            nsel = sel.sum()
+            counters["multi_token_steps"] += nsel >= 2
+            counters["noop_forwards"] += nsel == 0
+        before = x.clone() if trace is not None else None
+        x[lo:hi] = torch.where(sel, x0, x[lo:hi])
+        stats["host_reads"] += 1
+        b, full, fm = steps.read_head(bad, ~(x[s:e] == mask_id).any(), steps.first_mask(x, mask_id))
+        if b >= 0:
+            steps.refuse(logits[b], lo + b, stats["forwards"], "threshold", cfg.temperature)
+        if trace is not None:
+            pos = ((before == mask_id) & (x != mask_id)).nonzero(as_tuple=True)[0]
+            trace.append({"round": stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos],
+                          "window_start": wstart})  # fmt: skip
+        return bool(full), fm
+
+    def hook() -> bool:
+        return after_step(x[P:], cfg, stats, on_round)
+
+    with Clock(dev) as clock:
+        fm = P  # the first mask position (read with each step's head): candidates never lie before it
+        for blk in range(G // B):
+            s, e = P + blk * B, P + (blk + 1) * B
+            if cfg.cache is None:
+                while True:
+                    if not budget():
+                        break
+                    logits = fw.full(x[None], steps.raw_rows(fm, e, 0, shift, dev))
+                    count()
+                    full, fm = step(logits, fm, e, s, e, -P)
+                    stopped = hook()
+                    if full or stopped:
+                        break
+            else:
+                if not budget():
+                    break
+                keep = s if cfg.cache == "prefix" else L
+                if llada:  # candidates: every mask before the block end
+                    logits = fw.refresh(x, steps.raw_rows(fm, e, 0, shift, dev), keep)
+                    count(refresh=True)
+                    full, fm = step(logits, fm, e, s, e, -P)
+                else:
+                    logits = fw.refresh(x, steps.raw_rows(s, s + 1, 0, shift, dev), keep)
+                    count(refresh=True)
+                    full, fm = step(logits, s, s + 1, s, e, 0, only_first=True)
+                stopped = hook()
+                first = True
+                while not stopped:
+                    if full and not (cfg.count_noop_forward and first):
+                        break
+                    first = False
+                    if not budget():
+                        break
+                    rows = steps.raw_rows(s, e, s, shift, dev)
+                    if cfg.cache == "prefix":
+                        logits = fw.prefix(x[s:], s, rows)
+                    else:
+                        logits = fw.dual(x[s:e], s, rows)
+                    count()
+                    full, fm = step(logits, s, e, s, e, s - P)
+                    stopped = hook()
+                    if full:
+                        break
+            if stats.get("hit_round_cap") or stopped:
+                break
+    ids = x[P:].tolist()
+    stats.update({k: int(v) for k, v in counters.items()})
+    stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
+    finalize_stats(stats, ids, cfg.eos_token_id, mask_id, clock.seconds, steps_plus_one=False)
+    return GenerateOutput(ids, stats, trace)
