@@ -7,6 +7,7 @@
     python -m lopa_fast generate --prompt "..." --png fill.png   # + the fill-order heatmap (lopa_fast.viz)
     python -m lopa_fast generate --prompt "..." --stream --stop-text '\\n\\n'   # text as it becomes final
     python -m lopa_fast generate --prompt "..." --show-steps   # the live denoising view, round by round
+    python -m lopa_fast serve [--model DIR] [--lora DIR] [--host H] [--port P]   # OpenAI-compatible HTTP (docs/serve.md)
     python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,strategy=lopa --tasks gsm8k  # lm-eval's args
 
 `generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
@@ -293,6 +294,36 @@ def _stream(args, model, tok, ids_t, knobs, text_stops, embedded):
     return s.text, s.result
 
 
+def _serve(args) -> int:
+    """`serve`: the OpenAI-compatible server (lopa_fast.server) on --model (default the embedded model). Its default
+    knobs: GenerateConfig's, then the model's generation_config.json sampling, then the --preset / flags given
+    (the embedded model: lopa-k4 as `generate`); every request may override them."""
+    try:
+        from lopa_fast import server
+    except ModuleNotFoundError as e:
+        if e.name not in ("fastapi", "uvicorn", "starlette"):
+            raise
+        raise CLIError(f"serve: {e.name} is not installed; pip install '.[serve]' (fastapi, uvicorn)") from e
+    from lopa_fast.config import GenerateConfig
+    from lopa_fast.server.protocol import NOT_SERVED
+
+    if not 0 <= args.port < 65536:
+        raise CLIError(f"--port {args.port}; allowed: 0..65535")
+    knobs = generate_knobs(args, args.knob_names)
+    refused = [k for k in knobs if k in NOT_SERVED]
+    if refused:
+        raise CLIError(f"serve: --{refused[0].replace('_', '-')} is not a server default ({NOT_SERVED[refused[0]]})")
+    model, tok, embedded = _load(args)
+    path = model.name_or_path if getattr(model, "name_or_path", None) else args.model
+    defaults = {**_user_errors(server.model_sampling_defaults, path), **knobs}
+    _user_errors(lambda: GenerateConfig(**defaults).validate())
+    name = args.model_name or os.path.basename(os.path.normpath(str(path)))
+    print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
+    server.serve(model, tok, model_id=name, defaults=defaults, digits_joined=embedded, host=args.host,
+                 port=args.port)  # fmt: skip
+    return 0
+
+
 def write_png(out, tok, path) -> None:
     """The fill-order heatmap of a traced run (`lopa_fast.viz.fill_order_png`), one cell per returned token."""
     from lopa_fast import viz
@@ -378,6 +409,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--png", default=None, metavar="PATH",
                    help="also write the fill-order heatmap of the run (lopa_fast.viz.fill_order_png) to PATH")
     g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))
+
+    v = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (docs/serve.md)",
+                       description="Serve a model over HTTP: POST /v1/completions, /v1/chat/completions (stream: "
+                                   "true for server-sent events), GET /health, /v1/models. The knob flags set the "
+                                   "server's defaults; a request's body fields of the same names override them.")
+    v.add_argument("--lora", default=None, help="PEFT LoRA adapter directory, merged at load (e.g. D2F's)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--model-name", default=None, help="the served model id (default the model directory's name)")
+    v.add_argument("--strategy", default=None, choices=STRATEGIES, help="default strategy (default lopa)")
+    v.add_argument("--preset", default=None, choices=list(ROWS),
+                   help="an eval row's knobs as defaults (embedded model: lopa-k4 unless --strategy is given)")
+    v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
+    v.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
+    v.set_defaults(fn=_serve, knob_names=add_knob_flags(v))
 
     sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the lopa_fast model registered: "
                    "python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,... --tasks T "

@@ -1,0 +1,33 @@
+"""`python -m lopa_fast serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn; `pip install '.[serve]'`).
+
+    python -m lopa_fast serve [--model DIR] [--lora DIR] [--host 127.0.0.1] [--port 8000] [knob flags]
+
+    POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events), GET /health,
+    GET /v1/models. docs/serve.md has the fields, the defaults and the errors.
+
+Modules, one job each: `protocol` (request body -> validated knobs and prompt ids; errors naming the field),
+`worker` (the execution seam: `Worker.submit(job) -> Handle`, one request at a time today), `app` (the routes,
+server-sent events, error responses).
+"""
+from __future__ import annotations
+
+from lopa_fast.server.app import create_app
+from lopa_fast.server.protocol import RequestError, model_sampling_defaults, parse
+from lopa_fast.server.worker import Handle, Job, Worker
+
+
+def serve(model, tokenizer, *, model_id: str, defaults: dict, digits_joined: bool = False,
+          host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:  # fmt: skip
+    """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
+    override them field by field. digits_joined: the embedded task tokenizer's digit split undone in the text."""
+    import uvicorn
+
+    worker = Worker(model, tokenizer, digits_joined=digits_joined)
+    app = create_app(worker, model_id=model_id, defaults=defaults)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        worker.close()
+
+
+__all__ = ["Handle", "Job", "RequestError", "Worker", "create_app", "model_sampling_defaults", "parse", "serve"]

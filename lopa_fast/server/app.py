@@ -1,0 +1,184 @@
+"""The FastAPI app: OpenAI-compatible completions and chat (plain JSON or server-sent events), /health, /v1/models.
+
+Every request body is checked by `protocol.parse` (bad input: HTTP 400 with an OpenAI error object naming the
+field; FastAPI's own 422 is answered as 400 too), then run by the `Worker` (one request at a time today). A
+streamed response sends one chunk per piece of text as blocks become final (`lopa_fast.stream`), a last chunk with
+finish_reason and usage, then `data: [DONE]`. A client that disconnects is cancelled (worker.py). No exception
+escapes a handler: an unexpected one is a 500 with an error object, and the server keeps serving.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lopa_fast.errors import LopaError
+from lopa_fast.server.protocol import RequestError, parse
+from lopa_fast.server.worker import Busy, Finished, Job, Worker
+from lopa_fast.text import answer_ids
+
+log = logging.getLogger("lopa_fast.server")
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "round_cap": "length"}  # OpenAI's values; stats keep ours
+
+
+def _error(exc: RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=str))
+
+
+def usage(done: Finished, eos_token_id) -> dict:
+    """OpenAI usage plus the decoding's forwards and TPF. completion_tokens: the tokens the model produced before
+    its first EOS (a text stop cuts the text, not this count); tpf: stats["tpf"] (every returned position over
+    forwards)."""
+    st = done.result.stats
+    completion = len(answer_ids(done.result.generated_ids, eos_token_id))
+    return {"prompt_tokens": len(done.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(done.prompt_ids) + completion, "forwards": int(st.get("forwards", 0)),
+            "tpf": float(st.get("tpf", 0.0))}  # fmt: skip
+
+
+def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
+    """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them)."""
+    app = FastAPI(title="lopa_fast", summary="OpenAI-compatible diffusion-LLM decoding (LoPA, D2F, ...)")
+    app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
+    created = int(time.time())
+    eos = worker.model.eos_token_id
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request, exc: RequestValidationError):  # FastAPI answers 422; OpenAI clients expect 400
+        first = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return _error(RequestError(f"{first.get('msg', 'invalid request')}", ".".join(loc) or None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request, exc: Exception):
+        log.exception("unexpected error")
+        return _error(RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, **worker.counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "lopa_fast"}]}  # fmt: skip
+
+    async def _body(request: Request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({e})") from e
+
+    async def _serve(request: Request, endpoint: str):
+        try:
+            body = await _body(request)
+            if isinstance(body, dict) and body.get("model") not in (None, model_id):
+                raise RequestError(f"model {body['model']!r} is not served; this server serves {model_id!r}",
+                                   "model", 404, code="model_not_found")  # fmt: skip
+            req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults)
+            for note in req.warnings:
+                log.warning("%s", note)
+            try:
+                handle = worker.submit(Job(req.prompt_ids, req.knobs, req.stop))
+            except Busy as e:
+                raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
+            except LopaError as e:  # typed refusals the parse stages did not see (a newer check in stream)
+                if isinstance(e, (ValueError, TypeError)):
+                    raise RequestError(str(e), getattr(e, "knob", None)) from e
+                raise
+            except (ValueError, TypeError) as e:
+                raise RequestError(str(e)) from e
+        except RequestError as e:
+            return _error(e)
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": model_id}
+        if req.stream:
+            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        text, done = [], None
+        try:
+            async for kind, value in handle.events(disconnected=request.is_disconnected):
+                if kind == "piece":
+                    text.append(value)
+                elif kind == "done":
+                    done = value
+                elif kind == "error":
+                    return _error(_run_error(value))
+        finally:
+            if done is None:
+                handle.cancel()
+        if done is None:  # the client left; nobody reads this
+            return _error(RequestError("cancelled: the client disconnected", None, 499, "cancelled"))
+        return _completion(endpoint, head, done, eos)
+
+    def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
+        st = done.result.stats
+        reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
+        if endpoint == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                      "finish_reason": reason}  # fmt: skip
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {**head, "object": obj, "choices": [choice], "usage": usage(done, eos), "stats": _jsonable(st)}
+
+    async def _sse(handle, endpoint: str, head: dict, disconnected):
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+        def chunk(delta_text: str | None, reason=None, extra=None) -> str:
+            if endpoint == "chat":
+                delta = {} if delta_text is None else {"content": delta_text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
+            return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **(extra or {})}) + "\n\n"
+
+        finished = False
+        try:
+            if endpoint == "chat":
+                yield "data: " + json.dumps({**head, "object": obj, "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]}) + "\n\n"  # fmt: skip
+            async for kind, value in handle.events(disconnected=disconnected):
+                if kind == "cancelled":
+                    return
+                if kind == "piece":
+                    yield chunk(value)
+                elif kind == "done":
+                    st = value.result.stats
+                    reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
+                    yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st)})
+                elif kind == "error":  # headers are sent: the error travels as an event
+                    yield "data: " + json.dumps(_run_error(value).body()) + "\n\n"
+            finished = True
+            yield "data: [DONE]\n\n"
+        finally:  # the client disconnected (the response task is cancelled) or the stream ended
+            if not finished:
+                handle.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, "chat")
+
+    return app
+
+
+def _run_error(exc: BaseException) -> RequestError:
+    """An error raised while a request decoded (after its checks passed): a 500 naming its type."""
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    return RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error")

@@ -1,0 +1,295 @@
+"""OpenAI request bodies -> a worker Job, and every refusal as a RequestError naming the field (HTTP 400).
+
+A request body holds OpenAI fields and, beside them, any knob of `lopa_fast.generate` under its own name
+(strategy, branching_factor, block_size, ...). The knobs are validated by `GenerateConfig` itself (the one list of
+knobs and defaults): the server's defaults (`serve`'s flags, the model's generation_config.json sampling) then the
+body's knobs. OpenAI fields:
+
+    max_tokens (chat also max_completion_tokens)  -> max_new_tokens (None: the server's default)
+    temperature, top_p, seed                       -> the knobs of the same name
+    stop                                           -> text stops (str or a list of str; lists of ints are token-id
+                                                      stops): lopa_fast.stream's one stop mechanism
+    stream, stream_options.include_usage           -> server-sent events (usage rides on the last chunk always)
+    prompt (completions: str, [str] or [int] token ids), messages (chat: role + text content, the tokenizer's
+    chat template), model (the served id, else 404), user (accepted, unused)
+    n > 1, best_of > 1, logprobs, top_logprobs, echo, suffix, logit_bias, presence/frequency_penalty != 0, tools,
+    functions, a non-text response_format                     -> 400: not implemented (never silently ignored)
+
+Errors are mapped by type, never by message text: a RequestError carries its field; a lopa_fast KnobError its
+`.knob` (max_new_tokens reported as max_tokens, prompt as prompt / messages); a plain ValueError / TypeError raised
+while a stage runs is blamed on that stage's field (a knob's is found by validating each given knob on its own).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+from lopa_fast import api
+from lopa_fast.config import GenerateConfig
+from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
+from lopa_fast.text import check_text_prompt, encode_prompt, split_stops, unknown_words
+
+KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
+# knobs a request may not set, and why
+NOT_SERVED = {
+    "stop": "the body's stop is OpenAI's (text stops; token-id stops as lists of ints in it)",
+    "return_trace": "the server returns no traces",
+    "distributed": "the server runs one process (branch parallelism is set up per process group)",
+}
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+COMMON_FIELDS = ("model", "stream", "stream_options", "n", "stop", "user", "logprobs", "logit_bias",
+                 "presence_penalty", "frequency_penalty", *MAX_TOKENS_FIELDS)  # fmt: skip
+ENDPOINT_FIELDS = {
+    "completions": ("prompt", "echo", "suffix", "best_of"),
+    "chat": ("messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+             "function_call", "response_format"),
+}  # fmt: skip
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+class RequestError(Exception):
+    """A refused request: HTTP `status`, the OpenAI error `type`, the offending field `param` (or None)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A request after parsing: what the worker needs plus what the response echoes."""
+
+    prompt_ids: list[int]
+    knobs: dict  # merged: the server's defaults, then the body's (validated)
+    stop: list | None
+    stream: bool
+    warnings: list[str]
+
+
+def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
+    if knob == "max_new_tokens":
+        return "max_tokens"
+    if knob == "prompt":
+        return "messages" if endpoint == "chat" else "prompt"
+    return knob
+
+
+def _refuse_unsupported(body: dict, endpoint: str) -> None:
+    """400 for the OpenAI features not implemented, when the request asks for them."""
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise RequestError(f"n={n!r}: only n=1 is served (one choice per request)", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise RequestError(f"best_of={best_of!r}: only best_of=1 is served", "best_of")
+    if body.get("logprobs") not in (None, False):
+        raise RequestError(f"logprobs={body['logprobs']!r}: log-probabilities are not implemented", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise RequestError("top_logprobs: log-probabilities are not implemented", "top_logprobs")
+    if body.get("echo") not in (None, False):
+        raise RequestError("echo=true is not implemented", "echo")
+    if body.get("suffix") is not None:
+        raise RequestError("suffix (insertion) is not implemented", "suffix")
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not implemented", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(f"{name}={body[name]!r}: penalties are not implemented (pass 0 or leave it out)", name)
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) not in (None, [], "none"):
+            raise RequestError(f"{name}: tool / function calling is not implemented", name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(f"response_format={fmt!r}: only {{'type': 'text'}} is served", "response_format")
+
+
+def _check_types(body: dict) -> None:
+    """The OpenAI fields that are not knobs: their JSON types."""
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError(f"stream={body['stream']!r}: expected true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)
+                             or set(opts) - {"include_usage"}):  # fmt: skip
+        raise RequestError(f"stream_options={opts!r}: expected {{'include_usage': true|false}}", "stream_options")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user: expected a string", "user")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model: expected a string", "model")
+
+
+def _knobs_of(body: dict, endpoint: str) -> dict:
+    """The body's generate knobs (OpenAI names mapped); unknown fields are refused by name."""
+    allowed = set(COMMON_FIELDS) | set(ENDPOINT_FIELDS[endpoint])
+    knobs: dict = {}
+    for name, value in body.items():
+        if name in allowed or name == "stop":
+            continue
+        if name in NOT_SERVED:
+            raise RequestError(f"{name}: not accepted by the server ({NOT_SERVED[name]})", name)
+        if name in ("temperature", "top_p", "seed") or name in KNOBS:
+            knobs[name] = value
+            continue
+        other = "chat" if endpoint == "completions" else "completions"
+        hint = f" (a field of the {other} endpoint)" if name in ENDPOINT_FIELDS[other] else ""
+        raise RequestError(f"unknown field {name!r}{hint}; the body takes OpenAI fields and the knobs of "
+                           "lopa_fast.generate (docs/serve.md)", name)  # fmt: skip
+    given = [f for f in MAX_TOKENS_FIELDS if body.get(f) is not None]
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)} both given; pass one", given[1])
+    if given:
+        knobs["max_new_tokens"] = body[given[0]]
+    return knobs
+
+
+def blame_knob(knobs: dict, defaults: dict, model=None) -> str | None:
+    """The knob of `knobs` (a request's) that fails validation on its own on top of `defaults` (and, with a
+    model, resolution against it); None when none does (a combination is to blame)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, value in knobs.items():
+            try:
+                cfg = GenerateConfig(**{**defaults, name: value}).validate()
+                if model is not None:
+                    cfg.resolve(model)
+            except (ValueError, TypeError):
+                return name
+    return None
+
+
+def _validated(stage_param: str | None, fn, *args, knobs=None, defaults=None, model=None, endpoint="completions"):
+    """Run one validation stage; its errors become RequestErrors naming the field (module docstring)."""
+    try:
+        return fn(*args)
+    except RequestError:
+        raise
+    except KnobError as e:
+        raise RequestError(str(e), _openai_knob_name(e.knob, endpoint) or stage_param) from e
+    except MemoryBudgetError as e:
+        raise RequestError(str(e), "max_tokens") from e
+    except LopaError:
+        raise
+    except (ValueError, TypeError) as e:
+        param = stage_param
+        if param is None and knobs is not None:
+            param = _openai_knob_name(blame_knob(knobs, defaults or {}, model), endpoint)
+        raise RequestError(str(e), param) from e
+
+
+def _plan(cfg, model, prompt_len):
+    """GenerateConfig.plan_length, its KnobError on max_new_tokens blamed on the stage's field (prompt or
+    max_tokens) rather than on the knob."""
+    try:
+        return cfg.plan_length(model, prompt_len)
+    except KnobError as e:
+        raise ValueError(str(e)) from e
+
+
+def _chat_ids(tokenizer, messages, warn) -> list[int]:
+    """Token ids of a chat: the tokenizer's chat template over the messages, with the generation prompt."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: expected a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise RequestError(f"messages[{i}]: expected an object with role in {', '.join(CHAT_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise RequestError(f"messages[{i}].content: only text parts are served", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content: expected text", "messages")
+        if set(m) - {"role", "content", "name"}:
+            extra = sorted(set(m) - {"role", "content", "name"})
+            raise RequestError(f"messages[{i}]: fields {extra} are not served", "messages")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if not clean[-1]["content"].strip():
+        raise RequestError("messages: the last message is empty (or only whitespace)", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("the model's tokenizer has no chat template; use /v1/completions", "messages")
+    missing = [w for m in clean for w in unknown_words(tokenizer, m["content"])]
+    if missing:
+        warn(f"{len(missing)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
+             + ", ".join(repr(w) for w in dict.fromkeys(missing)))  # fmt: skip
+    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _completion_ids(tokenizer, prompt, warn) -> list[int]:
+    """Token ids of a completions prompt: text (the tokenizer's own specials) or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list
+    if isinstance(prompt, str):
+        check_text_prompt(prompt)
+        return encode_prompt(tokenizer, prompt, warn=warn)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"prompt: {len(prompt)} prompts in one request; send one prompt per request", "prompt")
+    if prompt is None or prompt == []:
+        raise RequestError("prompt: required (text or a list of token ids)", "prompt")
+    raise RequestError(f"prompt: {type(prompt).__name__}; expected text or a list of token ids", "prompt")
+
+
+def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
+    """Check an OpenAI request body (endpoint "completions" or "chat") and build what the worker runs.
+
+    defaults: the server's knobs (validated at start-up); the body's knobs replace them. Raises RequestError."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
+    _check_types(body)
+    _refuse_unsupported(body, endpoint)
+    knobs = _knobs_of(body, endpoint)
+    merged = {**defaults, **knobs}
+    # stage 1: the knobs on their own (GenerateConfig.validate, no model)
+    cfg = _validated(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
+                     endpoint=endpoint)  # fmt: skip
+    # stage 2: the prompt
+    notes: list[str] = []
+    field = "messages" if endpoint == "chat" else "prompt"
+    if endpoint == "chat":
+        ids = _validated(field, _chat_ids, tokenizer, body.get("messages"), notes.append, endpoint=endpoint)
+    else:
+        ids = _validated(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, endpoint=endpoint)
+    limit = model.config.max_position_embeddings
+    if len(ids) >= limit:
+        raise RequestError(f"{field}: too long ({len(ids)} tokens); the model has max_position_embeddings={limit} "
+                           "positions for the prompt and the answer together", field)  # fmt: skip
+    # stage 3: the stops
+    stop = body.get("stop")
+    if stop is not None:
+        _validated("stop", split_stops, tokenizer, stop, endpoint=endpoint)
+    # stage 4: what generate checks with the model and the prompt, before any forward
+    ids_t = _validated(field, api.prepare_prompt, model, ids, endpoint=endpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # generate warns itself when it runs
+        # no max_tokens and a prompt that leaves less than one block: the prompt is to blame
+        length_field = "max_tokens" if merged.get("max_new_tokens") is not None else field
+        planned, _ = _validated(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
+        bound = _validated(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
+                           endpoint=endpoint)  # fmt: skip
+        _validated(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
+        _validated("backend", api.resolve_backend, bound, True, endpoint=endpoint)
+    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes)
+
+
+def model_sampling_defaults(model_dir) -> dict:
+    """temperature / top_p / top_k from the model's generation_config.json when it samples (do_sample not false),
+    else {} (the knobs' own defaults: temperature 0, greedy)."""
+    from pathlib import Path
+
+    f = Path(model_dir) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    data = json.loads(f.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or data.get("do_sample") is False:
+        return {}
+    return {k: data[k] for k in ("temperature", "top_p", "top_k") if data.get(k) is not None}

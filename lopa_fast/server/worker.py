@@ -1,0 +1,176 @@
+"""The server's request-execution seam: `Worker.submit(job)` -> `Handle`.
+
+Today one worker thread runs the submitted requests one at a time, each through `lopa_fast.stream` (which runs
+`lopa_fast.generate` and ends with its text and stats), so concurrent HTTP requests each get the result they would
+get alone. A batched scheduler (one forward for many requests) replaces `submit`'s validation and `_serve`'s loop
+behind the same two calls; the HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
+
+Cancellation (a client that disconnects, or a server shutting down): a request still waiting in the queue is
+dropped before it starts; a running one is stopped at its next round boundary (stream's per-round hook raises in
+the worker, and the decoding thread ends at the next round), so the worker moves on to the next request within one
+round's time. Its partial result is discarded.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+
+import lopa_fast
+
+MAX_PENDING = 64  # requests queued or running at once; one more is refused (HTTP 503), never queued without bound
+
+
+class Busy(RuntimeError):
+    """The queue holds MAX_PENDING requests already (the server answers 503)."""
+
+
+class Cancelled(Exception):
+    """Raised by the per-round hook in the worker thread when the request's handle was cancelled."""
+
+
+@dataclasses.dataclass
+class Job:
+    """One request as the worker runs it.
+
+    prompt_ids: the encoded prompt (list[int], the chat template already applied).
+    knobs:      generate knobs (GenerateConfig field names; stop excluded), already validated by the caller.
+    stop:       lopa_fast.stream's stop=: text stops (str) and / or token-id sequences (list[int]), or None.
+    """
+
+    prompt_ids: list[int]
+    knobs: dict
+    stop: list | None = None
+
+
+@dataclasses.dataclass
+class Finished:
+    """The end of a request: the text (pieces joined), generate's output (generated_ids, stats) and the prompt ids."""
+
+    text: str
+    result: object  # lopa_fast.GenerateOutput
+    prompt_ids: list[int]
+
+
+class Handle:
+    """One submitted request, read from the asyncio side.
+
+    `events()` yields ("piece", str) for every piece of text as it becomes final, then exactly one of
+    ("done", Finished), ("error", exception) or ("cancelled", None). `cancel()` may be called from any thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Drop the request if it waits; stop it at its next round if it runs (its result is discarded)."""
+        self._cancelled.set()
+
+    def check(self, prefix=None, info=None) -> None:
+        """The per-round hook (worker thread): raise Cancelled once the request was cancelled."""
+        if self._cancelled.is_set():
+            raise Cancelled
+
+    def emit(self, kind: str, value=None) -> None:
+        """Hand an event to the asyncio side (worker thread). A loop already closed (server shut down) drops it."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+        except RuntimeError:
+            pass
+
+    async def events(self, disconnected=None, poll_s: float = 0.25):
+        """The request's events (class docstring). disconnected: an async callable polled every `poll_s` seconds
+        while no event arrives; when it returns True the request is cancelled and ("cancelled", None) ends the
+        iteration."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self._events.get(), poll_s)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    self.cancel()
+                    yield "cancelled", None
+                    return
+                continue
+            yield kind, value
+            if kind != "piece":
+                return
+
+
+class Worker:
+    """Runs submitted requests one at a time on one thread (module docstring); `counts` for /health."""
+
+    def __init__(self, model, tokenizer, *, digits_joined: bool = False, max_pending: int = MAX_PENDING):
+        self.model, self.tokenizer, self.digits_joined = model, tokenizer, digits_joined
+        self.max_pending = max_pending
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
+        self._thread = threading.Thread(target=self._serve, name="lopa_fast.server.worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Validate `job` and queue it; returns its Handle. Bad input raises here, typed as lopa_fast.stream
+        raises it (KnobError, ValueError, TypeError, ...), before anything is queued or run; a full queue raises
+        Busy. Call from the event loop's thread (or pass `loop`)."""
+        handle = Handle(loop or asyncio.get_running_loop())
+        text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
+                                digits_joined=self.digits_joined, on_round=handle.check, **job.knobs)  # fmt: skip
+        with self._lock:
+            if self.counts["pending"] >= self.max_pending:
+                raise Busy(f"{self.counts['pending']} requests are queued or running (the cap is {self.max_pending})")
+            self.counts["pending"] += 1
+        self._queue.put((handle, text))
+        return handle
+
+    def close(self) -> None:
+        """Stop the worker after the request it runs (queued ones are cancelled)."""
+        self._queue.put(None)
+
+    def _count(self, **delta) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                self.counts[k] += v
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._drain()
+                return
+            handle, text = item
+            if handle.cancelled:  # dropped before it started
+                self._count(pending=-1, cancelled=1)
+                handle.emit("cancelled")
+                continue
+            self._count(running=1)
+            try:
+                with text:
+                    for piece in text:
+                        handle.emit("piece", piece)
+                handle.emit("done", Finished(text.text, text.result, text.prompt_ids))
+                self._count(served=1)
+            except Cancelled:
+                self._count(cancelled=1)
+                handle.emit("cancelled")
+            except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
+                self._count(failed=1)
+                handle.emit("error", e)
+            finally:
+                self._count(running=-1, pending=-1)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._count(pending=-1, cancelled=1)
+                item[0].emit("cancelled")
