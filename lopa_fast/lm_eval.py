@@ -130,12 +130,16 @@ class LopaFastLM(LM):
         from tqdm import tqdm
 
         import lopa_fast
-        from lopa_fast.text import answer_text, check_text_prompt, split_stops
+        from lopa_fast.text import answer_text, check_text_prompt, split_stops, unknown_words
 
         out_texts = []
         for req in tqdm(requests, disable=disable_tqdm, desc="lopa_fast generate_until"):
             context, gen_kwargs = req.args[0], req.args[1]
             check_text_prompt(context, "context")
+            missing = unknown_words(self.tok, context)
+            if missing:  # reported, never silently mapped
+                warnings.warn(f"lopa_fast: {len(missing)} word(s) of the context unknown to the tokenizer: "
+                              + ", ".join(repr(w) for w in missing[:20]), UserWarning, stacklevel=2)  # fmt: skip
             knobs, until = self.request_knobs(gen_kwargs)
             seqs, text_stops = split_stops(self.tok, until or None)
             if seqs:

@@ -108,6 +108,8 @@ def test_unsupported_and_bad_requests(lm):
         lm.loglikelihood_rolling([])
     with pytest.raises(lopa_fast.KnobError, match="empty"):
         lm.generate_until([_req("   ")])
+    with pytest.warns(UserWarning, match="'Zorg'"):
+        lm.generate_until([_req("Zorg has 7 pens . Answer :", max_gen_toks=8)])
     with pytest.raises(TypeError, match="unknown"):
         LopaFastLM(frobnicate=1)
     with pytest.warns(RuntimeWarning, match="ignored"):
