@@ -217,12 +217,28 @@ def generate_knobs(args, knob_names) -> dict:
 def _generate(args) -> int:
     import torch
 
+    text = read_prompt(args)  # before any load: a bad prompt costs nothing
+    knobs = generate_knobs(args, args.knob_names)
+    if knobs.get("distributed"):  # launched by torchrun: the group must exist before the knob checks
+        from lopa_fast.distributed import init_from_env
+
+        if args.stream or args.show_steps:
+            raise CLIError("--distributed prints the result once decoded; --stream / --show-steps are not supported with it")
+        args.device = init_from_env(args.device)  # NCCL -> cuda:LOCAL_RANK, gloo -> cpu
+    try:
+        return _generate_one(args, text, knobs)
+    finally:
+        if knobs.get("distributed"):
+            torch.distributed.destroy_process_group()
+
+
+def _generate_one(args, text: str, knobs: dict) -> int:
+    import torch
+
     from lopa_fast import api
     from lopa_fast.config import GenerateConfig
     from lopa_fast.text import answer_text, split_stops, text_decoder
 
-    text = read_prompt(args)  # before any load: a bad prompt costs nothing
-    knobs = generate_knobs(args, args.knob_names)
     want_trace = bool(knobs.get("return_trace"))  # --return-trace: the trace goes into --json's object
     if args.png is not None:
         if os.path.isdir(args.png):
@@ -255,6 +271,8 @@ def _generate(args) -> int:
         answer = answer_text(out, decode, eos, texts)
     gen = out.generated_ids
     st = out.stats
+    if cfg.distributed and torch.distributed.get_rank() != 0:  # every rank holds the result; rank 0 prints it
+        return 0
     if args.json:
         obj = {"text": answer, "generated_ids": gen, "stats": st}
         if want_trace and out.trace is not None:

@@ -115,7 +115,11 @@ def init_from_env(device: str | None = None) -> str:
     else:
         device = device or "cpu"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # rendezvous failure / timeout: one clear error, not a backend traceback
+            raise DistributedError(f"distributed decoding: could not start the process group: "
+                                   f"{' '.join(str(e).split())[:300]}") from e  # fmt: skip
     return device
 
 
@@ -198,6 +202,7 @@ class DistributedDecoder(FastDecoder):
             head = super()._read_head()
         else:  # read with the winner and the error flag at the end of _step: still one read per round
             head, self._pending = self._pending, None
+            self.host_reads += 1
         self._head = head
         return head
 

@@ -216,3 +216,32 @@ def test_refused_without_group_or_with_uncovered_knobs():
                                max_new_tokens=8, block_size=4)  # fmt: skip
         assert e.value.knob == knob
     assert issubclass(DistributedError, RuntimeError) and issubclass(KnobError, ValueError)
+
+
+def test_cli_distributed_without_torchrun(monkeypatch, capsys):
+    """--distributed outside torchrun: one line naming what is missing, exit 2 (no traceback)."""
+    from lopa_fast import cli
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("sys.argv", ["lopa_fast", "generate", "--prompt", "1 + 2", "--backend", "fast", "--distributed"])
+    assert cli.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torchrun" in err[0] and "RANK" in err[0]
+
+
+@pytest.mark.slow
+def test_cli_under_torchrun_matches_one_process(tmp_path):
+    """`python -m torch.distributed.run --nproc-per-node 2 -m lopa_fast generate ... --distributed` prints (rank 0
+    only) the single-process result."""
+    import subprocess
+    import sys
+
+    args = ["-m", "lopa_fast", "generate", "--prompt", "Tom has 23 pens .", "--backend", "fast", "--json"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          "29533", *args, "--distributed"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    outs = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
+    assert len(outs) == 1  # rank 0 prints
+    assert outs[0]["generated_ids"] == json.loads(one.stdout)["generated_ids"]
+    assert outs[0]["stats"]["distributed"]["world_size"] == 2
