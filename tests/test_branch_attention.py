@@ -481,8 +481,10 @@ def test_triton_branch_attention_custom_op_opcheck_and_fullgraph_compile():
     q, kc, vc, _, kw, vw, wl, bid = _device_len_inputs(torch.float32, seed=12)
     cl = torch.tensor(33, dtype=torch.int64, device=q.device)
     op = torch.ops.lopa_fast.triton_branch_attention.default
+    pq, pk, pv, pcl, pkw, pvw, pwl, pbid, pidx = pool_inputs(3, 4, 4, 2, 16, 40, torch.float32, seed=12)
     for args in [(q, kc, vc, cl, LMAX, kw, vw, wl, bid, "block_causal", None, True),
-                 (q, kc, vc, None, 33, kw, vw, None, None, "causal", 0.3, False)]:
+                 (q, kc, vc, None, 33, kw, vw, None, None, "causal", 0.3, False),
+                 (pq, pk, pv, pcl, 40, pkw, pvw, pwl, pbid, "block_causal", None, True, pidx)]:  # pooled
         torch.library.opcheck(op, args)
 
     def f(q, cl):
@@ -493,3 +495,184 @@ def test_triton_branch_attention_custom_op_opcheck_and_fullgraph_compile():
     got_o, got_lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, cl)
     torch.testing.assert_close(got_o, want_o, atol=0, rtol=0)
     torch.testing.assert_close(got_lse, want_lse, atol=0, rtol=0)
+
+    def pooled(q, cache_len, cache_index):
+        return ops.branch_attention(q, pk, pv, cache_len, pkw, pvw, pwl, pbid, "block_causal", backend="triton",
+                                    check=False, cache_index=cache_index)
+
+    torch.testing.assert_close(torch.compile(pooled, backend="aot_eager", fullgraph=True)(pq, pcl, pidx),
+                               pooled(pq, pcl, pidx), atol=0, rtol=0)
+
+
+# ------------------------------------------ pooled form: B requests' rows over one static pool [S, Lmax, Hkv, D]
+# The contract (issue 15's batched round builds on it): row b of a pooled call is BITWISE the single-request call
+# for that row alone on its slot (k_cache[slot], cache_len[slot] as a 0-d tensor: the masked static-buffer path)
+# on the same backend, so a request's sums never see another request's keys nor depend on who shares the call.
+def pool_inputs(B, n, Hq, Hkv, D, Lmax, dtype, seed=0, device=DEVICE, S=3):
+    """(q, k_pool, v_pool, cache_len [S], k_win, v_win, win_lens, block_ids, cache_index [B]): slot lengths
+    Lmax (full), 0 (empty) and a partial one; rows share slots (two rows per request slot where B allows)."""
+    q, _, _, _, kw, vw, wl, bid = make_attention_inputs((B, n, Hq, Hkv, D, Lmax), dtype, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 100)
+    kp = torch.randn(S, Lmax, Hkv, D, generator=g).to(dtype).to(device)
+    vp = torch.randn(S, Lmax, Hkv, D, generator=g).to(dtype).to(device)
+    cl = torch.tensor([Lmax, 0, (2 * Lmax) // 3][:S], device=device)
+    idx = torch.tensor([(2, 0, 2, 1, 0)[b % 5] % S for b in range(B)], device=device)
+    return q, kp, vp, cl, kw, vw, wl, bid, idx
+
+
+def single_row(inputs, b):
+    """The single-request arguments of pooled row b: (q, k_cache, v_cache, 0-d cache_len, k_win, v_win, win_lens,
+    block_ids) on b's slot."""
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    s = int(idx[b])
+    r = slice(b, b + 1)
+    return q[r], kp[s], vp[s], cl[s].reshape(()), kw[r], vw[r], wl[r], bid[r]
+
+
+# (B, n, Hq, Hkv, D, Lmax): GQA ragged; MHA (G = 1) with one window position; a one-row pool (the einsum path);
+# Dream-7B heads at a 300-row pool (big enough for MKL's blocked GEMM paths)
+POOL_SHAPES = [(4, 13, 6, 2, 24, 70), (3, 1, 4, 4, 16, 33), (3, 5, 4, 2, 16, 1), (3, 16, 28, 4, 128, 300)]
+
+
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", POOL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pooled_torch_backend_is_bitwise_the_single_call_per_row(shape, dtype, mode):
+    """branch_attention_torch (the forward's torch attention) pooled == itself per row on the row's slot, and
+    the public op (the reference) pooled == the reference per row; fp32 (the fast path's dtype): the two agree
+    bitwise with each other too."""
+    from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
+
+    inputs = pool_inputs(*shape, dtype, seed=sum(shape), device="cpu")
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    B, n, Lmax = q.shape[0], q.shape[1], kp.shape[1]
+    vis = ref.window_key_mask(n, wl, bid, mode, B, "cpu")
+    prefix_ok = prefix_visibility(cl, Lmax, "cpu", idx)
+    assert prefix_ok.shape == (B, Lmax) and torch.equal(prefix_ok.sum(1), cl[idx])
+    o = branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_ok, cache_index=idx)
+    o_ref, lse_ref = ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, mode, return_lse=True, backend="torch",
+                                          cache_index=idx)
+    for b in range(B):
+        qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
+        visb = ref.window_key_mask(n, wlb, bidb, mode, 1, "cpu")
+        one = branch_attention_torch(qb, kb, vb, clb, kwb, vwb, visb, prefix_visibility(clb, Lmax, "cpu"))
+        assert torch.equal(o[b : b + 1], one), f"torch backend row {b}"
+        one_ref, one_lse = ref.branch_attention(qb, kb, vb, clb, kwb, vwb, wlb, bidb, mode, return_lse=True)
+        assert torch.equal(o_ref[b : b + 1], one_ref) and torch.equal(lse_ref[b : b + 1], one_lse), f"ref row {b}"
+    if dtype == torch.float32:
+        assert torch.equal(o, o_ref)
+    # and it is the right attention: each row over its slot's first cache_len rows (int path, fp64)
+    d = lambda t: t.double()  # noqa: E731
+    for b in range(B):
+        qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
+        want = ref.branch_attention(d(qb), d(kb), d(vb), int(clb), d(kwb), d(vwb), wlb, bidb, mode)
+        torch.testing.assert_close(d(o[b : b + 1]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_pooled_rows_never_see_other_slots_or_rows_past_their_length():
+    """Rewriting every other slot and the rows past a slot's length leaves that slot's rows bitwise unchanged
+    (torch backend and reference); a row whose slot is empty sees its window only."""
+    from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
+
+    inputs = pool_inputs(4, 6, 4, 2, 16, 40, torch.float32, seed=3, device="cpu")
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    vis = ref.window_key_mask(6, wl, bid, "block_causal", 4, "cpu")
+    run = lambda kp, vp: (  # noqa: E731
+        branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_visibility(cl, 40, "cpu", idx), cache_index=idx),
+        ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", cache_index=idx, backend="torch"))
+    before = run(kp, vp)
+    for s in range(3):
+        kp2, vp2 = kp.clone(), vp.clone()
+        keep = torch.arange(40) < cl[s]
+        for t in (kp2, vp2):
+            t[torch.arange(3) != s] = 1e3 * torch.randn_like(t[torch.arange(3) != s])  # other requests' slots
+            t[s, ~keep] = 7.0  # this slot's rows past its length
+        rows = idx == s
+        for got, want in zip(run(kp2, vp2), before):
+            assert torch.equal(got[rows], want[rows]), f"slot {s}"
+    empty_rows = idx == 1  # slot 1 holds no prefix: the window alone
+    want = ref.branch_attention(q[empty_rows], kp[1], vp[1], 0, kw[empty_rows], vw[empty_rows], wl[empty_rows],
+                                bid[empty_rows], "block_causal")
+    torch.testing.assert_close(before[0][empty_rows], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "block_causal"])
+def test_pooled_triton_is_bitwise_the_single_call_per_row(mode):
+    """Triton (interpreter on CPU, compiled on a GPU): per-tile slot base pointer and length; row b (o and lse)
+    bitwise the single call with k_cache[slot] and a 0-d cache_len, for a full, an empty and a partial slot,
+    with a prefix cut into several splits (Lmax 70 > 2 key tiles)."""
+    inputs = pool_inputs(3, 5, 4, 2, 16, 70, torch.float32, seed=5)
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    with poisoned_empty():
+        o, lse = ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, mode, return_lse=True, backend="triton",
+                                      cache_index=idx)
+        for b in range(q.shape[0]):
+            ob, lseb = ops.branch_attention(*single_row(inputs, b), mode, return_lse=True, backend="triton")
+            assert torch.equal(o[b : b + 1], ob) and torch.equal(lse[b : b + 1], lseb), f"row {b}"
+    o_ref, lse_ref = ref.branch_attention(q.double(), kp.double(), vp.double(), cl, kw.double(), vw.double(), wl,
+                                          bid, mode, return_lse=True, cache_index=idx)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pooled_triton_splits_do_not_depend_on_the_batch():
+    """The pooled launcher picks the prefix splits of a B = 1 call whatever B (a row's summation order is its
+    own): the default split count equals the one chosen for one branch, and a forced count still matches."""
+    from lopa_fast.kernels.triton import branch_attention as tri
+
+    seen = []
+    real = tri.default_num_splits
+    inputs = pool_inputs(3, 4, 4, 2, 16, 100, torch.float32, seed=6, S=2)
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    try:
+        tri.default_num_splits = lambda *a, **k: seen.append(a) or real(*a, **k)
+        o = tri.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "causal", cache_index=idx)
+        tri.branch_attention(*single_row(inputs, 0), "causal")
+    finally:
+        tri.default_num_splits = real
+    assert len(seen) == 2 and seen[0] == seen[1]  # (row tiles x Hkv, Lmax, BLOCK_N) of one branch
+    o3 = tri.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "causal", num_splits=3, cache_index=idx)
+    want = ref.branch_attention(q.double(), kp.double(), vp.double(), cl, kw.double(), vw.double(), wl, bid, "causal",
+                                cache_index=idx)
+    for got in (o, o3):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _pool_call(**over):
+    inputs = pool_inputs(3, 4, 4, 2, 16, 10, torch.float32, device="cpu")
+    a = dict(zip(["q", "k_cache", "v_cache", "cache_len", "k_win", "v_win", "win_lens", "block_ids", "cache_index"],
+                 inputs), mode="block_causal")
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over, err, words",
+    [
+        (lambda a: dict(cache_index=a["cache_index"][:2]), ValueError, "cache_index must be a \\[B=3\\]"),
+        (lambda a: dict(cache_index=a["cache_index"].float()), ValueError, "cache_index must be an int"),
+        (lambda a: dict(cache_index=torch.tensor([0, 3, 1])), ValueError, "cache_index values must be in \\[0, S=3\\)"),
+        (lambda a: dict(cache_index=torch.tensor([0, -1, 1])), ValueError, "cache_index values"),
+        (lambda a: dict(cache_len=5), ValueError, "cache_len must be an \\[S=3\\] int tensor"),
+        (lambda a: dict(cache_len=torch.tensor(5)), ValueError, "cache_len must be an \\[S=3\\]"),
+        (lambda a: dict(cache_len=torch.tensor([11, 0, 5])), ValueError, "cache_len of the indexed slots"),
+        (lambda a: dict(k_cache=a["k_cache"][0], v_cache=a["v_cache"][0]), ValueError, "must be a pool"),
+        (lambda a: dict(cache_index=None), ValueError, "a pool \\[S, Lmax, Hkv, D\\] needs cache_index"),
+        (lambda a: dict(v_cache=a["v_cache"][:2]), ValueError, "k_cache/v_cache"),
+    ],
+)
+def test_pooled_bad_input(over, err, words):
+    a = _pool_call()
+    a.update(over(a))
+    with pytest.raises(err, match=words):
+        ops.branch_attention(**a)
+
+
+def test_pooled_check_false_reads_nothing_on_the_host():
+    """check=False pooled call (the captured round's): no host read of cache_len or cache_index."""
+    from lopa_fast.decode import count_host_syncs
+
+    a = _pool_call(check=False, backend="torch")
+    with count_host_syncs() as c:
+        ops.branch_attention(**a)
+    assert c.total == 0

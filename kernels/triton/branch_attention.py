@@ -6,6 +6,9 @@ Two launches, merged by log-sum-exp:
      read once per (kv head, row tile, split) instead of once per branch and head. The prefix is cut
      into `num_splits` chunks (flash-decoding) so that B=1, n=32 (224 rows, 4 kv heads = 16 row tiles)
      still fills the GPU; each split writes a normalised partial o [R, D] and its lse (fp32).
+     Pooled form (cache_index [B]: k/v_cache a pool [S, Lmax, Hkv, D], cache_len [S] on the device): a row
+     tile holds rows of ONE branch, whose base pointer is its slot's and whose length is loaded per tile;
+     splits and tiles are those of a B = 1 call, so each row is bitwise that call (the rows' own keys only).
   2. `_window_kernel`: per (branch, kv head, row tile) the window part under the structural mask
      (full | block_causal | causal, from block_ids / win_lens; padded keys masked), then merges the
      prefix partials by LSE and writes o in q.dtype (+ lse).
@@ -55,25 +58,41 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _prefix_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    cache_len, Lmax, R, n, chunk, qk_scale,
-    s_qb, s_qn, s_qh, s_kl, s_kh, s_vl, s_vh,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ci_ptr,
+    cache_len, Lmax, R, n, chunk, qk_scale, tiles_b,
+    s_qb, s_qn, s_qh, s_ks, s_kl, s_kh, s_vs, s_vl, s_vh,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    CL_PTR: tl.constexpr,
+    CL_PTR: tl.constexpr, POOLED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     H = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked (b, i, g) rows of this kv head
+    if POOLED:  # tiles_b tiles per branch: a tile's rows share one slot (its K/V base and its length)
+        b_tile = pid_m // tiles_b
+        local = (pid_m % tiles_b) * BLOCK_M + tl.arange(0, BLOCK_M)  # (i, g) rows of branch b_tile
+        rows = b_tile * (n * G) + local
+        rmask = local < n * G
+        slot = tl.load(ci_ptr + b_tile).to(tl.int64)
+        k_base = k_ptr + slot * s_ks + kvh.to(tl.int64) * s_kh
+        v_base = v_ptr + slot * s_vs + kvh.to(tl.int64) * s_vh
+        cl = tl.minimum(tl.maximum(tl.load(cache_len + slot).to(tl.int32), 0), Lmax)
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked (b, i, g) rows of this kv head
+        rmask = rows < R
+        k_base = k_ptr + kvh.to(tl.int64) * s_kh
+        v_base = v_ptr + kvh.to(tl.int64) * s_vh
+        if CL_PTR:  # device prefix length (graph-safe): the grid covers Lmax, splits past it are empty
+            cl = tl.minimum(tl.maximum(tl.load(cache_len).to(tl.int32), 0), Lmax)
+        else:
+            cl = cache_len
     g = rows % G
     bi = rows // G
     b = bi // n
     i = bi % n
     od = tl.arange(0, BLOCK_D)
     dmask = od < D
-    rmask = rows < R
     q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + (kvh * G + g).to(tl.int64) * s_qh
     q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     if UPCAST:
@@ -81,14 +100,8 @@ def _prefix_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if CL_PTR:  # device prefix length (graph-safe): the grid covers Lmax, splits past it are empty
-        cl = tl.minimum(tl.maximum(tl.load(cache_len).to(tl.int32), 0), Lmax)
-    else:
-        cl = cache_len
     lo = split * chunk
     hi = tl.minimum(lo + chunk, cl)
-    k_base = k_ptr + kvh.to(tl.int64) * s_kh
-    v_base = v_ptr + kvh.to(tl.int64) * s_vh
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
@@ -194,17 +207,24 @@ def block_sizes(dtype: torch.dtype):
 
 
 def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
-                     scale=None, return_lse=False, num_splits=None):
+                     scale=None, return_lse=False, num_splits=None, *, cache_index=None):
     """Shapes as lopa_fast.reference.ops.branch_attention; inputs need a contiguous last dim.
     cache_len: an int (grid and prefix splits sized to it) or a 0-d / [1] int tensor on q's device (read by the
     prefix kernel; grid and splits sized to Lmax = k_cache.shape[0], so a captured CUDA graph replays any
-    prefix length; values are clamped to [0, Lmax])."""
+    prefix length; values are clamped to [0, Lmax]).
+    cache_index [B] int (pooled form): k/v_cache [S, Lmax, Hkv, D], cache_len [S] int on q's device, read per
+    row tile; tiles and splits (num_splits=None) as for one branch alone, whatever B."""
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     G = Hq // Hkv
-    Lmax = k_cache.shape[0]
+    pooled = cache_index is not None
+    Lmax = k_cache.shape[-3]
     cl_ptr = isinstance(cache_len, torch.Tensor)
-    if cl_ptr:  # a 0-d device tensor: nothing below depends on its value (no host read, CUDA-graph safe)
+    if pooled:  # per-slot lengths and slot indices: read by the kernel, nothing here depends on their values
+        cl_arg = cache_len.contiguous()
+        ci_arg = cache_index.contiguous()
+        cache_len = Lmax
+    elif cl_ptr:  # a 0-d device tensor: nothing below depends on its value (no host read, CUDA-graph safe)
         cl_arg = cache_len.reshape(1)
         cache_len = Lmax  # grid, splits and workspaces sized for the static buffer
     else:
@@ -222,8 +242,11 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
         return (o, lse) if return_lse else o
     R = B * n * G
     m_tiles = triton.cdiv(R, BLOCK_M)
-    if num_splits is None:
-        num_splits = default_num_splits(m_tiles * Hkv, cache_len, BLOCK_N)
+    tiles_b = triton.cdiv(n * G, BLOCK_M)  # pooled: row tiles per branch (a tile never mixes two slots)
+    if pooled:
+        m_tiles = tiles_b * B
+    if num_splits is None:  # pooled: the split of a B = 1 call, so a row's sums do not depend on its neighbours
+        num_splits = default_num_splits((tiles_b if pooled else m_tiles) * Hkv, cache_len, BLOCK_N)
     num_splits = min(num_splits, triton.cdiv(cache_len, BLOCK_N)) if cache_len > 0 else 0
     if num_splits > 0:
         chunk = triton.cdiv(triton.cdiv(cache_len, num_splits), BLOCK_N) * BLOCK_N
@@ -231,12 +254,12 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
         part_o = torch.empty(num_splits, Hkv, R, BLOCK_D, dtype=torch.float32, device=dev)
         part_lse = torch.empty(num_splits, Hkv, R, dtype=torch.float32, device=dev)
         _prefix_kernel[(m_tiles, Hkv, num_splits)](
-            q, k_cache, v_cache, part_o, part_lse,
-            cl_arg, Lmax, R, n, chunk, qk_scale,
-            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1),
+            q, k_cache, v_cache, part_o, part_lse, ci_arg if pooled else part_lse,
+            cl_arg, Lmax, R, n, chunk, qk_scale, tiles_b,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0) if pooled else 0, k_cache.stride(-3),
+            k_cache.stride(-2), v_cache.stride(0) if pooled else 0, v_cache.stride(-3), v_cache.stride(-2),
             G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec,
-            CL_PTR=cl_ptr, num_warps=warps, num_stages=2,
+            CL_PTR=cl_ptr or pooled, POOLED=pooled, num_warps=warps, num_stages=2,
         )
     else:
         part_o = part_lse = torch.empty(1, dtype=torch.float32, device=dev)

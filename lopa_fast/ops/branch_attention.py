@@ -20,7 +20,7 @@ _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
 
 
-def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode):
+def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, cache_index=None):
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"branch_attention: q must be a [B, n, Hq, D] tensor, got {getattr(q, 'shape', type(q))}")
     if q.dtype not in _FLOATS:
@@ -34,12 +34,14 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
     Hkv = k_win.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"branch_attention: Hq={Hq} is not a multiple of Hkv={Hkv}")
-    if k_cache.dim() != 3 or k_cache.shape[1:] != (Hkv, D) or k_cache.shape != v_cache.shape:
+    if cache_index is not None:
+        _check_pool(q, k_cache, v_cache, cache_len, cache_index, Hkv)
+    elif k_cache.dim() != 3 or k_cache.shape[1:] != (Hkv, D) or k_cache.shape != v_cache.shape:
         raise ValueError(
-            f"branch_attention: k_cache/v_cache must be [Lmax, Hkv={Hkv}, D={D}], got {tuple(k_cache.shape)} / "
-            f"{tuple(v_cache.shape)}"
+            f"branch_attention: k_cache/v_cache must be [Lmax, Hkv={Hkv}, D={D}] (a pool [S, Lmax, Hkv, D] needs "
+            f"cache_index), got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
         )
-    if isinstance(cache_len, torch.Tensor):
+    elif isinstance(cache_len, torch.Tensor):
         if cache_len.numel() != 1 or cache_len.dtype not in _INTS or cache_len.device != q.device:
             raise ValueError(
                 f"branch_attention: a tensor cache_len must be one int on {q.device}, got shape "
@@ -65,10 +67,46 @@ def _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mo
     )
 
 
+def _check_pool(q, k_cache, v_cache, cache_len, cache_index, Hkv):
+    """The pooled form's extra contract: cache_index [B] int on q's device with values in [0, S); k/v_cache a pool
+    [S, Lmax, Hkv, D]; cache_len an [S] int tensor on q's device with the referenced slots' lengths in [0, Lmax].
+    The value checks read the device (once, here at the API boundary; check=False skips them)."""
+    B, D = q.shape[0], q.shape[3]
+    if not isinstance(cache_index, torch.Tensor) or tuple(cache_index.shape) != (B,):
+        raise ValueError(f"branch_attention: cache_index must be a [B={B}] int tensor, got "
+                         f"{tuple(getattr(cache_index, 'shape', ())) or type(cache_index).__name__}")
+    if cache_index.dtype not in _INTS or cache_index.device != q.device:
+        raise ValueError(f"branch_attention: cache_index must be an int tensor on {q.device}, got {cache_index.dtype} "
+                         f"on {cache_index.device}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (Hkv, D) or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"branch_attention: with cache_index, k_cache/v_cache must be a pool [S, Lmax, Hkv={Hkv}, D={D}], got "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
+    S, Lmax = k_cache.shape[:2]
+    if (not isinstance(cache_len, torch.Tensor) or tuple(cache_len.shape) != (S,) or cache_len.dtype not in _INTS
+            or cache_len.device != q.device):  # fmt: skip
+        got = (f"{tuple(cache_len.shape)} {cache_len.dtype} on {cache_len.device}" if isinstance(cache_len, torch.Tensor)
+               else repr(cache_len))  # fmt: skip
+        raise ValueError(f"branch_attention: with cache_index, cache_len must be an [S={S}] int tensor on {q.device} "
+                         f"(one prefix length per pool slot), got {got}")
+    if B == 0:
+        return
+    lo, hi = int(cache_index.min()), int(cache_index.max())
+    if lo < 0 or hi >= S:
+        raise ValueError(f"branch_attention: cache_index values must be in [0, S={S}), got min {lo} max {hi}")
+    used = cache_len.index_select(0, cache_index.long())
+    lo, hi = int(used.min()), int(used.max())
+    if lo < 0 or hi > Lmax:
+        raise ValueError(f"branch_attention: cache_len of the indexed slots must be in [0, Lmax={Lmax}], got min "
+                         f"{lo} max {hi}")
+
+
 def branch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor,
                      k_win: torch.Tensor, v_win: torch.Tensor, win_lens: torch.Tensor | None = None,
                      block_ids: torch.Tensor | None = None, mode: str = "full", scale: float | None = None,
-                     return_lse: bool = False, check: bool = True, backend: str | None = None):
+                     return_lse: bool = False, check: bool = True, backend: str | None = None, *,
+                     cache_index: torch.Tensor | None = None):
     """Attention of B branch windows over a shared committed prefix plus each branch's own window.
 
     q [B, n, Hq, D] attends to k/v_cache[:cache_len] ([Lmax, Hkv, D], shared by all branches, always fully
@@ -80,25 +118,33 @@ def branch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns o [B, n, Hq, D] in q.dtype, and lse [B, n, Hq] fp32 (natural log) if return_lse.
     backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch"; an explicit kernel
     backend runs that kernel or raises a ValueError saying why (e.g. "cuda" has head dims 64 and 128 only).
+    Pooled form (several requests in one call; one request is S = 1): cache_index [B] int selects each row's
+    slot of a pool k/v_cache [S, Lmax, Hkv, D] (one layer), cache_len is then an [S] int tensor on q's device
+    (per-slot prefix length, read by the kernels, never on the host: graph-safe). Row b's result is bitwise
+    the single-request call for that row alone on its slot (q[b:b+1], k_cache[slot], cache_len[slot] as a 0-d
+    tensor) on the same backend: the kernels split every row's prefix exactly as a B = 1 call would, so a
+    request's sums never depend on which other requests share the call (tests/test_branch_attention.py).
+    check=True validates shapes, dtypes, devices and (one host read) the index and length ranges.
     Matches lopa_fast.reference.ops.branch_attention (the torch backend is that reference).
     """
     if check:
-        _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode)
+        _check(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, cache_index)
     args = (q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse)
     b = _backend.resolve("branch_attention", backend, q.device, args)
     if b == "torch":
-        return ref.branch_attention(*args)
+        return ref.branch_attention(*args, cache_index=cache_index)
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"branch_attention: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
     if b == "cuda":
-        return _backend.kernel("branch_attention", b)(*args)
+        kern = _backend.kernel("branch_attention", b)
+        return kern(*args) if cache_index is None else kern(*args, cache_index=cache_index)
     if isinstance(cache_len, torch.Tensor):
-        cl_t, cl = cache_len, k_cache.shape[0]
+        cl_t, cl = cache_len, k_cache.shape[-3]
     else:
         cl_t, cl = None, int(cache_len)
     o, lse = torch.ops.lopa_fast.triton_branch_attention(
         q, k_cache, v_cache, cl_t, cl, k_win, v_win, win_lens, block_ids, mode,
-        None if scale is None else float(scale), bool(return_lse))
+        None if scale is None else float(scale), bool(return_lse), cache_index)
     return (o, lse) if return_lse else o
 
 
@@ -111,26 +157,34 @@ def _triton():
 def _branch_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          cache_len_t: torch.Tensor | None, cache_len: int, k_win: torch.Tensor, v_win: torch.Tensor,
                          win_lens: torch.Tensor | None, block_ids: torch.Tensor | None, mode: str,
-                         scale: float | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float | None, return_lse: bool,
+                         cache_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of the Triton launcher; cache_len_t (device length, graph-safe) wins over cache_len when given.
+    cache_index [B] (pooled form): k/v_cache are a pool [S, Lmax, Hkv, D] and cache_len_t the [S] lengths.
     lse is an empty fp32 tensor when not return_lse (an output must not alias another)."""
     cl = cache_len if cache_len_t is None else cache_len_t
     if return_lse:
-        o, lse = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, True)
+        o, lse = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, True,
+                           cache_index=cache_index)
         return o, lse
-    o = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, False)
+    o = _triton()(q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale, False,
+                  cache_index=cache_index)
     return o, q.new_empty(0, dtype=torch.float32)
 
 
 @_branch_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse):
+def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse,
+      cache_index=None):
     B, n, Hq, _ = q.shape
     lse = q.new_empty((B, n, Hq) if return_lse else (0,), dtype=torch.float32)
     return torch.empty_like(q), lse
 
 
-def prefix_visibility(cache_len, lmax: int, device) -> torch.Tensor | None:
-    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced)."""
+def prefix_visibility(cache_len, lmax: int, device, cache_index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced);
+    pooled form (cache_index [B], cache_len [S]): bool [B, Lmax], row b's slot lengths (no host read)."""
+    if cache_index is not None:
+        return torch.arange(lmax, device=device) < cache_len.index_select(0, cache_index)[:, None]
     if isinstance(cache_len, torch.Tensor):
         return torch.arange(lmax, device=device) < cache_len.reshape(())
     return None
@@ -146,12 +200,18 @@ def branch_attention_torch(
     vis: torch.Tensor,
     prefix_ok: torch.Tensor | None,
     scale: float | None = None,
+    *,
+    cache_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch backend of `branch_attention` for a layer loop: the masks come in precomputed (built once
     per forward, not per layer: `vis` = contracts.window_key_mask(...) [B, n, n], `prefix_ok` =
     prefix_visibility(...)), and each contraction is the one batched matmul the reference's einsum runs,
     so the result is bitwise the reference's (tests/test_branch_attention.py) with about a third of its
-    ops. Returns o [B, n, Hq, D] in q.dtype (no lse)."""
+    ops. Returns o [B, n, Hq, D] in q.dtype (no lse).
+    Pooled form: cache_index [B], k/v_cache a pool [S, Lmax, Hkv, D], prefix_ok = prefix_visibility(cache_len,
+    Lmax, dev, cache_index) [B, Lmax]; bitwise the single-request call per row (`_pooled_torch`)."""
+    if cache_index is not None:
+        return _pooled_torch(q, k_cache, v_cache, k_win, v_win, vis, prefix_ok, scale, cache_index)
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     G = Hq // Hkv
@@ -186,5 +246,45 @@ def branch_attention_torch(
         o_prefix = (p[..., :Lp].permute(1, 0, 2, 3, 4).reshape(Hkv, B * G * n, Lp) @ vp.permute(1, 0, 2)).view(
             Hkv, B, G, n, D).permute(1, 3, 0, 2, 4)  # fmt: skip
     o_win = (p[..., Lp:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
+        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+    return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)
+
+
+def _pooled_torch(q, k_pool, v_pool, k_win, v_win, vis, prefix_ok, scale, cache_index):
+    """branch_attention_torch's pooled form: every row's slot gathered ([B, Lmax, Hkv, D], one index_select per
+    tensor) and each (row, kv head) a separate matrix of one batched matmul with the SAME per-matrix shape and
+    operand layout as the single-request masked path at B = 1 ([G*n, D] @ [D, Lmax] with the keys a transposed
+    row-major operand, then [G*n, Lmax] @ [Lmax, D]): row b is bitwise the single call on its slot alone
+    (tests/test_branch_attention.py), and no row's sums see another row's keys."""
+    B, n, Hq, D = q.shape
+    Lmax, Hkv = k_pool.shape[1], k_win.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(cdt).reshape(B, n, Hkv, G, D)
+    kp = k_pool.index_select(0, cache_index).to(cdt)  # [B, Lmax, Hkv, D]
+    vp = v_pool.index_select(0, cache_index).to(cdt)
+    kw, vw = k_win.to(cdt), v_win.to(cdt)
+    if Lmax == 1:  # the single path's one-row einsum (not bitwise the bmm there), per row
+        s_prefix = torch.einsum("bnhgd,blhd->bhgnl", qf, kp) * scale
+    else:
+        s_prefix = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
+                    @ kp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D).transpose(1, 2)
+                    ).view(B, Hkv, G, n, Lmax) * scale  # fmt: skip
+    s_prefix = s_prefix.masked_fill(~prefix_ok[:, None, None, None, :], float("-inf"))
+    # window keys as a transposed row-major operand, as the single call's B = 1 view is (a B > 1 reshape of the
+    # single path copies them into the other layout, which MKL sums in another order: measured, not bitwise)
+    s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
+             @ kw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D).transpose(1, 2)).view(B, Hkv, G, n, n) * scale  # fmt: skip
+    s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
+    s = torch.cat([s_prefix, s_win], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    if Lmax == 1:
+        o_prefix = torch.einsum("bhgnl,blhd->bnhgd", p[..., :Lmax], vp)
+    else:
+        o_prefix = (p[..., :Lmax].reshape(B * Hkv, G * n, Lmax) @ vp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D)
+                    ).view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+    o_win = (p[..., Lmax:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
         B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
     return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)

@@ -37,6 +37,8 @@ def branch_attention(
     mode: str = "full",
     scale: float | None = None,
     return_lse: bool = False,
+    *,
+    cache_index: torch.Tensor | None = None,
 ):
     """Attention of B branch windows over a shared committed prefix plus each branch's own window.
 
@@ -44,6 +46,12 @@ def branch_attention(
     k_cache:  [Lmax, Hkv, D]  (one layer of the static cache; rows [0, cache_len) are read)
     cache_len: int, or a 0-d / [1] int tensor on q's device (no host read: rows >= cache_len are masked)
     v_cache:  [Lmax, Hkv, D]
+    cache_index: None (one request: the shapes above), or [B] int tensor: the POOLED form (several requests
+              in one call). k_cache / v_cache are then a pool [S, Lmax, Hkv, D] of S request slots (one layer),
+              cache_len an [S] int tensor on q's device (slot s holds rows [0, cache_len[s])), and branch row b
+              attends to slot cache_index[b]'s prefix plus its own window. Defined row by row: row b's result
+              is this op on (q[b:b+1], k_cache[slot], v_cache[slot], cache_len[slot] as a 0-d tensor,
+              k_win[b:b+1], ...), so rows of different requests never enter each other's sums.
     k_win:    [B, n, Hkv, D]  the branch windows' own keys (post-RoPE)
     v_win:    [B, n, Hkv, D]
     win_lens: [B] int or None (valid window length per branch, 1 <= len <= n; keys beyond are padding)
@@ -55,6 +63,9 @@ def branch_attention(
     zero-length window) is undefined (NaN here).
     Computes in float32 (float64 for float64 inputs).
     """
+    if cache_index is not None:
+        return _pooled_branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode,
+                                        scale, return_lse, cache_index)
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     group = Hq // Hkv
@@ -86,6 +97,30 @@ def branch_attention(
         return o, lse.permute(0, 3, 1, 2).reshape(B, n, Hq)
     return o
 
+
+
+def _pooled_branch_attention(q, k_pool, v_pool, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse,
+                             cache_index):
+    """The pooled form, literally as defined: one single-request call per branch row b on its slot
+    (k_pool[slot] [Lmax, Hkv, D], cache_len[slot] as a 0-d tensor: the masked static-buffer path), outputs
+    stacked along B. Slots are picked with index_select (no host read of cache_index or cache_len)."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        slot = cache_index[b : b + 1]
+        row = slice(b, b + 1)
+        o, lse = branch_attention(
+            q[row], k_pool.index_select(0, slot)[0], v_pool.index_select(0, slot)[0],
+            cache_len.index_select(0, slot).reshape(()), k_win[row], v_win[row],
+            None if win_lens is None else win_lens[row], None if block_ids is None else block_ids[row],
+            mode, scale, return_lse=True,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    B, n, Hq, D = q.shape
+    o = torch.cat(outs) if outs else q.new_empty(B, n, Hq, D)
+    if return_lse:
+        return o, torch.cat(lses) if lses else q.new_empty(B, n, Hq, dtype=_compute_dtype(q))
+    return o
 
 def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10) -> Confidence:
     """Per-row vocabulary statistics of softmax(logits) computed in float32 (float64 for float64 input), with
