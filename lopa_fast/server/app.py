@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat (plain JSON or server-sent events), /health, /v1/models.
 
 Every request body is checked by `protocol.parse` (bad input: HTTP 400 with an OpenAI error object naming the
-field; FastAPI's own 422 is answered as 400 too), then run by the `Worker` (one request at a time today). A
+field; the routes read the body themselves, so FastAPI's 422 never arises), then run by the `Worker` (one request at a time today). A
 streamed response sends one chunk per piece of text as blocks become final (`lopa_fast.stream`), a last chunk with
 finish_reason and usage, then `data: [DONE]`. A client that disconnects is cancelled (worker.py). No exception
 escapes a handler: an unexpected one is a 500 with an error object, and the server keeps serving.
@@ -14,7 +14,6 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lopa_fast.errors import LopaError
@@ -52,12 +51,6 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
     app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
     created = int(time.time())
     eos = worker.model.eos_token_id
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_request, exc: RequestValidationError):  # FastAPI answers 422; OpenAI clients expect 400
-        first = (exc.errors() or [{}])[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return _error(RequestError(f"{first.get('msg', 'invalid request')}", ".".join(loc) or None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception):

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible server (`python -m lopa_fast serve`, lopa_fast.server) on the embedded model: started in a
+subprocess on a free port (/health polled with a deadline) and called with the official openai client. Completions,
+chat, streaming (the deltas joined == the non-streamed text), concurrent requests == solo `generate`, every bad
+request a 400 naming its field (the server answers afterwards), a client that disconnects is cancelled. Plus the
+worker seam in process (a queued request cancelled before it starts is dropped)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.assets import model_dir
+from lopa_fast.server.worker import Job, Worker
+from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+from lopa_fast.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
+
+PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"
+MODEL_ID = "d2f-arith"
+SERVER_DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)  # serve's embedded-model defaults
+START_DEADLINE_S = 120  # a cold start imports torch + transformers + fastapi on a loaded 2-core machine (~15 s)
+# a request slow enough to disconnect from: Dream vanilla, one token per forward (~2-3 s on CI's CPU)
+SLOW = dict(strategy="vanilla", steps=96, max_tokens=96)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "lopa_fast", "serve", "--port", str(port)], stdout=fh,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_DEADLINE_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if _get(url + "/health")["status"] == "ok":
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not answer /health within {START_DEADLINE_S} s:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -15), log.read_text()  # a clean shutdown, no crash while serving
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    # float32: what serve loads on a CPU (load_model's own default dtype is bfloat16)
+    return lopa_fast.load_model(model_dir(), dtype=torch.float32), lopa_fast.load_tokenizer(model_dir())
+
+
+def _solo(embedded, ids, **knobs):
+    """(text, usage facts) of one prompt run alone through generate with the server's defaults; lopa_fast.stream
+    gives the same text."""
+    model, tok = embedded
+    stop = knobs.pop("stop", None)
+    knobs = {**SERVER_DEFAULTS, **knobs}
+    seqs, texts = split_stops(tok, stop)
+    out = lopa_fast.generate(model, ids, stop=seqs, **knobs)
+    text = answer_text(out, text_decoder(tok, digits_joined=True), model.eos_token_id, texts)
+    s = lopa_fast.stream(model, ids, tokenizer=tok, digits_joined=True, stop=stop, **knobs)
+    assert "".join(s) == s.text == text
+    return text, {"forwards": out.stats["forwards"], "tpf": out.stats["tpf"], "prompt_tokens": len(ids),
+                  "completion_tokens": len(answer_ids(out.generated_ids, model.eos_token_id))}  # fmt: skip
+
+
+def _usage(u) -> dict:
+    d = u.model_dump() if hasattr(u, "model_dump") else dict(u)
+    return {k: d[k] for k in ("forwards", "tpf", "prompt_tokens", "completion_tokens")}
+
+
+def test_health_and_models(server, client):
+    h = _get(server + "/health")
+    assert h["status"] == "ok" and h["model"] == MODEL_ID
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+
+
+def test_completion_equals_generate(client, embedded):
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :")
+    text, facts = _solo(embedded, embedded[1](PROMPT + " Answer :")["input_ids"])
+    assert r.choices[0].text == text and text.endswith("#### 26")
+    assert r.choices[0].finish_reason == "stop" and _usage(r.usage) == facts
+    assert r.usage.total_tokens == facts["prompt_tokens"] + facts["completion_tokens"]
+
+
+def test_chat_uses_the_chat_template(client, embedded):
+    r = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}])
+    text, facts = _solo(embedded, encode_prompt(embedded[1], PROMPT, chat=True))
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
+    assert text.endswith("#### 26") and _usage(r.usage) == facts
+
+
+def test_knobs_and_openai_fields(client, embedded):
+    """Knobs as extra body fields (generate's names), max_tokens cut to the request, text stops."""
+    knobs = dict(strategy="d2f", block_size=4)
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :", max_tokens=10, extra_body=knobs)
+    ids = embedded[1](PROMPT + " Answer :")["input_ids"]
+    text, facts = _solo(embedded, ids, max_new_tokens=10, **knobs)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "length" and _usage(r.usage) == facts
+    assert r.model_extra["stats"]["strategy"] == "d2f" and r.model_extra["stats"]["max_new_tokens"] == 10
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :", stop=[". 7 +"])
+    text, _ = _solo(embedded, ids, stop=[". 7 +"])
+    assert r.choices[0].text == text == "4 * 6 = 24" and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_deltas_join_to_the_text(client, endpoint):
+    if endpoint == "chat":
+        kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}])
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    else:
+        kw = dict(model=MODEL_ID, prompt=PROMPT + " Answer :")
+        whole = client.completions.create(**kw).choices[0].text
+        chunks = list(client.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(deltas) == whole and len(deltas) >= 3  # the text arrived block by block
+    last = chunks[-1]
+    assert last.choices[0].finish_reason == "stop" and last.usage.completion_tokens > 0
+    assert last.model_extra["stats"]["forwards"] == last.usage.forwards
+
+
+def test_concurrent_requests_equal_solo(client, embedded):
+    ids = embedded[1](PROMPT + " Answer :")["input_ids"]
+    other = "Sam has 12 apples . He eats 3 apples . How many apples does Sam have now ? Answer :"
+    cases = [(PROMPT + " Answer :", {}), (other, {}), (PROMPT + " Answer :", dict(strategy="d2f")),
+             (other, dict(branching_factor=2)), (PROMPT + " Answer :", dict(temperature=0.8, seed=3)),
+             (other, dict(strategy="threshold", block_length=8, threshold=0.9))]  # fmt: skip
+
+    def call(case):
+        prompt, knobs = case
+        r = client.completions.create(model=MODEL_ID, prompt=prompt, extra_body=knobs)
+        return r.choices[0].text, _usage(r.usage)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(call, cases))
+    for (prompt, knobs), (text, usage) in zip(cases, got):
+        solo_ids = ids if prompt.startswith("Tom") else embedded[1](prompt)["input_ids"]
+        assert (text, usage) == _solo(embedded, solo_ids, **knobs), (prompt, knobs)
+
+
+BAD_REQUESTS = [
+    (dict(extra_body={"strategy": "nope"}), "strategy"),
+    (dict(extra_body={"branching_factor": 0}), "branching_factor"),
+    (dict(extra_body={"skip_threshold": 1.5}), "skip_threshold"),
+    (dict(extra_body={"block_size": "8"}), "block_size"),
+    (dict(extra_body={"steps": 4}), "steps"),  # a vanilla / threshold knob on lopa
+    (dict(extra_body={"top_k": 1000}), "top_k"),  # checked against the model's vocabulary
+    (dict(extra_body={"backend": "fast", "sampler": "upstream", "temperature": 0.5}), "backend"),
+    (dict(extra_body={"no_such_knob": 1}), "no_such_knob"),
+    (dict(extra_body={"return_trace": True}), "return_trace"),
+    (dict(temperature=-1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=200), "max_tokens"),  # prompt + 200 > max_position_embeddings 128
+    (dict(n=2), "n"),
+    (dict(logprobs=1), "logprobs"),
+    (dict(echo=True), "echo"),
+    (dict(stop=[""]), "stop"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="   "), "prompt"),
+    (dict(prompt=" ".join([PROMPT] * 6)), "prompt"),  # longer than the model's 128 positions
+    (dict(prompt=PROMPT + " <|mask|>"), "prompt"),
+    (dict(prompt=["a", "b"]), "prompt"),  # one prompt per request
+]
+
+
+@pytest.mark.parametrize("kwargs,param", BAD_REQUESTS, ids=[p for _, p in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_field(client, kwargs, param):
+    kw = {"model": MODEL_ID, "prompt": PROMPT + " Answer :", **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw)
+    assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error"
+    assert e.value.message
+
+
+def test_bad_chat_requests_and_the_server_still_answers(server, client):
+    for messages, extra in [([], {}), ([{"role": "user", "content": " "}], {}), ([{"role": "robot", "content": "x"}], {}),
+                            ([{"role": "user", "content": PROMPT}], {"prompt": "x"}),
+                            ([{"role": "user", "content": PROMPT}], {"tools": [{"type": "function"}]})]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_ID, messages=messages, extra_body=extra)
+        assert e.value.param == (next(iter(extra)) if extra else "messages")
+    with pytest.raises(openai.NotFoundError):  # OpenAI's answer to an unknown model
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    for raw in (b"not json", b"[1, 2]"):
+        req = urllib.request.Request(server + "/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :")
+    assert r.choices[0].text.endswith("#### 26")
+    assert _get(server + "/health")["failed"] == 0  # no refused request reached the worker
+
+
+def test_disconnect_cancels_the_request(server, client):
+    before = _get(server + "/health")
+    s = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=SLOW["max_tokens"], stream=True,
+                                  extra_body={k: v for k, v in SLOW.items() if k != "max_tokens"})  # fmt: skip
+    s.close()  # gone before the first piece
+    deadline = time.monotonic() + 60
+    while (h := _get(server + "/health"))["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.2)
+    assert h["served"] == before["served"] and h["running"] == 0 and h["pending"] == 0
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :")  # the server keeps serving
+    assert r.choices[0].text.endswith("#### 26")
+
+
+def test_worker_drops_a_request_cancelled_while_queued(embedded):
+    """The seam in process: a request cancelled while another runs never starts; the running one is unharmed."""
+    model, tok = embedded
+    worker = Worker(model, tok, digits_joined=True)
+    slow = dict(strategy="vanilla", steps=64, max_new_tokens=64)
+    quick = dict(SERVER_DEFAULTS)
+    ids = tok(PROMPT + " Answer :")["input_ids"]
+
+    async def run():
+        a = worker.submit(Job(ids, slow))
+        b = worker.submit(Job(ids, quick))
+        b.cancel()
+        return [[k for k, _ in [e async for e in h.events()]][-1] for h in (a, b)]
+
+    try:
+        assert asyncio.run(run()) == ["done", "cancelled"]
+        assert worker.counts == {"pending": 0, "running": 0, "served": 1, "cancelled": 1, "failed": 0}
+        with pytest.raises(ValueError):  # bad input raises from submit, before anything is queued
+            asyncio.run(_submit(worker, Job(ids, dict(quick, skip_threshold=2.0))))
+        assert worker.counts["pending"] == 0
+    finally:
+        worker.close()
+
+
+async def _submit(worker, job):
+    return worker.submit(job)
