@@ -207,7 +207,9 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     """Decode `max_new_tokens` positions after the prompt with a diffusion LM.
 
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
-    input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; batch 1.
+    input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; or a list of such prompts (any
+                lengths): then a list of GenerateOutput, one per prompt, each equal to decoding it alone
+                (d2f / lopa on the fast backend share one forward per round: `generate_batch`).
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
     backend:    "reference" (per-branch Python, the semantics oracle) | "fast" (batched decoder;
                 raises for strategies it does not cover) | "auto" (fast where available, else reference).
@@ -261,6 +263,8 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
+    if is_batch(input_ids):
+        return generate_batch(model, list(input_ids), cfg, verifier, on_round)
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
     if verifier is not None and cfg.strategy != "apd":
         raise ValueError(f"verifier= applies to strategy='apd' (the AR model that verifies drafts); strategy={cfg.strategy!r}")
@@ -290,6 +294,57 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if fallback is not None:
         out.stats["fallback"] = fallback
     return cut_to_length(out, length, cfg)
+
+
+def is_batch(input_ids) -> bool:
+    """A list / tuple of prompts (tensors or lists of ids) is a batch; a list of ints is one prompt."""
+    return isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and all(
+        isinstance(p, (torch.Tensor, list, tuple)) for p in input_ids
+    )
+
+
+def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
+    """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
+    decoding that prompt alone. d2f / lopa on the fast backend (eager) run every live request's branch windows
+    in ONE forward per round (lopa_fast.decode.batch); other strategies, the reference backend, compile=True and
+    distributed=True decode the prompts one after another. on_round: one hook for all prompts or a list (one
+    per prompt). Every prompt is checked before any forward."""
+    hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
+    if len(hooks) != len(prompts):
+        raise ValueError(f"on_round: {len(hooks)} hooks for {len(prompts)} prompts; give one hook or one per prompt")
+    cfg.validate()
+    preps = []
+    for i, p in enumerate(prompts):
+        try:
+            ids = prepare_prompt(model, p)
+            c, length = cfg.plan_length(model, ids.numel())
+            c = c.resolve(model)
+            check_prompt(model, ids, c)
+        except (ValueError, TypeError) as e:  # say which prompt (the error keeps its type and fields)
+            e.args = (f"prompt {i} of {len(prompts)}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
+            raise
+        preps.append((ids, c, length))
+    fast = _fast_strategies()
+    batched = (
+        cfg.strategy in ("d2f", "lopa") and not cfg.compile and not getattr(cfg, "distributed", False)
+        and all(resolve_backend(c, hook=h is not None)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
+        and cfg.strategy in fast
+    )  # fmt: skip
+    if not batched:
+        return [generate_with_config(model, p, cfg, verifier, h) for p, h in zip(prompts, hooks)]
+    from lopa_fast.decode.batch import run_batch
+
+    k = cfg.branching_factor if cfg.strategy == "lopa" else 1
+    with torch.inference_mode():
+        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], k, cfg.strategy,
+                         on_round=hooks)  # fmt: skip
+    results = []
+    for out, (_, c, length) in zip(outs, preps):
+        out.stats.setdefault("strategy", c.strategy)
+        out.stats["backend"] = "fast"
+        out.stats["batched"] = len(prompts)
+        results.append(cut_to_length(out, length, c))
+    return results
 
 
 def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> GenerateOutput:

@@ -89,6 +89,7 @@ class FastDecoder:
             and cfg.top_p is None and cfg.top_k is None
         )  # fmt: skip
         self.P = P
+        self.L = P + (cfg.max_new_tokens // bs) * bs  # the request's total length (prompt + generated blocks)
         Lb = -(-(P + G * bs) // LENGTH_QUANTUM) * LENGTH_QUANTUM
         self.geo = Geometry(
             bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
@@ -126,13 +127,35 @@ class FastDecoder:
             self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
         elif self.cpp_tables is not None:  # eager on CPU (and the prefill round): the C++ bookkeeping
             self.st, self.info = rnd.round_step_cpp(
-                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, s, self.P, self.P + self.geo.G * self.geo.bs,
-                self.cpp_tables,
+                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, s, self.P, self.L, self.cpp_tables,
             )  # fmt: skip
         else:  # eager (and the prefill round, whose bucket depends on the prompt length)
             self.st, self.info = rnd.round_step(
                 self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s
             )
+
+    # ---- one eager round in three stages, for lopa_fast.decode.batch (one forward for many requests)
+    def prepare(self, Nb: int, Rb: int, s: int) -> dict:
+        """The coming round's forward inputs on bucket (Nb, Rb) (s: the window start = prefix length, host int)."""
+        if self.cpp_tables is not None:
+            w = rnd.window_inputs_cpp(self.st, self.tables, self.geo, Nb, Rb, s, self.L)
+        else:
+            w = rnd.window_inputs(self.st, self.tables, self.geo, Nb, Rb)
+        w["start"] = s
+        return w
+
+    def forward_args(self, w: dict) -> dict:
+        """This request's part of `model.forward_requests` (the arguments of its solo `forward_static`)."""
+        return dict(tokens=w["tokens"], start=w["start"], cache_k=self.st["cache_k"], cache_v=self.st["cache_v"],
+                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"])  # fmt: skip
+
+    def finish(self, w: dict, logits, k_win, v_win) -> None:
+        """The round after its forward (this request's logits [Rb, V] and window K/V [layers, NB, Nb, Hkv, D])."""
+        if self.cpp_tables is not None:
+            self.st, self.info = rnd.finish_round_cpp(self.st, self.tables, self.geo, self.cfg, w, logits, k_win,
+                                                      v_win, self.P, self.L, self.cpp_tables)  # fmt: skip
+        else:
+            self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win)
 
     def _trace_entry(self, head: list[int]) -> dict:
         info, P = self.info, self.P

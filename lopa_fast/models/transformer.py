@@ -396,3 +396,88 @@ class DecoderLM(nn.Module):
         h = h.reshape(B * n, -1).index_select(0, rows)
         h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
         return F.linear(h, self.head_weight()), torch.stack(ks), torch.stack(vs)
+
+    def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None) -> list[tuple]:
+        """`forward_static` for several requests in ONE batched forward (lopa_fast.decode.batch): every
+        request's branch windows are rows of one batch, so each layer's projections, norms and MLP run once
+        for all requests; attention runs per request over its own prefix cache and its own window (its keys
+        only, in the same shapes as when it runs alone, so its sums are bitwise the solo ones), and RoPE
+        tables are computed per request at its own positions and length.
+
+        parts[r]: dict(tokens [NB_r, Nb_r], start (int, the window start), cache_k / cache_v
+        [num_layers, Lc_r, Hkv, D], prefix_len (int, committed rows), win_lens [NB_r], bids [NB_r, Nb_r] or
+        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head)). Windows narrower than the
+        widest are padded with token 0 at the right; padded columns never enter a real row's sums (every op
+        outside attention is row-wise, attention slices the request's own columns).
+        Returns per request (raw logits [Rb_r, V], window keys and values [num_layers, NB_r, Nb_r, Hkv, D])."""
+        cfg = self.config
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dev = parts[0]["tokens"].device
+        b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
+        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)
+        eps = cfg.rms_norm_eps
+        n = max(p["tokens"].shape[1] for p in parts)
+        offs, o = [], 0
+        for p in parts:
+            offs.append(o)
+            o += p["tokens"].shape[0]
+        B = o
+        tokens = torch.cat([F.pad(p["tokens"], (0, n - p["tokens"].shape[1])) for p in parts])
+        # RoPE tables per request at its own positions and window length (the solo call's values), padded
+        cos_rows, sin_rows = [], []
+        for p in parts:
+            NBr, Nbr = p["tokens"].shape
+            c, s_ = self._rope(p["start"] + torch.arange(Nbr, device=dev))
+            cos_rows.append(F.pad(c, (0, 0, 0, n - Nbr))[None].expand(NBr, n, D))
+            sin_rows.append(F.pad(s_, (0, 0, 0, n - Nbr))[None].expand(NBr, n, D))
+        cos, sin = torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()
+        masks = []
+        for p in parts:
+            NBr, Nbr = p["tokens"].shape
+            vis = window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
+            masks.append(vis)
+        h = F.embedding(tokens, self.embed_weight())
+        ks, vs = [], []
+        layers = getattr(self, "_fused", None)
+        if layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr():
+            layers = self.fused_layers()
+        for i, w in enumerate(layers):
+            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
+            qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
+            q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
+                            check=False, backend=lb)  # fmt: skip
+            v = qkv[:, :, Hq + Hkv :]
+            ks.append(k)
+            vs.append(v)
+            attn = torch.zeros((B, n, Hq, D), dtype=q.dtype, device=dev)
+            for p, off, vis in zip(parts, offs, masks):
+                NBr, Nbr = p["tokens"].shape
+                sl = slice(off, off + NBr)
+                qr, kr, vr = q[sl, :Nbr], k[sl, :Nbr], v[sl, :Nbr]
+                if b == "torch":
+                    a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr, vis, None)
+                else:
+                    a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
+                                             p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
+                attn[sl, :Nbr] = a
+            h = h + w.o(attn.reshape(B, n, Hq * D))
+            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
+            gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
+            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
+        # the LM-head rows of every request, mapped from its [NB_r, Nb_r] layout into the padded batch
+        flat = []
+        for p, off in zip(parts, offs):
+            Nbr = p["tokens"].shape[1]
+            r = p["rows"]
+            flat.append((off + r.div(Nbr, rounding_mode="floor")) * n + r.remainder(Nbr))
+        hs = h.reshape(B * n, -1).index_select(0, torch.cat(flat))
+        hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
+        logits = F.linear(hs, self.head_weight())
+        K, V = torch.stack(ks), torch.stack(vs)  # [layers, B, n, Hkv, D]
+        out, r0 = [], 0
+        for p, off in zip(parts, offs):
+            NBr, Nbr = p["tokens"].shape
+            R = p["rows"].shape[0]
+            out.append((logits[r0 : r0 + R], K[:, off : off + NBr, :Nbr], V[:, off : off + NBr, :Nbr]))
+            r0 += R
+        return out

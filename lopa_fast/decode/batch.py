@@ -1,0 +1,117 @@
+"""Many D2F / LoPA requests at once: every live request's branch windows in ONE forward per round.
+
+Each request keeps its own round state, tables, static prefix cache and finish line (a `FastDecoder`
+driven step by step: `begin` / `next_bucket` / `prepare` / `finish` / `read_head` / `after_round` /
+`result`); per round the batch runs one `model.forward_requests` over all live requests' windows (each
+layer's projections, norms and MLP once for all rows; attention per request over its own keys and window in
+the shapes of a solo round), then each request's own bookkeeping (the C++ twin on CPU, the torch round
+elsewhere). So every request's tokens, forwards and stats are those of running it alone (tests/test_batch.py),
+and a finished request leaves the batch (its rows are not computed again).
+
+`Scheduler` adds continuous batching at round granularity: `submit()` queues a request, and at every
+round boundary the queue is admitted into the running batch while the rows (sum of branch slots) stay
+within `max_rows`; admission never changes a running request's tokens (each request's computation is
+independent of its neighbours). Eager rounds only (compile=True runs requests one at a time).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from lopa_fast.decode.engine import FastDecoder
+from lopa_fast.decode.syncs import round_scope
+from lopa_fast.errors import KnobError
+from lopa_fast.output import GenerateOutput
+
+
+class Scheduler:
+    """Requests of one model and one decoding config, batched per round (see the module docstring).
+
+    model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request);
+    branching_factor / name: as `FastDecoder`; max_rows: the most branch slots (rows of the forward's batch,
+    k + 1 per LoPA request) live at once (None: no cap). A request alone larger than the cap is refused."""
+
+    def __init__(self, model, cfg, branching_factor: int, name: str, max_rows: int | None = None):
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise KnobError(f"max_rows={max_rows!r}; allowed: None or an int >= 1", knob="max_rows", value=max_rows)
+        self.model, self.cfg, self.k, self.name, self.max_rows = model, cfg, branching_factor, name, max_rows
+        self.queue: deque = deque()  # (request id, prompt, on_round, cfg)
+        self.live: dict[int, FastDecoder] = {}
+        self.done: dict[int, GenerateOutput] = {}
+        self.rounds = 0  # batched forwards run
+        self._next_id = 0
+
+    def submit(self, prompt, on_round=None, cfg=None) -> int:
+        """Queue a prompt (LongTensor [P] on the model's device; cfg: its bound config when it differs from
+        the scheduler's only in its length, e.g. a per-prompt default max_new_tokens); returns its request id."""
+        rid = self._next_id
+        self._next_id += 1
+        self.queue.append((rid, prompt, on_round, cfg or self.cfg))
+        return rid
+
+    def _rows(self, dec: FastDecoder) -> int:
+        return dec.geo.NB
+
+    def _admit(self) -> None:
+        used = sum(self._rows(d) for d in self.live.values())
+        while self.queue:
+            rid, prompt, on_round, cfg = self.queue[0]
+            dec = FastDecoder(self.model, prompt, cfg, self.k, self.name)
+            need = self._rows(dec)
+            if self.max_rows is not None and need > self.max_rows:
+                raise KnobError(f"max_rows={self.max_rows} is smaller than one request's {need} branch slots",
+                                knob="max_rows", value=self.max_rows)  # fmt: skip
+            if self.max_rows is not None and used + need > self.max_rows and self.live:
+                return  # wait for rows to free
+            self.queue.popleft()
+            dec.begin(on_round)
+            self.live[rid] = dec
+            used += need
+
+    def step(self) -> list[int]:
+        """Admit what fits, then run one batched round for every live request; returns the ids that finished
+        (their outputs are in `self.done`)."""
+        self._admit()
+        finished, plan = [], []
+        for rid, dec in list(self.live.items()):
+            b = dec.next_bucket()
+            if b is None:
+                self.done[rid] = dec.result()
+                del self.live[rid]
+                finished.append(rid)
+            else:
+                plan.append((rid, dec, b))
+        if not plan:
+            return finished
+        with round_scope():
+            ws = [dec.prepare(*b) for _, dec, b in plan]
+            outs = self.model.forward_requests([dec.forward_args(w) for (_, dec, _), w in zip(plan, ws)],
+                                               self.cfg_mode, plan[0][1].geo.attn_backend)  # fmt: skip
+            for (_, dec, _), w, (logits, k_win, v_win) in zip(plan, ws, outs):
+                dec.finish(w, logits, k_win, v_win)
+                dec.read_head()
+        for _, dec, _ in plan:
+            dec.after_round()
+        self.rounds += 1
+        return finished
+
+    @property
+    def cfg_mode(self) -> str:
+        return "full" if self.cfg.use_full_attention else "block_causal"
+
+    def run(self) -> dict[int, GenerateOutput]:
+        """Step until every submitted request has finished; returns {request id: output}. Each request's own
+        round cap (max_rounds) bounds its rounds, so the loop ends."""
+        while self.queue or self.live:
+            self.step()
+        return self.done
+
+
+def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str, max_rows: int | None = None,
+              on_round=None) -> list[GenerateOutput]:
+    """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`) together; outputs
+    in the prompts' order. on_round: None or one hook per prompt (a list)."""
+    sched = Scheduler(model, cfgs[0], branching_factor, name, max_rows)
+    hooks = on_round if on_round is not None else [None] * len(prompts)
+    ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
+    done = sched.run()
+    return [done[i] for i in ids]

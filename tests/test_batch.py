@@ -1,0 +1,129 @@
+"""Batched generate (lopa_fast.decode.batch): several requests' branch windows in one forward per round, each
+request token-, forward- and stats-exact with running it alone (fp32, CPU), on the C++ round (the CPU default)
+and on the torch round; the scheduler admitting requests mid-flight and capping rows."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.decode import batch
+from lopa_fast.errors import KnobError
+from lopa_fast.testing import random_model, tiny_hf_config
+
+STATS = ("forwards", "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "eos_detected",
+         "finish_reason")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6)
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 60, (n,), generator=g) for n in lengths]
+
+
+def same(a, b, stats=STATS):
+    assert a.generated_ids == b.generated_ids
+    for k in stats:
+        assert a.stats.get(k) == b.stats.get(k), k
+
+
+def knobs(k, full, bs, **kw):
+    return dict(branching_factor=k, use_full_attention=full, block_size=bs, max_new_tokens=24, eos_token_id=5,
+                skip_threshold=0.9, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("k,full,bs", list(itertools.product((1, 2, 4), (True, False), (4, 8))))
+def test_batched_equals_solo(model, k, full, bs):
+    ps = prompts((3, 17, 9, 30), seed=k * 10 + bs)
+    kw = knobs(k, full, bs)
+    solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
+    calls = []
+    fr = model.forward_requests
+    model.forward_requests = lambda *a, **kk: calls.append(len(a[0])) or fr(*a, **kk)
+    try:
+        outs = lopa_fast.generate(model, ps, "lopa", "fast", **kw)
+    finally:
+        del model.forward_requests
+    assert isinstance(outs, list) and len(outs) == len(ps)
+    for o, s in zip(outs, solo):
+        same(o, s)
+    # one forward per round for every live request; requests leave as they finish
+    assert len(calls) == max(s.stats["forwards"] for s in solo)
+    assert calls[0] == len(ps) and sum(calls) == sum(s.stats["forwards"] for s in solo)
+
+
+def test_batched_equals_reference_and_llada(llada):
+    ps = prompts((4, 12, 21), seed=3)
+    kw = knobs(2, True, 4, sampling_strategy="margin")
+    outs = lopa_fast.generate(llada, ps, "lopa", "fast", **kw)
+    for o, p in zip(outs, ps):
+        same(o, lopa_fast.generate(llada, p, "lopa", "reference", **kw))
+
+
+def test_batched_torch_round(model, monkeypatch):
+    """LOPA_FAST_CPP=0: the batch runs the torch round's stages and stays exact."""
+    monkeypatch.setenv("LOPA_FAST_CPP", "0")
+    ps = prompts((5, 14), seed=7)
+    for k, full in ((1, False), (4, True)):
+        kw = knobs(k, full, 4)
+        outs = lopa_fast.generate(model, ps, "lopa", "fast", **kw)
+        for o, p in zip(outs, ps):
+            same(o, lopa_fast.generate(model, p, "lopa", "fast", **kw))
+
+
+def test_scheduler_admits_mid_flight_and_caps_rows(model):
+    ps = prompts((6, 19, 11, 25, 8), seed=11)
+    kw = knobs(4, True, 4)
+    cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
+    solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
+    sched = batch.Scheduler(model, cfg, 4, "lopa", max_rows=10)  # two LoPA k=4 requests (5 slots each) at once
+    ids = [sched.submit(p) for p in ps[:2]]
+    live_sizes = []
+    for _ in range(3):
+        sched.step()
+        live_sizes.append(len(sched.live))
+    ids += [sched.submit(p) for p in ps[2:]]  # admitted at later round boundaries, as rows free up
+    while sched.queue or sched.live:
+        sched.step()
+        live_sizes.append(len(sched.live))
+    assert max(live_sizes) == 2
+    for i, s in zip(ids, solo):  # the scheduler's raw outputs (generate adds finish_reason when it cuts)
+        same(sched.done[i], s, STATS[:-1])
+
+
+def test_scheduler_bad_cap(model):
+    cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **knobs(4, True, 4)).bind(model)
+    with pytest.raises(KnobError, match="max_rows"):
+        batch.Scheduler(model, cfg, 4, "lopa", max_rows=0)
+    sched = batch.Scheduler(model, cfg, 4, "lopa", max_rows=3)
+    sched.submit(prompts((5,))[0])
+    with pytest.raises(KnobError, match="smaller than one request's 5 branch slots"):
+        sched.step()
+
+
+def test_single_prompt_still_returns_one_output(model):
+    p = prompts((7,))[0]
+    out = lopa_fast.generate(model, p, "lopa", "fast", **knobs(2, True, 4))
+    assert isinstance(out, lopa_fast.GenerateOutput)
+    one = lopa_fast.generate(model, [p], "lopa", "fast", **knobs(2, True, 4))
+    assert isinstance(one, list) and len(one) == 1
+    same(one[0], out)
+
+
+def test_batched_reference_backend_loops(model):
+    ps = prompts((4, 9), seed=2)
+    kw = knobs(2, False, 4)
+    outs = lopa_fast.generate(model, ps, "lopa", "reference", **kw)
+    for o, p in zip(outs, ps):
+        same(o, lopa_fast.generate(model, p, "lopa", "reference", **kw))
