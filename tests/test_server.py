@@ -227,9 +227,13 @@ def test_bad_chat_requests_and_the_server_still_answers(server, client):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+    failed = _get(server + "/health")["failed"]
+    with pytest.raises(openai.BadRequestError) as e:  # a request that fails while decoding: its own round cap
+        client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :",
+                                  extra_body={"max_rounds": 1, "on_round_cap": "error"})  # fmt: skip
+    assert e.value.param == "max_rounds" and _get(server + "/health")["failed"] == failed + 1
     r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :")
     assert r.choices[0].text.endswith("#### 26")
-    assert _get(server + "/health")["failed"] == 0  # no refused request reached the worker
 
 
 def test_disconnect_cancels_the_request(server, client):

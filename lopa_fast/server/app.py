@@ -16,7 +16,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lopa_fast.errors import LopaError
+from lopa_fast.errors import LopaError, RoundCapError
 from lopa_fast.server.protocol import RequestError, parse
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
@@ -172,6 +172,10 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
 
 
 def _run_error(exc: BaseException) -> RequestError:
-    """An error raised while a request decoded (after its checks passed): a 500 naming its type."""
+    """An error raised while a request decoded (after its checks passed), by type: the round cap the request asked
+    to fail on (on_round_cap="error") is a 400 naming max_rounds; anything else (NaN / inf logits, a failed
+    collective, a bug) is a 500 naming its type."""
     log.error("request failed: %s: %s", type(exc).__name__, exc)
+    if isinstance(exc, RoundCapError):
+        return RequestError(str(exc), "max_rounds")
     return RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error")
