@@ -69,7 +69,12 @@ def save_state(out: Path, state: dict) -> None:
     tmp.replace(out / RESUME_FILE)
 
 
-def load_state(out: Path, args: dict, ignore=("threads", "stop_at")) -> dict:
+# options that do not change the weights' trajectory (each step's data and masks are seeded by the step number and
+# the evals draw no random numbers), so a resumed run may change them
+RESUME_FREE = ("threads", "stop_at", "eval_every", "eval_n", "ckpt_every")
+
+
+def load_state(out: Path, args: dict, ignore=RESUME_FREE) -> dict:
     """The resumable state of `out`; its recorded options must equal `args` (except `ignore`), so a resumed run
     continues the same schedule, data stream and masks."""
     path = out / RESUME_FILE
