@@ -1,0 +1,106 @@
+"""Batched generate vs B sequential single-prompt runs (CPU, one thread), side by side in one run.
+
+For batch sizes B in {1, 2, 4, 8, 16}, D2F (k = 1) and LoPA k = 4, on the embedded `d2f-arith` model and on a
+~60M-parameter Dream-shaped random model (12 layers, hidden 576, GQA 9/3, vocab 4096; 32 new tokens, capped
+at max_rounds so a point takes seconds): the same B prompts decoded by `generate(model, [ids...])` (one
+forward per round for every live request) and by B calls of `generate(model, ids)`; both give the same tokens
+(asserted). Throughput = generated tokens / wall seconds; latency = the mean per-request wall time (batched:
+every request waits for the batch). The two paths alternate inside each repetition (median of 3).
+
+Run (results + the exact command in bench/results/batching.md):
+    python -m pytest bench/bench_batching.py -m bench -q --benchmark-json=bench/results/batching.json
+    python bench/bench_batching.py bench/results/batching.json > bench/results/batching.md
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.testing import random_model, tiny_hf_config
+
+RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
+BATCH = (1, 2, 4, 8, 16)
+REPS = 3
+_models: dict = {}
+
+
+def model(name: str):
+    if name not in _models:
+        if name == "d2f-arith":
+            from lopa_fast.assets import model_dir
+
+            _models[name] = lopa_fast.load_model(model_dir("d2f-arith"))
+        else:  # a Dream-shaped ~60M model (random weights, sharpened so decoding is not all fallbacks)
+            cfg = tiny_hf_config("dream", vocab_size=4096, hidden_size=576, num_layers=12, num_heads=9, num_kv_heads=3,
+                                 intermediate_size=1536)  # fmt: skip
+            _models[name] = random_model(cfg, seed=0, sharpen=4)
+    return _models[name]
+
+
+def prompts(m, B: int) -> list:
+    if m.config.vocab_size <= 200:  # the embedded task's held-out prompts
+        from lopa_fast.assets import model_dir
+        from lopa_fast.tasks import arith
+        from lopa_fast.tasks.evaluate import prompt_ids
+
+        tok = lopa_fast.load_tokenizer(model_dir("d2f-arith"))
+        return [torch.tensor(prompt_ids(tok, p)) for p in arith.generate("test", B, seed=0)]
+    g = torch.Generator().manual_seed(B)
+    return [torch.randint(0, m.config.vocab_size - 8, (int(n),), generator=g) for n in torch.randint(8, 40, (B,), generator=g)]
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("B", BATCH)
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("name", ["d2f-arith", "dream-60m"])
+def test_batching(benchmark, name, k, B):
+    torch.set_num_threads(1)
+    m = model(name)
+    ps = prompts(m, B)
+    kw = dict(branching_factor=k, block_size=8, max_new_tokens=32, max_rounds=40, on_round_cap="warn")
+    times = {"batched": [], "sequential": []}
+    outs = {}
+
+    def both():
+        t = time.perf_counter()
+        outs["batched"] = lopa_fast.generate(m, ps, "lopa", "fast", **kw)
+        times["batched"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        outs["sequential"] = [lopa_fast.generate(m, p, "lopa", "fast", **kw) for p in ps]
+        times["sequential"].append(time.perf_counter() - t)
+
+    benchmark.pedantic(both, rounds=REPS, iterations=1, warmup_rounds=1)
+    for a, b in zip(outs["batched"], outs["sequential"]):
+        assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]
+    toks = sum(len(o.generated_ids) for o in outs["sequential"])
+    med = {p: statistics.median(v) for p, v in times.items()}
+    benchmark.extra_info.update(
+        model=name, k=k, B=B, tokens=toks, forwards=sum(o.stats["forwards"] for o in outs["sequential"]),
+        batched_s=med["batched"], sequential_s=med["sequential"],
+        params=sum(p.numel() for p in m.parameters()), torch=torch.__version__,
+    )  # fmt: skip
+
+
+def report(path: str) -> str:
+    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    out = ["| model | k | B | tokens | sequential s | batched s | sequential tok/s | batched tok/s | speed-up "
+           "| latency seq. (mean per request) s | latency batched s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for e in sorted(rows, key=lambda e: (e["model"], e["k"], e["B"])):
+        s, b = e["sequential_s"], e["batched_s"]
+        # sequential: request i waits for the i-1 before it, so the mean latency is about (B + 1) / 2 runs
+        lat_seq = s * (e["B"] + 1) / (2 * e["B"])
+        out.append(f"| {e['model']} ({e['params'] / 1e6:.1f}M) | {e['k']} | {e['B']} | {e['tokens']} | {s:.3f} "
+                   f"| {b:.3f} | {e['tokens'] / s:.0f} | {e['tokens'] / b:.0f} | **{s / b:.2f}x** | {lat_seq:.3f} "
+                   f"| {b:.3f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(report(sys.argv[1]))
