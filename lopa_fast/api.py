@@ -65,7 +65,7 @@ def prepare_prompt(model, input_ids) -> torch.Tensor:
             if ids.shape[0] != 1:
                 raise ValueError(
                     f"input_ids has batch size {ids.shape[0]} (shape {tuple(ids.shape)}); allowed: batch 1 "
-                    "([P] or [1, P]); call generate once per prompt"
+                    "([P] or [1, P]); for several prompts pass a list of prompts (one output each)"
                 )
             ids = ids[0]
         elif ids.dim() != 1:
