@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -26,6 +28,7 @@ from lopa_fast.server.worker import Job, Worker
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
 from lopa_fast.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
 
+README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"
 MODEL_ID = "d2f-arith"
 SERVER_DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)  # serve's embedded-model defaults
@@ -276,3 +279,19 @@ def test_worker_drops_a_request_cancelled_while_queued(embedded):
 
 async def _submit(worker, job):
     return worker.submit(job)
+
+
+def test_readme_serving_block_runs_verbatim(server, capsys):
+    """The README's serving Python block, its base URL (and nothing else) pointed at the test server."""
+    text = README.read_text()
+    section = text[text.index("## Serving (OpenAI-compatible)"):]
+    section = section[: section.index("\n## ", 1)]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the serving section holds one Python block"
+    code = blocks[0].replace("http://127.0.0.1:8000", server)
+    assert code != blocks[0]
+    exec(compile(code, str(README), "exec"), {})
+    out = capsys.readouterr().out
+    chat, streamed = out.splitlines()
+    assert chat.startswith("4 * 6 = 24 . 7 + 24 = 31 . 31 - 5 = 26 .") and "####" not in chat  # cut at the text stop
+    assert streamed == "4 * 6 = 24 . 7 + 24 = 31 . 31 - 5 = 26 . #### 26"
