@@ -15,7 +15,7 @@ the spec's GSM8K settings with the block scaled from 32 to this task's answers o
               (`verifier=`); (R, W, M) = (0.6, 4, 25) and (0.7, 2, 13): upstream's Pareto presets
               (0.6, 32, 200) and (0.7, 16, 100) with kv_window W and max_lookahead M scaled by 32/256 (this
               task's 32 new tokens against upstream's 256, rounded half up), plus R = 0.9 at (2, 13); block
-              knobs do not apply. The fast backend does not cover apd: `auto` runs these rows on the reference
+              knobs do not apply. `--backend fast` / `auto` run them on the fast APD step (temperature 0)
 
 Columns: exact-match accuracy, TPF (generated positions / forwards, EOS filler included, the paper's
 and upstream Dream's count), TPF until EOS, forwards per answer, tokens/s (wall clock of this run); with
@@ -229,8 +229,8 @@ def progress_bar(label: str, total: int, enabled: bool = True):
 
 
 def _compiles(backend: str, knobs: dict) -> bool:
-    """compile=True applies to the rows the fast backend runs (d2f / lopa); the others run eagerly."""
-    return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa")
+    """compile=True applies to the rows the fast backend runs (d2f / lopa / apd); the others run eagerly."""
+    return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa", "apd")
 
 
 def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
