@@ -10,9 +10,12 @@ Stages (each writes $OUT/<stage>.json and prints a short table):
 * parity: `generate(backend="fast", compile=True)` vs `backend="reference"` on tiny random models: fp32 must be
   token-exact (reported as mismatching runs); bf16 reports the token agreement rate (the GPU confidence kernel
   is not bitwise).
+* batch: batched generate (one forward per round for B requests, lopa_fast.decode.batch, eager) vs B sequential
+  runs on the same Dream-7B-shaped model, D2F and LoPA k = 4, B = 1, 2, 4, 8, 16, prefix 1024, 4 rounds each:
+  request-rounds per second (the issue-15 GPU entry); the tokens of both paths are compared.
 
 --dry-run: tiny shapes on the CPU (compile=True then means torch.compile; one k only) to catch errors without
-a GPU. Usage: python bench/bench_round_captured.py --stage round|parity|all [--dry-run] [--out DIR]
+a GPU. Usage: python bench/bench_round_captured.py --stage round|parity|batch|all [--dry-run] [--out DIR]
 """
 from __future__ import annotations
 
@@ -144,6 +147,47 @@ def stage_parity(dry: bool) -> dict:
     return res
 
 
+def stage_batch(dry: bool) -> dict:
+    if dry:
+        dev = torch.device("cpu")
+        model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+        window, prefix, batches, ks = 8, 16, (1, 2), (1, 4)
+    else:
+        from bench.bench_round_gpu import dream7b_random
+
+        dev = torch.device("cuda")
+        model = dream7b_random()
+        window, prefix, batches, ks = WINDOW, PREFIX, (1, 2, 4, 8, 16), (1, 4)
+    V = model.config.vocab_size
+    g = torch.Generator(device=dev).manual_seed(2)
+    prompts = [torch.randint(0, V - 200 if V > 400 else V - 4, (prefix,), device=dev, generator=g) for _ in range(max(batches))]
+    kw = dict(block_size=window, max_new_tokens=4 * window, block_add_threshold=1.0, skip_threshold=0.9,
+              sampling_strategy="neg_entropy", max_rounds=4)
+    rows = []
+    for k in ks:
+        for B in batches:
+            ps = prompts[:B]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lopa_fast.generate(model, ps, "lopa", "fast", branching_factor=k, **kw)  # warm-up
+                _sync(dev)
+                t0 = time.perf_counter()
+                outs = lopa_fast.generate(model, ps, "lopa", "fast", branching_factor=k, **kw)
+                _sync(dev)
+                tb = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                seq = [lopa_fast.generate(model, p, "lopa", "fast", branching_factor=k, **kw) for p in ps]
+                _sync(dev)
+                ts = time.perf_counter() - t0
+            req_rounds = sum(o.stats["forwards"] for o in outs)
+            row = dict(k=k, B=B, batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
+                       batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
+                       same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return dict(device=str(dev), torch=torch.__version__, rows=rows)
+
+
 def table(results: dict) -> str:
     lines = []
     r = results.get("round")
@@ -159,6 +203,13 @@ def table(results: dict) -> str:
             s = r["summary"]
             lines.append(f"captured k=4 / floor = {s['captured_k4_over_floor']:.2f} (target <= 1.5); "
                          f"k=4 / k=1 = {s['captured_k4_over_k1']:.2f} (target <= 1.3)")
+    b = results.get("batch")
+    if b:
+        lines.append(f"batched generate ({b['device']}): request-rounds per second, batched vs sequential")
+        lines.append(f"{'k':>2} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11}")
+        for x in b["rows"]:
+            lines.append(f"{x['k']:>2} {x['B']:>3} {x['batched_rounds_per_s']:>9.1f} {x['sequential_rounds_per_s']:>10.1f} "
+                         f"{x['batched_rounds_per_s'] / x['sequential_rounds_per_s']:>8.2f} {str(x['same_tokens']):>11}")
     p = results.get("parity")
     if p:
         for dt, x in p.items():
@@ -170,7 +221,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", choices=("round", "parity", "all", "table"), default="all")
+    ap.add_argument("--stage", choices=("round", "parity", "batch", "all", "table"), default="all")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     a = ap.parse_args(argv)
@@ -178,15 +229,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     suffix = "_dry" if a.dry_run else ""
     if a.stage == "table":  # read back what the stages wrote (gpu_check.sh prints this last)
-        res = {s: json.loads((out / f"{s}{suffix}.json").read_text()) for s in ("round", "parity")
+        res = {s: json.loads((out / f"{s}{suffix}.json").read_text()) for s in ("round", "parity", "batch")
                if (out / f"{s}{suffix}.json").exists()}
         print(table(res))
         return 0
-    stages = ("round", "parity") if a.stage == "all" else (a.stage,)
+    stages = ("round", "parity", "batch") if a.stage == "all" else (a.stage,)
     res = {}
     for s in stages:
         t0 = time.perf_counter()
-        res[s] = {"round": stage_round, "parity": stage_parity}[s](a.dry_run)
+        res[s] = {"round": stage_round, "parity": stage_parity, "batch": stage_batch}[s](a.dry_run)
         res[s]["seconds"] = time.perf_counter() - t0
         (out / f"{s}{suffix}.json").write_text(json.dumps(res[s], indent=1, default=str))
     print(table(res))

@@ -3,6 +3,7 @@
 #   1. round latency: eager vs CUDA-graph-captured round of a random Dream-7B-shaped bf16 model, k = 1, 2, 4, 8
 #      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round);
 #   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate);
+#      then batched generate vs sequential (request-rounds per second, B = 1..16, bench_round_captured --stage batch);
 #   3. the `gpu` tests (device cache_len under CUDA-graph capture included) and the kernel microbenchmarks.
 # Every stage runs under its own `timeout`, so one hang cannot eat the budget (total <= 8 minutes on one H200).
 # Full logs and JSON to $OUT, a short table last on stdout. Run from the repo root: bash bench/gpu_check.sh
@@ -11,7 +12,7 @@ OUT=${OUT:-/tmp/gpu_check}
 export OUT
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
-timeout 60 pip install --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+timeout 45 pip install --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || echo "install failed (see install.log)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -23,8 +24,9 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
 }
 
 # --- 1. round latency first (the headline numbers), 2. compile=True token parity
-step round_captured 150 python bench/bench_round_captured.py --stage round --out "$OUT"
+step round_captured 140 python bench/bench_round_captured.py --stage round --out "$OUT"
 step parity_compiled 60 python bench/bench_round_captured.py --stage parity --out "$OUT"
+step batch 45 python bench/bench_round_captured.py --stage batch --out "$OUT"
 
 # --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks, then benchmarks
 step cuda_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_select_round.py \
@@ -33,7 +35,7 @@ step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs torch/SDPA/Flex
-step triton_tests 60 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
+step triton_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
   tests/test_select_round.py tests/test_triton_compile.py -q
 step triton_bench 40 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"
