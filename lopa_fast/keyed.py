@@ -66,10 +66,13 @@ def fold(h: torch.Tensor, field) -> torch.Tensor:
 
 
 def key(seed, stream: int, step, branch, pos) -> torch.Tensor:
-    """The int64 key of the draws at (seed, stream, step, branch, pos); every field an int or an int64
-    tensor (on one device); the result broadcasts them (pos is usually [N])."""
+    """The int64 key of the draws at (seed, stream, step, branch, pos); seed, step and branch an int or an
+    int64 tensor (on pos's device); the result broadcasts them (pos is usually [N])."""
     pos = torch.as_tensor(pos, dtype=torch.long)
-    h = torch.full_like(pos, _s64(int(seed) % _U64))
+    if isinstance(seed, torch.Tensor):  # a device 0-d seed (the fast round's tables): no host read
+        h = torch.zeros_like(pos) + seed.to(torch.long)
+    else:
+        h = torch.full_like(pos, _s64(int(seed) % _U64))
     for f in (stream, step, branch):
         h = fold(h, f.to(torch.long) if isinstance(f, torch.Tensor) else int(f))
     return fold(h, pos)

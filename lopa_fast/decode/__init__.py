@@ -1,25 +1,36 @@
-"""Fast decoders: all branches of a round in one batched forward, round state on the device.
+"""Fast decoders: the step / round on the device, one host read per step / round.
 
-`FAST_STRATEGIES` maps a strategy name to `fn(model, prompt_ids [P], cfg) -> GenerateOutput`
-(looked up by lopa_fast.api for backend="fast" / "auto"; apd's takes `verifier=` too). Covered: d2f, lopa,
-apd (temperature 0).
+`FAST_STRATEGIES` maps a strategy name to `fn(model, prompt_ids [P], cfg, on_round=None) -> GenerateOutput`
+(looked up by lopa_fast.api for backend="fast" / "auto"; apd's takes `verifier=` too). Covered: vanilla,
+threshold, d2f, lopa at any temperature (keyed sampler), apd at temperature 0; `fast_not_covered` names what
+is not.
 """
 from lopa_fast.decode.apd import generate as _apd
 from lopa_fast.decode.d2f import generate as _d2f
 from lopa_fast.decode.lopa import generate as _lopa
 from lopa_fast.decode.syncs import count_host_syncs
+from lopa_fast.decode.threshold import generate as _threshold
+from lopa_fast.decode.vanilla import generate as _vanilla
+from lopa_fast.keyed import needs_draws
 
-FAST_STRATEGIES = {"d2f": _d2f, "lopa": _lopa, "apd": _apd}
+FAST_STRATEGIES = {"vanilla": _vanilla, "threshold": _threshold, "d2f": _d2f, "lopa": _lopa, "apd": _apd}
 
 
 
 def fast_not_covered(cfg) -> str | None:
     """Why the fast backend cannot run this validated config (a phrase naming the knob), or None.
 
-    Sampling at T > 0 draws random numbers per block / per branch in the reference's order, which a
-    batched round cannot reproduce, so T > 0 runs on the reference (lopa_fast.api decides)."""
-    if cfg.temperature != 0:
-        return f"covers temperature=0 only (greedy, upstream's setting); got temperature={cfg.temperature!r}"
+    Random draws run on the keyed sampler (lopa_fast.keyed: a pure function of seed, step and position, so a
+    batched step draws what the reference draws); upstream's draw-for-draw order (sampler="upstream") exists
+    only on the per-step reference. APD's fast path covers T = 0 (its draws are upstream's); vanilla and
+    threshold steps are not compiled (compile=True covers the d2f / lopa rounds)."""
+    if cfg.strategy == "apd" and cfg.temperature != 0:
+        return f"covers temperature=0 only for apd; got temperature={cfg.temperature!r}"
+    if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
+        return ("sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference "
+                "only; the fast backend draws with sampler='keyed' (the default)")
+    if cfg.compile and cfg.strategy in ("vanilla", "threshold"):
+        return f"compile=True covers the d2f / lopa rounds, not the {cfg.strategy} steps (they run eagerly)"
     return None
 
 

@@ -62,7 +62,7 @@ class CompiledRounds:
     # ------------------------------------------------------------------------------------------------
     @staticmethod
     def key(geo, cfg, Nb: int, Rb: int) -> tuple:
-        stats_knobs = (cfg.sampling_strategy, cfg.top_p, cfg.top_k, cfg.suppress_mask_token)
+        stats_knobs = (cfg.sampling_strategy, cfg.top_p, cfg.top_k, cfg.suppress_mask_token, cfg.temperature)
         return (geo, stats_knobs, Nb, Rb)
 
     def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lopa_fast import ops
+from lopa_fast import keyed, ops
 from lopa_fast.contracts import ROUND_COUNTERS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS, ROUND_STATE_FIELDS, lowest_k_table
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
@@ -47,19 +47,38 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, i.reshape(1)).squeeze(0)
 
 
-def token_stats(logits: torch.Tensor, cfg, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V] at temperature 0.
+def token_stats(logits: torch.Tensor, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
+    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V].
 
-    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity).
-    use_kernel=True (CUDA, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics within
-    ~1e-6 (not bitwise)."""
+    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity);
+    at T > 0 it draws x0 with the keyed sampler (keys [R]: `row_keys`), as the reference does.
+    use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics
+    within ~1e-6 (not bitwise)."""
     suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    if cfg.temperature > 0:
+        if keys is None:
+            raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
+        return softmax_token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                   sampling_strategy=cfg.sampling_strategy, suppress_token=suppress, keys=keys)  # fmt: skip
     if use_kernel:
         c = ops.confidence(logits, suppress_token=suppress, check=False)
         conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
         return conf, c.token, c.p_max
     return softmax_token_stats(logits, temperature=0.0, top_p=cfg.top_p, top_k=cfg.top_k,
                                sampling_strategy=cfg.sampling_strategy, suppress_token=suppress)  # fmt: skip
+
+
+def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg) -> torch.Tensor | None:
+    """The keyed sampler's keys of the stats table rows at T > 0 (None at T = 0): the row predicting absolute
+    position q in round r draws with key (seed, TOKEN, r, 0, q), as the reference decoders key it (no branch
+    field: the Dream-shift row 0, the stale last_logit, is one row shared by every slot). rows [Rb]: the
+    flat window rows (slot * Nb + column) of the raw logits; s: the window start (0-d tensor or int)."""
+    if cfg.temperature == 0:
+        return None
+    pos = s + rows % Nb + (1 if shift else 0)  # the position a raw row predicts
+    if shift:  # table row 0: last_logit predicts the window start
+        pos = torch.cat([(torch.zeros_like(rows[:1]) + s), pos])
+    return keyed.key(T["seed"], keyed.TOKEN, st["round"], 0, pos)
 
 
 def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
@@ -88,6 +107,7 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
         stops=_stop_table(cfg.stop, dev),
         tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
+        seed=torch.tensor(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0, device=dev),  # keyed draws
     )
 
 
@@ -124,6 +144,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         cache_len=zero(),
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
+    st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
     for name in ROUND_COUNTERS:
         st["c_" + name] = zero()
     return st
@@ -223,11 +244,21 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
         w["win_lens"], w["bids"], geo.mode, w["rows"],
         attn_backend=geo.attn_backend,
     )  # fmt: skip
+    return finish_round(st, T, geo, cfg, w, logits, k_win, v_win)
+
+
+def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win) -> tuple[dict, dict]:
+    """Everything of the round after its forward (logits [Rb, V] of the rows w["rows"], window K/V [layers, NB,
+    Nb, Hkv, D]): token statistics, scores and the winner, the commit, the fill, the spawn and the next plan.
+    Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests."""
+    Nb = w["i"].shape[0]
+    st["round"] = st["round"] + 1
     # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
+    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, cfg.temperature)
     # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
+    keys = row_keys(st, T, w["rows"], st["s"], Nb, geo.shift, cfg)
+    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel, keys)
     sel = select_winner(st, T, geo, w, conf)
     W1 = sel["W"].reshape(1)
     commit_span(st, st["u"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
@@ -264,11 +295,14 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
                 need_flat=need_flat, rows=rows)  # fmt: skip
 
 
-def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
+def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature: float = 0.0):
     """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
-    NaN / inf, else -1 (none: any value > every flat row, the min's neutral element)."""
+    NaN / inf (at T > 0 also: overflowing when divided by T), else -1 (none: any value > every flat row)."""
     real = torch.arange(logits.shape[0], device=logits.device) < n_real
-    bad = real & ~torch.isfinite(logits).all(-1)
+    ok = torch.isfinite(logits).all(-1)
+    if temperature > 0:
+        ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
+    bad = real & ~ok
     return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
 
 
@@ -437,16 +471,34 @@ def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_
     (tests/test_round_cpp.py compares every field, round by round). Eager on CPU only: the two calls replace
     ~270 small tensor ops per round (about as long as the tiny models' whole forward; bench/results/round_cpu.md).
     prefix_len: the window start s of the head just read (host int); P, L: the prompt and total lengths."""
-    cpp = torch.ops.lopa_fast_cpp
-    wpos, tokens, bids, win_lens, rows = cpp.round_prepare(
+    w = window_inputs_cpp(st, T, geo, Nb, Rb, prefix_len, L)
+    logits, k_win, v_win = model.forward_static(
+        w["tokens"], prefix_len, st["cache_k"], st["cache_v"], prefix_len, w["win_lens"], w["bids"], geo.mode,
+        w["rows"], attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    return finish_round_cpp(st, T, geo, cfg, w, logits, k_win, v_win, P, L, tables)
+
+
+def window_inputs_cpp(st: dict, T: dict, geo, Nb: int, Rb: int, prefix_len: int, L: int) -> dict:
+    """`window_inputs` on the C++ op (CPU): wpos [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
+    rows [Rb] (prefix_len: the window start s as a host int; L: the request's total length)."""
+    wpos, tokens, bids, win_lens, rows = torch.ops.lopa_fast_cpp.round_prepare(
         st["x"], st["need"], T["pos_block"], st["alive"], st["wl"], prefix_len, Nb, Rb, L, geo.mode == "block_causal"
     )  # fmt: skip
-    logits, k_win, v_win = model.forward_static(
-        tokens, prefix_len, st["cache_k"], st["cache_v"], prefix_len, win_lens,
-        bids if geo.mode == "block_causal" else None, geo.mode, rows, attn_backend=geo.attn_backend,
-    )  # fmt: skip
+    return dict(wpos=wpos, tokens=tokens, bids=bids if geo.mode == "block_causal" else None, win_lens=win_lens,
+                rows=rows, Nb=Nb, Rb=Rb, prefix_len=prefix_len)  # fmt: skip
+
+
+def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, P: int, L: int,
+                     tables: list) -> tuple[dict, dict]:
+    """`finish_round` on the C++ op `round_update` (CPU): the same state and trace facts."""
+    cpp = torch.ops.lopa_fast_cpp
+    Nb, Rb, rows, wpos, prefix_len = w["Nb"], w["Rb"], w["rows"], w["wpos"], w["prefix_len"]
+    st["round"] = st["round"] + 1
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel)
+    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel, row_keys(st, T, rows, prefix_len, Nb, geo.shift, cfg))
+    # T > 0: the real rows (the plan's needed ones, all inside the window) checked for 1 / T overflow
+    over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature) if cfg.temperature > 0 else None
     ints = [P, L, geo.G, geo.bs, geo.mask_id, -1 if geo.eos_id is None else geo.eos_id, geo.n_look,
             int(geo.shift), int(geo.NB > 1 or geo.trace), Nb, Rb]  # fmt: skip
     vals = cpp.round_update(
@@ -460,4 +512,7 @@ def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_
     st.update(zip(ROUND_OUT_FIELDS, vals[:n_out]))
     if geo.stop_lens:  # the C++ head leaves the stop flag 0
         st["head"][8] = _stop_in_prefix(st["x"], st["head"][1] - 1, T, geo)
+    if over is not None:  # the C++ guard checks finiteness; rows that 1 / T overflows are refused too
+        st["nonfinite"] = torch.where(st["nonfinite"] >= 0, st["nonfinite"], over)
+        st["head"][7] = st["nonfinite"]
     return st, info

@@ -83,18 +83,19 @@ def predictions(model, raw: torch.Tensor, last_logit: torch.Tensor | None) -> to
     return shift_logits(raw, last_logit) if model.logits_shift else raw
 
 
-def stats_kw(cfg, generator, step: int = 0, branch: int = 0, pos=None) -> dict:
+def stats_kw(cfg, generator, step: int = 0, pos=None) -> dict:
     """token_stats keywords of a D2F/LoPA run: the sampling knobs, the confidence and the mask suppression.
-    generator: the request's noise (reference.common.make_noise); with the keyed sampler the draws of rows
-    predicting absolute positions `pos` are keyed by (round `step`, `branch`: the slot in the round's
-    verification order, lookaheads first, the anchor last; D2F: 0)."""
+    generator: the request's noise (reference.common.make_noise); with the keyed sampler the draw of a row
+    predicting absolute position q in round `step` is keyed by (step, q) only, the same for every branch
+    (common random numbers: the fast round's Dream-shift row is shared by all branches, so a branch-free key
+    is what both backends can draw identically; docs/decoding.md "Sampling")."""
     return dict(
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         sampling_strategy=cfg.sampling_strategy,
         suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
-        **draw_kw(generator, cfg, TOKEN, step, branch, pos),
+        **draw_kw(generator, cfg, TOKEN, step, 0, pos),
     )
 
 
@@ -112,7 +113,6 @@ def anchor_fill(
     cfg,
     counters: dict,
     generator=None,
-    branch: int = 0,
 ) -> tuple[dict, bool]:
     """Step 5, the D2F fill rule, for every active block in id order, from one forward's logits.
 
@@ -132,7 +132,7 @@ def anchor_fill(
         if pos.numel() == 0:
             continue
         check_finite(logits[pos - start], pos, cfg, counters.get("forwards", 0))
-        conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator, counters.get("forwards", 0), branch, pos))
+        conf, x0, p = token_stats(logits[pos - start], **stats_kw(cfg, generator, counters.get("forwards", 0), pos))
         hi = (p > cfg.skip_threshold).nonzero(as_tuple=True)[0]
         if hi.numel() > 0:
             chosen = hi

@@ -74,8 +74,7 @@ def shared_prefix_end(branches: list[Branch], P: int) -> int:
     return P if m == 0 else branches[0].blocks[m - 1]["end"]
 
 
-def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None, round_: int = 0,
-                 slot: int = 0) -> float:
+def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, generator=None, round_: int = 0) -> float:
     """alpha * creation_conf + (1 - alpha) * future, future = mean of the lowest max(1, int(n*branch_topp))
     confidences over ALL the branch's masked positions >= spe (1.0 with none; the value itself with one).
     A branch with no positions past spe scores 1.0 outright (upstream)."""
@@ -86,7 +85,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
         future = 1.0
     else:
         check_finite(logits[pos - start], pos, cfg, round_)
-        conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator, round_, slot, pos))
+        conf, _, _ = token_stats(logits[pos - start], **stats_kw(cfg, generator, round_, pos))
         n = conf.numel()
         if n == 1:
             future = conf.item()
@@ -99,7 +98,7 @@ def branch_score(br: Branch, logits: torch.Tensor, start: int, spe: int, cfg, ge
 
 def spawn_lookaheads(
     w: Branch, logits: torch.Tensor, start: int, spe: int, acts: list[int], fills: dict, cfg, generator=None,
-    round_: int = 0, slot: int = 0,
+    round_: int = 0,
 ) -> list[Branch]:
     """Top-k lookaheads of the filled winner w: its masked positions inside its active blocks (block, then
     position order), ranked by confidence from the winner's logits (descending, stable: the earlier
@@ -118,7 +117,7 @@ def spawn_lookaheads(
         return []
     idx = torch.tensor(cand, device=logits.device) - start
     check_finite(logits[idx], idx + start, cfg, round_)
-    conf, x0, _ = token_stats(logits[idx], **stats_kw(cfg, generator, round_, slot, idx + start))
+    conf, x0, _ = token_stats(logits[idx], **stats_kw(cfg, generator, round_, idx + start))
     ranked = sorted(zip(conf.tolist(), range(len(cand))), key=lambda t: t[0], reverse=True)
     out = []
     for r, (c, i) in enumerate(ranked[: cfg.branching_factor]):
@@ -126,7 +125,7 @@ def spawn_lookaheads(
         tok, creation = int(x0[i]), c
         if cfg.temperature > 0:  # upstream samples the chosen position a second time (quirk 7)
             # (keyed sampler: the same key, so the same draw as the ranking's)
-            c2, t2, _ = token_stats(logits[q - start][None], **stats_kw(cfg, generator, round_, slot, torch.tensor([q], device=logits.device)))
+            c2, t2, _ = token_stats(logits[q - start][None], **stats_kw(cfg, generator, round_, torch.tensor([q], device=logits.device)))
             tok, creation = int(t2[0]), float(c2[0])
         nb = w.copy()
         nb.is_base, nb.rank, nb.lookahead, nb.creation_conf = False, r, q, creation
@@ -205,8 +204,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
             stats["upstream_model_calls"] += len(order) + int(upstream_duplicate)
 
             # scores and the winner (first maximum in round order)
-            scores = [branch_score(br, lg, start, spe, cfg, gen, stats["forwards"], j)
-                      for j, (br, lg, _, _) in enumerate(results)]
+            scores = [branch_score(br, lg, start, spe, cfg, gen, stats["forwards"]) for br, lg, _, _ in results]
             wi = max(range(len(scores)), key=lambda i: (scores[i], -i))
             w, wlogits, wspan, wll = results[wi]
             if u > 0:
@@ -219,7 +217,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
 
             # 5: anchor fill on the winner with its own block states and logits
             acts = active_ids(w.blocks)
-            fills, eos = anchor_fill(w.x, w.blocks, wlogits, start, spe, cfg, stats, gen, branch=wi)
+            fills, eos = anchor_fill(w.x, w.blocks, wlogits, start, spe, cfg, stats, gen)
             w.eos_detected = w.eos_detected or eos
             accepted = len(fills) + (0 if w.is_base else 1)
             if accepted >= 2:
@@ -227,7 +225,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
             completed = retire_blocks(w.x, w.blocks, acts, mask_id)
 
             # spawn: lookaheads (ranked) then the new anchor, which sorts last
-            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"], wi) if cfg.branching_factor > 1 else []
+            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"]) if cfg.branching_factor > 1 else []
             upstream_duplicate = cfg.branching_factor > 1 and not new
             anchor = w.copy()
             anchor.is_base, anchor.rank, anchor.creation_conf, anchor.lookahead = True, len(new), 1.0, None
