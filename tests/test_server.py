@@ -24,7 +24,8 @@ import torch
 
 import lopa_fast
 from lopa_fast.assets import model_dir
-from lopa_fast.server.worker import Job, Worker
+from lopa_fast.server.protocol import model_sampling_defaults
+from lopa_fast.server.worker import Busy, Job, Worker
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
 from lopa_fast.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
 
@@ -49,13 +50,14 @@ def _get(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, request):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "lopa_fast", "serve", "--port", str(port)], stdout=fh,
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    request.getfixturevalue("embedded")  # load the in-process model while the server starts (overlap, ~10 s)
     deadline = time.monotonic() + START_DEADLINE_S
     try:
         while True:
@@ -295,3 +297,38 @@ def test_readme_serving_block_runs_verbatim(server, capsys):
     chat, streamed = out.splitlines()
     assert chat.startswith("4 * 6 = 24 . 7 + 24 = 31 . 31 - 5 = 26 .") and "####" not in chat  # cut at the text stop
     assert streamed == "4 * 6 = 24 . 7 + 24 = 31 . 31 - 5 = 26 . #### 26"
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--stop", "1,2"], ["--return-trace"],
+                                  ["--model", "/no/such/dir"], ["--branching-factor", "0"]])  # fmt: skip
+def test_serve_cli_user_errors(argv):
+    """serve's bad flags are user errors (one line, exit 2 from the command line), found before any load or bind."""
+    from lopa_fast import cli
+
+    with pytest.raises(cli.LopaError):
+        cli.main(["serve", *argv])
+
+
+def test_model_sampling_defaults(tmp_path):
+    assert model_sampling_defaults(tmp_path) == {}  # no generation_config.json: GenerateConfig's (greedy)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.95, "max_new_tokens": 9}))
+    assert model_sampling_defaults(tmp_path) == {"temperature": 0.2, "top_p": 0.95}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.2}))
+    assert model_sampling_defaults(tmp_path) == {}
+
+
+def test_worker_refuses_past_its_queue_cap(embedded):
+    model, tok = embedded
+    worker = Worker(model, tok, max_pending=1)
+    ids = tok(PROMPT + " Answer :")["input_ids"]
+
+    async def run():
+        a = worker.submit(Job(ids, dict(strategy="vanilla", steps=32, max_new_tokens=32)))
+        with pytest.raises(Busy):
+            worker.submit(Job(ids, dict(SERVER_DEFAULTS)))
+        return [k async for k, _ in a.events()][-1]
+
+    try:
+        assert asyncio.run(run()) == "done" and worker.counts["served"] == 1 and worker.counts["pending"] == 0
+    finally:
+        worker.close()

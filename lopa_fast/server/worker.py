@@ -154,16 +154,13 @@ class Worker:
                 with text:
                     for piece in text:
                         handle.emit("piece", piece)
-                handle.emit("done", Finished(text.text, text.result, text.prompt_ids))
-                self._count(served=1)
+                end, outcome = ("done", Finished(text.text, text.result, text.prompt_ids)), "served"
             except Cancelled:
-                self._count(cancelled=1)
-                handle.emit("cancelled")
+                end, outcome = ("cancelled", None), "cancelled"
             except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
-                self._count(failed=1)
-                handle.emit("error", e)
-            finally:
-                self._count(running=-1, pending=-1)
+                end, outcome = ("error", e), "failed"
+            self._count(running=-1, pending=-1, **{outcome: 1})  # before the end event: a reader sees final counts
+            handle.emit(*end)
 
     def _drain(self) -> None:
         while True:
