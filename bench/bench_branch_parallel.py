@@ -142,7 +142,8 @@ def main() -> None:
     print("# Branch parallelism (torch.distributed, gloo on CPU): bytes per round and wall time per round\n")
     print(f"Command: `python bench/bench_branch_parallel.py > bench/results/branch_parallel.md` "
           f"({datetime.date.today()}, torch {torch.__version__}, {os.cpu_count()} CPU cores shared with other jobs, "
-          f"one thread per process, total {time.time() - t0:.0f} s).\n")  # fmt: skip
+          f"one thread per process, total {time.time() - t0:.0f} s, load average at the end "
+          f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} over 1 / 5 / 15 min).\n")  # fmt: skip
     print(f"Model: random Dream-shaped fp32, {c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}, {c['num_heads']}/{c['num_kv_heads']} heads; prompt {PROMPT_LEN}, max_new_tokens "
           f"{MAX_NEW}, block {BLOCK}, thresholds (0.1, 0.95, 0.9) (upstream's GSM8K setting); REPS {REPS}, medians. Tokens and forwards of every distributed run equal "
