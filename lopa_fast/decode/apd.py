@@ -94,6 +94,7 @@ def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool)
 
 
 def _stop_table(stop, dev) -> torch.Tensor:
+    """The stop sequences as a zero-padded [S, max length] long tensor ([1, 1] zeros when there are none)."""
     seqs = list(stop or ())
     width = max((len(q) for q in seqs), default=1)
     t = torch.zeros((max(len(seqs), 1), width), dtype=torch.long)
