@@ -139,15 +139,20 @@ def _takes_hook(fn) -> bool:
         return False
 
 
-def resolve_backend(cfg: GenerateConfig, hook: bool = False):
+def resolve_backend(cfg: GenerateConfig, hook: bool = False, model=None):
     """Return (callable, backend name that runs, fallback note or None) for a validated config.
 
-    "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover, e.g.
-    temperature > 0); "auto" runs it where it covers the config, else the reference (with a RuntimeWarning
-    when the strategy has a fast path but the knobs do not fit it). hook: an `on_round=` hook is given (a fast
-    implementation that does not accept one counts as not covering the request).
+    "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover:
+    lopa_fast.decode.fast_not_covered, e.g. sampler="upstream" at T > 0); "auto" runs it where it covers the
+    config, else the reference (with a RuntimeWarning when the strategy has a fast path but the knobs do not
+    fit it). hook: an `on_round=` hook is given (a fast
+    implementation that does not accept one counts as not covering the request). model: when given, "auto"
+    runs a model without the static forward (`forward_static`: a duck-typed stand-in) on the reference.
     """
     fn, ran, fallback = _resolve_backend(cfg)
+    if ran == "fast" and cfg.backend == "auto" and model is not None and not hasattr(model, "forward_static"):
+        # a duck-typed model without the static forward (test stubs, custom wrappers): not a supported model
+        return _reference_strategy(cfg.strategy), "reference", "reference (the model has no forward_static)"
     if hook and ran == "fast" and not _takes_hook(fn):
         why = "does not take the on_round= progress hook yet"
         if cfg.backend == "fast":
@@ -211,8 +216,9 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
                 lengths): then a list of GenerateOutput, one per prompt, each equal to decoding it alone
                 (d2f / lopa on the fast backend share one forward per round: `generate_batch`).
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
-    backend:    "reference" (per-branch Python, the semantics oracle) | "fast" (batched decoder;
-                raises for strategies it does not cover) | "auto" (fast where available, else reference).
+    backend:    "auto" (the default: the fast backend wherever it covers the request, else the reference with
+                a RuntimeWarning naming the knob, e.g. sampler="upstream" at T > 0) | "fast" (raises where it
+                does not cover) | "reference" (per-branch Python, the semantics oracle).
     Every other knob is keyword-only, with the defaults of `lopa_fast.GenerateConfig` (the one place they
     are written; `inspect.signature(generate)` shows them). D2F/LoPA knobs keep upstream names
     (block_size, block_add_threshold, decoded_token_threshold, skip_threshold, sampling_strategy,
@@ -274,7 +280,7 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     check_prompt(model, ids, cfg)
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
-    fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None)
+    fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None, model=model)
     if cfg.strategy == "apd":  # the pair is checked before any forward; the verifier travels beside the config
         from lopa_fast.reference.apd import check_models
 
@@ -327,7 +333,7 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
     fast = _fast_strategies()
     batched = (
         cfg.strategy in ("d2f", "lopa") and not cfg.compile and not getattr(cfg, "distributed", False)
-        and all(resolve_backend(c, hook=h is not None)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
+        and all(resolve_backend(c, hook=h is not None, model=model)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
         and cfg.strategy in fast
     )  # fmt: skip
     if not batched:

@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = _Parser(add_help=False)
-    common.add_argument("--backend", default="reference", choices=BACKENDS, help="decoder backend (default reference)")
+    common.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="decoder backend (default auto: the fast backend wherever it covers the request)")
     common.add_argument("--model", default=None, help="model directory (default: the embedded d2f-arith model)")
     # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
     # a second OpenMP thread made each forward ~60x slower (18 ms vs 0.3 ms per matmul, measured)

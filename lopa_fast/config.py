@@ -91,7 +91,7 @@ class GenerateConfig:
     """Every knob of `lopa_fast.generate` (see its docstring and docs/decoding.md)."""
 
     strategy: str = "lopa"
-    backend: str = "reference"
+    backend: str = "auto"  # the fast backend wherever it covers the request (lopa_fast.decode.fast_not_covered)
     # None: the model's generation_config.json `max_new_tokens` (else DEFAULT_MAX_NEW_TOKENS), clipped to the room
     # left in max_position_embeddings. A length that is not a whole number of blocks is decoded in whole blocks
     # and the output cut to it (stats["finish_reason"]); strict_length=True refuses such a length instead.

@@ -65,9 +65,15 @@ def test_backend_dispatch(monkeypatch):
     monkeypatch.setattr(api, "_fast_strategies", lambda: {"lopa": fake_fast})
     out = lopa_fast.generate(stub(), [0, 1], "lopa", "fast", max_new_tokens=4, block_size=4)
     assert calls == ["lopa"] and out.stats["backend"] == "fast"
-    out = lopa_fast.generate(stub(), [0, 1], "lopa", "auto", max_new_tokens=4, block_size=4)
+    # auto runs the fast path for a model with the static forward; a duck-typed stub without one is not a
+    # supported model: the reference runs (named in stats["fallback"])
+    capable = stub()
+    capable.forward_static = None
+    out = lopa_fast.generate(capable, [0, 1], "lopa", "auto", max_new_tokens=4, block_size=4)
     assert out.stats["backend"] == "fast"
-    out = lopa_fast.generate(stub(), [0, 1], "d2f", "auto", max_new_tokens=4, block_size=4)
+    out = lopa_fast.generate(stub(), [0, 1], "lopa", "auto", max_new_tokens=4, block_size=4)
+    assert out.stats["backend"] == "reference" and "forward_static" in out.stats["fallback"]
+    out = lopa_fast.generate(capable, [0, 1], "d2f", "auto", max_new_tokens=4, block_size=4)
     assert out.stats["backend"] == "reference"
     with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='d2f'.*covers: lopa"):
         lopa_fast.generate(stub(), [0, 1], "d2f", "fast", max_new_tokens=4, block_size=4)

@@ -107,7 +107,7 @@ def test_eval_block_size_16_end_to_end(monkeypatch, tmp_path):
     argv = ["eval", "--n", "2", "--block-size", "16", "--strategies", "d2f,lopa-k2", "--no-progress"]
     assert cli.main(argv) == 0
     assert seen == [("d2f", 16, None)] * 2 + [("lopa", 16, None)] * 2
-    md = tmp_path / "bench/results/eval_reference_n2_block16.md"  # block in the name only when not 8
+    md = tmp_path / "bench/results/eval_auto_n2_block16.md"  # block in the name only when not 8; backend: the default
     text = md.read_text()
     assert "block size 16" in text.splitlines()[0]
     assert "Knobs (temperature 0, max_new_tokens 32, block size 16)" in text
@@ -156,7 +156,7 @@ def test_generate_chat_template_and_stdin():
     r = _cli("--chat", "--strategy", "d2f", "--block-size", "8", "--max-new-tokens", "32", stdin=PROMPT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("#### 26")  # the template appends the task's "Answer :" cue
-    assert "d2f (reference)" in r.stderr and "finish_reason stop" in r.stderr
+    assert "d2f (fast)" in r.stderr and "finish_reason stop" in r.stderr  # backend auto (the default) runs fast
 
 
 def test_chat_template_ships_with_the_embedded_tokenizer():

@@ -19,32 +19,44 @@ def prompt():
     return torch.randint(0, 60, (5,), generator=torch.Generator().manual_seed(0))
 
 
-def test_uncovered_strategy_says_so(model, prompt):
-    with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='vanilla'.*d2f, lopa"):
-        lopa_fast.generate(model, prompt, "vanilla", "fast", max_new_tokens=8)
+def test_uncovered_knob_says_so(model, prompt):
+    with pytest.raises(ValueError, match=r"backend='fast' \(vanilla\) compile=True covers the d2f / lopa rounds"):
+        lopa_fast.generate(model, prompt, "vanilla", "fast", max_new_tokens=8, compile=True)
 
 
-@pytest.mark.parametrize("strategy", ["d2f", "lopa"])
-def test_temperature_not_covered(model, prompt, strategy):
-    with pytest.raises(ValueError, match=r"temperature=0 only.*temperature=0.7"):
-        lopa_fast.generate(model, prompt, strategy, "fast", temperature=0.7, block_size=4, max_new_tokens=8)
+@pytest.mark.parametrize("strategy", ["d2f", "lopa", "vanilla", "threshold"])
+def test_upstream_sampler_not_covered(model, prompt, strategy):
+    kw = dict(threshold=0.9) if strategy == "threshold" else {}
+    with pytest.raises(ValueError, match=r"sampler='upstream'.*per-step reference only"):
+        lopa_fast.generate(model, prompt, strategy, "fast", temperature=0.7, sampler="upstream", max_new_tokens=8,
+                           **({} if strategy == "vanilla" else dict(block_size=4)), **kw)  # fmt: skip
 
 
-def test_auto_falls_back_for_temperature(model, prompt):
-    kw = dict(temperature=0.7, block_size=4, max_new_tokens=8, seed=3)
+def test_auto_falls_back_for_upstream_sampler(model, prompt):
+    kw = dict(temperature=0.7, block_size=4, max_new_tokens=8, seed=3, sampler="upstream")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         auto = lopa_fast.generate(model, prompt, "lopa", "auto", **kw)
-    assert any("reference backend" in str(x.message) for x in w)
-    # auto at T > 0 IS the reference, so comparing the two would test nothing: compare with a trajectory
-    # recorded from the reference decoder (this model, seed 3), and with the greedy run it must differ from
+    assert any("reference backend" in str(x.message) and "sampler='upstream'" in str(x.message) for x in w)
+    # auto with the upstream sampler IS the reference, so comparing the two would test nothing: compare with a
+    # trajectory recorded from the reference decoder (this model, seed 3), and with the greedy run it must differ from
     assert auto.generated_ids == [62, 49, 30, 13]
     assert (auto.stats["forwards"], auto.stats["model_calls"], auto.stats["lookahead_wins"]) == (4, 10, 1)
     assert auto.stats["masks_left"] == 0 and not auto.stats["hit_round_cap"]
     greedy = lopa_fast.generate(model, prompt, "lopa", "fast", **dict(kw, temperature=0.0, seed=None))
     assert greedy.generated_ids == [62, 19, 30, 22] != auto.generated_ids  # the temperature was honoured
     assert auto.stats["backend"] == "reference" and auto.stats["fallback"].startswith("reference")
-    assert "temperature=0.7" in auto.stats["fallback"]
+    assert "sampler='upstream'" in auto.stats["fallback"]
+
+
+@pytest.mark.parametrize("strategy", ["vanilla", "threshold", "d2f", "lopa"])
+def test_auto_is_the_default_and_runs_fast_at_any_temperature(model, prompt, strategy):
+    kw = dict(threshold=0.9) if strategy == "threshold" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        out = lopa_fast.generate(model, prompt, strategy, max_new_tokens=8, temperature=0.7, seed=1, top_p=0.9,
+                                 **({} if strategy == "vanilla" else dict(block_size=4)), **kw)  # fmt: skip
+    assert out.stats["backend"] == "fast" and "fallback" not in out.stats
 
 
 def test_auto_runs_fast_at_t0(model, prompt):

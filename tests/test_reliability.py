@@ -244,16 +244,19 @@ def _tiny_model(kind="dream"):
     return random_model(tiny_hf_config(kind), seed=1, sharpen=4.0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "fast"])
 @pytest.mark.parametrize("kind", ["dream", "llada"])
 @pytest.mark.parametrize("strategy", ["vanilla", "threshold", "d2f", "lopa"])
-def test_nan_logits_raise_naming_strategy_round_position(strategy, kind):
+def test_nan_logits_raise_naming_strategy_round_position(strategy, kind, backend):
     model = _tiny_model(kind)
     with torch.no_grad():
         model.final_norm_weight().fill_(float("nan"))
     with pytest.raises(NonFiniteLogitsError, match=strategy) as ei:
-        lopa_fast.generate(model, [3, 4, 5], strategy, max_new_tokens=8, block_size=4, **STRATEGY_KW[strategy])
+        lopa_fast.generate(model, [3, 4, 5], strategy, backend, max_new_tokens=8, block_size=4, **STRATEGY_KW[strategy])
     e = ei.value
-    assert e.strategy == strategy and e.round == 1 and e.position >= 3 and math.isnan(e.value)
+    assert e.strategy == strategy and e.round == 1 and e.position >= 3
+    # the d2f / lopa rounds flag the row on the device and report "NaN/inf"; the others read the value
+    assert math.isnan(e.value) if backend == "reference" or strategy in ("vanilla", "threshold") else e.value == "NaN/inf"
 
 
 @pytest.mark.parametrize("strategy", ["vanilla", "threshold", "d2f", "lopa"])

@@ -179,7 +179,9 @@ class FastDecoder:
 
         s, Nb = self._last_window
         pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
-        raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value="NaN/inf")
+        t = self.cfg.temperature  # at T > 0 the guard also refuses finite logits that 1 / T overflows
+        value = "NaN/inf" if t == 0 else f"NaN/inf, or overflow at temperature {t}"
+        raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value=value)
 
     # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
     def begin(self, on_round=None) -> None:

@@ -249,7 +249,7 @@ def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_n
     return None
 
 
-def run_row(model, tok, problems, row: str, backend: str = "reference", progress: bool = True,
+def run_row(model, tok, problems, row: str, backend: str = "auto", progress: bool = True,
             block_size: int = BLOCK, compile: bool = False, verifier=None, task: str = DEFAULT_TASK) -> dict:
     """Decode every problem with one row of `task` at `block_size` (APD rows: with `verifier`). Returns the row's
     numbers (or status "unavailable")."""
@@ -463,7 +463,7 @@ def _plot_apd(ax, apd: list[tuple], knobs: dict = APD_ROWS, verifier: str = VERI
     ax.legend(h1 + h2, l1 + l2, loc="lower center", bbox_to_anchor=(0.5, 0.14), fontsize=8)
 
 
-def run_eval(n: int = 100, strategies="all", backend: str = "reference", out=None, model_dir=None,
+def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, model_dir=None,
              progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK,
              compile: bool = False, task: str = DEFAULT_TASK, student_dir=None) -> list[dict]:
     """Evaluate `task`'s rows on `n` held-out problems at `block_size` (a divisor of the task's max_new_tokens);
@@ -540,7 +540,7 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     return f"      {top}\n      {bot}{extra}"
 
 
-def run_demo(n: int = 3, backend: str = "reference", model_dir=None, log=print, compile: bool = False,
+def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compile: bool = False,
              task: str = DEFAULT_TASK) -> list[dict]:
     """Decode `n` held-out problems of `task` with D2F and LoPA (k=4) and print answers, fill order and stats."""
     import lopa_fast
