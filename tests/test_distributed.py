@@ -2,8 +2,9 @@
 one process group per world size, every config of the grid decoded inside it.
 
 Parity: world sizes 2 and 3 x {full, block-causal} x k in {1, 2, 4, 5} (k + 1 = 2, 3, 5, 6 slots: not always
-a multiple of the world size; k = 1 and round 1 leave ranks without a slot): tokens, forwards and the
-coverage counters equal to the single-process fast backend, on every rank. Faults: a rank that raises
+a multiple of the world size; k = 1 and round 1 leave ranks without a slot): tokens, forwards, the coverage
+counters and the trace's per-round winners and accepted tokens equal to the single-process fast backend, on
+every rank. Faults: a rank that raises
 mid-round ends every rank with DistributedError naming it; a rank that dies ends its peer with
 DistributedError; both within a bounded time. Each spawned group is bounded by JOIN_TIMEOUT_S.
 """
@@ -68,28 +69,38 @@ def run_case(models: dict, case: dict, **extra):
     """generate() on one case (the fast backend; distributed=True etc. via extra)."""
     case = dict(case)
     m = models[case.pop("model")]
-    prompt = torch.randint(0, 61, (case.pop("prompt_len"),), generator=torch.Generator().manual_seed(case.pop("prompt_seed")))
+    g = torch.Generator().manual_seed(case.pop("prompt_seed"))
+    prompt = torch.randint(0, 61, (case.pop("prompt_len"),), generator=g).tolist()  # ids go to the model's device
     if case.pop("eos"):
         case["eos_token_id"] = _frequent_token(m)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return lopa_fast.generate(m, prompt, backend="fast", **case, **extra)
+        return lopa_fast.generate(m, prompt, backend="fast", return_trace=True, **case, **extra)
 
 
 def summary(out) -> dict:
-    return {"ids": out.generated_ids, "forwards": out.stats["forwards"],
+    """Tokens, forwards, counters and, per round, the trace's window start, cached span, winner and accepted
+    (position, token) pairs (scores are floats: equal in practice, compared through the winners)."""
+    rounds = [[e["window_start"], e["cached"], e["winner"], e["accepted"]] for e in out.trace]
+    return {"ids": out.generated_ids, "forwards": out.stats["forwards"], "rounds": rounds,
             **{k: out.stats.get(k) for k in COUNTERS}}  # fmt: skip
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fault: str | None) -> None:
-    """One rank: start the group, decode every case with distributed=True, write rank<r>.json (results or the error)."""
+def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fault: str | None,
+            backend: str = "gloo") -> None:
+    """One rank: start the group, decode every case with distributed=True, write rank<r>.json (results or the
+    error). backend "nccl": the models on cuda:rank, and each case also decoded by this process alone ("local")."""
     torch.set_num_threads(1)
     t0 = time.monotonic()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
     res: dict = {"rank": rank}
     try:
         models = build_models()
+        if backend == "nccl":
+            models = {k: m.cuda() for k, m in models.items()}
         if fault is not None and rank == world - 1:  # the last rank fails in its 2nd forward (round >= 3: it has
             # no slot in round 1)
             calls = [0]
@@ -108,6 +119,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fa
         for case in cases:
             out = run_case(models, case, distributed=True)
             res["cases"].append({**summary(out), "dist": out.stats["distributed"]})
+            if backend == "nccl":
+                res["cases"][-1]["local"] = summary(run_case(models, case))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         res["error"] = {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
     res["seconds"] = time.monotonic() - t0
@@ -117,12 +130,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fa
         dist.destroy_process_group()
 
 
-def spawn_group(world: int, tmp_path, cases: list, fault: str | None = None) -> list[dict | None]:
+def spawn_group(world: int, tmp_path, cases: list, fault: str | None = None, backend: str = "gloo") -> list[dict | None]:
     """Run _worker on `world` spawned processes; every process must end within JOIN_TIMEOUT_S (else it is
     killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
     ctx = mp.get_context("spawn")
     init_file = str(tmp_path / f"pg{world}{fault or ''}")
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, fault)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, fault, backend))
+             for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -190,6 +204,19 @@ def test_fault_ends_every_rank(fault, tmp_path):
         assert res["seconds"] < PG_TIMEOUT_S + 60
     if fault == "die":
         assert ranks[1] is None  # it died before writing
+
+
+@pytest.mark.gpu
+def test_nccl_path_on_one_gpu(tmp_path):
+    """The NCCL path (device tensors, cuda:LOCAL_RANK) on the one GPU a machine here may have: NCCL refuses two
+    ranks on one device, so world size 1 (the collectives run, nothing crosses a device): tokens and forwards
+    equal to the same process's single-process fast backend on that GPU."""
+    ranks = spawn_group(1, tmp_path, grid(), backend="nccl")
+    res = ranks[0]
+    assert res is not None and "error" not in res, res
+    for case, got in zip(grid(), res["cases"]):
+        assert {k: v for k, v in got.items() if k not in ("dist", "local")} == got["local"], case
+        assert got["dist"]["backend"] == "nccl"
 
 
 def test_slot_share_partitions_any_count():
