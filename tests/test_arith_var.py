@@ -123,3 +123,36 @@ def test_save_tokenizer(tmp_path):
 
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.get_vocab_size() == len(tv.vocab())
+
+
+def test_eval_and_demo_task_arith_var_end_to_end(tmp_path, capsys):
+    """`eval --task arith-var --n 5` and `demo --task arith-var` through the CLI, on a tiny model trained here
+    (2 steps; the numbers are not the subject): 112 new tokens, every row present, the APD / student rows
+    unavailable with their reason when their models are not shipped, table and PNG written."""
+    from lopa_fast import cli
+    from lopa_fast.tasks import evaluate
+    from lopa_fast.train import d2f
+
+    model = tmp_path / "m"
+    d2f.train(model, log=lambda *_: None, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=4,
+              gen_len=112, max_positions=160, task="arith-var", steps=2, warmup=1, eval_every=0, eval_n=1)
+    md = tmp_path / "e.md"
+    argv = ["eval", "--task", "arith-var", "--n", "5", "--model", str(model), "--strategies",
+            "vanilla,d2f,lopa-k2,apd-r0.7,dparallel", "--out", str(md), "--no-progress"]
+    assert cli.main(argv) == 0
+    text = md.read_text()
+    assert "# Eval on task `arith-var`" in text and "max_new_tokens 112" in text
+    assert "tasks.generate_task('arith-var', 'test', 5, seed=0)" in text
+    for row in ("vanilla", "d2f", "lopa-k2"):
+        assert f"| {row} | " in text and f"| {row} | unavailable" not in text
+    if not evaluate.shipped("ar-arith-var"):
+        assert "ar-arith-var is not shipped" in text
+    if not evaluate.shipped("dparallel-arith-var"):
+        assert "the student dparallel-arith-var is not shipped" in text
+    assert "| vanilla | " in text and " 112.0 |" in text  # vanilla: one token per forward, 112 forwards
+    assert md.with_suffix(".png").is_file()
+    capsys.readouterr()
+    assert cli.main(["demo", "--task", "arith-var", "--n", "1", "--model", str(model)]) == 0
+    assert "task arith-var" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="block_size=32; allowed: a divisor of max_new_tokens 112: 1, 2, 4, 7, 8, 14"):
+        cli.main(["eval", "--task", "arith-var", "--block-size", "32", "--n", "1", "--model", str(model)])
