@@ -331,6 +331,10 @@ def _serve(args) -> int:
     refused = [k for k in knobs if k in NOT_SERVED]
     if refused:
         raise CLIError(f"serve: --{refused[0].replace('_', '-')} is not a server default ({NOT_SERVED[refused[0]]})")
+    try:
+        server.check_address(args.host, args.port)  # before the load: a busy port costs nothing
+    except OSError as e:
+        raise CLIError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from e
     model, tok, embedded = _load(args)
     path = model.name_or_path if getattr(model, "name_or_path", None) else args.model
     defaults = {**_user_errors(server.model_sampling_defaults, path), **knobs}

@@ -309,6 +309,16 @@ def test_serve_cli_user_errors(argv):
         cli.main(["serve", *argv])
 
 
+def test_serve_cli_port_in_use():
+    from lopa_fast import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(cli.CLIError, match="cannot listen"):
+            cli.main(["serve", "--port", str(s.getsockname()[1])])
+
+
 def test_model_sampling_defaults(tmp_path):
     assert model_sampling_defaults(tmp_path) == {}  # no generation_config.json: GenerateConfig's (greedy)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.95, "max_new_tokens": 9}))

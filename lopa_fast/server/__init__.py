@@ -16,6 +16,17 @@ from lopa_fast.server.protocol import RequestError, model_sampling_defaults, par
 from lopa_fast.server.worker import Handle, Job, Worker
 
 
+def check_address(host: str, port: int) -> None:
+    """Raise OSError when `host:port` cannot be listened on now (in use, not an address of this machine); bound
+    the way uvicorn binds (SO_REUSEADDR), then released."""
+    import socket
+
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+
+
 def serve(model, tokenizer, *, model_id: str, defaults: dict, digits_joined: bool = False,
           host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
@@ -30,4 +41,4 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, digits_joined: boo
         worker.close()
 
 
-__all__ = ["Handle", "Job", "RequestError", "Worker", "create_app", "model_sampling_defaults", "parse", "serve"]
+__all__ = ["Handle", "Job", "RequestError", "Worker", "check_address", "create_app", "model_sampling_defaults", "parse", "serve"]
