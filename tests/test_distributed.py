@@ -6,7 +6,8 @@ a multiple of the world size; k = 1 and round 1 leave ranks without a slot): tok
 counters and the trace's per-round winners and accepted tokens equal to the single-process fast backend, on
 every rank. Faults: a rank that raises
 mid-round ends every rank with DistributedError naming it; a rank that dies ends its peer with
-DistributedError; both within a bounded time. Each spawned group is bounded by JOIN_TIMEOUT_S.
+DistributedError; ranks given different requests refuse; all within a bounded time (a stalled rank: its peer
+at the group's timeout, under -m slow). Each spawned group is bounded by JOIN_TIMEOUT_S.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ KS = (1, 2, 4, 5)
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
             "branch_growth", "winner_grew", "hit_round_cap", "eos_detected")  # fmt: skip
 PG_TIMEOUT_S = 20  # the process group's collective timeout in the spawned workers (bounds a dead peer's wait)
+STALL_S = 40  # how long the "stall" fault sleeps: far longer than the 5 s group timeout of its test
 JOIN_TIMEOUT_S = 180  # a whole spawned group (start-up ~5 s per process on a loaded 2-core machine + its cases)
 
 
@@ -86,56 +88,69 @@ def summary(out) -> dict:
             **{k: out.stats.get(k) for k in COUNTERS}}  # fmt: skip
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, fault: str | None,
-            backend: str = "gloo") -> None:
-    """One rank: start the group, decode every case with distributed=True, write rank<r>.json (results or the
-    error). backend "nccl": the models on cuda:rank, and each case also decoded by this process alone ("local")."""
+def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, backend: str = "gloo",
+            pg_timeout: float = PG_TIMEOUT_S) -> None:
+    """One rank: start the group, decode every case with distributed=True, write rank<r>.json: per case its
+    summary or its error (the loop goes on after an error). A case's "fault" acts on the last rank: "mismatch"
+    (a different prompt), "raise" / "die" / "stall" (its 2nd forward raises, exits the process, or sleeps
+    STALL_S and then raises). backend "nccl": the models on cuda:rank, and each case also decoded by this
+    process alone ("local")."""
     torch.set_num_threads(1)
     t0 = time.monotonic()
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
-    res: dict = {"rank": rank}
-    try:
-        models = build_models()
-        if backend == "nccl":
-            models = {k: m.cuda() for k, m in models.items()}
-        if fault is not None and rank == world - 1:  # the last rank fails in its 2nd forward (round >= 3: it has
-            # no slot in round 1)
+                            timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+    models = build_models()
+    if backend == "nccl":
+        models = {k: m.cuda() for k, m in models.items()}
+    cls = type(models["dream"])
+    fwd = cls.forward_static
+    res: dict = {"rank": rank, "cases": []}
+    for case in cases:
+        case = dict(case)
+        fault = case.pop("fault", None)
+        if rank != world - 1:
+            fault = None
+        if fault == "mismatch":
+            case["prompt_seed"] += 1000
+        if fault in ("raise", "die", "stall"):  # the 2nd forward of this rank (round >= 3: no slot in round 1)
             calls = [0]
-            fwd = type(models["dream"]).forward_static
 
-            def broken(self, *a, **k):
-                calls[0] += 1
-                if calls[0] == 2:
-                    if fault == "die":
+            def broken(self, *a, _calls=calls, _fault=fault, **k):
+                _calls[0] += 1
+                if _calls[0] == 2:
+                    if _fault == "die":
                         os._exit(3)
+                    if _fault == "stall":
+                        time.sleep(STALL_S)
                     raise RuntimeError("injected fault")
                 return fwd(self, *a, **k)
 
-            type(models["dream"]).forward_static = broken
-        res["cases"] = []
-        for case in cases:
+            cls.forward_static = broken
+        try:
             out = run_case(models, case, distributed=True)
             res["cases"].append({**summary(out), "dist": out.stats["distributed"]})
             if backend == "nccl":
                 res["cases"][-1]["local"] = summary(run_case(models, case))
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
-        res["error"] = {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
-    res["seconds"] = time.monotonic() - t0
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if dist.is_initialized() and "error" not in res:
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+            res["cases"].append({"error": {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None),
+                                           "seconds": time.monotonic() - t0}})  # fmt: skip
+        finally:
+            cls.forward_static = fwd
+        res["seconds"] = time.monotonic() - t0
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:  # after every case: a rank that dies
+            json.dump(res, f)  # leaves the cases it finished
+    if not any("error" in c for c in res["cases"]):
         dist.destroy_process_group()
 
 
-def spawn_group(world: int, tmp_path, cases: list, fault: str | None = None, backend: str = "gloo") -> list[dict | None]:
+def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> list:
     """Run _worker on `world` spawned processes; every process must end within JOIN_TIMEOUT_S (else it is
     killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
     ctx = mp.get_context("spawn")
-    init_file = str(tmp_path / f"pg{world}{fault or ''}")
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, fault, backend))
+    init_file = str(tmp_path / f"pg{world}")
+    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, backend, pg_timeout))
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
@@ -187,23 +202,42 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert d["bytes"]["stats"] > 0
 
 
-@pytest.mark.parametrize("fault", ("raise", "die"))
-def test_fault_ends_every_rank(fault, tmp_path):
-    """The last of 2 ranks raises (or exits) in its 2nd forward: every surviving rank ends with DistributedError,
-    in bounded time (a raise: at once, through the round's error flag; a death: the peer's closed connection or
-    the group's timeout)."""
+def _error(res: dict | None, i: int = -1) -> dict:
+    assert res is not None, "the rank wrote nothing"
+    err = res["cases"][i].get("error")
+    assert err is not None and err["type"] == "DistributedError", res["cases"][i]
+    return err
+
+
+def test_faults_end_every_rank(tmp_path):
+    """In one group of 2: (1) the ranks are given different prompts: both refuse at once, naming it; (2) the last
+    rank raises in its 2nd forward: both ranks end with DistributedError naming rank 1 and the message, at once
+    (the round's error flag), and the group stays usable; (3) the last rank dies (os._exit) mid-round: its peer
+    ends with DistributedError (gloo: connection reset), well within the group's timeout."""
     case = dict(grid()[6], model="dream", block_size=4, max_new_tokens=32)  # k = 4, full attention: many rounds
-    ranks = spawn_group(2, tmp_path, [case], fault=fault)
-    survivors = ranks if fault == "raise" else ranks[:1]
-    for r, res in enumerate(survivors):
-        assert res is not None, f"rank {r} wrote nothing"
-        err = res.get("error")
-        assert err is not None and err["type"] == "DistributedError", f"rank {r}: {res}"
-        if fault == "raise":
-            assert err["rank"] == 1 and "injected fault" in err["message"]
-        assert res["seconds"] < PG_TIMEOUT_S + 60
-    if fault == "die":
-        assert ranks[1] is None  # it died before writing
+    cases = [dict(case, fault="mismatch"), dict(case, fault="raise"), case, dict(case, fault="die")]
+    ranks = spawn_group(2, tmp_path, cases)
+    for r in (0, 1):
+        err = _error(ranks[r], 0)
+        assert "different requests" in err["message"]
+        err = _error(ranks[r], 1)
+        assert err["rank"] == 1 and "injected fault" in err["message"] and "round 3" in err["message"]
+        assert "error" not in ranks[r]["cases"][2]  # after a clean fault the group still decodes
+    err = _error(ranks[0], 3)
+    assert "a peer died or timed out" in err["message"]
+    assert ranks[0]["seconds"] < PG_TIMEOUT_S + 60
+    assert len(ranks[1]["cases"]) == 3  # it died in the 4th case
+
+
+@pytest.mark.slow
+def test_stalled_rank_ends_its_peer_at_the_group_timeout(tmp_path):
+    """The last rank sleeps STALL_S (40 s) in its 2nd forward: its peer ends with DistributedError after the
+    group's 5 s timeout, long before the sleeper wakes."""
+    case = dict(grid()[6], model="dream", block_size=4, max_new_tokens=32, fault="stall")
+    ranks = spawn_group(2, tmp_path, [case], pg_timeout=5)
+    err = _error(ranks[0], 0)
+    assert "a peer died or timed out" in err["message"]
+    assert err["seconds"] < STALL_S - 10
 
 
 @pytest.mark.gpu
