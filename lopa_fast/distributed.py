@@ -196,6 +196,7 @@ class DistributedDecoder(FastDecoder):
         self._pending = None
         self._head = None
         self.kv_rounds = 0  # rounds whose span K/V was broadcast
+        self.max_share = 0  # the most slots this rank ran in one round (its window K/V)
 
     def _read_head(self) -> list[int]:
         if self._pending is None:
@@ -217,6 +218,7 @@ class DistributedDecoder(FastDecoder):
         if not own and not (geo.mode == "block_causal" and u > 0):
             return msg, None
         f_lo, f_hi = (lo, hi) if own else (nA - 1, nA)
+        self.max_share = max(self.max_share, f_hi - f_lo)
         need = w["need"][f_lo:f_hi].reshape(-1)
         n_rows = min((f_hi - f_lo) * Nb, Rb) if own else 1
         rows = torch.sort((~need).to(torch.uint8), stable=True).indices[:n_rows]
@@ -315,6 +317,8 @@ class DistributedDecoder(FastDecoder):
         c = self.comm
         rounds = max(1, out.stats["forwards"])
         total = sum(c.bytes.values())
+        kv = self.st["cache_k"]  # this rank's window K/V: its share of the slots, not all NB
+        out.stats["kv_window_bytes"] = kv[:, :1].numel() * kv.element_size() * 2 * self.max_share * self.max_Nb
         out.stats["distributed"] = {
             "world_size": c.world, "rank": c.rank, "backend": c.backend, "collectives": dict(c.calls),
             "bytes": dict(c.bytes), "bytes_per_round": total / rounds, "kv_broadcast_rounds": self.kv_rounds,
