@@ -30,7 +30,8 @@ from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
 from lopa_fast.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"
+PROMPT = ("Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have "
+          "now ?")
 MODEL_ID = "d2f-arith"
 SERVER_DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)  # serve's embedded-model defaults
 START_DEADLINE_S = 120  # a cold start imports torch + transformers + fastapi on a loaded 2-core machine (~15 s)
@@ -219,7 +220,8 @@ def test_bad_request_is_400_naming_the_field(client, kwargs, param):
 
 
 def test_bad_chat_requests_and_the_server_still_answers(server, client):
-    for messages, extra in [([], {}), ([{"role": "user", "content": " "}], {}), ([{"role": "robot", "content": "x"}], {}),
+    for messages, extra in [([], {}), ([{"role": "user", "content": " "}], {}),
+                            ([{"role": "robot", "content": "x"}], {}),
                             ([{"role": "user", "content": PROMPT}], {"prompt": "x"}),
                             ([{"role": "user", "content": PROMPT}], {"tools": [{"type": "function"}]})]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:
@@ -267,7 +269,10 @@ def test_worker_drops_a_request_cancelled_while_queued(embedded):
         a = worker.submit(Job(ids, slow))
         b = worker.submit(Job(ids, quick))
         b.cancel()
-        return [[k for k, _ in [e async for e in h.events()]][-1] for h in (a, b)]
+        ends = []
+        for h in (a, b):
+            ends.append([kind async for kind, _ in h.events()][-1])
+        return ends
 
     try:
         assert asyncio.run(run()) == ["done", "cancelled"]
@@ -321,7 +326,8 @@ def test_serve_cli_port_in_use():
 
 def test_model_sampling_defaults(tmp_path):
     assert model_sampling_defaults(tmp_path) == {}  # no generation_config.json: GenerateConfig's (greedy)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.95, "max_new_tokens": 9}))
+    gen = {"temperature": 0.2, "top_p": 0.95, "max_new_tokens": 9}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     assert model_sampling_defaults(tmp_path) == {"temperature": 0.2, "top_p": 0.95}
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.2}))
     assert model_sampling_defaults(tmp_path) == {}

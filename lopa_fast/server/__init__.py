@@ -41,4 +41,5 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, digits_joined: boo
         worker.close()
 
 
-__all__ = ["Handle", "Job", "RequestError", "Worker", "check_address", "create_app", "model_sampling_defaults", "parse", "serve"]
+__all__ = ["Handle", "Job", "RequestError", "Worker", "check_address", "create_app", "model_sampling_defaults", "parse",
+           "serve"]  # fmt: skip

@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI-compatible completions and chat (plain JSON or server-sent events), /health, /v1/models.
 
 Every request body is checked by `protocol.parse` (bad input: HTTP 400 with an OpenAI error object naming the
-field; the routes read the body themselves, so FastAPI's 422 never arises), then run by the `Worker` (one request at a time today). A
-streamed response sends one chunk per piece of text as blocks become final (`lopa_fast.stream`), a last chunk with
-finish_reason and usage, then `data: [DONE]`. A client that disconnects is cancelled (worker.py). No exception
-escapes a handler: an unexpected one is a 500 with an error object, and the server keeps serving.
+field; the routes read the body themselves, so FastAPI's 422 never arises), then run by the `Worker` (one request
+at a time today). A streamed response sends one chunk per piece of text as blocks become final (`lopa_fast.stream`),
+a last chunk with finish_reason and usage, then `data: [DONE]`. A client that disconnects is cancelled (worker.py).
+No exception escapes a handler: an unexpected one is a 500 with an error object, and the server keeps serving.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lopa_fast.errors import LopaError, RoundCapError
-from lopa_fast.server.protocol import RequestError, parse
+from lopa_fast.errors import RoundCapError
+from lopa_fast.server.protocol import RequestError, checked, parse
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
 
@@ -81,29 +81,22 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
             req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults)
             for note in req.warnings:
                 log.warning("%s", note)
-            try:
-                handle = worker.submit(Job(req.prompt_ids, req.knobs, req.stop))
+            try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
+                handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop), endpoint=endpoint)
             except Busy as e:
                 raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
-            except LopaError as e:  # typed refusals the parse stages did not see (a newer check in stream)
-                if isinstance(e, (ValueError, TypeError)):
-                    raise RequestError(str(e), getattr(e, "knob", None)) from e
-                raise
-            except (ValueError, TypeError) as e:
-                raise RequestError(str(e)) from e
         except RequestError as e:
             return _error(e)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "created": int(time.time()), "model": model_id}
         if req.stream:
-            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected), media_type="text/event-stream",
+            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        text, done = [], None
+        done = None
         try:
             async for kind, value in handle.events(disconnected=request.is_disconnected):
-                if kind == "piece":
-                    text.append(value)
-                elif kind == "done":
+                if kind == "done":  # the pieces are not needed: done.text is them joined
                     done = value
                 elif kind == "error":
                     return _error(_run_error(value))

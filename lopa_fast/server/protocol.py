@@ -161,7 +161,7 @@ def blame_knob(knobs: dict, defaults: dict, model=None) -> str | None:
     return None
 
 
-def _validated(stage_param: str | None, fn, *args, knobs=None, defaults=None, model=None, endpoint="completions"):
+def checked(stage_param: str | None, fn, *args, knobs=None, defaults=None, model=None, endpoint="completions"):
     """Run one validation stage; its errors become RequestErrors naming the field (module docstring)."""
     try:
         return fn(*args)
@@ -250,15 +250,15 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
     knobs = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
-    cfg = _validated(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
+    cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
                      endpoint=endpoint)  # fmt: skip
     # stage 2: the prompt
     notes: list[str] = []
     field = "messages" if endpoint == "chat" else "prompt"
     if endpoint == "chat":
-        ids = _validated(field, _chat_ids, tokenizer, body.get("messages"), notes.append, endpoint=endpoint)
+        ids = checked(field, _chat_ids, tokenizer, body.get("messages"), notes.append, endpoint=endpoint)
     else:
-        ids = _validated(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, endpoint=endpoint)
+        ids = checked(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, endpoint=endpoint)
     limit = model.config.max_position_embeddings
     if len(ids) >= limit:
         raise RequestError(f"{field}: too long ({len(ids)} tokens); the model has max_position_embeddings={limit} "
@@ -266,18 +266,18 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
     # stage 3: the stops
     stop = body.get("stop")
     if stop is not None:
-        _validated("stop", split_stops, tokenizer, stop, endpoint=endpoint)
+        checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
     # stage 4: what generate checks with the model and the prompt, before any forward
-    ids_t = _validated(field, api.prepare_prompt, model, ids, endpoint=endpoint)
+    ids_t = checked(field, api.prepare_prompt, model, ids, endpoint=endpoint)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # generate warns itself when it runs
         # no max_tokens and a prompt that leaves less than one block: the prompt is to blame
         length_field = "max_tokens" if merged.get("max_new_tokens") is not None else field
-        planned, _ = _validated(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
-        bound = _validated(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
+        planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
+        bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
                            endpoint=endpoint)  # fmt: skip
-        _validated(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
-        _validated("backend", api.resolve_backend, bound, True, endpoint=endpoint)
+        checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
+        checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
     return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes)
 
 
