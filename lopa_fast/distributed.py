@@ -262,6 +262,7 @@ class DistributedDecoder(FastDecoder):
         nA, u = self._head[1], self._head[3]
         self.max_Nb = max(self.max_Nb, Nb)
         w = rnd.window_inputs(st, T, geo, Nb, Rb)
+        st["round"] = st["round"] + 1  # as rnd.finish_round (the keyed sampler's step; T = 0 here never reads it)
         lo, hi = slot_share(nA, comm.world, comm.rank)
         Rmax = min(-(-nA // comm.world) * Nb, Rb)
         err, kv = None, None
