@@ -333,6 +333,32 @@ def test_model_sampling_defaults(tmp_path):
     assert model_sampling_defaults(tmp_path) == {}
 
 
+def test_worker_stops_a_running_request_at_the_next_round(embedded):
+    """Cancelled after its first piece, a 96-round request ends as cancelled within a few rounds, not run out."""
+    model, tok = embedded
+    worker = Worker(model, tok, digits_joined=True)
+    ids = tok(PROMPT + " Answer :")["input_ids"]
+    # threshold 1.0: one token per step, 8 steps per block of 8 -> 96 rounds; the first block's text after 8
+    knobs = dict(strategy="threshold", block_size=8, block_length=8, steps=96, threshold=1.0, max_new_tokens=96)
+
+    async def run():
+        h = worker.submit(Job(ids, knobs))
+        kinds = []
+        async for kind, _ in h.events():
+            kinds.append(kind)
+            if kind == "piece":
+                h.cancel()
+        return h, kinds
+
+    try:
+        h, kinds = asyncio.run(run())
+        # pieces emitted before the worker saw the cancel may follow the first (a loaded machine); then the end
+        assert set(kinds[:-1]) == {"piece"} and kinds[-1] == "cancelled" and 8 <= h.rounds < 96, (kinds, h.rounds)
+        assert worker.counts == {"pending": 0, "running": 0, "served": 0, "cancelled": 1, "failed": 0}
+    finally:
+        worker.close()
+
+
 def test_worker_refuses_past_its_queue_cap(embedded):
     model, tok = embedded
     worker = Worker(model, tok, max_pending=1)

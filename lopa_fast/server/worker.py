@@ -64,6 +64,7 @@ class Handle:
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self.rounds = 0  # rounds the per-round hook has seen (a cancelled request's progress when it stopped)
 
     @property
     def cancelled(self) -> bool:
@@ -77,6 +78,7 @@ class Handle:
         """The per-round hook (worker thread): raise Cancelled once the request was cancelled."""
         if self._cancelled.is_set():
             raise Cancelled
+        self.rounds += 1
 
     def emit(self, kind: str, value=None) -> None:
         """Hand an event to the asyncio side (worker thread). A loop already closed (server shut down) drops it."""
