@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.shapes import ATTENTION, CONFIDENCE, DREAM_7B, SELECT_ROUND
+from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B, SELECT_ROUND
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
 
@@ -95,6 +95,23 @@ def test_bench_branch_attention(gpu_timer, benchmark, shape, provider):
     nbytes = (2 * L * Hkv * D + 2 * kw.numel() + 2 * q.numel()) * esz
     flops = 4 * B * n * Hq * D * (L + n)  # QK^T and PV over every (unmasked upper bound) key
     gpu_timer(fn, nbytes=nbytes, flops=flops)
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("shape", list(ATTENTION_POOLED))
+def test_bench_branch_attention_pooled(gpu_timer, benchmark, shape, provider):
+    """The pooled form: R requests' rows in one call over a [R, L + 256, Hkv, D] pool (bench_cuda.py adds the
+    CUDA kernel and the per-request loop it replaces)."""
+    from bench.bench_cuda import pooled_inputs
+
+    R, k1, n, L = ATTENTION_POOLED[shape]
+    benchmark.group = f"branch_attention pooled {shape}"
+    q, kp, vp, cl, kw, vw, wl, bid, idx = pooled_inputs(R, k1, n, L, DEV, DT)
+    fn = lambda: ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", check=False,  # noqa: E731
+                                      backend=provider, cache_index=idx)
+    Hq, Hkv, D = q.shape[2], kw.shape[2], q.shape[3]
+    nbytes = (2 * int(cl.sum()) * Hkv * D + 2 * kw.numel() + 2 * q.numel()) * q.element_size()
+    gpu_timer(fn, nbytes=nbytes, flops=4 * q.shape[0] * n * Hq * D * (int(cl.float().mean()) + n))
 
 
 @pytest.mark.parametrize("provider", ["triton", "torch"])

@@ -21,6 +21,14 @@ ATTENTION = {
     "dream7b_B16_n128_L2048": (16, 128, 2048),
 }
 
+# Pooled attention (issue 15's batched round): name -> (requests R, branch rows per request, window n, prefix L).
+# Each request owns a slot of one [S = R, L + 256, Hkv, D] pool; its rows attend to its slot only.
+ATTENTION_POOLED = {
+    "dream7b_R16x1_n32_L1024": (16, 1, 32, 1024),  # 16 D2F requests
+    "dream7b_R4x5_n32_L1024": (4, 5, 32, 1024),  # 4 LoPA k=4 requests
+    "dream7b_R8x5_n32_L2048": (8, 5, 32, 2048),
+}
+
 # name -> (rows N, vocab V): rows = branches x window positions whose logits a round reduces
 CONFIDENCE = {
     "dream7b_N32_V152064": (32, 152064),  # one 32-token window

@@ -357,9 +357,9 @@ def test_cuda_emu_model_forward_window(cuda_emu, monkeypatch):
 
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[0].dtype)
-        return cuda_emu.branch_attention(*args)
+        return cuda_emu.branch_attention(*args, **kwargs)
 
     monkeypatch.setattr(cuda, "branch_attention", counted)
     usable = _backend._usable
@@ -676,3 +676,75 @@ def test_pooled_check_false_reads_nothing_on_the_host():
     with count_host_syncs() as c:
         ops.branch_attention(**a)
     assert c.total == 0
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_cuda_emu_pooled_is_bitwise_the_single_call_per_row(cuda_emu, dt):
+    """The CUDA kernels' pooled form in the host emulation: per-branch prefix CTAs on the row's slot, the splits of
+    a B = 1 call (Lmax 150: 2 splits on the emulated 4 SMs, the last one partial); row b (o and lse) bitwise the
+    single call with k_cache[slot] and a 0-d cache_len, for a full, an empty and a partial slot."""
+    inputs = pool_inputs(3, 4, 2, 1, 64, 150, DT[dt], seed=13, device="cpu")
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    assert launch.attention_splits(1, 4, 2, 1, 150, EMU_SMS, launch.attention_rows(DT[dt]))[0] == 2
+    with poisoned_empty():
+        o, lse = cuda_emu.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", None, True,
+                                           cache_index=idx)
+        for b in range(q.shape[0]):
+            ob, lseb = cuda_emu.branch_attention(*single_row(inputs, b), "block_causal", None, True)
+            assert torch.equal(o[b : b + 1], ob) and torch.equal(lse[b : b + 1], lseb), f"row {b}"
+    d = lambda t: t.double()  # noqa: E731
+    o_ref, lse_ref = ref.branch_attention(d(q), d(kp), d(vp), cl, d(kw), d(vw), wl, bid, "block_causal",
+                                          return_lse=True, cache_index=idx)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=1e-5)
+    if dt == "f32":
+        torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    else:
+        for b in range(q.shape[0]):
+            qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
+            L = int(clb)
+            assert_2x_rule(f"o row {b}", o[b : b + 1], o_ref[b : b + 1],
+                           attention_in_dtype(qb, kb, vb, L, kwb, vwb, wlb, bidb, "block_causal", softmax_fp32=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_pooled_bitwise_the_single_call_per_row_gpu(backend):
+    """Dream-7B heads in bf16 on the device: 6 rows of 3 requests over a [4, 1024, 4, 128] pool, each row bitwise
+    the single call on its slot (same backend), then captured in a CUDA graph and replayed with other slot lengths
+    and another row-to-slot map written into the same device tensors (nothing baked in)."""
+    if backend == "cuda" and not cuda.available():
+        pytest.skip(f"CUDA kernels unavailable: {cuda.why_unavailable()}")
+    inputs = pool_inputs(6, 32, 28, 4, 128, 1024, torch.bfloat16, seed=21, device="cuda", S=4)
+    q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    cl = torch.tensor([1024, 0, 517, 33], device="cuda")
+    inputs = (q, kp, vp, cl, kw, vw, wl, bid, idx)
+
+    def call():
+        return ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", backend=backend, check=False,
+                                    cache_index=idx)
+
+    def check(out):
+        for b in range(q.shape[0]):
+            one = ops.branch_attention(*single_row(inputs, b), "block_causal", backend=backend, check=False)
+            assert torch.equal(out[b : b + 1], one), f"{backend} row {b}"
+            qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
+            L, d = int(clb), (lambda t: t.double())
+            o_ref = ref.branch_attention(d(qb), d(kb), d(vb), L, d(kwb), d(vwb), wlb, bidb, "block_causal")
+            o_pt = attention_in_dtype(qb, kb, vb, L, kwb, vwb, wlb, bidb, "block_causal")
+            assert_2x_rule(f"{backend} row {b}", out[b : b + 1], o_ref, o_pt)
+
+    check(call())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for lens, slots in [([1024, 0, 517, 33], [2, 0, 2, 1, 0, 3]), ([5, 1000, 0, 64], [3, 3, 1, 1, 0, 2])]:
+        cl.copy_(torch.tensor(lens))
+        idx.copy_(torch.tensor(slots))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out.clone())

@@ -92,7 +92,7 @@ def write_resources(path: Path) -> None:
         f"Command: `nvcc {' '.join(NVCC_FLAGS)} <-D defines of lopa_fast.ops.cuda.constants> -I kernels/cuda "
         f"<file>.cu` ({nvcc_version}).",
         "Written by `python tests/test_cuda_compile.py`. Threads per CTA: branch_attention partial/combine 128,",
-        "confidence 256. smem = static shared memory; branch_attention_partial also takes dynamic shared memory",
+        "confidence 256. smem = static shared memory; branch_attention_(pooled_)partial also take dynamic shared memory",
         "(column `dyn smem`, from lopa_fast.ops.launch.attention_smem_bytes).",
         "",
         "| entry | regs | smem (B) | dyn smem (B) | stack (B) | spill st/ld (B) |",
@@ -109,7 +109,7 @@ def write_resources(path: Path) -> None:
             if r.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr}")
             for name, i in sorted(parse_ptxas(r.stderr + r.stdout).items()):
-                m = re.match(r"branch_attention_partial_(\w+)_d(\d+)$", name)
+                m = re.match(r"branch_attention_(?:pooled_)?partial_(\w+)_d(\d+)$", name)
                 dyn = launch.attention_smem_bytes(dts[m.group(1)], int(m.group(2))) if m else 0
                 lines.append(f"| {name} | {i['regs']} | {i['smem']} | {dyn} | {i['stack']} | "
                              f"{i['spill_st']}/{i['spill_ld']} |")

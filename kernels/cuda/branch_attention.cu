@@ -5,6 +5,8 @@
 //   k/v     prefix [Lmax, Hkv, D] rows [0, cache_len) ; window [B, n, Hkv, D]
 //   cache_len_dev: null (cache_len is the prefix length) or a device int64 holding it (cache_len is then Lmax and
 //           the splits cover Lmax, so a captured CUDA graph replays any prefix length)
+//   cache_index: null, or [B] int64 (POOLED form): k/v prefix is then a pool [S, Lmax, Hkv, D] (slot stride
+//           kc_ss), cache_len_dev the [S] slot lengths and cache_len Lmax; branch b reads slot cache_index[b]
 //   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode LOPA_MODE_{FULL,BLOCK_CAUSAL,CAUSAL}
 //
 // Two launches (the host side is lopa_fast/ops/cuda/launch.py; tile sizes and mode codes arrive as -D defines
@@ -16,6 +18,8 @@
 //     window part: R rows of ONE branch against that branch's window keys under the mask. Each CTA
 //     writes its normalised partial output and its log-sum-exp to an fp32 workspace.
 //     bf16/fp16: tensor cores, R = 64 rows x 64-key tiles (attn::mma); fp32: SIMT, R = 32 x 32 (attn).
+//     Pooled form: a prefix CTA takes rows of ONE branch (its slot's K/V base and length), and the host sizes the
+//     splits as for B = 1, so every row is bitwise the single-request call on its slot whatever shares the call.
 //  2. branch_attention_combine: merges the S + 1 partials of every row by log-sum-exp, writes o in T.
 //
 // Bytes per call (Dream-7B, B=3, n=32, L=2048, bf16): prefix K+V 4 MiB read once per 64-row tile
@@ -73,6 +77,8 @@ template <typename T> struct Args {
   int B, n, Hq, Hkv, cache_len, n_splits, split_len, mode;
   float scale;
   long long q_sb, q_si, q_sh, kc_sl, kc_sh, kw_sb, kw_si, kw_sh;
+  const long long* cache_index;  // null, or [B] pool slots (cache_len_dev then holds one length per slot)
+  long long kc_ss;               // pool slot stride (elements)
 };
 
 // The query rows [row_begin, row_end) and keys of one CTA: grid (x row tiles, y kv head, z split); z == n_splits
@@ -84,8 +90,10 @@ template <typename T> struct Plan {
   long long key_stride;
 };
 
-// Fills `p` for this CTA (`rows` query rows per CTA); false when the CTA has no work.
-template <typename T>
+// Fills `p` for this CTA (`rows` query rows per CTA); false when the CTA has no work. POOLED (a separate entry
+// point, so the shared-prefix kernels compile exactly as before): prefix CTAs take the rows of ONE branch, tiled
+// as for that branch alone, on its pool slot cache_index[b] (K/V base and length cache_len_dev[slot]).
+template <typename T, bool POOLED>
 LOPA_INLINE bool plan_cta(const Args<T>& a, int rows, Plan<T>& p) {
   const int h = blockIdx.y, split = blockIdx.z;
   const int rows_per_branch = a.n * (a.Hq / a.Hkv), tiles_per_branch = (rows_per_branch + rows - 1) / rows;
@@ -103,6 +111,19 @@ LOPA_INLINE bool plan_cta(const Args<T>& a, int rows, Plan<T>& p) {
     p.kb = a.k_win + p.b_win * a.kw_sb + h * a.kw_sh;
     p.vb = a.v_win + p.b_win * a.kw_sb + h * a.kw_sh;
     p.key_stride = a.kw_si;
+  } else if (POOLED) {
+    if ((int)blockIdx.x >= a.B * tiles_per_branch) return false;
+    const int b = blockIdx.x / tiles_per_branch;
+    p.row_begin = b * rows_per_branch + (blockIdx.x % tiles_per_branch) * rows;
+    p.row_end = (b + 1) * rows_per_branch;
+    const long long slot = a.cache_index[b];
+    const long long d = a.cache_len_dev[slot];  // splits were sized for Lmax = a.cache_len; those past d are empty
+    const int cl = d < 0 ? 0 : (d < a.cache_len ? (int)d : a.cache_len);
+    const int key_begin = split * a.split_len, left = cl - key_begin;
+    p.n_keys = left < a.split_len ? (left > 0 ? left : 0) : a.split_len;  // 0 keys: l = 0, lse = -inf (weight 0)
+    p.kb = a.k_cache + slot * a.kc_ss + key_begin * a.kc_sl + h * a.kc_sh;
+    p.vb = a.v_cache + slot * a.kc_ss + key_begin * a.kc_sl + h * a.kc_sh;
+    p.key_stride = a.kc_sl;
   } else {
     p.row_begin = blockIdx.x * rows;
     p.row_end = a.B * rows_per_branch;
@@ -128,12 +149,12 @@ LOPA_INLINE int block_of(const Args<T>& a, const Plan<T>& p, int i) {
   return (int)a.block_ids[(long long)p.b_win * a.n + i];
 }
 
-template <typename T, int D>
+template <typename T, int D, bool POOLED>
 LOPA_INLINE void partial(const Args<T>& a) {
   constexpr int E = Vec<T>::N, DPL = D / 32;
   using S = Smem<T, D>;
   Plan<T> pl;
-  if (!plan_cta(a, kRows, pl)) return;
+  if (!plan_cta<T, POOLED>(a, kRows, pl)) return;
   const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
   const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
 
@@ -280,12 +301,12 @@ template <int D> struct Smem {
 
 LOPA_INLINE unsigned ld32(const unsigned short* p) { return *vptr<const unsigned>(p); }
 
-template <typename T, int D>
+template <typename T, int D, bool POOLED>
 LOPA_INLINE void partial(const Args<T>& a) {
   using S = Smem<D>;
   constexpr int KS = D / 16, NTD = D / 8, NTK = kKeys / 8;
   Plan<T> pl;
-  if (!plan_cta(a, kRows, pl)) return;
+  if (!plan_cta<T, POOLED>(a, kRows, pl)) return;
   const int G = a.Hq / a.Hkv, h = blockIdx.y, split = blockIdx.z, n = a.n, Hq = a.Hq;
   const int row_begin = pl.row_begin, row_end = pl.row_end, n_keys = pl.n_keys;
 
@@ -463,16 +484,27 @@ LOPA_INLINE void combine(const float* __restrict__ ws_o, const float* __restrict
 // fp32 (a testing dtype) runs the SIMT kernel; bf16/fp16 the tensor-core one. Host side (lopa_fast/ops/cuda/launch.py):
 // rows per CTA attn::kRows / attn::mma::kRows, dynamic shared memory attn::Smem / attn::mma::Smem (the host's
 // attention_smem_bytes; tests/test_cuda_loader.py checks the two agree).
-#define LOPA_ATTN_ENTRIES(TNAME, T, D, IMPL, THREADS)                                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS) branch_attention_partial_##TNAME##_d##D(                \
+#define LOPA_ATTN_PARTIAL(NAME, T, D, IMPL, BOUNDS, POOLED)                                                           \
+  extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                                      \
       const T* q, const T* k_cache, const T* v_cache, const T* k_win, const T* v_win, const long long* win_lens, \
       const long long* block_ids, const long long* cache_len_dev, float* ws_o, float* ws_lse, int B, int n,    \
-      int Hq, int Hkv, int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb, long long q_si, long long q_sh,       \
-      long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si, long long kw_sh) {                   \
-    IMPL<T, D>(lopa::attn::Args<T>{q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, cache_len_dev, ws_o,   \
-                                   ws_lse, B, n, Hq, Hkv, cache_len, n_splits, split_len, mode, scale, q_sb, q_si, q_sh, kc_sl,  \
-                                   kc_sh, kw_sb, kw_si, kw_sh});                                                   \
-  }                                                                                                              \
+      int Hq, int Hkv, int cache_len, int n_splits, int split_len, int mode, float scale, long long q_sb,        \
+      long long q_si, long long q_sh, long long kc_sl, long long kc_sh, long long kw_sb, long long kw_si,        \
+      long long kw_sh, const long long* cache_index, long long kc_ss) {                                          \
+    IMPL<T, D, POOLED>(lopa::attn::Args<T>{q, k_cache, v_cache, k_win, v_win, win_lens, block_ids, cache_len_dev, \
+                                           ws_o, ws_lse, B, n, Hq, Hkv, cache_len, n_splits, split_len, mode,    \
+                                           scale, q_sb, q_si, q_sh, kc_sl, kc_sh, kw_sb, kw_si, kw_sh,           \
+                                           cache_index, kc_ss});                                                 \
+  }
+
+// Per (dtype, head dim): the shared-prefix partial, the pooled partial (`cache_index` non-null) and the combine.
+// BOUNDS: the shared-prefix partial keeps __launch_bounds__(THREADS) (ptxas: 191 / 127 registers at D = 128 / 64,
+// no spills; adding a minimum of 1 CTA/SM changes its allocation to 204 / 145). The pooled partial with the bare
+// bound was held at 128 registers at D = 64 and spilled 40-44 B; with a minimum of 2 CTAs/SM it takes 204 / 145
+// registers (fp32: 156 / 142) and spills nothing (bench/results/cuda_resources.md).
+#define LOPA_ATTN_ENTRIES(TNAME, T, D, IMPL, THREADS)                                                          \
+  LOPA_ATTN_PARTIAL(branch_attention_partial_##TNAME##_d##D, T, D, IMPL, (THREADS), false)                      \
+  LOPA_ATTN_PARTIAL(branch_attention_pooled_partial_##TNAME##_d##D, T, D, IMPL, (THREADS, 2), true)                \
   extern "C" __global__ void __launch_bounds__(lopa::attn::kThreads) branch_attention_combine_##TNAME##_d##D(    \
       const float* ws_o, const float* ws_lse, int n_parts, long long rows, T* out, float* lse_out) {             \
     lopa::attn::combine<T, D>(ws_o, ws_lse, n_parts, rows, out, lse_out);                                        \

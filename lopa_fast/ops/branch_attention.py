@@ -136,8 +136,7 @@ def branch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"branch_attention: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
     if b == "cuda":
-        kern = _backend.kernel("branch_attention", b)
-        return kern(*args) if cache_index is None else kern(*args, cache_index=cache_index)
+        return _backend.kernel("branch_attention", b)(*args, cache_index=cache_index)
     if isinstance(cache_len, torch.Tensor):
         cl_t, cl = cache_len, k_cache.shape[-3]
     else:

@@ -60,11 +60,14 @@ def _require(op: str, *args) -> None:
 
 
 def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
-                     scale=None, return_lse=False):
+                     scale=None, return_lse=False, *, cache_index=None):
     """lopa_fast.ops.branch_attention on the CUDA kernels (inputs already checked by the public op)."""
     _require("branch_attention", q)
     scale = None if scale is None else float(scale)
-    if isinstance(cache_len, torch.Tensor):  # device length: read by the kernel, no host sync (graph-safe)
+    if cache_index is not None:  # pooled: [S] slot lengths and [B] slots, both read by the kernel
+        o, lse = branch_attention_op(q, k_cache, v_cache, k_cache.shape[1], k_win, v_win, win_lens, block_ids, mode,
+                                     scale, cache_len, cache_index)
+    elif isinstance(cache_len, torch.Tensor):  # device length: read by the kernel, no host sync (graph-safe)
         o, lse = branch_attention_op(q, k_cache, v_cache, k_cache.shape[0], k_win, v_win, win_lens, block_ids, mode,
                                      scale, cache_len)
     else:

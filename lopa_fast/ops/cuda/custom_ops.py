@@ -14,16 +14,19 @@ OptTensor = torch.Tensor | None
 @torch.library.custom_op("lopa_fast::cuda_branch_attention", mutates_args=(), device_types="cuda")
 def branch_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: int, k_win: Tensor, v_win: Tensor,
                         win_lens: OptTensor, block_ids: OptTensor, mode: str, scale: float | None,
-                        cache_len_dev: OptTensor = None) -> tuple[Tensor, Tensor]:
+                        cache_len_dev: OptTensor = None, cache_index: OptTensor = None) -> tuple[Tensor, Tensor]:
     """(o [B, n, Hq, D] in q.dtype, lse [B, n, Hq] fp32) of lopa_fast.ops.branch_attention. cache_len_dev: the
-    prefix length as a device int tensor (graph-safe; `cache_len` is then ignored), or None."""
+    prefix length as a device int tensor (graph-safe; `cache_len` is then ignored), or None. cache_index [B]
+    (pooled form): k/v_cache a pool [S, Lmax, Hkv, D] and cache_len_dev the [S] slot lengths."""
     L = launcher("branch_attention", q)
     cl = cache_len if cache_len_dev is None else cache_len_dev
-    return run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale)
+    return run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cl, k_win, v_win, win_lens, block_ids, mode, scale,
+                                cache_index)
 
 
 @branch_attention_op.register_fake
-def _(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, cache_len_dev=None):
+def _(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, cache_len_dev=None,
+      cache_index=None):
     B, n, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, n, Hq), dtype=torch.float32)
 

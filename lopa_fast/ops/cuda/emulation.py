@@ -50,10 +50,10 @@ class Emulated:
         self._l = {op: EmuLauncher(lib) for op, lib in libs.items()}
 
     def branch_attention(self, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None,
-                         mode="full", scale=None, return_lse=False):
+                         mode="full", scale=None, return_lse=False, *, cache_index=None):
         L = self._l["branch_attention"]
         o, lse = run_branch_attention(L, L.num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens,
-                                      block_ids, mode, scale)
+                                      block_ids, mode, scale, cache_index)
         return (o, lse) if return_lse else o
 
     def confidence(self, logits, suppress_token=None, eps=1e-10, split=True):

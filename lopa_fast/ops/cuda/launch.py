@@ -84,18 +84,24 @@ def _pair(a: torch.Tensor, b: torch.Tensor, vec: int) -> tuple[torch.Tensor, tor
 
 
 def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len, k_win, v_win, win_lens,
-                         block_ids, mode, scale):
+                         block_ids, mode, scale, cache_index=None):
     """Launch branch_attention (shapes: lopa_fast.reference.ops.branch_attention); returns o [B, n, Hq, D] in
     q.dtype and lse [B, n, Hq] fp32 (the combine kernel writes both). cache_len: an int, or a 0-d / [1] int
     tensor on q's device that the kernel reads (grid, splits and workspace then sized for Lmax =
-    k_cache.shape[0]: nothing depends on its value, so a CUDA graph can capture the launch)."""
+    k_cache.shape[0]: nothing depends on its value, so a CUDA graph can capture the launch).
+    cache_index [B] int (pooled form): k/v_cache a pool [S, Lmax, Hkv, D], cache_len the [S] slot lengths on the
+    device; prefix CTAs take one branch's rows and the splits are those of B = 1 (a row's sums are its own)."""
     B, n, Hq, D = q.shape
     Hkv = k_win.shape[2]
     G = Hq // Hkv
     tname = DTYPE_NAMES[q.dtype]
     vec = 16 // q.element_size()
-    cl_dev = None
-    if isinstance(cache_len, torch.Tensor):  # device length (graph-safe): splits sized for Lmax, no host read
+    cl_dev = ci = None
+    if cache_index is not None:  # per-slot lengths and each row's slot: read by the kernel (graph-safe)
+        cl_dev = cache_len.to(device=q.device, dtype=torch.int64).contiguous()
+        ci = cache_index.to(device=q.device, dtype=torch.int64).contiguous()
+        cache_len = k_cache.shape[1]
+    elif isinstance(cache_len, torch.Tensor):  # device length (graph-safe): splits sized for Lmax, no host read
         cl_dev = cache_len.reshape(1).to(device=q.device, dtype=torch.int64)
         cache_len = k_cache.shape[0]
     else:
@@ -109,19 +115,21 @@ def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len
     if mode == "block_causal":
         bid = block_ids.to(device=q.device, dtype=torch.int64).contiguous()
     R = attention_rows(q.dtype)
-    S, split_len = attention_splits(B, n, Hq, Hkv, cache_len, num_sms, R)
+    S, split_len = attention_splits(1 if ci is not None else B, n, Hq, Hkv, cache_len, num_sms, R)
     rows = B * n * Hq
     ws_o = torch.empty((S + 1, rows, D), dtype=torch.float32, device=q.device)
     ws_lse = torch.empty((S + 1, rows), dtype=torch.float32, device=q.device)
-    grid_x = max(math.ceil(B * n * G / R) if S else 0, B * math.ceil(n * G / R))
+    grid_x = max(math.ceil(B * n * G / R) if S else 0, B * math.ceil(n * G / R))  # pooled: the second term
     P = _ptr
     args = [P(q), P(k_cache), P(v_cache), P(k_win), P(v_win), P(wl), P(bid), P(cl_dev), P(ws_o), P(ws_lse),
             ("i", B), ("i", n), ("i", Hq), ("i", Hkv), ("i", cache_len), ("i", S), ("i", split_len),
             ("i", MODE_CODES[mode]), ("f", scale),
             ("q", q.stride(0)), ("q", q.stride(1)), ("q", q.stride(2)),
-            ("q", k_cache.stride(0)), ("q", k_cache.stride(1)),
-            ("q", k_win.stride(0)), ("q", k_win.stride(1)), ("q", k_win.stride(2))]  # fmt: skip
-    launch(f"branch_attention_partial_{tname}_d{D}", (grid_x, Hkv, S + 1), (attention_threads(q.dtype), 1, 1),
+            ("q", k_cache.stride(-3)), ("q", k_cache.stride(-2)),
+            ("q", k_win.stride(0)), ("q", k_win.stride(1)), ("q", k_win.stride(2)),
+            P(ci), ("q", k_cache.stride(0) if ci is not None else 0)]  # fmt: skip
+    part = "pooled_partial" if ci is not None else "partial"  # pooled: its own entry (registers: see the .cu)
+    launch(f"branch_attention_{part}_{tname}_d{D}", (grid_x, Hkv, S + 1), (attention_threads(q.dtype), 1, 1),
            attention_smem_bytes(q.dtype, D), args)
     o = torch.empty((B, n, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, n, Hq), dtype=torch.float32, device=q.device)

@@ -45,7 +45,7 @@ def entry_names(op: str) -> list[str]:
     if op == "branch_attention":
         return [
             f"branch_attention_{part}_{t}_d{d}"
-            for part in ("partial", "combine")
+            for part in ("partial", "pooled_partial", "combine")
             for t in DTYPE_NAMES.values()
             for d in HEAD_DIMS
         ]
