@@ -133,6 +133,8 @@ def test_chat_uses_the_chat_template(client, embedded):
     text, facts = _solo(embedded, encode_prompt(embedded[1], PROMPT, chat=True))
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
     assert text.endswith("#### 26") and _usage(r.usage) == facts
+    parts = [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]  # content as text parts
+    assert client.chat.completions.create(model=MODEL_ID, messages=parts).choices[0].message.content == text
 
 
 def test_knobs_and_openai_fields(client, embedded):
