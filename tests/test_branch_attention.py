@@ -615,7 +615,7 @@ def test_pooled_triton_is_bitwise_the_single_call_per_row(mode):
     torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
 
 
-def test_pooled_triton_splits_do_not_depend_on_the_batch():
+def test_pooled_triton_splits_do_not_depend_on_the_batch(monkeypatch):
     """The pooled launcher picks the prefix splits of a B = 1 call whatever B (a row's summation order is its
     own): the default split count equals the one chosen for one branch, and a forced count still matches."""
     from lopa_fast.kernels.triton import branch_attention as tri
@@ -624,12 +624,10 @@ def test_pooled_triton_splits_do_not_depend_on_the_batch():
     real = tri.default_num_splits
     inputs = pool_inputs(3, 4, 4, 2, 16, 100, torch.float32, seed=6, S=2)
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
-    try:
-        tri.default_num_splits = lambda *a, **k: seen.append(a) or real(*a, **k)
-        o = tri.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "causal", cache_index=idx)
-        tri.branch_attention(*single_row(inputs, 0), "causal")
-    finally:
-        tri.default_num_splits = real
+    monkeypatch.setattr(tri, "default_num_splits", lambda *a, **k: seen.append(a) or real(*a, **k))
+    o = tri.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "causal", cache_index=idx)
+    tri.branch_attention(*single_row(inputs, 0), "causal")
+    monkeypatch.undo()
     assert len(seen) == 2 and seen[0] == seen[1]  # (row tiles x Hkv, Lmax, BLOCK_N) of one branch
     o3 = tri.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "causal", num_splits=3, cache_index=idx)
     want = ref.branch_attention(q.double(), kp.double(), vp.double(), cl, kw.double(), vw.double(), wl, bid, "causal",
