@@ -170,7 +170,7 @@ def test_stream_deltas_join_to_the_text(client, endpoint):
 
 def test_concurrent_requests_equal_solo(client, embedded):
     ids = embedded[1](PROMPT + " Answer :")["input_ids"]
-    other = "Sam has 12 apples . He eats 3 apples . How many apples does Sam have now ? Answer :"
+    other = "Sam has 12 apples . He eats 3 apples . How many apples does Sam have now ? Answer :"  # an unknown word
     cases = [(PROMPT + " Answer :", {}), (other, {}), (PROMPT + " Answer :", dict(strategy="d2f")),
              (other, dict(branching_factor=2)), (PROMPT + " Answer :", dict(temperature=0.8, seed=3)),
              (other, dict(strategy="threshold", block_length=8, threshold=0.9))]  # fmt: skip
@@ -182,6 +182,8 @@ def test_concurrent_requests_equal_solo(client, embedded):
 
     with ThreadPoolExecutor(len(cases)) as pool:
         got = list(pool.map(call, cases))
+    r = client.completions.create(model=MODEL_ID, prompt=other)  # "eats" is not in the task's vocabulary
+    assert "'eats'" in r.model_extra["warnings"][0]
     for (prompt, knobs), (text, usage) in zip(cases, got):
         solo_ids = ids if prompt.startswith("Tom") else embedded[1](prompt)["input_ids"]
         assert (text, usage) == _solo(embedded, solo_ids, **knobs), (prompt, knobs)

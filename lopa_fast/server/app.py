@@ -89,8 +89,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
             return _error(e)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "created": int(time.time()), "model": model_id}
+        notes = {"warnings": req.warnings} if req.warnings else {}  # e.g. words the tokenizer does not know
         if req.stream:
-            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected),
+            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         done = None
@@ -105,7 +106,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
                 handle.cancel()
         if done is None:  # the client left; nobody reads this
             return _error(RequestError("cancelled: the client disconnected", None, 499, "cancelled"))
-        return _completion(endpoint, head, done, eos)
+        return {**_completion(endpoint, head, done, eos), **notes}
 
     def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
         st = done.result.stats
@@ -119,7 +120,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": usage(done, eos), "stats": _jsonable(st)}
 
-    async def _sse(handle, endpoint: str, head: dict, disconnected):
+    async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
         def chunk(delta_text: str | None, reason=None, extra=None) -> str:
@@ -144,7 +145,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
                 elif kind == "done":
                     st = value.result.stats
                     reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
-                    yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st)})
+                    yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st), **notes})
                 elif kind == "error":  # headers are sent: the error travels as an event
                     yield "data: " + json.dumps(_run_error(value).body()) + "\n\n"
             finished = True
