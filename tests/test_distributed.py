@@ -300,8 +300,8 @@ def test_cli_under_torchrun_matches_one_process(tmp_path):
 
     args = ["-m", "lopa_fast", "generate", "--prompt", "Tom has 23 pens .", "--backend", "fast", "--json"]
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          "29533", *args, "--distributed"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *args, "--distributed"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     outs = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
     assert len(outs) == 1  # rank 0 prints
     assert outs[0]["generated_ids"] == json.loads(one.stdout)["generated_ids"]
