@@ -53,7 +53,7 @@ def test_reference_matches_upstream(models, i):
     kw.update({k: case[k] for k in ("top_p", "top_k") if case.get(k) is not None})
     if case["strategy"] == "d2f":
         kw.pop("branching_factor", None)
-    out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"], **kw)
+    out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"], "reference", **kw)
     assert out.generated_ids == case["generated_ids"]
     if case.get("source") == "D2F-eval":  # D2F's own loop: returns text, counted by forwards
         assert out.stats["forwards"] == case["forwards"]

@@ -42,7 +42,7 @@ def test_reference_matches_upstream(models, i):
     if case.get("torch_seed") is not None:
         torch.manual_seed(case["torch_seed"])  # upstream draws from the global generator
         kw["sampler"] = "upstream"  # in upstream's order (the default keyed sampler draws by key)
-    out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"],
+    out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"], "reference",
                              max_new_tokens=case["max_new_tokens"], **kw)  # fmt: skip
     assert out.generated_ids == case["generated_ids"]
     assert out.stats["forwards"] == case["forwards"]
