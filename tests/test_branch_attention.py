@@ -600,9 +600,12 @@ def test_pooled_rows_never_see_other_slots_or_rows_past_their_length():
 def test_pooled_triton_is_bitwise_the_single_call_per_row(mode):
     """Triton (interpreter on CPU, compiled on a GPU): per-tile slot base pointer and length; row b (o and lse)
     bitwise the single call with k_cache[slot] and a 0-d cache_len, for a full, an empty and a partial slot,
-    with a prefix cut into several splits (Lmax 70 > 2 key tiles)."""
+    with a prefix cut into several splits (Lmax 70 > 2 key tiles); mode "full" passes int32 slots and lengths."""
     inputs = pool_inputs(3, 5, 4, 2, 16, 70, torch.float32, seed=5)
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
+    if mode == "full":
+        cl, idx = cl.int(), idx.int()
+        inputs = (q, kp, vp, cl, kw, vw, wl, bid, idx)
     with poisoned_empty():
         o, lse = ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, mode, return_lse=True, backend="triton",
                                       cache_index=idx)
