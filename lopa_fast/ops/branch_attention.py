@@ -86,8 +86,9 @@ def _check_pool(q, k_cache, v_cache, cache_len, cache_index, Hkv):
     S, Lmax = k_cache.shape[:2]
     if (not isinstance(cache_len, torch.Tensor) or tuple(cache_len.shape) != (S,) or cache_len.dtype not in _INTS
             or cache_len.device != q.device):  # fmt: skip
-        got = (f"{tuple(cache_len.shape)} {cache_len.dtype} on {cache_len.device}" if isinstance(cache_len, torch.Tensor)
-               else repr(cache_len))  # fmt: skip
+        got = repr(cache_len)
+        if isinstance(cache_len, torch.Tensor):
+            got = f"{tuple(cache_len.shape)} {cache_len.dtype} on {cache_len.device}"
         raise ValueError(f"branch_attention: with cache_index, cache_len must be an [S={S}] int tensor on {q.device} "
                          f"(one prefix length per pool slot), got {got}")
     if B == 0:
