@@ -129,8 +129,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
 
             cls.forward_static = broken
         try:
-            out = run_case(models, case, distributed=True)
-            res["cases"].append({**summary(out), "dist": out.stats["distributed"]})
+            hook = []  # the progress hook runs on every rank, once per round
+            out = run_case(models, case, distributed=True, on_round=lambda prefix, info: hook.append(info["round"]))
+            res["cases"].append({**summary(out), "dist": out.stats["distributed"], "hook": hook})
             if backend == "nccl":
                 res["cases"][-1]["local"] = summary(run_case(models, case))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
@@ -186,7 +187,8 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert len(res["cases"]) == len(expected)
         for case, got, want in zip(grid(), res["cases"], expected):
             dist_stats = got["dist"]
-            assert {k: v for k, v in got.items() if k != "dist"} == want, f"rank {r} world {world} case {case}"
+            assert {k: v for k, v in got.items() if k not in ("dist", "hook")} == want, f"rank {r} world {world} case {case}"
+            assert got["hook"] == list(range(1, want["forwards"] + 1))
             assert dist_stats["world_size"] == world and dist_stats["rank"] == r
     cases0 = ranks[0]["cases"]
     # the paths the grid must exercise: lookahead wins, span K/V broadcasts (full attention), ranks without a
@@ -249,7 +251,7 @@ def test_nccl_path_on_one_gpu(tmp_path):
     res = ranks[0]
     assert res is not None and "error" not in res, res
     for case, got in zip(grid(), res["cases"]):
-        assert {k: v for k, v in got.items() if k not in ("dist", "local")} == got["local"], case
+        assert {k: v for k, v in got.items() if k not in ("dist", "local", "hook")} == got["local"], case
         assert got["dist"]["backend"] == "nccl"
 
 
