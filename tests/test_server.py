@@ -21,6 +21,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lopa_fast
 from lopa_fast.assets import model_dir
@@ -378,3 +380,31 @@ def test_worker_refuses_past_its_queue_cap(embedded):
         assert asyncio.run(run()) == "done" and worker.counts["served"] == 1 and worker.counts["pending"] == 0
     finally:
         worker.close()
+
+
+FIELDS = ["prompt", "model", "max_tokens", "stop", "stream", "n", "logprobs", "seed", "temperature", "top_p",
+          "strategy", "backend", "branching_factor", "block_size", "skip_threshold", "steps", "max_rounds",
+          "on_round_cap", "eos_token_id", "mask_token_id", "stream_options", "messages", "zzz"]  # fmt: skip
+WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                  st.text(max_size=6), st.lists(st.integers(-3, 70), max_size=3),
+                  st.sampled_from(["lopa", "d2f", "fast", "reference", "<|mask|>", "Answer :", MODEL_ID]))  # fmt: skip
+
+
+@settings(deadline=None, derandomize=True, max_examples=40, database=None, suppress_health_check=list(HealthCheck))
+@given(fields=st.dictionaries(st.sampled_from(FIELDS), WEIRD, max_size=3))
+def test_random_bodies_never_crash_the_server(server, fields):
+    """Any JSON body (NaN included) is answered with 200 or a 400 / 404 error object naming a field or none; never a
+    500, and the server keeps answering."""
+    body = {"prompt": PROMPT + " Answer :", "max_tokens": 8, **fields}
+    req = urllib.request.Request(server + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    assert status in (200, 400, 404), (status, body, raw[:300])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert err["message"] and (err["param"] is None or err["param"] in body or err["param"] == "max_tokens"), err
+    assert _get(server + "/health")["status"] == "ok"
