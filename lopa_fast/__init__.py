@@ -4,6 +4,7 @@ from lopa_fast.config import GenerateConfig, LopaConfig
 from lopa_fast.errors import (
     CheckpointError,
     ConfigError,
+    DistributedError,
     KnobError,
     LopaError,
     MemoryBudgetError,
@@ -16,7 +17,7 @@ from lopa_fast.stream import TextStream, stream
 
 __version__ = "0.1.0"
 __all__ = [
-    "CheckpointError", "ConfigError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
+    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
     "GenerateConfig", "GenerateOutput", "KVCache", "LopaConfig", "RoundCapError", "generate", "load_model",
     "load_tokenizer", "stream", "TextStream",
 ]  # fmt: skip
