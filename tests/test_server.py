@@ -168,6 +168,9 @@ def test_stream_deltas_join_to_the_text(client, endpoint):
     last = chunks[-1]
     assert last.choices[0].finish_reason == "stop" and last.usage.completion_tokens > 0
     assert last.model_extra["stats"]["forwards"] == last.usage.forwards
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    with_usage = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage == last.usage  # OpenAI's usage-only chunk
 
 
 def test_concurrent_requests_equal_solo(client, embedded):

@@ -91,7 +91,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
         head = {"id": rid, "created": int(time.time()), "model": model_id}
         notes = {"warnings": req.warnings} if req.warnings else {}  # e.g. words the tokenizer does not know
         if req.stream:
-            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes),
+            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         done = None
@@ -120,7 +120,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": usage(done, eos), "stats": _jsonable(st)}
 
-    async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict):
+    async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict, include_usage: bool):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
         def chunk(delta_text: str | None, reason=None, extra=None) -> str:
@@ -146,6 +146,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
                     st = value.result.stats
                     reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
                     yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st), **notes})
+                    if include_usage:  # OpenAI's usage-only chunk: no choices
+                        yield "data: " + json.dumps({**head, "object": obj, "choices": [],
+                                                     "usage": usage(value, eos)}) + "\n\n"  # fmt: skip
                 elif kind == "error":  # headers are sent: the error travels as an event
                     yield "data: " + json.dumps(_run_error(value).body()) + "\n\n"
             finished = True

@@ -9,7 +9,8 @@ body's knobs. OpenAI fields:
     temperature, top_p, seed                       -> the knobs of the same name
     stop                                           -> text stops (str or a list of str; lists of ints are token-id
                                                       stops): lopa_fast.stream's one stop mechanism
-    stream, stream_options.include_usage           -> server-sent events (usage rides on the last chunk always)
+    stream, stream_options.include_usage           -> server-sent events (usage rides on the finishing chunk; with
+                                                      include_usage also on a usage-only chunk, as OpenAI sends)
     prompt (completions: str, [str] or [int] token ids), messages (chat: role + text content, the tokenizer's
     chat template), model (the served id, else 404), user (accepted, unused)
     n > 1, best_of > 1, logprobs, top_logprobs, echo, suffix, logit_bias, presence/frequency_penalty != 0, tools,
@@ -69,6 +70,7 @@ class Parsed:
     stop: list | None
     stream: bool
     warnings: list[str]
+    include_usage: bool = False  # stream_options.include_usage: a usage-only chunk before [DONE]
 
 
 def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
@@ -278,7 +280,8 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
                            endpoint=endpoint)  # fmt: skip
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
         checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
-    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage)
 
 
 def model_sampling_defaults(model_dir) -> dict:
