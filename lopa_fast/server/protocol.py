@@ -253,7 +253,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
     merged = {**defaults, **knobs}
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
     cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
-                     endpoint=endpoint)  # fmt: skip
+                  endpoint=endpoint)  # fmt: skip
     # stage 2: the prompt
     notes: list[str] = []
     field = "messages" if endpoint == "chat" else "prompt"
@@ -277,7 +277,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
         length_field = "max_tokens" if merged.get("max_new_tokens") is not None else field
         planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
-                           endpoint=endpoint)  # fmt: skip
+                        endpoint=endpoint)  # fmt: skip
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
         checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
