@@ -60,14 +60,17 @@ def variants(quick: bool):
     for dt in dtypes:
         prec = "ieee" if dt == "fp32" else "tf32"
         BM, BN, warps = ba.block_sizes({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt])
-        aligned = {"s_qb", "s_qn", "s_qh", "s_kl", "s_kh", "s_vl", "s_vh", "chunk"}
-        # CL_PTR: the prefix length read from device memory (the captured / compiled round) or an int
-        for cl_ptr in (True, False):
+        aligned = {"s_qb", "s_qn", "s_qh", "s_ks", "s_kl", "s_kh", "s_vs", "s_vl", "s_vh", "chunk"}
+        # CL_PTR: the prefix length read from device memory (the captured / compiled round) or an int;
+        # POOLED: rows of one branch per tile on its slot of a [S, Lmax, Hkv, D] pool (cache_index / [S] lengths)
+        for cl_ptr, pooled in ((True, False), (False, False), (True, True)):
             types = {n: "i32" for n in ba._prefix_kernel.arg_names}
             types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr="*fp32", lse_ptr="*fp32",
-                         qk_scale="fp32", cache_len="*i64" if cl_ptr else "i32")  # fmt: skip
-            ce = dict(G=G, D=D, BLOCK_D=D, BLOCK_M=BM, BLOCK_N=BN, UPCAST=False, DOT_PREC=prec, CL_PTR=cl_ptr)
-            name = f"_prefix_kernel {dt}" + (" device cache_len" if cl_ptr else "")
+                         ci_ptr="*i64" if pooled else "*fp32", qk_scale="fp32",
+                         cache_len="*i64" if cl_ptr else "i32")  # fmt: skip
+            ce = dict(G=G, D=D, BLOCK_D=D, BLOCK_M=BM, BLOCK_N=BN, UPCAST=False, DOT_PREC=prec, CL_PTR=cl_ptr,
+                      POOLED=pooled)
+            name = f"_prefix_kernel {dt}" + (" pooled" if pooled else " device cache_len" if cl_ptr else "")
             out.append((name, ba._prefix_kernel, types, ce, aligned, dict(num_warps=warps, num_stages=2)))
         modes = ["block_causal"]
         if dt == "bf16" and not quick:
