@@ -74,7 +74,7 @@ def pooled_inputs(R, k1, n, L, dev="cuda", dt=torch.bfloat16):
 
 
 @on_gpu
-@pytest.mark.parametrize("provider", ["cuda", "triton", "torch", "cuda-loop", "triton-loop"])
+@pytest.mark.parametrize("provider", ["cuda", "triton", "cuda-loop", "triton-loop"])  # torch: a row loop (reference)
 @pytest.mark.parametrize("shape", list(ATTENTION_POOLED))
 def test_bench_branch_attention_pooled(benchmark, shape, provider):
     """The pooled form (one call for R requests) vs `*-loop`: R single-request calls on the pool's slots (what a
