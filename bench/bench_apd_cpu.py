@@ -97,7 +97,8 @@ def test_apd_cpu(benchmark, row):
         dllm_forwards_per_answer=fw / len(refs), graphs=graphs, compile_s=compile_s, warmup_s=warm_s,
         buckets=sorted({tuple(b) for o in warm for b in o.stats["compiled_buckets"]}),
         verifier_forwards_per_answer=sum(o.stats["verifier_forwards"] for o in refs) / len(refs),
-        mean_accepted=sum(counts) / len(counts), host_reads_per_step=sum(o.stats["host_reads"] for o in outs["fast"]) / fw,
+        mean_accepted=sum(counts) / len(counts),
+        host_reads_per_step=sum(o.stats["host_reads"] for o in outs["fast"]) / fw,
         **{f"{p}_median": statistics.median(times[p]) for p in PATHS}, **{f"{p}_min": min(times[p]) for p in PATHS},
         torch=torch.__version__, threads=torch.get_num_threads(),
     )  # fmt: skip

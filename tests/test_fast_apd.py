@@ -58,7 +58,8 @@ def run_both(models, c: dict, fast_only: dict | None = None, **extra):
     eos = (EOS_OFTEN if c["eos"] == "often" else EOS_NEVER)[c["pair"]]
     kw = dict(strategy="apd", apd_mixture_weight=c["R"], kv_window=c["W"], max_lookahead=c["M"],
               tokens_per_step=c["K"], max_new_tokens=c["n"], eos_token_id=eos,
-              exact_prev_logits=c["exact"] or None, verifier=models[q_name] if c["R"] is not None else None)  # fmt: skip
+              exact_prev_logits=c["exact"] or None,
+              verifier=models[q_name] if c["R"] is not None else None)  # fmt: skip
     kw.update({k: v for k, v in c.items() if k not in ("pair", "R", "W", "M", "P", "eos", "n", "K", "exact")})
     kw.update(extra)
     d = models[d_name]
@@ -265,7 +266,8 @@ def test_compiled_step_is_exact_and_compiles_once(compiled_apd_runs):
         assert_parity(ref, comp, COMPILE_KW)
         assert comp.stats["host_reads_per_round"] == 1.0
     first, second = compiled_apd_runs[0][1].stats, compiled_apd_runs[1][1].stats
-    assert first["forwards"] >= 3 and first["compiled_buckets"] == [(16, 16)], first  # steps after the prefill ran compiled
+    # the steps after the prefill ran compiled, all in one bucket
+    assert first["forwards"] >= 3 and first["compiled_buckets"] == [(16, 16)], first
     assert first["compiled_graphs"] == 1 and list(first["compile_seconds"]) == ["16x16"]
     assert second["compiled_graphs"] == 0 and second["compile_seconds"] == {}  # a replay: nothing recompiled
 
@@ -315,7 +317,8 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("c", [case(R=0.5, W=None, M=None, P=9, eos="never", n=24),
                                case(R=None, K=2, W=1, M=4, P=1, n=24),
-                               case(pair="b", R=0.3, W=16, M=4, P=9, eos="never", n=24, suppress_mask_token=True)])  # fmt: skip
+                               case(pair="b", R=0.3, W=16, M=4, P=9, eos="never", n=24,
+                                    suppress_mask_token=True)])  # fmt: skip
 def test_compile_grid(models, c):
     ref, comp = run_both(models, c, fast_only={"compile": True})
     assert_parity(ref, comp, c)

@@ -251,7 +251,8 @@ class FastApd:
             Lb=Lb, W=cfg.kv_window, M=cfg.max_lookahead, R=R,
             K=cfg.tokens_per_step if cfg.tokens_per_step is not None else 1,
             V_ar=verifier.config.vocab_size if verifier is not None else 0, mask_id=cfg.mask_token_id,
-            eos_id=cfg.eos_token_id, exact_prev=bool(cfg.exact_prev_logits), suppress_mask=bool(cfg.suppress_mask_token),
+            eos_id=cfg.eos_token_id, exact_prev=bool(cfg.exact_prev_logits),
+            suppress_mask=bool(cfg.suppress_mask_token),
             top_p=cfg.top_p, top_k=cfg.top_k, stop_lens=tuple(len(q) for q in cfg.stop or ()),
             attn_backend=_backend.resolve("branch_attention", None, dev),
         )  # fmt: skip
