@@ -110,8 +110,10 @@ def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str
               on_round=None) -> list[GenerateOutput]:
     """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`) together; outputs
     in the prompts' order. on_round: None or one hook per prompt (a list)."""
-    sched = Scheduler(model, cfgs[0], branching_factor, name, max_rows)
     hooks = on_round if on_round is not None else [None] * len(prompts)
+    if len(prompts) == 1:  # nothing to share: the solo round (no per-request split of the forward)
+        return [FastDecoder(model, prompts[0], cfgs[0], branching_factor, name).run(hooks[0])]
+    sched = Scheduler(model, cfgs[0], branching_factor, name, max_rows)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
     return [done[i] for i in ids]
