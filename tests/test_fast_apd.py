@@ -189,21 +189,23 @@ def test_device_stop_check_equals_first_stop():
 
 
 def test_nonfinite_logits_are_refused(models):
+    """NaN / inf in a row a step reads: both backends refuse at the same step and position, naming the model."""
     d, q = models["d64"], models["q64"]
     bad_d = copy.deepcopy(d)
     with torch.no_grad():
         bad_d.head_weight()[7, 0] = float("nan")
-    with pytest.raises(NonFiniteLogitsError, match=r"apd: non-finite logits \(NaN/inf \(drafter\)\) in round 1 at "
-                                                   r"sequence position 3"):  # fmt: skip
-        lopa_fast.generate(bad_d, [5, 9, 2], strategy="apd", backend="fast", verifier=q, apd_mixture_weight=0.7,
-                           max_new_tokens=8)  # fmt: skip
     bad_q = copy.deepcopy(q)
     with torch.no_grad():
         bad_q.head_weight()[7, 0] = float("inf")  # logit 7 = +-inf (or NaN) in every row
-    with pytest.raises(NonFiniteLogitsError, match=r"\(verifier\)\) in round 1 at sequence position 3") as e:
-        lopa_fast.generate(d, [5, 9, 2], strategy="apd", backend="fast", verifier=bad_q, apd_mixture_weight=0.7,
-                           max_new_tokens=8)  # fmt: skip
-    assert (e.value.strategy, e.value.round, e.value.position) == ("apd", 1, 3)
+    for drafter, verifier, which in ((bad_d, q, "drafter"), (d, bad_q, "verifier")):
+        for backend in ("reference", "fast"):
+            with pytest.raises(NonFiniteLogitsError, match=r"apd: non-finite logits .* in round 1 at sequence "
+                                                           r"position 3") as e:  # fmt: skip
+                lopa_fast.generate(drafter, [5, 9, 2], strategy="apd", backend=backend, verifier=verifier,
+                                   apd_mixture_weight=0.7, max_new_tokens=8)  # fmt: skip
+            assert (e.value.strategy, e.value.round, e.value.position) == ("apd", 1, 3)
+            if backend == "fast":
+                assert f"({which})" in str(e.value)
 
 
 def _prefer(model, token: int, prompt: list[int], **kw):

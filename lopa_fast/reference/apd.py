@@ -29,11 +29,17 @@ generated_ids = x[P : curr] (every committed position; the unreached tail is not
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from lopa_fast.contracts import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, make_generator, round_cap_hit, top_k_filter, top_p_filter
+from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, top_k_filter, top_p_filter
+
+# the verifier's logits are never divided by the temperature (the target is the mixture's raw argmax, quirk Q2):
+# its numerics guard checks finiteness only
+_RAW = SimpleNamespace(temperature=0.0)
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -200,6 +206,7 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
                     "apd_sample misaligns the draft here). Pass suppress_mask_token=True"
                 )
             mask_logits = logits[mask_rows]
+            check_finite(mask_logits, curr, cfg, stats["forwards"] + 1, "apd")  # row i predicts position curr + i
             noise, x0 = draft_tokens(mask_logits, cfg, gen)
             if R is not None:
                 if int(x0.max()) >= Vq:
@@ -218,6 +225,8 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
                                                   commit=right - curr)[0]  # fmt: skip
                     l_ar = torch.cat([prev_logits[None], out[:-1]], dim=0)
                 stats["verifier_forwards"] += 1
+                check_finite(torch.cat([l_ar, out[-1:]]) if cfg.exact_prev_logits else l_ar, curr, _RAW,
+                             stats["forwards"] + 1, "apd")  # the rows read (out[-1]: prev_logits when exact)
                 num_accept = accept_count(x0, mask_logits[:, :Vq], l_ar, R, noise, cfg)
                 if num_accept < l_ar.shape[0]:
                     prev_logits = l_ar[num_accept]
