@@ -143,7 +143,7 @@ def test_lopa_properties_and_coverage(models):
         m, strat = models[name], next(strategies)
         for prompt in [next(prompts)]:
             out = lopa_fast.generate(
-                m, prompt, "lopa", max_new_tokens=24, block_size=8, branching_factor=bf, sampling_strategy=strat,
+                m, prompt, "lopa", "reference", max_new_tokens=24, block_size=8, branching_factor=bf, sampling_strategy=strat,
                 use_full_attention=full, block_add_threshold=0.25, decoded_token_threshold=0.9, skip_threshold=0.8,
                 eos_token_id=5, return_trace=True,
             )  # fmt: skip
@@ -165,8 +165,8 @@ def test_lopa_branching_factor_1_is_d2f(models):
     for full, strat in itertools.product([True, False], ["default", "neg_entropy"]):
         kw = dict(max_new_tokens=24, block_size=8, sampling_strategy=strat, use_full_attention=full,
                   block_add_threshold=0.25, skip_threshold=0.8, eos_token_id=5)  # fmt: skip
-        a = lopa_fast.generate(m, [4, 8, 15, 16], "d2f", **kw)
-        b = lopa_fast.generate(m, [4, 8, 15, 16], "lopa", branching_factor=1, **kw)
+        a = lopa_fast.generate(m, [4, 8, 15, 16], "d2f", "reference", **kw)
+        b = lopa_fast.generate(m, [4, 8, 15, 16], "lopa", "reference", branching_factor=1, **kw)
         assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]
 
 
@@ -189,8 +189,8 @@ def test_full_vs_block_causal_differ_and_prompt_kv_sees_block_one(models):
 def test_sampling_is_seeded_and_other_families_and_dtypes_run():
     m = random_model(tiny_hf_config("dream"), seed=0, sharpen=3.0)
     kw = dict(max_new_tokens=16, block_size=8, temperature=0.8, top_p=0.9, top_k=10, branching_factor=2)
-    a = lopa_fast.generate(m, [1, 2, 3], "lopa", seed=1, **kw)
-    b = lopa_fast.generate(m, [1, 2, 3], "lopa", seed=1, **kw)
+    a = lopa_fast.generate(m, [1, 2, 3], "lopa", "reference", seed=1, **kw)
+    b = lopa_fast.generate(m, [1, 2, 3], "lopa", "reference", seed=1, **kw)
     assert a.generated_ids == b.generated_ids and m.mask_token_id not in a.generated_ids
     # LLaDA (unshifted logits) and bf16 Dream run the same loops
     llada = random_model(tiny_hf_config("llada"), seed=0, sharpen=4.0)

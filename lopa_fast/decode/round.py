@@ -59,7 +59,8 @@ def token_stats(logits: torch.Tensor, cfg, use_kernel: bool, keys: torch.Tensor 
         if keys is None:
             raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
         return softmax_token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                   sampling_strategy=cfg.sampling_strategy, suppress_token=suppress, keys=keys)  # fmt: skip
+                                   sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
+                                   keys=keys)  # fmt: skip
     if use_kernel:
         c = ops.confidence(logits, suppress_token=suppress, check=False)
         conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
@@ -498,7 +499,9 @@ def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win,
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
     conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel, row_keys(st, T, rows, prefix_len, Nb, geo.shift, cfg))
     # T > 0: the real rows (the plan's needed ones, all inside the window) checked for 1 / T overflow
-    over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature) if cfg.temperature > 0 else None
+    over = None
+    if cfg.temperature > 0:
+        over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature)
     ints = [P, L, geo.G, geo.bs, geo.mask_id, -1 if geo.eos_id is None else geo.eos_id, geo.n_look,
             int(geo.shift), int(geo.NB > 1 or geo.trace), Nb, Rb]  # fmt: skip
     vals = cpp.round_update(

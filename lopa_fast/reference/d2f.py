@@ -17,7 +17,8 @@ import torch
 from lopa_fast.contracts import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
-from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, round_cap_hit, shift_logits, token_stats
+from lopa_fast.reference.common import (Clock, check_finite, draw_kw, make_noise, round_cap_hit, shift_logits,
+                                        token_stats)
 
 
 # ---- block table --------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ def spawn_lookaheads(
         tok, creation = int(x0[i]), c
         if cfg.temperature > 0:  # upstream samples the chosen position a second time (quirk 7)
             # (keyed sampler: the same key, so the same draw as the ranking's)
-            c2, t2, _ = token_stats(logits[q - start][None], **stats_kw(cfg, generator, round_, torch.tensor([q], device=logits.device)))
+            q_pos = torch.tensor([q], device=logits.device)
+            c2, t2, _ = token_stats(logits[q - start][None], **stats_kw(cfg, generator, round_, q_pos))
             tok, creation = int(t2[0]), float(c2[0])
         nb = w.copy()
         nb.is_base, nb.rank, nb.lookahead, nb.creation_conf = False, r, q, creation

@@ -136,7 +136,8 @@ def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
             else:
                 reveal = torch.rand(x0.shape, device=x.device, generator=gen) < p_transfer
             if bool(reveal.any()):
-                _, tok, _ = token_stats(mask_logits[reveal], **kw, **draw_kw(gen, cfg, keyed.TOKEN, step, 0, mpos[reveal]))
+                draw = draw_kw(gen, cfg, keyed.TOKEN, step, 0, mpos[reveal])
+                _, tok, _ = token_stats(mask_logits[reveal], **kw, **draw)
                 x0[reveal] = tok
             x[mask_index] = x0
             stats["transferred"] += int(reveal.sum())
