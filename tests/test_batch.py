@@ -127,3 +127,28 @@ def test_batched_reference_backend_loops(model):
     outs = lopa_fast.generate(model, ps, "lopa", "reference", **kw)
     for o, p in zip(outs, ps):
         same(o, lopa_fast.generate(model, p, "lopa", "reference", **kw))
+
+
+def test_one_request_error_leaves_the_others_running(model):
+    """A request whose hook raises (e.g. a cancelled stream) leaves the batch with its exception; the others finish
+    with their solo results; generate(list) raises that prompt's error as decoding it alone would."""
+    ps = prompts((6, 13, 9), seed=5)
+    kw = knobs(2, True, 4)
+    cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
+    solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel_at_round_2(prefix, info):
+        if info["round"] >= 2:
+            raise Cancelled
+
+    sched = batch.Scheduler(model, cfg, 2, "lopa")
+    ids = [sched.submit(ps[0]), sched.submit(ps[1], cancel_at_round_2), sched.submit(ps[2])]
+    sched.run()
+    assert isinstance(sched.failed[ids[1]], Cancelled) and ids[1] not in sched.done
+    for i, s in ((ids[0], solo[0]), (ids[2], solo[2])):
+        same(sched.done[i], s, STATS[:-1])
+    with pytest.raises(Cancelled):
+        lopa_fast.generate(model, ps, "lopa", "fast", on_round=[None, cancel_at_round_2, None], **kw)

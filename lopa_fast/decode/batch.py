@@ -37,6 +37,7 @@ class Scheduler:
         self.queue: deque = deque()  # (request id, prompt, on_round, cfg)
         self.live: dict[int, FastDecoder] = {}
         self.done: dict[int, GenerateOutput] = {}
+        self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
         self.rounds = 0  # batched forwards run
         self._next_id = 0
 
@@ -69,13 +70,23 @@ class Scheduler:
 
     def step(self) -> list[int]:
         """Admit what fits, then run one batched round for every live request; returns the ids that finished
-        (their outputs are in `self.done`)."""
+        (their outputs are in `self.done`, or their exception in `self.failed`).
+
+        A request's own error (NaN/inf logits, its round cap under on_round_cap="error", an exception raised by its
+        on_round hook, e.g. a cancelled stream) ends that request only: it leaves the batch with its exception and
+        the others go on. An error of the shared forward ends the step for all (it is raised)."""
         self._admit()
         finished, plan = [], []
         for rid, dec in list(self.live.items()):
-            b = dec.next_bucket()
+            try:
+                b = dec.next_bucket()
+                if b is None:
+                    self.done[rid] = dec.result()
+            except Exception as e:  # noqa: BLE001 - this request's error, handed to its caller
+                self._fail(rid, e)
+                finished.append(rid)
+                continue
             if b is None:
-                self.done[rid] = dec.result()
                 del self.live[rid]
                 finished.append(rid)
             else:
@@ -89,18 +100,26 @@ class Scheduler:
             for (_, dec, _), w, (logits, k_win, v_win) in zip(plan, ws, outs):
                 dec.finish(w, logits, k_win, v_win)
                 dec.read_head()
-        for _, dec, _ in plan:
-            dec.after_round()
+        for rid, dec, _ in plan:
+            try:
+                dec.after_round()
+            except Exception as e:  # noqa: BLE001 - e.g. its hook raised: this request ends, the batch goes on
+                self._fail(rid, e)
+                finished.append(rid)
         self.rounds += 1
         return finished
+
+    def _fail(self, rid: int, exc: Exception) -> None:
+        self.failed[rid] = exc
+        self.live.pop(rid, None)
 
     @property
     def cfg_mode(self) -> str:
         return "full" if self.cfg.use_full_attention else "block_causal"
 
     def run(self) -> dict[int, GenerateOutput]:
-        """Step until every submitted request has finished; returns {request id: output}. Each request's own
-        round cap (max_rounds) bounds its rounds, so the loop ends."""
+        """Step until every submitted request has finished; returns {request id: output} (requests that failed
+        are in `self.failed`). Each request's own round cap (max_rounds) bounds its rounds, so the loop ends."""
         while self.queue or self.live:
             self.step()
         return self.done
@@ -116,4 +135,7 @@ def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str
     sched = Scheduler(model, cfgs[0], branching_factor, name, max_rows)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
+    for i in ids:  # a prompt's own error is raised as decoding it alone would raise it (the first, in order)
+        if i in sched.failed:
+            raise sched.failed[i]
     return [done[i] for i in ids]
