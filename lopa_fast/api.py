@@ -262,11 +262,14 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
 generate.__signature__ = _SIGNATURE
 
 
-def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None) -> GenerateOutput:
+def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None,
+                         engine=None) -> GenerateOutput:
     """`generate` with a prepared GenerateConfig (validated and bound to the model here).
 
     verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`.
-    on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`."""
+    on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`.
+    engine:   a lopa_fast.decode.batch.BatchEngine (the server's): a request it covers (d2f / lopa on the fast
+              backend, eager) joins its running batch (the same result as decoding alone); others run here."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
     if is_batch(input_ids):
@@ -294,7 +297,11 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if on_round is not None:
         extra["on_round"] = on_round
     with torch.inference_mode():
-        out = fn(model, ids, cfg, **extra)
+        if engine is not None and ran == "fast" and engine.covers(cfg):
+            out = engine.generate(ids, cfg, on_round)
+            out.stats["batched"] = True
+        else:
+            out = fn(model, ids, cfg, **extra)
     out.stats.setdefault("strategy", cfg.strategy)
     out.stats["backend"] = ran
     if fallback is not None:

@@ -47,8 +47,8 @@ class TextStream:
     """
 
     def __init__(self, model, ids: torch.Tensor, cfg: GenerateConfig, length: int, decode, text_stops: list[str],
-                 verifier=None, on_round=None):  # fmt: skip
-        self._model, self._ids, self._cfg, self._verifier = model, ids, cfg, verifier
+                 verifier=None, on_round=None, engine=None):  # fmt: skip
+        self._model, self._ids, self._cfg, self._verifier, self._engine = model, ids, cfg, verifier, engine
         self._length, self._decode, self._text_stops, self._on_round = length, decode, text_stops, on_round
         self._unit = max(1, cfg.length_unit())
         self._eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
@@ -88,7 +88,8 @@ class TextStream:
 
         try:
             extra = {"verifier": self._verifier} if self._verifier is not None else {}
-            out = api.generate_with_config(self._model, self._ids, self._cfg, on_round=hook, **extra)
+            out = api.generate_with_config(self._model, self._ids, self._cfg, on_round=hook, engine=self._engine,
+                                           **extra)  # fmt: skip
             events.put(("done", out, None))
         except _Closed:
             events.put(("closed", None, None))
@@ -141,7 +142,7 @@ class TextStream:
 
 
 def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digits_joined: bool = False,
-           verifier=None, on_round=None, **knobs) -> TextStream:  # fmt: skip
+           verifier=None, on_round=None, engine=None, **knobs) -> TextStream:  # fmt: skip
     """Stream the generated text of one prompt (module docstring). Returns a TextStream (iterate it for str pieces;
     then `.text` and `.result` hold generate's text and output).
 
@@ -155,6 +156,8 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digi
                 text at its first occurrence in any case).
     digits_joined: undo the embedded task tokenizer's digit split in the text (lopa_fast.text.join_digits).
     verifier, on_round: as generate's (on_round runs in the consuming thread).
+    engine:     a lopa_fast.decode.batch.BatchEngine shared by concurrent streams (the server): a request it covers
+                decodes in its running batch, with the same result (lopa_fast.api.generate_with_config).
     **knobs:    every knob of lopa_fast.generate (strategy, backend, max_new_tokens, ...).
     """
     if tokenizer is None:
@@ -175,4 +178,4 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digi
         api.check_prompt(model, ids_t, bound)
         api.resolve_backend(bound, hook=True)
     return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer, digits_joined=digits_joined),
-                      texts, verifier=verifier, on_round=on_round)  # fmt: skip
+                      texts, verifier=verifier, on_round=on_round, engine=engine)  # fmt: skip

@@ -152,3 +152,46 @@ def test_one_request_error_leaves_the_others_running(model):
         same(sched.done[i], s, STATS[:-1])
     with pytest.raises(Cancelled):
         lopa_fast.generate(model, ps, "lopa", "fast", on_round=[None, cancel_at_round_2, None], **kw)
+
+
+def test_batch_engine_serves_threads_in_one_batch(model):
+    """BatchEngine (the server's): requests from several threads decode in one running batch, each with its solo
+    result; one request's error (its hook) reaches only its caller."""
+    import threading
+
+    ps = prompts((5, 12, 8), seed=9)
+    kw = knobs(2, False, 4)
+    cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
+    solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
+    engine = batch.BatchEngine(model, start=False)
+    results = [None] * 3
+
+    def bad_hook(prefix, info):
+        raise KeyError("cancelled by its client")
+
+    def call(i):
+        try:
+            results[i] = engine.generate(ps[i], cfg, bad_hook if i == 1 else None)
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # line all three up before the engine takes its first step
+        with engine._cv:
+            if len(engine._incoming) == 3:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.start()
+    for t in threads:
+        t.join(timeout=120)
+    engine.close()
+    assert isinstance(results[1], KeyError)
+    same(results[0], solo[0], STATS[:-1])
+    same(results[2], solo[2], STATS[:-1])
+    assert engine.max_live == 3

@@ -12,10 +12,13 @@ and a finished request leaves the batch (its rows are not computed again).
 round boundary the queue is admitted into the running batch while the rows (sum of branch slots) stay
 within `max_rows`; admission never changes a running request's tokens (each request's computation is
 independent of its neighbours). Eager rounds only (compile=True runs requests one at a time).
+`BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
 
 from collections import deque
+
+import torch
 
 from lopa_fast.decode.engine import FastDecoder
 from lopa_fast.decode.syncs import round_scope
@@ -39,6 +42,7 @@ class Scheduler:
         self.done: dict[int, GenerateOutput] = {}
         self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
         self.rounds = 0  # batched forwards run
+        self.last_batch = 0  # requests in the last step's forward
         self._next_id = 0
 
     def submit(self, prompt, on_round=None, cfg=None) -> int:
@@ -91,6 +95,7 @@ class Scheduler:
                 finished.append(rid)
             else:
                 plan.append((rid, dec, b))
+        self.last_batch = len(plan)
         if not plan:
             return finished
         with round_scope():
@@ -139,3 +144,103 @@ def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str
         if i in sched.failed:
             raise sched.failed[i]
     return [done[i] for i in ids]
+
+
+class BatchEngine:
+    """Continuous batching for callers on many threads (the server): `generate(prompt, cfg, on_round)` blocks
+    its caller while one engine thread runs every submitted request in the running batch, admitted at the next
+    round boundary (`Scheduler`; one scheduler per (strategy, branching factor, attention mode), stepped in
+    turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
+    stream); the other requests go on.
+
+    model: DecoderLM; max_rows: the live branch-slot cap per scheduler (None: no cap); start: False keeps the
+    thread from stepping until `start()` (tests use it to line requests up)."""
+
+    def __init__(self, model, max_rows: int | None = None, start: bool = True):
+        import threading
+
+        self.model, self.max_rows = model, max_rows
+        self._cv = threading.Condition()
+        self._incoming: list = []  # (prompt, cfg, on_round, box)
+        self._schedulers: dict = {}
+        self._waiting: dict = {}  # (scheduler key, request id) -> box
+        self.max_live = 0  # the most requests seen in one batched round
+        self.rounds = 0
+        self._closed = False
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lopa_fast.batch_engine", daemon=True)
+        self._thread.start()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._go.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._go.set()
+        self._thread.join()
+
+    @staticmethod
+    def covers(cfg) -> bool:
+        """Whether a bound config can join a batch: d2f / lopa on the fast backend, eager, one process."""
+        return cfg.strategy in ("d2f", "lopa") and not cfg.compile and not getattr(cfg, "distributed", False)
+
+    def generate(self, prompt, cfg, on_round=None) -> GenerateOutput:
+        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`) in the running
+        batch; blocks until it finishes. Raises the request's own exception."""
+        import threading
+
+        box = {"event": threading.Event()}
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("BatchEngine: closed")
+            self._incoming.append((prompt, cfg, on_round, box))
+            self._cv.notify_all()
+        box["event"].wait()
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
+    def _loop(self) -> None:
+        self._go.wait()
+        with torch.inference_mode():  # thread-local: the callers' inference mode does not reach this thread
+            self._serve()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._incoming and not self._waiting and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._incoming and not self._waiting:
+                    return
+                incoming, self._incoming = self._incoming, []
+            for prompt, cfg, on_round, box in incoming:
+                k = cfg.branching_factor if cfg.strategy == "lopa" else 1
+                key = (cfg.strategy, k, bool(cfg.use_full_attention))
+                sched = self._schedulers.get(key)
+                if sched is None:
+                    sched = self._schedulers[key] = Scheduler(self.model, cfg, k, cfg.strategy, self.max_rows)
+                self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
+            for key, sched in self._schedulers.items():
+                if not (sched.queue or sched.live):
+                    continue
+                try:
+                    ended = sched.step()
+                except Exception as e:  # noqa: BLE001 - the shared forward failed: every request of this batch ends
+                    ended = list(sched.live) + [rid for rid, *_ in sched.queue]
+                    sched.live.clear()
+                    sched.queue.clear()
+                    for rid in ended:
+                        sched.failed[rid] = e
+                self.max_live = max(self.max_live, sched.last_batch)
+                self.rounds += 1
+                for rid in ended:
+                    box = self._waiting.pop((key, rid))
+                    if rid in sched.failed:
+                        box["error"] = sched.failed.pop(rid)
+                    else:
+                        box["out"] = sched.done.pop(rid)
+                    box["event"].set()

@@ -59,7 +59,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, **worker.counts}
+        eng = getattr(worker, "engine", None)  # the batch engine's facts: batched rounds, the largest batch seen
+        batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live}
+        return {"status": "ok", "model": model_id, **worker.counts, **batch}
 
     @app.get("/v1/models")
     async def models():

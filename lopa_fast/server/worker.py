@@ -1,9 +1,10 @@
 """The server's request-execution seam: `Worker.submit(job)` -> `Handle`.
 
-Today one worker thread runs the submitted requests one at a time, each through `lopa_fast.stream` (which runs
-`lopa_fast.generate` and ends with its text and stats), so concurrent HTTP requests each get the result they would
-get alone. A batched scheduler (one forward for many requests) replaces `submit`'s validation and `_serve`'s loop
-behind the same two calls; the HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
+Each submitted request runs through `lopa_fast.stream` (which runs `lopa_fast.generate` and ends with its text and
+stats) on one of `concurrency` job threads. Requests the batch engine covers (d2f / lopa on the fast backend,
+eager: `lopa_fast.decode.batch.BatchEngine.covers`) share ONE forward per round with every other running request
+(continuous batching at round boundaries); each still gets exactly the result it would get alone. Other requests
+run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
 
 Cancellation (a client that disconnects, or a server shutting down): a request still waiting in the queue is
 dropped before it starts; a running one is stopped at its next round boundary (stream's per-round hook raises in
@@ -13,6 +14,7 @@ round's time. Its partial result is discarded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -106,16 +108,26 @@ class Handle:
 
 
 class Worker:
-    """Runs submitted requests one at a time on one thread (module docstring); `counts` for /health."""
+    """Runs submitted requests (module docstring); `counts` for /health (plus `batch` facts of the engine).
 
-    def __init__(self, model, tokenizer, *, digits_joined: bool = False, max_pending: int = MAX_PENDING):
+    batch: share forwards between concurrent requests through a BatchEngine (False: one request at a time, as
+    a plain sequential server); concurrency: the job threads (the most requests decoding at once)."""
+
+    def __init__(self, model, tokenizer, *, digits_joined: bool = False, max_pending: int = MAX_PENDING,
+                 batch: bool = True, concurrency: int = 16):  # fmt: skip
+        from lopa_fast.decode.batch import BatchEngine
+
         self.model, self.tokenizer, self.digits_joined = model, tokenizer, digits_joined
         self.max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        self._solo = threading.Lock()  # requests outside the batch engine run one at a time
+        self.engine = BatchEngine(model) if batch else None
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
-        self._thread = threading.Thread(target=self._serve, name="lopa_fast.server.worker", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
+                         for i in range(concurrency if batch else 1)]  # fmt: skip
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Validate `job` and queue it; returns its Handle. Bad input raises here, typed as lopa_fast.stream
@@ -123,7 +135,8 @@ class Worker:
         Busy. Call from the event loop's thread (or pass `loop`)."""
         handle = Handle(loop or asyncio.get_running_loop())
         text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
-                                digits_joined=self.digits_joined, on_round=handle.check, **job.knobs)  # fmt: skip
+                                digits_joined=self.digits_joined, on_round=handle.check, engine=self.engine,
+                                **job.knobs)  # fmt: skip
         with self._lock:
             if self.counts["pending"] >= self.max_pending:
                 raise Busy(f"{self.counts['pending']} requests are queued or running (the cap is {self.max_pending})")
@@ -132,8 +145,19 @@ class Worker:
         return handle
 
     def close(self) -> None:
-        """Stop the worker after the request it runs (queued ones are cancelled)."""
-        self._queue.put(None)
+        """Stop the worker after the requests it runs (queued ones are cancelled)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if self.engine is not None:
+            for t in self._threads:
+                t.join()
+            self.engine.close()
+
+    def _batched(self, text) -> bool:
+        """Whether the request will decode in the batch engine (else it takes the one-at-a-time lock)."""
+        from lopa_fast.decode.batch import BatchEngine
+
+        return self.engine is not None and text._cfg.backend != "reference" and BatchEngine.covers(text._cfg)
 
     def _count(self, **delta) -> None:
         with self._lock:
@@ -152,8 +176,9 @@ class Worker:
                 handle.emit("cancelled")
                 continue
             self._count(running=1)
+            solo = contextlib.nullcontext() if self._batched(text) else self._solo
             try:
-                with text:
+                with solo, text:
                     for piece in text:
                         handle.emit("piece", piece)
                 end, outcome = ("done", Finished(text.text, text.result, text.prompt_ids)), "served"
@@ -165,11 +190,16 @@ class Worker:
             handle.emit(*end)
 
     def _drain(self) -> None:
+        stops = 0  # the other job threads' stop markers go back for them
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return
-            if item is not None:
+                break
+            if item is None:
+                stops += 1
+            else:
                 self._count(pending=-1, cancelled=1)
                 item[0].emit("cancelled")
+        for _ in range(stops):
+            self._queue.put(None)
