@@ -194,6 +194,26 @@ def test_concurrent_requests_equal_solo(client, embedded):
         assert (text, usage) == _solo(embedded, solo_ids, **knobs), (prompt, knobs)
 
 
+def test_concurrent_requests_share_batched_rounds(client, server, embedded):
+    """Concurrent requests with the same decoding knobs run in one batch (one forward per round for all of them:
+    /health's max_batch), and each still equals its solo generate."""
+    prompts = [PROMPT + " Answer :", "Sam has 12 apples . He buys 3 bags with 4 apples in each . How many apples "
+               "does Sam have now ? Answer :"] * 2  # fmt: skip
+    prompts[2] = prompts[2].replace("12", "9")
+    prompts[3] = prompts[3].replace("Tom", "Ann")
+
+    def call(prompt):
+        r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=48)
+        return r.choices[0].text, _usage(r.usage)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(call, prompts))
+    for prompt, (text, usage) in zip(prompts, got):
+        assert (text, usage) == _solo(embedded, embedded[1](prompt)["input_ids"], max_new_tokens=48), prompt
+    h = _get(server + "/health")
+    assert h["max_batch"] >= 2 and h["batched_rounds"] > 0, h
+
+
 BAD_REQUESTS = [
     (dict(extra_body={"strategy": "nope"}), "strategy"),
     (dict(extra_body={"branching_factor": 0}), "branching_factor"),
