@@ -216,6 +216,8 @@ class FastDecoder:
         if self.trace is not None:
             self._wl = self.st["wl"].tolist()
         Nb, Rb = bucket(n, R, self.geo)
+        if self.compiled is None:  # eager rounds need no shape sharing: the LM head and the statistics run on the
+            Rb = max(1, R)  # needed rows only (rows are independent: the same values as in a padded bucket)
         self._last_window = (s, Nb)
         self.max_Nb = max(self.max_Nb, Nb)
         return Nb, Rb, s
