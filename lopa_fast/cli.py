@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help=f"markdown path (PNG next to it); default {DEFAULT_EVAL_OUT}")
     e.add_argument("--block-size", type=int, default=BLOCK,
                    help=f"block size for every row's block knobs; a divisor of max_new_tokens {GEN_LEN}: "
-                        f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK})")
+                        f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK}); --task arith-var: a divisor of "
+                        f"{EVAL_TASKS['arith-var'].gen_len}")
     e.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
                    help="the held-out task (default arith): arith-var has max_new_tokens 112 (block sizes: the "
                         "divisors of 112), its model d2f-arith-var, verifier ar-arith-var and dparallel rows")
