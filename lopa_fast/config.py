@@ -196,9 +196,6 @@ class GenerateConfig:
                 raise ValueError(f"{name}={v!r}; allowed: an int >= 0")
         if self.sampler is not None:
             _choice("sampler", self.sampler, SAMPLERS)
-            if self.strategy == "apd" and self.sampler == "keyed":
-                raise ValueError("sampler='keyed' does not cover strategy='apd' yet (its draws are upstream's); "
-                                 "leave sampler=None or pass sampler='upstream'")
         _bool("return_trace", self.return_trace)
         _positive_int("max_rounds", self.max_rounds, allow_none=True)
         _choice("on_round_cap", self.on_round_cap, ROUND_CAP_ACTIONS)

@@ -88,8 +88,7 @@ def test_keyed_llada_gumbel_and_race():
 def test_sampler_knob_validation():
     with pytest.raises(ValueError, match="sampler='bogus'"):
         lopa_fast.GenerateConfig(sampler="bogus").validate()
-    with pytest.raises(ValueError, match="apd"):
-        lopa_fast.GenerateConfig(strategy="apd", sampler="keyed").validate()
+    assert lopa_fast.GenerateConfig(strategy="apd", sampler="keyed").validate().sampler == "keyed"  # opt-in for apd
     m = random_model(tiny_hf_config("dream", vocab_size=64), seed=0)
     assert lopa_fast.GenerateConfig(max_new_tokens=8, block_size=4).bind(m).sampler == "keyed"
     assert lopa_fast.GenerateConfig(strategy="apd", max_new_tokens=8).bind(m).sampler == "upstream"

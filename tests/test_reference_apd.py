@@ -223,8 +223,9 @@ def test_errors(models):
         lopa_fast.generate(llada, [1, 2], strategy="apd", max_new_tokens=8)
     with pytest.raises(ValueError, match=r"verifier= applies to strategy='apd'"):
         lopa_fast.generate(d, [1, 2], strategy="d2f", verifier=q, max_new_tokens=8, block_size=4)
-    # the fast backend covers apd at T = 0 (tests/test_fast_apd.py); T > 0 stays on the reference
-    with pytest.raises(ValueError, match=r"backend='fast' \(apd\) covers temperature=0 only"):
+    # the fast backend covers apd at T > 0 with sampler='keyed' only (tests/test_fast_apd.py); upstream's order
+    # (apd's default) stays on the reference
+    with pytest.raises(ValueError, match=r"backend='fast' \(apd\) sampler='upstream'.*pass sampler='keyed'"):
         lopa_fast.generate(d, [1, 2], strategy="apd", backend="fast", max_new_tokens=8, temperature=0.5)
     out = lopa_fast.generate(d, [1, 2], strategy="apd", backend="auto", verifier=q, apd_mixture_weight=0.7,
                              max_new_tokens=8)  # fmt: skip

@@ -2,7 +2,7 @@
 
 `FAST_STRATEGIES` maps a strategy name to `fn(model, prompt_ids [P], cfg, on_round=None) -> GenerateOutput`
 (looked up by lopa_fast.api for backend="fast" / "auto"; apd's takes `verifier=` too). Covered: vanilla,
-threshold, d2f, lopa at any temperature (keyed sampler), apd at temperature 0; `fast_not_covered` names what
+threshold, d2f, lopa, apd at any temperature (keyed sampler); `fast_not_covered` names what
 is not.
 """
 from lopa_fast.decode.apd import generate as _apd
@@ -22,13 +22,13 @@ def fast_not_covered(cfg) -> str | None:
 
     Random draws run on the keyed sampler (lopa_fast.keyed: a pure function of seed, step and position, so a
     batched step draws what the reference draws); upstream's draw-for-draw order (sampler="upstream") exists
-    only on the per-step reference. APD's fast path covers T = 0 (its draws are upstream's); vanilla and
-    threshold steps are not compiled (compile=True covers the d2f / lopa rounds)."""
-    if cfg.strategy == "apd" and cfg.temperature != 0:
-        return f"covers temperature=0 only for apd; got temperature={cfg.temperature!r}"
+    only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
+    for its fast path); vanilla and threshold steps are not compiled (compile=True covers the d2f / lopa rounds)."""
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
+        default = ("pass sampler='keyed' (apd's default at T > 0 is upstream's order, for exactness with upstream)"
+                   if cfg.strategy == "apd" else "the default")  # fmt: skip
         return ("sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference "
-                "only; the fast backend draws with sampler='keyed' (the default)")
+                f"only; the fast backend draws with sampler='keyed' ({default})")
     if cfg.compile and cfg.strategy in ("vanilla", "threshold"):
         return f"compile=True covers the d2f / lopa rounds, not the {cfg.strategy} steps (they run eagerly)"
     return None

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast import keyed
 from lopa_fast.contracts import report_round
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
@@ -79,6 +80,9 @@ class ApdGeometry:
     top_k: int | None
     stop_lens: tuple
     attn_backend: str
+    temperature: float = 0.0  # > 0: the keyed draft (sampler="keyed"; the seed is a device table, T["seed"])
+    single_temperature: bool = False
+    coupled_gumbel: bool = False
 
 
 def bucket(n: int) -> int:
@@ -168,11 +172,23 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     if geo.suppress_mask:
         lg = lg.clone()
         lg[:, geo.mask_id] = float("-inf")  # a fill kernel (no host-to-device copy: capturable)
+    Tmp = geo.temperature
+    if Tmp > 0:
+        lg = lg / Tmp
     if geo.top_p is not None and geo.top_p < 1:
         lg = top_p_filter(lg, geo.top_p)
     if geo.top_k is not None:
         lg = top_k_filter(lg, geo.top_k)
-    x0 = torch.argmax(lg, dim=-1)  # [Db]
+    noise = None
+    if Tmp > 0:  # the reference's keyed draft: rows keyed by (seed, step = this dLLM forward, position)
+        st["step"] = st["step"] + 1
+        keys = keyed.key(T["seed"], keyed.TOKEN, st["step"], 0, curr + j)
+        noise = keyed.row_exponentials(keys, lg.shape[-1])
+        if not geo.single_temperature:
+            noise = noise**Tmp  # quirk Q1: the temperature applied twice
+        x0 = torch.argmax(lg.to(torch.float64).exp() / noise, dim=-1)
+    else:
+        x0 = torch.argmax(lg, dim=-1)  # [Db]
 
     # ---- the verifier and the acceptance rule
     zero = torch.zeros((), dtype=torch.long, device=dev)
@@ -204,7 +220,10 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
         nf_v = _first_bad(ext, read, curr)
         l_ar = ext[:Db]
         mix = geo.R * l_d[:, :Vq] + (1 - geo.R) * l_ar
-        target = torch.argmax(mix, dim=-1)
+        if geo.coupled_gumbel and noise is not None:  # the paper's target: the draft's noise reused
+            target = torch.argmax((mix / Tmp).to(torch.float64).exp() / noise[:, :Vq], dim=-1)
+        else:
+            target = torch.argmax(mix, dim=-1)
         agree = ((x0 == target) | (j == 0)) & dvalid
         accepted = agree.long().cumprod(0).sum()
         # prev_logits: the AR row for the first rejected position; all accepted: row n_d - 1 (Q3) or n_d (exact)
@@ -255,12 +274,15 @@ class FastApd:
             suppress_mask=bool(cfg.suppress_mask_token),
             top_p=cfg.top_p, top_k=cfg.top_k, stop_lens=tuple(len(q) for q in cfg.stop or ()),
             attn_backend=_backend.resolve("branch_attention", None, dev),
+            temperature=float(cfg.temperature), single_temperature=bool(cfg.single_temperature),
+            coupled_gumbel=bool(cfg.coupled_gumbel),
         )  # fmt: skip
+        seed = keyed.resolve_seed(cfg.seed) if keyed.needs_draws(cfg) else 0  # as the reference's KeyedNoise
         self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
-                       "stops": _stop_table(cfg.stop, dev)}  # fmt: skip
+                       "stops": _stop_table(cfg.stop, dev), "seed": torch.tensor(seed, device=dev)}  # fmt: skip
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
-        self.st = {"x": x}
+        self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
         self.st.update(_cache("d", drafter, Lb + 1 if cfg.kv_window is not None else 1))
         drafter.fused_layers()  # the merged-weight views, built or checked once per request (outside any graph)
         if R is not None:

@@ -33,9 +33,10 @@ from types import SimpleNamespace
 
 import torch
 
+from lopa_fast import keyed
 from lopa_fast.contracts import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, make_generator, round_cap_hit, top_k_filter, top_p_filter
+from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, top_k_filter, top_p_filter
 
 # the verifier's logits are never divided by the temperature (the target is the mixture's raw argmax, quirk Q2):
 # its numerics guard checks finiteness only
@@ -108,12 +109,14 @@ def check_models(model, verifier, cfg, *, tokenizer=None, verifier_tokenizer=Non
 
 
 # ---- the pieces ----------------------------------------------------------------------------------
-def draft_tokens(mask_logits: torch.Tensor, cfg, generator=None) -> tuple[torch.Tensor | None, torch.Tensor]:
+def draft_tokens(mask_logits: torch.Tensor, cfg, generator=None, keys=None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The dLLM draft over the masked window rows [n, V] -> (noise [n, V] float64 or None, x0 [n]).
 
     logits / T (T > 0), then top-p / top-k filters, then argmax(exp(l) / noise) in float64 with
     noise = (-log U)^T: temperature applied twice (Q1: sampling at T^2). single_temperature=True draws
     noise = -log U (sampling from softmax(l / T)). T = 0: plain argmax, no noise.
+    U: upstream's `torch.rand` from `generator` (sampler="upstream"), or, with keys [n] (sampler="keyed"), the keyed
+    uniform of (row key, vocab id) (lopa_fast.keyed.row_exponentials): the same draws on the fast backend.
     """
     logits = mask_logits
     if cfg.suppress_mask_token:
@@ -129,8 +132,11 @@ def draft_tokens(mask_logits: torch.Tensor, cfg, generator=None) -> tuple[torch.
     if T == 0:
         return None, torch.argmax(logits, dim=-1)
     l64 = logits.to(torch.float64)
-    u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
-    noise = -torch.log(u)
+    if keys is not None:
+        noise = keyed.row_exponentials(keys, l64.shape[-1])
+    else:
+        u = torch.rand(l64.shape, dtype=torch.float64, device=l64.device, generator=generator)
+        noise = -torch.log(u)
     if not cfg.single_temperature:
         noise = noise**T
     return noise, torch.argmax(l64.exp() / noise, dim=-1)
@@ -178,7 +184,7 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
     R, W, M = cfg.apd_mixture_weight, cfg.kv_window, cfg.max_lookahead
     K = cfg.tokens_per_step if cfg.tokens_per_step is not None else 1
-    gen = make_generator(cfg, prompt.device)
+    gen = make_noise(cfg, prompt.device)  # keyed: KeyedNoise; upstream: a torch.Generator or None
     x = torch.cat([prompt, prompt.new_full((cfg.max_new_tokens,), mask_id)])
     dcache = model.new_cache(L) if W is not None else None
     vcache = verifier.new_cache(L) if verifier is not None else None
@@ -207,7 +213,11 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
                 )
             mask_logits = logits[mask_rows]
             check_finite(mask_logits, curr, cfg, stats["forwards"] + 1, "apd")  # row i predicts position curr + i
-            noise, x0 = draft_tokens(mask_logits, cfg, gen)
+            if isinstance(gen, keyed.KeyedNoise):  # rows keyed by (seed, step = this dLLM forward, position)
+                rows = curr + torch.arange(mask_logits.shape[0], device=prompt.device)
+                noise, x0 = draft_tokens(mask_logits, cfg, keys=gen.keys(keyed.TOKEN, stats["dllm_forwards"], 0, rows))
+            else:
+                noise, x0 = draft_tokens(mask_logits, cfg, gen)
             if R is not None:
                 if int(x0.max()) >= Vq:
                     bad = int(x0.max())
