@@ -355,7 +355,6 @@ class DecoderLM(nn.Module):
         """
         cfg = self.config
         B, n = tokens.shape
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dev = tokens.device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
         lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)  # layer ops
@@ -366,7 +365,27 @@ class DecoderLM(nn.Module):
             vis = window_key_mask(n, win_lens, block_ids, mask, B, dev)
             prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
         h = F.embedding(tokens, self.embed_weight())
-        ks, vs = [], []
+
+        def attend(i, q, k, v):
+            if b == "torch":
+                return branch_attention_torch(q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok)
+            return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
+                                        check=False, backend=b)  # fmt: skip
+
+        h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
+        h = h.reshape(B * n, -1).index_select(0, rows)
+        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
+        return F.linear(h, self.head_weight()), ks, vs
+
+    def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend) -> tuple:
+        """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
+        GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
+        k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
+        gate/up GEMM, SwiGLU, down. Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE)."""
+        cfg = self.config
+        B, n = h.shape[:2]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
         # the view built (or checked) by the caller at the request start; per call, only layer 0's pointer is
         # re-checked (weights are replaced all together, e.g. by .to()), and nothing under torch.compile
         layers = getattr(self, "_fused", None)
@@ -374,6 +393,7 @@ class DecoderLM(nn.Module):
             layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr()
         ):
             layers = self.fused_layers()
+        ks, vs = [], []
         for i, w in enumerate(layers):
             x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
@@ -382,20 +402,12 @@ class DecoderLM(nn.Module):
             v = qkv[:, :, Hq + Hkv :]
             ks.append(k)
             vs.append(v)
-            if b == "torch":
-                attn = branch_attention_torch(
-                    q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok
-                )
-            else:
-                attn = ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
-                                            check=False, backend=b)  # fmt: skip
+            attn = attend(i, q, k, v)
             h = h + w.o(attn.reshape(B, n, Hq * D))
             x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
             h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
-        h = h.reshape(B * n, -1).index_select(0, rows)
-        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
-        return F.linear(h, self.head_weight()), torch.stack(ks), torch.stack(vs)
+        return h, torch.stack(ks), torch.stack(vs)
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None) -> list[tuple]:
         """`forward_static` for several requests in ONE batched forward (lopa_fast.decode.batch): every
@@ -411,7 +423,7 @@ class DecoderLM(nn.Module):
         outside attention is row-wise, attention slices the request's own columns).
         Returns per request (raw logits [Rb_r, V], window keys and values [num_layers, NB_r, Nb_r, Hkv, D])."""
         cfg = self.config
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
         lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)
@@ -437,18 +449,8 @@ class DecoderLM(nn.Module):
             vis = window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
             masks.append(vis)
         h = F.embedding(tokens, self.embed_weight())
-        ks, vs = [], []
-        layers = getattr(self, "_fused", None)
-        if layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr():
-            layers = self.fused_layers()
-        for i, w in enumerate(layers):
-            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
-            qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
-            q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
-                            check=False, backend=lb)  # fmt: skip
-            v = qkv[:, :, Hq + Hkv :]
-            ks.append(k)
-            vs.append(v)
+
+        def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
             attn = torch.zeros((B, n, Hq, D), dtype=q.dtype, device=dev)
             for p, off, vis in zip(parts, offs, masks):
                 NBr, Nbr = p["tokens"].shape
@@ -460,10 +462,9 @@ class DecoderLM(nn.Module):
                     a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
                                              p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
                 attn[sl, :Nbr] = a
-            h = h + w.o(attn.reshape(B, n, Hq * D))
-            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
-            gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
+            return attn
+
+        h, K, V = self._fused_stack(h, cos, sin, lb, attend)
         # the LM-head rows of every request, mapped from its [NB_r, Nb_r] layout into the padded batch
         flat = []
         for p, off in zip(parts, offs):
@@ -473,8 +474,7 @@ class DecoderLM(nn.Module):
         hs = h.reshape(B * n, -1).index_select(0, torch.cat(flat))
         hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
         logits = F.linear(hs, self.head_weight())
-        K, V = torch.stack(ks), torch.stack(vs)  # [layers, B, n, Hkv, D]
-        out, r0 = [], 0
+        out, r0 = [], 0  # K, V: [layers, B, n, Hkv, D]
         for p, off in zip(parts, offs):
             NBr, Nbr = p["tokens"].shape
             R = p["rows"].shape[0]
