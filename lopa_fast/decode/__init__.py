@@ -25,10 +25,10 @@ def fast_not_covered(cfg) -> str | None:
     only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
     for its fast path); vanilla and threshold steps are not compiled (compile=True covers the d2f / lopa rounds)."""
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
-        default = ("pass sampler='keyed' (apd's default at T > 0 is upstream's order, for exactness with upstream)"
-                   if cfg.strategy == "apd" else "the default")  # fmt: skip
-        return ("sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference "
-                f"only; the fast backend draws with sampler='keyed' ({default})")
+        fast = ("for apd's fast path pass sampler='keyed' (apd's default at T > 0 is upstream's order, for "
+                "exactness with upstream)" if cfg.strategy == "apd"
+                else "the fast backend draws with sampler='keyed' (the default)")  # fmt: skip
+        return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
     if cfg.compile and cfg.strategy in ("vanilla", "threshold"):
         return f"compile=True covers the d2f / lopa rounds, not the {cfg.strategy} steps (they run eagerly)"
     return None
