@@ -411,16 +411,15 @@ class DecoderLM(nn.Module):
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None) -> list[tuple]:
         """`forward_static` for several requests in ONE batched forward (lopa_fast.decode.batch): every
-        request's branch windows are rows of one batch, so each layer's projections, norms and MLP run once
-        for all requests; attention runs per request over its own prefix cache and its own window (its keys
-        only, in the same shapes as when it runs alone, so its sums are bitwise the solo ones), and RoPE
-        tables are computed per request at its own positions and length.
+        request's window rows are packed into one row batch, so each layer's projections, norms and MLP run once
+        for all requests and over real rows only (no padding to the widest window); attention runs per request
+        over its own prefix cache and its own window (its keys only, in the same shapes as when it runs alone, so
+        its sums are bitwise the solo ones), and RoPE tables are computed per request at its own positions.
 
         parts[r]: dict(tokens [NB_r, Nb_r], start (int, the window start), cache_k / cache_v
         [num_layers, Lc_r, Hkv, D], prefix_len (int, committed rows), win_lens [NB_r], bids [NB_r, Nb_r] or
-        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head)). Windows narrower than the
-        widest are padded with token 0 at the right; padded columns never enter a real row's sums (every op
-        outside attention is row-wise, attention slices the request's own columns).
+        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head)). Every op outside attention is
+        row-wise, so neighbours never enter a request's sums.
         Returns per request (raw logits [Rb_r, V], window keys and values [num_layers, NB_r, Nb_r, Hkv, D])."""
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
@@ -428,56 +427,47 @@ class DecoderLM(nn.Module):
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
         lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)
         eps = cfg.rms_norm_eps
-        n = max(p["tokens"].shape[1] for p in parts)
+        shapes = [tuple(p["tokens"].shape) for p in parts]  # (NB_r, Nb_r)
         offs, o = [], 0
-        for p in parts:
+        for NBr, Nbr in shapes:
             offs.append(o)
-            o += p["tokens"].shape[0]
-        B = o
-        tokens = torch.cat([F.pad(p["tokens"], (0, n - p["tokens"].shape[1])) for p in parts])
-        # RoPE tables per request at its own positions and window length (the solo call's values), padded
+            o += NBr * Nbr
+        T = o  # packed rows: request r's rows [offs[r], offs[r] + NB_r * Nb_r), slot-major as its flat rows
+        tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
+        # RoPE tables per request at its own positions and window length (the solo call's values), per row
         cos_rows, sin_rows = [], []
-        for p in parts:
-            NBr, Nbr = p["tokens"].shape
+        for p, (NBr, Nbr) in zip(parts, shapes):
             c, s_ = self._rope(p["start"] + torch.arange(Nbr, device=dev))
-            cos_rows.append(F.pad(c, (0, 0, 0, n - Nbr))[None].expand(NBr, n, D))
-            sin_rows.append(F.pad(s_, (0, 0, 0, n - Nbr))[None].expand(NBr, n, D))
-        cos, sin = torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()
-        masks = []
-        for p in parts:
-            NBr, Nbr = p["tokens"].shape
-            vis = window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
-            masks.append(vis)
-        h = F.embedding(tokens, self.embed_weight())
+            cos_rows.append(c.repeat(NBr, 1))
+            sin_rows.append(s_.repeat(NBr, 1))
+        cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
+        masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
+                 for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
+        h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
 
         def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
-            attn = torch.zeros((B, n, Hq, D), dtype=q.dtype, device=dev)
-            for p, off, vis in zip(parts, offs, masks):
-                NBr, Nbr = p["tokens"].shape
-                sl = slice(off, off + NBr)
-                qr, kr, vr = q[sl, :Nbr], k[sl, :Nbr], v[sl, :Nbr]
+            outs = []
+            for p, off, (NBr, Nbr), vis in zip(parts, offs, shapes, masks):
+                sl = slice(off, off + NBr * Nbr)
+                qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
+                kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
                 if b == "torch":
                     a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr, vis, None)
                 else:
                     a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
                                              p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
-                attn[sl, :Nbr] = a
-            return attn
+                outs.append(a.reshape(NBr * Nbr, Hq, D))
+            return torch.cat(outs)[None]
 
-        h, K, V = self._fused_stack(h, cos, sin, lb, attend)
-        # the LM-head rows of every request, mapped from its [NB_r, Nb_r] layout into the padded batch
-        flat = []
-        for p, off in zip(parts, offs):
-            Nbr = p["tokens"].shape[1]
-            r = p["rows"]
-            flat.append((off + r.div(Nbr, rounding_mode="floor")) * n + r.remainder(Nbr))
-        hs = h.reshape(B * n, -1).index_select(0, torch.cat(flat))
+        h, K, V = self._fused_stack(h, cos, sin, lb, attend)  # K, V: [layers, 1, T, Hkv, D]
+        # the LM-head rows of every request: its flat rows, offset to its packed block
+        hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
         hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
         logits = F.linear(hs, self.head_weight())
-        out, r0 = [], 0  # K, V: [layers, B, n, Hkv, D]
-        for p, off in zip(parts, offs):
-            NBr, Nbr = p["tokens"].shape
+        out, r0 = [], 0
+        for p, off, (NBr, Nbr) in zip(parts, offs, shapes):
             R = p["rows"].shape[0]
-            out.append((logits[r0 : r0 + R], K[:, off : off + NBr, :Nbr], V[:, off : off + NBr, :Nbr]))
+            kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]
+            out.append((logits[r0 : r0 + R], kv[0], kv[1]))
             r0 += R
         return out
