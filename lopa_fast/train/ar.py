@@ -13,7 +13,6 @@ from OUT/resume.pt, written every `ckpt_every` steps and at every eval).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -88,6 +87,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
     if 40 + a["gen_len"] > a["max_positions"]:  # prompts are <= 32 tokens with bos (docs/tasks.md)
         raise ValueError(f"train: max_positions={a['max_positions']} < 40 (prompt) + gen_len={a['gen_len']}")
     model = init_model(cfg, a["seed"])
+    grown = None  # the tensors --init-from grew (its header line names them)
     if a["init_from"] and state is None:
         import lopa_fast
 
@@ -95,24 +95,12 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         model.requires_grad_(True).train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    start, ema, first, acc, spent = 0, None, None, None, 0.0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        torch.set_rng_state(state["torch_rng"])
-        start, ema, first, acc, spent = (state[k] for k in ("step", "ema", "first_loss", "dev_acc", "seconds"))
-        emit(f"# resumed at step {start} from {out / run.RESUME_FILE} ({spent:.1f}s trained before)")
-    else:
-        emit(f"# ar recipe: {json.dumps(a, sort_keys=True)}")
-        if a["init_from"]:
-            emit(f"# init_from {a['init_from']}: grown {grown or 'nothing'} to vocab {cfg['vocab_size']}")
-        emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
+    start, ema, first, acc, spent = run.begin(state, model, opt, out, emit, "ar", a, grown, cfg["vocab_size"],
+                                               n_params)  # fmt: skip
     t0 = time.time() - spent
 
     def checkpoint(next_step: int) -> None:
-        run.save_state(out, dict(args=a, model=model.state_dict(), opt=opt.state_dict(), step=next_step, ema=ema,
-                                 first_loss=first, dev_acc=acc, seconds=time.time() - t0,
-                                 torch_rng=torch.get_rng_state()))
+        run.checkpoint(out, a, model, opt, next_step, ema, first, acc, t0)
 
     last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
     for step in range(start, last_step):

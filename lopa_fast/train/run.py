@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -72,6 +73,30 @@ def save_state(out: Path, state: dict) -> None:
 # options that do not change the weights' trajectory (each step's data and masks are seeded by the step number and
 # the evals draw no random numbers), so a resumed run may change them
 RESUME_FREE = ("threads", "stop_at", "eval_every", "eval_n", "ckpt_every")
+
+
+def begin(state: dict | None, model, opt, out: Path, emit, recipe: str, a: dict, grown, vocab_size: int,
+          n_params: int) -> tuple:
+    """Restore a resumed run (model, optimiser, torch RNG from `state`, the training state `load_state` read) or
+    log a fresh run's header. Returns (start step, loss EMA, first loss, dev accuracy, seconds trained before)."""
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["torch_rng"])
+        emit(f"# resumed at step {state['step']} from {out / RESUME_FILE} ({state['seconds']:.1f}s trained before)")
+        return tuple(state[k] for k in ("step", "ema", "first_loss", "dev_acc", "seconds"))
+    emit(f"# {recipe} recipe: {json.dumps(a, sort_keys=True)}")
+    if a["init_from"]:
+        emit(f"# init_from {a['init_from']}: grown {grown or 'nothing'} to vocab {vocab_size}")
+    emit(f"# params {n_params} ({n_params * 4 / 2**20:.2f} MiB fp32); threads {torch.get_num_threads()}")
+    return 0, None, None, None, 0.0
+
+
+def checkpoint(out: Path, a: dict, model, opt, next_step: int, ema, first_loss, dev_acc, t0: float) -> None:
+    """The resumable state after `next_step` steps (run.save_state): weights, optimiser, counters, torch RNG."""
+    save_state(out, dict(args=a, model=model.state_dict(), opt=opt.state_dict(), step=next_step, ema=ema,
+                         first_loss=first_loss, dev_acc=dev_acc, seconds=time.time() - t0,
+                         torch_rng=torch.get_rng_state()))
 
 
 def load_state(out: Path, args: dict, ignore=RESUME_FREE) -> dict:
