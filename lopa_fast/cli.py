@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
     d.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
-                   help="the held-out task (default arith; arith-var: its model d2f-arith-var, 112 new tokens)")
+                   help="the held-out task (default arith; arith-var: its model d2f-arith-var, 96 new tokens)")
     d.set_defaults(fn=_demo)
 
     e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK}); --task arith-var: a divisor of "
                         f"{EVAL_TASKS['arith-var'].gen_len}")
     e.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
-                   help="the held-out task (default arith): arith-var has max_new_tokens 112 (block sizes: the "
-                        "divisors of 112), its model d2f-arith-var, verifier ar-arith-var and dparallel rows")
+                   help="the held-out task (default arith): arith-var has max_new_tokens 96 (block sizes: the "
+                        "divisors of 96), its model d2f-arith-var, verifier ar-arith-var and dparallel rows")
     e.add_argument("--student", default=None,
                    help="model directory of the dparallel rows (default: the task's shipped student)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -11,7 +11,7 @@ from lopa_fast.train import d2f
 from lopa_fast.train import greedy
 from lopa_fast.train.data import make_batch
 
-GEN = 112
+GEN = tasks.arith_var.GEN_LEN
 TOK = tasks.TOKENIZERS["arith-var"].build_tokenizer()
 
 
@@ -24,7 +24,7 @@ def _reference_trajectories(n=24, seed=5) -> cf.Trajectories:
 
 
 def _tiny(seed=0):
-    cfg = d2f.hf_config(129, 32, 1, 2, 1, 64, 160)
+    cfg = d2f.hf_config(TOK.get_vocab_size(), 32, 1, 2, 1, 64, 160)
     return d2f.init_model(cfg, seed)
 
 

@@ -103,7 +103,7 @@ def test_continue_from_a_previous_run(tmp_path):
         d2f.train(tmp_path / "c", init_from=str(tmp_path / "a"), **{**kw, "hidden": 64})
 
 
-TINY_VAR = dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=4, gen_len=112, max_positions=160,
+TINY_VAR = dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=4, gen_len=96, max_positions=160,
                 task="arith-var", warmup=2, eval_every=0, eval_n=2, threads=1)
 
 
@@ -127,17 +127,18 @@ def test_a_resumed_run_is_the_uninterrupted_run(tmp_path):
 
 
 def test_arith_var_training_grows_the_arith_model(tmp_path):
-    """task arith-var: the 129-id tokenizer is saved with the model; init_from an arith model copies its 65 rows."""
+    """task arith-var: its tokenizer (127 ids) is saved with the model; init_from an arith model copies its 65 rows."""
     quiet = dict(log=lambda *_: None, steps=1, **{k: v for k, v in TINY.items() if k != "gen_len"}, gen_len=32)
     d2f.train(tmp_path / "arith", eval_every=0, eval_n=2, threads=1, **{**quiet, "batch": 2})
     d2f.train(tmp_path / "var", init_from=str(tmp_path / "arith"), seed=1, log=lambda *_: None, steps=1,
-              **{**TINY_VAR, "gen_len": 112})
+              **{**TINY_VAR, "gen_len": 96})
     old = lopa_fast.load_model(tmp_path / "arith", dtype=torch.float32).state_dict()
     new = lopa_fast.load_model(tmp_path / "var", dtype=torch.float32)
-    assert new.config.vocab_size == 129 and new.config.max_position_embeddings == 160
-    assert len(lopa_fast.load_tokenizer(tmp_path / "var")) == 129
+    n_var = len(tasks.TOKENIZERS["arith-var"].vocab())
+    assert n_var == 127 and new.config.vocab_size == n_var and new.config.max_position_embeddings == 160
+    assert len(lopa_fast.load_tokenizer(tmp_path / "var")) == n_var
     with pytest.raises(ValueError, match="max_positions"):
-        d2f.train(tmp_path / "x", **{**TINY_VAR, "max_positions": 128})
+        d2f.train(tmp_path / "x", **{**TINY_VAR, "max_positions": 120})  # prompt + 96 > 120
     with pytest.raises(ValueError, match="variant"):
         d2f.train(tmp_path / "x", **{**TINY_VAR, "variant": "v1"})
     with pytest.raises(ValueError, match="task"):
@@ -165,7 +166,7 @@ def test_ar_recipe_arith_var_grows_and_resumes(tmp_path):
 
     small = dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, threads=1, eval_n=1)
     ar.train(tmp_path / "arith", log=lambda *_: None, steps=1, batch=2, eval_every=0, **small)
-    kw = dict(log=lambda *_: None, task="arith-var", gen_len=112, max_positions=160, steps=4, batch=2, warmup=1,
+    kw = dict(log=lambda *_: None, task="arith-var", gen_len=96, max_positions=160, steps=4, batch=2, warmup=1,
               eval_every=0, ckpt_every=2, init_from=str(tmp_path / "arith"), **small)
     ar.train(tmp_path / "a", **kw)
     ar.train(tmp_path / "b", stop_at=2, **kw)
@@ -173,4 +174,4 @@ def test_ar_recipe_arith_var_grows_and_resumes(tmp_path):
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     model = lopa_fast.load_model(tmp_path / "a", dtype=torch.float32)
-    assert model.config.kind == "qwen2" and model.config.vocab_size == 129
+    assert model.config.kind == "qwen2" and model.config.vocab_size == len(tasks.TOKENIZERS["arith-var"].vocab())

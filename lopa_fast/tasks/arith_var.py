@@ -9,14 +9,20 @@ continuations until a few pivot tokens (the plan, the phrasing of a step, the op
     A: m = b * c ; s = a + m ; r = s - d
     B: m = b * c ; t = a - d ; r = t + m
     C: t = a - d ; m = b * c ; r = t + m
-- every step has four phrasings, and a commutative operation (* and +) is written with its operands in
+- every step has three phrasings, and a commutative operation (* and +) is written with its operands in
   either order;
 - an opening sentence (three variants), an optional restatement after the first step (present or not), and a
   closing sentence (three variants);
+- the solutions never name the person, the item or the container of the prompt (generic words: "groups",
+  "there are"): the only facts a solution copies from the prompt are its four digits. Why: the first version
+  of this task (session 2, four phrasings per step that repeated the name, the item and the container) trained a
+  0.8M model to 0% dev accuracy in 1200 steps; its cross-entropy on name / item tokens was 2.90 nats, unchanged
+  (2.87) with another problem's prompt, so the model never learnt to copy a word from the prompt, while the
+  `arith` models copy digits well;
 - a fixed final line `#### <answer>`; the score is exact match of that answer only (`arith.extract_answer`).
 
-A solution is 64-128 tokens including the final EOS (digits are single tokens; tested over every rendering
-slot's extremes for every numeric tuple). A rendering is fixed by a `Choice` (plan, one index per slot);
+A solution is 64-96 tokens including the final EOS (digits are single tokens; the 64-128 range the issue asks for
+and the 96 of `GEN_LEN` are tested over every rendering slot's extremes for every numeric tuple). A rendering is fixed by a `Choice` (plan, one index per slot);
 `renderings(problem)` enumerates all distinct renderings of one problem and `rendering_distribution` gives
 each sampled rendering with its probability (the generator samples the plan and every slot uniformly).
 
@@ -44,52 +50,47 @@ SPLITS = arith.SPLITS
 PLANS = ("A", "B", "C")
 MIN_SOLUTION_TOKENS = 64  # incl. the final EOS (tested for every tuple over every slot's extremes)
 MAX_SOLUTION_TOKENS = 128
+GEN_LEN = 96  # max_new_tokens of the task's models and eval: the longest solution is 96 tokens incl. EOS (tested)
 
-# ---- phrasings. Fields: N name, P pronoun (She/He), p pronoun lower case, I item, C container, a b c d the
-# parameters, m = b*c, s = a+m, t = a-d, r the answer; x y the operands of the step (both orders for * and +).
+# ---- phrasings. Fields: a b c d the parameters, m = b*c, s = a+m, t = a-d, r the answer; x y the operands of the step (both orders for * and +).
 _OPEN = (
     "Let us work it out one step at a time , in order .",
-    "We count the {I} that {N} has , one step at a time .",
-    "To find how many {I} {N} has now , we go step by step .",
+    "We count them all , one step at a time .",
+    "To find how many there are now , we go step by step .",
 )
 _PRODUCT = (  # m = x * y with {x, y} = {b, c}
-    "There are {b} {C} with {c} {I} in each , so the {C} hold {x} * {y} = {m} {I} .",
-    "The {C} hold {x} * {y} = {m} {I} in total , since each of them has {c} {I} .",
-    "{b} {C} of {c} {I} each make {x} * {y} = {m} {I} in the {C} .",
-    "Each of the {b} {C} has {c} {I} , which gives {x} * {y} = {m} {I} in the {C} .",
+    "There are {b} groups with {c} in each , so the groups hold {x} * {y} = {m} .",
+    "The groups hold {x} * {y} = {m} in total , since each of them has {c} .",
+    "{b} groups of {c} each make {x} * {y} = {m} in the groups .",
 )
 _RESTATE = (  # optional, after the first step
     "",
     "We keep this number in mind .",
 )
 _SUM_AM = (  # s = x + y with {x, y} = {a, m} (plan A, step 2)
-    "Adding the {a} {I} {N} had at first gives {x} + {y} = {s} {I} .",
-    "Together with the {a} {I} from the start , that makes {x} + {y} = {s} {I} .",
-    "So {N} now has {x} + {y} = {s} {I} , before losing any of them .",
-    "{x} + {y} = {s} , so {p} has {s} {I} at this point .",
+    "Adding the {a} from the start gives {x} + {y} = {s} .",
+    "So now there are {x} + {y} = {s} , before losing any of them .",
+    "{x} + {y} = {s} , so there are {s} at this point .",
 )
 _SUB_SD = (  # r = s - d (plan A, step 3)
-    "Then {d} {I} are gone , and {p} has {s} - {d} = {r} {I} left .",
-    "Taking away the {d} {I} then leaves {s} - {d} = {r} {I} in all .",
-    "Without the {d} {I} , {N} keeps {s} - {d} = {r} {I} .",
-    "{s} - {d} = {r} , so {r} {I} are left after the {d} {I} are gone .",
+    "Then {d} are gone , and {s} - {d} = {r} are left .",
+    "Taking away the {d} then leaves {s} - {d} = {r} in all .",
+    "{s} - {d} = {r} , so {r} are left after the {d} are gone .",
 )
 _SUB_AD = (  # t = a - d (plans B and C)
-    "Without the {d} {I} , {N} keeps {a} - {d} = {t} {I} of the first {a} .",
-    "Taking away {d} {I} from the {a} {I} leaves {a} - {d} = {t} {I} .",
-    "{N} has {a} - {d} = {t} {I} after the {d} {I} are gone .",
-    "{a} - {d} = {t} , so {t} of the first {a} {I} remain .",
+    "Without the {d} , we keep {a} - {d} = {t} of the first {a} .",
+    "Taking away {d} from the {a} leaves {a} - {d} = {t} .",
+    "{a} - {d} = {t} , so {t} of the first {a} remain .",
 )
 _SUM_TM = (  # r = x + y with {x, y} = {t, m} (plans B and C, last step)
-    "Adding the {m} {I} from the {C} gives {x} + {y} = {r} {I} .",
-    "Together with the {C} , that makes {x} + {y} = {r} {I} .",
-    "So {N} now has {x} + {y} = {r} {I} in all .",
-    "{x} + {y} = {r} , so in all {p} has {r} {I} .",
+    "Adding the {m} from the groups gives {x} + {y} = {r} .",
+    "So now there are {x} + {y} = {r} in all .",
+    "{x} + {y} = {r} , so in all there are {r} .",
 )
 _CLOSE = (
-    "The answer is {r} , the number of {I} .",
-    "So {N} has {r} {I} now , which is the answer .",
-    "In the end {N} has {r} {I} , and that is the answer .",
+    "The answer is {r} , the number we want .",
+    "So there are {r} now , which is the answer .",
+    "In the end there are {r} , and that is the answer .",
 )
 
 # A plan is a list of slots; a slot is (phrasings, operands): operands None, or the two names of the

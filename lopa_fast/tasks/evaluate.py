@@ -24,7 +24,7 @@ that accepted their whole lookahead window (APD's TPF counts dLLM forwards only,
 A strategy whose implementation is missing is reported as unavailable, never approximated.
 
 Tasks (`task=`, the CLI's `--task`; default `arith`): `arith` (max_new_tokens 32, model d2f-arith, APD verifier
-ar-arith) and `arith-var` (issue 12: variable worked solutions of 72-104 tokens + EOS, max_new_tokens 112 = 14
+ar-arith) and `arith-var` (issue 12: variable worked solutions of 64-96 tokens incl. EOS, max_new_tokens 96 = 12
 blocks of 8, model d2f-arith-var, verifier ar-arith-var, and the dParallel student dparallel-arith-var with rows
 `dparallel-h0.45` (the entropy-threshold rule, tau_H 0.45 nats: dParallel's Dream GSM8K setting, block_length
 = the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above)). Vanilla takes max_new_tokens
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from lopa_fast import tasks
+from lopa_fast.tasks import arith_var
 
 GEN_LEN = 32
 BLOCK = 8
@@ -64,10 +65,10 @@ class EvalTask:
         return tuple(b for b in range(1, self.gen_len + 1) if self.gen_len % b == 0)
 
 
-# arith-var: the longest solution is 104 tokens + EOS (docs/tasks.md); 112 = 14 blocks of 8, as the model was trained
+# arith-var: the longest solution is 96 tokens incl. EOS (docs/tasks.md); 96 = 12 blocks of 8, as the model was trained
 EVAL_TASKS = {
     "arith": EvalTask("arith", GEN_LEN, "d2f-arith", "ar-arith"),
-    "arith-var": EvalTask("arith-var", 112, "d2f-arith-var", "ar-arith-var", "dparallel-arith-var"),
+    "arith-var": EvalTask("arith-var", arith_var.GEN_LEN, "d2f-arith-var", "ar-arith-var", "dparallel-arith-var"),
 }
 DEFAULT_TASK = "arith"
 

@@ -23,13 +23,14 @@ BASE_VOCAB_SIZE = len(base.vocab())
 
 # The words `arith-var` adds to the `arith` vocabulary (ids 65, 66, ...), frozen: a new phrasing's new words go at
 # the end of this list, so that the ids of a trained model's vocabulary never move (tests: no word of
-# `arith_var.task_words()` is missing, and no word here is unused).
+# `arith_var.task_words()` is missing, and no word here is unused). The list was rebuilt once, before any
+# arith-var model shipped, when the phrasings stopped naming the prompt's person / item / container.
 VAR_WORDS = (
-    ",", "Adding", "Each", "In", "Let", "So", "Taking", "The", "There", "To", "Together", "We", "Without", "a",
-    "after", "all", "answer", "any", "are", "at", "before", "by", "count", "end", "find", "first", "from", "go",
-    "gone", "had", "hold", "how", "is", "it", "keep", "keeps", "leaves", "left", "losing", "make", "makes", "mind",
-    "number", "of", "one", "order", "out", "point", "remain", "since", "so", "start", "step", "that", "the",
-    "them", "then", "this", "time", "total", "us", "we", "which", "work",
+    ",", "Adding", "In", "Let", "So", "Taking", "The", "There", "To", "We", "Without", "a", "after", "all",
+    "answer", "any", "are", "at", "before", "by", "count", "end", "find", "first", "from", "go", "gone", "groups",
+    "hold", "how", "is", "it", "keep", "leaves", "left", "losing", "make", "mind", "number", "of", "one", "order",
+    "out", "point", "remain", "since", "so", "start", "step", "that", "the", "them", "then", "there", "this",
+    "time", "total", "us", "want", "we", "which", "work",
 )
 
 

@@ -2,7 +2,7 @@
 the drafter for APD on the embedded task.
 
     python -m lopa_fast.train.ar --out lopa_fast/assets/ar-arith
-    python -m lopa_fast.train.ar --out runs/ar-arith-var --task arith-var --gen-len 112 --max-positions 256 \
+    python -m lopa_fast.train.ar --out runs/ar-arith-var --task arith-var --gen-len 96 --max-positions 160 \
         --init-from lopa_fast/assets/ar-arith        # APD's verifier for arith-var (issue 12)
 
 Plain next-token cross-entropy on the generation region (solution, EOS, then the EOS filler up to
