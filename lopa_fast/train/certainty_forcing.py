@@ -48,7 +48,8 @@ MASK_EPS = 1e-3  # p = (1 - eps) * t + eps with t = 0.5 (upstream's forward_proc
 TRAJ_FILE = "trajectories.pt"
 
 DEFAULTS = dict(
-    teacher="lopa_fast/assets/d2f-arith-var", task="arith-var", gen_len=arith_var.GEN_LEN, n_problems=1024, traj_batch=64,
+    teacher="lopa_fast/assets/d2f-arith-var", task="arith-var", gen_len=arith_var.GEN_LEN, n_problems=1024,
+    traj_batch=64,
     batch=16, steps=600, lr=1e-4, min_lr_frac=0.1, warmup=30, weight_decay=0.01, lam=1.0, temperature=0.5,
     mask_t=0.5, seed=0, eval_every=200, eval_n=32, entropy_threshold=0.45, eval_block=8, threads=1,
     ckpt_every=50, stop_at=0,
