@@ -107,9 +107,9 @@ def test_scheduler_bad_cap(model):
     with pytest.raises(KnobError, match="max_rows"):
         batch.Scheduler(model, cfg, 4, "lopa", max_rows=0)
     sched = batch.Scheduler(model, cfg, 4, "lopa", max_rows=3)
-    sched.submit(prompts((5,))[0])
-    with pytest.raises(KnobError, match="smaller than one request's 5 branch slots"):
-        sched.step()
+    with pytest.raises(KnobError, match="smaller than one request's 5 branch slots"):  # refused at submission
+        sched.submit(prompts((5,))[0])
+    assert not sched.queue
 
 
 def test_single_prompt_still_returns_one_output(model):

@@ -20,7 +20,8 @@ from collections import deque
 
 import torch
 
-from lopa_fast.decode.engine import FastDecoder
+from lopa_fast.decode.engine import LENGTH_QUANTUM, FastDecoder, buffer_len
+from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
@@ -31,56 +32,98 @@ class Scheduler:
 
     model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request);
     branching_factor / name: as `FastDecoder`; max_rows: the most branch slots (rows of the forward's batch,
-    k + 1 per LoPA request) live at once (None: no cap). A request alone larger than the cap is refused."""
+    k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
+    None: no cap); slot_len: the most cache rows of one pool slot (a request needs its buffer length + 1:
+    `engine.buffer_len`; None: no cap). A request that can never fit (more rows than max_rows, a longer cache than
+    slot_len) is refused by `submit` with a KnobError; one that fits waits in the queue until rows and a slot free.
+    `pool`: the KV pool (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
 
-    def __init__(self, model, cfg, branching_factor: int, name: str, max_rows: int | None = None):
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-            raise KnobError(f"max_rows={max_rows!r}; allowed: None or an int >= 1", knob="max_rows", value=max_rows)
-        self.model, self.cfg, self.k, self.name, self.max_rows = model, cfg, branching_factor, name, max_rows
-        self.queue: deque = deque()  # (request id, prompt, on_round, cfg)
+    def __init__(self, model, cfg, branching_factor: int, name: str, max_rows: int | None = None,
+                 max_slots: int | None = None, slot_len: int | None = None):  # fmt: skip
+        for knob, v in (("max_rows", max_rows), ("max_slots", max_slots), ("slot_len", slot_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise KnobError(f"{knob}={v!r}; allowed: None or an int >= 1", knob=knob, value=v)
+        self.model, self.cfg, self.k, self.name = model, cfg, branching_factor, name
+        self.max_rows, self.max_slots, self.slot_len = max_rows, max_slots, slot_len
+        self.queue: deque = deque()  # (request id, prompt, on_round, cfg, rows, cache rows)
         self.live: dict[int, FastDecoder] = {}
         self.done: dict[int, GenerateOutput] = {}
         self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
+        self.pool = KVPool(model)
+        self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
         self._next_id = 0
 
+    @property
+    def rows_per_request(self) -> int:
+        """Branch slots (forward rows) of one request: k + 1 for LoPA k >= 2, else 1 (FastDecoder's NB)."""
+        return self.k + 1 if self.k >= 2 else 1
+
     def submit(self, prompt, on_round=None, cfg=None) -> int:
         """Queue a prompt (LongTensor [P] on the model's device; cfg: its bound config when it differs from
-        the scheduler's only in its length, e.g. a per-prompt default max_new_tokens); returns its request id."""
+        the scheduler's only in its length, e.g. a per-prompt default max_new_tokens); returns its request id.
+        Raises KnobError when the request can never fit the caps (max_rows, slot_len)."""
+        cfg = cfg or self.cfg
+        need, cache_rows = self.rows_per_request, buffer_len(prompt.numel(), cfg) + 1
+        if self.max_rows is not None and need > self.max_rows:
+            raise KnobError(f"max_rows={self.max_rows} is smaller than one request's {need} branch slots",
+                            knob="max_rows", value=self.max_rows)  # fmt: skip
+        if self.slot_len is not None and cache_rows > self.slot_len:
+            raise KnobError(f"slot_len={self.slot_len} is smaller than this request's {cache_rows} cache rows (prompt "
+                            f"{prompt.numel()} + max_new_tokens {cfg.max_new_tokens}, rounded up to a multiple of "
+                            f"{LENGTH_QUANTUM}, + 1)", knob="slot_len", value=self.slot_len)  # fmt: skip
         rid = self._next_id
         self._next_id += 1
-        self.queue.append((rid, prompt, on_round, cfg or self.cfg))
+        self.queue.append((rid, prompt, on_round, cfg, need, cache_rows))
         return rid
 
-    def _rows(self, dec: FastDecoder) -> int:
-        return dec.geo.NB
-
-    def _admit(self) -> None:
-        used = sum(self._rows(d) for d in self.live.values())
-        while self.queue:
-            rid, prompt, on_round, cfg = self.queue[0]
-            dec = FastDecoder(self.model, prompt, cfg, self.k, self.name)
-            need = self._rows(dec)
-            if self.max_rows is not None and need > self.max_rows:
-                raise KnobError(f"max_rows={self.max_rows} is smaller than one request's {need} branch slots",
-                                knob="max_rows", value=self.max_rows)  # fmt: skip
-            if self.max_rows is not None and used + need > self.max_rows and self.live:
-                return  # wait for rows to free
-            self.queue.popleft()
-            dec.begin(on_round)
-            self.live[rid] = dec
+    def _admit(self) -> list[int]:
+        """Admit the queue's head while rows and slots allow (at least one request when none is live); the pool is
+        sized once for the admitted group. Returns the ids of requests whose own setup failed (in `failed`)."""
+        used, n_live = len(self.live) * self.rows_per_request, len(self.live)
+        take = []
+        for item in self.queue:
+            need = item[4]
+            if n_live + len(take) > 0 and (
+                (self.max_rows is not None and used + need > self.max_rows)
+                or (self.max_slots is not None and n_live + len(take) >= self.max_slots)
+            ):  # fmt: skip
+                break  # first come, first served: wait for rows / a slot to free
+            take.append(item)
             used += need
+        if not take:
+            return []
+        for _ in take:
+            self.queue.popleft()
+        grown = self.pool.ensure(max(t[5] for t in take), len(self.pool.used) + len(take), self.slot_len,
+                                 self.max_slots)  # fmt: skip
+        if grown:  # the live requests' caches move to the new pool (their rows copied): re-point their views
+            for rid, dec in self.live.items():
+                dec.st["cache_k"], dec.st["cache_v"] = self.pool.views(self.slot_of[rid], dec.geo.Lb + 1)
+        failed = []
+        for rid, prompt, on_round, cfg, _, cache_rows in take:
+            slot = self.pool.acquire(cache_rows)
+            self.slot_of[rid] = slot
+            try:
+                dec = FastDecoder(self.model, prompt, cfg, self.k, self.name, cache=self.pool.views(slot, cache_rows))
+                dec.begin(on_round)
+            except Exception as e:  # noqa: BLE001 - this request's setup failed: it ends, the batch goes on
+                self._fail(rid, e)
+                failed.append(rid)
+                continue
+            self.live[rid] = dec
+        return failed
 
     def step(self) -> list[int]:
         """Admit what fits, then run one batched round for every live request; returns the ids that finished
-        (their outputs are in `self.done`, or their exception in `self.failed`).
+        (their outputs are in `self.done`, or their exception in `self.failed`). A finished request's pool slot
+        and rows are free for the next admission.
 
         A request's own error (NaN/inf logits, its round cap under on_round_cap="error", an exception raised by its
         on_round hook, e.g. a cancelled stream) ends that request only: it leaves the batch with its exception and
-        the others go on. An error of the shared forward ends the step for all (it is raised)."""
-        self._admit()
-        finished, plan = [], []
+        the others go on. An error of the shared forward ends the step for all (it is raised; `abort` ends them)."""
+        finished, plan = self._admit(), []
         for rid, dec in list(self.live.items()):
             try:
                 b = dec.next_bucket()
@@ -91,7 +134,7 @@ class Scheduler:
                 finished.append(rid)
                 continue
             if b is None:
-                del self.live[rid]
+                self._leave(rid)
                 finished.append(rid)
             else:
                 plan.append((rid, dec, b))
@@ -100,8 +143,9 @@ class Scheduler:
             return finished
         with round_scope():
             ws = [dec.prepare(*b) for _, dec, b in plan]
-            outs = self.model.forward_requests([dec.forward_args(w) for (_, dec, _), w in zip(plan, ws)],
-                                               self.cfg_mode, plan[0][1].geo.attn_backend)  # fmt: skip
+            parts = [dict(dec.forward_args(w), slot=self.slot_of[rid]) for (rid, dec, _), w in zip(plan, ws)]
+            outs = self.model.forward_requests(parts, self.cfg_mode, plan[0][1].geo.attn_backend,
+                                               pool=(self.pool.k, self.pool.v))  # fmt: skip
             for (_, dec, _), w, (logits, k_win, v_win) in zip(plan, ws, outs):
                 dec.finish(w, logits, k_win, v_win)
                 dec.read_head()
@@ -114,9 +158,24 @@ class Scheduler:
         self.rounds += 1
         return finished
 
+    def _leave(self, rid: int) -> None:
+        """A request leaves the batch: its rows and its pool slot free."""
+        self.live.pop(rid, None)
+        slot = self.slot_of.pop(rid, None)
+        if slot is not None:
+            self.pool.release(slot)
+
     def _fail(self, rid: int, exc: Exception) -> None:
         self.failed[rid] = exc
-        self.live.pop(rid, None)
+        self._leave(rid)
+
+    def abort(self, exc: Exception) -> list[int]:
+        """End every live and queued request with `exc` (e.g. the shared forward failed); returns their ids."""
+        ended = list(self.live) + [item[0] for item in self.queue]
+        self.queue.clear()
+        for rid in ended:
+            self._fail(rid, exc)
+        return ended
 
     @property
     def cfg_mode(self) -> str:
@@ -153,13 +212,14 @@ class BatchEngine:
     turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
     stream); the other requests go on.
 
-    model: DecoderLM; max_rows: the live branch-slot cap per scheduler (None: no cap); start: False keeps the
-    thread from stepping until `start()` (tests use it to line requests up)."""
+    model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
+    False keeps the thread from stepping until `start()` (tests use it to line requests up)."""
 
-    def __init__(self, model, max_rows: int | None = None, start: bool = True):
+    def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
+                 slot_len: int | None = None):  # fmt: skip
         import threading
 
-        self.model, self.max_rows = model, max_rows
+        self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         self._cv = threading.Condition()
         self._incoming: list = []  # (prompt, cfg, on_round, box)
         self._schedulers: dict = {}
@@ -222,19 +282,20 @@ class BatchEngine:
                 key = (cfg.strategy, k, bool(cfg.use_full_attention))
                 sched = self._schedulers.get(key)
                 if sched is None:
-                    sched = self._schedulers[key] = Scheduler(self.model, cfg, k, cfg.strategy, self.max_rows)
-                self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
+                    sched = self._schedulers[key] = Scheduler(self.model, cfg, k, cfg.strategy, self.max_rows,
+                                                              self.max_slots, self.slot_len)  # fmt: skip
+                try:
+                    self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
+                except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
+                    box["error"] = e
+                    box["event"].set()
             for key, sched in self._schedulers.items():
                 if not (sched.queue or sched.live):
                     continue
                 try:
                     ended = sched.step()
                 except Exception as e:  # noqa: BLE001 - the shared forward failed: every request of this batch ends
-                    ended = list(sched.live) + [rid for rid, *_ in sched.queue]
-                    sched.live.clear()
-                    sched.queue.clear()
-                    for rid in ended:
-                        sched.failed[rid] = e
+                    ended = sched.abort(e)
                 self.max_live = max(self.max_live, sched.last_batch)
                 self.rounds += 1
                 for rid in ended:

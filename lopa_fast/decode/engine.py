@@ -60,6 +60,12 @@ class Geometry:
     stop_lens: tuple  # lengths of the stop sequences (their ids are a device table: T["stops"])
 
 
+def buffer_len(P: int, cfg) -> int:
+    """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to LENGTH_QUANTUM); its static
+    cache has Lb + 1 rows (row Lb: the trash row of masked commits)."""
+    return -(-(P + (cfg.max_new_tokens // cfg.block_size) * cfg.block_size) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+
+
 def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
     """(Nb, Rb): the window length rounded up to a block multiple, the LM-head rows rounded up to a power
     of two (at least MIN_HEAD_ROWS, at most every window row)."""
@@ -71,11 +77,13 @@ def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
 class FastDecoder:
     """One request of D2F (k = 1) or LoPA (k >= 2) decoding with all branches batched.
 
-    model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound GenerateConfig.
+    model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound GenerateConfig; cache: None (the
+    request allocates its own static cache) or (k, v) views [num_layers, buffer_len(P, cfg) + 1, Hkv, D] of a
+    batch's KV pool slot (lopa_fast.decode.kv_pool), zeroed, which the request's commits write in place.
     `run()` returns a GenerateOutput equal (tokens, forwards) to the reference backend's.
     """
 
-    def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str):
+    def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str, cache=None):
         from lopa_fast.ops import _backend
 
         self.model, self.cfg, self.name = model, cfg, name
@@ -90,7 +98,7 @@ class FastDecoder:
         )  # fmt: skip
         self.P = P
         self.L = P + (cfg.max_new_tokens // bs) * bs  # the request's total length (prompt + generated blocks)
-        Lb = -(-(P + G * bs) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        Lb = buffer_len(P, cfg)
         self.geo = Geometry(
             bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
             mode="full" if cfg.use_full_attention else "block_causal", mask_id=cfg.mask_token_id,
@@ -101,7 +109,7 @@ class FastDecoder:
         )  # fmt: skip
         model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
         self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
-        self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id)
+        self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
         # on CPU the eager rounds run their bookkeeping on the C++ twin (csrc/round_cpu.cpp), the same state

@@ -122,8 +122,9 @@ def _stop_table(stop, dev) -> torch.Tensor:
     return t.to(dev)
 
 
-def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int) -> dict:
-    """The round state of a fresh request (round 1: the prompt-only anchor in slot 0)."""
+def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int, cache=None) -> dict:
+    """The round state of a fresh request (round 1: the prompt-only anchor in slot 0). cache: None (a new zero
+    cache) or zeroed (k, v) [layers, Lb + 1, Hkv, D] views the request uses in its place (a batch's KV pool slot)."""
     dev = prompt.device
     P = prompt.numel()
     cfg = model.config
@@ -134,6 +135,9 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
     complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
     complete[:, 0] = True
     kv = (cfg.num_layers, Lb + 1, cfg.num_kv_heads, cfg.head_dim)
+    if cache is not None and any(tuple(t.shape) != kv or t.dtype != model.dtype for t in cache):
+        raise ValueError(f"init_state: cache views must be {kv} {model.dtype}, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")
     zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
     st = dict(
         x=x, nblk=torch.zeros(NB, dtype=torch.long, device=dev), state=state, complete=complete,
@@ -141,7 +145,8 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         cconf=torch.ones(NB, dtype=torch.float64, device=dev),
         look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
         last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
-        cache_k=torch.zeros(kv, dtype=model.dtype, device=dev), cache_v=torch.zeros(kv, dtype=model.dtype, device=dev),
+        cache_k=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[0],
+        cache_v=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[1],
         cache_len=zero(),
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)

@@ -409,17 +409,29 @@ class DecoderLM(nn.Module):
             h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
         return h, torch.stack(ks), torch.stack(vs)
 
-    def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None) -> list[tuple]:
+    def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
+                         pool: tuple | None = None) -> list[tuple]:
         """`forward_static` for several requests in ONE batched forward (lopa_fast.decode.batch): every
         request's window rows are packed into one row batch, so each layer's projections, norms and MLP run once
-        for all requests and over real rows only (no padding to the widest window); attention runs per request
-        over its own prefix cache and its own window (its keys only, in the same shapes as when it runs alone, so
-        its sums are bitwise the solo ones), and RoPE tables are computed per request at its own positions.
+        for all requests and over real rows only (no padding to the widest window), and RoPE tables are computed
+        per request at its own positions. Attention takes one of two paths:
+
+        * per request (the torch backend, i.e. CPU; and any call without a pool): over its own prefix cache and its
+          own window, in the same shapes as when it runs alone, so its sums are bitwise the solo ones (the CPU
+          batch is token-, forward- and stats-exact with solo runs: tests/test_batch.py). B launches per layer.
+        * pooled (triton / cuda with `pool`): ONE `ops.branch_attention(..., cache_index=...)` per layer for every
+          request's windows over the KV pool (lopa_fast.decode.kv_pool): one launch per layer instead of B (a GPU
+          round of small windows is launch-bound). Windows are padded to the widest Nb for this call only
+          (win_lens masks the padding keys; padding queries are dropped). Each row's prefix is split as in a
+          B = 1 call (the kernels' pooled contract), so a request's result does not depend on its neighbours; it
+          equals the per-request path up to float summation order in the window part (logits within the kernels'
+          tolerance, tokens equal on the parity grid: tests/test_kv_pool.py).
 
         parts[r]: dict(tokens [NB_r, Nb_r], start (int, the window start), cache_k / cache_v
         [num_layers, Lc_r, Hkv, D], prefix_len (int, committed rows), win_lens [NB_r], bids [NB_r, Nb_r] or
-        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head)). Every op outside attention is
-        row-wise, so neighbours never enter a request's sums.
+        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head), and with a pool: slot (int, the
+        request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
+        D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
         Returns per request (raw logits [Rb_r, V], window keys and values [num_layers, NB_r, Nb_r, Hkv, D])."""
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
@@ -441,23 +453,27 @@ class DecoderLM(nn.Module):
             cos_rows.append(c.repeat(NBr, 1))
             sin_rows.append(s_.repeat(NBr, 1))
         cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
-        masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
-                 for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
         h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
+        if pool is not None and b != "torch":
+            attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, T, dev)
+        else:
+            masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
+                     for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
 
-        def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
-            outs = []
-            for p, off, (NBr, Nbr), vis in zip(parts, offs, shapes, masks):
-                sl = slice(off, off + NBr * Nbr)
-                qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
-                kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
-                if b == "torch":
-                    a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr, vis, None)
-                else:
-                    a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                             p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
-                outs.append(a.reshape(NBr * Nbr, Hq, D))
-            return torch.cat(outs)[None]
+            def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
+                outs = []
+                for p, off, (NBr, Nbr), vis in zip(parts, offs, shapes, masks):
+                    sl = slice(off, off + NBr * Nbr)
+                    qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
+                    kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
+                    if b == "torch":
+                        a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
+                                                   vis, None)  # fmt: skip
+                    else:
+                        a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
+                                                 p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
+                    outs.append(a.reshape(NBr * Nbr, Hq, D))
+                return torch.cat(outs)[None]
 
         h, K, V = self._fused_stack(h, cos, sin, lb, attend)  # K, V: [layers, 1, T, Hkv, D]
         # the LM-head rows of every request: its flat rows, offset to its packed block
@@ -471,3 +487,56 @@ class DecoderLM(nn.Module):
             out.append((logits[r0 : r0 + R], kv[0], kv[1]))
             r0 += R
         return out
+
+
+# padding block id of the pooled call's padding queries: they see every valid key of their row (their output is
+# dropped; a query that saw no key at all would be a 0/0 row, harmless but noisy under a NaN checker)
+_PAD_BLOCK = 1 << 30
+
+
+def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, pool: tuple, Hq: int, D: int, T: int,
+                   dev):
+    """The pooled path of `DecoderLM.forward_requests`: attend(layer, q [1, T, Hq, D], k, v [1, T, Hkv, D]) ->
+    o [1, T, Hq, D] as ONE pooled `ops.branch_attention` call over the pool (k, v [layers, S, Lp, Hkv, D]).
+
+    The call's batch is every request's branch rows (B = sum NB_r) at the widest window nmax = max Nb_r: with equal
+    windows the packed rows are that batch already (a view); otherwise one index_copy_ per tensor scatters the packed
+    rows into a zero [B * nmax] buffer and one index_select gathers the real rows back. The per-call tables (slot
+    per row, prefix length per slot, window lengths, block ids) are built once per forward, not per layer."""
+    k_pool, v_pool = pool
+    S = k_pool.shape[1]
+    B = sum(NBr for NBr, _ in shapes)
+    nmax = max(Nbr for _, Nbr in shapes)
+    lens = [0] * S
+    slot_rows = []
+    for p, (NBr, _) in zip(parts, shapes):
+        lens[p["slot"]] = int(p["prefix_len"])
+        slot_rows += [p["slot"]] * NBr
+    cache_len = torch.tensor(lens, dtype=torch.long, device=dev)  # [S]: unused slots 0 (never indexed)
+    cache_index = torch.tensor(slot_rows, dtype=torch.long, device=dev)  # [B]
+    win_lens = torch.cat([p["win_lens"].reshape(-1).long() for p in parts])  # [B]
+    bids = None
+    if mode == "block_causal":
+        bids = torch.cat([torch.nn.functional.pad(p["bids"].long(), (0, nmax - Nbr), value=_PAD_BLOCK)
+                          for p, (_, Nbr) in zip(parts, shapes)])  # fmt: skip
+    dest = None
+    if any(Nbr != nmax for _, Nbr in shapes):  # packed row -> its row of the padded [B * nmax] batch
+        dest, r0 = [], 0
+        for NBr, Nbr in shapes:
+            for a in range(NBr):
+                dest.append(torch.arange(Nbr) + (r0 + a) * nmax)
+            r0 += NBr
+        dest = torch.cat(dest).to(dev)
+
+    def pad(t):  # [1, T, H, D] -> [B, nmax, H, D]
+        if dest is None:
+            return t.reshape(B, nmax, t.shape[2], D)
+        return t.new_zeros(B * nmax, t.shape[2], D).index_copy_(0, dest, t[0]).view(B, nmax, t.shape[2], D)
+
+    def attend(i, q, k, v):
+        o = ops.branch_attention(pad(q), k_pool[i], v_pool[i], cache_len, pad(k), pad(v), win_lens, bids, mode,
+                                 check=False, backend=b, cache_index=cache_index)  # fmt: skip
+        o = o.reshape(B * nmax, Hq, D)
+        return (o if dest is None else o.index_select(0, dest))[None]
+
+    return attend
