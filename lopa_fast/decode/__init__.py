@@ -23,14 +23,12 @@ def fast_not_covered(cfg) -> str | None:
     Random draws run on the keyed sampler (lopa_fast.keyed: a pure function of seed, step and position, so a
     batched step draws what the reference draws); upstream's draw-for-draw order (sampler="upstream") exists
     only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
-    for its fast path); vanilla and threshold steps are not compiled (compile=True covers the d2f / lopa rounds)."""
+    for its fast path)."""
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
         fast = ("for apd's fast path pass sampler='keyed' (apd's default at T > 0 is upstream's order, for "
                 "exactness with upstream)" if cfg.strategy == "apd"
                 else "the fast backend draws with sampler='keyed' (the default)")  # fmt: skip
         return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
-    if cfg.compile and cfg.strategy in ("vanilla", "threshold"):
-        return f"compile=True covers the d2f / lopa rounds, not the {cfg.strategy} steps (they run eagerly)"
     return None
 
 

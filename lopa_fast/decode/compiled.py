@@ -97,13 +97,29 @@ class CompiledRounds:
         (state, info). The same compile / capture machinery as `step` (the verifier is bound into the callable,
         which holds it alive, so its id keys the bucket)."""
         key = ("apd", id(verifier), geo, Nb, Db)
-        self._req_buckets.add((Nb, Db))
+        make = lambda: _bound_apd_step(drafter, verifier, geo, Nb, Db)  # noqa: E731
+        return self._run(key, (Nb, Db), f"{Nb}x{Db}", make, drafter, st, T, geo)
+
+    def steps_step(self, model, st: dict, T: dict, geo, kind: str, sizes: tuple) -> tuple[dict, dict]:
+        """One vanilla / threshold step (lopa_fast.decode.static_steps.step: forward, statistics, commit rule,
+        counters, head) of `kind` on bucket `sizes` with the compiled / captured callable, kept per (StepGeometry,
+        kind, sizes); returns (state, info). Buckets are reported as (kind, *sizes)."""
+        key = ("steps", geo, kind, sizes)
+        make = lambda: _bound_static_step(model, geo, kind, sizes)  # noqa: E731
+        label = kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
+        return self._run(key, (kind, *sizes), label, make, model, st, T, geo)
+
+    def _run(self, key: tuple, bucket: tuple, label: str, make, model, st: dict, T: dict, geo) -> tuple[dict, dict]:
+        """apd_step's and steps_step's machinery: `make()` (a step(st, T) -> (st, info) with its own code object)
+        captured over geo's workspace (CUDA, or emulate_graphs) or torch.compile'd (CPU) on the bucket's first
+        call, then replayed; counted in stats() (bucket: compiled_buckets' entry; label: compile_seconds')."""
+        self._req_buckets.add(bucket)
         fn = self.fns.get(key)
         if fn is None:
             t0, g0 = time.perf_counter(), _dynamo_graphs()
-            step = _bound_apd_step(drafter, verifier, geo, Nb, Db)
+            step = make()
             if st["x"].is_cuda or self.emulate_graphs:
-                fn = self.fns[key] = self._capture(drafter, st, T, geo, None, Nb, Db, step=step)
+                fn = self.fns[key] = self._capture(model, st, T, geo, None, 0, 0, step=step)
                 self.graphs += 1
                 out = fn(st, T)
             else:
@@ -111,7 +127,7 @@ class CompiledRounds:
                 out = fn(st, T)
                 self.graphs += _dynamo_graphs() - g0
             self.compile_seconds[key] = time.perf_counter() - t0
-            self._req_compile_seconds[f"{Nb}x{Db}"] = round(self.compile_seconds[key], 3)
+            self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
             return out
         g0 = _dynamo_graphs()
         out = fn(st, T)
@@ -189,6 +205,18 @@ def _bound_step(model, geo, cfg, Nb: int, Rb: int):
         return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
 
     code = step.__code__.replace(co_name=f"round_step_{Nb}x{Rb}_{next(_CODE_IDS)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+
+
+def _bound_static_step(model, geo, kind: str, sizes: tuple):
+    """static_steps.step of one (kind, sizes) bucket with its own code object (as _bound_step)."""
+    from lopa_fast.decode import static_steps
+
+    def step(st: dict, T: dict) -> tuple[dict, dict]:
+        return static_steps.step(model, st, T, geo, kind, sizes)
+
+    name = f"{geo.strategy}_{kind}_{'x'.join(map(str, sizes))}_{next(_CODE_IDS)}"
+    code = step.__code__.replace(co_name=name)
     return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
 
 

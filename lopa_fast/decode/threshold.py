@@ -12,14 +12,16 @@ block's first token unconditionally; `count_noop_forward` keeps the old loop's e
 What changes is how: the commit rule is tensor ops on the device (`select`), the candidates never leave it,
 the LM head runs only on the rows a step reads (the candidates' rows, `steps.raw_rows`), the forwards are
 the fused static-cache ones of `steps.StepForward`, and the step's one host read is the head
-(first non-finite row, first mask, block full).
+(first non-finite row, first mask, block full). compile=True runs each step as one compiled / captured
+callable instead (lopa_fast.decode.static_steps, through CompiledRounds.steps_step), with the same one host read.
 """
 from __future__ import annotations
 
 import torch
 
 from lopa_fast.contracts import after_step
-from lopa_fast.decode import steps
+from lopa_fast.decode import static_steps, steps
+from lopa_fast.decode.apd import bucket
 from lopa_fast.keyed import TOKEN, request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 from lopa_fast.sampling import threshold_stats
@@ -72,6 +74,14 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     counters = {"multi_token_steps": zero.clone(), "noop_forwards": zero.clone()}
     trace = [] if cfg.return_trace else None
     stopped = False
+    compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
+    if cfg.compile:
+        from lopa_fast.decode.compiled import CompiledRounds
+
+        compiled = CompiledRounds.for_model(model)
+        geo = static_steps.geometry(model, cfg, L)
+        cst = {}
+        cst["st"], T = static_steps.init(model, x, P, geo, noise.seed)
 
     def budget() -> bool:
         if stats["forwards"] >= cfg.max_rounds:
@@ -108,13 +118,44 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
         x[lo:hi] = torch.where(sel, x0, x[lo:hi])
         stats["host_reads"] += 1
         b, full, fm = steps.read_head(bad, ~(x[s:e] == mask_id).any(), steps.first_mask(x, mask_id))
+        finish(b, logits, lo, before, wstart)
+        return bool(full), fm
+
+    def finish(b: int, logits: torch.Tensor, lo: int, before, wstart: int) -> None:
+        """After the step's one host read: the numerics error, the trace."""
         if b >= 0:
             steps.refuse(logits[b], lo + b, stats["forwards"], "threshold", cfg.temperature)
         if trace is not None:
             pos = ((before == mask_id) & (x != mask_id)).nonzero(as_tuple=True)[0]
             trace.append({"round": stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos],
                           "window_start": wstart})  # fmt: skip
-        return bool(full), fm
+
+    def run(kind: str, s: int, e: int, fm: int) -> tuple[bool, int]:
+        """One step of `kind` (full | refresh | refresh_first | prefix | dual: lopa_fast.decode.static_steps) in
+        block [s, e) with the first mask fm: eager, the forward then `step`; compile=True, the compiled / captured
+        step. Returns (block full, first mask) from the step's one host read."""
+        # the positions [lo, hi) the step's rows predict, and the trace's window start
+        lo, hi, wstart = {"full": (fm, e, -P), "refresh": (fm, e, -P), "refresh_first": (s, s + 1, 0)}.get(
+            kind, (s, e, s - P))  # fmt: skip
+        count(refresh=kind.startswith("refresh"))
+        if compiled is not None:
+            sizes = {"full": (bucket(max(e - fm, 1)),), "refresh": (bucket(max(e - fm, 1)),), "refresh_first": (1,),
+                     "prefix": (bucket(L - s),), "dual": ()}[kind]  # fmt: skip
+            before = x.clone() if trace is not None else None
+            cst["st"], info = compiled.steps_step(model, cst["st"], T, geo, kind, sizes)
+            stats["host_reads"] += 1
+            b, full, fm, _ = cst["st"]["head"].tolist()  # the step's one device-to-host read
+            x.copy_(cst["st"]["x"])  # the host's canvas (hook, trace, result): a device copy, no read
+            finish(b, info["logits"], lo, before, wstart)
+            return bool(full), fm
+        rows = steps.raw_rows(lo, hi, lo if kind in ("prefix", "dual") else 0, shift, dev)
+        if kind == "full":
+            logits = fw.full(x[None], rows)
+        elif kind in ("refresh", "refresh_first"):
+            logits = fw.refresh(x, rows, s if cfg.cache == "prefix" else L)
+        else:
+            logits = fw.prefix(x[s:], s, rows) if kind == "prefix" else fw.dual(x[s:e], s, rows)
+        return step(logits, lo, hi, s, e, wstart, only_first=kind == "refresh_first")
 
     def hook() -> bool:
         return after_step(x[P:], cfg, stats, on_round)
@@ -123,28 +164,22 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
         fm = P  # the first mask position (read with each step's head): candidates never lie before it
         for blk in range(G // B):
             s, e = P + blk * B, P + (blk + 1) * B
+            if compiled is not None:  # in place (the CUDA workspace): a kernel launch each, no host read
+                cst["st"]["s"].fill_(s)
+                cst["st"]["e"].fill_(e)
             if cfg.cache is None:
                 while True:
                     if not budget():
                         break
-                    logits = fw.full(x[None], steps.raw_rows(fm, e, 0, shift, dev))
-                    count()
-                    full, fm = step(logits, fm, e, s, e, -P)
+                    full, fm = run("full", s, e, fm)
                     stopped = hook()
                     if full or stopped:
                         break
             else:
                 if not budget():
                     break
-                keep = s if cfg.cache == "prefix" else L
-                if llada:  # candidates: every mask before the block end
-                    logits = fw.refresh(x, steps.raw_rows(fm, e, 0, shift, dev), keep)
-                    count(refresh=True)
-                    full, fm = step(logits, fm, e, s, e, -P)
-                else:
-                    logits = fw.refresh(x, steps.raw_rows(s, s + 1, 0, shift, dev), keep)
-                    count(refresh=True)
-                    full, fm = step(logits, s, s + 1, s, e, 0, only_first=True)
+                # LLaDA: candidates every mask before the block end; Dream: the block's first token
+                full, fm = run("refresh" if llada else "refresh_first", s, e, fm)
                 stopped = hook()
                 first = True
                 while not stopped:
@@ -153,19 +188,16 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
                     first = False
                     if not budget():
                         break
-                    rows = steps.raw_rows(s, e, s, shift, dev)
-                    if cfg.cache == "prefix":
-                        logits = fw.prefix(x[s:], s, rows)
-                    else:
-                        logits = fw.dual(x[s:e], s, rows)
-                    count()
-                    full, fm = step(logits, s, e, s, e, s - P)
+                    full, fm = run(cfg.cache, s, e, fm)
                     stopped = hook()
                     if full:
                         break
             if stats.get("hit_round_cap") or stopped:
                 break
     ids = x[P:].tolist()
+    if compiled is not None:
+        counters = {"multi_token_steps": cst["st"]["multi"], "noop_forwards": cst["st"]["noop"]}
+        stats.update(compiled.stats())
     stats.update({k: int(v) for k, v in counters.items()})
     stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
     finalize_stats(stats, ids, cfg.eos_token_id, mask_id, clock.seconds, steps_plus_one=False)

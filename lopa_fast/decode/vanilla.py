@@ -13,6 +13,8 @@ at T = 0 and, with the keyed sampler, for every random ordering and T > 0):
 What changes is how: candidates, statistics, the top-k and the counters stay on the device, the LM head runs
 only on the rows from the first mask to the candidates' end (`steps.raw_rows`), the forward is the fused
 static one, and the only host read of a step is the head (the first non-finite row, the first mask).
+compile=True runs each step as one compiled / captured callable instead (lopa_fast.decode.static_steps: the
+same numerics on static shapes, through CompiledRounds.steps_step), with the same one host read.
 """
 from __future__ import annotations
 
@@ -22,19 +24,27 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.contracts import after_step
-from lopa_fast.decode import steps
+from lopa_fast.decode import static_steps, steps
+from lopa_fast.decode.apd import bucket
+from lopa_fast.decode.static_steps import DREAM_CONF, llada_choice
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats
-from lopa_fast.sampling import gumbel_argmax, token_stats
-
-LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
-DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+from lopa_fast.sampling import token_stats
 
 
 def transfer_schedule(n_masks: int, n_steps: int) -> list[int]:
     """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S."""
     base, rem = divmod(n_masks, n_steps)
     return [base + (1 if i < rem else 0) for i in range(n_steps)]
+
+
+def dream_count(n_mask: int, ts: torch.Tensor, i: int, n_steps: int) -> int:
+    """Dream's transfer count of step i (a host int: torch.topk's k) from the masks left (the last head) and the
+    host timesteps ts [steps + 1]: upstream's int(num_mask * (1 - s / t)) in float32 tensor arithmetic (CPU
+    float32 ops are IEEE-rounded like the device's), every mask on the last step."""
+    if i == n_steps - 1:
+        return n_mask
+    return int(torch.tensor(n_mask, dtype=torch.float32) * (1 - ts[i + 1] / ts[i]))
 
 
 class _Loop:
@@ -54,15 +64,29 @@ class _Loop:
         self.trace = [] if cfg.return_trace else None
         self.fm = self.P  # the first mask position, read with each step's head
         self.n_mask = G  # the number of masks, read with each step's head (Dream's transfer count needs it)
+        self.geo = static_steps.geometry(model, cfg, self.L)
+        self.compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
+        if cfg.compile:
+            from lopa_fast.decode.compiled import CompiledRounds
+
+            self.compiled = CompiledRounds.for_model(model)
+            ts = None
+            if model.config.kind != "llada":
+                ts = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)
+            self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts)
 
     def keys(self, stream: int, pos: torch.Tensor) -> torch.Tensor:
         return self.noise.keys(stream, self.stats["forwards"], 0, pos)
 
-    def finish_step(self, bad: torch.Tensor, logits: torch.Tensor, lo: int, before) -> bool:
-        """The step's one host read (guard + first mask), the trace, the hook; True when a stop sequence ends it."""
+    def finish_step(self, bad: torch.Tensor | None, logits: torch.Tensor, lo: int, before) -> bool:
+        """The step's one host read (guard + first mask; bad None: the compiled step's head), the trace, the hook;
+        True when a stop sequence ends it."""
         self.stats["host_reads"] += 1
-        b, self.fm, self.n_mask = steps.read_head(bad, steps.first_mask(self.x, self.mask_id),
-                                                  (self.x == self.mask_id).sum())
+        if bad is None:
+            b, _, self.fm, self.n_mask = self.st["head"].tolist()
+        else:
+            b, self.fm, self.n_mask = steps.read_head(bad, steps.first_mask(self.x, self.mask_id),
+                                                      (self.x == self.mask_id).sum())  # fmt: skip
         if b >= 0:
             steps.refuse(logits[b], lo + b, self.stats["forwards"], "vanilla", self.cfg.temperature)
         if self.trace is not None:
@@ -75,21 +99,33 @@ class _Loop:
         self.stats["forwards"] += 1
         self.stats["model_calls"] += 1
 
+    def compiled_step(self, kind: str, sizes: tuple, lo: int) -> bool:
+        """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,
+        head), then finish_step's one host read; lo: the first row's position (the error message's)."""
+        before = self.x.clone() if self.trace is not None else None
+        self.st, info = self.compiled.steps_step(self.model, self.st, self.T, self.geo, kind, sizes)
+        self.x = self.st["x"]
+        self.count()
+        return self.finish_step(None, info["logits"], lo, before)
+
     # ---- LLaDA ------------------------------------------------------------------------------------------
     def llada(self) -> None:
         cfg, x, P, L, mask_id, dev = self.cfg, self.x, self.P, self.L, self.mask_id, self.dev
         bl = cfg.block_length
         nb = (L - P) // bl
         spb = cfg.steps // nb
-        blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
-        if self.model.config.vocab_size > LLADA_EOT_ID:
-            blocked.append(LLADA_EOT_ID)
         # every block starts all masks: a step commits only candidates before its block's end
         sched = transfer_schedule(bl, spb)
         for b in range(nb):
             e = P + (b + 1) * bl
+            if self.compiled is not None:
+                self.st["e"].fill_(e)  # in place (the CUDA workspace): a kernel launch, no host read
             for i in range(spb):
                 lo = self.fm  # candidates: the masks in [fm, e)
+                if self.compiled is not None:
+                    if self.compiled_step("llada", (bucket(max(e - lo, 1)), sched[i]), lo):
+                        return
+                    continue
                 rows = torch.arange(lo, e, device=dev)
                 if cfg.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows in one forward
                     un_x = x.clone()
@@ -102,20 +138,8 @@ class _Loop:
                 self.count()
                 cand = x[lo:e] == mask_id
                 bad = steps.first_bad_row(logits, cand, cfg.temperature)  # before the deliberate -inf below
-                if cfg.logits_eos_inf and cfg.eos_token_id is not None:
-                    logits = logits.clone()
-                    logits[:, cfg.eos_token_id] = float("-inf")
-                if cfg.suppress_mask_token:
-                    logits = logits.clone()
-                    logits[:, mask_id] = float("-inf")
-                keys = self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None
-                x0 = gumbel_argmax(logits, cfg.temperature, keys=keys)
-                if cfg.remasking == "low_confidence":
-                    x0_p = torch.softmax(logits, dim=-1).gather(-1, x0[:, None]).squeeze(-1)
-                else:
-                    x0_p = keyed.uniform(self.keys(keyed.REMASK, rows))
-                for t in blocked if cfg.confidence_eos_eot_inf else ():
-                    x0_p = torch.where(x0 == t, torch.full_like(x0_p, -1.0), x0_p)  # committed last (reference)
+                x0, x0_p = llada_choice(logits, self.geo, self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
+                                        self.keys(keyed.REMASK, rows) if cfg.remasking == "random" else None)
                 # full-length rows, so torch.topk sees the reference's vector (its order among exact ties)
                 conf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
                 conf[lo:e] = torch.where(cand, x0_p, float("-inf"))
@@ -137,6 +161,11 @@ class _Loop:
         allpos = torch.arange(L, device=dev)
         for i in range(n_steps):
             lo = min(self.fm, L - 1)  # no mask left: one row, whose statistics no rule reads
+            if self.compiled is not None:
+                n = dream_count(self.n_mask, ts, i, n_steps) if cfg.alg != "origin" else 0
+                if self.compiled_step("dream", (bucket(L - lo), n), lo):
+                    return
+                continue
             pos = allpos[lo:]
             logits = self.fw.full(x[None], steps.raw_rows(lo, L, 0, True, dev))
             self.count()
@@ -153,10 +182,7 @@ class _Loop:
                 self.transferred += reveal.sum()
             else:
                 conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[cfg.alg], **kw, keys=keys)
-                # upstream's count in float32 tensor arithmetic (mask count from the last head; CPU float32 ops
-                # are IEEE-rounded like the device's): int(num_mask * (1 - s / t)), every mask on the last step
-                num_mask = torch.tensor(self.n_mask, dtype=torch.float32)
-                n = int(num_mask * (1 - ts[i + 1] / ts[i])) if i < n_steps - 1 else self.n_mask
+                n = dream_count(self.n_mask, ts, i, n_steps)
                 full_conf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
                 full_conf[lo:] = torch.where(cand, conf.to(logits.dtype), float("-inf"))
                 if n > 0:
@@ -181,7 +207,9 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     with Clock(run.dev) as clock:
         run.llada() if model.config.kind == "llada" else run.dream()
     stats = run.stats
-    stats["transferred"] = int(run.transferred)
+    stats["transferred"] = int(run.transferred if run.compiled is None else run.st["transferred"])
+    if run.compiled is not None:
+        stats.update(run.compiled.stats())
     stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
     ids = run.x[run.P :].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)

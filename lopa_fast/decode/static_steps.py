@@ -1,0 +1,347 @@
+"""compile=True for the fast vanilla and threshold decoders: each step as a function of static shapes.
+
+The eager steps (lopa_fast.decode.{vanilla,threshold}) slice with host ints: the LM head runs on rows
+[first mask, block end), the prefix window is x[s:], the dual window writes cache rows [s, s + B). A compiled
+(CPU: torch.compile fullgraph) or captured (CUDA graph) step cannot take those as shapes without one graph per
+value, so here every per-step value is a 0-d device tensor of the state and every shape is a bucket constant:
+
+  kind             forward (lopa_fast.models.DecoderLM.forward_static unless noted)     bucket sizes
+  "full"           x [L] (cfg_scale > 0: [2, L]) with no cache; LM head on Rb rows from   (Rb,)
+                   the first mask fm (rows past the block end e are padding)
+  "refresh"        the same forward, its K/V of all L positions become the cache (a      (Rb,)
+                   "prefix" step masks the rows >= s it does not own); LLaDA threshold
+  "refresh_first"  the refresh with the one row predicting the block start s (Dream)   (1,)
+  "prefix"         window x[s : s + Nb] over the cached prefix [0, s) (a masked static  (Nb,)
+                   buffer); columns past L are padding (masked keys, unread rows)
+  "dual"           window x[s : s + B] whose K/V overwrite cache rows [s, s + B) in      ()
+                   place (index_copy_), attending to the whole cache
+  "llada"          vanilla LLaDA: "full" + the top-k commit, k = the schedule's count   (Rb, k)
+  "dream"          vanilla Dream: "full" over rows [min(fm, L - 1), L) + its commit,    (Rb, n)
+                   n = the step's transfer count
+
+k and n stay bucket constants (not device values) because the commit is `torch.topk` over the full-length
+confidence row, as in the eager path and the reference: its choice among exactly tied confidences (common:
+saturated probabilities of 1.0, LLaDA's blocked EOS at -1) is the implementation's, so only the same call
+on the same vector is exact. LLaDA's schedule has at most two counts; Dream's counts vary with the step
+(a bucket each; a CUDA capture costs one eager step). Rb = apd.bucket(rows): a power of two >= 16.
+
+Padding: rows of positions outside [lo, hi) are `valid = False`: never candidates, never committed (their
+writes go to a trash slot L of an [L + 1] scratch row), never read by the numerics guard. The host reads
+the step's `head` [4] = (first non-finite read row or -1, block full, first mask, masks left) ONCE per step,
+as the eager step does; the logits are returned (graph-owned under CUDA graphs) only for the error message.
+
+State (`init`, per request; the CUDA workspace of CompiledRounds per StepGeometry):
+  x [L] long; fwd (forwards so far: the keyed sampler's step), i (Dream's step index), fm, s, e 0-d long;
+  transferred, multi, noop 0-d long counters; head [4] long; ck, cv [layers, L or 1, Hkv, D] the cache.
+Tables T: P (prompt length), seed (the keyed sampler's, as int64 bits), ts (Dream's timesteps, float32).
+The host writes s and e in place (`fill_`) at each block start: a kernel launch, not a host read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lopa_fast import keyed, ops
+from lopa_fast.decode import steps
+from lopa_fast.models.transformer import rms_norm
+from lopa_fast.sampling import gumbel_argmax
+
+HEAD = ("bad", "full", "first_mask", "masks_left")
+LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
+DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """Every Python constant a compiled step of one request reads (it keys the compiled callables and the CUDA
+    workspace: two requests share a step's graph iff their geometries are equal)."""
+
+    strategy: str  # "vanilla" | "threshold"
+    llada: bool
+    shift: bool  # Dream's logits shift
+    L: int  # prompt + generation
+    B: int  # block length (threshold, LLaDA vanilla; 0 for Dream vanilla)
+    mask_id: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    suppress_mask: bool
+    attn_backend: str
+    cache: str | None = None
+    threshold: float | None = None  # the threshold rules (names as GenerateConfig's: `threshold.select` reads them)
+    factor: float | None = None
+    entropy_threshold: float | None = None
+    cfg_scale: float = 0.0
+    remasking: str | None = None
+    eos_inf: int | None = None  # logits_eos_inf: this id's logits -> -inf (None: off)
+    blocked: tuple = ()  # confidence_eos_eot_inf: ids committed last (confidence -1)
+    alg: str | None = None
+    alg_temp: float | None = None
+    n_steps: int = 0  # Dream vanilla's steps
+
+
+def geometry(model, cfg, L: int) -> StepGeometry:
+    """The StepGeometry of a bound, covered vanilla / threshold config on `model` for L positions (the eager
+    steps read their LLaDA knobs from it too: `llada_choice`)."""
+    from lopa_fast.ops import _backend
+
+    dream_vanilla = cfg.strategy == "vanilla" and model.config.kind != "llada"
+    blocked = []
+    if cfg.strategy == "vanilla" and not dream_vanilla and cfg.confidence_eos_eot_inf:
+        blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+        if model.config.vocab_size > LLADA_EOT_ID:
+            blocked.append(LLADA_EOT_ID)
+    return StepGeometry(
+        strategy=cfg.strategy, llada=model.config.kind == "llada", shift=bool(model.logits_shift), L=L,
+        B=0 if dream_vanilla else int(cfg.block_length), mask_id=cfg.mask_token_id,
+        temperature=float(cfg.temperature), top_p=cfg.top_p, top_k=cfg.top_k,
+        suppress_mask=bool(cfg.suppress_mask_token),
+        attn_backend=_backend.resolve("branch_attention", None, model.device),
+        cache=cfg.cache if cfg.strategy == "threshold" else None,
+        threshold=cfg.threshold if cfg.strategy == "threshold" else None,
+        factor=cfg.factor if cfg.strategy == "threshold" else None,
+        entropy_threshold=cfg.entropy_threshold if cfg.strategy == "threshold" else None,
+        cfg_scale=float(cfg.cfg_scale or 0.0) if cfg.strategy == "vanilla" else 0.0,
+        remasking=cfg.remasking if cfg.strategy == "vanilla" else None,
+        eos_inf=cfg.eos_token_id if cfg.strategy == "vanilla" and cfg.logits_eos_inf else None,
+        blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
+        alg_temp=cfg.alg_temp if dream_vanilla else None, n_steps=int(cfg.steps) if dream_vanilla else 0,
+    )  # fmt: skip
+
+
+def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch.Tensor | None = None):
+    """(state, tables) of a request whose canvas is x [L] (prompt + masks); seed: the keyed sampler's (resolved);
+    ts: Dream's timesteps [steps + 1] float32 on x's device (None elsewhere)."""
+    dev = x.device
+    c = model.config
+    z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
+    rows = geo.L if geo.cache is not None else 1  # no cache: the eager path's one unused row
+    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
+    cache = lambda: torch.zeros(shape, dtype=model.dtype, device=dev)  # noqa: E731
+    st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
+          "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),
+          "ck": cache(), "cv": cache()}  # fmt: skip
+    T = {"P": z(P), "seed": z(keyed._s64(int(seed) % (1 << 64))),
+         "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}  # fmt: skip
+    return st, T
+
+
+# ---- the forwards (static shapes; positions and prefix lengths are device tensors) -------------------------
+def _forward(model, st: dict, tokens: torch.Tensor, start, cache_len, win_lens, rows, geo) -> tuple:
+    return model.forward_static(tokens, start, st["ck"], st["cv"], cache_len, win_lens, None, "full", rows,
+                                attn_backend=geo.attn_backend)  # fmt: skip
+
+
+def _full(model, st: dict, tokens: torch.Tensor, rows: torch.Tensor, geo) -> tuple:
+    """Cache-free forward of tokens [Bt, L] (as StepForward.full / refresh): (raw logits [R, V], K, V)."""
+    Bt, n = tokens.shape
+    zero = torch.zeros((), dtype=torch.long, device=tokens.device)
+    win_lens = torch.full((Bt,), n, dtype=torch.long, device=tokens.device)
+    return _forward(model, st, tokens, zero, 0, win_lens, rows, geo)
+
+
+def _dual(model, st: dict, win: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, geo) -> torch.Tensor:
+    """StepForward.dual with the window start s a 0-d tensor: win [n]'s K/V written over cache rows [s, s + n)
+    (index_copy_ instead of a slice), attending to the whole cache [0, L); raw logits [R, V]."""
+    ck, cv, L, n = st["ck"], st["cv"], geo.L, win.numel()
+    dst = s + torch.arange(n, device=win.device)
+    no_window = torch.zeros(1, dtype=torch.long, device=win.device)
+
+    def attend(i, q, k, v):
+        ck[i].index_copy_(0, dst, k[0])
+        cv[i].index_copy_(0, dst, v[0])
+        return ops.branch_attention(q, ck[i], cv[i], L, k, v, no_window, None, "full", check=False,
+                                    backend=geo.attn_backend)  # fmt: skip
+
+    h = model._layers(win[None], dst, attend).reshape(n, -1).index_select(0, rows)
+    h = rms_norm(h, model.final_norm_weight(), model.config.rms_norm_eps)
+    return F.linear(h, model.head_weight())
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+def _rows(lo: torch.Tensor, hi, n: int, L: int, shift: bool, win_start=0):
+    """(positions [n] = lo + arange(n), valid [n] = position < hi, raw rows [n] in range): the static form of
+    arange(lo, hi) and steps.raw_rows (Dream's shift: row q - win_start - 1, the window's first row its own)."""
+    pos = lo + torch.arange(n, device=lo.device)
+    r = pos - win_start
+    raw = (r - 1).clamp(min=0) if shift else r
+    return pos, pos < hi, raw.clamp(max=L - 1)
+
+
+def _scatter(base: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """base [L] with values [n] written at pos [n] where write [n] (the others go to a trash slot L)."""
+    L = base.numel()
+    ext = torch.cat([base, base[:1]])
+    return ext.index_copy(0, torch.where(write, pos, L), values.to(base.dtype))[:L]
+
+
+def _keys(T: dict, stream: int, fwd: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return keyed.key(T["seed"], stream, fwd, 0, pos)
+
+
+def _finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tensor) -> tuple[dict, dict]:
+    """The end of every step: the new canvas, the first mask, the head the host reads once."""
+    dev = x.device
+    fm = steps.first_mask(x, geo.mask_id)
+    full = torch.zeros((), dtype=torch.bool, device=dev)
+    if geo.B:
+        blk = (st["s"] + torch.arange(geo.B, device=dev)).clamp(max=geo.L - 1)
+        full = ~(x.index_select(0, blk) == geo.mask_id).any()
+    st.update(x=x, fm=fm)
+    st["head"] = torch.stack([bad, full.long(), fm, (x == geo.mask_id).sum()]).long()
+    return st, {"logits": logits}
+
+
+def llada_choice(logits: torch.Tensor, geo: StepGeometry, token_keys, remask_keys) -> tuple:
+    """Vanilla LLaDA's token choice and confidence from the (cfg-mixed) logits [n, V] of n candidate rows, eager
+    and compiled alike: (x0 [n], x0_p [n]): the EOS (logits_eos_inf) and mask (suppress_mask_token) ids at
+    -inf, x0 = argmax or the keyed Gumbel-max at T > 0 (token_keys [n]), x0_p = softmax(logits)[x0]
+    (low_confidence) or a keyed uniform (random: remask_keys [n]); blocked ids get confidence -1 (committed
+    last, as the reference). Callers run the numerics guard on the logits before this."""
+    if geo.eos_inf is not None:
+        logits = logits.clone()
+        logits[:, geo.eos_inf] = float("-inf")
+    if geo.suppress_mask:
+        logits = logits.clone()
+        logits[:, geo.mask_id] = float("-inf")
+    x0 = gumbel_argmax(logits, geo.temperature, keys=token_keys)
+    if geo.remasking == "low_confidence":
+        x0_p = torch.softmax(logits, dim=-1).gather(-1, x0[:, None]).squeeze(-1)
+    else:
+        x0_p = keyed.uniform(remask_keys)
+    for t in geo.blocked:
+        x0_p = torch.where(x0 == t, torch.full_like(x0_p, -1.0), x0_p)
+    return x0, x0_p
+
+
+# ---- the steps -------------------------------------------------------------------------------------------------
+def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
+    """One threshold step (lopa_fast.decode.threshold's `step` after its forward) of `kind` on bucket `sizes`
+    (module docstring); reads and replaces the tensors of st; no host read."""
+    from lopa_fast.decode.threshold import select
+    from lopa_fast.sampling import threshold_stats
+
+    x, s, L, dev = st["x"], st["s"], geo.L, st["x"].device
+    if kind in ("full", "refresh"):  # candidates: every mask in [fm, e)
+        pos, valid, raw = _rows(st["fm"], st["e"], sizes[0], L, geo.shift)
+    elif kind == "refresh_first":  # the row predicting the block start
+        pos, valid, raw = _rows(s, s + 1, 1, L, geo.shift)
+    else:  # "prefix" / "dual": the block [s, s + B) over a window starting at s
+        pos, valid, raw = _rows(s, s + geo.B, geo.B, L, geo.shift, win_start=s)
+    if kind == "full":
+        logits = _full(model, st, x[None], raw, geo)[0]
+    elif kind in ("refresh", "refresh_first"):
+        logits, k, v = _full(model, st, x[None], raw, geo)
+        st["ck"].copy_(k[:, 0])  # all L rows: a "prefix" step reads (masks) only [0, s)
+        st["cv"].copy_(v[:, 0])
+    elif kind == "prefix":
+        cols = (s + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
+        logits = _forward(model, st, x.index_select(0, cols)[None], s, s, (L - s).reshape(1), raw, geo)[0]
+    else:
+        logits = _dual(model, st, x.index_select(0, pos), s, raw, geo)
+    pos_c = pos.clamp(max=L - 1)
+    cand = (x.index_select(0, pos_c) == geo.mask_id) & valid
+    only_first = kind == "refresh_first"  # Dream refresh: the block's first token, unconditionally
+    bad = steps.first_bad_row(logits, valid if only_first else cand, geo.temperature)
+    fwd = st["fwd"] + 1
+    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
+    x0, conf, ent = threshold_stats(logits, llada=geo.llada, temperature=geo.temperature, top_p=geo.top_p,
+                                    top_k=geo.top_k, suppress_token=geo.mask_id if geo.suppress_mask else None,
+                                    keys=keys)  # fmt: skip
+    if only_first:
+        sel = valid
+    else:
+        sel = select(conf, ent, cand, geo)
+        nsel = sel.sum()
+        st["multi"] = st["multi"] + (nsel >= 2).long()
+        st["noop"] = st["noop"] + (nsel == 0).long()
+    st["fwd"] = fwd
+    return _finish(st, _scatter(x, pos_c, sel & valid, x0), bad, geo, logits)
+
+
+def llada_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
+    """One vanilla LLaDA step (lopa_fast.decode.vanilla `_Loop.llada`'s body) on bucket (Rb, k): rows [fm, e),
+    k = this step's transfer count."""
+    Rb, k = sizes
+    x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
+    pos, valid, raw = _rows(st["fm"], st["e"], Rb, L, False)
+    if geo.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows in one forward
+        un_x = torch.where(torch.arange(L, device=dev) < T["P"], mask_id, x)
+        both = _full(model, st, torch.stack([x, un_x]), torch.cat([raw, raw + L]), geo)[0]
+        cond, un = both[:Rb], both[Rb:]
+        logits = un + (geo.cfg_scale + 1) * (cond - un)
+    else:
+        logits = _full(model, st, x[None], raw, geo)[0]
+    fwd = st["fwd"] + 1
+    pos_c = pos.clamp(max=L - 1)
+    cand = (x.index_select(0, pos_c) == mask_id) & valid
+    bad = steps.first_bad_row(logits, cand, geo.temperature)
+    token_keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
+    remask_keys = _keys(T, keyed.REMASK, fwd, pos) if geo.remasking == "random" else None
+    x0, x0_p = llada_choice(logits, geo, token_keys, remask_keys)
+    minus_inf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
+    conf = _scatter(minus_inf, pos_c, valid, torch.where(cand, x0_p, float("-inf")))
+    sel = torch.topk(conf, k).indices
+    x0_full = _scatter(x, pos_c, valid, x0)
+    st["fwd"] = fwd
+    st["transferred"] = st["transferred"] + k
+    return _finish(st, x.index_copy(0, sel, x0_full.index_select(0, sel)), bad, geo, logits)
+
+
+def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
+    """One vanilla Dream step (lopa_fast.decode.vanilla `_Loop.dream`'s body) on bucket (Rb, n): rows
+    [min(fm, L - 1), L), n = this step's transfer count (unused by alg='origin')."""
+    from lopa_fast.sampling import token_stats
+
+    Rb, n = sizes
+    x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
+    pos, valid, raw = _rows(st["fm"].clamp(max=L - 1), L, Rb, L, True)
+    logits = _full(model, st, x[None], raw, geo)[0]
+    fwd = st["fwd"] + 1
+    pos_c = pos.clamp(max=L - 1)
+    cand = (x.index_select(0, pos_c) == mask_id) & valid
+    bad = steps.first_bad_row(logits, cand, geo.temperature)
+    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
+    kw = dict(temperature=geo.temperature, top_p=geo.top_p, top_k=geo.top_k,
+              suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
+    i = st["i"]
+    if geo.alg == "origin":
+        t, s = T["ts"].index_select(0, i.reshape(1))[0], T["ts"].index_select(0, (i + 1).reshape(1))[0]
+        p_transfer = torch.where(i < geo.n_steps - 1, 1 - s / t, torch.ones_like(t))
+        reveal = cand & (keyed.uniform(_keys(T, keyed.REVEAL, fwd, pos)) < p_transfer)
+        _, tok, _ = token_stats(logits, **kw, keys=keys)
+        x = _scatter(x, pos_c, reveal, tok)
+        st["transferred"] = st["transferred"] + reveal.sum()
+    else:
+        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[geo.alg], **kw, keys=keys)
+        minus_inf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
+        full_conf = _scatter(minus_inf, pos_c, valid, torch.where(cand, conf.to(logits.dtype), float("-inf")))
+        if n > 0:
+            masks = torch.full((L,), mask_id, dtype=x.dtype, device=dev)
+            x0_full = _scatter(masks, pos_c, valid, torch.where(cand, x0, mask_id))
+            if geo.alg_temp is None or geo.alg_temp == 0:
+                sel = torch.topk(full_conf, n).indices
+                x = x.index_copy(0, sel, x0_full.index_select(0, sel))
+            else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
+                race = keyed.top_n_race(torch.softmax(full_conf / geo.alg_temp, -1), n,
+                                        _keys(T, keyed.ORDER, fwd, torch.arange(L, device=dev)))  # fmt: skip
+                x = torch.where(race, x0_full, x)
+        st["transferred"] = st["transferred"] + n
+    st["fwd"] = fwd
+    st["i"] = i + 1
+    return _finish(st, x, bad, geo, logits)
+
+
+def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
+    """The step of `kind` (module docstring) on bucket `sizes`: (state, {"logits": raw logits [R, V]})."""
+    if kind == "llada":
+        return llada_step(model, st, T, geo, sizes)
+    if kind == "dream":
+        return dream_step(model, st, T, geo, sizes)
+    return threshold_step(model, st, T, geo, kind, sizes)
+
+
+__all__ = ["HEAD", "StepGeometry", "dream_step", "geometry", "init", "llada_choice", "llada_step", "step",
+           "threshold_step"]
