@@ -12,7 +12,10 @@ Stages (each writes $OUT/<stage>.json and prints a short table):
   is not bitwise).
 * batch: batched generate (one forward per round for B requests, lopa_fast.decode.batch, eager) vs B sequential
   runs on the same Dream-7B-shaped model, D2F and LoPA k = 4, B = 1, 2, 4, 8, 16, prefix 1024, 4 rounds each:
-  request-rounds per second (the issue-15 GPU entry); the tokens of both paths are compared.
+  request-rounds per second (the issue-15 GPU entry); the tokens of both paths are compared. On the GPU the batch
+  also runs with its attention per request (B launches per layer instead of the pooled one: `per-req` column,
+  tokens compared too), which measures what the KV pool's single pooled attention call buys (on the CPU both paths
+  are per request: --dry-run only runs the code).
 
 --dry-run: tiny shapes on the CPU (compile=True then means torch.compile; one k only) to catch errors without
 a GPU. Usage: python bench/bench_round_captured.py --stage round|parity|batch|all [--dry-run] [--out DIR]
@@ -183,6 +186,21 @@ def stage_batch(dry: bool) -> dict:
             row = dict(k=k, B=B, batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
                        batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
                        same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+            if B > 1:  # the same batch with per-request attention (forward_requests without pool; on CPU both are that)
+                real = model.forward_requests
+                model.forward_requests = lambda parts, mode, b=None, pool=None: real(parts, mode, b)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        _sync(dev)
+                        t0 = time.perf_counter()
+                        loop = lopa_fast.generate(model, ps, "lopa", "fast", branching_factor=k, **kw)
+                        _sync(dev)
+                        tl = time.perf_counter() - t0
+                finally:
+                    del model.forward_requests
+                row.update(per_request_rounds_per_s=req_rounds / tl,
+                           per_request_same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, loop)))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return dict(device=str(dev), torch=torch.__version__, rows=rows)
@@ -206,10 +224,13 @@ def table(results: dict) -> str:
     b = results.get("batch")
     if b:
         lines.append(f"batched generate ({b['device']}): request-rounds per second, batched vs sequential")
-        lines.append(f"{'k':>2} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11}")
+        lines.append(f"{'k':>2} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11} "
+                     f"{'per-req':>8} {'same':>5}")
         for x in b["rows"]:
             lines.append(f"{x['k']:>2} {x['B']:>3} {x['batched_rounds_per_s']:>9.1f} {x['sequential_rounds_per_s']:>10.1f} "
-                         f"{x['batched_rounds_per_s'] / x['sequential_rounds_per_s']:>8.2f} {str(x['same_tokens']):>11}")
+                         f"{x['batched_rounds_per_s'] / x['sequential_rounds_per_s']:>8.2f} {str(x['same_tokens']):>11} "
+                         f"{x.get('per_request_rounds_per_s', float('nan')):>8.1f} "
+                         f"{str(x.get('per_request_same_tokens', '-')):>5}")
     p = results.get("parity")
     if p:
         for dt, x in p.items():
