@@ -1,17 +1,21 @@
 """Many D2F / LoPA requests at once: every live request's branch windows in ONE forward per round.
 
-Each request keeps its own round state, tables, static prefix cache and finish line (a `FastDecoder`
-driven step by step: `begin` / `next_bucket` / `prepare` / `finish` / `read_head` / `after_round` /
-`result`); per round the batch runs one `model.forward_requests` over all live requests' windows (each
-layer's projections, norms and MLP once for all rows; attention per request over its own keys and window in
-the shapes of a solo round), then each request's own bookkeeping (the C++ twin on CPU, the torch round
-elsewhere). So every request's tokens, forwards and stats are those of running it alone (tests/test_batch.py),
-and a finished request leaves the batch (its rows are not computed again).
+Each request keeps its own round state, tables and finish line (a `FastDecoder` driven step by step: `begin` /
+`next_bucket` / `prepare` / `finish` / `read_head` / `after_round` / `result`); its static prefix cache is a slot of
+the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at admission, freed when the request finishes or
+fails). Per round the batch runs one `model.forward_requests` over all live requests' windows (each layer's
+projections, norms and MLP once for all rows), then each request's own bookkeeping (the C++ twin on CPU, the torch
+round elsewhere). Attention: on the torch backend (CPU) per request over its own keys and window in the shapes of a
+solo round, so every request's tokens, forwards and stats are bitwise those of running it alone
+(tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for every request (equal to the
+per-request path within float tolerance, tokens equal on the tested cases: tests/test_kv_pool.py). A finished
+request leaves the batch (its rows are not computed again).
 
-`Scheduler` adds continuous batching at round granularity: `submit()` queues a request, and at every
-round boundary the queue is admitted into the running batch while the rows (sum of branch slots) stay
-within `max_rows`; admission never changes a running request's tokens (each request's computation is
-independent of its neighbours). Eager rounds only (compile=True runs requests one at a time).
+`Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
+never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
+of branch slots) stay within `max_rows` and the live requests within `max_slots`; admission never changes a
+running request's tokens (each request's computation is independent of its neighbours). Eager rounds only
+(compile=True runs requests one at a time).
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations

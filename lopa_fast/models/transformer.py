@@ -455,7 +455,7 @@ class DecoderLM(nn.Module):
         cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
         h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
         if pool is not None and b != "torch":
-            attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, T, dev)
+            attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
         else:
             masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
                      for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
@@ -494,39 +494,39 @@ class DecoderLM(nn.Module):
 _PAD_BLOCK = 1 << 30
 
 
-def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, pool: tuple, Hq: int, D: int, T: int,
-                   dev):
+def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, pool: tuple, Hq: int, D: int, dev):
     """The pooled path of `DecoderLM.forward_requests`: attend(layer, q [1, T, Hq, D], k, v [1, T, Hkv, D]) ->
     o [1, T, Hq, D] as ONE pooled `ops.branch_attention` call over the pool (k, v [layers, S, Lp, Hkv, D]).
 
     The call's batch is every request's branch rows (B = sum NB_r) at the widest window nmax = max Nb_r: with equal
     windows the packed rows are that batch already (a view); otherwise one index_copy_ per tensor scatters the packed
     rows into a zero [B * nmax] buffer and one index_select gathers the real rows back. The per-call tables (slot
-    per row, prefix length per slot, window lengths, block ids) are built once per forward, not per layer."""
+    per row, prefix length per slot, window lengths, block ids) are built once per forward, not per layer, with one
+    host-to-device copy (a GPU round of small windows is launch- and sync-bound: every copy counts)."""
     k_pool, v_pool = pool
     S = k_pool.shape[1]
     B = sum(NBr for NBr, _ in shapes)
     nmax = max(Nbr for _, Nbr in shapes)
     lens = [0] * S
-    slot_rows = []
-    for p, (NBr, _) in zip(parts, shapes):
+    slot_rows, dest, r0 = [], [], 0
+    for p, (NBr, Nbr) in zip(parts, shapes):
         lens[p["slot"]] = int(p["prefix_len"])
         slot_rows += [p["slot"]] * NBr
-    cache_len = torch.tensor(lens, dtype=torch.long, device=dev)  # [S]: unused slots 0 (never indexed)
-    cache_index = torch.tensor(slot_rows, dtype=torch.long, device=dev)  # [B]
+        for a in range(NBr):  # packed row -> its row of the padded [B * nmax] batch
+            base = (r0 + a) * nmax
+            dest += range(base, base + Nbr)
+        r0 += NBr
+    padded = any(Nbr != nmax for _, Nbr in shapes)
+    # one host-to-device copy per forward: [S] prefix lengths (unused slots 0, never indexed), [B] slot per row,
+    # then (padded windows only) [T] the packed rows' places in the padded batch
+    table = torch.tensor(lens + slot_rows + (dest if padded else []), dtype=torch.long, device=dev)
+    cache_len, cache_index = table[:S], table[S : S + B]
+    dest = table[S + B :] if padded else None
     win_lens = torch.cat([p["win_lens"].reshape(-1).long() for p in parts])  # [B]
     bids = None
     if mode == "block_causal":
         bids = torch.cat([torch.nn.functional.pad(p["bids"].long(), (0, nmax - Nbr), value=_PAD_BLOCK)
                           for p, (_, Nbr) in zip(parts, shapes)])  # fmt: skip
-    dest = None
-    if any(Nbr != nmax for _, Nbr in shapes):  # packed row -> its row of the padded [B * nmax] batch
-        dest, r0 = [], 0
-        for NBr, Nbr in shapes:
-            for a in range(NBr):
-                dest.append(torch.arange(Nbr) + (r0 + a) * nmax)
-            r0 += NBr
-        dest = torch.cat(dest).to(dev)
 
     def pad(t):  # [1, T, H, D] -> [B, nmax, H, D]
         if dest is None:
