@@ -15,6 +15,7 @@ from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.errors import KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests.test_batch import STATS, knobs, prompts, same
+from tests.utils import cuda_emu  # noqa: F401 - fixture
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +114,11 @@ def test_scheduler_caps_refuse_what_can_never_fit(model):
         engine.close()
 
 
-def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool):
+def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool, backend: str):
     """Requests run two rounds on the CPU path (late: a second request is admitted after them, so its prompt-long
-    first window meets the first one's short window), then the next round's forward_requests on Triton: pooled and
-    per-request (pool=None). Returns both outputs, the parts and the attention launches of each."""
-    import lopa_fast.kernels.triton.branch_attention as tri
+    first window meets the first one's short window), then the next round's forward_requests on `backend`: pooled
+    and per-request (pool=None). Returns both outputs, the parts and the attention calls of each."""
+    from lopa_fast import ops
 
     cfg = bound(model, **dict(knobs(k, full, 4), max_new_tokens=48))
     sched = batch.Scheduler(model, cfg, k, "lopa")
@@ -133,12 +134,27 @@ def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool):
     plan = [(rid, dec, dec.next_bucket()) for rid, dec in sched.live.items()]
     parts = [dict(dec.forward_args(dec.prepare(*b)), slot=sched.slot_of[rid]) for rid, dec, b in plan]
     calls = []
-    launcher = tri.branch_attention
-    monkeypatch.setattr(tri, "branch_attention", lambda *a, **kk: calls.append(kk.get("cache_index")) or launcher(*a, **kk))
-    pooled = model.forward_requests(parts, sched.cfg_mode, "triton", pool=(sched.pool.k, sched.pool.v))
+    op = ops.branch_attention
+    monkeypatch.setattr(ops, "branch_attention", lambda *a, **kk: calls.append(kk.get("backend")) or op(*a, **kk))
+    pooled = model.forward_requests(parts, sched.cfg_mode, backend, pool=(sched.pool.k, sched.pool.v))
     n_pooled = len(calls)
-    loop = model.forward_requests(parts, sched.cfg_mode, "triton")
+    loop = model.forward_requests(parts, sched.cfg_mode, backend)
+    monkeypatch.setattr(ops, "branch_attention", op)
+    assert set(calls) == {backend}
     return pooled, loop, parts, n_pooled, len(calls) - n_pooled
+
+
+def _assert_paths_agree(model, pooled, loop, parts, n_pooled, n_loop, late, tol):
+    L = model.config.num_layers
+    assert n_pooled == L and n_loop == L * len(parts) and len(parts) == 2  # one launch per layer vs one per request
+    widths = {p["tokens"].shape[1] for p in parts}
+    assert (len(widths) > 1) == late, widths  # the padded case and the packed case are both covered
+    assert any(p["prefix_len"] > 0 for p in parts)
+    for (la, ka, va), (lb, kb, vb) in zip(pooled, loop):
+        torch.testing.assert_close(la, lb, atol=tol, rtol=tol)
+        assert torch.equal(la.argmax(-1), lb.argmax(-1))
+        torch.testing.assert_close(ka, kb, atol=tol, rtol=tol)
+        torch.testing.assert_close(va, vb, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("full,k,late", [(False, 2, True), (True, 1, False)], ids=["padded", "packed"])
@@ -146,17 +162,21 @@ def test_pooled_forward_requests_matches_per_request_triton(model1, monkeypatch,
     """The GPU path in the interpreter: one pooled attention launch per layer (vs one per request), the same logits
     and window K/V as the per-request path within fp32 tolerance; windows of different widths (a request admitted
     late, block-causal LoPA) exercise the padded batch, equal widths (full D2F) the packed view."""
-    pooled, loop, parts, n_pooled, n_loop = _pooled_and_loop(model1, monkeypatch, full, k, late)
-    L = model1.config.num_layers
-    assert n_pooled == L and n_loop == L * len(parts) and len(parts) == 2
-    widths = {p["tokens"].shape[1] for p in parts}
-    assert (len(widths) > 1) == late, widths  # the padded case and the packed case are both covered
-    assert any(p["prefix_len"] > 0 for p in parts)
-    for (la, ka, va), (lb, kb, vb) in zip(pooled, loop):
-        torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
-        assert torch.equal(la.argmax(-1), lb.argmax(-1))
-        torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+    out = _pooled_and_loop(model1, monkeypatch, full, k, late, "triton")
+    _assert_paths_agree(model1, *out, late, 1e-4)
+
+
+def test_pooled_forward_requests_matches_per_request_cuda_emulated(cuda_emu, monkeypatch):
+    """The same on the CUDA kernels' host emulation (head dim 64: the kernels' smallest), padded block-causal LoPA."""
+    from lopa_fast.ops import _backend, cuda
+
+    monkeypatch.setattr(cuda, "branch_attention", cuda_emu.branch_attention)
+    usable = _backend._usable
+    monkeypatch.setattr(_backend, "_usable", lambda op, b, dev, args=(): None if b == "cuda" else usable(op, b, dev, args))
+    model = random_model(tiny_hf_config("dream", vocab_size=64, hidden_size=128, intermediate_size=64, num_layers=1,
+                                        num_heads=2, num_kv_heads=1), seed=2, sharpen=6)  # fmt: skip
+    out = _pooled_and_loop(model, monkeypatch, False, 2, True, "cuda")
+    _assert_paths_agree(model, *out, True, 1e-4)
 
 
 def test_pooled_batch_tokens_equal_per_request_triton(model1, monkeypatch):
