@@ -114,6 +114,24 @@ def test_scheduler_caps_refuse_what_can_never_fit(model):
         engine.close()
 
 
+def test_abort_ends_every_request_and_frees_every_slot(model):
+    """The shared forward failing (BatchEngine calls abort) ends the live and the queued requests with that error
+    and hands every slot back; the scheduler then serves new requests from a free pool."""
+    cfg = bound(model, **knobs(2, False, 4))
+    sched = batch.Scheduler(model, cfg, 2, "lopa", max_slots=2)
+    ids = [sched.submit(p) for p in prompts((5, 9, 7), seed=3)]
+    sched.step()
+    assert len(sched.live) == 2 and len(sched.queue) == 1
+    err = RuntimeError("the shared forward failed")
+    assert sorted(sched.abort(err)) == ids
+    assert all(sched.failed[i] is err for i in ids) and not sched.live and not sched.queue
+    assert not sched.pool.used and sorted(sched.pool.free) == [0, 1]
+    p = prompts((6,), seed=4)[0]
+    rid = sched.submit(p)
+    sched.run()
+    same(sched.done[rid], lopa_fast.generate(model, p, "lopa", "fast", **knobs(2, False, 4)), STATS[:-1])
+
+
 def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool, backend: str):
     """Requests run two rounds on the CPU path (late: a second request is admitted after them, so its prompt-long
     first window meets the first one's short window), then the next round's forward_requests on `backend`: pooled
