@@ -243,6 +243,8 @@ def test_pooled_batch_on_the_device():
             sched.submit(p)
         sched.step()
         plan = [(rid, dec, dec.next_bucket()) for rid, dec in sched.live.items()]
+        plan = [x for x in plan if x[2] is not None]
+        assert len(plan) >= 2
         parts = [dict(dec.forward_args(dec.prepare(*b)), slot=sched.slot_of[rid]) for rid, dec, b in plan]
         b = plan[0][1].geo.attn_backend
         assert b in ("triton", "cuda")
