@@ -134,6 +134,27 @@ class CompiledRounds:
         self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
         return out
 
+    def call(self, key: tuple, bucket: tuple[int, int], label: str, make, *args):
+        """`make()` (a function of tensors and dicts of tensors with static shapes per key) compiled once per key
+        with torch.compile(fullgraph=True, dynamic=False), on any device, and run on args. The machinery of
+        `step` for a round split into parts that cannot be one graph: lopa_fast.distributed compiles a rank's
+        forward + statistics and, separately, the selection + plan, with the collectives between them outside
+        any graph. Counted in stats() as `step`'s graphs (bucket: (Nb, Rb); label: its compile_seconds name)."""
+        self._req_buckets.add(bucket)
+        fn = self.fns.get(key)
+        g0 = _dynamo_graphs()
+        if fn is None:
+            fn = self.fns[key] = torch.compile(own_code(make(), f"{label}_{next(_CODE_IDS)}"), fullgraph=True,
+                                               dynamic=False)  # fmt: skip
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.compile_seconds[key] = time.perf_counter() - t0
+            self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
+        else:
+            out = fn(*args)
+        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
+        return out
+
     # ------------------------------------------------------------------------------------------------
     def _capture(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, step=None):
         """Capture the bucket's round (or `step(st, T) -> (st, info)`, e.g. an APD step) as a CUDA graph over
@@ -193,6 +214,13 @@ class CompiledRounds:
             "compiled_buckets": sorted(self._req_buckets),
             "compile_seconds": dict(self._req_compile_seconds),
         }
+
+
+def own_code(fn, name: str):
+    """fn as a function with its OWN code object named `name` (the same closure): Dynamo keeps compiled graphs per
+    code object, so each bucket's function gets one (see _bound_step)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def _bound_step(model, geo, cfg, Nb: int, Rb: int):
