@@ -12,16 +12,18 @@ Per round (nA alive slots, read from the round head every rank reads anyway):
 1. slots: rank r runs slots [lo_r, hi_r) of range(nA), contiguous, split as evenly as possible (the first
    nA % world ranks get one more); any k, nothing dropped (upstream puts branch i on rank i and drops
    branches beyond the world size);
-2. ONE all_gather of int32 [3 + 3 * Rmax] per rank: an error flag, the number of real rows, the first
-   non-finite flat row, then the (conf, p, x0) statistics of its needed rows (conf and p as fp32 bit
-   patterns: exact), Rmax = min(ceil(nA / world) * Nb, Rb). Never logits: 12 bytes per needed row instead of
+2. ONE all_gather of int32 [7 + 3 * Rmax] per rank: an error flag, the number of real rows, the first
+   non-finite flat row, whether it holds the last_logit row and that row's statistics (3.), then the (conf,
+   p, x0) statistics of its needed rows (conf and p as fp32 bit patterns: exact),
+   Rmax = min(ceil(nA / world) * Nb, Rb) (compiled rounds: ceil(NB / world), a static shape). Never logits: 12 bytes per needed row instead of
    2 * V bytes (Dream: 304 KB per row). Every rank then holds the same statistics table as the
    single-process round (the rows in ascending flat order) and runs `select_winner` / `apply_winner` on
    it: the same scores, the same winner (first maximum = upstream's tie rule), the same fill, spawn and
    next plan on every rank, with no further message;
-3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position) is
-   kept as its statistics (conf, x0, p): the only values the rules read of it. They are a row of the
-   gathered table, so nothing extra moves;
+3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position, table
+   row 0 of every later round) stays on the rank that computed it (the winner's owner; round 1's all-ones row
+   is everyone's, rank 0 sends it). That rank sends the row's statistics in its header every round, drawn at
+   T > 0 with the CURRENT round's key (as the single process does): 12 bytes, never the vocabulary row;
 4. the winner's to-cache span K/V, only when u > 0. Full attention: it is branch-specific, and its owner
    broadcasts it in ONE collective: [2, layers, u, Hkv, D] (K and V of every layer packed). Block-causal:
    the span sees only the prefix and itself, so every rank that ran any slot holds the same K/V and
@@ -37,6 +39,24 @@ every rank then raises DistributedError naming the failing rank and its message 
 the error path only). A rank that dies makes its peers' next collective fail or time out: the process
 group's timeout bounds the wait (`init_from_env` uses LOPA_FAST_DIST_TIMEOUT_S, default 60 s; a group
 created by the caller keeps the caller's timeout) and the failure is re-raised as DistributedError.
+
+Temperature > 0 (sampler="keyed"): the keyed sampler's noise is a pure function of (seed, round, position)
+with no slot field, so the rank that owns a row draws exactly what the single process draws for it; the
+seed is rank 0's (seed=None draws one per process; it rides on the request-fingerprint all_gather).
+sampler="upstream" (one generator in upstream's draw order) is refused.
+
+compile=True: the collectives and the K/V broadcast (its source rank is the winner's owner, a host value)
+cannot sit inside one graph, and a rank's failure must reach the all_gather as a flag, so each decode round
+is two graphs per bucket, compiled with `CompiledRounds.call` (torch.compile fullgraph, static shapes; the
+same machinery and cache as the single-process compiled round): `compiled_share` (window inputs, this
+rank's share padded to ceil(NB / world) slots, its forward, statistics and message) and `after_exchange`
+(selection, fill, spawn, the next plan); the all_gather, the host read and the span commit run between and
+after them. Round 1 (the prefill) is eager, as on one process. On CUDA this is Inductor too, not a captured
+CUDA graph (a capture owns the whole round state as one static workspace); not run on a GPU here.
+
+The C++ CPU twin of the bookkeeping (round.round_step_cpp) is not used: its `round_update` takes every
+slot's logits and window K/V in one call (it commits the winner's K/V and copies the winner's vocabulary row
+inside), and a rank holds only its share; splitting the op at the exchange point would be a second op.
 
 Every rank returns the same GenerateOutput (same ids, forwards and counters; its `seconds` are its own);
 stats["distributed"] holds the world size, this rank, the backend and the bytes moved.
@@ -63,24 +83,27 @@ from lopa_fast.errors import DistributedError, KnobError
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "LOPA_FAST_DIST_TIMEOUT_S"
 STRATEGIES = ("d2f", "lopa")
-HEADER = 3  # int32 words before the statistics: error flag, real rows, first non-finite flat row (or -1)
+# int32 words before the statistics: error flag, needed rows, first non-finite flat row (or -1), holds the
+# last_logit row, that row's (conf, p, x0) under Dream's shift (zeros without)
+HEADER = 7
 
 
 def check_config(cfg) -> None:
     """Refuse (KnobError naming the knob) distributed=True where it cannot run: no initialised process group,
-    a strategy other than d2f / lopa, the reference backend, compile=True or temperature > 0."""
+    a strategy other than d2f / lopa, the reference backend, or temperature > 0 with sampler='upstream'."""
     if cfg.strategy not in STRATEGIES:
         raise KnobError(f"distributed=True covers strategy 'd2f' and 'lopa'; got strategy={cfg.strategy!r}",
                         knob="strategy", value=cfg.strategy)  # fmt: skip
     if cfg.backend == "reference":
         raise KnobError("distributed=True runs the fast decoder; pass backend='fast' (or 'auto')",
                         knob="backend", value=cfg.backend)  # fmt: skip
-    if cfg.compile:
-        raise KnobError("distributed=True runs eager rounds; compile=True is not supported with it yet",
-                        knob="compile", value=True)  # fmt: skip
-    if cfg.temperature != 0:
-        raise KnobError(f"distributed=True covers temperature=0 only; got temperature={cfg.temperature!r}",
-                        knob="temperature", value=cfg.temperature)  # fmt: skip
+    if cfg.temperature > 0 and getattr(cfg, "sampler", None) == "upstream":
+        raise KnobError(
+            f"distributed=True at temperature={cfg.temperature!r} draws with sampler='keyed' (noise keyed by seed, "
+            "round and position, so every rank draws any branch's noise without a message); sampler='upstream' "
+            "(one generator, draw by draw in upstream's order) cannot be split over ranks",
+            knob="sampler", value="upstream",
+        )  # fmt: skip
     if not (dist.is_available() and dist.is_initialized()):
         raise KnobError(
             "distributed=True needs an initialised torch.distributed process group (launch with "
@@ -183,16 +206,136 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous().view(torch.int32)
 
 
+# ----------------------------------------------------------------- the round's stages around the exchange
+# Pure functions of device tensors (no host read; static shapes for fixed arguments): eager rounds call them
+# directly, compile=True compiles `compiled_share` and `after_exchange` once per bucket (CompiledRounds.call).
+def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, prefix_len):
+    """The forward of window slots `slots` [m] on their needed rows (valid [m]: the slots that are this rank's
+    own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V], k_win,
+    v_win [layers, m, Nb, Hkv, D], flat [n_rows]: the rows' flat window rows slot * Nb + column, the real ones
+    first in ascending order, n_real: 0-d, how many are real)."""
+    Nb = w["i"].shape[0]
+    need = w["need"].index_select(0, slots) & valid[:, None]  # [m, Nb]
+    rows = torch.sort((~need.reshape(-1)).to(torch.uint8), stable=True).indices[:n_rows]
+    bids = None if w["bids"] is None else w["bids"].index_select(0, slots)
+    logits, k_win, v_win = model.forward_static(
+        w["tokens"].index_select(0, slots), st["s"], st["cache_k"], st["cache_v"], prefix_len,
+        w["win_lens"].index_select(0, slots), bids, geo.mode, rows, attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    flat = slots.index_select(0, rows // Nb) * Nb + rows % Nb
+    return logits, k_win, v_win, flat, need.sum()
+
+
+def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder: bool, logits, flat, n_real):
+    """This rank's int32 message [HEADER + 3 * Rmax]: error flag 0, n_real (its needed rows), the first non-finite
+    flat row of them (or -1), `holder` (it holds the last_logit row), the (conf, p, x0) of its last_logit row
+    under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window rows `flat` [n],
+    n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 = last_logit under the
+    shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no slot field), so a
+    rank draws for any slot's row what the single process draws."""
+    dev = st["x"].device
+    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+    n = logits.shape[0]
+    msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
+    msg[0] = 0
+    msg[1] = n_real
+    msg[2] = rnd.first_nonfinite(logits, flat, n_real, geo.NB * Nb, cfg.temperature) if n else -1
+    msg[3] = holder
+    if table.shape[0] == 0:
+        return msg
+    # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
+    keys = rnd.row_keys(st, T, flat if n else flat.new_zeros(1), st["s"], Nb, geo.shift, cfg)
+    keys = None if keys is None else keys[: table.shape[0]]
+    conf, x0, p = rnd.token_stats(table, cfg, geo.use_conf_kernel, keys)
+    k = int(geo.shift)
+    if geo.shift:
+        msg[4], msg[5], msg[6] = _bits(conf[:1])[0], _bits(p[:1])[0], x0[0].to(torch.int32)
+    msg[HEADER : HEADER + n] = _bits(conf[k:])
+    msg[HEADER + Rmax : HEADER + Rmax + n] = _bits(p[k:])
+    msg[HEADER + 2 * Rmax : HEADER + 2 * Rmax + n] = x0[k:].to(torch.int32)
+    return msg
+
+
+def gathered_stats(parts: torch.Tensor, geo, Nb: int, Rmax: int):
+    """parts [world, HEADER + 3 * Rmax] -> (conf, x0, p): the single-process statistics table (the last_logit row
+    of the holding rank first under the shift, then the needed rows in ascending flat order), the first
+    non-finite flat row (or -1), the error flag (0-d); no host read."""
+    world, dev = parts.shape[0], parts.device
+    NB = geo.NB
+    cnt = parts[:, 1].long()
+    nf = parts[:, 2].long()
+    nf = torch.where(nf >= 0, nf, NB * Nb).min()
+    nonfinite = torch.where(nf == NB * Nb, -1, nf)
+    real = (torch.arange(Rmax, device=dev)[None, :] < cnt[:, None]).reshape(-1)
+    order = torch.sort((~real).to(torch.uint8), stable=True).indices  # real rows first, rank order kept
+    body = parts[:, HEADER:].reshape(world, 3, Rmax).transpose(0, 1).reshape(3, -1)
+    conf = body[0].index_select(0, order).contiguous().view(torch.float32)
+    p = body[1].index_select(0, order).contiguous().view(torch.float32)
+    x0 = body[2].index_select(0, order).long()
+    if geo.shift:  # the holder's last_logit statistics: table row 0
+        h = parts[:, 3].argmax().reshape(1)
+        head = parts.index_select(0, h)[0]
+        conf = torch.cat([head[4:5].contiguous().view(torch.float32), conf])
+        p = torch.cat([head[5:6].contiguous().view(torch.float32), p])
+        x0 = torch.cat([head[6:7].long(), x0])
+    return conf, x0, p, nonfinite, parts[:, 0].max()
+
+
+def after_exchange(st: dict, T: dict, geo, w: dict, parts: torch.Tensor, Nb: int, Rmax: int, rank: torch.Tensor):
+    """The round after the all_gather, the same on every rank: selection, fill, spawn, block transitions and
+    the next plan (rnd.select_winner, rnd.apply_winner on the gathered table). Returns (st, info, vals [12]
+    long): the next head [9], the winner, the error flag, and the row of this rank's logits holding the
+    winner's raw row u - 1 (Dream's shift: the next last_logit; meaningful on the winner's owner only).
+    rank: 0-d long (a tensor, so every rank compiles the same graph)."""
+    conf, x0, p, nonfinite, failed = gathered_stats(parts, geo, Nb, Rmax)
+    st["nonfinite"] = nonfinite
+    sel = rnd.select_winner(st, T, geo, w, conf)
+    info = rnd.apply_winner(st, T, geo, w, sel, conf, x0, p)
+    if geo.shift:  # table row last_row = needed raw row last_row - 1; this rank's rows follow the lower ranks'
+        lower = torch.arange(parts.shape[0], device=parts.device) < rank
+        loc = sel["last_row"] - 1 - torch.where(lower, parts[:, 1].long(), 0).sum()
+    else:
+        loc = torch.zeros((), dtype=torch.long, device=conf.device)
+    vals = torch.cat([st["head"], sel["W"].reshape(1), failed.reshape(1).long(), loc.reshape(1)])
+    return st, info, vals
+
+
+def compiled_share(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, world: int, rank, holder):
+    """The rank-local part of a compiled round: window_inputs, the round counter, this rank's share of the
+    alive slots (slot_share on the device: nA is a device value here) padded to the static
+    cap = ceil(NB / world) slots, its forward (prefix attention over the static cache, as a compiled
+    single-process round) and its message. A rank without a slot runs the anchor's window (its K/V is the
+    span's under the block-causal mask; under full attention it is ignored) and sends no row. rank and holder:
+    0-d tensors (every rank compiles the same graph: one Inductor cache entry). Returns (st, (w, msg, logits,
+    k_win, v_win))."""
+    dev = st["x"].device
+    w = rnd.window_inputs(st, T, geo, Nb, Rb)
+    st["round"] = st["round"] + 1  # as finish_round: the keyed sampler's step
+    cap = -(-geo.NB // world)
+    n_rows = min(cap * Nb, Rb)
+    nA = st["alive"].sum()
+    q, r = nA // world, nA % world
+    lo = rank * q + torch.minimum(r, rank)
+    hi = lo + q + (r > rank).long()
+    j = lo + torch.arange(cap, device=dev)
+    slots = torch.where(hi > lo, j.clamp(max=hi - 1), nA - 1)
+    valid = j < hi
+    logits, k_win, v_win, flat, n_real = share_forward(model, st, geo, w, slots, valid, n_rows, st["cache_len"])
+    msg = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real)
+    return st, (w, msg, logits, k_win, v_win)
+
+
 class DistributedDecoder(FastDecoder):
     """FastDecoder whose rounds run a share of the slots on each rank of `comm` (module docstring)."""
 
     def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm: Comm):
         super().__init__(model, prompt, cfg, branching_factor, name)
         self.comm = comm
-        self.cpp_tables = None  # the torch stages (the C++ twin fuses the statistics exchange point away)
-        # the last_logit row -> its statistics (conf, x0, p) [1] each: all the rules ever read of it
-        last = self.st.pop("last_logit")
-        self.last_stats = rnd.token_stats(last[None, :], cfg, self.geo.use_conf_kernel) if self.geo.shift else None
+        # the torch stages: the C++ twin (round_update) takes every slot's logits and K/V in one call
+        self.cpp_tables = None
+        self.holder = 0  # the rank holding the last_logit row (Dream's shift); round 1's is everyone's
+        self._holder_flag = [torch.tensor(v, dtype=torch.int32, device=self.dev) for v in (0, 1)]
+        self._rank_t = torch.tensor(comm.rank, dtype=torch.long, device=self.dev)
         self._pending = None
         self._head = None
         self.kv_rounds = 0  # rounds whose span K/V was broadcast
@@ -207,86 +350,88 @@ class DistributedDecoder(FastDecoder):
         self._head = head
         return head
 
-    def _local(self, w: dict, lo: int, hi: int, nA: int, u: int, Nb: int, Rb: int, Rmax: int, s: int):
-        """This rank's forward and statistics: (the int32 message [HEADER + 3 * Rmax], (k_win, v_win) or None).
-        An idle rank (no slot of its own) runs the anchor's window under the block-causal mask when a span is
-        cached this round (the span's K/V is the same in every slot), and nothing otherwise."""
-        st, geo, dev = self.st, self.geo, self.dev
-        msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
-        msg[2] = -1
+    def _share_eager(self, w: dict, nA: int, u: int, Nb: int, Rb: int, s: int, Rmax: int):
+        """This rank's forward and message on an eager round: (msg, logits, (k_win, v_win, first slot) or None).
+        Exactly its slots (no padding); a rank without a slot runs the anchor's window when a span is cached
+        under the block-causal mask (the span's K/V is the same in every slot) and no forward otherwise."""
+        st, geo, comm, dev = self.st, self.geo, self.comm, self.dev
+        lo, hi = slot_share(nA, comm.world, comm.rank)
+        holder = comm.rank == self.holder
         own = hi > lo
         if not own and not (geo.mode == "block_causal" and u > 0):
-            return msg, None
+            none = st["last_logit"].new_zeros((0, st["last_logit"].shape[0]))
+            flat = torch.zeros(0, dtype=torch.long, device=dev)
+            return rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, none, flat, 0), None, None
         f_lo, f_hi = (lo, hi) if own else (nA - 1, nA)
         self.max_share = max(self.max_share, f_hi - f_lo)
-        need = w["need"][f_lo:f_hi].reshape(-1)
+        slots = torch.arange(f_lo, f_hi, device=dev)
+        valid = torch.full((f_hi - f_lo,), own, device=dev)
         n_rows = min((f_hi - f_lo) * Nb, Rb) if own else 1
-        rows = torch.sort((~need).to(torch.uint8), stable=True).indices[:n_rows]
-        bids = None if w["bids"] is None else w["bids"][f_lo:f_hi]
-        logits, k_win, v_win = self.model.forward_static(
-            w["tokens"][f_lo:f_hi], st["s"], st["cache_k"], st["cache_v"], s, w["win_lens"][f_lo:f_hi], bids,
-            geo.mode, rows, attn_backend=geo.attn_backend,
-        )  # fmt: skip
-        if own:
-            n_real = need.sum()
-            msg[1] = n_real
-            msg[2] = rnd.first_nonfinite(logits, rows + f_lo * Nb, n_real, geo.NB * Nb)
-            conf, x0, p = rnd.token_stats(logits, self.cfg, geo.use_conf_kernel)
-            msg[HEADER : HEADER + n_rows] = _bits(conf)
-            msg[HEADER + Rmax : HEADER + Rmax + n_rows] = _bits(p)
-            msg[HEADER + 2 * Rmax : HEADER + 2 * Rmax + n_rows] = x0.to(torch.int32)
-        return msg, (k_win, v_win, f_lo)
+        logits, k_win, v_win, flat, n_real = share_forward(self.model, st, geo, w, slots, valid, n_rows, s)
+        if not own:  # the anchor's window ran for its span K/V only: no row of it is sent
+            logits, flat, n_real = logits[:0], flat[:0], 0
+        msg = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real)
+        return msg, logits, (k_win, v_win, f_lo)
 
-    def _gathered_stats(self, parts: torch.Tensor, Rmax: int, Nb: int):
-        """parts [world, HEADER + 3 * Rmax] -> (conf, x0, p) over the needed rows in ascending flat order (the
-        shift's last_logit row first), the first non-finite flat row (or -1), the error flag; no host read."""
-        NB, dev = self.geo.NB, self.dev
-        cnt = parts[:, 1].long()
-        nf = parts[:, 2].long()
-        nf = torch.where(nf >= 0, nf, NB * Nb).min()
-        nonfinite = torch.where(nf == NB * Nb, -1, nf)
-        real = (torch.arange(Rmax, device=dev)[None, :] < cnt[:, None]).reshape(-1)
-        order = torch.sort((~real).to(torch.uint8), stable=True).indices  # real rows first, rank order kept
-        body = parts[:, HEADER:].reshape(self.comm.world, 3, Rmax).transpose(0, 1).reshape(3, -1)
-        conf = body[0].index_select(0, order).contiguous().view(torch.float32)
-        p = body[1].index_select(0, order).contiguous().view(torch.float32)
-        x0 = body[2].index_select(0, order).long()
-        if self.geo.shift:
-            lc, lx, lp = self.last_stats
-            conf, x0, p = torch.cat([lc, conf]), torch.cat([lx, x0]), torch.cat([lp, p])
-        return conf, x0, p, nonfinite, parts[:, 0].max()
+    def _share_compiled(self, nA: int, Nb: int, Rb: int):
+        """This rank's part of a compiled round (compiled_share, one graph per bucket): (w, msg, logits, (k_win,
+        v_win, first slot))."""
+        comm, geo, cfg, model = self.comm, self.geo, self.cfg, self.model
+        key = ("dist-share", comm.world, *self.compiled.key(geo, cfg, Nb, Rb))
+        make = lambda: lambda st, T, rank, holder: compiled_share(model, st, T, geo, cfg, Nb, Rb, comm.world, rank,
+                                                                 holder)  # noqa: E731 fmt: skip
+        holder = self._holder_flag[int(comm.rank == self.holder)]
+        self.st, (w, msg, logits, k_win, v_win) = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:share", make, self.st,
+                                                                     self.tables, self._rank_t, holder)  # fmt: skip
+        self.max_share = -(-geo.NB // comm.world)
+        return w, msg, logits, (k_win, v_win, slot_share(nA, comm.world, comm.rank)[0])
 
     def _step(self, Nb: int, Rb: int, s: int) -> None:
-        st, T, geo, comm = self.st, self.tables, self.geo, self.comm
+        T, geo, comm = self.tables, self.geo, self.comm
         rnd_no = self._rounds + 1
         nA, u = self._head[1], self._head[3]
         self.max_Nb = max(self.max_Nb, Nb)
-        w = rnd.window_inputs(st, T, geo, Nb, Rb)
-        st["round"] = st["round"] + 1  # as rnd.finish_round (the keyed sampler's step; T = 0 here never reads it)
-        lo, hi = slot_share(nA, comm.world, comm.rank)
-        Rmax = min(-(-nA // comm.world) * Nb, Rb)
-        err, kv = None, None
+        compiled = self.compiled is not None and self._rounds > 0  # round 1 (the prefill) eager, as on one process
+        # message rows per rank: a compiled share is padded to the static ceil(NB / world) slots
+        Rmax = min(-(-(geo.NB if compiled else nA) // comm.world) * Nb, Rb)
+        err, kv, logits, w = None, None, None, None
         try:
-            msg, kv = self._local(w, lo, hi, nA, u, Nb, Rb, Rmax, s)
+            if compiled:
+                w, msg, logits, kv = self._share_compiled(nA, Nb, Rb)
+            else:
+                w = rnd.window_inputs(self.st, T, geo, Nb, Rb)
+                self.st["round"] = self.st["round"] + 1  # as finish_round (the keyed sampler's step)
+                msg, logits, kv = self._share_eager(w, nA, u, Nb, Rb, s, Rmax)
         except Exception as e:  # joins the gather with its flag set, so every rank stops now (no peer waits)
             err = e
             msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=self.dev)
             msg[0], msg[2] = 1, -1
         parts = comm.all_gather(msg, "stats", rnd_no)
-        conf, x0, p, nonfinite, failed = self._gathered_stats(parts, Rmax, Nb)
-        st["nonfinite"] = nonfinite
-        sel = rnd.select_winner(st, T, geo, w, conf)
-        if geo.shift:  # the winner's raw row u - 1's statistics become the next last_logit's
-            r = sel["last_row"].reshape(1)
-            new = (conf.index_select(0, r), x0.index_select(0, r), p.index_select(0, r))
-            self.last_stats = tuple(torch.where(st["u"] > 0, a, b) for a, b in zip(new, self.last_stats))
-        self.info = rnd.apply_winner(st, T, geo, w, sel, conf, x0, p)
-        vals = torch.cat([st["head"], sel["W"].reshape(1), failed.reshape(1).long()]).tolist()  # the one read
+        if err is not None:  # the peers learn it from the gathered flag (after their round's one host read)
+            self._raise_peer_error(err, rnd_no)
+        if compiled:
+            key = ("dist-after", comm.world, Rmax, *self.compiled.key(geo, self.cfg, Nb, Rb))
+            make = lambda: lambda st, T, w, parts, rank: after_exchange(st, T, geo, w, parts, Nb, Rmax, rank)  # noqa: E731
+            self.st, self.info, vals = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:after", make, self.st, T, w, parts,
+                                                          self._rank_t)  # fmt: skip
+        else:
+            self.st, self.info, vals = after_exchange(self.st, T, geo, w, parts, Nb, Rmax, self._rank_t)
+        vals = vals.tolist()  # the round's one host read: the next head, the winner, the error flag, a row index
         self._pending = vals[:9]
         if vals[10]:
             self._raise_peer_error(err, rnd_no)
         if u > 0:
-            self._commit(vals[9], nA, u, kv, rnd_no)
+            W = vals[9]
+            self._commit(W, nA, u, kv, rnd_no)
+            if geo.shift:  # the winner's raw row u - 1 is the next last_logit: its owner keeps it (a copy: the
+                # compiled share's outputs are rewritten by its next call)
+                owner = slot_owner(W, nA, comm.world)
+                if comm.rank == owner:
+                    self.st["last_logit"] = logits[vals[11]].clone()
+                else:  # the dtype the owner's row has (a compiled share sees one input dtype on every rank)
+                    self.st["last_logit"] = self.st["last_logit"].to(logits.dtype if logits is not None else
+                                                                      self.st["last_logit"].dtype)  # fmt: skip
+                self.holder = owner
 
     def _commit(self, W: int, nA: int, u: int, kv, rnd_no: int) -> None:
         """The winner's span K/V into every rank's cache: broadcast from its owner (full attention, ONE
@@ -344,9 +489,13 @@ def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_rou
     if dev.type != want:
         raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
                         knob="distributed", value=True)  # fmt: skip
-    fp = torch.tensor([_fingerprint(model, prompt, cfg)], dtype=torch.long, device=dev)
-    seen = comm.all_gather(fp, "setup", 0).view(-1).tolist()
-    if len(set(seen)) > 1:
+    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm)
+    # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
+    fp = torch.tensor([_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
+    seen = comm.all_gather(fp, "setup", 0)
+    prints = seen[:, 0].tolist()
+    if len(set(prints)) > 1:
         raise DistributedError(f"distributed decoding: the ranks were given different requests (config / prompt / "
-                               f"model fingerprints {seen}); every rank must call generate with the same arguments")
-    return DistributedDecoder(model, prompt, cfg, branching_factor, name, comm).run(on_round)
+                               f"model fingerprints {prints}); every rank must call generate with the same arguments")
+    dec.tables["seed"] = seen[0, 1].clone()
+    return dec.run(on_round)

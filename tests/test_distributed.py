@@ -2,9 +2,12 @@
 one process group per world size, every config of the grid decoded inside it.
 
 Parity: world sizes 2 and 3 x {full, block-causal} x k in {1, 2, 4, 5} (k + 1 = 2, 3, 5, 6 slots: not always
-a multiple of the world size; k = 1 and round 1 leave ranks without a slot): tokens, forwards, the coverage
-counters and the trace's per-round winners and accepted tokens equal to the single-process fast backend, on
-every rank. Faults: a rank that raises
+a multiple of the world size; k = 1 and round 1 leave ranks without a slot), at temperature 0 and (sampler
+'keyed') at TEMPERATURE: tokens, forwards, the coverage counters and the trace's per-round winners and
+accepted tokens equal to the single-process fast backend, on every rank. compile=True: COMPILE_CASE (T > 0,
+Dream's shift, full attention, a span won by the second rank's slot) at world size 2 in the default run, a
+grid of both modes, k and temperatures at world sizes 2 and 3 under -m slow (Inductor compiles in every
+spawned rank: minutes). Faults: a rank that raises
 mid-round ends every rank with DistributedError naming it; a rank that dies ends its peer with
 DistributedError; ranks given different requests refuse; all within a bounded time (a stalled rank: its peer
 at the group's timeout, under -m slow). Each spawned group is bounded by JOIN_TIMEOUT_S.
@@ -33,6 +36,10 @@ COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token
 PG_TIMEOUT_S = 20  # the process group's collective timeout in the spawned workers (bounds a dead peer's wait)
 STALL_S = 40  # how long the "stall" fault sleeps: far longer than the 5 s group timeout of its test
 JOIN_TIMEOUT_S = 180  # a whole spawned group (start-up ~5 s per process on a loaded 2-core machine + its cases)
+# a group whose ranks compile (compile=True): two Inductor graphs per bucket per rank, the ranks compiling at
+# once; cold (empty Inductor cache) on the loaded 2-core machine ~370 s for COMPILE_CASE, warm ~60 s
+COMPILE_JOIN_TIMEOUT_S = 900
+TEMPERATURE = 0.8
 
 
 def build_models() -> dict:
@@ -58,6 +65,27 @@ def grid() -> list[dict]:
             sampling_strategy=("default", "margin", "neg_entropy")[i % 3],
         ))  # fmt: skip
     return cases
+
+
+def hot_grid() -> list[dict]:
+    """The grid at TEMPERATURE (sampler 'keyed', the default; a seed per case)."""
+    return [dict(c, temperature=TEMPERATURE, seed=10 + i) for i, c in enumerate(grid())]
+
+
+# compile=True in the default run: one geometry and two buckets (block 4, two blocks), T > 0 with the keyed
+# sampler, Dream's shift, full attention; at world size 2 its round 3 caches a span won by slot 2 (rank 1's):
+# the K/V broadcast and the last_logit row moving to rank 1 run compiled
+COMPILE_CASE = dict(model="dream", prompt_len=9, prompt_seed=2, eos=False, strategy="lopa", branching_factor=2,
+                    use_full_attention=True, block_size=4, max_new_tokens=8, skip_threshold=0.9,
+                    block_add_threshold=0.1, decoded_token_threshold=0.9, sampling_strategy="neg_entropy",
+                    temperature=TEMPERATURE, seed=1)  # fmt: skip
+
+
+def compile_grid() -> list[dict]:
+    """-m slow: both modes, k in {1, 2, 4}, T = 0 and TEMPERATURE, on grid geometries (several buckets each)."""
+    g = grid()
+    return [dict(g[0], temperature=0.0), dict(g[3], temperature=TEMPERATURE, seed=3), dict(g[4], temperature=0.0),
+            dict(g[5], temperature=TEMPERATURE, seed=5), dict(COMPILE_CASE, temperature=0.0)]  # fmt: skip
 
 
 def _frequent_token(model) -> int:
@@ -131,7 +159,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
         try:
             hook = []  # the progress hook runs on every rank, once per round
             out = run_case(models, case, distributed=True, on_round=lambda prefix, info: hook.append(info["round"]))
-            res["cases"].append({**summary(out), "dist": out.stats["distributed"], "hook": hook})
+            res["cases"].append({**summary(out), "dist": out.stats["distributed"], "hook": hook,
+                                 "compiled": out.stats.get("compiled_buckets")})  # fmt: skip
             if backend == "nccl":
                 res["cases"][-1]["local"] = summary(run_case(models, case))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
@@ -146,8 +175,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
         dist.destroy_process_group()
 
 
-def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S) -> list:
-    """Run _worker on `world` spawned processes; every process must end within JOIN_TIMEOUT_S (else it is
+def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_timeout: float = PG_TIMEOUT_S,
+                join_timeout: float = JOIN_TIMEOUT_S) -> list:
+    """Run _worker on `world` spawned processes; every process must end within join_timeout seconds (else it is
     killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
     ctx = mp.get_context("spawn")
     init_file = str(tmp_path / f"pg{world}")
@@ -155,14 +185,14 @@ def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_tim
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    deadline = time.monotonic() + join_timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for r in hung:
         procs[r].kill()
         procs[r].join()
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (a hang)"
+    assert not hung, f"ranks {hung} still running after {join_timeout} s (a hang)"
     out = []
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
@@ -174,23 +204,33 @@ def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_tim
 
 @pytest.fixture(scope="module")
 def expected():
-    """The single-process fast backend's results on the grid."""
+    """The single-process fast backend's results on the grid, at T = 0 and at TEMPERATURE."""
     models = build_models()
-    return [summary(run_case(models, c)) for c in grid()]
+    return [summary(run_case(models, c)) for c in grid() + hot_grid()]
+
+
+def _assert_parity(ranks: list, cases: list, expected: list, world: int) -> None:
+    """Every rank's summary of every case equals the single-process one; the hook ran once per round."""
+    for r, res in enumerate(ranks):
+        assert res is not None, f"rank {r} wrote nothing"
+        assert len(res["cases"]) == len(expected)
+        for case, got, want in zip(cases, res["cases"], expected):
+            assert "error" not in got, f"rank {r} world {world} case {case}: {got['error']}"
+            dist_stats = got["dist"]
+            mine = {k: v for k, v in got.items() if k not in ("dist", "hook", "compiled")}
+            assert mine == want, f"rank {r} world {world} case {case}"
+            assert got["hook"] == list(range(1, want["forwards"] + 1))
+            assert dist_stats["world_size"] == world and dist_stats["rank"] == r
 
 
 @pytest.mark.parametrize("world", (2, 3))
 def test_parity_with_one_process(world, tmp_path, expected):
-    ranks = spawn_group(world, tmp_path, grid())
-    for r, res in enumerate(ranks):
-        assert res is not None and "error" not in res, f"rank {r}: {res}"
-        assert len(res["cases"]) == len(expected)
-        for case, got, want in zip(grid(), res["cases"], expected):
-            dist_stats = got["dist"]
-            assert {k: v for k, v in got.items() if k not in ("dist", "hook")} == want, f"rank {r} world {world} case {case}"
-            assert got["hook"] == list(range(1, want["forwards"] + 1))
-            assert dist_stats["world_size"] == world and dist_stats["rank"] == r
-    cases0 = ranks[0]["cases"]
+    ranks = spawn_group(world, tmp_path, grid() + hot_grid())
+    _assert_parity(ranks, grid() + hot_grid(), expected, world)
+    # the temperature has teeth: the hot grid's tokens differ from the cold grid's somewhere
+    n = len(grid())
+    assert any(a["ids"] != b["ids"] for a, b in zip(expected[:n], expected[n:]))
+    cases0 = ranks[0]["cases"][:n]
     # the paths the grid must exercise: lookahead wins, span K/V broadcasts (full attention), ranks without a
     # slot (k = 1 or round 1 with world > 1), the statistics all_gather once per round
     assert sum(c["lookahead_wins"] or 0 for c in expected) > 0
@@ -204,6 +244,32 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert d["bytes"]["stats"] > 0
 
 
+def _compiled_parity(world: int, tmp_path, cases: list) -> None:
+    """compile=True on every rank of a group of `world`: equal to the single-process eager fast backend (the
+    compiled single-process round is token-exact with it: tests/test_compiled_round.py); the rounds after the
+    prefill ran compiled (two graphs per bucket: the rank's share, the part after the exchange)."""
+    models = build_models()
+    want = [summary(run_case(models, c)) for c in cases]
+    ranks = spawn_group(world, tmp_path, [dict(c, compile=True) for c in cases], join_timeout=COMPILE_JOIN_TIMEOUT_S)
+    _assert_parity(ranks, cases, want, world)
+    for res in ranks:
+        for got in res["cases"]:
+            assert got["forwards"] >= 2 and got["compiled"], got  # decode rounds ran through the compiled parts
+
+
+def test_compiled_parity_with_one_process(tmp_path):
+    """COMPILE_CASE at world size 2 (one geometry, two buckets)."""
+    _compiled_parity(2, tmp_path, [COMPILE_CASE])
+    case = {k: v for k, v in COMPILE_CASE.items()}
+    assert summary(run_case(build_models(), case))["rounds"][2][2] == 2  # round 3's winner: slot 2 (rank 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", (2, 3))
+def test_compiled_parity_grid(world, tmp_path):
+    _compiled_parity(world, tmp_path, compile_grid())
+
+
 def _error(res: dict | None, i: int = -1) -> dict:
     assert res is not None, "the rank wrote nothing"
     err = res["cases"][i].get("error")
@@ -214,21 +280,24 @@ def _error(res: dict | None, i: int = -1) -> dict:
 def test_faults_end_every_rank(tmp_path):
     """In one group of 2: (1) the ranks are given different prompts: both refuse at once, naming it; (2) the last
     rank raises in its 2nd forward: both ranks end with DistributedError naming rank 1 and the message, at once
-    (the round's error flag), and the group stays usable; (3) the last rank dies (os._exit) mid-round: its peer
-    ends with DistributedError (gloo: connection reset), well within the group's timeout."""
+    (the round's error flag), and the group stays usable; (4) seed=None at T > 0: the ranks agree on one seed;
+    (5) the last rank dies (os._exit) mid-round: its peer ends with DistributedError (gloo: connection reset),
+    well within the group's timeout."""
     case = dict(grid()[6], model="dream", block_size=4, max_new_tokens=32)  # k = 4, full attention: many rounds
-    cases = [dict(case, fault="mismatch"), dict(case, fault="raise"), case, dict(case, fault="die")]
+    seedless = dict(case, temperature=TEMPERATURE, seed=None)  # each process draws a seed: rank 0's is used
+    cases = [dict(case, fault="mismatch"), dict(case, fault="raise"), case, seedless, dict(case, fault="die")]
     ranks = spawn_group(2, tmp_path, cases)
+    assert ranks[0]["cases"][3]["ids"] == ranks[1]["cases"][3]["ids"]  # (4) seed=None at T > 0: one draw
     for r in (0, 1):
         err = _error(ranks[r], 0)
         assert "different requests" in err["message"]
         err = _error(ranks[r], 1)
         assert err["rank"] == 1 and "injected fault" in err["message"] and "round 3" in err["message"]
         assert "error" not in ranks[r]["cases"][2]  # after a clean fault the group still decodes
-    err = _error(ranks[0], 3)
+    err = _error(ranks[0], 4)
     assert "a peer died or timed out" in err["message"]
     assert ranks[0]["seconds"] < PG_TIMEOUT_S + 60
-    assert len(ranks[1]["cases"]) == 3  # it died in the 4th case
+    assert len(ranks[1]["cases"]) == 4  # it died in the 5th case
 
 
 @pytest.mark.slow
@@ -272,12 +341,15 @@ def test_refused_without_group_or_with_uncovered_knobs():
     with pytest.raises(KnobError) as e:
         lopa_fast.generate(m, prompt, "lopa", "fast", distributed=True, max_new_tokens=8, block_size=4)
     assert e.value.knob == "distributed" and "init_process_group" in str(e.value)
-    for kw, knob in ((dict(backend="reference"), "backend"), (dict(compile=True), "compile"),
-                     (dict(temperature=0.5), "temperature"), (dict(strategy="vanilla"), "strategy")):  # fmt: skip
-        with pytest.raises(KnobError) as e:
+    for kw, knob in ((dict(backend="reference"), "backend"), (dict(temperature=0.5, sampler="upstream"), "sampler"),
+                     (dict(strategy="vanilla"), "strategy"), (dict(compile=True), "distributed"),
+                     (dict(temperature=0.5), "distributed")):  # fmt: skip
+        with pytest.raises(KnobError) as e:  # compile=True and keyed T > 0 are covered: only the missing group
             lopa_fast.generate(m, prompt, **{"strategy": "lopa", "backend": "fast", **kw}, distributed=True,
                                max_new_tokens=8, block_size=4)  # fmt: skip
         assert e.value.knob == knob
+        if knob == "sampler":
+            assert "sampler='keyed'" in str(e.value) and "0.5" in str(e.value)
     assert issubclass(DistributedError, RuntimeError) and issubclass(KnobError, ValueError)
 
 
