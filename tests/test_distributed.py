@@ -160,7 +160,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
             hook = []  # the progress hook runs on every rank, once per round
             out = run_case(models, case, distributed=True, on_round=lambda prefix, info: hook.append(info["round"]))
             res["cases"].append({**summary(out), "dist": out.stats["distributed"], "hook": hook,
-                                 "compiled": out.stats.get("compiled_buckets")})  # fmt: skip
+                                 "compiled": out.stats.get("compiled_buckets"),
+                                 "graphs": out.stats.get("compiled_graphs")})  # fmt: skip
             if backend == "nccl":
                 res["cases"][-1]["local"] = summary(run_case(models, case))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
@@ -217,7 +218,7 @@ def _assert_parity(ranks: list, cases: list, expected: list, world: int) -> None
         for case, got, want in zip(cases, res["cases"], expected):
             assert "error" not in got, f"rank {r} world {world} case {case}: {got['error']}"
             dist_stats = got["dist"]
-            mine = {k: v for k, v in got.items() if k not in ("dist", "hook", "compiled")}
+            mine = {k: v for k, v in got.items() if k not in ("dist", "hook", "compiled", "graphs")}
             assert mine == want, f"rank {r} world {world} case {case}"
             assert got["hook"] == list(range(1, want["forwards"] + 1))
             assert dist_stats["world_size"] == world and dist_stats["rank"] == r
@@ -244,7 +245,7 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert d["bytes"]["stats"] > 0
 
 
-def _compiled_parity(world: int, tmp_path, cases: list) -> None:
+def _compiled_parity(world: int, tmp_path, cases: list) -> list:
     """compile=True on every rank of a group of `world`: equal to the single-process eager fast backend (the
     compiled single-process round is token-exact with it: tests/test_compiled_round.py); the rounds after the
     prefill ran compiled (two graphs per bucket: the rank's share, the part after the exchange)."""
@@ -255,11 +256,15 @@ def _compiled_parity(world: int, tmp_path, cases: list) -> None:
     for res in ranks:
         for got in res["cases"]:
             assert got["forwards"] >= 2 and got["compiled"], got  # decode rounds ran through the compiled parts
+    return ranks
 
 
 def test_compiled_parity_with_one_process(tmp_path):
     """COMPILE_CASE at world size 2 (one geometry, two buckets)."""
-    _compiled_parity(2, tmp_path, [COMPILE_CASE])
+    ranks = _compiled_parity(2, tmp_path, [COMPILE_CASE])
+    for res in ranks:  # two graphs per bucket (the share, the part after the exchange), no recompile
+        got = res["cases"][0]
+        assert len(got["compiled"]) == 2 and got["graphs"] == 2 * len(got["compiled"]), got
     case = {k: v for k, v in COMPILE_CASE.items()}
     assert summary(run_case(build_models(), case))["rounds"][2][2] == 2  # round 3's winner: slot 2 (rank 1)
 
