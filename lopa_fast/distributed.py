@@ -17,8 +17,8 @@ Per round (nA alive slots, read from the round head every rank reads anyway):
    p, x0) statistics of its needed rows (conf and p as fp32 bit patterns: exact),
    Rmax = min(ceil(nA / world) * Nb, Rb) (compiled rounds: ceil(NB / world) slots, a static shape). Never
    logits: 12 bytes per needed row instead of 2 * V bytes (Dream: 304 KB per row). Every rank then holds
-   the same statistics table as the single-process round (the rows in ascending flat order) and runs `select_winner` / `apply_winner` on
-   it: the same scores, the same winner (first maximum = upstream's tie rule), the same fill, spawn and
+   the same statistics table as the single-process round (the rows in ascending flat order) and runs
+   `select_winner` / `apply_winner` on it: the same scores, the same winner (first maximum = upstream's tie rule), the same fill, spawn and
    next plan on every rank, with no further message;
 3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position, table
    row 0 of every later round) stays on the rank that computed it (the winner's owner; round 1's all-ones row
