@@ -18,8 +18,8 @@ Per round (nA alive slots, read from the round head every rank reads anyway):
    Rmax = min(ceil(nA / world) * Nb, Rb) (compiled rounds: ceil(NB / world) slots, a static shape). Never
    logits: 12 bytes per needed row instead of 2 * V bytes (Dream: 304 KB per row). Every rank then holds
    the same statistics table as the single-process round (the rows in ascending flat order) and runs
-   `select_winner` / `apply_winner` on it: the same scores, the same winner (first maximum = upstream's tie rule), the same fill, spawn and
-   next plan on every rank, with no further message;
+   `select_winner` / `apply_winner` on it: the same scores, the same winner (first maximum = upstream's tie
+   rule), the same fill, spawn and next plan on every rank, with no further message;
 3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position, table
    row 0 of every later round) stays on the rank that computed it (the winner's owner; round 1's all-ones row
    is everyone's, rank 0 sends it). That rank sends the row's statistics in its header every round, drawn at
@@ -229,8 +229,8 @@ def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, pref
 def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits, flat, n_real):
     """This rank's int32 message [HEADER + 3 * Rmax]: error flag 0, n_real (its needed rows), the first non-finite
     flat row of them (or -1), `holder` (bool or 0-d: it holds the last_logit row), the (conf, p, x0) of its
-    last_logit row under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window rows `flat` [n],
-    n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 = last_logit under the
+    last_logit row under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window
+    rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 = last_logit under the
     shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no slot field), so a
     rank draws for any slot's row what the single process draws."""
     dev = st["x"].device
