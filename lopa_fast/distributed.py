@@ -230,9 +230,9 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
     """This rank's int32 message [HEADER + 3 * Rmax]: error flag 0, n_real (its needed rows), the first non-finite
     flat row of them (or -1), `holder` (bool or 0-d: it holds the last_logit row), the (conf, p, x0) of its
     last_logit row under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window
-    rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 = last_logit under the
-    shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no slot field), so a
-    rank draws for any slot's row what the single process draws."""
+    rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 =
+    last_logit under the shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no
+    slot field), so a rank draws for any slot's row what the single process draws."""
     dev = st["x"].device
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
     n = logits.shape[0]
