@@ -89,9 +89,24 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
 
 
 def row_exponentials(keys: torch.Tensor, V: int) -> torch.Tensor:
-    """Exp(1) noise E = -log U per (key, vocab id): keys [N] int64 -> [N, V] float64 (all > 0)."""
+    """Exp(1) noise E = -log U per (key, vocab id): keys [N] int64 -> [N, V] float64 (all > 0).
+
+    Through the opaque op `lopa_fast::keyed_row_exponentials`, so a torch.compile'd graph runs these eager ops
+    instead of fusing them: Inductor's fused hash + log differed from eager by an ulp (4e-16, enough to move a
+    Gumbel argmax), and fused into the argmax that follows (LLaDA's sampler, APD's draft) it segfaulted on CPU
+    with one intra-op thread (torch 2.13, tests/test_compiled_steps.py). A CUDA-graph capture records the ops."""
+    return torch.ops.lopa_fast.keyed_row_exponentials(keys, V)
+
+
+@torch.library.custom_op("lopa_fast::keyed_row_exponentials", mutates_args=(), schema="(Tensor keys, int V) -> Tensor")
+def _row_exponentials(keys, V):
     v = torch.arange(V, device=keys.device, dtype=torch.long)
     return -torch.log(uniform_of(fold(keys[:, None], v[None, :])))
+
+
+@_row_exponentials.register_fake
+def _(keys, V):
+    return keys.new_empty((keys.shape[0], V), dtype=torch.float64)
 
 
 def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
