@@ -25,6 +25,8 @@ saturated probabilities of 1.0, LLaDA's blocked EOS at -1) is the implementation
 on the same vector is exact. LLaDA's schedule has at most two counts; Dream's counts vary with the step
 (a bucket each; a CUDA capture costs one eager step). Rb = apd.bucket(rows): a power of two >= 16.
 
+Every index is in range whatever the state (positions clamped to L - 1, writes of padding to the trash slot):
+a CUDA capture's warm-up runs on the workspace's last state, possibly a finished request's.
 Padding: rows of positions outside [lo, hi) are `valid = False`: never candidates, never committed (their
 writes go to a trash slot L of an [L + 1] scratch row), never read by the numerics guard. The host reads
 the step's `head` [4] = (first non-finite read row or -1, block full, first mask, masks left) ONCE per step,
@@ -308,7 +310,10 @@ def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
               suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
     i = st["i"]
     if geo.alg == "origin":
-        t, s = T["ts"].index_select(0, i.reshape(1))[0], T["ts"].index_select(0, (i + 1).reshape(1))[0]
+        # in range whatever the state (a CUDA capture's warm-up runs on the workspace's last state, possibly a
+        # finished request's i = steps: an out-of-range index would be a device assert)
+        ic = i.clamp(max=geo.n_steps - 1).reshape(1)
+        t, s = T["ts"].index_select(0, ic)[0], T["ts"].index_select(0, ic + 1)[0]
         p_transfer = torch.where(i < geo.n_steps - 1, 1 - s / t, torch.ones_like(t))
         reveal = cand & (keyed.uniform(_keys(T, keyed.REVEAL, fwd, pos)) < p_transfer)
         _, tok, _ = token_stats(logits, **kw, keys=keys)
