@@ -13,6 +13,8 @@ A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the sta
 Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
 nothing. A workspace serves one request at a time (requests of one model run one after another). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
 The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
+The same machinery (`_run`) serves the APD step (`apd_step`) and the vanilla / threshold steps (`steps_step`:
+lopa_fast.decode.static_steps, buckets (kind, *sizes), every step compiled, no prefill).
 Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
 """
 from __future__ import annotations
