@@ -39,6 +39,7 @@ JOIN_TIMEOUT_S = 180  # a whole spawned group (start-up ~5 s per process on a lo
 # a group whose ranks compile (compile=True): two Inductor graphs per bucket per rank, the ranks compiling at
 # once; cold (empty Inductor cache) on the loaded 2-core machine ~370 s for COMPILE_CASE, warm ~60 s
 COMPILE_JOIN_TIMEOUT_S = 900
+COMPILE_GRID_JOIN_TIMEOUT_S = 2400  # -m slow: compile_grid at world size 2 took 885 s cold
 TEMPERATURE = 0.8
 
 
@@ -245,13 +246,13 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert d["bytes"]["stats"] > 0
 
 
-def _compiled_parity(world: int, tmp_path, cases: list) -> list:
+def _compiled_parity(world: int, tmp_path, cases: list, join_timeout: float = COMPILE_JOIN_TIMEOUT_S) -> list:
     """compile=True on every rank of a group of `world`: equal to the single-process eager fast backend (the
     compiled single-process round is token-exact with it: tests/test_compiled_round.py); the rounds after the
     prefill ran compiled (two graphs per bucket: the rank's share, the part after the exchange)."""
     models = build_models()
     want = [summary(run_case(models, c)) for c in cases]
-    ranks = spawn_group(world, tmp_path, [dict(c, compile=True) for c in cases], join_timeout=COMPILE_JOIN_TIMEOUT_S)
+    ranks = spawn_group(world, tmp_path, [dict(c, compile=True) for c in cases], join_timeout=join_timeout)
     _assert_parity(ranks, cases, want, world)
     for res in ranks:
         for got in res["cases"]:
@@ -272,7 +273,7 @@ def test_compiled_parity_with_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_compiled_parity_grid(world, tmp_path):
-    _compiled_parity(world, tmp_path, compile_grid())
+    _compiled_parity(world, tmp_path, compile_grid(), COMPILE_GRID_JOIN_TIMEOUT_S)
 
 
 def _error(res: dict | None, i: int = -1) -> dict:
