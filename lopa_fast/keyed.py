@@ -51,18 +51,56 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & _LOW[k]
 
 
-def mix(z: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser on an int64 tensor (elementwise, wrapping arithmetic)."""
+def _mix(z: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     return z ^ _shr(z, 31)
 
 
+# The hash's wrapping int64 arithmetic runs as opaque ops (`lopa_fast::keyed_*`): a torch.compile'd graph calls
+# these eager ATen ops instead of fusing them into generated C++, where a wrapping int64 multiply or add is
+# signed overflow (undefined behaviour): a compiled vanilla step (Dream, alg_temp > 0, 20 positions) hashed the
+# last 4 positions (the vectorised loop's tail) to other keys than eager (torch 2.13, CPU). CUDA graphs record them.
+@torch.library.custom_op("lopa_fast::keyed_mix", mutates_args=(), schema="(Tensor z) -> Tensor")
+def _mix_op(z):
+    return _mix(z)
+
+
+@torch.library.custom_op("lopa_fast::keyed_fold", mutates_args=(), schema="(Tensor h, Tensor field) -> Tensor")
+def _fold_op(h, field):
+    return _mix(h + (field + 1) * GOLDEN)
+
+
+@torch.library.custom_op("lopa_fast::keyed_fold_const", mutates_args=(), schema="(Tensor h, int c) -> Tensor")
+def _fold_const_op(h, c):
+    return _mix(h + c)
+
+
+@_mix_op.register_fake
+def _(z):
+    return torch.empty_like(z)
+
+
+@_fold_op.register_fake
+def _(h, field):
+    return h.new_empty(torch.broadcast_shapes(h.shape, field.shape))
+
+
+@_fold_const_op.register_fake
+def _(h, c):
+    return torch.empty_like(h)
+
+
+def mix(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on an int64 tensor (elementwise, wrapping arithmetic; an opaque op, see above)."""
+    return torch.ops.lopa_fast.keyed_mix(z)
+
+
 def fold(h: torch.Tensor, field) -> torch.Tensor:
-    """h [*] int64 with one more key field (int or int64 tensor broadcasting with h) folded in."""
+    """h [*] int64 with one more key field (int or int64 tensor broadcasting with h) folded in (an opaque op)."""
     if isinstance(field, torch.Tensor):
-        return mix(h + (field + 1) * GOLDEN)
-    return mix(h + _s64(((int(field) + 1) * GOLDEN) % _U64))
+        return torch.ops.lopa_fast.keyed_fold(h, field)
+    return torch.ops.lopa_fast.keyed_fold_const(h, _s64(((int(field) + 1) * GOLDEN) % _U64))
 
 
 def key(seed, stream: int, step, branch, pos) -> torch.Tensor:
@@ -92,9 +130,9 @@ def row_exponentials(keys: torch.Tensor, V: int) -> torch.Tensor:
     """Exp(1) noise E = -log U per (key, vocab id): keys [N] int64 -> [N, V] float64 (all > 0).
 
     Through the opaque op `lopa_fast::keyed_row_exponentials`, so a torch.compile'd graph runs these eager ops
-    instead of fusing them: Inductor's fused hash + log differed from eager by an ulp (4e-16, enough to move a
-    Gumbel argmax), and fused into the argmax that follows (LLaDA's sampler, APD's draft) it segfaulted on CPU
-    with one intra-op thread (torch 2.13, tests/test_compiled_steps.py). A CUDA-graph capture records the ops."""
+    instead of fusing them: Inductor's fused log differed from eager by an ulp (4e-16, enough to move a Gumbel
+    argmax), and fused into the argmax that follows (LLaDA's sampler, APD's draft) it segfaulted on CPU with one
+    intra-op thread (torch 2.13, tests/test_compiled_steps.py). A CUDA-graph capture records the ops."""
     return torch.ops.lopa_fast.keyed_row_exponentials(keys, V)
 
 
@@ -102,6 +140,16 @@ def row_exponentials(keys: torch.Tensor, V: int) -> torch.Tensor:
 def _row_exponentials(keys, V):
     v = torch.arange(V, device=keys.device, dtype=torch.long)
     return -torch.log(uniform_of(fold(keys[:, None], v[None, :])))
+
+
+@torch.library.custom_op("lopa_fast::keyed_exponentials", mutates_args=(), schema="(Tensor keys) -> Tensor")
+def _exponentials(keys):  # Exp(1) noise -log U per key (top_n_race), opaque for the reason above
+    return -torch.log(uniform(keys))
+
+
+@_exponentials.register_fake
+def _(keys):
+    return keys.new_empty(keys.shape, dtype=torch.float64)
 
 
 @_row_exponentials.register_fake
@@ -130,7 +178,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, keys: torch.Tensor) 
 def top_n_race(weights: torch.Tensor, n, keys: torch.Tensor) -> torch.Tensor:
     """Bool [N]: n entries drawn without replacement with probability proportional to weights [N] (>= 0),
     the n largest weights / E (n: int or 0-d long tensor, <= the count of positive weights; no host read)."""
-    race = weights.to(torch.float64) / -torch.log(uniform(keys))
+    race = weights.to(torch.float64) / torch.ops.lopa_fast.keyed_exponentials(keys)
     order = torch.sort(race, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return rank < n
