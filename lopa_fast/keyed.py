@@ -57,10 +57,17 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-# The hash's wrapping int64 arithmetic runs as opaque ops (`lopa_fast::keyed_*`): a torch.compile'd graph calls
-# these eager ATen ops instead of fusing them into generated C++, where a wrapping int64 multiply or add is
+def _fold(h: torch.Tensor, c) -> torch.Tensor:
+    """h folded with c: an int64 tensor field (its key term (field + 1) * GOLDEN is formed here) or an int, the
+    term itself."""
+    return _mix(h + (c + 1) * GOLDEN) if isinstance(c, torch.Tensor) else _mix(h + c)
+
+
+# Under torch.compile the hash's wrapping int64 arithmetic runs as opaque ops (`lopa_fast::keyed_*`): the graph
+# calls the eager ATen ops instead of fusing them into generated C++, where a wrapping int64 multiply or add is
 # signed overflow (undefined behaviour): a compiled vanilla step (Dream, alg_temp > 0, 20 positions) hashed the
-# last 4 positions (the vectorised loop's tail) to other keys than eager (torch 2.13, CPU). CUDA graphs record them.
+# last 4 positions (the vectorised loop's tail) to other keys than eager (torch 2.13, CPU). Eager calls the ops
+# directly (the op dispatch cost ~60% more per key() on CPU); a CUDA-graph capture records the eager ops.
 @torch.library.custom_op("lopa_fast::keyed_mix", mutates_args=(), schema="(Tensor z) -> Tensor")
 def _mix_op(z):
     return _mix(z)
@@ -68,12 +75,12 @@ def _mix_op(z):
 
 @torch.library.custom_op("lopa_fast::keyed_fold", mutates_args=(), schema="(Tensor h, Tensor field) -> Tensor")
 def _fold_op(h, field):
-    return _mix(h + (field + 1) * GOLDEN)
+    return _fold(h, field)
 
 
 @torch.library.custom_op("lopa_fast::keyed_fold_const", mutates_args=(), schema="(Tensor h, int c) -> Tensor")
 def _fold_const_op(h, c):
-    return _mix(h + c)
+    return _fold(h, c)
 
 
 @_mix_op.register_fake
@@ -92,15 +99,19 @@ def _(h, c):
 
 
 def mix(z: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser on an int64 tensor (elementwise, wrapping arithmetic; an opaque op, see above)."""
-    return torch.ops.lopa_fast.keyed_mix(z)
+    """The splitmix64 finaliser on an int64 tensor (elementwise, wrapping arithmetic; opaque under compile)."""
+    return torch.ops.lopa_fast.keyed_mix(z) if torch.compiler.is_compiling() else _mix(z)
 
 
 def fold(h: torch.Tensor, field) -> torch.Tensor:
-    """h [*] int64 with one more key field (int or int64 tensor broadcasting with h) folded in (an opaque op)."""
-    if isinstance(field, torch.Tensor):
-        return torch.ops.lopa_fast.keyed_fold(h, field)
-    return torch.ops.lopa_fast.keyed_fold_const(h, _s64(((int(field) + 1) * GOLDEN) % _U64))
+    """h [*] int64 with one more key field (int or int64 tensor broadcasting with h) folded in (opaque under
+    compile)."""
+    c = field if isinstance(field, torch.Tensor) else _s64(((int(field) + 1) * GOLDEN) % _U64)
+    if not torch.compiler.is_compiling():
+        return _fold(h, c)
+    if isinstance(c, torch.Tensor):
+        return torch.ops.lopa_fast.keyed_fold(h, c)
+    return torch.ops.lopa_fast.keyed_fold_const(h, c)
 
 
 def key(seed, stream: int, step, branch, pos) -> torch.Tensor:
@@ -132,12 +143,18 @@ def row_exponentials(keys: torch.Tensor, V: int) -> torch.Tensor:
     Through the opaque op `lopa_fast::keyed_row_exponentials`, so a torch.compile'd graph runs these eager ops
     instead of fusing them: Inductor's fused log differed from eager by an ulp (4e-16, enough to move a Gumbel
     argmax), and fused into the argmax that follows (LLaDA's sampler, APD's draft) it segfaulted on CPU with one
-    intra-op thread (torch 2.13, tests/test_compiled_steps.py). A CUDA-graph capture records the ops."""
-    return torch.ops.lopa_fast.keyed_row_exponentials(keys, V)
+    intra-op thread (torch 2.13, tests/test_compiled_steps.py). Eager (and a CUDA-graph capture) runs the ops."""
+    if torch.compiler.is_compiling():
+        return torch.ops.lopa_fast.keyed_row_exponentials(keys, V)
+    return _row_exponentials_eager(keys, V)
 
 
 @torch.library.custom_op("lopa_fast::keyed_row_exponentials", mutates_args=(), schema="(Tensor keys, int V) -> Tensor")
 def _row_exponentials(keys, V):
+    return _row_exponentials_eager(keys, V)
+
+
+def _row_exponentials_eager(keys: torch.Tensor, V: int) -> torch.Tensor:
     v = torch.arange(V, device=keys.device, dtype=torch.long)
     return -torch.log(uniform_of(fold(keys[:, None], v[None, :])))
 
@@ -178,7 +195,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, keys: torch.Tensor) 
 def top_n_race(weights: torch.Tensor, n, keys: torch.Tensor) -> torch.Tensor:
     """Bool [N]: n entries drawn without replacement with probability proportional to weights [N] (>= 0),
     the n largest weights / E (n: int or 0-d long tensor, <= the count of positive weights; no host read)."""
-    race = weights.to(torch.float64) / torch.ops.lopa_fast.keyed_exponentials(keys)
+    noise = torch.ops.lopa_fast.keyed_exponentials(keys) if torch.compiler.is_compiling() else -torch.log(uniform(keys))
+    race = weights.to(torch.float64) / noise
     order = torch.sort(race, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return rank < n
