@@ -2,8 +2,9 @@
 
     d2f-arith/   Dream-architecture block-diffusion model for the embedded arithmetic task
                  (recipe: python -m lopa_fast.train.d2f; training_log.txt inside)
-    ar-arith/    causal Qwen2 AR model with the same tokenizer, the APD drafter
+    ar-arith/    causal Qwen2 AR model with the same tokenizer, the APD verifier
                  (recipe: python -m lopa_fast.train.ar)
+    ar-arith-var/  the APD verifier for the arith-var task (127-id tokenizer; README.md here)
 """
 from __future__ import annotations
 
