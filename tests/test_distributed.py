@@ -260,6 +260,7 @@ def _compiled_parity(world: int, tmp_path, cases: list, join_timeout: float = CO
     return ranks
 
 
+@pytest.mark.slow  # two ranks compiling with Inductor at once: 50 s warm, ~385 s cold on the 2-core CI machine
 def test_compiled_parity_with_one_process(tmp_path):
     """COMPILE_CASE at world size 2 (one geometry, two buckets)."""
     ranks = _compiled_parity(2, tmp_path, [COMPILE_CASE])
