@@ -377,8 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
     # a second OpenMP thread made each forward ~60x slower (18 ms vs 0.3 ms per matmul, measured)
     common.add_argument("--compile", action="store_true",
-                        help="compile each round / step bucket once and replay it (fast backend; eval: the d2f / "
-                             "lopa / apd rows)")
+                        help="compile each round / step bucket once and replay it (fast backend, every strategy)")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")

@@ -230,8 +230,9 @@ def progress_bar(label: str, total: int, enabled: bool = True):
 
 
 def _compiles(backend: str, knobs: dict) -> bool:
-    """compile=True applies to the rows the fast backend runs (d2f / lopa / apd); the others run eagerly."""
-    return backend != "reference" and knobs.get("strategy") in ("d2f", "lopa", "apd")
+    """compile=True applies to every row the fast backend runs (every strategy since issue 18); the reference
+    backend runs eagerly."""
+    return backend != "reference"
 
 
 def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
