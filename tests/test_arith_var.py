@@ -168,3 +168,30 @@ def test_solutions_copy_only_digits_from_the_prompt():
     p = av.generate("test", 1, seed=3)[0]
     for text in av.renderings(p):
         assert not set(text.split()) & entity_words, text
+
+
+def test_diagnose_categories_and_report(tmp_path):
+    """train.diagnose: every token of a solution gets one category (digits by their role in an equation), and
+    the report covers the categories it saw with counts that add up to problems x cuts."""
+    import torch
+
+    from lopa_fast.train import d2f, diagnose
+
+    sol = "There are 4 groups with 6 in each , so 6 * 4 = 24 . 24 + 7 = 31 . #### 31"
+    cats = diagnose.token_categories(sol)
+    assert len(cats) == av.solution_length(sol)
+    assert cats[2] == "phrase_digit" and cats[-1] == "eos" and cats[-3:-1] == ["final", "final"]
+    eq = sol.split().index("*")
+    # word index == token index up to "*": every earlier number in `sol` is one digit
+    assert [cats[eq - 1], cats[eq + 1], cats[eq + 3], cats[eq + 4]] == ["eq_left", "eq_right", "eq_result", "eq_result"]
+    model_dir = tmp_path / "m"
+    d2f.train(model_dir, log=lambda *_: None, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=2,
+              gen_len=av.GEN_LEN, max_positions=160, task="arith-var", steps=1, warmup=1, eval_every=0, eval_n=1)
+    import lopa_fast
+
+    model = lopa_fast.load_model(model_dir, dtype=torch.float32)
+    res = diagnose.next_token_ce(model, av.generate("dev", 3, seed=0), tv.build_tokenizer(), cuts=4)
+    assert sum(r["n"] for r in res.values()) == 12 and set(res) <= set(diagnose.CATEGORIES)
+    assert all(r["ce"] > 0 and 0 <= r["acc"] <= 1 for r in res.values())
+    with pytest.raises(ValueError, match="cuts=0"):
+        diagnose.next_token_ce(model, av.generate("dev", 1, seed=0), tv.build_tokenizer(), cuts=0)
