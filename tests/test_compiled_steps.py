@@ -18,21 +18,14 @@ import pytest
 import lopa_fast
 from lopa_fast.decode.compiled import CompiledRounds
 from lopa_fast.decode.static_steps import StepGeometry
-from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import step_models
 
 PROMPTS = ([3, 4, 5, 6], [9, 4, 5, 1], [7, 2, 8, 30])  # one length: a geometry's later requests replay
 
 
 @pytest.fixture(scope="module")
 def models() -> dict:
-    return {
-        "dream": random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6),
-        "dream_mask": random_model(tiny_hf_config("dream", vocab_size=128, num_kv_heads=4), seed=1, sharpen=4,
-                                   zero_mask_row=False),  # fmt: skip
-        "llada": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6),
-        "llada_mask": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=4, sharpen=3,
-                                   zero_mask_row=False),  # fmt: skip
-    }
+    return step_models()
 
 
 def T(t=0.7, seed=5):

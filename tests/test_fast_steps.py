@@ -21,7 +21,7 @@ import torch
 
 import lopa_fast
 from lopa_fast.decode import steps
-from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import step_models
 
 THRESHOLD_RULES = (("threshold", 0.5), ("threshold", 0.9), ("factor", 1.0), ("factor", 2.5),
                    ("entropy_threshold", 0.3), ("entropy_threshold", 1.5))  # fmt: skip
@@ -31,14 +31,7 @@ GRID_CI = 60
 
 @pytest.fixture(scope="module")
 def models() -> dict:
-    return {
-        "dream": random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6),
-        "dream_mask": random_model(tiny_hf_config("dream", vocab_size=128, num_kv_heads=4), seed=1, sharpen=4,
-                                   zero_mask_row=False),  # fmt: skip
-        "llada": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6),
-        "llada_mask": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=4, sharpen=3,
-                                   zero_mask_row=False),  # fmt: skip
-    }
+    return step_models()
 
 
 def threshold_cases() -> list[dict]:

@@ -152,3 +152,18 @@ def cuda_kernels():
     if not cuda.available():
         pytest.fail(f"a GPU is present but the CUDA kernels are unavailable: {cuda.why_unavailable()}")
     return cuda
+
+
+def step_models() -> dict:
+    """The tiny Dream / LLaDA models of the vanilla / threshold step tests (eager and compiled): with and without
+    a zeroed mask-token row."""
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    return {
+        "dream": random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6),
+        "dream_mask": random_model(tiny_hf_config("dream", vocab_size=128, num_kv_heads=4), seed=1, sharpen=4,
+                                   zero_mask_row=False),  # fmt: skip
+        "llada": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6),
+        "llada_mask": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=4, sharpen=3,
+                                   zero_mask_row=False),  # fmt: skip
+    }
