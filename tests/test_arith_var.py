@@ -195,3 +195,12 @@ def test_diagnose_categories_and_report(tmp_path):
     assert all(r["ce"] > 0 and 0 <= r["acc"] <= 1 for r in res.values())
     with pytest.raises(ValueError, match="cuts=0"):
         diagnose.next_token_ce(model, av.generate("dev", 1, seed=0), tv.build_tokenizer(), cuts=0)
+
+
+def test_diagnose_cli_user_errors_exit_2(capsys):
+    from lopa_fast.train import diagnose
+
+    for argv, text in ((["/nonexistent"], "is not a directory"), (["/nonexistent", "--n", "0"], "--n=0")):
+        with pytest.raises(SystemExit) as e:
+            diagnose.main(argv)
+        assert e.value.code == 2 and text in capsys.readouterr().err

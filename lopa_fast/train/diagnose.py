@@ -88,8 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cuts", type=int, default=16, help="cut points per problem (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.n < 1 or a.cuts < 1:
+        ap.error(f"--n={a.n} --cuts={a.cuts}; both must be >= 1")  # one line, exit code 2
     torch.set_num_threads(1)
-    model = lopa_fast.load_model(a.model, dtype=torch.float32)
+    try:
+        model = lopa_fast.load_model(a.model, dtype=torch.float32)
+    except (OSError, ValueError) as exc:  # CheckpointError is a ValueError: a bad path is a user error
+        ap.error(str(exc))
     probs = arith_var.generate("dev", a.n, seed=4)
     res = next_token_ce(model, probs, tasks.TOKENIZERS["arith-var"].build_tokenizer(), a.cuts, a.seed)
     for c, r in res.items():
