@@ -39,6 +39,24 @@ def test_corrupt_masks_only_generated_positions(mode):
         assert (lens < b.lens).any()
 
 
+def test_equation_view_masks_results_with_their_operands_clean():
+    """full_equation cuts right after an "=": a result digit masked with everything before it clean, in most rows
+    (each position after the cut is masked with t ~ U(0.5, 1)); full_prefix's uniform cut does that far less often."""
+    b = _batch(64, seed=5)
+    eq = tasks.vocab()["="]
+
+    def result_in_view(mode):
+        _, masked, _, _ = d2f.corrupt(b, mode, 8, 40, torch.Generator().manual_seed(3))
+        rows = 0
+        for i in range(64):
+            first = int(masked[i].nonzero()[0])  # everything before it is clean
+            rows += int(b.ids[i, first - 1]) == eq
+        return rows / 64
+
+    eq_view, prefix_view = result_in_view("full_equation"), result_in_view("full_prefix")
+    assert eq_view >= 0.6 and eq_view > 2 * prefix_view, (eq_view, prefix_view)
+
+
 def test_block_views_mask_later_blocks_more():
     """Per-block increasing ratios: averaged over many rows, block k+1 is masked more than block k."""
     b = _batch(256, seed=3)
