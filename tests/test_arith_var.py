@@ -195,6 +195,34 @@ def test_diagnose_categories_and_report(tmp_path):
     assert all(r["ce"] > 0 and 0 <= r["acc"] <= 1 for r in res.values())
     with pytest.raises(ValueError, match="cuts=0"):
         diagnose.next_token_ce(model, av.generate("dev", 1, seed=0), tv.build_tokenizer(), cuts=0)
+    # fill orders: every order reports an exact match; left_to_right is the plain leftmost-first loop, and given
+    # positions keep their clean tokens
+    probs = av.generate("dev", 2, seed=1)
+    accs = diagnose.fill_order_accuracy(model, probs, tv.build_tokenizer())
+    assert set(accs) == set(diagnose.ORDERS) and all(0 <= a <= 1 for a in accs.values())
+    with pytest.raises(ValueError, match="allowed"):
+        diagnose.fill_order_accuracy(model, probs, tv.build_tokenizer(), orders=("random",))
+    from lopa_fast import tasks
+    from lopa_fast.train.data import make_batch
+    from lopa_fast.train.greedy import greedy_fill
+
+    G = av.GEN_LEN
+    batch = make_batch(probs, tv.build_tokenizer(), G)
+    ids = batch.ids.clone()
+    pos = batch.prompt_lens[:, None] + torch.arange(G)[None]
+    rows = torch.arange(2)[:, None]
+    ids[rows, pos] = tasks.MASK_ID
+    with torch.no_grad():
+        for j in range(G):
+            logits = model(ids, mask="full", win_lens=batch.lens)
+            ids[torch.arange(2), pos[:, j]] = logits[torch.arange(2), pos[:, j] - 1].argmax(-1)
+    assert torch.equal(greedy_fill(model, batch, G, alg="left_to_right"), ids[rows, pos])
+    given = torch.zeros(2, G, dtype=torch.bool)
+    given[:, G // 2 :] = True
+    out = greedy_fill(model, batch, G, alg="entropy", given=given)
+    assert torch.equal(out[given], batch.ids[rows, pos][given])
+    with pytest.raises(ValueError, match="given has shape"):
+        greedy_fill(model, batch, G, given=given[:, 1:])
 
 
 def test_diagnose_cli_user_errors_exit_2(capsys):

@@ -1,7 +1,7 @@
 """Where a diffusion model of `arith-var` goes wrong: the cross-entropy of the next token, left to right, by
-token category (issue 12's teacher diagnosis).
+token category, and the exact match under different fill orders (issue 12's teacher diagnosis).
 
-    python -m lopa_fast.train.diagnose DIR [--n 96] [--cuts 16]
+    python -m lopa_fast.train.diagnose DIR [--n 96] [--cuts 16] [--orders]
 
 View: for each problem and each of `cuts` seeded cut points c inside its solution, the solution from c on is
 masked (everything before is clean: the `full_prefix` training view, the state a left-to-right decoder
@@ -19,6 +19,12 @@ creates) and the model predicts token c (Dream alignment: raw logit c - 1). Cate
 Report per category: count, mean CE (nats) and the share where the argmax is the target. Session 3's teacher
 (0.8M, 2900 steps) had eq_result at 75% argmax and CE 0.70 against 91-94% for words and copied digits: the
 arithmetic, not the phrasing, is what fails (docs/tasks.md).
+
+`--orders` adds the exact match of one-token-per-forward decoding (full attention over the whole region, the
+eval's vanilla layout) under four fill orders (`fill_order_accuracy`): left_to_right, max_prob, entropy (the eval's
+vanilla row), and entropy with the true EOS tail given. Session 4's teacher: 98.4% left to right, 62.5% in
+entropy order, 65.6% with the true tail given: it knows the task, and what fails is filling far positions first
+(docs/tasks.md).
 """
 from __future__ import annotations
 
@@ -79,6 +85,32 @@ def next_token_ce(model, problems, tok, cuts: int = 16, seed: int = 0) -> dict[s
     return {c: {"n": cnt[c], "ce": tot[c] / cnt[c], "acc": hit[c] / cnt[c]} for c in CATEGORIES if cnt[c]}
 
 
+ORDERS = ("left_to_right", "max_prob", "entropy", "entropy_true_tail")
+
+
+@torch.no_grad()
+def fill_order_accuracy(model, problems, tok, orders=ORDERS) -> dict[str, float]:
+    """order -> exact match of `train.greedy.greedy_fill` on `problems` (entropy_true_tail: alg="entropy" with the
+    solution's EOS positions given clean, i.e. the length known)."""
+    from lopa_fast.train.greedy import greedy_fill
+
+    bad = [o for o in orders if o not in ORDERS]
+    if bad:
+        raise ValueError(f"fill_order_accuracy: orders {bad}; allowed: {ORDERS}")
+    G = arith_var.GEN_LEN
+    batch = make_batch(problems, tok, G)
+    rows = torch.arange(len(problems))[:, None]
+    region = batch.ids[rows, batch.prompt_lens[:, None] + torch.arange(G)[None]]
+    out = {}
+    for order in orders:
+        tail = order == "entropy_true_tail"
+        gen = greedy_fill(model, batch, G, alg="entropy" if tail else order, given=(region == tasks.EOS_ID) if tail
+                          else None)  # fmt: skip
+        texts = tok.decode_batch(gen.tolist(), skip_special_tokens=True)
+        out[order] = sum(tasks.extract_answer(t) == p.answer for t, p in zip(texts, problems)) / len(problems)
+    return out
+
+
 def main(argv=None) -> int:
     import lopa_fast
 
@@ -87,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=96, help="dev problems (default 96)")
     ap.add_argument("--cuts", type=int, default=16, help="cut points per problem (default 16)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--orders", action="store_true", help="also the exact match under four fill orders (--n problems)")
     a = ap.parse_args(argv)
     if a.n < 1 or a.cuts < 1:
         ap.error(f"--n={a.n} --cuts={a.cuts}; both must be >= 1")  # one line, exit code 2
@@ -96,9 +129,13 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError: a bad path is a user error
         ap.error(str(exc))
     probs = arith_var.generate("dev", a.n, seed=4)
-    res = next_token_ce(model, probs, tasks.TOKENIZERS["arith-var"].build_tokenizer(), a.cuts, a.seed)
+    tok = tasks.TOKENIZERS["arith-var"].build_tokenizer()
+    res = next_token_ce(model, probs, tok, a.cuts, a.seed)
     for c, r in res.items():
         print(f"{c:13s} n={r['n']:5d}  CE {r['ce']:.3f} nats  argmax {r['acc']:.2f}")
+    if a.orders:
+        for order, acc in fill_order_accuracy(model, probs, tok).items():
+            print(f"fill order {order:18s} exact match {acc:.3f} (n={a.n}, one token per forward)")
     return 0
 
 

@@ -2,7 +2,8 @@
 quality-bar check: the generation region starts fully masked; each forward (full attention over
 prompt + the whole region, Dream's vanilla layout) fills the single masked position whose
 prediction has the highest max-probability (alg="max_prob") or the lowest entropy (alg="entropy", Dream's
-alg="entropy", the eval's vanilla row; the dParallel teacher) with its argmax. gen_len forwards per problem.
+alg="entropy", the eval's vanilla row; the dParallel teacher) with its argmax, or the leftmost masked position
+(alg="left_to_right": the order an autoregressive model writes in). gen_len forwards per problem.
 
 This is deliberately independent of lopa_fast.generate (which it cross-checks).
 """
@@ -13,15 +14,18 @@ import torch
 from lopa_fast import tasks
 from lopa_fast.train.data import Batch, make_batch
 
-ALGS = ("max_prob", "entropy")
+ALGS = ("max_prob", "entropy", "left_to_right")
 
 
 @torch.no_grad()
-def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob") -> torch.Tensor:
+def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Decode the generation regions of `batch` -> generated ids [B, gen_len] (mask-free).
 
     Dream alignment: the raw logit at position j - 1 predicts token j. alg: which masked position a forward
-    fills, "max_prob" (highest max-probability) or "entropy" (lowest entropy); ties go to the leftmost.
+    fills, "max_prob" (highest max-probability), "entropy" (lowest entropy), "left_to_right" (the leftmost);
+    ties go to the leftmost. given: optional bool [B, gen_len], positions that start with their clean token from
+    `batch` instead of a mask (train.diagnose gives the true EOS tail this way).
     """
     if alg not in ALGS:
         raise ValueError(f"greedy_fill: alg={alg!r}; allowed: {ALGS}")
@@ -29,8 +33,14 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob") -> tor
     B, n = ids.shape
     gen_pos = batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]  # [B, gen_len]
     rows = torch.arange(B)[:, None]
-    ids[rows, gen_pos] = tasks.MASK_ID
-    for _ in range(gen_len):  # exactly one fill per forward; gen_len forwards
+    if given is not None and tuple(given.shape) != (B, gen_len):
+        raise ValueError(f"greedy_fill: given has shape {tuple(given.shape)}; expected {(B, gen_len)}")
+    clean = ids[rows, gen_pos]
+    masks = torch.full_like(clean, tasks.MASK_ID)
+    ids[rows, gen_pos] = masks if given is None else torch.where(given, clean, masks)
+    for _ in range(gen_len):  # exactly one fill per forward; gen_len forwards (fewer when positions are given)
+        if not (ids[rows, gen_pos] == tasks.MASK_ID).any():
+            break
         logits = model(ids, mask="full", win_lens=batch.lens).float()  # [B, n, V]
         pred = logits[rows, gen_pos - 1]  # [B, gen_len, V]: predictions for the region
         prob = pred.softmax(-1)
@@ -38,6 +48,8 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob") -> tor
         still = ids[rows, gen_pos] == tasks.MASK_ID
         if alg == "entropy":  # confidence = negative entropy (nats)
             p_max = (prob * prob.clamp_min(1e-30).log()).sum(-1)
+        elif alg == "left_to_right":  # the leftmost masked position wins
+            p_max = -torch.arange(gen_len, dtype=p_max.dtype).expand_as(p_max)
         p_max = p_max.masked_fill(~still, -float("inf"))
         pick = p_max.argmax(-1)  # [B]
         has = still.any(-1)
