@@ -5,6 +5,7 @@
     ar-arith/    causal Qwen2 AR model with the same tokenizer, the APD verifier
                  (recipe: python -m lopa_fast.train.ar)
     ar-arith-var/  the APD verifier for the arith-var task (127-id tokenizer; README.md here)
+    d2f-arith-var/ the Dream-architecture model of the arith-var task, the dParallel teacher (README.md here)
 """
 from __future__ import annotations
 

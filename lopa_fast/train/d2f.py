@@ -29,7 +29,7 @@ with three kinds of batches, cycled step by step:
      86% next-token argmax against 94-97% for words and copied digits (train.diagnose).
 
 The steps cycle through SCHEDULES[schedule] (default "prefix": half of them full_prefix; "equation": a third of
-them full_equation).
+them full_equation; "uniform": half of them full_uniform).
 
 Most batches use full attention because every strategy we ship defaults to it; the block-causal
 share keeps the model usable in D2F's block-causal mode. The loss is the plain token
@@ -68,6 +68,8 @@ SCHEDULES = {
     "three": ("block_causal", "full_pipe", "full_uniform"),
     # the arith-var teacher's later stages: more equation results with their operands in view
     "equation": ("block_causal", "full_equation", "full_pipe", "full_prefix", "full_uniform", "full_equation"),
+    # half of the steps in vanilla decoding's view (scattered masks over the whole region)
+    "uniform": ("block_causal", "full_uniform", "full_prefix", "full_uniform", "full_pipe", "full_uniform"),
 }
 EQ_TOKEN = "="  # the token after which full_equation cuts (the same id in both tasks' vocabularies)
 
