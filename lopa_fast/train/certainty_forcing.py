@@ -230,7 +230,8 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
         emit(f"# certainty forcing: {json.dumps(a, sort_keys=True)}")
         t_traj = time.time()
         problems = tasks.generate_task(a["task"], "train", a["n_problems"], seed=a["seed"])
-        traj = trajectories or collect_trajectories(model, problems, tok, a["gen_len"], a["traj_batch"])
+        traj = trajectories or collect_trajectories(model, problems, tok, a["gen_len"], a["traj_batch"],
+                                                    log=log)  # progress on the console, not in the log file
         torch.save(dict(prompts=traj.prompts, responses=traj.responses, answers=traj.answers, total=traj.total),
                    traj_path)
         emit(f"# trajectories: {traj.kept}/{traj.total} teacher answers correct (kept), one token per forward, "
