@@ -139,3 +139,15 @@ def test_bad_options_raise(tmp_path):
         cf.train(tmp_path, eval_block=5)
     with pytest.raises(FileNotFoundError, match="no training state"):
         cf.train(tmp_path / "none", resume=True)
+
+
+def test_training_continues_after_the_decode_monitor():
+    """The mid-run monitor decodes through lopa_fast.generate, whose fast backend fuses the weights under inference
+    mode; it must leave the training model trainable (a real run died at its first mid-run eval before the fix)."""
+    traj = _reference_trajectories(2)
+    ids, plens, lens = cf.batch_of(traj, [0, 1])
+    model = _tiny().train()
+    cf.decode_eval(model, TOK, tasks.generate_task("arith-var", "dev", 1, seed=0), GEN, 0.45, 8)
+    loss, _ = cf.certainty_forcing_loss(model, ids, plens, lens, torch.Generator().manual_seed(1))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
