@@ -1,6 +1,7 @@
 """The shipped arith-var models (issue 12) load in HF layout with the arith-var tokenizer and answer held-out
-problems (parameters never seen in training): the APD verifier ar-arith-var and the diffusion teacher d2f-arith-var
-(docs/tasks.md, "Training a model for arith-var", says what it does and does not reach)."""
+problems (parameters never seen in training): the APD verifier ar-arith-var, the diffusion teacher d2f-arith-var
+(docs/tasks.md, "Training a model for arith-var", says what it does and does not reach) and its dParallel student
+dparallel-arith-var."""
 import json
 
 import pytest
@@ -16,7 +17,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
          "training_log.txt")
 
 
-@pytest.mark.parametrize("name,kind", [("ar-arith-var", "qwen2"), ("d2f-arith-var", "Dream")])
+@pytest.mark.parametrize("name,kind", [("ar-arith-var", "qwen2"), ("d2f-arith-var", "Dream"),
+                                       ("dparallel-arith-var", "Dream")])
 def test_layout_and_vocabulary(name, kind):
     path = model_dir(name)
     for f in FILES:
@@ -46,3 +48,20 @@ def test_teacher_answers_held_out_problems_left_to_right():
     acc = diagnose.fill_order_accuracy(model, arith_var.generate("test", 8, seed=3), TOK.build_tokenizer(),
                                        orders=("left_to_right",))
     assert acc["left_to_right"] >= 7 / 8, acc
+
+
+def test_student_answers_held_out_problems_under_the_entropy_threshold():
+    """The dParallel student through lopa_fast.generate with the eval's dparallel-h0.45 row (several tokens per
+    forward: fewer than the 96 of one token per forward)."""
+    from lopa_fast.tasks import evaluate
+
+    model = lopa_fast.load_model(model_dir("dparallel-arith-var"), dtype=torch.float32)
+    tok = lopa_fast.load_tokenizer(model_dir("dparallel-arith-var"))
+    knobs = evaluate.task_rows("arith-var")["dparallel-h0.45"]
+    correct = forwards = 0
+    for p in arith_var.generate("test", 4, seed=3):
+        ids = torch.tensor(evaluate.prompt_ids(tok, p), dtype=torch.long)
+        out = lopa_fast.generate(model, ids, max_new_tokens=arith_var.GEN_LEN, temperature=0.0, **knobs)
+        correct += tasks.extract_answer(tok.decode(out.generated_ids, skip_special_tokens=True)) == p.answer
+        forwards += out.stats["forwards"]
+    assert correct >= 3 and forwards < 4 * arith_var.GEN_LEN / 2, (correct, forwards)

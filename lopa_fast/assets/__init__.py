@@ -6,6 +6,7 @@
                  (recipe: python -m lopa_fast.train.ar)
     ar-arith-var/  the APD verifier for the arith-var task (127-id tokenizer; README.md here)
     d2f-arith-var/ the Dream-architecture model of the arith-var task, the dParallel teacher (README.md here)
+    dparallel-arith-var/ its dParallel (certainty-forcing) student
 """
 from __future__ import annotations
 
