@@ -220,6 +220,20 @@ def test_fused_layer_equals_the_plain_one(kind):
     assert m.fused_layers() is m._fused  # cached while the weights stay put
 
 
+def test_fused_view_built_under_inference_mode_stays_trainable():
+    """Decoding runs under inference mode; the merged buffer the parameters become views of must not be an
+    inference tensor, or training the model after a generate fails (it did: certainty_forcing's mid-run monitor)."""
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    m = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=3)
+    with torch.inference_mode():
+        m.fused_layers()
+    assert not m.fused_layers()[0].qkv_w.is_inference() and not m.layer(0).q.weight.is_inference()
+    m.requires_grad_(True)
+    m(torch.randint(0, 60, (1, 5), generator=torch.Generator().manual_seed(0))).sum().backward()
+    assert m.layer(0).q.weight.grad is not None
+
+
 def test_fused_view_follows_weight_edits_and_replacement(tmp_path):
     from lopa_fast.models.loading import save_checkpoint
 

@@ -72,13 +72,18 @@ class FusedLayer:
 
 @torch.no_grad()
 def _merge_as_views(params: list[torch.Tensor]) -> torch.Tensor:
-    """cat(params, 0) once, then make every param's .data a view of its rows of the result."""
-    merged = torch.cat([p.data for p in params], 0)
-    off = 0
-    for p in params:
-        rows = p.shape[0]
-        p.data = merged[off : off + rows]
-        off += rows
+    """cat(params, 0) once, then make every param's .data a view of its rows of the result.
+
+    The buffer is made outside inference mode even when the first decode runs under it: the parameters become
+    views of it, and an inference-mode buffer would make them unusable for autograd afterwards ("Inference
+    tensors cannot be saved for backward": a model could not be trained after a `lopa_fast.generate`)."""
+    with torch.inference_mode(False), torch.no_grad():
+        merged = torch.cat([p.data for p in params], 0)
+        off = 0
+        for p in params:
+            rows = p.shape[0]
+            p.data = merged[off : off + rows]
+            off += rows
     return merged
 
 

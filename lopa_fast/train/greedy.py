@@ -39,13 +39,13 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given:
     masks = torch.full_like(clean, tasks.MASK_ID)
     ids[rows, gen_pos] = masks if given is None else torch.where(given, clean, masks)
     for _ in range(gen_len):  # exactly one fill per forward; gen_len forwards (fewer when positions are given)
-        if not (ids[rows, gen_pos] == tasks.MASK_ID).any():
+        still = ids[rows, gen_pos] == tasks.MASK_ID  # [B, gen_len]
+        if not still.any():
             break
         logits = model(ids, mask="full", win_lens=batch.lens).float()  # [B, n, V]
         pred = logits[rows, gen_pos - 1]  # [B, gen_len, V]: predictions for the region
         prob = pred.softmax(-1)
         p_max, x0 = prob.max(-1)
-        still = ids[rows, gen_pos] == tasks.MASK_ID
         if alg == "entropy":  # confidence = negative entropy (nats)
             p_max = (prob * prob.clamp_min(1e-30).log()).sum(-1)
         elif alg == "left_to_right":  # the leftmost masked position wins
