@@ -27,7 +27,8 @@ def test_block_ids_follow_the_prompt():
 def test_corrupt_masks_only_generated_positions(mode):
     b = _batch(32)
     g = torch.Generator().manual_seed(1)
-    noisy, masked, lens, bids = d2f.corrupt(b, mode, 8, 40, g)
+    order = torch.stack([torch.randperm(40, generator=g) for _ in range(32)]) if mode == "full_policy" else None
+    noisy, masked, lens, bids = d2f.corrupt(b, mode, 8, 40, g, order)
     j = torch.arange(b.ids.shape[1])[None]
     assert masked.any(1).all()  # every row has a loss position
     assert not (masked & (j < b.prompt_lens[:, None])).any()  # the prompt is never masked
@@ -82,7 +83,9 @@ def test_tiny_training_run_lowers_the_loss(tmp_path):
 
     def eval_loss(model):
         with torch.no_grad():
-            return sum(float(d2f.loss_on(model, b, m, 8, 40, torch.Generator().manual_seed(7))) for m in d2f.MODES)
+            order = torch.arange(40).expand(32, 40)  # full_policy with the left-to-right order
+            return sum(float(d2f.loss_on(model, b, m, 8, 40, torch.Generator().manual_seed(7), order))
+                       for m in d2f.MODES)
 
     before = eval_loss(d2f.init_model(cfg, 0).eval())
     summary = d2f.train(tmp_path, log=lambda *_: None, steps=40, lr=3e-3, warmup=5, eval_every=0, eval_n=4,

@@ -67,7 +67,9 @@ from lopa_fast.models.loading import build_model
 from lopa_fast.train import run
 from lopa_fast.train.data import block_ids_for, make_batch
 
-MODES = ("block_causal", "full_pipe", "full_uniform", "full_prefix", "full_equation")
+MODES = ("block_causal", "full_pipe", "full_uniform", "full_prefix", "full_equation", "full_policy")
+# the views whose loss can take soft targets (full attention: every visible token conditions every target)
+SOFT_MODES = ("full_pipe", "full_uniform", "full_prefix", "full_equation", "full_policy")
 # the view of each step, cycled. "prefix" (default): half of the steps are left-to-right prefix states;
 # "three": the first stage of the shipped model (block_causal, full_pipe, full_uniform in turn).
 SCHEDULES = {
@@ -79,6 +81,9 @@ SCHEDULES = {
     "uniform": ("block_causal", "full_uniform", "full_prefix", "full_uniform", "full_pipe", "full_uniform"),
     # two thirds in vanilla decoding's view
     "uniform2": ("block_causal", "full_uniform", "full_uniform", "full_prefix", "full_uniform", "full_uniform"),
+    # half of the steps on the states the model's own entropy-order decode visits
+    "policy": ("block_causal", "full_policy", "full_uniform", "full_policy", "full_prefix", "full_policy",
+               "full_pipe", "full_policy"),
 }
 EQ_TOKEN = "="  # the token after which full_equation cuts (the same id in both tasks' vocabularies)
 
@@ -86,7 +91,7 @@ DEFAULTS = dict(
     hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, block_size=8, gen_len=32, variant="v2",
     batch=64, steps=2000, lr=2e-3, min_lr_frac=0.05, warmup=100, weight_decay=0.01, seed=0,
     eval_every=250, eval_n=100, threads=1, init_from="", stop_at=0, schedule="prefix",
-    task="arith", max_positions=128, ckpt_every=100,
+    task="arith", max_positions=128, ckpt_every=100, soft_targets=0, policy_pool=64, policy_every=50,
 )
 def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
               max_positions: int = 128) -> dict:
@@ -161,14 +166,19 @@ def _eq_id() -> int:
     return tasks.vocab()[EQ_TOKEN]
 
 
-def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator):
+def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator, order: torch.Tensor | None = None):
     """Mask a clean batch for one training view (full_equation finds "=" by its id in the task vocabulary).
 
+    order: [B, gen_len] region offsets in a decoder's visiting order (`greedy.fill_orders`), needed by
+    "full_policy", which keeps the first k ~ U{0..gen_len-1} of them visible and masks the rest.
     Returns (noisy ids [B, n], loss positions bool [B, n] (masked generated positions), win_lens [B],
     block_ids [B, n]).
     """
     if mode not in MODES:
         raise ValueError(f"corrupt: mode={mode!r}; allowed: {MODES}")
+    if mode == "full_policy" and (order is None or tuple(order.shape) != (batch.ids.shape[0], gen_len)):
+        raise ValueError(f"corrupt: full_policy needs order [B, gen_len]; got "
+                         f"{None if order is None else tuple(order.shape)}")
     ids = batch.ids
     B, n = ids.shape
     K = gen_len // block_size
@@ -178,6 +188,12 @@ def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator)
     lens = batch.lens.clone()
     if mode == "full_uniform":
         ratio = torch.rand(B, 1, generator=g).expand(B, n)
+    elif mode == "full_policy":
+        k = torch.randint(0, gen_len, (B, 1), generator=g)  # visible: the first k positions of the order
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(gen_len).expand(B, gen_len).contiguous())
+        region = torch.full((B, n), gen_len, dtype=torch.long)  # non-region positions: never visible by rank
+        region[torch.arange(B)[:, None], batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]] = rank
+        ratio = (region >= k).float()  # 1 = masked (when in the region)
     elif mode in ("full_prefix", "full_equation"):
         cut = (torch.rand(B, 1, generator=g) * gen_len).long()
         if mode == "full_equation":
@@ -205,13 +221,43 @@ def corrupt(batch, mode: str, block_size: int, gen_len: int, g: torch.Generator)
     return noisy, masked, lens, bids
 
 
-def loss_on(model, batch, mode: str, block_size: int, gen_len: int, g: torch.Generator) -> torch.Tensor:
-    """Mean cross-entropy of the clean tokens at the masked positions (logit at j - 1 predicts j)."""
-    noisy, masked, lens, bids = corrupt(batch, mode, block_size, gen_len, g)
+def loss_on(model, batch, mode: str, block_size: int, gen_len: int, g: torch.Generator,
+            order: torch.Tensor | None = None, soft_problems=None) -> torch.Tensor:
+    """Mean cross-entropy at the masked positions (logit at j - 1 predicts j): of the clean tokens, or, with
+    `soft_problems` (the batch's arith-var problems) in a SOFT_MODES view, of the exact posterior marginals given
+    the visible tokens (`train.posterior.soft_targets`; the same objective without the label's sampling noise)."""
+    noisy, masked, lens, bids = corrupt(batch, mode, block_size, gen_len, g, order)
     attn = "block_causal" if mode == "block_causal" else "full"
     logits = model(noisy, mask=attn, block_ids=bids if attn == "block_causal" else None, win_lens=lens)
     b, p = masked.nonzero(as_tuple=True)
-    return F.cross_entropy(logits[b, p - 1].float(), batch.ids[b, p])
+    pred = logits[b, p - 1].float()
+    if soft_problems is None or mode not in SOFT_MODES:
+        return F.cross_entropy(pred, batch.ids[b, p])
+    from lopa_fast.train.posterior import soft_targets
+
+    target, valid = soft_targets(soft_problems, noisy, masked, batch.prompt_lens, lens, gen_len, pred.shape[-1])
+    if not valid.all():  # a clean batch's own masks always agree with its rendering
+        raise RuntimeError(f"loss_on: {int((~valid).sum())} soft targets without an agreeing rendering")
+    return -(target * pred.log_softmax(-1)).sum(-1).mean()
+
+
+def policy_pool(model, a: dict, tok, step: int) -> tuple[list, torch.Tensor]:
+    """`policy_pool` train problems (seeded by `step`) and the order the model's entropy-order decode visits
+    their regions in, teacher-forced (`greedy.fill_orders`; policy_pool x gen_len forwards without gradients).
+
+    Why: vanilla decoding visits the lowest-entropy position of the whole region first, so its states are
+    neither left-to-right prefixes nor uniform scatters (EOS tail first, then far tokens); the arith-var teacher
+    wrote 33 of 48 dev solutions off every valid rendering in that order, 26 of them first at a position the
+    visible tokens had already determined (train.diagnose --posterior)."""
+    from lopa_fast.train.greedy import fill_orders
+
+    problems = tasks.generate_task(a["task"], "train", a["policy_pool"], seed=a["seed"] * 1_000_003 + step + 500_009,
+                                   variant=a["variant"])
+    model.eval()
+    orders = torch.cat([fill_orders(model, make_batch(problems[i:i + 64], tok, a["gen_len"]), a["gen_len"])
+                        for i in range(0, len(problems), 64)])
+    model.train()
+    return problems, orders
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
@@ -234,6 +280,13 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
     if a["gen_len"] % a["block_size"]:
         raise ValueError(f"train: gen_len={a['gen_len']} must be a multiple of block_size={a['block_size']}")
     tasks.check_task(a["task"])
+    if a["soft_targets"] not in (0, 1):
+        raise ValueError(f"train: soft_targets={a['soft_targets']}; allowed: 0, 1")
+    if a["soft_targets"] and a["task"] != "arith-var":
+        raise ValueError(f"train: soft_targets=1 needs task arith-var (the task whose renderings are enumerable); "
+                         f"got task={a['task']!r}")
+    if a["policy_pool"] < 1 or a["policy_every"] < 1:
+        raise ValueError(f"train: policy_pool={a['policy_pool']}, policy_every={a['policy_every']}; expected >= 1")
     if a["ckpt_every"] < 0:
         raise ValueError(f"train: ckpt_every={a['ckpt_every']}; expected >= 0 (0: only at evals and the end)")
     from lopa_fast.train.greedy import accuracy
@@ -272,14 +325,30 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         run.checkpoint(out, a, model, opt, next_step, ema, first_loss, dev_acc, t0)
 
     last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+    # "full_policy": (problems, their visiting orders, epoch), rebuilt every policy_every steps. A run resumed at a
+    # multiple of policy_every is the uninterrupted run; elsewhere the pool is rebuilt from the resumed weights.
+    pool = None
     for step in range(start, last_step):
         mode = SCHEDULES[a["schedule"]][step % len(SCHEDULES[a["schedule"]])]
-        problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step,
-                                       variant=a["variant"])
-        batch = make_batch(problems, tok, a["gen_len"])
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
+        order = None
+        if mode == "full_policy":
+            epoch = step // a["policy_every"]  # a new pool at the first policy step of every policy_every steps
+            if pool is None or pool[2] != epoch:
+                pool = (*policy_pool(model, a, tok, epoch * a["policy_every"]), epoch)
+                emit(f"# step {step}: policy pool of {len(pool[0])} problems (entropy order of the weights at step "
+                     f"{step})")
+            pick = torch.randint(len(pool[0]), (a["batch"],), generator=g)
+            problems = [pool[0][i] for i in pick.tolist()]
+            order = pool[1][pick]
+        else:
+            problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step,
+                                           variant=a["variant"])
+        batch = make_batch(problems, tok, a["gen_len"])
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
-        v = run.optimizer_step(model, opt, loss_on(model, batch, mode, a["block_size"], a["gen_len"], g), lr)
+        loss = loss_on(model, batch, mode, a["block_size"], a["gen_len"], g, order,
+                       problems if a["soft_targets"] else None)
+        v = run.optimizer_step(model, opt, loss, lr)
         first_loss = v if first_loss is None else first_loss
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         last = step == last_step - 1

@@ -26,6 +26,12 @@ vanilla row), and entropy with the true EOS tail given. The arith-var teacher af
 left to right, 69.8% max_prob, 66.7% entropy, 65.6% with the true tail given: it knew the task, and what failed was
 filling far positions first, not the length; the shipped teacher (stage 5, `uniform` schedule): 99.0% / 80.2% entropy
 (docs/tasks.md).
+
+`--posterior` checks vanilla decoding against the exact posterior of the task's renderings (`posterior_probe`):
+the stage-5 teacher left every valid rendering in 33 of 48 dev decodes, 26 times first at a position whose token
+the visible ones had already determined (the model's entropy there: 0.05-1.1 nats). So the errors are
+inference errors in the states that order visits, not guesses between valid continuations; this is what the
+`policy` schedule with `--soft-targets 1` trains on (train.d2f).
 """
 from __future__ import annotations
 
@@ -112,6 +118,53 @@ def fill_order_accuracy(model, problems, tok, orders=ORDERS) -> dict[str, float]
     return out
 
 
+@torch.no_grad()
+def posterior_probe(model, problems, tok) -> dict:
+    """Vanilla decoding (one token per forward, lowest entropy first over the whole region, the eval's vanilla
+    row) checked against the exact posterior (`train.posterior`) at every fill.
+
+    Returns {"n", "correct": exact matches, "off": decodes that wrote a token no rendering agreeing with the
+    visible ones has (they left the task's distribution), "off_determined": of those, how many first left it at a
+    position the visible tokens had already determined (posterior entropy 0: a model error, not a guess between
+    valid continuations), "first_step": mean fill index of the first such token, "model_entropy": the model's
+    mean entropy (nats) at those fills}. The shipped teacher on 48 dev problems: 37 correct, 33 off, 26 of them
+    at a determined position (docs/tasks.md)."""
+    from lopa_fast.train import posterior as post
+
+    G = arith_var.GEN_LEN
+    batch = make_batch(problems, tok, G)
+    B = len(problems)
+    rows = torch.arange(B)[:, None]
+    gen_pos = batch.prompt_lens[:, None] + torch.arange(G)[None, :]
+    ids = batch.ids.clone()
+    ids[rows, gen_pos] = tasks.MASK_ID
+    V = tok.get_vocab_size()
+    tables = [post.table_for(p, G) for p in problems]
+    first = [None] * B  # (fill index, posterior entropy, model entropy) of the first off-distribution token
+    for step in range(G):
+        prob = model(ids, mask="full", win_lens=batch.lens).float()[rows, gen_pos - 1].softmax(-1)
+        ent = -(prob * prob.clamp_min(1e-30).log()).sum(-1)  # [B, G]
+        still = ids[rows, gen_pos] == tasks.MASK_ID
+        pick = (-ent).masked_fill(~still, -float("inf")).argmax(-1)
+        x0 = prob.argmax(-1)
+        for b in range(B):
+            j, t = int(pick[b]), int(x0[b, pick[b]])
+            if first[b] is None:
+                region = ids[b, gen_pos[b]]
+                q, _ = post.posterior(*tables[b], region, region != tasks.MASK_ID, V)
+                if float(q[j, t]) == 0.0:
+                    qj = q[j]
+                    first[b] = (step, float(-(qj * qj.clamp_min(1e-300).log()).sum()), float(ent[b, j]))
+            ids[b, gen_pos[b, j]] = t
+    texts = tok.decode_batch(ids[rows, gen_pos].tolist(), skip_special_tokens=True)
+    off = [f for f in first if f is not None]
+    det = [f for f in off if f[1] < 1e-9]
+    return {"n": B, "correct": sum(tasks.extract_answer(t) == p.answer for t, p in zip(texts, problems)),
+            "off": len(off), "off_determined": len(det),
+            "first_step": sum(f[0] for f in off) / len(off) if off else None,
+            "model_entropy": sum(f[2] for f in det) / len(det) if det else None}
+
+
 def main(argv=None) -> int:
     import lopa_fast
 
@@ -121,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cuts", type=int, default=16, help="cut points per problem (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--orders", action="store_true", help="also the exact match under four fill orders (--n problems)")
+    ap.add_argument("--posterior", action="store_true",
+                    help="also vanilla decoding checked against the exact posterior at every fill (--n problems)")
     a = ap.parse_args(argv)
     if a.n < 1 or a.cuts < 1:
         ap.error(f"--n={a.n} --cuts={a.cuts}; both must be >= 1")  # one line, exit code 2
@@ -137,6 +192,11 @@ def main(argv=None) -> int:
     if a.orders:
         for order, acc in fill_order_accuracy(model, probs, tok).items():
             print(f"fill order {order:18s} exact match {acc:.3f} (n={a.n}, one token per forward)")
+    if a.posterior:
+        r = posterior_probe(model, probs, tok)
+        print(f"posterior probe (entropy order, n={r['n']}): {r['correct']} correct; {r['off']} left every valid "
+              f"rendering, {r['off_determined']} first at a determined position (mean fill {r['first_step']}, "
+              f"model entropy there {r['model_entropy']})")
     return 0
 
 

@@ -70,3 +70,32 @@ def accuracy(model, problems, tok, gen_len: int, batch_size: int = 64) -> tuple[
             texts.append(text)
             correct += int(tasks.extract_answer(text) == p.answer)
     return correct / max(1, len(problems)), texts
+
+
+@torch.no_grad()
+def fill_orders(model, batch: Batch, gen_len: int, alg: str = "entropy") -> torch.Tensor:
+    """The order in which `alg` visits the positions of `batch`'s generation regions when every fill writes the
+    clean token of `batch` (teacher forcing: the state stays a true rendering's) -> [B, gen_len] int64, the
+    region offsets in visiting order. gen_len forwards. `train.d2f`'s "full_policy" view cuts these orders to
+    train on the states this decoder visits."""
+    if alg not in ALGS:
+        raise ValueError(f"fill_orders: alg={alg!r}; allowed: {ALGS}")
+    ids = batch.ids.clone()
+    B = ids.shape[0]
+    gen_pos = batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]
+    rows = torch.arange(B)[:, None]
+    clean = ids[rows, gen_pos]
+    ids[rows, gen_pos] = tasks.MASK_ID
+    order = torch.empty(B, gen_len, dtype=torch.long)
+    b = torch.arange(B)
+    for step in range(gen_len):
+        still = ids[rows, gen_pos] == tasks.MASK_ID
+        if alg == "left_to_right":
+            score = -torch.arange(gen_len, dtype=torch.float32).expand(B, gen_len).clone()
+        else:
+            prob = model(ids, mask="full", win_lens=batch.lens).float()[rows, gen_pos - 1].softmax(-1)
+            score = (prob * prob.clamp_min(1e-30).log()).sum(-1) if alg == "entropy" else prob.max(-1).values
+        pick = score.masked_fill(~still, -float("inf")).argmax(-1)  # [B]
+        order[:, step] = pick
+        ids[b, gen_pos[b, pick]] = clean[b, pick]
+    return order
