@@ -196,3 +196,16 @@ def test_ar_recipe_arith_var_grows_and_resumes(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     model = lopa_fast.load_model(tmp_path / "a", dtype=torch.float32)
     assert model.config.kind == "qwen2" and model.config.vocab_size == len(tasks.TOKENIZERS["arith-var"].vocab())
+
+
+def test_load_grown_deepens_with_identity_layers():
+    """A deeper model grown from a shallower one computes exactly what the shallower one did (the extra layers'
+    output projections start at zero)."""
+    cfg = d2f.hf_config(65, 32, 1, 2, 1, 64)
+    small = d2f.init_model(cfg, 0).eval()
+    deep = d2f.init_model({**cfg, "num_hidden_layers": 3}, 1)
+    grown = d2f.load_grown(deep, small)
+    assert "model.layers.2.mlp.down_proj.weight" in grown and "model.layers.1.self_attn.o_proj.weight" in grown
+    b = _batch(2)
+    with torch.no_grad():
+        assert torch.equal(small(b.ids, mask="full", win_lens=b.lens), deep.eval()(b.ids, mask="full", win_lens=b.lens))

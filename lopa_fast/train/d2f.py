@@ -141,10 +141,17 @@ def load_grown(model, prev) -> list[str]:
     """Copy `prev`'s weights into `model` (same architecture; `model` may have a larger vocabulary and more
     positions): equal shapes are copied, the embedding / output rows of `prev`'s vocabulary are copied into the
     first rows (the new rows keep `model`'s init, because the grown tokenizer keeps the old ids, see
-    tasks/tokenizer_var.py). Returns the names of the grown tensors."""
+    tasks/tokenizer_var.py). `model` may also be deeper: its extra layers (after `prev`'s) start as exact
+    identities (their o_proj and down_proj zeroed, so the residual stream passes through them unchanged and the
+    grown model computes what `prev` did). Returns the names of the grown tensors (and of the zeroed ones)."""
     from lopa_fast.errors import CheckpointError
 
     grown, mine = [], model.state_dict()
+    n_prev, n_mine = prev.config.num_layers, model.config.num_layers
+    for i in range(n_prev, n_mine):
+        for name in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
+            mine[name].zero_()
+            grown.append(name)
     for name, w in prev.state_dict().items():
         if name not in mine:
             raise CheckpointError(f"init_from: tensor {name} is not in the model (a different architecture)", key=name)
