@@ -126,3 +126,15 @@ def test_policy_schedule_with_soft_targets_trains_and_resumes(tmp_path):
         d2f.train(tmp_path / "c", **{**kw, "task": "arith", "gen_len": 32, "max_positions": 128})
     with pytest.raises(ValueError, match="soft_targets=2"):
         d2f.train(tmp_path / "c", **{**kw, "soft_targets": 2})
+
+
+def test_posterior_probe_counts_off_distribution_decodes():
+    """An untrained model writes junk: every decode leaves the renderings, at its first fill already where the
+    posterior is spread or determined; the counts are consistent."""
+    from lopa_fast.train.diagnose import posterior_probe
+
+    cfg = d2f.hf_config(V, 32, 1, 2, 1, 64, max_positions=160)
+    model = d2f.init_model(cfg, 0).eval()
+    r = posterior_probe(model, arith_var.generate("dev", 2, seed=0), TOK)
+    assert r["n"] == 2 and r["correct"] == 0 and r["off"] == 2 and 0 <= r["off_determined"] <= 2
+    assert r["first_step"] is not None and r["first_step"] < 96

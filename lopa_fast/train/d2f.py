@@ -254,7 +254,7 @@ def policy_pool(model, a: dict, tok, step: int) -> tuple[list, torch.Tensor]:
 
     Why: vanilla decoding visits the lowest-entropy position of the whole region first, so its states are
     neither left-to-right prefixes nor uniform scatters (EOS tail first, then far tokens); the arith-var teacher
-    wrote 33 of 48 dev solutions off every valid rendering in that order, 26 of them first at a position the
+    wrote 33 of 48 dev solutions off every valid rendering in that order, 21 of them first at a position the
     visible tokens had already determined (train.diagnose --posterior)."""
     from lopa_fast.train.greedy import fill_orders
 

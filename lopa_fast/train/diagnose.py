@@ -28,8 +28,8 @@ filling far positions first, not the length; the shipped teacher (stage 5, `unif
 (docs/tasks.md).
 
 `--posterior` checks vanilla decoding against the exact posterior of the task's renderings (`posterior_probe`):
-the stage-5 teacher left every valid rendering in 33 of 48 dev decodes, 26 times first at a position whose token
-the visible ones had already determined (the model's entropy there: 0.05-1.1 nats). So the errors are
+the stage-5 teacher left every valid rendering in 33 of 48 dev decodes, 21 times first at a position whose token
+the visible ones had already determined (the model's mean entropy there: 0.42 nats). So the errors are
 inference errors in the states that order visits, not guesses between valid continuations; this is what the
 `policy` schedule with `--soft-targets 1` trains on (train.d2f).
 """
@@ -127,7 +127,7 @@ def posterior_probe(model, problems, tok) -> dict:
     visible ones has (they left the task's distribution), "off_determined": of those, how many first left it at a
     position the visible tokens had already determined (posterior entropy 0: a model error, not a guess between
     valid continuations), "first_step": mean fill index of the first such token, "model_entropy": the model's
-    mean entropy (nats) at those fills}. The shipped teacher on 48 dev problems: 37 correct, 33 off, 26 of them
+    mean entropy (nats) at those fills}. The shipped teacher on 48 dev problems: 37 correct, 33 off, 21 of them
     at a determined position (docs/tasks.md)."""
     from lopa_fast.train import posterior as post
 
