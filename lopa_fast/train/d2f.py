@@ -35,6 +35,16 @@ wrote arith-var's solutions right left to right (96.9%) but not in that order (6
 "prefix" steps reached 73% (entropy order on 96 dev problems: 80.2% against 66.7%); "equation" (full_equation) did
 not help (50% vs 62.5% at the same step).
 
+Soft targets (`--soft-targets 1`, arith-var only) replace the clean token of a full-attention view by the exact
+posterior marginal of its position given the visible tokens (train.posterior: the same objective without the
+label's sampling noise); the `policy` schedule adds "full_policy" (prefixes of the order in which the model's own
+entropy-order decode visits the region, teacher-forced, `policy_pool` problems rebuilt every `policy_every` steps).
+Measured on arith-var (entropy order, all 126 dev problems unless said): from stage 5 (81.0%), 1000 steps of
+`uniform` with soft targets at lr 2e-4: 82.3% (96 dev; the decodes leave the valid renderings less often, 25 vs 33
+of 48, but answer no better); `policy` + soft: 69.8% at step 250 of 1000 (stopped). What moved it was depth:
+`--layers 6` on top of stage 5 (the extra layers start as identities, `load_grown`), 1000 steps of `uniform`
+with hard labels: 86.5%; the same depth from the soft-target run, 700 steps with soft targets: 79.4%.
+
 The steps cycle through SCHEDULES[schedule] (default "prefix": half of them full_prefix; "equation": a third of
 them full_equation; "uniform" / "uniform2": half / two thirds of them full_uniform).
 
