@@ -27,18 +27,27 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given:
     ties go to the leftmost. given: optional bool [B, gen_len], positions that start with their clean token from
     `batch` instead of a mask (train.diagnose gives the true EOS tail this way).
     """
+    return _fill(model, batch, gen_len, alg, given, teacher_forced=False, who="greedy_fill")[0]
+
+
+def _fill(model, batch: Batch, gen_len: int, alg: str, given: torch.Tensor | None, teacher_forced: bool,
+          who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-fill-per-forward loop of greedy_fill and fill_orders -> (region ids [B, gen_len], visiting order
+    [B, gen_len]: the region offset filled at each step, -1 where a row had nothing left). teacher_forced: every
+    fill writes the clean token of `batch` instead of the argmax."""
     if alg not in ALGS:
-        raise ValueError(f"greedy_fill: alg={alg!r}; allowed: {ALGS}")
+        raise ValueError(f"{who}: alg={alg!r}; allowed: {ALGS}")
     ids = batch.ids.clone()
     B, n = ids.shape
     gen_pos = batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]  # [B, gen_len]
     rows = torch.arange(B)[:, None]
     if given is not None and tuple(given.shape) != (B, gen_len):
-        raise ValueError(f"greedy_fill: given has shape {tuple(given.shape)}; expected {(B, gen_len)}")
+        raise ValueError(f"{who}: given has shape {tuple(given.shape)}; expected {(B, gen_len)}")
     clean = ids[rows, gen_pos]
     masks = torch.full_like(clean, tasks.MASK_ID)
     ids[rows, gen_pos] = masks if given is None else torch.where(given, clean, masks)
-    for _ in range(gen_len):  # exactly one fill per forward; gen_len forwards (fewer when positions are given)
+    order = torch.full((B, gen_len), -1, dtype=torch.long)
+    for step in range(gen_len):  # exactly one fill per forward; gen_len forwards (fewer when positions are given)
         still = ids[rows, gen_pos] == tasks.MASK_ID  # [B, gen_len]
         if not still.any():
             break
@@ -54,8 +63,9 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given:
         pick = p_max.argmax(-1)  # [B]
         has = still.any(-1)
         b = torch.arange(B)[has]
-        ids[b, gen_pos[b, pick[b]]] = x0[b, pick[b]]
-    return ids[rows, gen_pos]
+        order[b, step] = pick[b]
+        ids[b, gen_pos[b, pick[b]]] = (clean if teacher_forced else x0)[b, pick[b]]
+    return ids[rows, gen_pos], order
 
 
 def accuracy(model, problems, tok, gen_len: int, batch_size: int = 64) -> tuple[float, list[str]]:
@@ -78,24 +88,4 @@ def fill_orders(model, batch: Batch, gen_len: int, alg: str = "entropy") -> torc
     clean token of `batch` (teacher forcing: the state stays a true rendering's) -> [B, gen_len] int64, the
     region offsets in visiting order. gen_len forwards. `train.d2f`'s "full_policy" view cuts these orders to
     train on the states this decoder visits."""
-    if alg not in ALGS:
-        raise ValueError(f"fill_orders: alg={alg!r}; allowed: {ALGS}")
-    ids = batch.ids.clone()
-    B = ids.shape[0]
-    gen_pos = batch.prompt_lens[:, None] + torch.arange(gen_len)[None, :]
-    rows = torch.arange(B)[:, None]
-    clean = ids[rows, gen_pos]
-    ids[rows, gen_pos] = tasks.MASK_ID
-    order = torch.empty(B, gen_len, dtype=torch.long)
-    b = torch.arange(B)
-    for step in range(gen_len):
-        still = ids[rows, gen_pos] == tasks.MASK_ID
-        if alg == "left_to_right":
-            score = -torch.arange(gen_len, dtype=torch.float32).expand(B, gen_len).clone()
-        else:
-            prob = model(ids, mask="full", win_lens=batch.lens).float()[rows, gen_pos - 1].softmax(-1)
-            score = (prob * prob.clamp_min(1e-30).log()).sum(-1) if alg == "entropy" else prob.max(-1).values
-        pick = score.masked_fill(~still, -float("inf")).argmax(-1)  # [B]
-        order[:, step] = pick
-        ids[b, gen_pos[b, pick]] = clean[b, pick]
-    return order
+    return _fill(model, batch, gen_len, alg, None, teacher_forced=True, who="fill_orders")[1]

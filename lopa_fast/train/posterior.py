@@ -45,7 +45,13 @@ def rendering_table(problem, gen_len: int = arith_var.GEN_LEN) -> tuple[torch.Te
 
     R = `arith_var.n_choices()` (equal texts from different choices stay separate rows; their weights add up in
     any marginal). Built slot by slot: each slot's options are written at every row's current length."""
-    f = arith_var._fields(*arith_var._args(problem))
+    return _table(tuple(problem.numbers), gen_len)
+
+
+def _table(numbers: tuple, gen_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rendering_table of the parameters (a, b, c, d): the solutions never name the prompt's person, item or
+    container, so the numbers fix every rendering."""
+    f = arith_var._fields(*numbers, "Lily", "She", "apples", "boxes")
     tail = _ids(f"#### {f['r']}")
     tables, weights = [], []
     for plan in arith_var.PLANS:
@@ -98,14 +104,10 @@ def posterior(table: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, v
 # every train tuple fits (1,948 of them; uint8 tables of 5,832 x 96 ids: ~0.55 MB each, ~1.1 GB in all)
 @functools.lru_cache(maxsize=2048)
 def _cached_table(params: tuple, gen_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rendering_table keyed by (a, b, c, d) (the renderings never depend on the name, item or container),
-    ids stored as uint8 (the vocabulary has 127 ids)."""
+    """rendering_table keyed by (a, b, c, d), ids stored as uint8 (the vocabulary has 127 ids)."""
     if len(_vocab()) > 256:
         raise ValueError(f"posterior: {len(_vocab())} ids do not fit the uint8 cache")
-    a, b, c, d = params
-    problem = arith_var.VarProblem("buy", a, b, c, d, "Lily", "She", "apples", "boxes", "", "", 0,
-                                   arith_var.Choice("A", ()))
-    table, w = rendering_table(problem, gen_len)
+    table, w = _table(params, gen_len)
     return table.to(torch.uint8), w
 
 
