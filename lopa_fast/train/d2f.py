@@ -46,7 +46,9 @@ of 48, but answer no better); `policy` + soft: 69.8% at step 250 of 1000 (stoppe
 with hard labels: 86.5%; the same depth from the soft-target run, 700 steps with soft targets: 79.4%.
 
 The steps cycle through SCHEDULES[schedule] (default "prefix": half of them full_prefix; "equation": a third of
-them full_equation; "uniform" / "uniform2": half / two thirds of them full_uniform).
+them full_equation; "uniform" / "uniform2": half / two thirds of them full_uniform; "mdm": only full_uniform, the
+plain masked-diffusion regime of LLaDA and Dream, for dParallel's base teacher: its masked tokens are not trained
+to become certain together, which is the "sequential certainty convergence" certainty forcing removes).
 
 Most batches use full attention because every strategy we ship defaults to it; the block-causal
 share keeps the model usable in D2F's block-causal mode. The loss is the plain token
@@ -94,6 +96,9 @@ SCHEDULES = {
     # half of the steps on the states the model's own entropy-order decode visits
     "policy": ("block_causal", "full_policy", "full_uniform", "full_policy", "full_prefix", "full_policy",
                "full_pipe", "full_policy"),
+    # a plain masked-diffusion model in LLaDA's / Dream's pre-training regime (issue 27's base teacher): full
+    # attention over prompt + region, one ratio t ~ U(0,1) per sequence, no block-causal or pipelined views
+    "mdm": ("full_uniform",),
 }
 EQ_TOKEN = "="  # the token after which full_equation cuts (the same id in both tasks' vocabularies)
 
