@@ -158,14 +158,6 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
         kind = QWEN2_FAMILY_TYPES[key]
         hidden = _int(cfg, "hidden_size", source)
         heads = _int(cfg, "num_attention_heads", source)
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            _fail(source, "rope_scaling", rope_scaling, "null or an object")
-        if rope_scaling not in (None, {}) and (rope_scaling or {}).get("type", rope_scaling.get("rope_type")) not in (
-            None,
-            "default",
-        ):
-            raise ConfigError(f"{source}: rope_scaling={rope_scaling!r} is not supported (only none/default)", file=source)
         mc = ModelConfig(
             kind=kind,
             model_type=str(model_type),
@@ -177,7 +169,7 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
             num_kv_heads=_int(cfg, "num_key_value_heads", source, cfg.get("num_key_value_heads") or heads),
             head_dim=_int(cfg, "head_dim", source) if cfg.get("head_dim") else _derived_head_dim(hidden, heads, source),
             max_position_embeddings=_int(cfg, "max_position_embeddings", source, 32768),
-            rope_theta=_float(cfg, "rope_theta", source, 10000.0, lo=0.0, hi=float("inf"), what="a finite number > 0"),
+            rope_theta=_qwen2_rope_theta(cfg, source),
             rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-6, lo=0.0, hi=1.0, what="a number in (0, 1)"),
             tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, False),
             qkv_bias=True,
@@ -213,7 +205,7 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
             num_kv_heads=_int(cfg, "n_kv_heads", source, cfg.get("n_kv_heads") or heads),
             head_dim=_derived_head_dim(hidden, heads, source, ("d_model", "n_heads")),
             max_position_embeddings=_int(cfg, "max_sequence_length", source, 4096),
-            rope_theta=_float(cfg, "rope_theta", source, 10000.0, lo=0.0, hi=float("inf"), what="a finite number > 0"),
+            rope_theta=_llada_rope_theta(cfg, source),
             rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-5, lo=0.0, hi=1.0, what="a number in (0, 1)"),
             tie_word_embeddings=_flag(cfg, "weight_tying", source, False),
             qkv_bias=_flag(cfg, "include_qkv_bias", source, False),
@@ -241,6 +233,76 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
         setattr(mc, name, _first_id(value))
     _check_ids(mc, source)
     return mc
+
+
+# config.json keys that are bookkeeping, not architecture (left out when a config class rebuilds the dict)
+_NOT_ARCHITECTURE = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+
+
+def _qwen2_rope_theta(cfg: dict, source: str) -> float:
+    """RoPE base of a Qwen2-layout config (Dream, DiffuCoder, D2F, Qwen2.5), read through transformers' own
+    Qwen2Config, which normalises the spellings of every transformers release: 4.x writes `rope_theta` and
+    `rope_scaling` at the top level, 5.x writes them only inside `rope_parameters` (a Qwen2 saved by 5.24 with
+    rope_theta 1e6 has no top-level rope_theta; reading the top level fell back to 10000 and moved logits by 1.7e-3).
+    Any scaling the runtime does not implement (linear, dynamic, yarn, llama3, ...) and sliding-window attention
+    are refused, naming the field."""
+    from lopa_fast.errors import ConfigError
+
+    if cfg.get("use_sliding_window"):
+        _fail(source, "use_sliding_window", cfg["use_sliding_window"], "false (sliding-window attention is not "
+              "implemented)")
+    try:
+        from transformers import Qwen2Config
+    except ImportError as e:  # a requirement of the package; say which one is missing
+        raise ConfigError(f"{source}: reading a Qwen2-layout config needs transformers ({e})", file=source) from e
+    try:
+        hf = Qwen2Config(**{k: v for k, v in cfg.items() if k not in _NOT_ARCHITECTURE})
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{source}: transformers' Qwen2Config refuses it: {e}", file=source) from e
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:  # transformers 4.x: the top-level pair
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return _rope_theta(params, source, "rope_parameters" if "rope_parameters" in cfg else "rope_scaling")
+
+
+def _llada_rope_theta(cfg: dict, source: str) -> float:
+    """RoPE base of a LLaDA config (remote code, no transformers class): `rope_parameters` where a transformers
+    5.x save wrote it, else the top-level `rope_theta` and `rope_scaling`; rope must be on and alibi off."""
+    if cfg.get("rope") is False:
+        _fail(source, "rope", False, "true (LLaDA's rotary embeddings; other position schemes are not implemented)")
+    if cfg.get("alibi"):
+        _fail(source, "alibi", cfg["alibi"], "false (ALiBi is not implemented)")
+    params = cfg.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        scaling = cfg.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            _fail(source, "rope_scaling", scaling, "null or an object")
+        params = {**(scaling or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
+        field = "rope_scaling"
+    return _rope_theta(params, source, field)
+
+
+def _rope_theta(params, source: str, field: str) -> float:
+    """The base of plain (rope_type "default") rotary embeddings from normalised rope parameters, else
+    ConfigError naming `field`. Per-layer-type parameters (a dict of dicts) must all be the same plain rope."""
+    if not isinstance(params, dict):
+        _fail(source, field, params, "an object")
+    if params and all(isinstance(v, dict) for v in params.values()):  # {"full_attention": {...}, ...}
+        thetas = {_rope_theta(v, source, f"{field}.{k}") for k, v in params.items()}
+        if len(thetas) != 1:
+            _fail(source, field, params, "one rope_theta for every layer type")
+        return thetas.pop()
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in (None, "default"):
+        _fail(source, f"{field}.rope_type", rope_type, "'default' (scaled RoPE variants are not implemented)")
+    theta = params.get("rope_theta", 10000.0)
+    if theta is None:
+        theta = 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < float(theta) < float("inf"):
+        _fail(source, f"{field}.rope_theta" if "rope_theta" in params else "rope_theta", theta, "a finite number > 0")
+    return float(theta)
 
 
 def _derived_head_dim(hidden: int, heads: int, source: str, keys=("hidden_size", "num_attention_heads")) -> int:
