@@ -58,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
     tok = lopa_fast.load_tokenizer(model_dir())
-    decode = text_decoder(tok, digits_joined=True)
+    decode = text_decoder(tok)
     prompts = [p.prompt for p in task_problems("test", args.n, seed=0)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

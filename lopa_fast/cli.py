@@ -170,7 +170,7 @@ text_stop.__name__ = "text"  # the metavar
 
 
 def _load(args):
-    """(model, tokenizer, embedded?) for --model / --lora / --dtype / --device."""
+    """(model, tokenizer) for --model / --lora / --dtype / --device."""
     import torch
 
     import lopa_fast
@@ -191,7 +191,7 @@ def _load(args):
         if "device" in type(e).__name__.lower() or not device.startswith("cpu"):
             raise CLIError(f"--device {device}: {str(e).splitlines()[0]}") from e
         raise
-    return model, tok, embedded
+    return model, tok
 
 
 def generate_knobs(args, knob_names) -> dict:
@@ -245,14 +245,14 @@ def _generate_one(args, text: str, knobs: dict) -> int:
             raise CLIError(f"--png {args.png}: a directory; pass a file path (e.g. fill.png)")
         knobs["return_trace"] = True  # the picture is drawn from the run's trace
     _user_errors(lambda: GenerateConfig(**knobs).validate())
-    model, tok, embedded = _load(args)
+    model, tok = _load(args)
     ids = encode_prompt(tok, text, args.chat, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
     seqs, texts = _user_errors(split_stops, tok, args.stop_text)  # text stops: tokenised + matched on the text
     if seqs:
         knobs["stop"] = [*(knobs.get("stop") or []), *seqs]
     cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
-    decode = text_decoder(tok, digits_joined=embedded)  # the task tokenizer splits numbers into digits
+    decode = text_decoder(tok)
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
 
     def check():  # the checks generate runs before any forward, here so their ValueError / TypeError exit 2
@@ -265,7 +265,7 @@ def _generate_one(args, text: str, knobs: dict) -> int:
 
     _user_errors(check)
     if args.stream or args.show_steps:
-        answer, out = _stream(args, model, tok, ids_t, knobs, texts, embedded)
+        answer, out = _stream(args, model, tok, ids_t, knobs, texts)
     else:
         out = api.generate_with_config(model, ids_t, cfg)
         answer = answer_text(out, decode, eos, texts)
@@ -290,7 +290,7 @@ def _generate_one(args, text: str, knobs: dict) -> int:
     return 0
 
 
-def _stream(args, model, tok, ids_t, knobs, text_stops, embedded):
+def _stream(args, model, tok, ids_t, knobs, text_stops):
     """--stream: print the text as it becomes final (lopa_fast.stream); --show-steps: the live denoising view
     (lopa_fast.viz.StepView: redrawn in place on a terminal, one line per round otherwise). (text, output)."""
     import lopa_fast
@@ -301,7 +301,7 @@ def _stream(args, model, tok, ids_t, knobs, text_stops, embedded):
         view = StepView(lambda ids: [tok.decode([t]) for t in ids])
     knobs = dict(knobs)
     stop = [*(knobs.pop("stop", None) or []), *text_stops] or None
-    s = _user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop, digits_joined=embedded,
+    s = _user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop,
                      on_round=view, **knobs)  # fmt: skip
     with s:
         for piece in s:
@@ -335,13 +335,13 @@ def _serve(args) -> int:
         server.check_address(args.host, args.port)  # before the load: a busy port costs nothing
     except OSError as e:
         raise CLIError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from e
-    model, tok, embedded = _load(args)
+    model, tok = _load(args)
     path = model.name_or_path if getattr(model, "name_or_path", None) else args.model
     defaults = {**_user_errors(server.model_sampling_defaults, path), **knobs}
     _user_errors(lambda: GenerateConfig(**defaults).validate())
     name = args.model_name or os.path.basename(os.path.normpath(str(path)))
     print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
-    server.serve(model, tok, model_id=name, defaults=defaults, digits_joined=embedded, host=args.host,
+    server.serve(model, tok, model_id=name, defaults=defaults, host=args.host,
                  port=args.port)  # fmt: skip
     return 0
 

@@ -5,7 +5,7 @@
         --tasks gsm8k --apply_chat_template --output_path results/
 
 `python -m lopa_fast lm-eval ARGS` imports this module (which registers the model) and hands ARGS to lm-eval's
-own command line (`main`). Without `pretrained=` the embedded d2f-arith model runs (its digit-split text joined).
+own command line (`main`). Without `pretrained=` the embedded d2f-arith model runs .
 
 - `generate_until` runs each request through `lopa_fast.generate` (batch 1; lm-eval's batch_size is accepted and
   ignored): the context tokenised (as is, or without added specials when lm-eval applied the chat template,
@@ -32,7 +32,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
-MODEL_ARGS = ("pretrained", "lora", "dtype", "device", "max_gen_toks", "digits_joined")  # the others are knobs
+MODEL_ARGS = ("pretrained", "lora", "dtype", "device", "max_gen_toks")  # the others are knobs
 
 
 @register_model("lopa_fast")
@@ -40,12 +40,12 @@ class LopaFastLM(LM):
     """lm-eval model over `lopa_fast.generate` (module docstring). model_args: pretrained (model directory;
     default the embedded model), lora (PEFT adapter directory), dtype (float32 | bfloat16 | float16; default
     bfloat16 on CUDA, float32 on CPU), device (default cuda when available; cuda without CUDA: the CPU, with a warning), max_gen_toks (default 256, when a task
-    gives none), digits_joined (default: True for the embedded model) and any GenerateConfig knob."""
+    gives none) and any GenerateConfig knob."""
 
     last: "LopaFastLM | None" = None  # the instance lm-eval created last (read by `main` after the run)
 
     def __init__(self, pretrained=None, lora=None, dtype=None, device=None, max_gen_toks: int = 256,
-                 digits_joined=None, batch_size=None, max_batch_size=None, **knobs):  # fmt: skip
+                 batch_size=None, max_batch_size=None, **knobs):  # fmt: skip
         super().__init__()
         import torch
 
@@ -61,8 +61,7 @@ class LopaFastLM(LM):
                             "GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
         self.knobs = dict(knobs)
         GenerateConfig(**self.knobs).validate()  # bad knobs fail here, before the model loads
-        embedded = pretrained is None
-        path = model_dir() if embedded else str(pretrained)
+        path = model_dir() if pretrained is None else str(pretrained)
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if str(dev).startswith("cuda") and not torch.cuda.is_available():  # lm-eval's --device defaults to cuda
             warnings.warn(f"lopa_fast: device={dev!r} but CUDA is not available; running on the CPU", RuntimeWarning,
@@ -74,7 +73,7 @@ class LopaFastLM(LM):
         self.path = str(path)
         self._device = torch.device(dev)
         self.max_gen_toks = int(max_gen_toks)
-        self.decode = text_decoder(self.tok, digits_joined=embedded if digits_joined is None else bool(digits_joined))
+        self.decode = text_decoder(self.tok)
         self.chat_applied = False
         self.records: list[dict] = []
         LopaFastLM.last = self

@@ -141,7 +141,7 @@ class TextStream:
             self._thread.join()
 
 
-def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digits_joined: bool = False,
+def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
            verifier=None, on_round=None, engine=None, **knobs) -> TextStream:  # fmt: skip
     """Stream the generated text of one prompt (module docstring). Returns a TextStream (iterate it for str pieces;
     then `.text` and `.result` hold generate's text and output).
@@ -154,7 +154,6 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digi
     stop:       stop strings (text) and / or token-id sequences, e.g. ["\\n\\n", [13, 198]] (lopa_fast.text
                 .split_stops: a text stop ends decoding early when the model emits its tokenisation, and cuts the
                 text at its first occurrence in any case).
-    digits_joined: undo the embedded task tokenizer's digit split in the text (lopa_fast.text.join_digits).
     verifier, on_round: as generate's (on_round runs in the consuming thread).
     engine:     a lopa_fast.decode.batch.BatchEngine shared by concurrent streams (the server): a request it covers
                 decodes in its running batch, with the same result (lopa_fast.api.generate_with_config).
@@ -177,5 +176,5 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None, digi
         bound = planned.resolve(model)
         api.check_prompt(model, ids_t, bound)
         api.resolve_backend(bound, hook=True)
-    return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer, digits_joined=digits_joined),
+    return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer),
                       texts, verifier=verifier, on_round=on_round, engine=engine)  # fmt: skip

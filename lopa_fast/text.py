@@ -19,20 +19,12 @@ import warnings
 from lopa_fast.errors import KnobError
 
 
-def join_digits(text: str) -> str:
-    """The embedded task tokenizer splits numbers into digits: "2 3 + 2 4" -> "23 + 24" (display only)."""
-    from lopa_fast.tasks import join_digits as join
-
-    return join(text)
-
-
-def text_decoder(tokenizer, *, digits_joined: bool = False):
-    """ids -> text: `tokenizer.decode(ids, skip_special_tokens=True)` (then `join_digits` for the embedded task
-    tokenizer, which splits numbers into digits)."""
+def text_decoder(tokenizer):
+    """ids -> text: `tokenizer.decode(ids, skip_special_tokens=True)`. How text is spelled belongs to the tokenizer
+    (the embedded tokenizers' own decoder joins the digits they split), whatever path the model came from."""
 
     def decode(ids) -> str:
-        text = tokenizer.decode(list(ids), skip_special_tokens=True)
-        return join_digits(text) if digits_joined else text
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
 
     return decode
 

@@ -90,7 +90,7 @@ def test_generate_until_uses_the_stop_mechanism(lm):
     context = QUESTIONS[0][0] + " Answer :"
     ids = lm.tok(context)["input_ids"]
     full = lopa_fast.generate(lm.model, ids, strategy="lopa", block_size=8, max_new_tokens=30)
-    want = answer_text(full, text_decoder(lm.tok, digits_joined=True), lm.model.eos_token_id)
+    want = answer_text(full, text_decoder(lm.tok), lm.model.eos_token_id)
     lm.records.clear()
     texts = lm.generate_until([_req(context, until=[". 7 +"], max_gen_toks=30), _req(context, max_gen_toks=13),
                                _req(context, until="####", max_gen_toks=30, do_sample=False)])  # fmt: skip

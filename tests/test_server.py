@@ -104,8 +104,8 @@ def _solo(embedded, ids, **knobs):
     knobs = {**SERVER_DEFAULTS, **knobs}
     seqs, texts = split_stops(tok, stop)
     out = lopa_fast.generate(model, ids, stop=seqs, **knobs)
-    text = answer_text(out, text_decoder(tok, digits_joined=True), model.eos_token_id, texts)
-    s = lopa_fast.stream(model, ids, tokenizer=tok, digits_joined=True, stop=stop, **knobs)
+    text = answer_text(out, text_decoder(tok), model.eos_token_id, texts)
+    s = lopa_fast.stream(model, ids, tokenizer=tok, stop=stop, **knobs)
     assert "".join(s) == s.text == text
     return text, {"forwards": out.stats["forwards"], "tpf": out.stats["tpf"], "prompt_tokens": len(ids),
                   "completion_tokens": len(answer_ids(out.generated_ids, model.eos_token_id))}  # fmt: skip
@@ -289,7 +289,7 @@ def test_disconnect_cancels_the_request(server, client):
 def test_worker_drops_a_request_cancelled_while_queued(embedded):
     """The seam in process: a request cancelled while another runs never starts; the running one is unharmed."""
     model, tok = embedded
-    worker = Worker(model, tok, digits_joined=True)
+    worker = Worker(model, tok)
     slow = dict(strategy="vanilla", steps=64, max_new_tokens=64)
     quick = dict(SERVER_DEFAULTS)
     ids = tok(PROMPT + " Answer :")["input_ids"]
@@ -365,7 +365,7 @@ def test_model_sampling_defaults(tmp_path):
 def test_worker_stops_a_running_request_at_the_next_round(embedded):
     """Cancelled after its first piece, a 96-round request ends as cancelled within a few rounds, not run out."""
     model, tok = embedded
-    worker = Worker(model, tok, digits_joined=True)
+    worker = Worker(model, tok)
     ids = tok(PROMPT + " Answer :")["input_ids"]
     # threshold 1.0: one token per step, 8 steps per block of 8 -> 96 rounds; the first block's text after 8
     knobs = dict(strategy="threshold", block_size=8, block_length=8, steps=96, threshold=1.0, max_new_tokens=96)

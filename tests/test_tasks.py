@@ -50,10 +50,23 @@ def test_tokenizer_round_trip_and_lengths():
             assert n_sol <= arith.MAX_SOLUTION_TOKENS[variant] and len(target) == gen_len
             text = tok.decode(target, skip_special_tokens=True)
             assert tasks.extract_answer(text) == p.answer
-            assert tasks.join_digits(text) == p.solution
+            assert text == tasks.join_digits(p.solution)  # the tokenizer's decoder joins the digits it split
     for p in tasks.generate("train", 300, seed=2):
         assert 0 < p.d < p.a and p.answer > 0  # no negative intermediate result
     assert not set(tasks.all_tuples("test", "v2")) & set(tasks.all_tuples("train", "v1"))
+
+
+@pytest.mark.parametrize("name", ["d2f-arith", "ar-arith", "d2f-arith-var", "ar-arith-var", "dparallel-arith-var"])
+def test_shipped_tokenizers_join_digits_wherever_loaded_from(name):
+    """How text is spelled belongs to the tokenizer: each shipped model's tokenizer.json, loaded by path, decodes
+    "49" as "49" (it used to decode "4 9" unless the caller knew the model was the embedded one)."""
+    import lopa_fast
+    from lopa_fast.assets import model_dir
+
+    tok = lopa_fast.load_tokenizer(model_dir(name))
+    ids = tok("49 + 3 = 52", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 7 and tok.unk_token_id not in ids  # the digits are split ...
+    assert tok.decode(ids) == "49 + 3 = 52"  # ... and joined again on the way out
 
 
 def test_tokenizer_loads_through_lopa_fast(tmp_path):
@@ -63,7 +76,7 @@ def test_tokenizer_loads_through_lopa_fast(tmp_path):
     tok = lopa_fast.load_tokenizer(tmp_path)
     assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, tok.bos_token_id) == (0, 0, 1, 2)
     ids = tok("Lily has 23 apples .")["input_ids"]
-    assert ids[0] == tasks.BOS_ID and tok.decode(ids, skip_special_tokens=True) == "Lily has 2 3 apples ."
+    assert ids[0] == tasks.BOS_ID and tok.decode(ids, skip_special_tokens=True) == "Lily has 23 apples ."
 
 
 def test_bad_arguments_raise():

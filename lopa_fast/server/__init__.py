@@ -27,13 +27,13 @@ def check_address(host: str, port: int) -> None:
         s.bind(addr)
 
 
-def serve(model, tokenizer, *, model_id: str, defaults: dict, digits_joined: bool = False,
+def serve(model, tokenizer, *, model_id: str, defaults: dict,
           host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
-    override them field by field. digits_joined: the embedded task tokenizer's digit split undone in the text."""
+    override them field by field."""
     import uvicorn
 
-    worker = Worker(model, tokenizer, digits_joined=digits_joined)
+    worker = Worker(model, tokenizer)
     app = create_app(worker, model_id=model_id, defaults=defaults)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

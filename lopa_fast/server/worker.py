@@ -113,11 +113,11 @@ class Worker:
     batch: share forwards between concurrent requests through a BatchEngine (False: one request at a time, as
     a plain sequential server); concurrency: the job threads (the most requests decoding at once)."""
 
-    def __init__(self, model, tokenizer, *, digits_joined: bool = False, max_pending: int = MAX_PENDING,
+    def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
                  batch: bool = True, concurrency: int = 16):  # fmt: skip
         from lopa_fast.decode.batch import BatchEngine
 
-        self.model, self.tokenizer, self.digits_joined = model, tokenizer, digits_joined
+        self.model, self.tokenizer = model, tokenizer
         self.max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -135,7 +135,7 @@ class Worker:
         Busy. Call from the event loop's thread (or pass `loop`)."""
         handle = Handle(loop or asyncio.get_running_loop())
         text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
-                                digits_joined=self.digits_joined, on_round=handle.check, engine=self.engine,
+                                on_round=handle.check, engine=self.engine,
                                 **job.knobs)  # fmt: skip
         with self._lock:
             if self.counts["pending"] >= self.max_pending:

@@ -209,7 +209,7 @@ def answer_text(tok, ids: list[int]) -> str:
     """Generated ids -> readable text up to the first EOS (digits joined)."""
     eos = tok.eos_token_id
     cut = ids.index(eos) if eos in ids else len(ids)
-    return tasks.join_digits(tok.decode(ids[:cut], skip_special_tokens=True))
+    return tok.decode(ids[:cut], skip_special_tokens=True)  # the tokenizer's decoder joins digits
 
 
 def _unavailable(exc: BaseException) -> str | None:

@@ -3,8 +3,9 @@
 Vocabulary: 4 special tokens, the ten digits (numbers are split into single digits, as Qwen's
 tokenizer does), then every word and symbol the templates can emit, in sorted order. The text
 already separates words and punctuation by spaces, so the pre-tokenizer is a whitespace split
-followed by a per-digit split. Decoding joins tokens with spaces ("23" decodes as "2 3";
-`lopa_fast.tasks.join_digits` undoes that for display).
+followed by a per-digit split. The decoder (tokenizer.json's own, so it holds wherever the model is loaded from:
+the CLI, `lopa_fast.stream`, lm-eval, the server) joins tokens with spaces and digits without them: "23" encodes
+as "2", "3" and decodes as "23" again.
 
 Special ids are fixed: 0 <|endoftext|> (eos = pad, as in Dream), 1 <|mask|>, 2 <|beginoftext|>
 (bos, prepended by `encode_prompt`, like Dream's add_bos_token=true), 3 <|unk|>.
@@ -40,20 +41,36 @@ def vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(toks)}
 
 
-def build_tokenizer():
-    """A `tokenizers.Tokenizer` (word-level, digits split individually)."""
+def digit_joining_decoder():
+    """tokenizer.json's decoder: tokens joined by single spaces (WordPiece with a prefix no token has, so every
+    token but the first gets a space), then the space between two digits removed: ["x", "=", "4", "9"] -> "x = 49".
+    Without it a path-loaded model decoded "4 9" and an lm-eval answer "49" scored 0."""
+    from tokenizers import Regex, decoders
+
+    return decoders.Sequence([decoders.WordPiece(prefix="\x00##", cleanup=False), decoders.Fuse(),
+                              decoders.Replace(Regex(r"(?<=\d) (?=\d)"), "")])
+
+
+def word_level_tokenizer(token_ids: dict[str, int]):
+    """A `tokenizers.Tokenizer` over `token_ids` (word-level, digits split individually, the special tokens,
+    bos prepended, the digit-joining decoder); both tasks' tokenizers are this over their vocabularies."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
-    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
+    tok = Tokenizer(models.WordLevel(vocab=token_ids, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
     )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    # no decoder: tokenizers joins word-level tokens with single spaces
+    tok.decoder = digit_joining_decoder()
     # bos is prepended to every encoded text (Dream's add_bos_token=true); encode targets with
     # add_special_tokens=False.
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
     return tok
+
+
+def build_tokenizer():
+    """This task's tokenizer (`word_level_tokenizer` over `vocab()`)."""
+    return word_level_tokenizer(vocab())
 
 
 # A minimal chat template (so `--chat` and chat entry points can be tested on the embedded model): bos, each user

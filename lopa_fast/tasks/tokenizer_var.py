@@ -49,16 +49,7 @@ def vocab() -> dict[str, int]:
 
 def build_tokenizer():
     """A `tokenizers.Tokenizer` over `vocab()` (as `tokenizer.build_tokenizer`, with the larger vocabulary)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
-
-    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=base.UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
-    )
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in base.SPECIAL_TOKENS])
-    tok.post_processor = processors.TemplateProcessing(single=f"{base.BOS} $A",
-                                                       special_tokens=[(base.BOS, BOS_ID)])
-    return tok
+    return base.word_level_tokenizer(vocab())
 
 
 TOKENIZER_CONFIG = {**base.TOKENIZER_CONFIG, "model_max_length": 256}
