@@ -235,8 +235,8 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
     return mc
 
 
-# config.json keys that are bookkeeping, not architecture (left out when a config class rebuilds the dict)
-_NOT_ARCHITECTURE = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+# the config.json keys that describe rotary embeddings in any transformers release
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
 
 
 def _qwen2_rope_theta(cfg: dict, source: str) -> float:
@@ -255,15 +255,21 @@ def _qwen2_rope_theta(cfg: dict, source: str) -> float:
         from transformers import Qwen2Config
     except ImportError as e:  # a requirement of the package; say which one is missing
         raise ConfigError(f"{source}: reading a Qwen2-layout config needs transformers ({e})", file=source) from e
+    # only the rope fields go through the config class (the other keys are checked here, naming the key; the
+    # class's strict field validation would raise its own error types for them first)
+    rope = {k: cfg[k] for k in _ROPE_KEYS if k in cfg}
     try:
-        hf = Qwen2Config(**{k: v for k, v in cfg.items() if k not in _NOT_ARCHITECTURE})
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ConfigError(f"{source}: transformers' Qwen2Config refuses it: {e}", file=source) from e
+        hf = Qwen2Config(**rope)
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors have no common base; name the field
+        key = "rope_parameters" if "rope_parameters" in rope else "rope_scaling" if "rope_scaling" in rope else \
+            "rope_theta"
+        raise ConfigError(f"{source}: {key}: transformers' Qwen2Config refuses it ({e})", file=source, key=key) from e
     params = getattr(hf, "rope_parameters", None)
     if params is None:  # transformers 4.x: the top-level pair
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return _rope_theta(params, source, "rope_parameters" if "rope_parameters" in cfg else "rope_scaling")
+    return _rope_theta(params, source, "rope_parameters" if "rope_parameters" in cfg else "rope_scaling",
+                       top_level="rope_theta" in cfg)
 
 
 def _llada_rope_theta(cfg: dict, source: str) -> float:
@@ -275,18 +281,20 @@ def _llada_rope_theta(cfg: dict, source: str) -> float:
         _fail(source, "alibi", cfg["alibi"], "false (ALiBi is not implemented)")
     params = cfg.get("rope_parameters")
     field = "rope_parameters"
+    top_level = params is None and "rope_theta" in cfg
     if params is None:
         scaling = cfg.get("rope_scaling")
         if scaling is not None and not isinstance(scaling, dict):
             _fail(source, "rope_scaling", scaling, "null or an object")
         params = {**(scaling or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
         field = "rope_scaling"
-    return _rope_theta(params, source, field)
+    return _rope_theta(params, source, field, top_level)
 
 
-def _rope_theta(params, source: str, field: str) -> float:
+def _rope_theta(params, source: str, field: str, top_level: bool = False) -> float:
     """The base of plain (rope_type "default") rotary embeddings from normalised rope parameters, else
-    ConfigError naming `field`. Per-layer-type parameters (a dict of dicts) must all be the same plain rope."""
+    ConfigError naming `field` (and the top-level key "rope_theta" when config.json wrote the base there).
+    Per-layer-type parameters (a dict of dicts) must all be the same plain rope."""
     if not isinstance(params, dict):
         _fail(source, field, params, "an object")
     if params and all(isinstance(v, dict) for v in params.values()):  # {"full_attention": {...}, ...}
@@ -301,7 +309,8 @@ def _rope_theta(params, source: str, field: str) -> float:
     if theta is None:
         theta = 10000.0
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < float(theta) < float("inf"):
-        _fail(source, f"{field}.rope_theta" if "rope_theta" in params else "rope_theta", theta, "a finite number > 0")
+        _fail(source, "rope_theta" if top_level or "rope_theta" not in params else f"{field}.rope_theta", theta,
+              "a finite number > 0")
     return float(theta)
 
 
