@@ -1,7 +1,7 @@
 """Command line: `python -m lopa_fast {demo, eval, generate, lm-eval}` (`lopa-fast` when installed).
 
     python -m lopa_fast demo                      # the main job: embedded model, D2F vs LoPA, fill order
-    python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> bench/results/
+    python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> ./lopa_fast_eval/ (--out DIR)
     python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --preset lopa-k4
     python -m lopa_fast generate --model DIR [--lora DIR] --chat --prompt "..." --strategy lopa --block-size 32 --json
     python -m lopa_fast generate --prompt "..." --png fill.png   # + the fill-order heatmap (lopa_fast.viz)
@@ -14,13 +14,16 @@
 from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or
 value, a missing / unreadable model directory, a non-UTF-8 prompt file, an empty prompt, a lopa_fast error, a
 knob the validation refuses) prints one line to stderr and exits 2; called with an argv list, `main` raises the
-typed exception instead (programmatic use, tests).
+typed exception instead (programmatic use, tests). Every subcommand shows lopa_fast's INFO log lines on stderr
+(what a long step is doing: a C++ build, a compile, a large model load); `-q` only warnings, `-v` DEBUG.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shlex
@@ -51,8 +54,99 @@ def _user_errors(fn, *args, **kw):
     except (ValueError, TypeError) as e:
         raise CLIError(str(e)) from e
 
-DEFAULT_EVAL_OUT = "bench/results/eval_{backend}_n{n}{block}{task}.md"  # {block}: "_block32" unless the default 8;
-# {task}: "_arith_var" unless the default task arith
+# ---- checks every subcommand runs before any work; its log lines ----------------------------------------
+MAX_PROMPT_BYTES = 4 * 2**20  # no supported model's context holds this much text; a bound on reading a stream
+
+
+class _StderrHandler(logging.Handler):
+    """One line per record on the sys.stderr of the moment (pytest's capture, a redirected stream), written
+    through tqdm so that a progress bar on the same terminal is not torn."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging's contract: a broken stream never raises into the caller
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def log_to_stderr(level: int):
+    """lopa_fast's records at `level` and above on stderr while a command runs; the "lopa_fast" logger is left
+    as it was afterwards (main() with an argv list is a library call)."""
+    logger = logging.getLogger("lopa_fast")
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    before = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+
+
+def available_devices() -> list[str]:
+    """The devices this torch can run on: cpu, then cuda:0 .. cuda:N-1 (and mps) when present."""
+    import torch
+
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def check_device(value: str | None) -> None:
+    """--device VALUE names a device this torch has, or a CLIError names the value and what is available."""
+    if value is None:
+        return
+    import torch
+
+    where = f"--device {value}"
+    have = f"available: {', '.join(available_devices())}"
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"{where}: not a device name (like cpu, cuda, cuda:1); {have}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise CLIError(f"{where}: this torch {torch.__version__} has no CUDA ({why}); {have}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CLIError(f"{where}: there are {torch.cuda.device_count()} CUDA device(s); {have}")
+        return
+    if str(dev) not in available_devices():
+        raise CLIError(f"{where}: not available with this torch {torch.__version__}; {have}")
+
+
+def check_environment() -> None:
+    """The environment variables that steer decoding, read before any work (a typo names its variable)."""
+    from lopa_fast.ops._backend import env_backend
+
+    _user_errors(env_backend)
+
+
+def check_out(path, flag: str) -> None:
+    """An output file can be written at `path`, checked before the work: not a directory; its directory is made
+    (as the write would) and a probe file written and removed there (permission bits do not bind root)."""
+    import tempfile
+
+    if os.path.isdir(path):
+        raise CLIError(f"{flag}: a directory; pass a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise CLIError(f"{flag}: cannot write under {parent} ({e.strerror or type(e).__name__})") from e
 
 
 def _demo(args) -> int:
@@ -67,21 +161,19 @@ def _demo(args) -> int:
 
 
 def _eval(args) -> int:
-    from lopa_fast.tasks.evaluate import BLOCK, DEFAULT_TASK, check_block_size, eval_task, parse_rows, run_eval
+    from lopa_fast.tasks.evaluate import check_block_size, eval_task, out_path, parse_rows, run_eval
 
     task = _user_errors(eval_task, args.task)  # before any work (model load, decoding)
     _user_errors(check_block_size, args.block_size, task.gen_len)
     _user_errors(parse_rows, args.strategies, args.task)
     if args.n < 1:
         raise CLIError(f"--n {args.n}; allowed: an int >= 1")
-    block = "" if args.block_size == BLOCK else f"_block{args.block_size}"
-    suffix = "" if args.task == DEFAULT_TASK else "_" + args.task.replace("-", "_")
-    out = args.out if args.out is not None else DEFAULT_EVAL_OUT.format(backend=args.backend, n=args.n, block=block,
-                                                                        task=suffix)
+    out = out_path(args.out, args.backend, args.n, args.block_size, args.task)
+    check_out(out, f"--out {args.out if args.out is not None else out.parent}")  # before hours of decoding
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
     run_eval(n=args.n, strategies=args.strategies, backend=args.backend, out=out, model_dir=args.model,
-             progress=not args.no_progress, command=command, block_size=args.block_size, compile=args.compile,
-             task=args.task, student_dir=args.student)
+             progress=not args.no_progress and args.log_level <= logging.INFO, command=command,
+             block_size=args.block_size, compile=args.compile, task=args.task, student_dir=args.student)
     return 0
 
 
@@ -110,9 +202,11 @@ def _knob_type(annotation: str):
     return types[base], base == "bool"
 
 
-def add_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
+def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
     """One flag per GenerateConfig field (`--max-new-tokens`, `--no-use-full-attention`, ...); unset flags stay
-    absent from the namespace (the config's or the preset's default applies). Returns the field names."""
+    absent from the namespace (the config's or the preset's default applies). Returns the field names.
+    `hidden`: fields the command refuses (serve: NOT_SERVED), left out of --help; still parsed, so that passing
+    one is refused with the reason instead of "unrecognized arguments"."""
     from lopa_fast.config import GenerateConfig
 
     names = []
@@ -123,18 +217,20 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
         typ, is_bool = _knob_type(f.type)
         flag = "--" + f.name.replace("_", "-")
         default = ("none: token ids like 13,198;7" if f.name == "stop" else "model's") if f.default is None else f.default
+        shown = argparse.SUPPRESS if f.name in hidden else f"(default {default})"
         if is_bool:
             grp.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                             help=f"(default {default})")
+                             help=shown)
         else:
             grp.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
-                             help=f"(default {default})")
+                             help=shown)
         names.append(f.name)
     return names
 
 
 def read_prompt(args) -> str:
-    """The prompt text from --prompt, --prompt-file or stdin; CLIError when unreadable, not UTF-8 or empty."""
+    """The prompt text from --prompt, --prompt-file or stdin; CLIError when unreadable, over MAX_PROMPT_BYTES, not
+    UTF-8 or empty."""
     if args.prompt is not None:
         text, where = args.prompt, "--prompt"
     else:
@@ -142,14 +238,17 @@ def read_prompt(args) -> str:
             where = f"--prompt-file {args.prompt_file}"
             try:
                 with open(args.prompt_file, "rb") as fh:
-                    data = fh.read()
+                    data = fh.read(MAX_PROMPT_BYTES + 1)  # bounded: /dev/zero or a huge file is refused, not read
             except OSError as e:
                 raise CLIError(f"{where}: cannot read it ({e.strerror or type(e).__name__})") from e
         else:
             where = "stdin"
             if sys.stdin is None or sys.stdin.isatty():
                 raise CLIError("no prompt: pass --prompt TEXT, --prompt-file F, or pipe the text on stdin")
-            data = sys.stdin.buffer.read()
+            data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise CLIError(f"{where}: more than {MAX_PROMPT_BYTES // 2**20} MiB, the cap on a prompt (no supported "
+                           "model's context holds that much text)")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -241,8 +340,7 @@ def _generate_one(args, text: str, knobs: dict) -> int:
 
     want_trace = bool(knobs.get("return_trace"))  # --return-trace: the trace goes into --json's object
     if args.png is not None:
-        if os.path.isdir(args.png):
-            raise CLIError(f"--png {args.png}: a directory; pass a file path (e.g. fill.png)")
+        check_out(args.png, f"--png {args.png}")
         knobs["return_trace"] = True  # the picture is drawn from the run's trace
     _user_errors(lambda: GenerateConfig(**knobs).validate())
     model, tok = _load(args)
@@ -341,8 +439,8 @@ def _serve(args) -> int:
     _user_errors(lambda: GenerateConfig(**defaults).validate())
     name = args.model_name or os.path.basename(os.path.normpath(str(path)))
     print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
-    server.serve(model, tok, model_id=name, defaults=defaults, host=args.host,
-                 port=args.port)  # fmt: skip
+    server.serve(model, tok, model_id=name, defaults=defaults, host=args.host, port=args.port,
+                 log_level=logging.getLevelName(args.log_level).lower())  # uvicorn's lines follow -q / -v too
     return 0
 
 
@@ -364,9 +462,12 @@ def write_png(out, tok, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, EVAL_TASKS, GEN_LEN, ROWS
+    from lopa_fast.tasks.evaluate import (BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, EVAL_TASKS, GEN_LEN, OUT_DIR, ROWS,
+                                          out_name)
 
     from lopa_fast.config import STRATEGIES
+
+    from lopa_fast.server.protocol import NOT_SERVED
 
     ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -379,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--compile", action="store_true",
                         help="compile each round / step bucket once and replay it (fast backend, every strategy)")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    loud = common.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
+                      default=logging.INFO, help="debug log lines too (default: info lines on stderr say what a "
+                                                  "long step is doing: a C++ build, a compile, a large model load)")
+    loud.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
+                      help="only warnings and errors (no info lines, no progress bar)")
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
@@ -390,7 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, default=100, help="held-out problems per strategy (default 100)")
     e.add_argument("--strategies", default="all",
                    help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three apd rows), all (default); --task arith-var adds dparallel-h0.45, dparallel-lopa-k4 (alias dparallel)")
-    e.add_argument("--out", default=None, help=f"markdown path (PNG next to it); default {DEFAULT_EVAL_OUT}")
+    e.add_argument("--out", default=None, metavar="DIR",
+                   help=f"directory of the table and its PNG, named {out_name('BACKEND', 'N')} (+ _block<b>, "
+                        f"_<task> when not the defaults); default ./{OUT_DIR}/ under the current directory; a path "
+                        "ending in .md names the file itself. The committed tables: --out bench/results")
     e.add_argument("--block-size", type=int, default=BLOCK,
                    help=f"block size for every row's block knobs; a divisor of max_new_tokens {GEN_LEN}: "
                         f"{', '.join(map(str, BLOCK_SIZES))} (default {BLOCK}); --task arith-var: a divisor of "
@@ -448,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     v.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
-    v.set_defaults(fn=_serve, knob_names=add_knob_flags(v))
+    v.set_defaults(fn=_serve, knob_names=add_knob_flags(v, hidden=NOT_SERVED))
 
     sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the lopa_fast model registered: "
                    "python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,... --tasks T "
@@ -490,10 +600,13 @@ def _run(argv) -> int:
     args.argv = argv
     if args.threads < 1:
         raise CLIError(f"--threads {args.threads}; allowed: an int >= 1")
+    check_device(getattr(args, "device", None))  # before any work: a load, a build, a decode
+    check_environment()
     import torch
 
     torch.set_num_threads(args.threads)
-    return args.fn(args)
+    with log_to_stderr(args.log_level):
+        return args.fn(args)
 
 
 if __name__ == "__main__":

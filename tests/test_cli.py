@@ -103,11 +103,11 @@ def test_eval_block_size_16_end_to_end(monkeypatch, tmp_path):
         return real(model, ids, **kw)
 
     monkeypatch.setattr(lopa_fast, "generate", spy)
-    monkeypatch.chdir(tmp_path)  # default output path is relative: bench/results/...
+    monkeypatch.chdir(tmp_path)  # default output directory is relative: ./lopa_fast_eval/
     argv = ["eval", "--n", "2", "--block-size", "16", "--strategies", "d2f,lopa-k2", "--no-progress"]
     assert cli.main(argv) == 0
     assert seen == [("d2f", 16, None)] * 2 + [("lopa", 16, None)] * 2
-    md = tmp_path / "bench/results/eval_auto_n2_block16.md"  # block in the name only when not 8; backend: the default
+    md = tmp_path / "lopa_fast_eval/eval_auto_n2_block16.md"  # block in the name only when not 8; backend: the default
     text = md.read_text()
     assert "block size 16" in text.splitlines()[0]
     assert "Knobs (temperature 0, max_new_tokens 32, block size 16)" in text
@@ -268,3 +268,233 @@ def test_generate_stop_flag(capsys):
     cut = out["stats"]["stop_sequence_at"]
     assert out["generated_ids"] == full["generated_ids"][:cut] and cut <= 4
     assert cli.token_sequences("13,198;7") == [[13, 198], [7]]
+
+
+# ---- issue 26: log lines for long steps, -v / -q, user errors before any work, eval's output, serve's flags ----
+def _records(caplog, name):
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == name]
+
+
+def test_library_adds_only_a_null_handler():
+    import logging
+
+    import lopa_fast  # noqa: F401
+
+    handlers = logging.getLogger("lopa_fast").handlers
+    assert handlers and all(type(h) is logging.NullHandler for h in handlers)
+
+
+def test_cpp_build_says_what_it_is_doing(monkeypatch, tmp_path, caplog):
+    """The first CPU decode's C++ build (~30 s) is announced at INFO with its seconds; a cached build only loads
+    (~0.1 s), said at DEBUG."""
+    import logging
+    import re
+    from pathlib import Path
+
+    import torch.utils.cpp_extension as ext
+
+    from lopa_fast.ops import _cpp
+
+    def fake_load(name, sources, build_directory, **kw):  # what a build leaves behind, without the 30 s
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(ext, "load", fake_load)
+    monkeypatch.setenv("LOPA_FAST_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.DEBUG, logger="lopa_fast"):
+        _cpp.build.__wrapped__()  # build() without its functools.cache: first use, then cached
+        _cpp.build.__wrapped__()
+    (l1, m1), (l2, m2), (l3, m3), (l4, m4) = _records(caplog, "lopa_fast.ops._cpp")
+    assert l1 == l2 == logging.INFO and l3 == l4 == logging.DEBUG
+    assert m1.startswith("building the CPU round ops (csrc/round_cpu.cpp, first use; ~30 s") and m1.endswith("...")
+    assert re.fullmatch(r"built the CPU round ops in \d+\.\d s", m2)
+    assert m3.startswith("loading the CPU round ops (cached under ") and m4.startswith("loaded the CPU round ops in")
+
+
+def test_compile_says_what_it_is_doing(monkeypatch, caplog):
+    import logging
+    import re
+
+    import torch
+
+    from lopa_fast.decode import compiled
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the log lines, not Inductor's seconds
+    cr = compiled.CompiledRounds()
+    with caplog.at_level(logging.INFO, logger="lopa_fast"):
+        for _ in range(2):  # compiled once, then replayed silently
+            assert cr.call(("k",), (8, 2), "part", lambda: (lambda x: x + 1), torch.ones(2)).tolist() == [2.0, 2.0]
+    (l1, m1), (l2, m2) = _records(caplog, "lopa_fast.decode.compiled")
+    assert l1 == l2 == logging.INFO
+    assert m1 == "compiling the round part part (torch.compile, the first request of this shape)..."
+    assert re.fullmatch(r"compiled the round part part in \d+\.\d s", m2)
+
+
+def test_model_load_is_logged_with_a_bar_over_its_shards(tmp_path, monkeypatch, caplog, capsys):
+    """A large load (LONG_LOAD_BYTES and up) says what it loads and how long it took, with a bar over the shards
+    where INFO is shown; a small one says it at DEBUG, and a library user who enabled nothing sees no bar."""
+    import json
+    import logging
+    import re
+
+    import torch
+
+    import lopa_fast
+    from lopa_fast.assets import model_dir
+    from lopa_fast.models import loading
+
+    src = model_dir()
+    model = lopa_fast.load_model(src, dtype=torch.float32)
+    loading.save_checkpoint(model, tmp_path / "m", json.loads((src / "config.json").read_text()), shard_size=8)
+    with caplog.at_level(logging.INFO, logger="lopa_fast"):
+        lopa_fast.load_model(tmp_path / "m", dtype=torch.float32)  # small: DEBUG lines, not shown at INFO
+        assert not any(m.startswith("loading ") for _, m in _records(caplog, "lopa_fast.models.loading"))
+        monkeypatch.setattr(loading, "LONG_LOAD_BYTES", 0)  # as a multi-GB checkpoint
+        capsys.readouterr()
+        lopa_fast.load_model(tmp_path / "m", dtype=torch.float32)
+    msgs = [m for _, m in _records(caplog, "lopa_fast.models.loading")]
+    assert msgs[-2] == f"loading {tmp_path / 'm'} (0.00 GiB in float32 to cpu)..."
+    assert re.fullmatch(r"loaded m in \d+\.\d s", msgs[-1])
+    assert "shards" in capsys.readouterr().err  # tqdm's bar over the shard files
+    with caplog.at_level(logging.WARNING, logger="lopa_fast"):  # a library user who configured no logging
+        lopa_fast.load_model(tmp_path / "m", dtype=torch.float32)
+    assert "shards" not in capsys.readouterr().err
+
+
+def test_cli_log_lines_default_quiet_verbose(monkeypatch, capsys):
+    """Default: lopa_fast's INFO lines on stderr; -q: none; -v: DEBUG too; the logger is left as it was."""
+    import logging
+
+    from lopa_fast.models import loading
+
+    logger = logging.getLogger("lopa_fast")
+    before = (logger.level, list(logger.handlers))
+
+    def err(*flags):
+        assert cli.main(["generate", *flags, "--prompt", PROMPT + " Answer :", "--max-new-tokens", "8"]) == 0
+        return capsys.readouterr().err
+
+    loading_line = "lopa_fast.models.loading: loading "
+    assert loading_line not in err() and loading_line in err("-v")  # a small load is a DEBUG line
+    monkeypatch.setattr(loading, "LONG_LOAD_BYTES", 0)  # as a multi-GB checkpoint: INFO
+    assert loading_line in err() and "lopa_fast." not in err("-q")
+    assert (logger.level, list(logger.handlers)) == before
+    for cmd in ("demo", "eval", "generate", "serve"):
+        text = cli.build_parser()._subparsers._group_actions[0].choices[cmd].format_help()
+        assert "-v, --verbose" in text and "-q, --quiet" in text, cmd
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "-v", "-q", "--prompt", "x"])
+
+
+def test_cli_log_lines_reach_a_real_stderr():
+    """-v in a real process: the load's lines, then the one-line error found after it (no decode: a cheap run)."""
+    r = _cli("-v", "--prompt", "Tom", "--max-new-tokens", "200", "--strategy", "d2f")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("lopa_fast.models.loading: loading ") and "loaded d2f-arith in" in lines[1]
+    assert lines[-1].startswith("python -m lopa_fast: error: prompt length 2 + max_new_tokens 200")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without CUDA")
+def test_device_cuda_without_cuda_is_one_line_exit_2():
+    r = _cli("--prompt", "x", "--device", "cuda")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    version = __import__("torch").__version__
+    assert r.stderr.strip() == (f"python -m lopa_fast: error: --device cuda: this torch {version} has no CUDA "
+                                "(built without CUDA); available: cpu")
+
+
+def test_bad_backend_environment_names_the_variable(monkeypatch):
+    import torch
+
+    from lopa_fast import ops
+
+    r = subprocess.run([sys.executable, "-m", "lopa_fast", "generate", "--prompt", "x"], capture_output=True,
+                       text=True, timeout=300, env={**__import__("os").environ, "LOPA_FAST_BACKEND": "garbage"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "environment variable LOPA_FAST_BACKEND='garbage'; allowed: auto, cuda, triton, torch" in r.stderr
+    monkeypatch.setenv("LOPA_FAST_BACKEND", "garbage")  # the library path names it too
+    with pytest.raises(ValueError, match="LOPA_FAST_BACKEND='garbage'"):
+        ops.confidence(torch.randn(2, 5))
+
+
+def test_user_errors_before_any_work(tmp_path, monkeypatch, capsys):
+    """Each is one line, exit 2, found before a model is loaded."""
+    import lopa_fast
+
+    def no_work(*a, **k):
+        raise AssertionError("a model was loaded before the user error was found")
+
+    monkeypatch.setattr(lopa_fast, "load_model", no_work)
+    monkeypatch.chdir(tmp_path)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    cases = [
+        (["generate", "--prompt", "x", "--device", "cuda:99"], "--device cuda:99: "),
+        (["serve", "--device", "cuda:99"], "--device cuda:99: "),
+        (["generate", "--prompt", "x", "--device", "gpu"], "--device gpu: not a device name (like cpu, cuda, cuda:1)"),
+        (["generate", "--prompt-file", "/dev/zero"], "--prompt-file /dev/zero: more than 4 MiB, the cap on a prompt"),
+        (["eval", "--n", "1", "--out", str(a_file / "sub")], f"--out {a_file / 'sub'}: cannot write under"),
+        (["generate", "--prompt", "x", "--png", str(a_file / "x.png")], "cannot write under"),
+    ]
+    for argv, needle in cases:
+        assert cli.main(argv, exit_on_error=True) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+        if "--device" in needle:
+            assert "available: cpu" in err
+    for argv, needle in ((["generate", "--preset", "nope", "--prompt", "x"], "invalid choice: 'nope'"),
+                         (["generate", "--dtype", "fp8", "--prompt", "x"], "invalid choice: 'fp8'")):
+        with pytest.raises(SystemExit) as e:  # argparse's own: one line too (_Parser.error)
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_output_path_is_the_users_choice():
+    from pathlib import Path
+
+    assert evaluate.out_path(None, "auto", 230) == Path("lopa_fast_eval/eval_auto_n230.md")
+    committed = Path("bench/results/eval_reference_n230_block32.md")
+    assert evaluate.out_path("bench/results", "reference", 230, 32) == committed  # named explicitly: as committed
+    assert evaluate.out_path("d", "fast", 5, task="arith-var") == Path("d/eval_fast_n5_arith_var.md")
+    assert evaluate.out_path("t.md", "auto", 5, 16, "arith-var") == Path("t.md")
+    text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help().split())
+    assert "default ./lopa_fast_eval/ under the current directory" in text and "--out bench/results" in text
+
+
+def test_eval_never_overwrites_bench_results_unless_named(tmp_path, monkeypatch):
+    """`eval` run from a checkout leaves its committed bench/results tables alone; `--out bench/results` rewrites."""
+    committed = tmp_path / "bench/results/eval_auto_n1.md"
+    committed.parent.mkdir(parents=True)
+    committed.write_text("committed")
+    monkeypatch.chdir(tmp_path)
+    argv = ["eval", "--n", "1", "--strategies", "d2f", "--no-progress"]
+    assert cli.main(argv) == 0
+    assert committed.read_text() == "committed"
+    assert (tmp_path / "lopa_fast_eval/eval_auto_n1.md").read_text().startswith("# Eval")
+    assert cli.main([*argv, "--out", "bench/results"]) == 0
+    assert committed.read_text().startswith("# Eval")
+
+
+def test_quiet_eval_draws_no_progress_bar(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(evaluate, "run_eval", lambda **kw: seen.append(kw["progress"]))
+    monkeypatch.chdir(tmp_path)
+    for flags in ([], ["-q"], ["--no-progress"]):
+        assert cli.main(["eval", *flags, "--n", "1"]) == 0
+    assert seen == [True, False, False]
+
+
+def test_serve_help_offers_only_served_flags():
+    import re
+
+    from lopa_fast.server.protocol import NOT_SERVED
+
+    subs = cli.build_parser()._subparsers._group_actions[0].choices
+    serve_help, generate_help = subs["serve"].format_help(), subs["generate"].format_help()
+    for name in NOT_SERVED:
+        flag = re.compile(rf"(?<![\w-])--{name.replace('_', '-')}(?![\w-])")
+        assert flag.search(generate_help) and not flag.search(serve_help), name
+    pytest.importorskip("fastapi")
+    with pytest.raises(cli.CLIError, match=r"--return-trace is not a server default \(the server returns no traces\)"):
+        cli.main(["serve", "--return-trace"])  # still parsed: refused with its reason, not "unrecognized"

@@ -20,6 +20,7 @@ Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (d
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import types
 import weakref
@@ -27,6 +28,11 @@ import weakref
 import torch
 
 from lopa_fast.decode import round as rnd
+from lopa_fast.logs import LONG_S
+
+log = logging.getLogger(__name__)
+# torch.compile of a bucket takes seconds (said at INFO); a CUDA-graph capture is one eager round (DEBUG unless long)
+_COMPILING = "compiling %s (torch.compile, the first request of this shape)..."
 
 _PER_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CODE_IDS = itertools.count()
@@ -74,18 +80,22 @@ class CompiledRounds:
         fn = self.fns.get(key)
         if st["x"].is_cuda or self.emulate_graphs:
             if fn is None:
+                log.debug("capturing the round %dx%d (a CUDA graph)...", Nb, Rb)
                 t0 = time.perf_counter()
                 fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
                 self._compiled(key, time.perf_counter() - t0)
+                _log_done(f"the round {Nb}x{Rb}", self.compile_seconds[key], captured=True)
                 self.graphs += 1
             return fn(st, T)
         if fn is None:
             fn = self.fns[key] = torch.compile(
                 _bound_step(model, geo, cfg, Nb, Rb), fullgraph=True, dynamic=False
             )
+            log.info(_COMPILING, f"the round {Nb}x{Rb}")
             t0, g0 = time.perf_counter(), _dynamo_graphs()
             out = fn(st, T)
             self._compiled(key, time.perf_counter() - t0)
+            _log_done(f"the round {Nb}x{Rb}", self.compile_seconds[key], captured=False)
             self.graphs += _dynamo_graphs() - g0
             return out
         g0 = _dynamo_graphs()
@@ -118,18 +128,23 @@ class CompiledRounds:
         self._req_buckets.add(bucket)
         fn = self.fns.get(key)
         if fn is None:
+            what = ("the APD step " if key[0] == "apd" else "the step ") + label
+            captured = st["x"].is_cuda or self.emulate_graphs
             t0, g0 = time.perf_counter(), _dynamo_graphs()
             step = make()
-            if st["x"].is_cuda or self.emulate_graphs:
+            if captured:
+                log.debug("capturing %s (a CUDA graph)...", what)
                 fn = self.fns[key] = self._capture(model, st, T, geo, None, 0, 0, step=step)
                 self.graphs += 1
                 out = fn(st, T)
             else:
+                log.info(_COMPILING, what)
                 fn = self.fns[key] = torch.compile(step, fullgraph=True, dynamic=False)
                 out = fn(st, T)
                 self.graphs += _dynamo_graphs() - g0
             self.compile_seconds[key] = time.perf_counter() - t0
             self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
+            _log_done(what, self.compile_seconds[key], captured)
             return out
         g0 = _dynamo_graphs()
         out = fn(st, T)
@@ -146,12 +161,14 @@ class CompiledRounds:
         fn = self.fns.get(key)
         g0 = _dynamo_graphs()
         if fn is None:
+            log.info(_COMPILING, f"the round part {label}")
             fn = self.fns[key] = torch.compile(own_code(make(), f"{label}_{next(_CODE_IDS)}"), fullgraph=True,
                                                dynamic=False)  # fmt: skip
             t0 = time.perf_counter()
             out = fn(*args)
             self.compile_seconds[key] = time.perf_counter() - t0
             self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
+            _log_done(f"the round part {label}", self.compile_seconds[key], captured=False)
         else:
             out = fn(*args)
         self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
@@ -216,6 +233,12 @@ class CompiledRounds:
             "compiled_buckets": sorted(self._req_buckets),
             "compile_seconds": dict(self._req_compile_seconds),
         }
+
+
+def _log_done(what: str, seconds: float, captured: bool) -> None:
+    """The after-line of a compile (INFO) or a capture (DEBUG unless it took LONG_S or more)."""
+    level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
+    log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what, seconds)
 
 
 def own_code(fn, name: str):

@@ -8,6 +8,7 @@ error naming the file, the tensor, the expected and the actual shape, and nothin
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lopa_fast import logs
 from lopa_fast.models.config import ModelConfig, parse_config
 from lopa_fast.models.llada import LLaDAModel
 from lopa_fast.models.qwen2 import Qwen2Model
@@ -31,6 +33,9 @@ SUPPORTED_DTYPES = {
 
 
 from lopa_fast.errors import CheckpointError, ConfigError, MemoryBudgetError  # noqa: E402  (CheckpointError re-exported)
+
+log = logging.getLogger(__name__)
+LONG_LOAD_BYTES = 256 * 2**20  # weights from this size on take seconds to read: the load is said at INFO
 
 
 def _resolve_dtype(dtype) -> torch.dtype:
@@ -107,16 +112,20 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def _map_shards(files: dict[str, Path], read, what: str) -> dict:
+def _map_shards(files: dict[str, Path], read, what: str, bar: str | None = None) -> dict:
     """{tensor: read(safe_open handle, name)} over the shards `files` maps the tensors to, each shard opened
-    once. A tensor missing from its shard, or any safetensors error, is a CheckpointError naming the file."""
+    once. A tensor missing from its shard, or any safetensors error, is a CheckpointError naming the file.
+    `bar`: a progress bar of that name over the shards (several shards only; lopa_fast.logs.progress)."""
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         by_file.setdefault(f, []).append(name)
     out = {}
-    for f, names in by_file.items():
+    shards = by_file.items()
+    if bar is not None and len(by_file) > 1:
+        shards = logs.progress(shards, log, bar, total=len(by_file))
+    for f, names in shards:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 present = set(sf.keys())
@@ -258,7 +267,7 @@ def _read_tensors(path: Path, kind: str, files: dict[str, Path]) -> dict[str, to
         for f in sorted(path.glob("pytorch_model*.bin")):
             out.update(torch.load(f, map_location="cpu", weights_only=True))
         return out
-    return _map_shards(files, lambda sf, name: sf.get_tensor(name), "reading tensors failed")
+    return _map_shards(files, lambda sf, name: sf.get_tensor(name), "reading tensors failed", bar="shards")
 
 
 _LAYER_INDEX = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
@@ -473,23 +482,26 @@ def load_model(
     _check_tensors(headers, shapes, str(path))
     needed = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
     check_memory(needed, device, f"load_model({path}): the weights in {dtype}")
-    if tensors is None:
-        tensors = _read_tensors(path, kind, files)
-    if lora is not None:
-        tensors = merge_lora(tensors, lora)
-    cast = {}
-    for k, v in tensors.items():
-        c = v.to(dtype)
-        if c.dtype != v.dtype and bool(torch.isinf(c).any()) and not bool(torch.isinf(v).any()):
-            big = float(v.float().abs().max())
-            raise CheckpointError(
-                f"{path}: tensor {k!r} overflows {dtype} (max |w| = {big:.4g} > {torch.finfo(dtype).max:.4g}); "
-                "load it in a wider dtype (torch.float32 or torch.bfloat16)", path=path, key=k)
-        cast[k] = c
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model.load_state_dict(cast, assign=True, strict=True)
-    model = model.to(device=device, dtype=dtype)
+    what = (f"loading {path} ({needed / 2**30:.2f} GiB in {str(dtype).removeprefix('torch.')} to {device}"
+            + (f", LoRA {lora} merged" if lora is not None else "") + ")")
+    with logs.step(log, what, f"loaded {path.name}", long=needed >= LONG_LOAD_BYTES):
+        if tensors is None:
+            tensors = _read_tensors(path, kind, files)
+        if lora is not None:
+            tensors = merge_lora(tensors, lora)
+        cast = {}
+        for k, v in tensors.items():
+            c = v.to(dtype)
+            if c.dtype != v.dtype and bool(torch.isinf(c).any()) and not bool(torch.isinf(v).any()):
+                big = float(v.float().abs().max())
+                raise CheckpointError(
+                    f"{path}: tensor {k!r} overflows {dtype} (max |w| = {big:.4g} > {torch.finfo(dtype).max:.4g}); "
+                    "load it in a wider dtype (torch.float32 or torch.bfloat16)", path=path, key=k)
+            cast[k] = c
+        with torch.device("meta"):
+            model = build_model(cfg)
+        model.load_state_dict(cast, assign=True, strict=True)
+        model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     model.name_or_path = str(path)

@@ -75,22 +75,36 @@ def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> st
     return None
 
 
+ENV = "LOPA_FAST_BACKEND"  # overrides an op's auto backend (tests, debugging): auto | cuda | triton | torch
+
+
+def env_backend() -> str:
+    """The backend $LOPA_FAST_BACKEND asks for ("auto" when unset or empty); a ValueError naming the variable for
+    any other value, so a typo in the environment is not read as an op's argument."""
+    value = os.environ.get(ENV) or "auto"
+    if value != "auto" and value not in BACKENDS:
+        raise ValueError(f"environment variable {ENV}={value!r}; allowed: auto, {', '.join(BACKENDS)} (or unset)")
+    return value
+
+
 def resolve(op: str, backend: str | None, device: torch.device, args: tuple = ()) -> str:
     """The backend to run `op` with for tensors on `device`; `args` (the public op's arguments) let a kernel
     backend refuse shapes it has no kernel for (auto then moves on; an explicit backend raises)."""
+    asked = f"backend={backend!r}"  # who asked for it, named in the errors
     if backend is None or backend == "auto":
-        backend = os.environ.get("LOPA_FAST_BACKEND") or "auto"
+        backend = env_backend()
         if backend == "auto":
             if device.type == "cuda":
                 for b in AUTO_ORDER:
                     if _usable(op, b, device, args) is None:
                         return b
             return "torch"
+        asked = f"{ENV}={backend!r}"
     if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend={backend!r}; allowed: None/'auto', {BACKENDS}")
+        raise ValueError(f"{op}: {asked}; allowed: None/'auto', {BACKENDS}")
     why = _usable(op, backend, device, args)
     if why is not None:
-        raise ValueError(f"{op}: backend={backend!r} is unavailable: {why}")
+        raise ValueError(f"{op}: {asked} is unavailable: {why}")
     return backend
 
 

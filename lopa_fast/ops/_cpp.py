@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from lopa_fast import logs
 from lopa_fast.contracts import code_defines, round_defines
 from lopa_fast.ops._backend import cache_dir
 
-log = logging.getLogger("lopa_fast.ops.cpp")
+log = logging.getLogger(__name__)
 
 _PKG = Path(__file__).resolve().parents[1]  # csrc/ ships as lopa_fast/csrc in a wheel; the repo keeps it at the top
 CSRC = _PKG / "csrc" if (_PKG / "csrc").is_dir() else _PKG.parent / "csrc"
@@ -41,9 +42,23 @@ def build() -> None:
     # comparator codes and round-state indices: one definition (lopa_fast.contracts)
     codes = [f"-D{k}={v}" for k, v in sorted({**code_defines(), **round_defines()}.items())]
     # -ffp-contract=off: no fused multiply-adds, so float maths rounds as torch's separate ops do
-    load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", "-ffp-contract=off", *codes],
-         build_directory=str(cache), is_python_module=False, verbose=False)  # fmt: skip
-    log.info("lopa_fast C++ ops loaded from %s", cache)
+    compiles = not _built_before(cache)  # a cached build only loads (~0.1 s): say "building" only when it compiles
+    what = (f"building the CPU round ops (csrc/{', '.join(SOURCES)}, first use; ~30 s, cached under {cache})"
+            if compiles else f"loading the CPU round ops (cached under {cache})")
+    with logs.step(log, what, "built the CPU round ops" if compiles else "loaded the CPU round ops", long=compiles):
+        load(name="lopa_fast_cpp", sources=[str(CSRC / s) for s in SOURCES],
+             extra_cflags=["-O3", "-ffp-contract=off", *codes], build_directory=str(cache), is_python_module=False,
+             verbose=False)  # fmt: skip
+
+
+def _built_before(cache: Path) -> bool:
+    """Whether `cache` holds a build newer than every source (then `load` only loads it; a change of the compile
+    flags still rebuilds, and the after-line says so by its seconds)."""
+    lib = cache / "lopa_fast_cpp.so"
+    if not lib.is_file():
+        return False
+    newest = max((p.stat().st_mtime for p in CSRC.iterdir() if p.is_file()), default=0.0)
+    return lib.stat().st_mtime >= newest
 
 
 def loaded() -> bool:

@@ -148,6 +148,25 @@ EVAL_ROWS: dict[str, dict] = make_rows(BLOCK, apd=True)  # every eval row
 D2F_KNOBS = {k: v for k, v in ROWS["d2f"].items() if k != "strategy"}
 ALIASES = {"lopa": ["lopa-k2", "lopa-k4", "lopa-k8"], "apd": list(APD_ROWS), "all": list(EVAL_ROWS)}
 BACKENDS = ("reference", "fast", "auto")
+# where `eval` writes by default: a directory under the current one, never the package tree nor bench/results
+# (the committed tables there are rewritten only by an explicit `--out bench/results`)
+OUT_DIR = "lopa_fast_eval"
+
+
+def out_name(backend: str, n: int, block_size: int = BLOCK, task: str = DEFAULT_TASK) -> str:
+    """The table's file name: eval_<backend>_n<n>[_block<b>][_<task>].md (block and task only when not the
+    defaults; the names of the committed tables in bench/results)."""
+    block = "" if block_size == BLOCK else f"_block{block_size}"
+    suffix = "" if task == DEFAULT_TASK else "_" + task.replace("-", "_")
+    return f"eval_{backend}_n{n}{block}{suffix}.md"
+
+
+def out_path(out, backend: str, n: int, block_size: int = BLOCK, task: str = DEFAULT_TASK) -> Path:
+    """Where the table goes: `out` itself when it names a .md file, else the directory `out` (default OUT_DIR)
+    holding out_name(...); the PNG goes next to it."""
+    if out is not None and str(out).endswith(".md"):
+        return Path(out)
+    return Path(OUT_DIR if out is None else out) / out_name(backend, n, block_size, task)
 
 
 def parse_rows(spec: str | list[str], task: str = DEFAULT_TASK) -> list[str]:
