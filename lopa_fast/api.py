@@ -4,38 +4,23 @@ Every strategy implementation, reference or fast, has one signature:
 
     fn(model, prompt_ids: LongTensor [P] (on model.device), cfg: GenerateConfig (bound)) -> GenerateOutput
 
-The reference ones live in `REFERENCE_STRATEGIES` (lopa_fast.reference.*); the fast ones in
-`lopa_fast.decode.FAST_STRATEGIES` (imported lazily: the fast decoder is optional). All validation
-happens here, before any forward: implementations may assume a bound, valid config and a clean prompt.
+Each strategy's spec in the registry (lopa_fast.strategies) names both: its reference (lopa_fast.reference.*, the
+oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. All validation happens here, before any
+forward: implementations may assume a bound, valid config and a clean prompt.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import warnings
 
 import torch
 
-from lopa_fast.config import ALL_SPECIFIC_KNOBS, GenerateConfig
+from lopa_fast import aliases, strategies, threads
+from lopa_fast.config import GenerateConfig
 from lopa_fast.contracts import first_stop
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
-
-
-def _reference_strategy(strategy: str):
-    """The reference implementation `lopa_fast.reference.<strategy>.generate` (imported on first use)."""
-    return importlib.import_module(f"lopa_fast.reference.{strategy}").generate
-
-
-def _fast_strategies() -> dict:
-    try:
-        mod = importlib.import_module("lopa_fast.decode")
-    except ModuleNotFoundError as e:  # the fast decoder is not installed / not written yet
-        if e.name not in ("lopa_fast.decode",):
-            raise
-        return {}
-    return dict(getattr(mod, "FAST_STRATEGIES", {}))
 
 
 def prepare_prompt(model, input_ids) -> torch.Tensor:
@@ -114,7 +99,7 @@ def request_bytes(model, total: int, cfg: GenerateConfig) -> int:
     p = _first_param(model)
     elem = p.element_size() if p is not None else 4
     cache = 2 * getattr(c, "num_layers", 0) * total * getattr(c, "num_kv_heads", 0) * getattr(c, "head_dim", 0) * elem
-    branches = cfg.branching_factor + 1 if cfg.strategy == "lopa" else 2
+    branches = max(2, strategies.get(cfg.strategy).rows(cfg))
     logits = branches * total * c.vocab_size * 4
     tables = 0 if cfg.backend == "reference" else total * (-(-total // cfg.block_size)) * 8
     return cache + logits + tables
@@ -152,39 +137,39 @@ def resolve_backend(cfg: GenerateConfig, hook: bool = False, model=None):
     fn, ran, fallback = _resolve_backend(cfg)
     if ran == "fast" and cfg.backend == "auto" and model is not None and not hasattr(model, "forward_static"):
         # a duck-typed model without the static forward (test stubs, custom wrappers): not a supported model
-        return _reference_strategy(cfg.strategy), "reference", "reference (the model has no forward_static)"
+        return strategies.get(cfg.strategy).load("reference"), "reference", "reference (the model has no forward_static)"
     if hook and ran == "fast" and not _takes_hook(fn):
         why = "does not take the on_round= progress hook yet"
         if cfg.backend == "fast":
             raise ValueError(f"backend='fast' ({cfg.strategy}) {why}. Use backend='reference' (or 'auto')")
         warnings.warn(f"backend='auto': {cfg.strategy} runs on the reference backend ({why})", RuntimeWarning,
                       stacklevel=4)  # fmt: skip
-        return _reference_strategy(cfg.strategy), "reference", f"reference ({why})"
+        return strategies.get(cfg.strategy).load("reference"), "reference", f"reference ({why})"
     return fn, ran, fallback
 
 
 def _resolve_backend(cfg: GenerateConfig):
     strategy, backend = cfg.strategy, cfg.backend
+    spec = strategies.get(strategy)
     if backend == "reference":
-        return _reference_strategy(strategy), "reference", None
-    fast = _fast_strategies()
-    if strategy not in fast:
+        return spec.load("reference"), "reference", None
+    if spec.fast is None:
         if backend == "fast":
-            covered = ", ".join(sorted(fast)) or "none yet"
+            covered = ", ".join(n for n in strategies.names() if strategies.get(n).fast is not None) or "none yet"
             raise ValueError(
                 f"backend='fast' does not cover strategy={strategy!r}; the fast backend covers: {covered}. "
                 "Use backend='reference' or backend='auto' (fast where available, else reference)"
             )
-        return _reference_strategy(strategy), "reference", None
+        return spec.load("reference"), "reference", None
     from lopa_fast.decode import fast_not_covered
 
     why = fast_not_covered(cfg)
     if why is None:
-        return fast[strategy], "fast", None
+        return spec.load("fast"), "fast", None
     if backend == "fast":
         raise ValueError(f"backend='fast' ({strategy}) {why}. Use backend='reference' (or 'auto', which falls back)")
     warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning, stacklevel=4)
-    return _reference_strategy(strategy), "reference", f"reference ({why})"
+    return spec.load("reference"), "reference", f"reference ({why})"
 
 
 _POSITIONAL_KNOBS = ("strategy", "backend")  # generate(model, ids, "lopa", "fast", ...) reads naturally
@@ -243,14 +228,20 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
                 fast backend otherwise reads only its small round head). An exception raised by the hook
                 ends decoding and propagates. lopa_fast.stream is built on it.
 
+    HF / Dream / LLaDA names: max_length (prompt + new tokens), gen_length, do_sample, a list eos_token_id are
+    translated where they mean the same; num_beams, repetition_penalty, ... are refused naming lopa_fast's knob
+    (lopa_fast.aliases).
+
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
+    if set(knobs) & (set(aliases.ALIASES) | set(aliases.REFUSED)) or isinstance(knobs.get("eos_token_id"), (list, tuple)):
+        knobs = aliases.translate(knobs, _prompt_lens(input_ids) if "max_length" in knobs else None)
     known = {p for p in _SIGNATURE.parameters}
     unknown = sorted(set(knobs) - known)
     if unknown:
         raise TypeError(
             f"generate() got unknown keyword argument(s) {unknown}; strategy-specific knobs are: "
-            f"{', '.join(ALL_SPECIFIC_KNOBS)}; see inspect.signature(lopa_fast.generate) for all knobs"
+            f"{', '.join(strategies.specific_knobs())}; see inspect.signature(lopa_fast.generate) for all knobs"
         )
     bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
     kw = dict(bound.arguments)
@@ -260,6 +251,21 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
 
 
 generate.__signature__ = _SIGNATURE
+
+
+def _prompt_lens(input_ids) -> list[int] | None:
+    """The prompt lengths of generate's input_ids (one prompt: one length), for max_length=; None when the input is
+    not a prompt (prepare_prompt names what is wrong with it)."""
+    prompts = list(input_ids) if is_batch(input_ids) else [input_ids]
+    lens = []
+    for p in prompts:
+        if isinstance(p, torch.Tensor):
+            lens.append(int(p.shape[-1]) if p.dim() else 0)
+        elif isinstance(p, (list, tuple)):
+            lens.append(len(p))
+        else:
+            return None
+    return lens
 
 
 def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None,
@@ -275,8 +281,11 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if is_batch(input_ids):
         return generate_batch(model, list(input_ids), cfg, verifier, on_round)
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
-    if verifier is not None and cfg.strategy != "apd":
-        raise ValueError(f"verifier= applies to strategy='apd' (the AR model that verifies drafts); strategy={cfg.strategy!r}")
+    spec = strategies.get(cfg.strategy)
+    if verifier is not None and not spec.takes_verifier:
+        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
+        raise ValueError(f"verifier= applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
+                         f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
     ids = prepare_prompt(model, input_ids)
     cfg, length = cfg.plan_length(model, ids.numel())  # max_new_tokens -> the whole-block length decoded
     cfg = cfg.resolve(model)
@@ -284,19 +293,17 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
     fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None, model=model)
-    if cfg.strategy == "apd":  # the pair is checked before any forward; the verifier travels beside the config
-        from lopa_fast.reference.apd import check_models
-
-        check_models(model, verifier, cfg)
+    if spec.takes_verifier:  # the pair is checked before any forward; the verifier travels beside the config
+        spec.load("check_models")(model, verifier, cfg)
         if verifier is not None and verifier.config.max_position_embeddings < ids.numel() + cfg.max_new_tokens:
             raise ValueError(
                 f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
                 f"max_position_embeddings={verifier.config.max_position_embeddings}"
             )
-    extra = {"verifier": verifier} if cfg.strategy == "apd" else {}
+    extra = {"verifier": verifier} if spec.takes_verifier else {}
     if on_round is not None:
         extra["on_round"] = on_round
-    with torch.inference_mode():
+    with torch.inference_mode(), threads.scoped(model):  # small CPU models: one thread for the call (threads.py)
         if engine is not None and ran == "fast" and engine.covers(cfg):
             out = engine.generate(ids, cfg, on_round)
             out.stats["batched"] = True
@@ -337,20 +344,14 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
             e.args = (f"prompt {i} of {len(prompts)}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
             raise
         preps.append((ids, c, length))
-    fast = _fast_strategies()
-    batched = (
-        cfg.strategy in ("d2f", "lopa") and not cfg.compile and not getattr(cfg, "distributed", False)
-        and all(resolve_backend(c, hook=h is not None, model=model)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
-        and cfg.strategy in fast
-    )  # fmt: skip
+    from lopa_fast.decode.batch import batchable, run_batch
+
+    batched = batchable(cfg) and all(
+        resolve_backend(c, hook=h is not None, model=model)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
     if not batched:
         return [generate_with_config(model, p, cfg, verifier, h) for p, h in zip(prompts, hooks)]
-    from lopa_fast.decode.batch import run_batch
-
-    k = cfg.branching_factor if cfg.strategy == "lopa" else 1
-    with torch.inference_mode():
-        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], k, cfg.strategy,
-                         on_round=hooks)  # fmt: skip
+    with torch.inference_mode(), threads.scoped(model):
+        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], on_round=hooks)
     results = []
     for out, (_, c, length) in zip(outs, preps):
         out.stats.setdefault("strategy", c.strategy)

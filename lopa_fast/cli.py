@@ -465,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lopa_fast.tasks.evaluate import (BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, EVAL_TASKS, GEN_LEN, OUT_DIR, ROWS,
                                           out_name)
 
-    from lopa_fast.config import STRATEGIES
+    from lopa_fast.config import strategy_names
+
+    STRATEGIES = strategy_names()
 
     from lopa_fast.server.protocol import NOT_SERVED
 

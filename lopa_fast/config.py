@@ -15,75 +15,27 @@ Fields the fast decoder (lopa_fast.decode) needs for d2f / lopa, all resolved by
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
 from dataclasses import dataclass
 
-STRATEGIES = ("vanilla", "threshold", "d2f", "lopa", "apd")
+from lopa_fast import strategies
+from lopa_fast.errors import KnobError, RoundCapError  # noqa: F401  (RoundCapError re-exported here)
+from lopa_fast.knobs import INT_KNOB_LIMIT
+from lopa_fast.knobs import check_bool as _bool
+from lopa_fast.knobs import check_choice as _choice
+from lopa_fast.knobs import check_number as _num
+from lopa_fast.knobs import check_positive_int as _positive_int
+from lopa_fast.knobs import check_prob as _prob
+
 MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 ROUND_CAP_ACTIONS = ("warn", "error")
-REMASKING = ("low_confidence", "random")
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-CACHE_MODES = (None, "prefix", "dual")
 SAMPLERS = ("keyed", "upstream")
 
-# strategy-specific knobs (passed through generate's **strategy_specific); None = "not given"
-LLADA_VANILLA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
-DREAM_VANILLA_KNOBS = ("steps", "alg", "alg_temp", "eps")
-THRESHOLD_KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
-# APD (danielmisrael/apd `apd_sample`): R, W, M, the leftright baseline's K, and the opt-in fixes of quirks Q1-Q3
-APD_KNOBS = ("apd_mixture_weight", "kv_window", "max_lookahead", "tokens_per_step", "single_temperature",
-             "coupled_gumbel", "exact_prev_logits")  # fmt: skip
-STRATEGY_KNOBS = {
-    "vanilla": tuple(dict.fromkeys(LLADA_VANILLA_KNOBS + DREAM_VANILLA_KNOBS)),
-    "threshold": THRESHOLD_KNOBS,
-    "d2f": (),
-    "lopa": (),
-    "apd": APD_KNOBS,
-}
-ALL_SPECIFIC_KNOBS = tuple(dict.fromkeys(k for v in STRATEGY_KNOBS.values() for k in v))
 
-
-from lopa_fast.errors import KnobError, RoundCapError  # noqa: E402,F401  (RoundCapError re-exported here)
-
-INT_KNOB_LIMIT = 2**31  # every int knob is below it (device tables index with int32); seeds: below 2**63
-
-
-def _num(name, value, *, allow_none=False, integer=False, limit=INT_KNOB_LIMIT):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        kind = "an int" if integer else "a number"
-        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected {kind}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise KnobError(f"{name}={value!r}; expected a finite number", knob=name, value=value)
-    if isinstance(value, int) and abs(value) >= limit:
-        raise KnobError(f"{name}={value!r} is out of range; allowed: |{name}| < 2**{limit.bit_length() - 1}",
-                        knob=name, value=value)  # fmt: skip
-
-
-def _prob(name, value, *, allow_none=False):
-    _num(name, value, allow_none=allow_none)
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}={value!r}; allowed: a probability in [0, 1]")
-
-
-def _positive_int(name, value, *, allow_none=False):
-    _num(name, value, allow_none=allow_none, integer=True)
-    if value is not None and value <= 0:
-        raise ValueError(f"{name}={value!r}; allowed: an int >= 1")
-
-
-def _bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected True or False")
-
-
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+def strategy_names() -> tuple[str, ...]:
+    """The `strategy=` values: every registered strategy (lopa_fast.strategies)."""
+    return strategies.names()
 
 
 @dataclass(frozen=True)
@@ -171,7 +123,7 @@ class GenerateConfig:
 
     def validate(self) -> "GenerateConfig":
         """Check every knob that needs no model; raise ValueError/TypeError before any work."""
-        _choice("strategy", self.strategy, STRATEGIES)
+        spec = strategies.get(self.strategy)  # KnobError naming the registered strategies
         _choice("backend", self.backend, BACKENDS)
         _positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         _bool("strict_length", self.strict_length)
@@ -203,97 +155,38 @@ class GenerateConfig:
         _bool("compile", self.compile)
         if self.compile and self.backend == "reference":
             raise ValueError("compile=True applies to backend='fast' or 'auto'; the reference backend runs eagerly")
+        if self.compile and not spec.compile:
+            raise KnobError(f"compile=True: strategy={self.strategy!r} has no compiled path; pass compile=False",
+                            knob="compile", value=True)  # fmt: skip
         _bool("distributed", self.distributed)
-        if self.distributed:  # the strategy / backend / process-group checks (KnobError naming the knob)
-            from lopa_fast.distributed import check_config
-
-            check_config(self)
-
-        allowed = STRATEGY_KNOBS[self.strategy]
-        for knob in ALL_SPECIFIC_KNOBS:
-            if getattr(self, knob) is not None and knob not in allowed:
-                owners = [s for s, ks in STRATEGY_KNOBS.items() if knob in ks]
+        if self.distributed:
+            self._check_distributed(spec)
+        for knob in strategies.specific_knobs():
+            if getattr(self, knob) is not None and knob not in spec.knobs:
                 raise ValueError(
                     f"{knob}={getattr(self, knob)!r} does not apply to strategy={self.strategy!r}; "
-                    f"it is a knob of {' / '.join(owners)}"
+                    f"it is a knob of {' / '.join(strategies.owners(knob))}"
                 )
-        if (self.strict_length and self.max_new_tokens is not None and self.strategy in ("d2f", "lopa")
-                and self.max_new_tokens % self.block_size):  # fmt: skip
-            raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} must be a multiple of block_size={self.block_size} "
-                f"for strategy={self.strategy!r} with strict_length=True (blocks of block_size tokens are appended; "
-                "strict_length=False decodes whole blocks and cuts the output to max_new_tokens)"
-            )
-        _positive_int("steps", self.steps, allow_none=True)
-        _positive_int("block_length", self.block_length, allow_none=True)
-        if self.remasking is not None:
-            _choice("remasking", self.remasking, REMASKING)
-        _num("cfg_scale", self.cfg_scale, allow_none=True)
-        if self.cfg_scale is not None and self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale={self.cfg_scale!r}; allowed: >= 0 (0 = off)")
-        for name in ("logits_eos_inf", "confidence_eos_eot_inf", "count_noop_forward"):
-            if getattr(self, name) is not None:
-                _bool(name, getattr(self, name))
-        if self.alg is not None:
-            _choice("alg", self.alg, DREAM_ALGS)
-        _num("alg_temp", self.alg_temp, allow_none=True)
-        if self.alg_temp is not None and self.alg_temp < 0:
-            raise ValueError(f"alg_temp={self.alg_temp!r}; allowed: >= 0 (None or 0 = deterministic top-k)")
-        _num("eps", self.eps, allow_none=True)
-        if self.eps is not None and not 0.0 <= self.eps < 1.0:
-            raise ValueError(f"eps={self.eps!r}; allowed: a number in [0, 1)")
-        _prob("threshold", self.threshold, allow_none=True)
-        _num("factor", self.factor, allow_none=True)
-        if self.factor is not None and self.factor <= 0:
-            raise ValueError(f"factor={self.factor!r}; allowed: a number > 0")
-        _num("entropy_threshold", self.entropy_threshold, allow_none=True)
-        if self.entropy_threshold is not None and self.entropy_threshold < 0:
-            raise ValueError(f"entropy_threshold={self.entropy_threshold!r}; allowed: >= 0 (nats)")
-        if self.cache is not None:
-            _choice("cache", self.cache, CACHE_MODES)
-        if self.strategy == "threshold":
-            given = [k for k in ("threshold", "factor", "entropy_threshold") if getattr(self, k) is not None]
-            if len(given) > 1:
-                raise ValueError(
-                    f"threshold strategy: {' and '.join(f'{k}={getattr(self, k)!r}' for k in given)} given; "
-                    "allowed: exactly one of threshold=, factor=, entropy_threshold="
-                )
-            if not given:
-                raise ValueError(
-                    "threshold strategy: none of threshold=, factor=, entropy_threshold= given; pass exactly one"
-                )
-        if self.strategy in ("vanilla", "threshold"):
-            self._check_blocks()
-        if self.strategy == "apd":
-            self._check_apd()
+        spec.validate(self)  # the strategy's own knobs and the rules between them
         return self
 
-    def _check_apd(self) -> None:
-        _prob("apd_mixture_weight", self.apd_mixture_weight, allow_none=True)
-        _num("kv_window", self.kv_window, allow_none=True, integer=True)
-        if self.kv_window is not None and self.kv_window < 0:
-            raise ValueError(f"kv_window={self.kv_window!r}; allowed: an int >= 0 (recomputed positions) or None (no cache)")
-        _positive_int("max_lookahead", self.max_lookahead, allow_none=True)
-        _positive_int("tokens_per_step", self.tokens_per_step, allow_none=True)
-        for name in ("single_temperature", "coupled_gumbel", "exact_prev_logits"):
-            if getattr(self, name) is not None:
-                _bool(name, getattr(self, name))
-        if self.apd_mixture_weight is not None and self.tokens_per_step is not None:
-            raise ValueError(
-                f"tokens_per_step={self.tokens_per_step!r} applies to the verifier-free leftright baseline "
-                f"(apd_mixture_weight=None); with apd_mixture_weight={self.apd_mixture_weight!r} the verifier decides "
-                "how many tokens each step accepts"
-            )
-        if self.apd_mixture_weight is None:
-            for name in ("coupled_gumbel", "exact_prev_logits"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}=True applies to APD with a verifier; apd_mixture_weight=None (leftright) has none")
-        k = self.tokens_per_step or 1
-        if self.max_lookahead is not None and k > self.max_lookahead:
-            raise ValueError(
-                f"tokens_per_step={k} > max_lookahead={self.max_lookahead}: a step cannot commit more tokens than the "
-                "lookahead window drafts; allowed: tokens_per_step <= max_lookahead"
-            )
+    def _check_distributed(self, spec) -> None:
+        """distributed=True: the knobs it needs (KnobError naming the knob); the process group itself is checked
+        where the request runs (lopa_fast.distributed.check_group)."""
+        if not spec.distributed:
+            covered = ", ".join(repr(n) for n in strategies.names() if strategies.get(n).distributed)
+            raise KnobError(f"distributed=True covers strategy {covered}; got strategy={self.strategy!r}",
+                            knob="strategy", value=self.strategy)  # fmt: skip
+        if self.backend == "reference":
+            raise KnobError("distributed=True runs the fast decoder; pass backend='fast' (or 'auto')",
+                            knob="backend", value=self.backend)  # fmt: skip
+        if self.temperature > 0 and self.sampler == "upstream":
+            raise KnobError(
+                f"distributed=True at temperature={self.temperature!r} draws with sampler='keyed' (noise keyed by "
+                "seed, round and position, so every rank draws any branch's noise without a message); "
+                "sampler='upstream' (one generator, draw by draw in upstream's order) cannot be split over ranks",
+                knob="sampler", value="upstream",
+            )  # fmt: skip
 
     def _check_stop(self) -> None:
         if self.stop is None:
@@ -311,36 +204,11 @@ class GenerateConfig:
                     f"stop sequence {list(q)!r}; allowed: 1..{MAX_STOP_LENGTH} token ids (ints >= 0) ({example})"
                 )
 
-    def _check_blocks(self) -> None:
-        """LLaDA-style block loop: gen_length % block_length == 0 and steps % num_blocks == 0 (gen_length: the
-        decoded length, i.e. max_new_tokens rounded up to whole blocks unless strict_length)."""
-        bl = self.block_length if self.block_length is not None else None
-        if bl is None or self.max_new_tokens is None:
-            return  # vanilla Dream has no blocks; LLaDA/threshold default block_length is resolved in bind()
-        if self.strict_length and self.max_new_tokens % bl:
-            raise ValueError(
-                f"block_length={bl} must divide max_new_tokens={self.max_new_tokens} with strict_length=True "
-                f"(strategy={self.strategy!r} decodes max_new_tokens in blocks of block_length)"
-            )
-        n = self.decode_length(self.max_new_tokens)
-        nb = n // bl
-        if self.steps is not None and self.steps % nb:
-            raise ValueError(
-                f"steps={self.steps} must be a multiple of the number of blocks {nb} "
-                f"(= max_new_tokens {n} / block_length {bl})"
-            )
-
     # ---- lengths (rounded up to whole blocks before decoding, cut after; docs/decoding.md "Lengths") ----------
     def length_unit(self) -> int:
-        """The block the strategy decodes in whole (d2f / lopa: block_size; threshold: block_length, default
-        block_size; vanilla: block_length when given; 1 where there are no blocks)."""
-        if self.strategy in ("d2f", "lopa"):
-            return self.block_size
-        if self.strategy == "threshold":
-            return self.block_length if self.block_length is not None else self.block_size
-        if self.strategy == "vanilla" and self.block_length is not None:
-            return self.block_length
-        return 1
+        """The block the strategy decodes in whole (its spec's `length_unit`: d2f / lopa block_size; threshold
+        block_length, default block_size; vanilla block_length when given; 1 where there are no blocks)."""
+        return strategies.get(self.strategy).length_unit(self)
 
     def decode_length(self, n: int) -> int:
         """The length decoded for a request of `n` new tokens: n rounded up to whole blocks (n itself with
@@ -434,71 +302,12 @@ class GenerateConfig:
                 f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
                 "use a Dream / D2F / DiffuCoder / LLaDA model"
             )
+        spec = strategies.get(self.strategy)
         kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
         if self.sampler is None:
-            kw["sampler"] = "upstream" if self.strategy == "apd" else "keyed"
+            kw["sampler"] = spec.default_sampler
         kw["max_rounds"] = self.max_rounds if self.max_rounds is not None else 2 * self.max_new_tokens + 64
-        if self.strategy == "vanilla":
-            if kind == "llada":
-                bad = [k for k in ("alg", "alg_temp", "eps") if getattr(self, k) is not None]
-                if bad:
-                    raise ValueError(
-                        f"{bad[0]}={getattr(self, bad[0])!r} is a Dream vanilla knob, but the model is LLaDA; "
-                        f"LLaDA vanilla knobs: {', '.join(LLADA_VANILLA_KNOBS)}"
-                    )
-                if self.top_p is not None or self.top_k is not None:
-                    raise ValueError(
-                        f"top_p={self.top_p!r} / top_k={self.top_k!r}: LLaDA vanilla sampling is Gumbel-max on raw "
-                        "logits (no top-p/top-k); leave them None"
-                    )
-                bl = self.block_length if self.block_length is not None else self.max_new_tokens
-                kw.update(
-                    block_length=bl,
-                    steps=self._vanilla_steps(),
-                    remasking=self.remasking or "low_confidence",
-                    cfg_scale=self.cfg_scale if self.cfg_scale is not None else 0.0,
-                    logits_eos_inf=bool(self.logits_eos_inf),
-                    confidence_eos_eot_inf=bool(self.confidence_eos_eot_inf),
-                )
-            else:
-                bad = [k for k in LLADA_VANILLA_KNOBS if k != "steps" and getattr(self, k) is not None]
-                if bad:
-                    raise ValueError(
-                        f"{bad[0]}={getattr(self, bad[0])!r} is a LLaDA vanilla knob, but the model is Dream-family; "
-                        f"Dream vanilla knobs: {', '.join(DREAM_VANILLA_KNOBS)}"
-                    )
-                kw.update(
-                    steps=self._vanilla_steps(),
-                    alg=self.alg or "origin",
-                    eps=self.eps if self.eps is not None else 1e-3,
-                )
-        elif self.strategy == "threshold":
-            bl = self.block_length if self.block_length is not None else self.block_size
-            kw.update(
-                block_length=bl,
-                steps=self.steps if self.steps is not None else self.max_new_tokens // bl,
-                count_noop_forward=bool(self.count_noop_forward),
-            )
-        if self.strategy == "apd":
-            kw.update(single_temperature=bool(self.single_temperature), coupled_gumbel=bool(self.coupled_gumbel),
-                      exact_prev_logits=bool(self.exact_prev_logits))  # fmt: skip
-        out = self.replace(**kw)
-        if out.strategy in ("vanilla", "threshold"):
-            out._check_blocks()  # the resolved block_length (default: block_size / max_new_tokens) and steps
-        return out
-
-    def _vanilla_steps(self) -> int:
-        """Vanilla's steps (default max_new_tokens). More steps than positions only adds forwards that transfer
-        nothing (upstream runs them): capped at max_new_tokens with a RuntimeWarning, or refused with
-        on_round_cap="error" (the round-cap policy; a documented deviation, docs/decoding.md)."""
-        if self.steps is None or self.steps <= self.max_new_tokens:
-            return self.steps if self.steps is not None else self.max_new_tokens
-        msg = (f"steps={self.steps} exceeds max_new_tokens={self.max_new_tokens} (at least one position per step); "
-               "the extra steps would only repeat forwards")  # fmt: skip
-        if self.on_round_cap == "error":
-            raise KnobError(msg + "; pass steps <= max_new_tokens", knob="steps", value=self.steps)
-        warnings.warn(msg + f"; capped at steps={self.max_new_tokens}", RuntimeWarning, stacklevel=4)
-        return self.max_new_tokens
+        return spec.resolve(self.replace(**kw), model)  # the strategy's own model-dependent defaults
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -82,28 +82,14 @@ from lopa_fast.errors import DistributedError, KnobError
 # (a peer that raises is reported at once, through the error flag of the round's all_gather)
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "LOPA_FAST_DIST_TIMEOUT_S"
-STRATEGIES = ("d2f", "lopa")
 # int32 words before the statistics: error flag, needed rows, first non-finite flat row (or -1), holds the
 # last_logit row, that row's (conf, p, x0) under Dream's shift (zeros without)
 HEADER = 7
 
 
-def check_config(cfg) -> None:
-    """Refuse (KnobError naming the knob) distributed=True where it cannot run: no initialised process group,
-    a strategy other than d2f / lopa, the reference backend, or temperature > 0 with sampler='upstream'."""
-    if cfg.strategy not in STRATEGIES:
-        raise KnobError(f"distributed=True covers strategy 'd2f' and 'lopa'; got strategy={cfg.strategy!r}",
-                        knob="strategy", value=cfg.strategy)  # fmt: skip
-    if cfg.backend == "reference":
-        raise KnobError("distributed=True runs the fast decoder; pass backend='fast' (or 'auto')",
-                        knob="backend", value=cfg.backend)  # fmt: skip
-    if cfg.temperature > 0 and getattr(cfg, "sampler", None) == "upstream":
-        raise KnobError(
-            f"distributed=True at temperature={cfg.temperature!r} draws with sampler='keyed' (noise keyed by seed, "
-            "round and position, so every rank draws any branch's noise without a message); sampler='upstream' "
-            "(one generator, draw by draw in upstream's order) cannot be split over ranks",
-            knob="sampler", value="upstream",
-        )  # fmt: skip
+def check_group() -> None:
+    """Refuse (KnobError on knob "distributed") a distributed request without an initialised process group (the
+    knobs distributed=True needs are checked by GenerateConfig.validate, from the strategy's spec)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise KnobError(
             "distributed=True needs an initialised torch.distributed process group (launch with "
@@ -328,8 +314,8 @@ def compiled_share(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, world: 
 class DistributedDecoder(FastDecoder):
     """FastDecoder whose rounds run a share of the slots on each rank of `comm` (module docstring)."""
 
-    def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm: Comm):
-        super().__init__(model, prompt, cfg, branching_factor, name)
+    def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm: Comm, branch_stats: bool = False):
+        super().__init__(model, prompt, cfg, branching_factor, name, branch_stats=branch_stats)
         self.comm = comm
         # the torch stages: the C++ twin (round_update) takes every slot's logits and K/V in one call
         self.cpp_tables = None
@@ -480,17 +466,17 @@ def _fingerprint(model, prompt: torch.Tensor, cfg) -> int:
     return zlib.crc32(repr((cfg, prompt.tolist(), geo)).encode())
 
 
-def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_round=None):
+def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_round=None, branch_stats: bool = False):
     """One request on every rank of the default group (cfg bound and validated; lopa_fast.api checked it).
     Refuses, on every rank, a request that differs between ranks (config, prompt or model geometry)."""
-    check_config(cfg)
+    check_group()
     comm = Comm()
     dev = prompt.device
     want = "cuda" if comm.backend == "nccl" else "cpu"
     if dev.type != want:
         raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
                         knob="distributed", value=True)  # fmt: skip
-    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm)
+    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats)
     # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
     fp = torch.tensor([_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
     seen = comm.all_gather(fp, "setup", 0)

@@ -225,7 +225,7 @@ def needs_draws(cfg) -> bool:
     reveal, Dream alg_temp > 0); a request that draws none ignores the sampler."""
     return bool(
         cfg.temperature > 0 or getattr(cfg, "remasking", None) == "random"
-        or (cfg.strategy == "vanilla" and getattr(cfg, "alg", None) == "origin")
+        or getattr(cfg, "alg", None) == "origin"  # Dream vanilla's random reveal (alg is vanilla's knob alone)
         or (getattr(cfg, "alg_temp", None) or 0) > 0
     )  # fmt: skip
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lopa_fast.config import RoundCapError
+from lopa_fast.errors import RoundCapError
 
 
 @dataclass

@@ -2,11 +2,14 @@
 raising ValueError/TypeError naming the knob before any forward (checked with a stub that counts calls)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_reference_common import StubModel
 
 import lopa_fast
+from lopa_fast import strategies
 from lopa_fast import api
 from lopa_fast.output import GenerateOutput
 
@@ -62,7 +65,10 @@ def test_backend_dispatch(monkeypatch):
         calls.append(cfg.strategy)
         return GenerateOutput([1], {"forwards": 1})
 
-    monkeypatch.setattr(api, "_fast_strategies", lambda: {"lopa": fake_fast})
+    # the registry names each strategy's implementations: lopa's fast one replaced, d2f's removed
+    monkeypatch.setattr(strategies.registry, "_REGISTRY", dict(strategies.registry._REGISTRY))
+    strategies.register(dataclasses.replace(strategies.get("lopa"), fast=fake_fast), replace=True)
+    strategies.register(dataclasses.replace(strategies.get("d2f"), fast=None), replace=True)
     out = lopa_fast.generate(stub(), [0, 1], "lopa", "fast", max_new_tokens=4, block_size=4)
     assert calls == ["lopa"] and out.stats["backend"] == "fast"
     # auto runs the fast path for a model with the static forward; a duck-typed stub without one is not a
@@ -75,7 +81,7 @@ def test_backend_dispatch(monkeypatch):
     assert out.stats["backend"] == "reference" and "forward_static" in out.stats["fallback"]
     out = lopa_fast.generate(capable, [0, 1], "d2f", "auto", max_new_tokens=4, block_size=4)
     assert out.stats["backend"] == "reference"
-    with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='d2f'.*covers: lopa"):
+    with pytest.raises(ValueError, match=r"backend='fast' does not cover strategy='d2f'.*covers: vanilla, threshold, lopa, apd\."):
         lopa_fast.generate(stub(), [0, 1], "d2f", "fast", max_new_tokens=4, block_size=4)
 
 

@@ -87,7 +87,7 @@ def test_scheduler_admits_mid_flight_and_caps_rows(model):
     kw = knobs(4, True, 4)
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
     solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
-    sched = batch.Scheduler(model, cfg, 4, "lopa", max_rows=10)  # two LoPA k=4 requests (5 slots each) at once
+    sched = batch.Scheduler(model, cfg, max_rows=10)  # two LoPA k=4 requests (5 slots each) at once
     ids = [sched.submit(p) for p in ps[:2]]
     live_sizes = []
     for _ in range(3):
@@ -105,8 +105,8 @@ def test_scheduler_admits_mid_flight_and_caps_rows(model):
 def test_scheduler_bad_cap(model):
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **knobs(4, True, 4)).bind(model)
     with pytest.raises(KnobError, match="max_rows"):
-        batch.Scheduler(model, cfg, 4, "lopa", max_rows=0)
-    sched = batch.Scheduler(model, cfg, 4, "lopa", max_rows=3)
+        batch.Scheduler(model, cfg, max_rows=0)
+    sched = batch.Scheduler(model, cfg, max_rows=3)
     with pytest.raises(KnobError, match="smaller than one request's 5 branch slots"):  # refused at submission
         sched.submit(prompts((5,))[0])
     assert not sched.queue
@@ -144,7 +144,7 @@ def test_one_request_error_leaves_the_others_running(model):
         if info["round"] >= 2:
             raise Cancelled
 
-    sched = batch.Scheduler(model, cfg, 2, "lopa")
+    sched = batch.Scheduler(model, cfg)
     ids = [sched.submit(ps[0]), sched.submit(ps[1], cancel_at_round_2), sched.submit(ps[2])]
     sched.run()
     assert isinstance(sched.failed[ids[1]], Cancelled) and ids[1] not in sched.done

@@ -22,6 +22,7 @@ import lopa_fast
 from lopa_fast.contracts import first_stop
 from lopa_fast.decode import apd as fast_apd
 from lopa_fast.decode import count_host_syncs
+from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
 from lopa_fast.testing import model_from_spec
 
@@ -183,7 +184,7 @@ def test_device_stop_check_equals_first_stop():
         geo = fast_apd.ApdGeometry(Lb=Lb, W=None, M=None, R=None, K=1, V_ar=0, mask_id=mask, eos_id=None,
                                    exact_prev=False, suppress_mask=False, top_p=None, top_k=None,
                                    stop_lens=tuple(len(q) for q in stops), attn_backend="torch")  # fmt: skip
-        T = {"P": torch.tensor(P), "stops": fast_apd._stop_table(stops, "cpu")}
+        T = {"P": torch.tensor(P), "stops": stop_table(stops, "cpu", min_rows=1)}
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
         assert bool(fast_apd._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
 

@@ -69,7 +69,7 @@ def test_scheduler_slots_admission_mid_flight_early_finish_and_growth(model):
     lens = (24, 4, 24, 24)  # request 1 finishes early
     cfgs = [bound(model, **dict(kw, max_new_tokens=n)) for n in lens]
     solo = [lopa_fast.generate(model, p, "lopa", "fast", **dict(kw, max_new_tokens=n)) for p, n in zip(ps, lens)]
-    sched = batch.Scheduler(model, cfgs[0], 2, "lopa", max_slots=2)
+    sched = batch.Scheduler(model, cfgs[0], max_slots=2)
     ids = [sched.submit(p, None, c) for p, c in zip(ps[:3], cfgs[:3])]
     slot_log, ends = [], {}
     sched.step()
@@ -95,8 +95,8 @@ def test_scheduler_caps_refuse_what_can_never_fit(model):
     cfg = bound(model, **knobs(1, False, 4))
     for knob in ("max_slots", "slot_len"):
         with pytest.raises(KnobError, match=knob):
-            batch.Scheduler(model, cfg, 1, "lopa", **{knob: 0})
-    sched = batch.Scheduler(model, cfg, 1, "lopa", slot_len=64)
+            batch.Scheduler(model, cfg, **{knob: 0})
+    sched = batch.Scheduler(model, cfg, slot_len=64)
     with pytest.raises(KnobError, match="slot_len=64 is smaller than this request's 65 cache rows") as e:
         sched.submit(prompts((10,))[0])  # 10 + 24 -> a 64-row buffer + its trash row
     assert e.value.knob == "slot_len" and not sched.queue
@@ -118,7 +118,7 @@ def test_abort_ends_every_request_and_frees_every_slot(model):
     """The shared forward failing (BatchEngine calls abort) ends the live and the queued requests with that error
     and hands every slot back; the scheduler then serves new requests from a free pool."""
     cfg = bound(model, **knobs(2, False, 4))
-    sched = batch.Scheduler(model, cfg, 2, "lopa", max_slots=2)
+    sched = batch.Scheduler(model, cfg, max_slots=2)
     ids = [sched.submit(p) for p in prompts((5, 9, 7), seed=3)]
     sched.step()
     assert len(sched.live) == 2 and len(sched.queue) == 1
@@ -139,7 +139,7 @@ def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool, backend
     from lopa_fast import ops
 
     cfg = bound(model, **dict(knobs(k, full, 4), max_new_tokens=48))
-    sched = batch.Scheduler(model, cfg, k, "lopa")
+    sched = batch.Scheduler(model, cfg)
     ps = prompts((5, 14), seed=8)  # neither request ends within three rounds
     for p in ps[: 1 if late else 2]:
         sched.submit(p)
@@ -214,7 +214,7 @@ def test_pooled_batch_tokens_equal_per_request_triton(model1, monkeypatch):
             return real(parts, mode, b, pool=pool if pooled else None)
 
         monkeypatch.setattr(model1, "forward_requests", fr)
-        sched = batch.Scheduler(model1, cfg, 1, "lopa")
+        sched = batch.Scheduler(model1, cfg)
         ids = [sched.submit(p) for p in ps]
         sched.run()
         assert seen and all(s == ("triton", True) for s in seen)
@@ -238,7 +238,7 @@ def test_pooled_batch_on_the_device():
         for o, s in zip(outs, solo):
             assert o.generated_ids == s.generated_ids and o.stats["forwards"] == s.stats["forwards"]
         cfg = bound(model, **kw)
-        sched = batch.Scheduler(model, cfg, k, "lopa")
+        sched = batch.Scheduler(model, cfg)
         for p in ps:
             sched.submit(p)
         sched.step()

@@ -31,7 +31,7 @@ def test_rendering_table_is_the_generator_distribution(numbers):
     for row, wi in zip(table.tolist(), w.tolist()):
         text = TOK.decode(row, skip_special_tokens=True)
         got[text] = got.get(text, 0.0) + wi
-    want = {" ".join(arith_var.tokens(t)): x for t, x in arith_var.rendering_distribution(p).items()}
+    want = {tasks.join_digits(" ".join(arith_var.tokens(t))): x for t, x in arith_var.rendering_distribution(p).items()}
     assert got.keys() == want.keys() and all(math.isclose(got[k], want[k]) for k in want)
     # the training layout: a row is what make_batch puts in the region for that rendering
     batch = make_batch([p], TOK, G)

@@ -1,20 +1,12 @@
 """Fast decoders: the step / round on the device, one host read per step / round.
 
-`FAST_STRATEGIES` maps a strategy name to `fn(model, prompt_ids [P], cfg, on_round=None) -> GenerateOutput`
-(looked up by lopa_fast.api for backend="fast" / "auto"; apd's takes `verifier=` too). Covered: vanilla,
-threshold, d2f, lopa, apd at any temperature (keyed sampler); `fast_not_covered` names what
-is not.
+Each strategy's spec (lopa_fast.strategies) names its fast decoder, `fn(model, prompt_ids [P], cfg, on_round=None)
+-> GenerateOutput` (apd's takes `verifier=` too), and, where requests can share a forward, its per-request driver
+for the batch scheduler (`batch.py`). `fast_not_covered` names a knob no fast decoder covers.
 """
-from lopa_fast.decode.apd import generate as _apd
-from lopa_fast.decode.d2f import generate as _d2f
-from lopa_fast.decode.lopa import generate as _lopa
+from lopa_fast import strategies
 from lopa_fast.decode.syncs import count_host_syncs
-from lopa_fast.decode.threshold import generate as _threshold
-from lopa_fast.decode.vanilla import generate as _vanilla
 from lopa_fast.keyed import needs_draws
-
-FAST_STRATEGIES = {"vanilla": _vanilla, "threshold": _threshold, "d2f": _d2f, "lopa": _lopa, "apd": _apd}
-
 
 
 def fast_not_covered(cfg) -> str | None:
@@ -25,11 +17,13 @@ def fast_not_covered(cfg) -> str | None:
     only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
     for its fast path)."""
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
-        fast = ("for apd's fast path pass sampler='keyed' (apd's default at T > 0 is upstream's order, for "
-                "exactness with upstream)" if cfg.strategy == "apd"
-                else "the fast backend draws with sampler='keyed' (the default)")  # fmt: skip
+        if strategies.get(cfg.strategy).default_sampler == "upstream":
+            fast = (f"for {cfg.strategy}'s fast path pass sampler='keyed' ({cfg.strategy}'s default at T > 0 is "
+                    "upstream's order, for exactness with upstream)")  # fmt: skip
+        else:
+            fast = "the fast backend draws with sampler='keyed' (the default)"
         return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
     return None
 
 
-__all__ = ["FAST_STRATEGIES", "count_host_syncs", "fast_not_covered"]
+__all__ = ["count_host_syncs", "fast_not_covered"]

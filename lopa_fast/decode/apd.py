@@ -41,13 +41,13 @@ LENGTH_QUANTUM)):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lopa_fast import keyed
 from lopa_fast.contracts import report_round
+from lopa_fast.decode.shapes import pow2_bucket, quantized_length, stop_table
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -55,11 +55,6 @@ from lopa_fast.sampling import top_k_filter, top_p_filter
 
 HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonfinite_drafter",
                "nonfinite_verifier", "mask_committed", "outside_vocab")  # fmt: skip
-# buffer lengths are rounded up to this many positions so requests of nearby lengths share compiled steps
-LENGTH_QUANTUM = 64
-# the smallest bucket of a compiled step (window columns, draft rows): below it a bucket costs a compile more
-# than the padded rows cost
-MIN_BUCKET = 16
 
 
 @dataclass(frozen=True)
@@ -85,26 +80,11 @@ class ApdGeometry:
     coupled_gumbel: bool = False
 
 
-def bucket(n: int) -> int:
-    """A compiled step's size for n rows / columns: the next power of two, at least MIN_BUCKET."""
-    return max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
 def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool) -> tuple[int, int]:
     """(left, right) of the step that starts at `curr` after `accepted` tokens were accepted (host ints)."""
     right = min(curr + geo.M, L) if geo.M is not None else L
     left = 0 if (geo.W is None or first) else max(curr - geo.W - accepted + 1, 0)
     return left, right
-
-
-def _stop_table(stop, dev) -> torch.Tensor:
-    """The stop sequences as a zero-padded [S, max length] long tensor ([1, 1] zeros when there are none)."""
-    seqs = list(stop or ())
-    width = max((len(q) for q in seqs), default=1)
-    t = torch.zeros((max(len(seqs), 1), width), dtype=torch.long)
-    for j, q in enumerate(seqs):
-        t[j, : len(q)] = torch.tensor(q)
-    return t.to(dev)
 
 
 def _stop_hit(x: torch.Tensor, T: dict, geo: ApdGeometry) -> torch.Tensor:
@@ -250,6 +230,17 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     return st, {"x0": x0}
 
 
+def compiled_step(drafter, verifier, geo: ApdGeometry, Nb: int, Db: int):
+    """apd_step after the prefill with the bucket's constants bound, with its own code object, for
+    CompiledRounds.run (compile=True: one graph per (verifier, geometry, Nb, Db))."""
+    from lopa_fast.decode.compiled import unique_code
+
+    def step(st: dict, T: dict) -> tuple[dict, dict]:
+        return apd_step(drafter, verifier, st, T, geo, Nb, Db, first=False)
+
+    return unique_code(step, f"apd_step_{Nb}x{Db}")
+
+
 class FastApd:
     """One APD / leftright request on the fast machinery. drafter: a Dream-family DecoderLM; verifier: a causal
     qwen2 DecoderLM or None; prompt: LongTensor [P] on drafter.device; cfg: bound, validated and checked by
@@ -264,7 +255,7 @@ class FastApd:
         dev = self.dev = prompt.device
         P, L = prompt.numel(), prompt.numel() + cfg.max_new_tokens
         self.P, self.L = P, L
-        Lb = -(-L // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        Lb = quantized_length(L)
         R = cfg.apd_mixture_weight
         self.geo = ApdGeometry(
             Lb=Lb, W=cfg.kv_window, M=cfg.max_lookahead, R=R,
@@ -279,7 +270,7 @@ class FastApd:
         )  # fmt: skip
         seed = keyed.resolve_seed(cfg.seed) if keyed.needs_draws(cfg) else 0  # as the reference's KeyedNoise
         self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
-                       "stops": _stop_table(cfg.stop, dev), "seed": torch.tensor(seed, device=dev)}  # fmt: skip
+                       "stops": stop_table(cfg.stop, dev, min_rows=1), "seed": torch.tensor(seed, device=dev)}  # fmt: skip
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
@@ -299,8 +290,11 @@ class FastApd:
     def _step(self, first: bool, curr: int, left: int, right: int) -> dict:
         n, n_d = right - left, right - curr
         if self.compiled is not None and not first:
-            self.st, info = self.compiled.apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo,
-                                                   bucket(n), bucket(n_d))  # fmt: skip
+            Nb, Db = pow2_bucket(n), pow2_bucket(n_d)
+            # the verifier is bound into the callable (which holds it alive), so its id keys the bucket
+            key = ("apd", id(self.verifier), self.geo, Nb, Db)
+            self.st, info = self.compiled.run(key, (Nb, Db), f"{Nb}x{Db}", lambda: compiled_step(
+                self.drafter, self.verifier, self.geo, Nb, Db), self.drafter, self.st, self.tables, self.geo)
         else:  # eager (and the prefill step, whose verifier window is the whole draft)
             self.st, info = apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo, n, n_d, first,
                                      prefix=(left, curr))  # fmt: skip
@@ -401,4 +395,4 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
     return FastApd(model, prompt, cfg, verifier).run(on_round)
 
 
-__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "bucket", "generate", "next_window"]
+__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "generate", "next_window"]

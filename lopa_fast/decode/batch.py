@@ -1,7 +1,8 @@
-"""Many D2F / LoPA requests at once: every live request's branch windows in ONE forward per round.
+"""Many requests at once: every live request's branch windows in ONE forward per round.
 
-Each request keeps its own round state, tables and finish line (a `FastDecoder` driven step by step: `begin` /
-`next_bucket` / `prepare` / `finish` / `read_head` / `after_round` / `result`); its static prefix cache is a slot of
+A strategy batches when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
+tables and finish line (the driver, today a `FastDecoder` for d2f / lopa, driven step by step: `begin` /
+`next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` / `result`); its static prefix cache is a slot of
 the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at admission, freed when the request finishes or
 fails). Per round the batch runs one `model.forward_requests` over all live requests' windows (each layer's
 projections, norms and MLP once for all rows), then each request's own bookkeeping (the C++ twin on CPU, the torch
@@ -24,33 +25,45 @@ from collections import deque
 
 import torch
 
-from lopa_fast.decode.engine import LENGTH_QUANTUM, FastDecoder, buffer_len
+from lopa_fast import strategies
+from lopa_fast.decode.engine import buffer_len
+from lopa_fast.decode.shapes import LENGTH_QUANTUM
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
 
 
+def batchable(cfg) -> bool:
+    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's), eager
+    (compile=True runs requests one at a time), one process."""
+    return strategies.get(cfg.strategy).driver is not None and not cfg.compile and not cfg.distributed
+
+
 class Scheduler:
     """Requests of one model and one decoding config, batched per round (see the module docstring).
 
-    model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request);
-    branching_factor / name: as `FastDecoder`; max_rows: the most branch slots (rows of the forward's batch,
-    k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
+    model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request; the strategy's
+    spec gives the per-request driver and the rows of one request); max_rows: the most branch slots (rows of the
+    forward's batch, k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
     None: no cap); slot_len: the most cache rows of one pool slot (a request needs its buffer length + 1:
     `engine.buffer_len`; None: no cap). A request that can never fit (more rows than max_rows, a longer cache than
     slot_len) is refused by `submit` with a KnobError; one that fits waits in the queue until rows and a slot free.
     `pool`: the KV pool (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
 
-    def __init__(self, model, cfg, branching_factor: int, name: str, max_rows: int | None = None,
-                 max_slots: int | None = None, slot_len: int | None = None):  # fmt: skip
+    def __init__(self, model, cfg, max_rows: int | None = None, max_slots: int | None = None,
+                 slot_len: int | None = None):  # fmt: skip
         for knob, v in (("max_rows", max_rows), ("max_slots", max_slots), ("slot_len", slot_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise KnobError(f"{knob}={v!r}; allowed: None or an int >= 1", knob=knob, value=v)
-        self.model, self.cfg, self.k, self.name = model, cfg, branching_factor, name
+        self.model, self.cfg, self.spec = model, cfg, strategies.get(cfg.strategy)
+        if self.spec.driver is None:
+            raise KnobError(f"Scheduler: strategy={cfg.strategy!r} has no batch driver (its requests run one at a "
+                            "time)", knob="strategy", value=cfg.strategy)  # fmt: skip
+        self._driver = self.spec.load("driver")
         self.max_rows, self.max_slots, self.slot_len = max_rows, max_slots, slot_len
         self.queue: deque = deque()  # (request id, prompt, on_round, cfg, rows, cache rows)
-        self.live: dict[int, FastDecoder] = {}
+        self.live: dict = {}  # request id -> its driver
         self.done: dict[int, GenerateOutput] = {}
         self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
         self.pool = KVPool(model)
@@ -61,8 +74,8 @@ class Scheduler:
 
     @property
     def rows_per_request(self) -> int:
-        """Branch slots (forward rows) of one request: k + 1 for LoPA k >= 2, else 1 (FastDecoder's NB)."""
-        return self.k + 1 if self.k >= 2 else 1
+        """Branch slots (forward rows) of one request (the spec's `rows`: k + 1 for LoPA k >= 2, else 1)."""
+        return self.spec.rows(self.cfg)
 
     def submit(self, prompt, on_round=None, cfg=None) -> int:
         """Queue a prompt (LongTensor [P] on the model's device; cfg: its bound config when it differs from
@@ -110,7 +123,7 @@ class Scheduler:
             slot = self.pool.acquire(cache_rows)
             self.slot_of[rid] = slot
             try:
-                dec = FastDecoder(self.model, prompt, cfg, self.k, self.name, cache=self.pool.views(slot, cache_rows))
+                dec = self._driver(self.model, prompt, cfg, cache=self.pool.views(slot, cache_rows))
                 dec.begin(on_round)
             except Exception as e:  # noqa: BLE001 - this request's setup failed: it ends, the batch goes on
                 self._fail(rid, e)
@@ -193,14 +206,13 @@ class Scheduler:
         return self.done
 
 
-def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str, max_rows: int | None = None,
-              on_round=None) -> list[GenerateOutput]:
-    """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`) together; outputs
-    in the prompts' order. on_round: None or one hook per prompt (a list)."""
+def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_round=None) -> list[GenerateOutput]:
+    """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`, one strategy that
+    `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list)."""
     hooks = on_round if on_round is not None else [None] * len(prompts)
     if len(prompts) == 1:  # nothing to share: the solo round (no per-request split of the forward)
-        return [FastDecoder(model, prompts[0], cfgs[0], branching_factor, name).run(hooks[0])]
-    sched = Scheduler(model, cfgs[0], branching_factor, name, max_rows)
+        return [strategies.get(cfgs[0].strategy).load("driver")(model, prompts[0], cfgs[0]).run(hooks[0])]
+    sched = Scheduler(model, cfgs[0], max_rows)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
     for i in ids:  # a prompt's own error is raised as decoding it alone would raise it (the first, in order)
@@ -212,7 +224,7 @@ def run_batch(model, prompts: list, cfgs: list, branching_factor: int, name: str
 class BatchEngine:
     """Continuous batching for callers on many threads (the server): `generate(prompt, cfg, on_round)` blocks
     its caller while one engine thread runs every submitted request in the running batch, admitted at the next
-    round boundary (`Scheduler`; one scheduler per (strategy, branching factor, attention mode), stepped in
+    round boundary (`Scheduler`; one scheduler per (strategy, rows per request, attention mode), stepped in
     turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
     stream); the other requests go on.
 
@@ -249,8 +261,8 @@ class BatchEngine:
 
     @staticmethod
     def covers(cfg) -> bool:
-        """Whether a bound config can join a batch: d2f / lopa on the fast backend, eager, one process."""
-        return cfg.strategy in ("d2f", "lopa") and not cfg.compile and not getattr(cfg, "distributed", False)
+        """Whether a bound config can join a batch (`batchable`: a strategy with a driver, eager, one process)."""
+        return batchable(cfg)
 
     def generate(self, prompt, cfg, on_round=None) -> GenerateOutput:
         """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`) in the running
@@ -282,12 +294,11 @@ class BatchEngine:
                     return
                 incoming, self._incoming = self._incoming, []
             for prompt, cfg, on_round, box in incoming:
-                k = cfg.branching_factor if cfg.strategy == "lopa" else 1
-                key = (cfg.strategy, k, bool(cfg.use_full_attention))
+                key = (cfg.strategy, strategies.get(cfg.strategy).rows(cfg), bool(cfg.use_full_attention))
                 sched = self._schedulers.get(key)
                 if sched is None:
-                    sched = self._schedulers[key] = Scheduler(self.model, cfg, k, cfg.strategy, self.max_rows,
-                                                              self.max_slots, self.slot_len)  # fmt: skip
+                    sched = self._schedulers[key] = Scheduler(self.model, cfg, self.max_rows, self.max_slots,
+                                                              self.slot_len)  # fmt: skip
                 try:
                     self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears

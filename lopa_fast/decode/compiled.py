@@ -74,67 +74,28 @@ class CompiledRounds:
         return (geo, stats_knobs, Nb, Rb)
 
     def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:
-        """Run one round of bucket (Nb, Rb) with the compiled / captured callable; returns (state, info)."""
-        key = self.key(geo, cfg, Nb, Rb)
-        self._req_buckets.add((Nb, Rb))
-        fn = self.fns.get(key)
-        if st["x"].is_cuda or self.emulate_graphs:
-            if fn is None:
-                log.debug("capturing the round %dx%d (a CUDA graph)...", Nb, Rb)
-                t0 = time.perf_counter()
-                fn = self.fns[key] = self._capture(model, st, T, geo, cfg, Nb, Rb)
-                self._compiled(key, time.perf_counter() - t0)
-                _log_done(f"the round {Nb}x{Rb}", self.compile_seconds[key], captured=True)
-                self.graphs += 1
-            return fn(st, T)
-        if fn is None:
-            fn = self.fns[key] = torch.compile(
-                _bound_step(model, geo, cfg, Nb, Rb), fullgraph=True, dynamic=False
-            )
-            log.info(_COMPILING, f"the round {Nb}x{Rb}")
-            t0, g0 = time.perf_counter(), _dynamo_graphs()
-            out = fn(st, T)
-            self._compiled(key, time.perf_counter() - t0)
-            _log_done(f"the round {Nb}x{Rb}", self.compile_seconds[key], captured=False)
-            self.graphs += _dynamo_graphs() - g0
-            return out
-        g0 = _dynamo_graphs()
-        out = fn(st, T)
-        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
-        return out
+        """Run one D2F / LoPA round of bucket (Nb, Rb) with the compiled / captured callable (`run` with the round
+        of lopa_fast.decode.round bound to the bucket); returns (state, info)."""
+        return self.run(self.key(geo, cfg, Nb, Rb), (Nb, Rb), f"{Nb}x{Rb}", lambda: _bound_step(model, geo, cfg, Nb, Rb),
+                        model, st, T, geo)
 
-    def apd_step(self, drafter, verifier, st: dict, T: dict, geo, Nb: int, Db: int) -> tuple[dict, dict]:
-        """One APD step (lopa_fast.decode.apd.apd_step after the prefill) of bucket (Nb window columns, Db draft
-        rows) with the compiled / captured callable, kept per (verifier, ApdGeometry, Nb, Db); returns
-        (state, info). The same compile / capture machinery as `step` (the verifier is bound into the callable,
-        which holds it alive, so its id keys the bucket)."""
-        key = ("apd", id(verifier), geo, Nb, Db)
-        make = lambda: _bound_apd_step(drafter, verifier, geo, Nb, Db)  # noqa: E731
-        return self._run(key, (Nb, Db), f"{Nb}x{Db}", make, drafter, st, T, geo)
-
-    def steps_step(self, model, st: dict, T: dict, geo, kind: str, sizes: tuple) -> tuple[dict, dict]:
-        """One vanilla / threshold step (lopa_fast.decode.static_steps.step: forward, statistics, commit rule,
-        counters, head) of `kind` on bucket `sizes` with the compiled / captured callable, kept per (StepGeometry,
-        kind, sizes); returns (state, info). Buckets are reported as (kind, *sizes)."""
-        key = ("steps", geo, kind, sizes)
-        make = lambda: _bound_static_step(model, geo, kind, sizes)  # noqa: E731
-        label = kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
-        return self._run(key, (kind, *sizes), label, make, model, st, T, geo)
-
-    def _run(self, key: tuple, bucket: tuple, label: str, make, model, st: dict, T: dict, geo) -> tuple[dict, dict]:
-        """apd_step's and steps_step's machinery: `make()` (a step(st, T) -> (st, info) with its own code object)
-        captured over geo's workspace (CUDA, or emulate_graphs) or torch.compile'd (CPU) on the bucket's first
-        call, then replayed; counted in stats() (bucket: compiled_buckets' entry; label: compile_seconds')."""
+    def run(self, key: tuple, bucket: tuple, label: str, make, model, st: dict, T: dict, geo) -> tuple[dict, dict]:
+        """One step of any strategy with the compiled / captured callable of `key` (hashable: the step's geometry
+        and bucket; the caller's step function decides what it computes, this layer knows no strategy). `make()`
+        returns the step, step(st, T) -> (st, info) with its own code object (`unique_code`); it is captured over
+        geo's workspace (CUDA, or emulate_graphs) or torch.compile'd (CPU) on the key's first call, then replayed.
+        Counted in stats() (bucket: compiled_buckets' entry; label: compile_seconds' name). The APD step
+        (lopa_fast.decode.apd), the vanilla / threshold steps (lopa_fast.decode.static_steps) run through it."""
         self._req_buckets.add(bucket)
         fn = self.fns.get(key)
         if fn is None:
-            what = ("the APD step " if key[0] == "apd" else "the step ") + label
+            what = "the step " + label
             captured = st["x"].is_cuda or self.emulate_graphs
             t0, g0 = time.perf_counter(), _dynamo_graphs()
             step = make()
             if captured:
                 log.debug("capturing %s (a CUDA graph)...", what)
-                fn = self.fns[key] = self._capture(model, st, T, geo, None, 0, 0, step=step)
+                fn = self.fns[key] = self._capture(model, st, T, geo, step)
                 self.graphs += 1
                 out = fn(st, T)
             else:
@@ -175,15 +136,14 @@ class CompiledRounds:
         return out
 
     # ------------------------------------------------------------------------------------------------
-    def _capture(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, step=None):
-        """Capture the bucket's round (or `step(st, T) -> (st, info)`, e.g. an APD step) as a CUDA graph over
-        the Geometry's static workspace."""
+    def _capture(self, model, st: dict, T: dict, geo, step):
+        """Capture `step(st, T) -> (st, info)` (one bucket's round or step) as a CUDA graph over the geometry's
+        static workspace."""
         ws = self.workspaces.get(geo)
         if ws is None or ws["state"].keys() != st.keys():
             ws = self.workspaces[geo] = {"state": {k: v.clone() for k, v in st.items()},
                                          "tables": {k: v.clone() for k, v in T.items()}}  # fmt: skip
         S, TS = ws["state"], ws["tables"]
-        step = step or _bound_step(model, geo, cfg, Nb, Rb)
 
         def body() -> dict:  # one round on the workspace, written back into it; returns the trace facts
             out, info = step(dict(S), TS)
@@ -221,10 +181,6 @@ class CompiledRounds:
             outputs = body()
         return graph.replay, outputs
 
-    def _compiled(self, key, seconds: float) -> None:
-        self.compile_seconds[key] = seconds
-        self._req_compile_seconds[f"{key[2]}x{key[3]}"] = round(seconds, 3)
-
     def stats(self) -> dict:
         """Per-request view: graphs built during this request, the buckets it used, and the seconds of each
         bucket it compiled (empty on a warm cache)."""
@@ -248,6 +204,11 @@ def own_code(fn, name: str):
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+def unique_code(fn, name: str):
+    """`own_code` under `name` plus a process-unique number (each bucket's step: its own code object)."""
+    return own_code(fn, f"{name}_{next(_CODE_IDS)}")
+
+
 def _bound_step(model, geo, cfg, Nb: int, Rb: int):
     """round_step with the bucket's constants bound, as a function with its OWN code object: Dynamo keeps
     its compiled graphs per code object (and refuses more than `recompile_limit` = 8 per object), so one
@@ -258,27 +219,4 @@ def _bound_step(model, geo, cfg, Nb: int, Rb: int):
         return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
 
     code = step.__code__.replace(co_name=f"round_step_{Nb}x{Rb}_{next(_CODE_IDS)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-
-
-def _bound_static_step(model, geo, kind: str, sizes: tuple):
-    """static_steps.step of one (kind, sizes) bucket with its own code object (as _bound_step)."""
-    from lopa_fast.decode import static_steps
-
-    def step(st: dict, T: dict) -> tuple[dict, dict]:
-        return static_steps.step(model, st, T, geo, kind, sizes)
-
-    name = f"{geo.strategy}_{kind}_{'x'.join(map(str, sizes))}_{next(_CODE_IDS)}"
-    code = step.__code__.replace(co_name=name)
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-
-
-def _bound_apd_step(drafter, verifier, geo, Nb: int, Db: int):
-    """apd_step (not the prefill) with the bucket's constants bound, with its own code object (as _bound_step)."""
-    from lopa_fast.decode import apd
-
-    def step(st: dict, T: dict) -> tuple[dict, dict]:
-        return apd.apd_step(drafter, verifier, st, T, geo, Nb, Db, first=False)
-
-    code = step.__code__.replace(co_name=f"apd_step_{Nb}x{Db}_{next(_CODE_IDS)}")
     return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)

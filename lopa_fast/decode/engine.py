@@ -19,7 +19,6 @@ and committing the winner's is the same as committing anyone's.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -27,15 +26,12 @@ import torch
 
 from lopa_fast.contracts import report_round
 from lopa_fast.decode import round as rnd
+from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64
-# buffer lengths are rounded up to this many positions, so requests whose prompt + generation lengths fall
-# in one band share their compiled rounds (the prefix attention reads at most LENGTH_QUANTUM - 1 extra
-# masked rows)
-LENGTH_QUANTUM = 64
 
 
 @dataclass(frozen=True)
@@ -63,14 +59,14 @@ class Geometry:
 def buffer_len(P: int, cfg) -> int:
     """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to LENGTH_QUANTUM); its static
     cache has Lb + 1 rows (row Lb: the trash row of masked commits)."""
-    return -(-(P + (cfg.max_new_tokens // cfg.block_size) * cfg.block_size) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+    return quantized_length(P + (cfg.max_new_tokens // cfg.block_size) * cfg.block_size)
 
 
 def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
     """(Nb, Rb): the window length rounded up to a block multiple, the LM-head rows rounded up to a power
     of two (at least MIN_HEAD_ROWS, at most every window row)."""
     Nb = -(-n // geo.bs) * geo.bs
-    Rb = min(geo.NB * Nb, max(MIN_HEAD_ROWS, 1 << max(0, math.ceil(math.log2(max(R, 1))))))
+    Rb = min(geo.NB * Nb, pow2_bucket(R, MIN_HEAD_ROWS))
     return Nb, Rb
 
 
@@ -83,10 +79,11 @@ class FastDecoder:
     `run()` returns a GenerateOutput equal (tokens, forwards) to the reference backend's.
     """
 
-    def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str, cache=None):
+    def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str, cache=None,
+                 branch_stats: bool = False):
         from lopa_fast.ops import _backend
 
-        self.model, self.cfg, self.name = model, cfg, name
+        self.model, self.cfg, self.name, self.branch_stats = model, cfg, name, branch_stats
         dev = prompt.device
         self.dev = dev
         P, bs = prompt.numel(), cfg.block_size
@@ -284,7 +281,7 @@ class FastDecoder:
             accepted_by_threshold=c["thresh"], fallback_fills=c["fallback"], eos_fills=c["eos_fills"],
             multi_token_rounds=c["multi"], eos_detected=bool(st["eos"][out_slot]),
         )  # fmt: skip
-        if self.name == "lopa":
+        if self.branch_stats:  # LoPA's branch statistics (lookahead wins, growth, ...)
             max_branches = c["max_branches"] if geo.NB > 1 else int(stats["forwards"] > 0)
             stats.update(lookahead_wins=c["look_wins"], branch_growth=c["growth_split"],
                          winner_grew=c["winner_grew"], max_branches=max_branches, ragged_rounds=ragged_rounds)
@@ -300,12 +297,3 @@ class FastDecoder:
             stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.dev)
         finalize_stats(stats, ids, cfg.eos_token_id, geo.mask_id, clock.seconds, steps_plus_one=True)
         return GenerateOutput(ids, stats, trace)
-
-
-def run_fast(model, prompt, cfg, branching_factor: int, name: str, on_round=None) -> GenerateOutput:
-    """Run one request on the fast decoder (cfg bound and covered: lopa_fast.api checked both)."""
-    if cfg.distributed:  # the round's branch slots split over the process group's ranks
-        from lopa_fast.distributed import run_distributed
-
-        return run_distributed(model, prompt, cfg, branching_factor, name, on_round)
-    return FastDecoder(model, prompt, cfg, branching_factor, name).run(on_round)

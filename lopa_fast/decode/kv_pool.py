@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-# slot lengths grow in steps of this many positions (decode.engine.LENGTH_QUANTUM: request buffers are multiples)
-_LEN_STEP = 64
+from lopa_fast.decode.shapes import quantized_length  # slot lengths grow in LENGTH_QUANTUM steps (request buffers are multiples)
 
 
 class KVPool:
@@ -57,7 +56,7 @@ class KVPool:
         if rows <= L and slots <= S:
             return False
         S2 = S if slots <= S else max(slots, 2 * S)
-        L2 = L if rows <= L else max(-(-rows // _LEN_STEP) * _LEN_STEP, 2 * L)
+        L2 = L if rows <= L else max(quantized_length(rows), 2 * L)
         S2 = S2 if max_slots is None else max(slots, min(S2, max_slots))
         L2 = L2 if max_len is None else max(rows, min(L2, max_len))
         shape = (self.layers, S2, L2, self.hkv, self.d)

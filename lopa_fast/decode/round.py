@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
+from lopa_fast.decode.shapes import stop_table
 from lopa_fast.contracts import ROUND_COUNTERS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS, ROUND_STATE_FIELDS, lowest_k_table
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
@@ -105,21 +106,11 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
         pos_block=pos_block,
         onehot=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]
         ktable=lowest_k_table(Lb, cfg.branch_topp).to(dev, torch.long),
-        stops=_stop_table(cfg.stop, dev),
+        stops=stop_table(cfg.stop, dev),
         tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
         seed=torch.tensor(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0, device=dev),  # keyed draws
     )
-
-
-def _stop_table(stop, dev) -> torch.Tensor:
-    """The stop sequences as a zero-padded [S, max length] long tensor ([0, 1] when there are none)."""
-    seqs = list(stop or ())
-    width = max((len(q) for q in seqs), default=1)
-    t = torch.zeros((len(seqs), width), dtype=torch.long)
-    for j, q in enumerate(seqs):
-        t[j, : len(q)] = torch.tensor(q)
-    return t.to(dev)
 
 
 def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int, cache=None) -> dict:

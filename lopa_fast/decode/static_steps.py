@@ -23,7 +23,7 @@ k and n stay bucket constants (not device values) because the commit is `torch.t
 confidence row, as in the eager path and the reference: its choice among exactly tied confidences (common:
 saturated probabilities of 1.0, LLaDA's blocked EOS at -1) is the implementation's, so only the same call
 on the same vector is exact. LLaDA's schedule has at most two counts; Dream's counts vary with the step
-(a bucket each; a CUDA capture costs one eager step). Rb = apd.bucket(rows): a power of two >= 16.
+(a bucket each; a CUDA capture costs one eager step). Rb = shapes.pow2_bucket(rows): a power of two >= 16.
 
 Every index is in range whatever the state (positions clamped to L - 1, writes of padding to the trash slot):
 a CUDA capture's warm-up runs on the workspace's last state, possibly a finished request's.
@@ -89,9 +89,11 @@ def geometry(model, cfg, L: int) -> StepGeometry:
     steps read their LLaDA knobs from it too: `llada_choice`)."""
     from lopa_fast.ops import _backend
 
-    dream_vanilla = cfg.strategy == "vanilla" and model.config.kind != "llada"
+    # the knobs tell the step apart (each is one strategy's own, validated so): a resolved Dream vanilla config has
+    # `alg`, LLaDA vanilla has `remasking`, threshold has `cache` / one of its three rules
+    dream_vanilla = cfg.alg is not None
     blocked = []
-    if cfg.strategy == "vanilla" and not dream_vanilla and cfg.confidence_eos_eot_inf:
+    if cfg.confidence_eos_eot_inf:  # LLaDA vanilla's knob
         blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
         if model.config.vocab_size > LLADA_EOT_ID:
             blocked.append(LLADA_EOT_ID)
@@ -101,13 +103,9 @@ def geometry(model, cfg, L: int) -> StepGeometry:
         temperature=float(cfg.temperature), top_p=cfg.top_p, top_k=cfg.top_k,
         suppress_mask=bool(cfg.suppress_mask_token),
         attn_backend=_backend.resolve("branch_attention", None, model.device),
-        cache=cfg.cache if cfg.strategy == "threshold" else None,
-        threshold=cfg.threshold if cfg.strategy == "threshold" else None,
-        factor=cfg.factor if cfg.strategy == "threshold" else None,
-        entropy_threshold=cfg.entropy_threshold if cfg.strategy == "threshold" else None,
-        cfg_scale=float(cfg.cfg_scale or 0.0) if cfg.strategy == "vanilla" else 0.0,
-        remasking=cfg.remasking if cfg.strategy == "vanilla" else None,
-        eos_inf=cfg.eos_token_id if cfg.strategy == "vanilla" and cfg.logits_eos_inf else None,
+        cache=cfg.cache, threshold=cfg.threshold, factor=cfg.factor, entropy_threshold=cfg.entropy_threshold,
+        cfg_scale=float(cfg.cfg_scale or 0.0), remasking=cfg.remasking,
+        eos_inf=cfg.eos_token_id if cfg.logits_eos_inf else None,
         blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
         alg_temp=cfg.alg_temp if dream_vanilla else None, n_steps=int(cfg.steps) if dream_vanilla else 0,
     )  # fmt: skip
@@ -222,7 +220,7 @@ def llada_choice(logits: torch.Tensor, geo: StepGeometry, token_keys, remask_key
 def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """One threshold step (lopa_fast.decode.threshold's `step` after its forward) of `kind` on bucket `sizes`
     (module docstring); reads and replaces the tensors of st; no host read."""
-    from lopa_fast.decode.threshold import select
+    from lopa_fast.decode.steps import threshold_select as select
     from lopa_fast.sampling import threshold_stats
 
     x, s, L, dev = st["x"], st["s"], geo.L, st["x"].device
@@ -350,3 +348,18 @@ def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -
 
 __all__ = ["HEAD", "StepGeometry", "dream_step", "geometry", "init", "llada_choice", "llada_step", "step",
            "threshold_step"]
+
+
+def run_compiled(compiled, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
+    """compile=True: one vanilla / threshold step of `kind` on bucket `sizes` through CompiledRounds.run (one graph
+    per (StepGeometry, kind, sizes); buckets reported as (kind, *sizes))."""
+    from lopa_fast.decode.compiled import unique_code
+
+    def make():
+        def one_step(st: dict, T: dict) -> tuple[dict, dict]:
+            return step(model, st, T, geo, kind, sizes)
+
+        return unique_code(one_step, f"{kind}_{'x'.join(map(str, sizes))}")
+
+    label = kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
+    return compiled.run(("steps", geo, kind, sizes), (kind, *sizes), label, make, model, st, T, geo)

@@ -130,3 +130,32 @@ def rank_desc(key: torch.Tensor) -> torch.Tensor:
 def read_head(*fields: torch.Tensor) -> list[int]:
     """The step's one device-to-host read: 0-d integer tensors -> ints."""
     return torch.stack([f.reshape(()).long() for f in fields]).tolist()
+
+
+def threshold_select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> torch.Tensor:
+    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read).
+
+    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
+    adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
+    conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
+    `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
+    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
+    any_c = cand.any()
+    idx = torch.arange(cand.numel(), device=cand.device)
+    if cfg.factor is not None:
+        c = torch.where(cand, conf, float("-inf"))
+        rank = rank_desc(c)
+        desc = torch.sort(c, descending=True, stable=True).values.double()
+        n = cand.sum()
+        th = torch.where(idx == 0, -1.0, 1 - cfg.factor / (idx + 2).double())
+        viol = (desc < th) & (idx < n)
+        b = torch.where(viol.any(), viol.long().argmax(), n)
+        count = torch.where(b < n - 1, b, n)
+        return cand & (rank < count)
+    if cfg.entropy_threshold is not None:
+        first = idx == torch.where(cand, ent, float("inf")).argmin()
+        keep = cand & ~(ent > cfg.entropy_threshold)
+    else:
+        first = idx == torch.where(cand, conf, float("-inf")).argmax()
+        keep = cand & ~(conf < cfg.threshold)
+    return (keep | (first & cand)) & any_c

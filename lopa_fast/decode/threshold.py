@@ -21,39 +21,11 @@ import torch
 
 from lopa_fast.contracts import after_step
 from lopa_fast.decode import static_steps, steps
-from lopa_fast.decode.apd import bucket
+from lopa_fast.decode.steps import threshold_select as select  # noqa: F401  (the step's rule, shared)
+from lopa_fast.decode.shapes import pow2_bucket as bucket
 from lopa_fast.keyed import TOKEN, request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 from lopa_fast.sampling import threshold_stats
-
-
-def select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> torch.Tensor:
-    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read).
-
-    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
-    adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
-    conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
-    `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
-    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
-    any_c = cand.any()
-    idx = torch.arange(cand.numel(), device=cand.device)
-    if cfg.factor is not None:
-        c = torch.where(cand, conf, float("-inf"))
-        rank = steps.rank_desc(c)
-        desc = torch.sort(c, descending=True, stable=True).values.double()
-        n = cand.sum()
-        th = torch.where(idx == 0, -1.0, 1 - cfg.factor / (idx + 2).double())
-        viol = (desc < th) & (idx < n)
-        b = torch.where(viol.any(), viol.long().argmax(), n)
-        count = torch.where(b < n - 1, b, n)
-        return cand & (rank < count)
-    if cfg.entropy_threshold is not None:
-        first = idx == torch.where(cand, ent, float("inf")).argmin()
-        keep = cand & ~(ent > cfg.entropy_threshold)
-    else:
-        first = idx == torch.where(cand, conf, float("-inf")).argmax()
-        keep = cand & ~(conf < cfg.threshold)
-    return (keep | (first & cand)) & any_c
 
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
@@ -142,7 +114,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
             sizes = {"full": (bucket(max(e - fm, 1)),), "refresh": (bucket(max(e - fm, 1)),), "refresh_first": (1,),
                      "prefix": (bucket(L - s),), "dual": ()}[kind]  # fmt: skip
             before = x.clone() if trace is not None else None
-            cst["st"], info = compiled.steps_step(model, cst["st"], T, geo, kind, sizes)
+            cst["st"], info = static_steps.run_compiled(compiled, model, cst["st"], T, geo, kind, sizes)
             stats["host_reads"] += 1
             b, full, fm, _ = cst["st"]["head"].tolist()  # the step's one device-to-host read
             x.copy_(cst["st"]["x"])  # the host's canvas (hook, trace, result): a device copy, no read

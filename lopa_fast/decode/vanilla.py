@@ -25,7 +25,7 @@ import torch
 from lopa_fast import keyed
 from lopa_fast.contracts import after_step
 from lopa_fast.decode import static_steps, steps
-from lopa_fast.decode.apd import bucket
+from lopa_fast.decode.shapes import pow2_bucket as bucket
 from lopa_fast.decode.static_steps import DREAM_CONF, llada_choice
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats
@@ -103,7 +103,7 @@ class _Loop:
         """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,
         head), then finish_step's one host read; lo: the first row's position (the error message's)."""
         before = self.x.clone() if self.trace is not None else None
-        self.st, info = self.compiled.steps_step(self.model, self.st, self.T, self.geo, kind, sizes)
+        self.st, info = static_steps.run_compiled(self.compiled, self.model, self.st, self.T, self.geo, kind, sizes)
         self.x = self.st["x"]
         self.count()
         return self.finish_step(None, info["logits"], lo, before)

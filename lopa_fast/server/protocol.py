@@ -27,6 +27,7 @@ import json
 import warnings
 
 from lopa_fast import api
+from lopa_fast import strategies
 from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.text import check_text_prompt, encode_prompt, split_stops, unknown_words
@@ -140,6 +141,10 @@ def _knobs_of(body: dict, endpoint: str) -> dict:
         hint = f" (a field of the {other} endpoint)" if name in ENDPOINT_FIELDS[other] else ""
         raise RequestError(f"unknown field {name!r}{hint}; the body takes OpenAI fields and the knobs of "
                            "lopa_fast.generate (docs/serve.md)", name)  # fmt: skip
+    spec = strategies.find(knobs.get("strategy"))
+    if spec is not None and spec.takes_verifier:  # its second model cannot travel in a request body
+        raise RequestError(f"strategy={spec.name!r} needs a verifier model (generate(..., verifier=)), which the "
+                           "server does not load; pick another strategy", "strategy")  # fmt: skip
     given = [f for f in MAX_TOKENS_FIELDS if body.get(f) is not None]
     if len(given) > 1:
         raise RequestError(f"{' and '.join(given)} both given; pass one", given[1])

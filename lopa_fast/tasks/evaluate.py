@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from lopa_fast import tasks
+from lopa_fast import strategies, tasks
 from lopa_fast.tasks import arith_var
 
 GEN_LEN = 32
@@ -258,13 +258,12 @@ def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_n
     """Why `verifier` cannot verify this drafter with an APD row's knobs (None: the pair fits), checked once
     before the row runs (e.g. `eval --model` on a drafter whose vocabulary ar-arith's is not a prefix of)."""
     from lopa_fast.config import GenerateConfig
-    from lopa_fast.reference.apd import check_models
 
     if verifier is None:
         return f"no verifier loaded ({verifier_name} is not shipped)"
     try:
         cfg = GenerateConfig(max_new_tokens=gen_len, temperature=0.0, **knobs).resolve(model)
-        check_models(model, verifier, cfg)
+        strategies.get(cfg.strategy).load("check_models")(model, verifier, cfg)
     except (ValueError, TypeError) as exc:
         return f"verifier {verifier_name} does not fit this drafter: {exc}"
     return None
@@ -278,7 +277,7 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
 
     t = eval_task(task)
     knobs = task_rows(task, block_size)[row]
-    is_apd = knobs["strategy"] == "apd"
+    is_apd = strategies.get(knobs["strategy"]).takes_verifier  # APD's rows run with the shipped verifier
     extra = {"verifier": verifier} if is_apd else {}
     if is_apd and (why := _apd_pair_problem(model, verifier, knobs, t.gen_len, t.verifier)) is not None:
         return {"row": row, "status": "unavailable", "reason": why}

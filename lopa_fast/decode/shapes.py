@@ -1,0 +1,39 @@
+"""Shape policy shared by every fast decoder: how lengths and window sizes are rounded so that requests and steps
+of nearby sizes share compiled / captured graphs and pool slots, and the padded stop-sequence table.
+
+One place for each number: LENGTH_QUANTUM (buffer lengths, KV pool slot growth), MIN_BUCKET (a compiled step's
+smallest row / column bucket)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# buffer lengths are rounded up to this many positions, so requests whose prompt + generation lengths fall in one
+# band share their compiled rounds / steps and their pool slots (the prefix attention reads at most
+# LENGTH_QUANTUM - 1 extra masked rows)
+LENGTH_QUANTUM = 64
+# the smallest bucket of a compiled step (window columns, draft rows): below it a bucket costs a compile more than
+# the padded rows cost
+MIN_BUCKET = 16
+
+
+def quantized_length(n: int) -> int:
+    """n rounded up to a multiple of LENGTH_QUANTUM."""
+    return -(-n // LENGTH_QUANTUM) * LENGTH_QUANTUM
+
+
+def pow2_bucket(n: int, smallest: int = MIN_BUCKET) -> int:
+    """A compiled step's size for n rows / columns: the next power of two, at least `smallest`."""
+    return max(smallest, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def stop_table(stop, dev, min_rows: int = 0) -> torch.Tensor:
+    """The stop sequences (tuples of ids) as a zero-padded [max(S, min_rows), max length] long tensor on `dev`
+    (the rows past S are zeros; [min_rows, 1] when there are none)."""
+    seqs = list(stop or ())
+    width = max((len(q) for q in seqs), default=1)
+    t = torch.zeros((max(len(seqs), min_rows), width), dtype=torch.long)
+    for j, q in enumerate(seqs):
+        t[j, : len(q)] = torch.tensor(q)
+    return t.to(dev)

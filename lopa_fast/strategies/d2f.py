@@ -1,0 +1,34 @@
+"""d2f: Discrete Diffusion Forcing's pipelined block decoding (docs/semantics.md section 2). Its fast path is the
+device-resident round of lopa_fast.decode.engine with one branch; lopa (lopa_fast.strategies.lopa) is the same
+round with lookahead branches."""
+from __future__ import annotations
+
+from lopa_fast.strategies.registry import Strategy, register
+
+
+def check_strict_length(cfg) -> None:
+    """strict_length=True: the request must be whole blocks of block_size (blocks are appended whole)."""
+    if cfg.strict_length and cfg.max_new_tokens is not None and cfg.max_new_tokens % cfg.block_size:
+        raise ValueError(
+            f"max_new_tokens={cfg.max_new_tokens} must be a multiple of block_size={cfg.block_size} "
+            f"for strategy={cfg.strategy!r} with strict_length=True (blocks of block_size tokens are appended; "
+            "strict_length=False decodes whole blocks and cuts the output to max_new_tokens)"
+        )
+
+
+def block_size(cfg) -> int:
+    return cfg.block_size
+
+
+def driver(model, prompt, cfg, cache=None):
+    """The batch scheduler's per-request state machine: the round with one branch."""
+    from lopa_fast.decode.engine import FastDecoder
+
+    return FastDecoder(model, prompt, cfg, 1, "d2f", cache=cache)
+
+
+SPEC = register(Strategy(
+    name="d2f", summary="D2F pipelined block decoding (one branch per round)",
+    reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
+    validate=check_strict_length, length_unit=block_size, driver=driver, compile=True, distributed=True,
+))  # fmt: skip

@@ -1,0 +1,140 @@
+"""The strategy registry: one `Strategy` spec per decoding strategy, and the one place that maps a name to it.
+
+Everything that differs between strategies is a field of the spec, so `GenerateConfig`, `lopa_fast.generate`,
+the batch scheduler, the server, the distributed runtime and the eval ask the registry instead of comparing
+strategy names (the built-in specs live in `lopa_fast/strategies/<name>.py`; a strategy registered from outside
+the package, e.g. by a test, runs through the same paths):
+
+    from lopa_fast.strategies import Strategy, register
+    register(Strategy(name="ltr", summary="...", reference=my_reference_fn, fast=my_fast_fn))
+
+Implementations are given as callables or as "module:attribute" strings imported on first use (so the registry
+imports neither the reference decoders, which are the oracle, nor the fast ones).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from lopa_fast.errors import KnobError
+
+
+def _no_check(cfg) -> None:
+    return None
+
+
+def _unchanged(cfg, model):
+    return cfg
+
+
+def _one(cfg) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What lopa_fast knows about one strategy.
+
+    name:       the `strategy=` value.
+    summary:    one line for help texts.
+    knobs:      the strategy-specific GenerateConfig fields it reads (any other strategy's specific knob, when
+                set, is refused naming its owners).
+    reference:  the readable per-branch decoder (the semantics oracle):
+                fn(model, prompt [P], cfg, **extra) -> GenerateOutput; a callable or "module:attribute".
+    fast:       the fast decoder (same signature), or None (then backend="fast" refuses the strategy).
+    validate:   the strategy's own rules between knobs (no model): validate(cfg) raises naming the knob.
+    resolve:    the model-dependent defaults of its knobs: resolve(cfg, model) -> cfg (after the shared ones).
+    length_unit: the block it decodes in whole: length_unit(cfg) -> int (1: no blocks); max_new_tokens is
+                rounded up to it and the output cut back.
+    rows:       branch slots (forward rows) of one request: rows(cfg) -> int (LoPA: k + 1).
+    driver:     the fast backend's per-request state machine for the batch scheduler (lopa_fast.decode.batch):
+                driver(model, prompt, cfg, cache=None) -> an object with begin / next_bucket / prepare /
+                forward_args / finish / read_head / after_round / result; None: requests of this strategy are
+                decoded one after another, never in a shared forward.
+    compile:    compile=True is implemented on its fast path.
+    distributed: distributed=True (the round's branch slots over the ranks) is implemented.
+    default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
+                upstream's draw order, reference only; APD's, for exactness with upstream).
+    verifier:   it takes a second model (`generate(..., verifier=)`): check_models(model, verifier, cfg) runs
+                before any forward; None: a verifier is refused.
+    """
+
+    name: str
+    summary: str
+    reference: Callable | str
+    fast: Callable | str | None = None
+    knobs: tuple[str, ...] = ()
+    validate: Callable[[Any], None] = _no_check
+    resolve: Callable[[Any, Any], Any] = _unchanged
+    length_unit: Callable[[Any], int] = _one
+    rows: Callable[[Any], int] = _one
+    driver: Callable | str | None = None
+    compile: bool = False
+    distributed: bool = False
+    default_sampler: str = "keyed"
+    check_models: Callable | str | None = None
+    extra: dict = field(default_factory=dict)  # anything else a strategy wants to publish (docs, presets)
+
+    def load(self, what: str):
+        """The implementation `what` ("reference" | "fast" | "driver" | "check_models"), imported on first use."""
+        impl = getattr(self, what)
+        if isinstance(impl, str):
+            module, _, attr = impl.partition(":")
+            impl = getattr(importlib.import_module(module), attr)
+        return impl
+
+    @property
+    def takes_verifier(self) -> bool:
+        return self.check_models is not None
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register(spec: Strategy, *, replace: bool = False) -> Strategy:
+    """Add `spec` (ValueError when the name is taken, unless replace=True). Returns it."""
+    if not isinstance(spec, Strategy):
+        raise TypeError(f"register: {type(spec).__name__}; expected a lopa_fast.strategies.Strategy")
+    if not isinstance(spec.name, str) or not spec.name.isidentifier():
+        raise ValueError(f"register: name={spec.name!r}; allowed: an identifier such as 'lopa'")
+    if spec.name in _REGISTRY and not replace:
+        raise ValueError(f"register: strategy {spec.name!r} is already registered; pass replace=True to replace it")
+    if spec.default_sampler not in ("keyed", "upstream"):
+        raise ValueError(f"register: default_sampler={spec.default_sampler!r}; allowed: 'keyed', 'upstream'")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a registered strategy (KeyError when there is none of that name)."""
+    del _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Every registered strategy name, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def find(name) -> Strategy | None:
+    """The spec of `name`, or None when no strategy of that name is registered (or `name` is not a string)."""
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def get(name) -> Strategy:
+    """The spec of `name`, else a ValueError (a KnobError on knob "strategy") listing the registered names."""
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise KnobError(f"strategy={name!r}; allowed: {', '.join(repr(n) for n in _REGISTRY)}", knob="strategy",
+                        value=name)  # fmt: skip
+    return spec
+
+
+def specific_knobs() -> tuple[str, ...]:
+    """Every strategy-specific knob of every registered strategy (each once, in registration order)."""
+    return tuple(dict.fromkeys(k for s in _REGISTRY.values() for k in s.knobs))
+
+
+def owners(knob: str) -> list[str]:
+    """The strategies that read the specific knob `knob`."""
+    return [s.name for s in _REGISTRY.values() if knob in s.knobs]

@@ -1,0 +1,51 @@
+"""threshold: Fast-dLLM's confidence-threshold parallel decoding (and dParallel's entropy threshold) over
+LLaDA-style blocks, with the prefix / dual caches. docs/semantics.md section 4.3."""
+from __future__ import annotations
+
+from lopa_fast.knobs import check_choice, check_number, check_prob
+from lopa_fast.strategies import blocks
+from lopa_fast.strategies.registry import Strategy, register
+
+KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
+RULES = ("threshold", "factor", "entropy_threshold")  # exactly one of them
+CACHE_MODES = (None, "prefix", "dual")
+
+
+def validate(cfg) -> None:
+    blocks.check_steps_and_block_length(cfg)
+    check_prob("threshold", cfg.threshold, allow_none=True)
+    check_number("factor", cfg.factor, allow_none=True)
+    if cfg.factor is not None and cfg.factor <= 0:
+        raise ValueError(f"factor={cfg.factor!r}; allowed: a number > 0")
+    check_number("entropy_threshold", cfg.entropy_threshold, allow_none=True)
+    if cfg.entropy_threshold is not None and cfg.entropy_threshold < 0:
+        raise ValueError(f"entropy_threshold={cfg.entropy_threshold!r}; allowed: >= 0 (nats)")
+    if cfg.cache is not None:
+        check_choice("cache", cfg.cache, CACHE_MODES)
+    blocks.check_flags(cfg, ("count_noop_forward",))
+    given = [k for k in RULES if getattr(cfg, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"threshold strategy: {' and '.join(f'{k}={getattr(cfg, k)!r}' for k in given)} given; "
+                         "allowed: exactly one of threshold=, factor=, entropy_threshold=")  # fmt: skip
+    if not given:
+        raise ValueError("threshold strategy: none of threshold=, factor=, entropy_threshold= given; pass exactly one")
+    blocks.check_blocks(cfg)
+
+
+def resolve(cfg, model):
+    bl = length_unit(cfg)
+    out = cfg.replace(block_length=bl, steps=cfg.steps if cfg.steps is not None else cfg.max_new_tokens // bl,
+                      count_noop_forward=bool(cfg.count_noop_forward))  # fmt: skip
+    blocks.check_blocks(out)
+    return out
+
+
+def length_unit(cfg) -> int:
+    return cfg.block_length if cfg.block_length is not None else cfg.block_size
+
+
+SPEC = register(Strategy(
+    name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
+    reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
+    knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, compile=True,
+))  # fmt: skip

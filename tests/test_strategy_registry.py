@@ -1,0 +1,222 @@
+"""The strategy registry (lopa_fast.strategies): a strategy registered from this file alone runs through
+`generate` (both backends), a list of prompts and the server without a line of lopa_fast changed; what it does not
+implement is refused naming it; the package compares no strategy name outside the strategies' own places, and its
+import graph (function-local imports included) has no cycle."""
+import ast
+import dataclasses
+import pathlib
+import time
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast import strategies
+from lopa_fast.errors import KnobError
+from lopa_fast.output import GenerateOutput, finalize_stats
+from lopa_fast.testing import random_model, tiny_hf_config
+
+PACKAGE = pathlib.Path(lopa_fast.__file__).parent
+
+
+def _left_to_right(model, prompt, cfg, on_round=None, *, rows_only: bool):
+    """Left to right, one token per forward: the first masked position takes the argmax of its logits row
+    (Dream's shift: the row before it). rows_only: the LM head on the one needed row (the "fast" variant)."""
+    t0 = time.perf_counter()
+    P, n, mask = prompt.numel(), cfg.max_new_tokens, cfg.mask_token_id
+    x = torch.cat([prompt, prompt.new_full((n,), mask)])
+    shift = 1 if model.logits_shift else 0
+    stats = {"forwards": 0, "model_calls": 0}
+    for i in range(P, P + n):
+        if rows_only:
+            row = model.forward_window(x[None], rows=torch.tensor([i - shift]))[0]
+        else:
+            row = model(x[None])[0, i - shift]
+        stats["forwards"] += 1
+        stats["model_calls"] += 1
+        x[i] = int(row.float().argmax())
+        if on_round is not None:
+            on_round(x[P : i + 1].tolist(), {"round": stats["forwards"], "forwards": stats["forwards"],
+                                             "canvas": x[P:].tolist(), "mask_token_id": mask})  # fmt: skip
+        if cfg.eos_token_id is not None and int(x[i]) == cfg.eos_token_id:
+            x[i + 1 :] = cfg.eos_token_id  # Dream pads after EOS
+            break
+    ids = x[P:].tolist()
+    finalize_stats(stats, ids, cfg.eos_token_id, mask, time.perf_counter() - t0, steps_plus_one=False)
+    return GenerateOutput(ids, stats)
+
+
+def ltr_reference(model, prompt, cfg, on_round=None):
+    return _left_to_right(model, prompt, cfg, on_round, rows_only=False)
+
+
+def ltr_fast(model, prompt, cfg, on_round=None):
+    return _left_to_right(model, prompt, cfg, on_round, rows_only=True)
+
+
+LTR = strategies.Strategy(name="ltr", summary="left to right, one token per forward (a test strategy)",
+                          reference=ltr_reference, fast=ltr_fast)
+
+
+@pytest.fixture
+def ltr():
+    strategies.register(LTR)
+    try:
+        yield LTR
+    finally:
+        strategies.unregister("ltr")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_hf_config("dream"), seed=3, sharpen=6)
+
+
+def test_registered_strategy_runs_on_both_backends_and_in_a_batch(ltr, model):
+    ids = [5, 9, 2, 7]
+    ref = lopa_fast.generate(model, ids, "ltr", "reference", max_new_tokens=6)
+    fast = lopa_fast.generate(model, ids, "ltr", "fast", max_new_tokens=6)
+    auto = lopa_fast.generate(model, ids, strategy="ltr", max_new_tokens=6)
+    assert ref.generated_ids == fast.generated_ids == auto.generated_ids
+    assert (ref.stats["backend"], fast.stats["backend"], auto.stats["backend"]) == ("reference", "fast", "fast")
+    assert ref.stats["strategy"] == "ltr" and 1 <= fast.stats["forwards"] <= 6
+    outs = lopa_fast.generate(model, [ids, [3, 4]], "ltr", "fast", max_new_tokens=6)
+    assert outs[0].generated_ids == fast.generated_ids
+    assert outs[1].generated_ids == lopa_fast.generate(model, [3, 4], "ltr", "fast", max_new_tokens=6).generated_ids
+    seen = []
+    lopa_fast.generate(model, ids, "ltr", "fast", max_new_tokens=6, on_round=lambda p, i: seen.append(len(p)))
+    assert seen and seen == sorted(seen)
+
+
+def test_what_a_strategy_does_not_implement_is_refused_naming_it(ltr, model):
+    with pytest.raises(KnobError, match="compile=True: strategy='ltr' has no compiled path"):
+        lopa_fast.generate(model, [1, 2], "ltr", max_new_tokens=4, compile=True)
+    with pytest.raises(KnobError, match="distributed=True covers strategy 'd2f', 'lopa'; got strategy='ltr'"):
+        lopa_fast.generate(model, [1, 2], "ltr", max_new_tokens=4, distributed=True)
+    with pytest.raises(ValueError, match="steps=4 does not apply to strategy='ltr'; it is a knob of vanilla / thresh"):
+        lopa_fast.generate(model, [1, 2], "ltr", max_new_tokens=4, steps=4)
+    with pytest.raises(ValueError, match="verifier= applies to strategy='apd'"):
+        lopa_fast.generate(model, [1, 2], "ltr", max_new_tokens=4, verifier=model)
+    strategies.register(dataclasses.replace(LTR, fast=None), replace=True)
+    with pytest.raises(ValueError, match="backend='fast' does not cover strategy='ltr'"):
+        lopa_fast.generate(model, [1, 2], "ltr", "fast", max_new_tokens=4)
+    assert lopa_fast.generate(model, [1, 2], "ltr", max_new_tokens=4).stats["backend"] == "reference"
+
+
+def test_registry_refuses_bad_specs_and_unknown_names():
+    with pytest.raises(KnobError, match=r"strategy='nope'; allowed: 'vanilla', 'threshold', 'd2f', 'lopa', 'apd'"):
+        lopa_fast.GenerateConfig(strategy="nope").validate()
+    with pytest.raises(ValueError, match="already registered"):
+        strategies.register(dataclasses.replace(LTR, name="lopa"))
+    with pytest.raises(ValueError, match="an identifier"):
+        strategies.register(dataclasses.replace(LTR, name="left to right"))
+    assert strategies.names()[:5] == ("vanilla", "threshold", "d2f", "lopa", "apd")
+
+
+def test_registered_strategy_is_served(ltr):
+    """The server's request path (protocol -> worker -> stream -> generate) takes the registered strategy; a
+    strategy that needs a second model (apd's verifier) is a 400 naming `strategy`."""
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.assets import model_dir
+    from lopa_fast.server.app import create_app
+    from lopa_fast.server.worker import Worker
+
+    model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
+    tok = lopa_fast.load_tokenizer(model_dir())
+    worker = Worker(model, tok, concurrency=2)
+    try:
+        with TestClient(create_app(worker, model_id="m", defaults={"max_new_tokens": 8})) as http:
+            prompt = "Lily has 3 apples ."
+            r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "strategy": "ltr"})
+            assert r.status_code == 200, r.text
+            ids = tok(prompt)["input_ids"]
+            want = lopa_fast.generate(model, ids, "ltr", max_new_tokens=8)
+            assert r.json()["usage"]["forwards"] == want.stats["forwards"]
+            r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "strategy": "apd"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "strategy", r.text
+    finally:
+        worker.close()
+
+
+# ---- the package's structure ------------------------------------------------------------------------------------
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in PACKAGE.rglob("*.py"):
+        rel = p.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = p
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, mods: dict) -> set[str]:
+    """The lopa_fast modules `name` imports anywhere in its body (function-local imports included)."""
+    def owner(target: str) -> str | None:
+        while target and target not in mods:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = name if pkg else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    parent = parent.rpartition(".")[0]
+                base = f"{parent}.{base}" if base else parent
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        for t in targets:
+            if t.startswith("lopa_fast.") and (o := owner(t)) not in (None, name, "lopa_fast"):
+                found.add(o)
+    return found
+
+
+def test_import_graph_has_no_cycle():
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    state: dict = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert len(graph) > 50  # the walk saw the package
+
+
+def test_no_strategy_name_is_compared_outside_the_strategies():
+    """`cfg.strategy == "lopa"` and the like live in lopa_fast/strategies/ (and the reference decoders, each one
+    strategy's oracle) only: everything else asks the registry."""
+    names = set(strategies.names())
+    allowed = (PACKAGE / "strategies", PACKAGE / "reference")
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if any(a in path.parents for a in allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = set()
+            for s in sides:
+                if isinstance(s, ast.Constant) and isinstance(s.value, str):
+                    consts.add(s.value)
+                elif isinstance(s, (ast.Tuple, ast.List, ast.Set)):
+                    consts |= {e.value for e in s.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            about_strategy = any("strategy" in ast.unparse(s) or "name" in ast.unparse(s) for s in sides)
+            if consts & names and about_strategy:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)
