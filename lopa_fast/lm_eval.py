@@ -36,6 +36,8 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from lopa_fast import threads
+
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
 MODEL_ARGS = ("pretrained", "lora", "dtype", "device", "max_gen_toks", "mc_num", "mc_batch_size", "seed",
               "check_greedy")  # fmt: skip  # the others are generate knobs
@@ -338,9 +340,10 @@ class LopaFastLM(TemplateLM):
         """(ELBO estimate, is_greedy) of one tokenised request, its draws seeded by `request_seed`."""
         context = self._fit(context, continuation)
         gen = torch.Generator().manual_seed(request_seed(self.seed, context, continuation))
-        ll = mc_loglikelihood(self.model, context, continuation, mc_num=self.mc_num, batch_size=self.mc_batch_size,
-                              generator=gen)  # fmt: skip
-        is_greedy = greedy and self.check_greedy and greedy_matches(self.model, context, continuation)
+        with threads.scoped(self.model):  # the thread policy of generate (lopa_fast.threads)
+            ll = mc_loglikelihood(self.model, context, continuation, mc_num=self.mc_num,
+                                  batch_size=self.mc_batch_size, generator=gen)  # fmt: skip
+            is_greedy = greedy and self.check_greedy and greedy_matches(self.model, context, continuation)
         return ll, bool(is_greedy)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from lopa_fast import api
+from lopa_fast import aliases, api
 from lopa_fast.config import GenerateConfig
 from lopa_fast.contracts import first_stop
 from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
@@ -165,6 +165,10 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
     seqs, texts = split_stops(tokenizer, stop)
+    knobs = aliases.translate(knobs, [len(ids) if isinstance(ids, (list, tuple)) else int(ids.shape[-1])]
+                              if "max_length" in knobs else None)  # HF / Dream / LLaDA names (lopa_fast.aliases)
+    if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
+        seqs = [*seqs, *knobs.pop("stop")]
     bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
     if bad:
         raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
