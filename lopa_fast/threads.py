@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 ENV = "LOPA_FAST_THREADS"
 # below this many non-embedding parameters a CPU forward is dominated by per-op overhead, where one thread is
-# fastest (bench/results/threads.md: the embedded 0.8M model 5-9x faster at one thread; the 60M model faster at 2)
+# fastest (bench/results/threads.md: the embedded model, 0.8M body parameters, 11-35x faster at one thread than at
+# torch's two; the 60M-parameter model, 42.5M body parameters, 1.5x slower at one thread)
 SMALL_MODEL_PARAMS = 20_000_000
 
 def policy() -> str | int:
