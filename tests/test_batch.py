@@ -190,6 +190,10 @@ def test_batch_engine_serves_threads_in_one_batch(model):
     engine.start()
     for t in threads:
         t.join(timeout=120)
+    deadline = time.monotonic() + 30  # the engine thread drops the idle scheduler right after its last step
+    while engine._schedulers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._schedulers == {}  # the idle scheduler and its KV pool were dropped (no memory held)
     engine.close()
     assert isinstance(results[1], KeyError)
     same(results[0], solo[0], STATS[:-1])

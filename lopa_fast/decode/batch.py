@@ -304,8 +304,12 @@ class BatchEngine:
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
                     box["error"] = e
                     box["event"].set()
-            for key, sched in self._schedulers.items():
+            for key, sched in list(self._schedulers.items()):
                 if not (sched.queue or sched.live):
+                    # idle: dropped with its KV pool (a client cycling k or modes would otherwise grow memory
+                    # without bound: one pool per key, ~225 MiB each for a 7B model in bf16); the next request of
+                    # its key builds a new one
+                    del self._schedulers[key]
                     continue
                 try:
                     ended = sched.step()
@@ -320,3 +324,5 @@ class BatchEngine:
                     else:
                         box["out"] = sched.done.pop(rid)
                     box["event"].set()
+                if not (sched.queue or sched.live):
+                    del self._schedulers[key]  # its last request ended: the pool goes with it (see above)
