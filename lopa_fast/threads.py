@@ -60,7 +60,11 @@ def threads_for(model) -> int | None:
         return None
     if isinstance(p, int):
         return p
-    return 1 if body_params(model) < SMALL_MODEL_PARAMS else None
+    try:
+        small = body_params(model) < SMALL_MODEL_PARAMS
+    except (AttributeError, TypeError):  # a duck-typed model without the architecture numbers: leave torch alone
+        return None
+    return 1 if small else None
 
 
 @contextlib.contextmanager

@@ -282,10 +282,10 @@ class FastApd:
             verifier.fused_layers()
         self.host_reads = 0
         self.compiled = None
-        if cfg.compile:
-            from lopa_fast.decode.compiled import CompiledRounds
+        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-            self.compiled = CompiledRounds.for_model(drafter)
+        if compile_wanted(cfg, dev):
+            self.compiled = CompiledRounds.for_model(drafter, cfg)
 
     def _step(self, first: bool, curr: int, left: int, right: int) -> dict:
         n, n_d = right - left, right - curr

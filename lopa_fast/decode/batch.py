@@ -37,7 +37,7 @@ from lopa_fast.output import GenerateOutput
 def batchable(cfg) -> bool:
     """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's), eager
     (compile=True runs requests one at a time), one process."""
-    return strategies.get(cfg.strategy).driver is not None and not cfg.compile and not cfg.distributed
+    return strategies.get(cfg.strategy).driver is not None and cfg.compile is not True and not cfg.distributed
 
 
 class Scheduler:

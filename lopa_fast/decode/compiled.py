@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 import types
+import warnings
 import weakref
 
 import torch
@@ -50,6 +51,7 @@ class CompiledRounds:
     def __init__(self):
         self.fns: dict = {}  # bucket key -> callable(st, T) -> (st, info)
         self.emulate_graphs = False  # tests: take the CUDA-graph path on CPU (with `capture` emulated)
+        self.fallback = False  # the current request's compile=None: a failed capture runs the step eagerly
         self.workspaces: dict = {}  # (geo) -> static state dict (CUDA graphs)
         self.compile_seconds: dict = {}  # bucket key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
@@ -58,10 +60,13 @@ class CompiledRounds:
         self._req_compile_seconds: dict = {}  # "NbxRb" -> seconds, buckets compiled during this request
 
     @classmethod
-    def for_model(cls, model) -> "CompiledRounds":
+    def for_model(cls, model, cfg=None) -> "CompiledRounds":
+        """The model's compiled steps, its per-request statistics reset. cfg: the request's config; with
+        compile=None (auto) a capture that fails falls back to the eager step with a warning (`fallback`)."""
         cr = _PER_MODEL.get(model)
         if cr is None:
             cr = _PER_MODEL[model] = cls()
+        cr.fallback = cfg is not None and cfg.compile is None
         cr._req_graphs0 = cr.graphs
         cr._req_buckets = set()
         cr._req_compile_seconds = {}
@@ -95,8 +100,17 @@ class CompiledRounds:
             step = make()
             if captured:
                 log.debug("capturing %s (a CUDA graph)...", what)
-                fn = self.fns[key] = self._capture(model, st, T, geo, step)
-                self.graphs += 1
+                try:
+                    fn = self._capture(model, st, T, geo, step)
+                    self.graphs += 1
+                except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this bucket runs its step eagerly
+                    if not self.fallback:
+                        raise
+                    warnings.warn(f"compile (auto): capturing {what} failed ({type(e).__name__}: {e}); this bucket "
+                                  "runs eagerly (pass compile=True to make it an error)", RuntimeWarning,
+                                  stacklevel=2)  # fmt: skip
+                    fn = step
+                self.fns[key] = fn
                 out = fn(st, T)
             else:
                 log.info(_COMPILING, what)
@@ -189,6 +203,14 @@ class CompiledRounds:
             "compiled_buckets": sorted(self._req_buckets),
             "compile_seconds": dict(self._req_compile_seconds),
         }
+
+
+def compile_wanted(cfg, device) -> bool:
+    """Whether a request compiles / captures its steps: compile=True, or compile=None (auto) on CUDA (capture; one
+    process: distributed rounds run eager unless asked)."""
+    if cfg.compile is None:
+        return torch.device(device).type == "cuda" and not cfg.distributed
+    return bool(cfg.compile)
 
 
 def _log_done(what: str, seconds: float, captured: bool) -> None:

@@ -118,10 +118,10 @@ class FastDecoder:
             if _cpp.round_ops():
                 self.cpp_tables = rnd.cpp_tables(self.tables)
         self.compiled = None
-        if cfg.compile:
-            from lopa_fast.decode.compiled import CompiledRounds
+        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-            self.compiled = CompiledRounds.for_model(model)
+        if cache is None and compile_wanted(cfg, dev):  # a batch's request (a pool slot) runs eager rounds
+            self.compiled = CompiledRounds.for_model(model, cfg)
 
     def _read_head(self) -> list[int]:
         self.host_reads += 1

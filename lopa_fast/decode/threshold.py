@@ -47,10 +47,10 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     trace = [] if cfg.return_trace else None
     stopped = False
     compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
-    if cfg.compile:
-        from lopa_fast.decode.compiled import CompiledRounds
+    from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        compiled = CompiledRounds.for_model(model)
+    if compile_wanted(cfg, dev):
+        compiled = CompiledRounds.for_model(model, cfg)
         geo = static_steps.geometry(model, cfg, L)
         cst = {}
         cst["st"], T = static_steps.init(model, x, P, geo, noise.seed)

@@ -66,10 +66,10 @@ class _Loop:
         self.n_mask = G  # the number of masks, read with each step's head (Dream's transfer count needs it)
         self.geo = static_steps.geometry(model, cfg, self.L)
         self.compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
-        if cfg.compile:
-            from lopa_fast.decode.compiled import CompiledRounds
+        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-            self.compiled = CompiledRounds.for_model(model)
+        if compile_wanted(cfg, self.dev):
+            self.compiled = CompiledRounds.for_model(model, cfg)
             ts = None
             if model.config.kind != "llada":
                 ts = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)

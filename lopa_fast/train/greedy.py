@@ -31,10 +31,11 @@ def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given:
 
 
 def _fill(model, batch: Batch, gen_len: int, alg: str, given: torch.Tensor | None, teacher_forced: bool,
-          who: str) -> tuple[torch.Tensor, torch.Tensor]:
+          who: str, observe=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-fill-per-forward loop of greedy_fill and fill_orders -> (region ids [B, gen_len], visiting order
     [B, gen_len]: the region offset filled at each step, -1 where a row had nothing left). teacher_forced: every
-    fill writes the clean token of `batch` instead of the argmax."""
+    fill writes the clean token of `batch` instead of the argmax. observe: called after each forward as
+    observe(step, prob_max [B, gen_len], still [B, gen_len] bool: the positions masked before this fill)."""
     if alg not in ALGS:
         raise ValueError(f"{who}: alg={alg!r}; allowed: {ALGS}")
     ids = batch.ids.clone()
@@ -55,6 +56,8 @@ def _fill(model, batch: Batch, gen_len: int, alg: str, given: torch.Tensor | Non
         pred = logits[rows, gen_pos - 1]  # [B, gen_len, V]: predictions for the region
         prob = pred.softmax(-1)
         p_max, x0 = prob.max(-1)
+        if observe is not None:
+            observe(step, p_max, still)
         if alg == "entropy":  # confidence = negative entropy (nats)
             p_max = (prob * prob.clamp_min(1e-30).log()).sum(-1)
         elif alg == "left_to_right":  # the leftmost masked position wins
@@ -89,3 +92,10 @@ def fill_orders(model, batch: Batch, gen_len: int, alg: str = "entropy") -> torc
     region offsets in visiting order. gen_len forwards. `train.d2f`'s "full_policy" view cuts these orders to
     train on the states this decoder visits."""
     return _fill(model, batch, gen_len, alg, None, teacher_forced=True, who="fill_orders")[1]
+
+
+@torch.no_grad()
+def fill_observed(model, batch: Batch, gen_len: int, alg: str, observe) -> torch.Tensor:
+    """greedy_fill with `observe(step, prob_max [B, gen_len], still [B, gen_len])` called after every forward
+    (train.certainty reads the confidences of the still-masked positions from it)."""
+    return _fill(model, batch, gen_len, alg, None, teacher_forced=False, who="fill_observed", observe=observe)[0]
