@@ -429,6 +429,19 @@ def _serve(args) -> int:
     refused = [k for k in knobs if k in NOT_SERVED]
     if refused:
         raise CLIError(f"serve: --{refused[0].replace('_', '-')} is not a server default ({NOT_SERVED[refused[0]]})")
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(server.API_KEY_ENV) or None)
+    if args.api_key is not None and not args.api_key.strip():
+        raise CLIError("--api-key is empty; pass a key, or --no-api-key to serve without one")
+    try:
+        server.check_auth(args.host, api_key, args.no_api_key)
+        limits = server.Limits(max_branching_factor=args.max_branching_factor, max_model_len=args.max_model_len,
+                               max_num_seqs=args.max_num_seqs, max_batch_rows=args.max_batch_rows,
+                               max_body_bytes=args.max_body_bytes, read_timeout_s=args.read_timeout,
+                               max_request_memory=None if args.max_request_memory is None
+                               else int(args.max_request_memory * 2**30),
+                               memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30))
+    except ValueError as e:
+        raise CLIError(f"serve: {e}") from e
     try:
         server.check_address(args.host, args.port)  # before the load: a busy port costs nothing
     except OSError as e:
@@ -440,7 +453,8 @@ def _serve(args) -> int:
     name = args.model_name or os.path.basename(os.path.normpath(str(path)))
     print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
     server.serve(model, tok, model_id=name, defaults=defaults, host=args.host, port=args.port,
-                 log_level=logging.getLevelName(args.log_level).lower())  # uvicorn's lines follow -q / -v too
+                 log_level=logging.getLevelName(args.log_level).lower(),  # uvicorn's lines follow -q / -v too
+                 limits=limits, api_key=api_key)
     return 0
 
 
@@ -554,6 +568,28 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     v.add_argument("--model-name", default=None, help="the served model id (default the model directory's name)")
+    v.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY of every client (default: $LOPA_FAST_API_KEY; required "
+                        "when --host is not a loopback address, unless --no-api-key)")
+    v.add_argument("--no-api-key", action="store_true",
+                   help="serve without a key even when --host listens beyond this machine")
+    lim = v.add_argument_group("per-request caps (docs/serve.md, 'Caps')")
+    lim.add_argument("--max-branching-factor", type=int, default=16, metavar="K",
+                     help="the largest branching_factor a request may ask for (default 16)")
+    lim.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                     help="prompt + max_tokens in tokens (default the model's max_position_embeddings)")
+    lim.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
+                     help="requests decoding at once (default 16); more wait in the queue")
+    lim.add_argument("--max-batch-rows", type=int, default=64, metavar="N",
+                     help="branch rows of one batched forward (default 64, at least --max-branching-factor + 1)")
+    lim.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="B",
+                     help="the largest request body (default 1048576; larger: 413)")
+    lim.add_argument("--max-request-memory", type=float, default=None, metavar="GIB",
+                     help="one request's memory estimate (default a quarter of the device's memory)")
+    lim.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                     help="the running requests' estimates together (default half of the device's memory)")
+    lim.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds to receive a request body (default 30; slower: 408)")
     v.add_argument("--strategy", default=None, choices=STRATEGIES, help="default strategy (default lopa)")
     v.add_argument("--preset", default=None, choices=list(ROWS),
                    help="an eval row's knobs as defaults (embedded model: lopa-k4 unless --strategy is given)")

@@ -8,16 +8,20 @@ No exception escapes a handler: an unexpected one is a 500 with an error object,
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import hmac
 import json
 import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lopa_fast.errors import RoundCapError
 from lopa_fast.server.protocol import RequestError, checked, parse
+from lopa_fast.server.metrics import Metrics
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
 
@@ -45,17 +49,35 @@ def usage(done: Finished, eos_token_id) -> dict:
             "tpf": float(st.get("tpf", 0.0))}  # fmt: skip
 
 
-def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
-    """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them)."""
+def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None) -> FastAPI:
+    """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
+    `api_key`: when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The caps
+    (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits)."""
     app = FastAPI(title="lopa_fast", summary="OpenAI-compatible diffusion-LLM decoding (LoPA, D2F, ...)")
     app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
+    limits = worker.limits
     created = int(time.time())
     eos = worker.model.eos_token_id
+    metrics = app.state.metrics = Metrics()
+    # parsing, tokenising and validation run here, never on the event loop (a large prompt must not freeze it)
+    prep = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lopa_fast.server.parse")
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception):
         log.exception("unexpected error")
         return _error(RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                metrics.request(request.url.path, 401, 0.0)
+                return JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None,
+                                                 401, "authentication_error", "invalid_api_key").body(),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -63,37 +85,77 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
         batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live}
         return {"status": "ok", "model": model_id, **worker.counts, **batch}
 
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(worker), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "lopa_fast"}]}  # fmt: skip
 
-    async def _body(request: Request):
+    async def _read(request: Request) -> bytes:
+        """The body, at most limits.max_body_bytes (413 past it, before anything is parsed), received within
+        limits.read_timeout_s (408 past it)."""
+        cap = limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {cap} "
+                               "(--max-body-bytes)", None, 413)  # fmt: skip
+        chunks, size = [], 0
+
+        async def receive():
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise RequestError(f"the request body is over {cap} bytes, this server's cap (--max-body-bytes)",
+                                       None, 413)  # fmt: skip
+                chunks.append(chunk)
+
         try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            await asyncio.wait_for(receive(), limits.read_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise RequestError(f"the request body did not arrive within {limits.read_timeout_s:g} s", None, 408) from e
+        return b"".join(chunks)
+
+    def _prepare(raw: bytes, endpoint: str, loop) -> tuple:
+        """(parsed request, handle): JSON, the body's checks, tokenising, the knobs' checks and the queueing, on a
+        parse thread. Raises RequestError."""
+        try:
+            body = json.loads(raw)
+        except RecursionError as e:
+            raise RequestError("the request body is nested too deeply") from e
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer over Python's digit limit
             raise RequestError(f"the request body is not valid JSON ({e})") from e
+        if isinstance(body, dict) and body.get("model") not in (None, model_id):
+            raise RequestError(f"model {body['model']!r} is not served; this server serves {model_id!r}",
+                               "model", 404, code="model_not_found")  # fmt: skip
+        req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits)
+        for note in req.warnings:
+            log.warning("%s", note)
+        try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
+            handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory), loop,
+                             endpoint=endpoint)  # fmt: skip
+        except Busy as e:
+            raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
+        return req, handle
 
     async def _serve(request: Request, endpoint: str):
+        t0 = time.perf_counter()
         try:
-            body = await _body(request)
-            if isinstance(body, dict) and body.get("model") not in (None, model_id):
-                raise RequestError(f"model {body['model']!r} is not served; this server serves {model_id!r}",
-                                   "model", 404, code="model_not_found")  # fmt: skip
-            req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults)
-            for note in req.warnings:
-                log.warning("%s", note)
-            try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
-                handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop), endpoint=endpoint)
-            except Busy as e:
-                raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
+            raw = await _read(request)
+            loop = asyncio.get_running_loop()
+            req, handle = await loop.run_in_executor(prep, _prepare, raw, endpoint, loop)
         except RequestError as e:
+            metrics.request(endpoint, e.status, time.perf_counter() - t0)
             return _error(e)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "created": int(time.time()), "model": model_id}
         notes = {"warnings": req.warnings} if req.warnings else {}  # e.g. words the tokenizer does not know
         if req.stream:
-            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage),
+            return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage,
+                                          t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         done = None
@@ -102,12 +164,16 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
                 if kind == "done":  # the pieces are not needed: done.text is them joined
                     done = value
                 elif kind == "error":
-                    return _error(_run_error(value))
+                    err = _run_error(value)
+                    metrics.request(endpoint, err.status, time.perf_counter() - t0)
+                    return _error(err)
         finally:
             if done is None:
                 handle.cancel()
         if done is None:  # the client left; nobody reads this
+            metrics.request(endpoint, 499, time.perf_counter() - t0)
             return _error(RequestError("cancelled: the client disconnected", None, 499, "cancelled"))
+        metrics.request(endpoint, 200, time.perf_counter() - t0, done.result.stats)
         return {**_completion(endpoint, head, done, eos), **notes}
 
     def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
@@ -122,7 +188,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": usage(done, eos), "stats": _jsonable(st)}
 
-    async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict, include_usage: bool):
+    async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict, include_usage: bool, t0: float):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
         def chunk(delta_text: str | None, reason=None, extra=None) -> str:
@@ -146,13 +212,16 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict) -> FastAPI:
                     yield chunk(value)
                 elif kind == "done":
                     st = value.result.stats
+                    metrics.request(endpoint, 200, time.perf_counter() - t0, st)
                     reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
                     yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st), **notes})
                     if include_usage:  # OpenAI's usage-only chunk: no choices
                         yield "data: " + json.dumps({**head, "object": obj, "choices": [],
                                                      "usage": usage(value, eos)}) + "\n\n"  # fmt: skip
                 elif kind == "error":  # headers are sent: the error travels as an event
-                    yield "data: " + json.dumps(_run_error(value).body()) + "\n\n"
+                    err = _run_error(value)
+                    metrics.request(endpoint, err.status, time.perf_counter() - t0)
+                    yield "data: " + json.dumps(err.body()) + "\n\n"
             finished = True
             yield "data: [DONE]\n\n"
         finally:  # the client disconnected (the response task is cancelled) or the stream ended

@@ -26,10 +26,13 @@ import dataclasses
 import json
 import warnings
 
+import pydantic
+
 from lopa_fast import api
 from lopa_fast import strategies
 from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
+from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.text import check_text_prompt, encode_prompt, split_stops, unknown_words
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
@@ -72,6 +75,7 @@ class Parsed:
     stream: bool
     warnings: list[str]
     include_usage: bool = False  # stream_options.include_usage: a usage-only chunk before [DONE]
+    memory: int = 0  # the request's memory estimate (limits.Limits.check), reserved while it runs
 
 
 def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
@@ -111,18 +115,38 @@ def _refuse_unsupported(body: dict, endpoint: str) -> None:
         raise RequestError(f"response_format={fmt!r}: only {{'type': 'text'}} is served", "response_format")
 
 
+class StreamOptions(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    include_usage: pydantic.StrictBool = False
+
+
+class OpenAIFields(pydantic.BaseModel):
+    """The JSON types of the OpenAI fields that are not knobs (pydantic, strict: `n: true` is not 1); the knobs
+    beside them are GenerateConfig's to check. A null field was dropped before (null = the default)."""
+
+    model_config = pydantic.ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | int | None = None
+    frequency_penalty: float | int | None = None
+
+
 def _check_types(body: dict) -> None:
-    """The OpenAI fields that are not knobs: their JSON types."""
-    if not isinstance(body.get("stream", False), bool):
-        raise RequestError(f"stream={body['stream']!r}: expected true or false", "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)
-                             or set(opts) - {"include_usage"}):  # fmt: skip
-        raise RequestError(f"stream_options={opts!r}: expected {{'include_usage': true|false}}", "stream_options")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise RequestError("user: expected a string", "user")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise RequestError("model: expected a string", "model")
+    """The OpenAI fields that are not knobs: their JSON types (OpenAIFields); a refusal names the field."""
+    try:
+        OpenAIFields.model_validate(body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        shown = repr(body.get(field))[:80] if field is not None else ""
+        raise RequestError(f"{field}={shown}: {err['msg']}", field) from None
 
 
 def _knobs_of(body: dict, endpoint: str) -> dict:
@@ -154,18 +178,29 @@ def _knobs_of(body: dict, endpoint: str) -> dict:
 
 
 def blame_knob(knobs: dict, defaults: dict, model=None) -> str | None:
-    """The knob of `knobs` (a request's) that fails validation on its own on top of `defaults` (and, with a
-    model, resolution against it); None when none does (a combination is to blame)."""
+    """The knob of `knobs` (a request's) to blame for a failed validation on top of `defaults` (and, with a model,
+    resolution against it): the one whose removal makes the request valid (e.g. `cache` given with a strategy
+    that has no cache), else the first that fails on its own, else the first given (a combination); None when
+    the request gave no knob."""
+    def ok(kn: dict) -> bool:
+        try:
+            cfg = GenerateConfig(**{**defaults, **kn}).validate()
+            if model is not None:
+                cfg.resolve(model)
+        except (ValueError, TypeError):
+            return False
+        return True
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if len(knobs) > 1:
+            for name in knobs:
+                if ok({k: v for k, v in knobs.items() if k != name}):
+                    return name
         for name, value in knobs.items():
-            try:
-                cfg = GenerateConfig(**{**defaults, name: value}).validate()
-                if model is not None:
-                    cfg.resolve(model)
-            except (ValueError, TypeError):
+            if not ok({name: value}):
                 return name
-    return None
+    return next(iter(knobs), None)
 
 
 def checked(stage_param: str | None, fn, *args, knobs=None, defaults=None, model=None, endpoint="completions"):
@@ -246,12 +281,15 @@ def _completion_ids(tokenizer, prompt, warn) -> list[int]:
     raise RequestError(f"prompt: {type(prompt).__name__}; expected text or a list of token ids", "prompt")
 
 
-def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
+def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits | None = None) -> Parsed:
     """Check an OpenAI request body (endpoint "completions" or "chat") and build what the worker runs.
 
-    defaults: the server's knobs (validated at start-up); the body's knobs replace them. Raises RequestError."""
+    defaults: the server's knobs (validated at start-up); the body's knobs replace them; limits: the server's caps
+    (limits.Limits, bound to the model), checked once the config is bound, before anything is allocated.
+    Raises RequestError."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
+    body = {k: v for k, v in body.items() if v is not None}  # null means the default, as OpenAI servers read it
     _check_types(body)
     _refuse_unsupported(body, endpoint)
     knobs = _knobs_of(body, endpoint)
@@ -273,7 +311,14 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
     # stage 3: the stops
     stop = body.get("stop")
     if stop is not None:
-        checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
+        seqs, _ = checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
+        if seqs:  # the token-id stops: GenerateConfig's rules (1..32 ids >= 0, how many), then the vocabulary
+            checked("stop", lambda: GenerateConfig(**{**merged, "stop": seqs}).validate(), endpoint=endpoint)
+            vocab = model.config.vocab_size
+            big = next((q for q in seqs if max(q) >= vocab), None)
+            if big is not None:
+                raise RequestError(f"stop sequence {big!r} holds id {max(big)}; allowed: ids in [0, vocab_size={vocab})",
+                                   "stop")  # fmt: skip
     # stage 4: what generate checks with the model and the prompt, before any forward
     ids_t = checked(field, api.prepare_prompt, model, ids, endpoint=endpoint)
     with warnings.catch_warnings():
@@ -283,10 +328,16 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict) -> Parsed:
         planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
                         endpoint=endpoint)  # fmt: skip
+        memory = 0
+        if limits is not None:
+            try:
+                memory = limits.check(model, bound, ids_t.numel())
+            except LimitError as e:
+                raise RequestError(str(e), _openai_knob_name(e.field, endpoint)) from e
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
         checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage)
+    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage, memory)
 
 
 def model_sampling_defaults(model_dir) -> dict:

@@ -44,6 +44,7 @@ class Job:
     prompt_ids: list[int]
     knobs: dict
     stop: list | None = None
+    memory: int = 0  # the request's memory estimate (limits.Limits.check): reserved against the budget while it runs
 
 
 @dataclasses.dataclass
@@ -111,18 +112,25 @@ class Worker:
     """Runs submitted requests (module docstring); `counts` for /health (plus `batch` facts of the engine).
 
     batch: share forwards between concurrent requests through a BatchEngine (False: one request at a time, as
-    a plain sequential server); concurrency: the job threads (the most requests decoding at once)."""
+    a plain sequential server); concurrency: the job threads (the most requests decoding at once; default
+    limits.max_num_seqs); limits: the server's caps (lopa_fast.server.limits.Limits: the batch engine's rows and
+    live requests, the memory budget every running request's estimate is reserved against)."""
 
     def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
-                 batch: bool = True, concurrency: int = 16):  # fmt: skip
+                 batch: bool = True, concurrency: int | None = None, limits=None):  # fmt: skip
         from lopa_fast.decode.batch import BatchEngine
+        from lopa_fast.server.limits import Limits, MemoryBudget
 
         self.model, self.tokenizer = model, tokenizer
+        self.limits = limits = (limits or Limits()).bind(model)
+        concurrency = concurrency or limits.max_num_seqs
         self.max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._solo = threading.Lock()  # requests outside the batch engine run one at a time
-        self.engine = BatchEngine(model) if batch else None
+        self.memory = MemoryBudget(limits.memory_budget)
+        self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs) \
+            if batch else None
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
                          for i in range(concurrency if batch else 1)]  # fmt: skip
@@ -141,8 +149,30 @@ class Worker:
             if self.counts["pending"] >= self.max_pending:
                 raise Busy(f"{self.counts['pending']} requests are queued or running (the cap is {self.max_pending})")
             self.counts["pending"] += 1
-        self._queue.put((handle, text))
+        self._queue.put((handle, text, job.memory))
         return handle
+
+    def warm_up(self, defaults: dict | None = None) -> None:
+        """Before serving: build the CPU round ops when the model is on the CPU (their build may take ~30 s and
+        raises a clear error instead of hanging on a stale lock: lopa_fast.ops._cpp), then decode one short request
+        with the server's defaults (its failure is logged, not raised: the requests get their own errors)."""
+        import logging
+        import warnings
+
+        log = logging.getLogger("lopa_fast.server")
+        p = next(iter(self.model.parameters()), None)
+        if p is not None and p.device.type == "cpu":
+            from lopa_fast.ops import _cpp
+
+            _cpp.round_ops()
+        knobs = {k: v for k, v in (defaults or {}).items() if k not in ("max_new_tokens",)}
+        bos = getattr(self.model.config, "bos_token_id", None)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1})
+        except Exception as e:  # noqa: BLE001
+            log.warning("warm-up request failed (%s: %s); serving anyway", type(e).__name__, e)
 
     def close(self) -> None:
         """Stop the worker after the requests it runs (queued ones are cancelled)."""
@@ -170,9 +200,10 @@ class Worker:
             if item is None:
                 self._drain()
                 return
-            handle, text = item
-            if handle.cancelled:  # dropped before it started
-                self._count(pending=-1, cancelled=1)
+            handle, text, memory = item
+            # a request waits (queued) until the running ones leave its memory estimate room in the budget
+            if handle.cancelled or not self.memory.reserve(memory, lambda: handle.cancelled):
+                self._count(pending=-1, cancelled=1)  # dropped before it started
                 handle.emit("cancelled")
                 continue
             self._count(running=1)
@@ -186,6 +217,8 @@ class Worker:
                 end, outcome = ("cancelled", None), "cancelled"
             except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
                 end, outcome = ("error", e), "failed"
+            finally:
+                self.memory.release(memory)
             self._count(running=-1, pending=-1, **{outcome: 1})  # before the end event: a reader sees final counts
             handle.emit(*end)
 
