@@ -199,3 +199,45 @@ def test_batch_engine_serves_threads_in_one_batch(model):
     same(results[0], solo[0], STATS[:-1])
     same(results[2], solo[2], STATS[:-1])
     assert engine.max_live == 3
+
+
+VANILLA = [  # (family, knobs): LLaDA blocks + its CFG batch of two rows, random remasking at T > 0; Dream's algs
+    ("llada", dict(max_new_tokens=16, block_length=8, steps=8)),
+    ("llada", dict(max_new_tokens=16, block_length=16, steps=8, cfg_scale=1.5)),
+    ("llada", dict(max_new_tokens=16, block_length=8, steps=16, remasking="random", temperature=0.7, seed=3)),
+    ("dream", dict(max_new_tokens=16, steps=8, alg="entropy")),
+    ("dream", dict(max_new_tokens=16, steps=16, alg="origin", seed=5)),
+    ("dream", dict(max_new_tokens=16, steps=8, alg="topk_margin", alg_temp=0.5, temperature=0.4, seed=1)),
+]
+VANILLA_STATS = ("forwards", "transferred", "masks_left", "finish_reason")
+
+
+@pytest.mark.parametrize("family, kw", VANILLA, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_batched_vanilla_equals_solo(model, llada, family, kw):
+    """Vanilla's cache-free steps of several requests in one forward per step (the VanillaDriver through the
+    scheduler): each request's tokens, forwards, stats and trace equal its solo run's and the reference's."""
+    m = llada if family == "llada" else model
+    ps = prompts((5, 11, 8), seed=21)
+    solo = [lopa_fast.generate(m, p, "vanilla", "fast", return_trace=True, **kw) for p in ps]
+    outs = lopa_fast.generate(m, ps, "vanilla", "fast", return_trace=True, **kw)
+    for o, s, p in zip(outs, solo, ps):
+        assert o.stats["batched"] == 3
+        same(o, s, VANILLA_STATS)
+        assert o.trace == s.trace
+        same(o, lopa_fast.generate(m, p, "vanilla", "reference", **kw), VANILLA_STATS[:1])
+
+
+def test_batched_vanilla_stop_and_hooks(model):
+    """A stop sequence ends one request of the batch early (the others go on); per-prompt hooks see each step."""
+    ps = prompts((6, 9), seed=4)
+    kw = dict(max_new_tokens=16, steps=16, alg="entropy")
+    base = lopa_fast.generate(model, ps[0], "vanilla", "fast", **kw)
+    stop = [base.generated_ids[3:5]]
+    seen = [[], []]
+    hooks = [lambda p, i, j=j: seen[j].append(i["round"]) for j in range(2)]
+    outs = lopa_fast.generate(model, ps, "vanilla", "fast", stop=stop, on_round=hooks, **kw)
+    for o, p, j in zip(outs, ps, range(2)):
+        s = lopa_fast.generate(model, p, "vanilla", "fast", stop=stop, **kw)
+        same(o, s, VANILLA_STATS)
+        assert seen[j] == list(range(1, o.stats["forwards"] + 1))
+    assert outs[0].stats["finish_reason"] == "stop"

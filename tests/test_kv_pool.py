@@ -154,9 +154,9 @@ def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool, backend
     calls = []
     op = ops.branch_attention
     monkeypatch.setattr(ops, "branch_attention", lambda *a, **kk: calls.append(kk.get("backend")) or op(*a, **kk))
-    pooled = model.forward_requests(parts, sched.cfg_mode, backend, pool=(sched.pool.k, sched.pool.v))
+    pooled = model.forward_requests(parts, plan[0][1].mode, backend, pool=(sched.pool.k, sched.pool.v))
     n_pooled = len(calls)
-    loop = model.forward_requests(parts, sched.cfg_mode, backend)
+    loop = model.forward_requests(parts, plan[0][1].mode, backend)
     monkeypatch.setattr(ops, "branch_attention", op)
     assert set(calls) == {backend}
     return pooled, loop, parts, n_pooled, len(calls) - n_pooled
@@ -248,8 +248,8 @@ def test_pooled_batch_on_the_device():
         parts = [dict(dec.forward_args(dec.prepare(*b)), slot=sched.slot_of[rid]) for rid, dec, b in plan]
         b = plan[0][1].geo.attn_backend
         assert b in ("triton", "cuda")
-        pooled = model.forward_requests(parts, sched.cfg_mode, b, pool=(sched.pool.k, sched.pool.v))
-        loop = model.forward_requests(parts, sched.cfg_mode, b)
+        pooled = model.forward_requests(parts, plan[0][1].mode, b, pool=(sched.pool.k, sched.pool.v))
+        loop = model.forward_requests(parts, plan[0][1].mode, b)
         for (la, ka, _), (lb, kb, _) in zip(pooled, loop):
             torch.testing.assert_close(la, lb, atol=1e-3, rtol=1e-3)
             torch.testing.assert_close(ka, kb, atol=1e-4, rtol=1e-4)

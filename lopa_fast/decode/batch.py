@@ -26,7 +26,6 @@ from collections import deque
 import torch
 
 from lopa_fast import strategies
-from lopa_fast.decode.engine import buffer_len
 from lopa_fast.decode.shapes import LENGTH_QUANTUM
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
@@ -68,6 +67,7 @@ class Scheduler:
         self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
         self.pool = KVPool(model)
         self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
+        self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
         self._next_id = 0
@@ -82,7 +82,7 @@ class Scheduler:
         the scheduler's only in its length, e.g. a per-prompt default max_new_tokens); returns its request id.
         Raises KnobError when the request can never fit the caps (max_rows, slot_len)."""
         cfg = cfg or self.cfg
-        need, cache_rows = self.rows_per_request, buffer_len(prompt.numel(), cfg) + 1
+        need, cache_rows = self.rows_per_request, self.spec.cache_rows(prompt.numel(), cfg)
         if self.max_rows is not None and need > self.max_rows:
             raise KnobError(f"max_rows={self.max_rows} is smaller than one request's {need} branch slots",
                             knob="max_rows", value=self.max_rows)  # fmt: skip
@@ -90,6 +90,7 @@ class Scheduler:
             raise KnobError(f"slot_len={self.slot_len} is smaller than this request's {cache_rows} cache rows (prompt "
                             f"{prompt.numel()} + max_new_tokens {cfg.max_new_tokens}, rounded up to a multiple of "
                             f"{LENGTH_QUANTUM}, + 1)", knob="slot_len", value=self.slot_len)  # fmt: skip
+        self._rows[self._next_id] = cache_rows
         rid = self._next_id
         self._next_id += 1
         self.queue.append((rid, prompt, on_round, cfg, need, cache_rows))
@@ -117,7 +118,7 @@ class Scheduler:
                                  self.max_slots)  # fmt: skip
         if grown:  # the live requests' caches move to the new pool (their rows copied): re-point their views
             for rid, dec in self.live.items():
-                dec.st["cache_k"], dec.st["cache_v"] = self.pool.views(self.slot_of[rid], dec.geo.Lb + 1)
+                dec.use_cache(*self.pool.views(self.slot_of[rid], self._rows[rid]))
         failed = []
         for rid, prompt, on_round, cfg, _, cache_rows in take:
             slot = self.pool.acquire(cache_rows)
@@ -161,7 +162,7 @@ class Scheduler:
         with round_scope():
             ws = [dec.prepare(*b) for _, dec, b in plan]
             parts = [dict(dec.forward_args(w), slot=self.slot_of[rid]) for (rid, dec, _), w in zip(plan, ws)]
-            outs = self.model.forward_requests(parts, self.cfg_mode, plan[0][1].geo.attn_backend,
+            outs = self.model.forward_requests(parts, plan[0][1].mode, plan[0][1].attn_backend,
                                                pool=(self.pool.k, self.pool.v))  # fmt: skip
             for (_, dec, _), w, (logits, k_win, v_win) in zip(plan, ws, outs):
                 dec.finish(w, logits, k_win, v_win)
@@ -178,6 +179,7 @@ class Scheduler:
     def _leave(self, rid: int) -> None:
         """A request leaves the batch: its rows and its pool slot free."""
         self.live.pop(rid, None)
+        self._rows.pop(rid, None)
         slot = self.slot_of.pop(rid, None)
         if slot is not None:
             self.pool.release(slot)
@@ -193,10 +195,6 @@ class Scheduler:
         for rid in ended:
             self._fail(rid, exc)
         return ended
-
-    @property
-    def cfg_mode(self) -> str:
-        return "full" if self.cfg.use_full_attention else "block_causal"
 
     def run(self) -> dict[int, GenerateOutput]:
         """Step until every submitted request has finished; returns {request id: output} (requests that failed

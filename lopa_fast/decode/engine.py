@@ -123,6 +123,19 @@ class FastDecoder:
         if cache is None and compile_wanted(cfg, dev):  # a batch's request (a pool slot) runs eager rounds
             self.compiled = CompiledRounds.for_model(model, cfg)
 
+    @property
+    def mode(self) -> str:
+        """The forward's attention mask ("full" | "block_causal"), for the batch scheduler's shared forward."""
+        return self.geo.mode
+
+    @property
+    def attn_backend(self) -> str:
+        return self.geo.attn_backend
+
+    def use_cache(self, cache_k, cache_v) -> None:
+        """The request's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
+        self.st["cache_k"], self.st["cache_v"] = cache_k, cache_v
+
     def _read_head(self) -> list[int]:
         self.host_reads += 1
         return self.st["head"].tolist()  # the round's one device-to-host read

@@ -47,17 +47,29 @@ def dream_count(n_mask: int, ts: torch.Tensor, i: int, n_steps: int) -> int:
     return int(torch.tensor(n_mask, dtype=torch.float32) * (1 - ts[i + 1] / ts[i]))
 
 
-class _Loop:
-    """The state of one request: x [L] on the device, the forwards, the host counters and the trace."""
+class VanillaDriver:
+    """One vanilla request: x [L] on the device, the forwards, the host counters and the trace, as the batch
+    scheduler's state machine (lopa_fast.decode.batch: begin / next_bucket / prepare / forward_args / finish /
+    read_head / after_round / result; many requests' steps share one `model.forward_requests`); `run()` drives it
+    alone (eager through the same stages, or compile=True through CompiledRounds). A step's "bucket" is its plan
+    (lo: the first row's position, e: the candidates' end, i: the step within the block / the schedule).
 
-    def __init__(self, model, prompt: torch.Tensor, cfg, on_round):
-        self.model, self.cfg, self.on_round = model, cfg, on_round
+    model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound vanilla GenerateConfig; cache: a batch's
+    pool slot views (unused: vanilla forwards are cache-free; its one row keeps the pool's bookkeeping uniform)."""
+
+    mode = "full"  # the forward's attention: full over prompt + the whole region
+
+    def __init__(self, model, prompt: torch.Tensor, cfg, cache=None):
+        self.model, self.cfg = model, cfg
         self.dev = prompt.device
         self.P, G = prompt.numel(), cfg.max_new_tokens
         self.mask_id = cfg.mask_token_id
         self.x = torch.cat([prompt, prompt.new_full((G,), self.mask_id)])
         self.L = self.x.numel()
         self.fw = steps.StepForward(model, self.L, cache=False)
+        if cache is not None:
+            self.use_cache(*cache)
+        self.attn_backend = self.fw.backend
         self.noise = request_noise(cfg, self.dev)
         self.stats = {"forwards": 0, "model_calls": 0, "host_reads": 0}
         self.transferred = torch.zeros((), dtype=torch.long, device=self.dev)
@@ -65,157 +77,213 @@ class _Loop:
         self.fm = self.P  # the first mask position, read with each step's head
         self.n_mask = G  # the number of masks, read with each step's head (Dream's transfer count needs it)
         self.geo = static_steps.geometry(model, cfg, self.L)
+        self.llada = model.config.kind == "llada"
+        self.step_index = 0  # steps run (LLaDA: block * steps_per_block + i)
+        self.stopped = False
+        if self.llada:
+            self.nb = (self.L - self.P) // cfg.block_length
+            self.spb = cfg.steps // self.nb
+            self.schedule = transfer_schedule(cfg.block_length, self.spb)  # every block starts all masks
+            self.n_steps = self.nb * self.spb
+        else:
+            self.n_steps = cfg.steps
+            self.timesteps = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)  # float32, as upstream
+            self.ts = self.timesteps.cpu()  # one read per request: the transfer counts are host ints (topk's k)
+            self.allpos = torch.arange(self.L, device=self.dev)
         self.compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if compile_wanted(cfg, self.dev):
+        if cache is None and compile_wanted(cfg, self.dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
-            ts = None
-            if model.config.kind != "llada":
-                ts = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)
+            ts = None if self.llada else self.timesteps
             self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts)
+
+    def use_cache(self, cache_k, cache_v) -> None:
+        """The request's (unused) cache rows: a batch's pool slot views (re-pointed when the pool grows)."""
+        self.fw.cache_k, self.fw.cache_v = cache_k, cache_v
 
     def keys(self, stream: int, pos: torch.Tensor) -> torch.Tensor:
         return self.noise.keys(stream, self.stats["forwards"], 0, pos)
-
-    def finish_step(self, bad: torch.Tensor | None, logits: torch.Tensor, lo: int, before) -> bool:
-        """The step's one host read (guard + first mask; bad None: the compiled step's head), the trace, the hook;
-        True when a stop sequence ends it."""
-        self.stats["host_reads"] += 1
-        if bad is None:
-            b, _, self.fm, self.n_mask = self.st["head"].tolist()
-        else:
-            b, self.fm, self.n_mask = steps.read_head(bad, steps.first_mask(self.x, self.mask_id),
-                                                      (self.x == self.mask_id).sum())  # fmt: skip
-        if b >= 0:
-            steps.refuse(logits[b], lo + b, self.stats["forwards"], "vanilla", self.cfg.temperature)
-        if self.trace is not None:
-            x, P = self.x, self.P
-            pos = ((before == self.mask_id) & (x != self.mask_id)).nonzero(as_tuple=True)[0]
-            self.trace.append({"round": self.stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos]})
-        return after_step(self.x[self.P :], self.cfg, self.stats, self.on_round)
 
     def count(self) -> None:
         self.stats["forwards"] += 1
         self.stats["model_calls"] += 1
 
-    def compiled_step(self, kind: str, sizes: tuple, lo: int) -> bool:
+    # ---- the state machine ------------------------------------------------------------------------------
+    def begin(self, on_round=None) -> None:
+        self.on_round = on_round
+        self.clock = Clock(self.dev).__enter__()
+
+    def next_bucket(self):
+        """The coming step's plan (lo, e, i), or None when the request has finished (every step run, or a stop)."""
+        if self.stopped or self.step_index >= self.n_steps:
+            return None
+        if self.llada:
+            b, i = divmod(self.step_index, self.spb)
+            e = self.P + (b + 1) * self.cfg.block_length
+            if self.compiled is not None and i == 0:
+                self.st["e"].fill_(e)  # in place (the CUDA workspace): a kernel launch, no host read
+            return self.fm, e, i  # candidates: the masks in [fm, e)
+        return min(self.fm, self.L - 1), self.L, self.step_index  # no mask left: one row no rule reads
+
+    def prepare(self, lo: int, e: int, i: int) -> dict:
+        """The step's forward inputs: tokens [NB, L] (NB 2 with LLaDA's cfg_scale: the prompt-masked
+        unconditional row beside the conditional one) and the flat rows [R] that get the LM head."""
+        x, L = self.x, self.L
+        if self.llada:
+            rows = torch.arange(lo, e, device=self.dev)
+            if self.cfg.cfg_scale > 0:
+                un_x = x.clone()
+                un_x[: self.P] = self.mask_id
+                return dict(lo=lo, e=e, i=i, tokens=torch.stack([x, un_x]), rows=torch.cat([rows, rows + L]))
+            return dict(lo=lo, e=e, i=i, tokens=x[None], rows=rows)
+        return dict(lo=lo, e=e, i=i, tokens=x[None], rows=steps.raw_rows(lo, L, 0, True, self.dev))
+
+    def forward_args(self, w: dict) -> dict:
+        """This request's part of `model.forward_requests` (the arguments of its solo cache-free forward)."""
+        NB = w["tokens"].shape[0]
+        return dict(tokens=w["tokens"], start=0, cache_k=self.fw.cache_k, cache_v=self.fw.cache_v, prefix_len=0,
+                    win_lens=torch.full((NB,), self.L, dtype=torch.long, device=self.dev), bids=None,
+                    rows=w["rows"])  # fmt: skip
+
+    def finish(self, w: dict, logits: torch.Tensor, k_win=None, v_win=None) -> None:
+        """The step after its forward (raw logits [R, V] of the rows): statistics, the commit, the counters."""
+        self.count()
+        self._before = self.x.clone() if self.trace is not None else None
+        self._lo = w["lo"]
+        if self.llada:
+            self._llada(w, logits)
+        else:
+            self._dream(w, logits)
+
+    def _llada(self, w: dict, logits: torch.Tensor) -> None:
+        cfg, x, L, dev = self.cfg, self.x, self.L, self.dev
+        lo, e, i = w["lo"], w["e"], w["i"]
+        if cfg.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows of one forward
+            cond, un = logits[: e - lo], logits[e - lo :]
+            logits = un + (cfg.cfg_scale + 1) * (cond - un)
+        rows = w["rows"][: e - lo]
+        cand = x[lo:e] == self.mask_id
+        self._bad = steps.first_bad_row(logits, cand, cfg.temperature)  # before the deliberate -inf below
+        self._logits = logits
+        x0, x0_p = llada_choice(logits, self.geo, self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
+                                self.keys(keyed.REMASK, rows) if cfg.remasking == "random" else None)
+        # full-length rows, so torch.topk sees the reference's vector (its order among exact ties)
+        conf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
+        conf[lo:e] = torch.where(cand, x0_p, float("-inf"))
+        sel = torch.topk(conf, self.schedule[i]).indices
+        x[sel] = torch.cat([x[:lo], x0, x[e:]])[sel]
+        self.transferred += self.schedule[i]
+
+    def _dream(self, w: dict, logits: torch.Tensor) -> None:
+        cfg, x, L, dev, mask_id = self.cfg, self.x, self.L, self.dev, self.mask_id
+        lo, i, n_steps = w["lo"], w["i"], self.n_steps
+        pos = self.allpos[lo:]
+        cand = x[lo:] == mask_id
+        self._bad = steps.first_bad_row(logits, cand, cfg.temperature)
+        self._logits = logits
+        kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                  suppress_token=mask_id if cfg.suppress_mask_token else None)  # fmt: skip
+        keys = self.keys(keyed.TOKEN, pos) if cfg.temperature > 0 else None
+        t, s = self.timesteps[i], self.timesteps[i + 1]
+        if cfg.alg == "origin":
+            p_transfer = 1 - s / t if i < n_steps - 1 else 1
+            reveal = cand & (keyed.uniform(self.keys(keyed.REVEAL, pos)) < p_transfer)
+            _, tok, _ = token_stats(logits, **kw, keys=keys)
+            x[lo:] = torch.where(reveal, tok, x[lo:])
+            self.transferred += reveal.sum()
+            return
+        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[cfg.alg], **kw, keys=keys)
+        n = dream_count(self.n_mask, self.ts, i, n_steps)
+        full_conf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
+        full_conf[lo:] = torch.where(cand, conf.to(logits.dtype), float("-inf"))
+        if n > 0:
+            x0_full = torch.cat([torch.full((lo,), mask_id, dtype=x.dtype, device=dev),
+                                 torch.where(cand, x0, mask_id)])  # fmt: skip
+            if cfg.alg_temp is None or cfg.alg_temp == 0:
+                sel = torch.topk(full_conf, n).indices
+                x[sel] = x0_full[sel]
+            else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
+                race = keyed.top_n_race(torch.softmax(full_conf / cfg.alg_temp, -1), n,
+                                        self.keys(keyed.ORDER, self.allpos))  # fmt: skip
+                x.copy_(torch.where(race, x0_full, x))
+        self.transferred += n
+
+    def read_head(self) -> None:
+        """The step's one host read: the guard, the first mask and the masks left."""
+        self.stats["host_reads"] += 1
+        self._head = steps.read_head(self._bad, steps.first_mask(self.x, self.mask_id),
+                                     (self.x == self.mask_id).sum())  # fmt: skip
+        _, self.fm, self.n_mask = self._head
+
+    def after_round(self) -> None:
+        """The guard's refusal, the trace entry and the hook (with a stop check) of the step just run."""
+        self.step_index += 1
+        if self._head[0] >= 0:
+            steps.refuse(self._logits[self._head[0]], self._lo + self._head[0], self.stats["forwards"], "vanilla",
+                         self.cfg.temperature)  # fmt: skip
+        self._record(self._before)
+
+    def _record(self, before) -> None:
+        if self.trace is not None:
+            x, P = self.x, self.P
+            pos = ((before == self.mask_id) & (x != self.mask_id)).nonzero(as_tuple=True)[0]
+            self.trace.append({"round": self.stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos]})
+        if after_step(self.x[self.P :], self.cfg, self.stats, self.on_round):
+            self.stopped = True
+
+    def compiled_step(self, lo: int, e: int, i: int) -> None:
         """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,
-        head), then finish_step's one host read; lo: the first row's position (the error message's)."""
+        head), then the one host read, the guard, the trace and the hook."""
+        cfg = self.cfg
         before = self.x.clone() if self.trace is not None else None
+        if self.llada:
+            kind, sizes = "llada", (bucket(max(e - lo, 1)), self.schedule[i])
+        else:
+            n = dream_count(self.n_mask, self.ts, i, self.n_steps) if cfg.alg != "origin" else 0
+            kind, sizes = "dream", (bucket(self.L - lo), n)
         self.st, info = static_steps.run_compiled(self.compiled, self.model, self.st, self.T, self.geo, kind, sizes)
         self.x = self.st["x"]
         self.count()
-        return self.finish_step(None, info["logits"], lo, before)
+        self.stats["host_reads"] += 1
+        b, _, self.fm, self.n_mask = self.st["head"].tolist()
+        self.step_index += 1
+        if b >= 0:
+            steps.refuse(info["logits"][b], lo + b, self.stats["forwards"], "vanilla", cfg.temperature)
+        self._record(before)
 
-    # ---- LLaDA ------------------------------------------------------------------------------------------
-    def llada(self) -> None:
-        cfg, x, P, L, mask_id, dev = self.cfg, self.x, self.P, self.L, self.mask_id, self.dev
-        bl = cfg.block_length
-        nb = (L - P) // bl
-        spb = cfg.steps // nb
-        # every block starts all masks: a step commits only candidates before its block's end
-        sched = transfer_schedule(bl, spb)
-        for b in range(nb):
-            e = P + (b + 1) * bl
+    def run(self, on_round=None) -> GenerateOutput:
+        """Decode the request alone: every step through the stages above (or compiled), then the result."""
+        self.begin(on_round)
+        while (b := self.next_bucket()) is not None:
             if self.compiled is not None:
-                self.st["e"].fill_(e)  # in place (the CUDA workspace): a kernel launch, no host read
-            for i in range(spb):
-                lo = self.fm  # candidates: the masks in [fm, e)
-                if self.compiled is not None:
-                    if self.compiled_step("llada", (bucket(max(e - lo, 1)), sched[i]), lo):
-                        return
-                    continue
-                rows = torch.arange(lo, e, device=dev)
-                if cfg.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows in one forward
-                    un_x = x.clone()
-                    un_x[:P] = mask_id
-                    both = self.fw.full(torch.stack([x, un_x]), torch.cat([rows, rows + L]))
-                    cond, un = both[: e - lo], both[e - lo :]
-                    logits = un + (cfg.cfg_scale + 1) * (cond - un)
-                else:
-                    logits = self.fw.full(x[None], rows)
-                self.count()
-                cand = x[lo:e] == mask_id
-                bad = steps.first_bad_row(logits, cand, cfg.temperature)  # before the deliberate -inf below
-                x0, x0_p = llada_choice(logits, self.geo, self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
-                                        self.keys(keyed.REMASK, rows) if cfg.remasking == "random" else None)
-                # full-length rows, so torch.topk sees the reference's vector (its order among exact ties)
-                conf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
-                conf[lo:e] = torch.where(cand, x0_p, float("-inf"))
-                sel = torch.topk(conf, sched[i]).indices
-                before = x.clone() if self.trace is not None else None
-                x[sel] = torch.cat([x[:lo], x0, x[e:]])[sel]
-                self.transferred += sched[i]
-                if self.finish_step(bad, logits, lo, before):
-                    return
-
-    # ---- Dream ------------------------------------------------------------------------------------------
-    def dream(self) -> None:
-        cfg, x, L, mask_id, dev = self.cfg, self.x, self.L, self.mask_id, self.dev
-        n_steps = cfg.steps
-        timesteps = torch.linspace(1, cfg.eps, n_steps + 1, device=dev)  # float32, as upstream
-        ts = timesteps.cpu()  # one read per request: the transfer counts are host ints (torch.topk's k)
-        kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                  suppress_token=mask_id if cfg.suppress_mask_token else None)  # fmt: skip
-        allpos = torch.arange(L, device=dev)
-        for i in range(n_steps):
-            lo = min(self.fm, L - 1)  # no mask left: one row, whose statistics no rule reads
-            if self.compiled is not None:
-                n = dream_count(self.n_mask, ts, i, n_steps) if cfg.alg != "origin" else 0
-                if self.compiled_step("dream", (bucket(L - lo), n), lo):
-                    return
+                self.compiled_step(*b)
                 continue
-            pos = allpos[lo:]
-            logits = self.fw.full(x[None], steps.raw_rows(lo, L, 0, True, dev))
-            self.count()
-            cand = x[lo:] == mask_id
-            bad = steps.first_bad_row(logits, cand, cfg.temperature)
-            keys = self.keys(keyed.TOKEN, pos) if cfg.temperature > 0 else None
-            t, s = timesteps[i], timesteps[i + 1]
-            before = x.clone() if self.trace is not None else None
-            if cfg.alg == "origin":
-                p_transfer = 1 - s / t if i < n_steps - 1 else 1
-                reveal = cand & (keyed.uniform(self.keys(keyed.REVEAL, pos)) < p_transfer)
-                _, tok, _ = token_stats(logits, **kw, keys=keys)
-                x[lo:] = torch.where(reveal, tok, x[lo:])
-                self.transferred += reveal.sum()
-            else:
-                conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[cfg.alg], **kw, keys=keys)
-                n = dream_count(self.n_mask, ts, i, n_steps)
-                full_conf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
-                full_conf[lo:] = torch.where(cand, conf.to(logits.dtype), float("-inf"))
-                if n > 0:
-                    x0_full = torch.cat([torch.full((lo,), mask_id, dtype=x.dtype, device=dev),
-                                         torch.where(cand, x0, mask_id)])  # fmt: skip
-                    if cfg.alg_temp is None or cfg.alg_temp == 0:
-                        sel = torch.topk(full_conf, n).indices
-                        x[sel] = x0_full[sel]
-                    else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
-                        race = keyed.top_n_race(torch.softmax(full_conf / cfg.alg_temp, -1), n,
-                                                self.keys(keyed.ORDER, allpos))  # fmt: skip
-                        x.copy_(torch.where(race, x0_full, x))
-                self.transferred += n
-            if self.finish_step(bad, logits, lo, before):
-                return
+            w = self.prepare(*b)
+            self.finish(w, self.fw.full(w["tokens"], w["rows"]))
+            self.read_head()
+            self.after_round()
+        return self.result()
+
+    def result(self) -> GenerateOutput:
+        """Stop the clock; the tokens, the counters and stats, the trace."""
+        self.clock.__exit__(None, None, None)
+        cfg, stats = self.cfg, self.stats
+        stats["transferred"] = int(self.transferred if self.compiled is None else self.st["transferred"])
+        if self.compiled is not None:
+            stats.update(self.compiled.stats())
+        stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
+        ids = self.x[self.P :].tolist()
+        finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, self.clock.seconds, steps_plus_one=False)
+        if stats["masks_left"] and not stats.get("stopped"):
+            warnings.warn(
+                f"vanilla: {stats['masks_left']} of {len(ids)} generated positions still hold the mask id "
+                f"{cfg.mask_token_id} after steps={cfg.steps} (the model predicted the mask token, or alg='origin' "
+                "left them); see stats['masks_left'], or pass suppress_mask_token=True", RuntimeWarning, stacklevel=4)
+        return GenerateOutput(ids, stats, self.trace)
 
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Vanilla decoding on the fast backend. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig
     (covered: lopa_fast.decode.fast_not_covered); on_round: the progress hook."""
-    run = _Loop(model, prompt, cfg, on_round)
-    with Clock(run.dev) as clock:
-        run.llada() if model.config.kind == "llada" else run.dream()
-    stats = run.stats
-    stats["transferred"] = int(run.transferred if run.compiled is None else run.st["transferred"])
-    if run.compiled is not None:
-        stats.update(run.compiled.stats())
-    stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
-    ids = run.x[run.P :].tolist()
-    finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
-    if stats["masks_left"] and not stats.get("stopped"):
-        warnings.warn(
-            f"vanilla: {stats['masks_left']} of {len(ids)} generated positions still hold the mask id "
-            f"{cfg.mask_token_id} after steps={cfg.steps} (the model predicted the mask token, or alg='origin' left "
-            "them); see stats['masks_left'], or pass suppress_mask_token=True", RuntimeWarning, stacklevel=3)
-    return GenerateOutput(ids, stats, run.trace)
+    return VanillaDriver(model, prompt, cfg).run(on_round)

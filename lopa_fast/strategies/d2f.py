@@ -20,6 +20,13 @@ def block_size(cfg) -> int:
     return cfg.block_size
 
 
+def cache_rows(prompt_len: int, cfg) -> int:
+    """The request's static cache: its buffer (prompt + generated blocks, rounded up) + the trash row."""
+    from lopa_fast.decode.engine import buffer_len
+
+    return buffer_len(prompt_len, cfg) + 1
+
+
 def driver(model, prompt, cfg, cache=None):
     """The batch scheduler's per-request state machine: the round with one branch."""
     from lopa_fast.decode.engine import FastDecoder
@@ -30,5 +37,6 @@ def driver(model, prompt, cfg, cache=None):
 SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
-    validate=check_strict_length, length_unit=block_size, driver=driver, compile=True, distributed=True,
+    validate=check_strict_length, length_unit=block_size, driver=driver, cache_rows=cache_rows, compile=True,
+    distributed=True,
 ))  # fmt: skip

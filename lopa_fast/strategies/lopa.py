@@ -2,7 +2,7 @@
 branches verified in one forward; branching_factor=1 is plain D2F."""
 from __future__ import annotations
 
-from lopa_fast.strategies.d2f import block_size, check_strict_length
+from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length
 from lopa_fast.strategies.registry import Strategy, register
 
 
@@ -22,5 +22,6 @@ def driver(model, prompt, cfg, cache=None):
 SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.reference.lopa:generate", fast="lopa_fast.decode.lopa:generate",
-    validate=check_strict_length, length_unit=block_size, rows=rows, driver=driver, compile=True, distributed=True,
+    validate=check_strict_length, length_unit=block_size, rows=rows, driver=driver, cache_rows=cache_rows,
+    compile=True, distributed=True,
 ))  # fmt: skip

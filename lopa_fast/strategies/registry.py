@@ -50,8 +50,10 @@ class Strategy:
     rows:       branch slots (forward rows) of one request: rows(cfg) -> int (LoPA: k + 1).
     driver:     the fast backend's per-request state machine for the batch scheduler (lopa_fast.decode.batch):
                 driver(model, prompt, cfg, cache=None) -> an object with begin / next_bucket / prepare /
-                forward_args / finish / read_head / after_round / result; None: requests of this strategy are
-                decoded one after another, never in a shared forward.
+                forward_args / finish / read_head / after_round / result, and mode / attn_backend /
+                use_cache(k, v)); None: requests of this strategy are decoded one after another.
+    cache_rows: the rows of static KV cache one request needs in the batch's pool: cache_rows(prompt_len, cfg)
+                (1: a cache-free driver).
     compile:    compile=True is implemented on its fast path.
     distributed: distributed=True (the round's branch slots over the ranks) is implemented.
     default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
@@ -70,6 +72,7 @@ class Strategy:
     length_unit: Callable[[Any], int] = _one
     rows: Callable[[Any], int] = _one
     driver: Callable | str | None = None
+    cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
     compile: bool = False
     distributed: bool = False
     default_sampler: str = "keyed"

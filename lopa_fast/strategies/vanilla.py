@@ -80,6 +80,13 @@ def length_unit(cfg) -> int:
     return cfg.block_length if cfg.block_length is not None else 1
 
 
+def driver(model, prompt, cfg, cache=None):
+    """The batch scheduler's per-request state machine (cache-free steps share one forward)."""
+    from lopa_fast.decode.vanilla import VanillaDriver
+
+    return VanillaDriver(model, prompt, cfg, cache=cache)
+
+
 def rows(cfg) -> int:
     return 2 if cfg.cfg_scale else 1  # cfg_scale > 0: the conditional and the unconditional row in one forward
 
@@ -88,5 +95,5 @@ SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.reference.vanilla:generate", fast="lopa_fast.decode.vanilla:generate",
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
-    length_unit=length_unit, rows=rows, compile=True,
+    length_unit=length_unit, rows=rows, driver=driver, compile=True,
 ))  # fmt: skip
