@@ -153,23 +153,22 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
 
 
 def total_memory(device="cpu") -> tuple[int, int]:
-    """(total, available) bytes of the device's memory; on the CPU the smaller of the machine's and the cgroup's
-    limit (v2 memory.max, v1 memory.limit_in_bytes), available from MemAvailable (and the cgroup's headroom)."""
+    """(total, available) bytes of the device's memory. CUDA: torch.cuda.mem_get_info. CPU: psutil's
+    virtual_memory (total, available), lowered to the cgroup's limit when one is set (psutil does not read cgroups:
+    v2 memory.max / memory.current, v1 memory.limit_in_bytes / memory.usage_in_bytes are read here)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         return int(total), int(free)
-    total = avail = None
     try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        total = int(info["MemTotal"].split()[0]) * 1024
-        avail = int(info.get("MemAvailable", info["MemFree"]).split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        pass
-    if total is None:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, avail = int(vm.total), int(vm.available)
+    except (ImportError, OSError, RuntimeError):  # no psutil: the page counts POSIX gives
         try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            page = os.sysconf("SC_PAGE_SIZE")
+            total, avail = page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             return 1 << 62, 1 << 62
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
@@ -490,8 +489,14 @@ def load_model(
         if lora is not None:
             tensors = merge_lora(tensors, lora)
         cast = {}
+        # a tensor read from a safetensors file is a view of its memory map; on the CPU with no cast it would stay
+        # one, so the loaded model would change (or the process die of SIGBUS) when the file is overwritten or
+        # truncated under it: such tensors are copied into memory the process owns
+        on_cpu = torch.device(device).type == "cpu"
         for k, v in tensors.items():
             c = v.to(dtype)
+            if on_cpu and kind != "pickle" and c.data_ptr() == v.data_ptr():
+                c = c.clone()
             if c.dtype != v.dtype and bool(torch.isinf(c).any()) and not bool(torch.isinf(v).any()):
                 big = float(v.float().abs().max())
                 raise CheckpointError(
