@@ -26,6 +26,7 @@ import time
 
 import pytest
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast import tasks
@@ -106,28 +107,27 @@ def test_apd_cpu(benchmark, row):
 
 def report(path: str) -> str:
     """Markdown table from the JSON: seconds for all problems (median of the rounds) and the ratios."""
-    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    out = ["| row | (R, W, M) | accuracy | TPF | dLLM fw / answer | verifier fw / answer | accepted / step "
-           "| host reads / step | reference s | fast s | compiled s | fast vs ref | compiled vs ref | graphs "
-           "| compile s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    header = ["row", "(R, W, M)", "accuracy", "TPF", "dLLM fw / answer", "verifier fw / answer", "accepted / step",
+              "host reads / step", "reference s", "fast s", "compiled s", "fast vs ref", "compiled vs ref", "graphs",
+              "compile s"]
+    rows = []
     tot = {p: 0.0 for p in PATHS}
-    for e in rows:
+    for e in runs:
         k = e["knobs"]
         r, f, c = (e[f"{p}_median"] for p in PATHS)
         for p in PATHS:
             tot[p] += e[f"{p}_median"]
-        out.append(
-            f"| {e['row']} | ({k['apd_mixture_weight']}, {k['kv_window']}, {k['max_lookahead']}) "
-            f"| {e['accuracy']:.1%} | {e['tpf']:.2f} | {e['dllm_forwards_per_answer']:.2f} "
-            f"| {e['verifier_forwards_per_answer']:.2f} | {e['mean_accepted']:.2f} | {e['host_reads_per_step']:.2f} "
-            f"| {r:.3f} | {f:.3f} | {c:.3f} | **{r / f:.2f}x** | **{r / c:.2f}x** | {e['graphs']} "
-            f"| {e['compile_s']:.0f} |"
-        )
+        rows.append([
+            e["row"], f"({k['apd_mixture_weight']}, {k['kv_window']}, {k['max_lookahead']})", f"{e['accuracy']:.1%}",
+            f"{e['tpf']:.2f}", f"{e['dllm_forwards_per_answer']:.2f}", f"{e['verifier_forwards_per_answer']:.2f}",
+            f"{e['mean_accepted']:.2f}", f"{e['host_reads_per_step']:.2f}", f"{r:.3f}", f"{f:.3f}", f"{c:.3f}",
+            f"**{r / f:.2f}x**", f"**{r / c:.2f}x**", e["graphs"], f"{e['compile_s']:.0f}",
+        ])  # fmt: skip
     t = tot
-    out.append(f"| all | | | | | | | | {t['reference']:.3f} | {t['fast']:.3f} | {t['compiled']:.3f} "
-               f"| **{t['reference'] / t['fast']:.2f}x** | **{t['reference'] / t['compiled']:.2f}x** | | |")
-    return "\n".join(out)
+    rows.append(["all", "", "", "", "", "", "", "", f"{t['reference']:.3f}", f"{t['fast']:.3f}", f"{t['compiled']:.3f}",
+                 f"**{t['reference'] / t['fast']:.2f}x**", f"**{t['reference'] / t['compiled']:.2f}x**", "", ""])
+    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 
 if __name__ == "__main__":

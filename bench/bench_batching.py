@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -88,18 +89,18 @@ def test_batching(benchmark, name, k, B):
 
 
 def report(path: str) -> str:
-    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    out = ["| model | k | B | tokens | sequential s | batched s | sequential tok/s | batched tok/s | speed-up "
-           "| latency seq. (mean per request) s | latency batched s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for e in sorted(rows, key=lambda e: (e["model"], e["k"], e["B"])):
+    runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    header = ["model", "k", "B", "tokens", "sequential s", "batched s", "sequential tok/s", "batched tok/s",
+              "speed-up", "latency seq. (mean per request) s", "latency batched s"]
+    rows = []
+    for e in sorted(runs, key=lambda e: (e["model"], e["k"], e["B"])):
         s, b = e["sequential_s"], e["batched_s"]
         # sequential: request i waits for the i-1 before it, so the mean latency is about (B + 1) / 2 runs
         lat_seq = s * (e["B"] + 1) / (2 * e["B"])
-        out.append(f"| {e['model']} ({e['params'] / 1e6:.1f}M) | {e['k']} | {e['B']} | {e['tokens']} | {s:.3f} "
-                   f"| {b:.3f} | {e['tokens'] / s:.0f} | {e['tokens'] / b:.0f} | **{s / b:.2f}x** | {lat_seq:.3f} "
-                   f"| {b:.3f} |")  # fmt: skip
-    return "\n".join(out)
+        rows.append([f"{e['model']} ({e['params'] / 1e6:.1f}M)", e["k"], e["B"], e["tokens"], f"{s:.3f}", f"{b:.3f}",
+                     f"{e['tokens'] / s:.0f}", f"{e['tokens'] / b:.0f}", f"**{s / b:.2f}x**", f"{lat_seq:.3f}",
+                     f"{b:.3f}"])  # fmt: skip
+    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 
 if __name__ == "__main__":

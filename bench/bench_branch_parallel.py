@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tabulate import tabulate
 
 WORLDS = (2, 3)
 KS = (2, 4, 8)
@@ -153,10 +154,10 @@ def main() -> None:
           "rounds at the same world size (full logits all_gather + 2 x layers K/V broadcasts + its small int "
           "messages; pickled objects not counted: a lower bound). Dream-7B columns: the same rounds' shapes with "
           "Dream-7B's V = 152064, 28 layers, 4 KV heads x 128, bf16 (computed, not run).\n")  # fmt: skip
-    print("| W | k | attention | rounds | TPF | ours KB (stats + K/V) | upstream KB (logits + K/V) | ratio | "
-          "Dream-7B ours KB | Dream-7B upstream KB | collectives / round ours vs upstream | ms/round 1 proc | "
-          "ms/round W procs | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["W", "k", "attention", "rounds", "TPF", "ours KB (stats + K/V)", "upstream KB (logits + K/V)", "ratio",
+              "Dream-7B ours KB", "Dream-7B upstream KB", "collectives / round ours vs upstream", "ms/round 1 proc",
+              "ms/round W procs", "speed-up"]
+    table = []
     for W, rows in results.items():
         for r in rows:
             cfg = r["cfg"]
@@ -170,11 +171,14 @@ def main() -> None:
             kv_share = r["kv_rounds"] / r["rounds"]
             coll_ours = 1 + kv_share
             coll_up = 2 + 3 + 5 + kv_share * (2 + 2 * c["num_layers"])  # dispatch 3, gather 5, commit 1 + 2 x layers
-            print(f"| {W} | {cfg['branching_factor']} | {'full' if cfg['use_full_attention'] else 'block-causal'} | "
-                  f"{r['rounds']} | {r['tpf']:.2f} | {_kb(ours)} ({_kb(r['ours_stats'])} + {_kb(r['ours_kv'])}) | "
-                  f"{_kb(up)} ({_kb(r['up_logits'])} + {_kb(r['up_kv'])}) | {up / max(ours, 1):.0f}x | {_kb(ours7)} | "
-                  f"{_kb(up7)} | {coll_ours:.2f} vs {coll_up:.1f} | {1000 * r['one_s']:.1f} | "
-                  f"{1000 * r['dist_s']:.1f} | {r['one_s'] / r['dist_s']:.2f}x |")  # fmt: skip
+            table.append([
+                W, cfg["branching_factor"], "full" if cfg["use_full_attention"] else "block-causal", r["rounds"],
+                f"{r['tpf']:.2f}", f"{_kb(ours)} ({_kb(r['ours_stats'])} + {_kb(r['ours_kv'])})",
+                f"{_kb(up)} ({_kb(r['up_logits'])} + {_kb(r['up_kv'])})", f"{up / max(ours, 1):.0f}x", _kb(ours7),
+                _kb(up7), f"{coll_ours:.2f} vs {coll_up:.1f}", f"{1000 * r['one_s']:.1f}", f"{1000 * r['dist_s']:.1f}",
+                f"{r['one_s'] / r['dist_s']:.2f}x",
+            ])  # fmt: skip
+    print(tabulate(table, header, tablefmt="github", disable_numparse=True))
     print("\nUpstream's collective count per round: dispatch (lengths broadcast, token scatter, payload "
           "scatter_object_list), gather (2 count all_gathers, metadata all_gather_object, numel all_gather, logits "
           "all_gather), and on rounds with a cached span a second dispatch + 2 x layers K/V broadcasts (here "

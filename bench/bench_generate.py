@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -111,21 +112,22 @@ def test_generate(benchmark, model, k):
 
 def report(path: str) -> str:
     """Markdown table (reference vs fast wall time per generate, ratio, memory) from the JSON."""
-    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    out = ["| model | params | threads | k (seqs/round) | forwards | ref model calls | reference s (min / median) "
-           "| fast s (min / median) | speed-up (min / median) | fast host reads/round | KV prefix MB | KV window MB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for e in sorted(rows, key=lambda e: (list(SETUPS).index(e["model"]), e["k"])):
+    runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    header = ["model", "params", "threads", "k (seqs/round)", "forwards", "ref model calls",
+              "reference s (min / median)", "fast s (min / median)", "speed-up (min / median)",
+              "fast host reads/round", "KV prefix MB", "KV window MB"]
+    rows = []
+    for e in sorted(runs, key=lambda e: (list(SETUPS).index(e["model"]), e["k"])):
         k = e["k"]
-        out.append(
-            f"| {e['model']} | {e['params'] / 1e6:.1f}M | {e['threads']} | {k} ({k + 1 if k > 1 else 1}) "
-            f"| {e['forwards']} | {e['ref_model_calls']} | {e['ref_min']:.4f} / {e['ref_median']:.4f} "
-            f"| {e['fast_min']:.4f} / {e['fast_median']:.4f} "
-            f"| **{e['ref_min'] / e['fast_min']:.2f}x** / {e['ref_median'] / e['fast_median']:.2f}x "
-            f"| {e['host_reads'] / e['forwards']:.2f} | {e['kv_prefix_bytes'] / 2**20:.3f} "
-            f"| {e['kv_window_bytes'] / 2**20:.3f} |"
-        )
-    return "\n".join(out)
+        rows.append([
+            e["model"], f"{e['params'] / 1e6:.1f}M", e["threads"], f"{k} ({k + 1 if k > 1 else 1})", e["forwards"],
+            e["ref_model_calls"], f"{e['ref_min']:.4f} / {e['ref_median']:.4f}",
+            f"{e['fast_min']:.4f} / {e['fast_median']:.4f}",
+            f"**{e['ref_min'] / e['fast_min']:.2f}x** / {e['ref_median'] / e['fast_median']:.2f}x",
+            f"{e['host_reads'] / e['forwards']:.2f}", f"{e['kv_prefix_bytes'] / 2**20:.3f}",
+            f"{e['kv_window_bytes'] / 2**20:.3f}",
+        ])  # fmt: skip
+    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 
 if __name__ == "__main__":

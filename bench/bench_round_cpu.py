@@ -25,6 +25,7 @@ import time
 
 import pytest
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -106,28 +107,29 @@ def test_round_cpu(benchmark, k, full, bs):
 
 def report(path: str) -> str:
     """Markdown table from the JSON: seconds per 3 requests (median of the rounds) and the ratios."""
-    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    out = ["| k (seqs) | attention | block | forwards | reference s | fast s | fast (torch round) s | compiled s "
-           "| fast vs ref | fast (torch round) vs ref | compiled vs ref | graphs | compile s | pays off after |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    header = ["k (seqs)", "attention", "block", "forwards", "reference s", "fast s", "fast (torch round) s",
+              "compiled s", "fast vs ref", "fast (torch round) vs ref", "compiled vs ref", "graphs", "compile s",
+              "pays off after"]
+    rows = []
     tot = {p: 0.0 for p in PATHS}
-    for e in sorted(rows, key=lambda e: (e["k"], not e["full"], e["bs"])):
+    for e in sorted(runs, key=lambda e: (e["k"], not e["full"], e["bs"])):
         r, f, ft, c = (e[f"{p}_median"] for p in PATHS)
         for p in PATHS:
             tot[p] += e[f"{p}_median"]
         k = e["k"]
         per_req_gain = (f - c) / PROMPTS  # against the default eager path
         pay = f"{e['compile_s'] / per_req_gain:.0f} requests" if per_req_gain > 0 else "never"
-        out.append(
-            f"| {k} ({k + 1 if k > 1 else 1}) | {'full' if e['full'] else 'block-causal'} | {e['bs']} "
-            f"| {e['forwards']} | {r:.4f} | {f:.4f} | {ft:.4f} | {c:.4f} | **{r / f:.2f}x** | {r / ft:.2f}x "
-            f"| **{r / c:.2f}x** | {e['graphs']} | {e['compile_s']:.1f} | {pay} |"
-        )
+        rows.append([
+            f"{k} ({k + 1 if k > 1 else 1})", "full" if e["full"] else "block-causal", e["bs"], e["forwards"],
+            f"{r:.4f}", f"{f:.4f}", f"{ft:.4f}", f"{c:.4f}", f"**{r / f:.2f}x**", f"{r / ft:.2f}x",
+            f"**{r / c:.2f}x**", e["graphs"], f"{e['compile_s']:.1f}", pay,
+        ])  # fmt: skip
     t = tot
-    out.append(f"| all | | | | {t['reference']:.3f} | {t['fast']:.3f} | {t['fast_torch']:.3f} | {t['compiled']:.3f} "
-               f"| **{t['reference'] / t['fast']:.2f}x** | {t['reference'] / t['fast_torch']:.2f}x "
-               f"| **{t['reference'] / t['compiled']:.2f}x** | | | |")
-    return "\n".join(out)
+    rows.append(["all", "", "", "", f"{t['reference']:.3f}", f"{t['fast']:.3f}", f"{t['fast_torch']:.3f}",
+                 f"{t['compiled']:.3f}", f"**{t['reference'] / t['fast']:.2f}x**",
+                 f"{t['reference'] / t['fast_torch']:.2f}x", f"**{t['reference'] / t['compiled']:.2f}x**", "", "", ""])
+    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 
 if __name__ == "__main__":

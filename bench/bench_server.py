@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast.assets import model_dir
@@ -104,11 +105,13 @@ def main() -> None:
     print(f"`python bench/bench_server.py --n {args.n} --rounds {args.rounds}` ({args.n} held-out arith prompts "
           f"per round, {args.rounds} rounds, the three ways alternating; every HTTP text equal to the in-process "
           f"one; TPF {tpf:.2f} for all three, {tokens} returned positions per round)\n")
-    print("| way | median latency / request (ms) | median wall / round (s) | tokens/s | wall vs in-process |")
-    print("|---|---|---|---|---|")
+    header = ["way", "median latency / request (ms)", "median wall / round (s)", "tokens/s", "wall vs in-process"]
+    rows = []
     for name in lat:
         w = statistics.median(wall[name])
-        print(f"| {name} | {1000 * statistics.median(lat[name]):.1f} | {w:.2f} | {tokens / w:.0f} | {w / base:.2f}x |")
+        rows.append([name, f"{1000 * statistics.median(lat[name]):.1f}", f"{w:.2f}", f"{tokens / w:.0f}",
+                     f"{w / base:.2f}x"])
+    print(tabulate(rows, header, tablefmt="github", disable_numparse=True))
     print("\nhttp-conc latency is a request's wait in the queue plus its own decoding (one request at a time today).")
 
 

@@ -23,6 +23,7 @@ import warnings
 
 import pytest
 import torch
+from tabulate import tabulate
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -99,15 +100,16 @@ def test_strategies_cpu(benchmark, mname, row):
 
 def report(path: str) -> str:
     """Markdown table from the JSON: milliseconds per request (median of the rounds) and the ratio."""
-    rows = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    out = ["| model | strategy | forwards / request | TPF | reference ms / request | fast ms / request "
-           "| fast vs reference |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
+    header = ["model", "strategy", "forwards / request", "TPF", "reference ms / request", "fast ms / request",
+              "fast vs reference"]
     order = list(ROWS)
-    for e in sorted(rows, key=lambda e: (list(MODELS).index(e["model"]), order.index(e["row"]))):
+    rows = []
+    for e in sorted(runs, key=lambda e: (list(MODELS).index(e["model"]), order.index(e["row"]))):
         r, f = e["reference_median"] / PROMPTS * 1e3, e["fast_median"] / PROMPTS * 1e3
-        out.append(f"| {e['model']} | {e['row']} | {e['forwards'] / PROMPTS:.1f} | {e['tpf']:.2f} | {r:.1f} | {f:.1f} "
-                   f"| **{r / f:.2f}x** |")
-    return "\n".join(out)
+        rows.append([e["model"], e["row"], f"{e['forwards'] / PROMPTS:.1f}", f"{e['tpf']:.2f}", f"{r:.1f}", f"{f:.1f}",
+                     f"**{r / f:.2f}x**"])
+    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from tabulate import tabulate  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -184,10 +185,10 @@ def main(argv=None) -> int:
             "bundled ptxas -arch=sm_90a -v). Dream-7B shapes: Hq 28, Hkv 4 (G 7), D 128, V 152064; "
             "select_round at B x n windows. smem = Triton's dynamic shared memory (bytes).",
             "",
-            "| kernel | warps | stages | registers/thread | smem bytes | spill bytes | stack bytes | compile s |",
-            "|---|---|---|---|---|---|---|---|",
+            tabulate([[*r[:7], f"{r[7]:.1f}"] for r in rows],
+                     ["kernel", "warps", "stages", "registers/thread", "smem bytes", "spill bytes", "stack bytes",
+                      "compile s"], tablefmt="github", disable_numparse=True),
         ]
-        lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]} | {r[7]:.1f} |" for r in rows]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {args.out}")

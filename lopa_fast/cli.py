@@ -1,6 +1,6 @@
 """Command line: `python -m lopa_fast {demo, eval, generate, lm-eval}` (`lopa-fast` when installed).
 
-    python -m lopa_fast demo                      # the main job: embedded model, D2F vs LoPA, fill order
+    python -m lopa_fast demo                      # the main job: LoPA vs D2F on the embedded arith-var model
     python -m lopa_fast eval --n 100              # Table 1 on the embedded task -> ./lopa_fast_eval/ (--out DIR)
     python -m lopa_fast generate --prompt "Tom has 23 pens . ..." --preset lopa-k4
     python -m lopa_fast generate --model DIR [--lora DIR] --chat --prompt "..." --strategy lopa --block-size 32 --json
@@ -28,6 +28,8 @@ import os
 import re
 import shlex
 import sys
+import types
+import typing
 import warnings
 
 from lopa_fast.errors import LopaError
@@ -195,35 +197,81 @@ def token_sequences(text: str) -> list[list[int]]:
 token_sequences.__name__ = "ids"  # the metavar
 
 
-def _knob_type(annotation: str):
-    """(argparse type, is_bool) from a GenerateConfig field annotation ("int | None", "float", "bool", ...)."""
-    base = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"][0]
-    types = {"int": int, "float": float, "str": str, "bool": bool, "tuple[tuple[int, ...], ...]": token_sequences}
-    return types[base], base == "bool"
+def _knob_type(hint):
+    """(argparse type, is_bool) of a GenerateConfig field from its type (`typing.get_type_hints`): `X | None` is
+    read as X; bool is a --flag / --no-flag pair; the token-id sequences (stop) are read by token_sequences."""
+    args = [hint]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1:
+        (t,) = args
+        if t in (bool, int, float, str):
+            return t, t is bool
+        if typing.get_origin(t) is tuple and typing.get_args(t) == (tuple[int, ...], ...):
+            return token_sequences, False
+    raise TypeError(f"GenerateConfig field type {hint}: no command-line flag type for it (lopa_fast.cli._knob_type)")
+
+
+# the embedded model's own setting: `generate` / `serve` without --model, --preset and --strategy run this eval row
+EMBEDDED_PRESET = "lopa-k4"
+
+
+def preset_knobs(name: str) -> dict:
+    """The knobs `--preset NAME` sets: the eval row's, at the eval's max_new_tokens and temperature 0."""
+    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+
+    return dict(ROWS[name], max_new_tokens=GEN_LEN, temperature=0.0)
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def knob_help(f: dataclasses.Field, preset: dict | None = None, note: str = "") -> str:
+    """The --help text of a knob flag: the field's own description (GenerateConfig metadata), then the value it
+    runs with when the flag is not given: GenerateConfig's default (for None: what None runs as), or the embedded
+    model's preset value where that differs, saying so. `note` is appended to the description. (%% escaped for
+    argparse.)"""
+    default = f.metadata.get("unset", "unset") if f.default is None else _shown(f.default)
+    if preset is not None and f.name in preset and preset[f.name] != f.default:
+        shown = (f"default: {_shown(preset[f.name])} on the embedded model, its preset {EMBEDDED_PRESET}; "
+                 f"GenerateConfig: {default}")
+    else:
+        shown = f"default: {default}"
+    return f"{f.metadata['help']}{note} ({shown})".replace("%", "%%")
 
 
 def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
-    """One flag per GenerateConfig field (`--max-new-tokens`, `--no-use-full-attention`, ...); unset flags stay
-    absent from the namespace (the config's or the preset's default applies). Returns the field names.
-    `hidden`: fields the command refuses (serve: NOT_SERVED), left out of --help; still parsed, so that passing
-    one is refused with the reason instead of "unrecognized arguments"."""
-    from lopa_fast.config import GenerateConfig
+    """One flag per GenerateConfig field (`--max-new-tokens`, `--no-use-full-attention`, ...), typed from the
+    field's type (typing.get_type_hints), with its description, choices and the default it runs with from the field
+    (`knob_help`); unset flags stay absent from the namespace (the config's or the preset's default applies).
+    Returns the field names. `hidden`: fields the command refuses (serve: NOT_SERVED), left out of --help; still
+    parsed, so that passing one is refused with the reason instead of "unrecognized arguments"."""
+    from lopa_fast.config import GenerateConfig, knob_choices
 
+    hints = typing.get_type_hints(GenerateConfig)
+    preset = preset_knobs(EMBEDDED_PRESET)
     names = []
-    grp = parser.add_argument_group("decoding knobs (lopa_fast.generate; docs/decoding.md)")
+    grp = parser.add_argument_group(
+        "decoding knobs (lopa_fast.generate; docs/decoding.md)",
+        f"Each default is GenerateConfig's; without --model, --preset and --strategy the embedded model runs its "
+        f"preset {EMBEDDED_PRESET}, whose values are shown where they differ.")
     for f in dataclasses.fields(GenerateConfig):
         if f.name in _OWN_FLAGS:
             continue
-        typ, is_bool = _knob_type(f.type)
+        typ, is_bool = _knob_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        default = ("none: token ids like 13,198;7" if f.name == "stop" else "model's") if f.default is None else f.default
-        shown = argparse.SUPPRESS if f.name in hidden else f"(default {default})"
+        note = "; here ids like 13,198;7 for [[13, 198], [7]]" if typ is token_sequences else ""
+        shown = argparse.SUPPRESS if f.name in hidden else knob_help(f, preset, note)
         if is_bool:
             grp.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                              help=shown)
         else:
-            grp.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, metavar=typ.__name__.upper(),
-                             help=shown)
+            choices = knob_choices(f)
+            grp.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, choices=choices,
+                             metavar=None if choices else typ.__name__.upper(), help=shown)
         names.append(f.name)
     return names
 
@@ -296,14 +344,12 @@ def _load(args):
 def generate_knobs(args, knob_names) -> dict:
     """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
     nor --strategy is given), then every flag given."""
-    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
-
     preset = args.preset
     if preset is None and args.model is None and args.strategy is None:
-        preset = "lopa-k4"  # the embedded model's own setting
+        preset = EMBEDDED_PRESET  # the embedded model's own setting
     knobs: dict = {}
     if preset is not None:
-        knobs.update(ROWS[preset], max_new_tokens=GEN_LEN, temperature=0.0)
+        knobs.update(preset_knobs(preset))
     if args.strategy is not None:
         knobs["strategy"] = args.strategy
     knobs["backend"] = args.backend
@@ -476,25 +522,25 @@ def write_png(out, tok, path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import (BACKENDS, BLOCK, BLOCK_SIZES, EVAL_ROWS, EVAL_TASKS, GEN_LEN, OUT_DIR, ROWS,
-                                          out_name)
+    from lopa_fast.tasks.evaluate import (BACKENDS, BLOCK, BLOCK_SIZES, DEMO_TASK, EVAL_ROWS, EVAL_TASKS, GEN_LEN,
+                                          OUT_DIR, ROWS, out_name)
 
-    from lopa_fast.config import strategy_names
+    from lopa_fast.config import GenerateConfig, strategy_names
 
     STRATEGIES = strategy_names()
+    knob = {f.name: f for f in dataclasses.fields(GenerateConfig)}
 
     from lopa_fast.server.protocol import NOT_SERVED
 
     ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = _Parser(add_help=False)
-    common.add_argument("--backend", default="auto", choices=BACKENDS,
-                        help="decoder backend (default auto: the fast backend wherever it covers the request)")
-    common.add_argument("--model", default=None, help="model directory (default: the embedded d2f-arith model)")
+    common.add_argument("--backend", default="auto", choices=BACKENDS, help=knob_help(knob["backend"]))
+    common.add_argument("--model", default=None, help="model directory (default: the embedded model: d2f-arith for "
+                                                      "generate / serve, the --task's model for demo / eval)")
     # one thread: the embedded model's matmuls are tiny (~65 x 128 x 384), and on a shared 2-core machine
     # a second OpenMP thread made each forward ~60x slower (18 ms vs 0.3 ms per matmul, measured)
-    common.add_argument("--compile", action="store_true",
-                        help="compile each round / step bucket once and replay it (fast backend, every strategy)")
+    common.add_argument("--compile", action="store_true", help=knob_help(knob["compile"]))
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     loud = common.add_mutually_exclusive_group()
     loud.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
@@ -505,8 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
-    d.add_argument("--task", default="arith", choices=list(EVAL_TASKS),
-                   help="the held-out task (default arith; arith-var: its model d2f-arith-var, 96 new tokens)")
+    d.add_argument("--task", default=DEMO_TASK, choices=list(EVAL_TASKS),
+                   help=f"the held-out task (default {DEMO_TASK}: worked solutions of 64-96 tokens on its model "
+                        "d2f-arith-var, where LoPA needs about half D2F's forwards; arith: 32 new tokens on d2f-arith, "
+                        "where D2F already fills a block per round)")
     d.set_defaults(fn=_demo)
 
     e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
@@ -532,16 +580,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", parents=[common], help="decode one prompt (any model; default the embedded one)",
                        description="Decode one prompt. Every knob of lopa_fast.generate is a flag of the same name "
                                    "(dashes for underscores); unset knobs keep GenerateConfig's defaults (or the "
-                                   "--preset's). Text to stdout, stats to stderr; --json prints one JSON object.")
+                                   "--preset's; the embedded model runs its preset " + EMBEDDED_PRESET + "). Text to "
+                                   "stdout, stats to stderr; --json prints one JSON object.")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text")
     src.add_argument("--prompt-file", default=None, help="UTF-8 file holding the prompt (neither: read stdin)")
     g.add_argument("--lora", default=None, help="PEFT LoRA adapter directory, merged at load (e.g. D2F's)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--strategy", default=None, choices=STRATEGIES,
-                   help=f"decoding strategy: {', '.join(STRATEGIES)} (default lopa)")
+    g.add_argument("--strategy", default=None, choices=STRATEGIES, help=knob_help(knob["strategy"]))
     g.add_argument("--preset", default=None, choices=list(ROWS),
-                   help="an eval row's knobs (embedded model: lopa-k4 unless --strategy is given)")
+                   help=f"an eval row's knobs (the embedded model: {EMBEDDED_PRESET} unless --strategy is given)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
@@ -590,9 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the running requests' estimates together (default half of the device's memory)")
     lim.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
                      help="seconds to receive a request body (default 30; slower: 408)")
-    v.add_argument("--strategy", default=None, choices=STRATEGIES, help="default strategy (default lopa)")
+    v.add_argument("--strategy", default=None, choices=STRATEGIES, help=knob_help(knob["strategy"]))
     v.add_argument("--preset", default=None, choices=list(ROWS),
-                   help="an eval row's knobs as defaults (embedded model: lopa-k4 unless --strategy is given)")
+                   help=f"an eval row's knobs as defaults (the embedded model: {EMBEDDED_PRESET} unless --strategy "
+                        "is given)")
     v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     v.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")

@@ -15,7 +15,7 @@ Fields the fast decoder (lopa_fast.decode) needs for d2f / lopa, all resolved by
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lopa_fast import strategies
 from lopa_fast.errors import KnobError, RoundCapError  # noqa: F401  (RoundCapError re-exported here)
@@ -25,6 +25,8 @@ from lopa_fast.knobs import check_choice as _choice
 from lopa_fast.knobs import check_number as _num
 from lopa_fast.knobs import check_positive_int as _positive_int
 from lopa_fast.knobs import check_prob as _prob
+from lopa_fast.strategies.threshold import CACHE_MODES
+from lopa_fast.strategies.vanilla import DREAM_ALGS, REMASKING
 
 MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
@@ -38,78 +40,142 @@ def strategy_names() -> tuple[str, ...]:
     return strategies.names()
 
 
+def knob(default, help: str, *, choices=None, unset: str | None = None):
+    """A GenerateConfig field: its default and, as field metadata, what the CLI's --help and the docs show.
+
+    help:    one line saying what the knob does.
+    choices: the allowed values of a choice knob (a tuple, or a function returning one: the strategy registry
+             grows at run time); None values in it stand for the unset default.
+    unset:   for a knob whose default is None, what that runs as (e.g. "the model's", "max_new_tokens").
+    """
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if unset is not None:
+        meta["unset"] = unset
+    return field(default=default, metadata=meta)
+
+
+def knob_choices(f: dataclasses.Field) -> tuple | None:
+    """The allowed values of a GenerateConfig field (None: not a choice knob); None entries left out."""
+    choices = f.metadata.get("choices")
+    if callable(choices):
+        choices = choices()
+    return None if choices is None else tuple(c for c in choices if c is not None)
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
-    """Every knob of `lopa_fast.generate` (see its docstring and docs/decoding.md)."""
+    """Every knob of `lopa_fast.generate` (see its docstring and docs/decoding.md). Each field carries its one-line
+    description, its choices and what None runs as in its metadata (`knob`): the CLI's --help is built from them."""
 
-    strategy: str = "lopa"
-    backend: str = "auto"  # the fast backend wherever it covers the request (lopa_fast.decode.fast_not_covered)
+    strategy: str = knob("lopa", 'the decoding strategy (docs/decoding.md "Strategies")', choices=strategy_names)
+    # auto: the fast backend wherever it covers the request (lopa_fast.decode.fast_not_covered)
+    backend: str = knob("auto", "auto: the fast decoder wherever it covers the request, else the reference (the "
+                        "per-step oracle)", choices=BACKENDS)
     # None: the model's generation_config.json `max_new_tokens` (else DEFAULT_MAX_NEW_TOKENS), clipped to the room
     # left in max_position_embeddings. A length that is not a whole number of blocks is decoded in whole blocks
     # and the output cut to it (stats["finish_reason"]); strict_length=True refuses such a length instead.
-    max_new_tokens: int | None = None
-    strict_length: bool = False
-    block_size: int = 32
+    max_new_tokens: int | None = knob(None, "new tokens to return (decoded in whole blocks, the output cut to it)",
+                                      unset="the model's generation_config.json max_new_tokens (else 512), clipped "
+                                            "to its max_position_embeddings")
+    strict_length: bool = knob(False, "refuse a max_new_tokens that is not a whole number of blocks (instead of "
+                                      "rounding up and cutting)")
+    block_size: int = knob(32, "tokens per block (d2f / lopa; threshold's block_length when that is unset)")
     # D2F / LoPA (docs/semantics.md sections 2-3)
-    block_add_threshold: float = 0.1
-    decoded_token_threshold: float = 0.95
-    skip_threshold: float = 0.9
-    sampling_strategy: str = "neg_entropy"
-    branching_factor: int = 4
-    branch_topp: float = 1.0
-    selection_conf_alpha: float = 0.0
-    use_full_attention: bool = True
+    block_add_threshold: float = knob(0.1, "tau_add (d2f / lopa): append a new block once the last block's decoded "
+                                           "fraction is >= it")
+    decoded_token_threshold: float = knob(0.95, "tau_act (d2f / lopa): once a block's decoded fraction is >= it, the "
+                                                "next block is fully activated")
+    skip_threshold: float = knob(0.9, "tau_conf (d2f / lopa): a masked position is filled when its max probability "
+                                      "is > it")
+    sampling_strategy: str = knob("neg_entropy", "confidence of the fallback fill, the lookahead ranking and the "
+                                                 "branch score (d2f / lopa)", choices=SAMPLING_STRATEGIES)
+    branching_factor: int = knob(4, "LoPA's k: lookahead branches per round; a round verifies k + 1 sequences "
+                                    "(1 = D2F)")
+    branch_topp: float = knob(1.0, "LoPA branch score: the mean of the lowest max(1, int(n * branch_topp)) "
+                                   "confidences over its n masks")
+    selection_conf_alpha: float = knob(0.0, "LoPA branch score: alpha * creation confidence + (1 - alpha) * that mean")
+    use_full_attention: bool = knob(True, "d2f / lopa: full attention over [cache ; window] (upstream LoPA); off: "
+                                          "D2F's block-causal mask")
     # sampling
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float = knob(0.0, "sampling temperature (0 = greedy)")
+    top_p: float | None = knob(None, "nucleus sampling: keep the most likely tokens holding this much probability "
+                                     "(T > 0)", unset="off")
+    top_k: int | None = knob(None, "keep only the k most likely tokens (T > 0)", unset="off")
     # ids (None: the model's)
-    mask_token_id: int | None = None
-    eos_token_id: int | None = None
-    seed: int | None = None
+    mask_token_id: int | None = knob(None, "the mask token id", unset="the model's")
+    eos_token_id: int | None = knob(None, "the end-of-sequence token id", unset="the model's")
+    seed: int | None = knob(None, "seed of the random draws (T > 0, random remasking / reveal orders)",
+                            unset="drawn from torch's global generator")
     # the random draws (T > 0; vanilla's random remasking / origin reveal / alg_temp): "keyed" = a pure function
     # of (seed, step, branch, position), the same tokens on both backends, CPU or GPU; "upstream" = upstream's
     # draw order from one torch.Generator (reference backend only). None: "keyed" (apd: "upstream")
-    sampler: str | None = None
-    return_trace: bool = False
+    sampler: str | None = knob(None, "the random draws: keyed (a function of seed, step and position; both backends "
+                                     "agree) or upstream's draw order (reference backend only)",
+                               choices=SAMPLERS, unset="keyed (apd: upstream)")
+    return_trace: bool = knob(False, "record the per-round trace (fill order, branches) in the output")
     # loop caps and deliberate deviations from upstream (all off = upstream-exact)
-    max_rounds: int | None = None
-    on_round_cap: str = "warn"
-    suppress_mask_token: bool = False
+    max_rounds: int | None = knob(None, "cap on the rounds / steps of the decoding loop",
+                                  unset="2 * max_new_tokens + 64")
+    on_round_cap: str = knob("warn", "at max_rounds: warn and return (finish_reason round_cap), or raise "
+                                     "RoundCapError", choices=ROUND_CAP_ACTIONS)
+    suppress_mask_token: bool = knob(False, "never emit the mask token (upstream does not suppress it)")
     # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
-    compile: bool = False
+    compile: bool = knob(False, "compile each round / step bucket once and replay it (CUDA graphs on GPU, "
+                                "torch.compile on CPU)")
     # the fast backend (d2f / lopa, T = 0): split each round's branch slots over the ranks of the initialised
     # torch.distributed process group (lopa_fast.distributed; docs/distributed.md); every rank returns the result
-    distributed: bool = False
+    distributed: bool = knob(False, "split each d2f / lopa round's branches over the ranks of the initialised "
+                                    "torch.distributed group (docs/distributed.md)")
     # stop sequences (token ids; every strategy): decoding ends once one lies in the finalised prefix (the tokens
     # before the first mask); the output is cut before it. A list of lists is accepted (stored as tuples).
-    stop: tuple[tuple[int, ...], ...] | None = None
+    stop: tuple[tuple[int, ...], ...] | None = knob(
+        None, "token-id stop sequences: decoding ends once one is in the finalised prefix, the output cut before it",
+        unset="none")
     # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
     #          Dream: steps, alg, alg_temp, eps) and threshold (Fast-dLLM / dParallel)
-    steps: int | None = None
-    block_length: int | None = None
-    remasking: str | None = None
-    cfg_scale: float | None = None
-    logits_eos_inf: bool | None = None
-    confidence_eos_eot_inf: bool | None = None
-    alg: str | None = None
-    alg_temp: float | None = None
-    eps: float | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    entropy_threshold: float | None = None
-    cache: str | None = None
-    count_noop_forward: bool | None = None
+    steps: int | None = knob(None, "vanilla: denoising steps; threshold: only checked to divide into the blocks",
+                             unset="max_new_tokens (vanilla), the number of blocks (threshold)")
+    block_length: int | None = knob(None, "semi-autoregressive block length (LLaDA vanilla, threshold)",
+                                    unset="max_new_tokens (LLaDA vanilla), block_size (threshold)")
+    remasking: str | None = knob(None, "LLaDA vanilla: which masked positions each step reveals", choices=REMASKING,
+                                 unset="low_confidence")
+    cfg_scale: float | None = knob(None, "LLaDA vanilla: unsupervised classifier-free guidance scale",
+                                   unset="0 (off)")
+    logits_eos_inf: bool | None = knob(None, "LLaDA vanilla: set the EOS logit to -inf", unset="off")
+    confidence_eos_eot_inf: bool | None = knob(None, "LLaDA vanilla: set the EOS / EOT confidence to -inf",
+                                               unset="off")
+    alg: str | None = knob(None, "Dream vanilla: the order in which positions are revealed", choices=DREAM_ALGS,
+                           unset="origin")
+    alg_temp: float | None = knob(None, "Dream vanilla: temperature of the confidence-ordered reveal",
+                                  unset="0 (deterministic top-k)")
+    eps: float | None = knob(None, "Dream vanilla: the last time step of the noise schedule", unset="1e-3")
+    threshold: float | None = knob(None, "threshold: commit masks with p(x0) >= it (Fast-dLLM); give exactly one of "
+                                         "threshold / factor / entropy_threshold", unset="none")
+    factor: float | None = knob(None, "threshold: Fast-dLLM's factor rule, commit the longest prefix with c(k) >= "
+                                      "1 - factor / (k + 1)", unset="none")
+    entropy_threshold: float | None = knob(None, "threshold: commit masks whose entropy is <= it, in nats "
+                                                 "(dParallel)", unset="none")
+    cache: str | None = knob(None, "threshold: Fast-dLLM's KV cache", choices=CACHE_MODES, unset="no cache")
+    count_noop_forward: bool | None = knob(None, "threshold: run and count the cached forward after a refresh that "
+                                                 "filled the block (upstream's loop)", unset="off")
     # apd (docs/decoding.md "APD"): apd_mixture_weight R in [0, 1] (None: the verifier-free leftright baseline),
     # kv_window W >= 0 (None: no dLLM cache), max_lookahead M >= 1 (None: the whole canvas), tokens_per_step K
     # (leftright only; None: 1), and the opt-in fixes of upstream quirks Q1 / Q2 / Q3 (None or False: upstream)
-    apd_mixture_weight: float | None = None
-    kv_window: int | None = None
-    max_lookahead: int | None = None
-    tokens_per_step: int | None = None
-    single_temperature: bool | None = None
-    coupled_gumbel: bool | None = None
-    exact_prev_logits: bool | None = None
+    apd_mixture_weight: float | None = knob(None, "apd: R, the dLLM's weight in the target R * l_D + (1 - R) * l_AR "
+                                                  "(needs verifier=)", unset="the verifier-free leftright baseline")
+    kv_window: int | None = knob(None, "apd: W, committed positions recomputed each step (the dLLM's KV cache)",
+                                 unset="no cache")
+    max_lookahead: int | None = knob(None, "apd: M, masked positions the dLLM sees past the decoding position",
+                                     unset="the whole canvas")
+    tokens_per_step: int | None = knob(None, "apd leftright baseline: K, tokens committed per step", unset="1")
+    single_temperature: bool | None = knob(None, "apd: fix of quirk Q1 (draft from softmax(l / T), not at T^2)",
+                                           unset="off (upstream)")
+    coupled_gumbel: bool | None = knob(None, "apd: fix of quirk Q2 (the target reuses the draft's Gumbel noise at "
+                                             "T > 0)", unset="off (upstream)")
+    exact_prev_logits: bool | None = knob(None, "apd: fix of quirk Q3 (after an all-accepted step, the next step's "
+                                                "first AR logit predicts right)", unset="off (upstream)")
 
     def __post_init__(self):
         # stop=[[...], ...] (lists, what users and JSON send) -> tuples, so the config stays hashable; a value

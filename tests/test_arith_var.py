@@ -6,6 +6,7 @@ import pytest
 
 from lopa_fast import tasks
 from lopa_fast.tasks import arith, arith_var as av, tokenizer as base_tok, tokenizer_var as tv
+from tests.utils import markdown_row
 
 
 def test_registered():
@@ -146,12 +147,12 @@ def test_eval_and_demo_task_arith_var_end_to_end(tmp_path, capsys):
     assert "# Eval on task `arith-var`" in text and "max_new_tokens 96" in text
     assert "tasks.generate_task('arith-var', 'test', 5, seed=0)" in text
     for row in ("vanilla", "d2f", "lopa-k2"):
-        assert f"| {row} | " in text and f"| {row} | unavailable" not in text
+        assert markdown_row(text, row)[1] != "unavailable", row
     if not evaluate.shipped("ar-arith-var"):
         assert "ar-arith-var is not shipped" in text
     if not evaluate.shipped("dparallel-arith-var"):
         assert "the student dparallel-arith-var is not shipped" in text
-    assert "| vanilla | " in text and " 96.0 |" in text  # vanilla: one token per forward, 96 forwards
+    assert markdown_row(text, "vanilla")[4] == "96.0"  # vanilla: one token per forward, 96 forwards
     assert md.with_suffix(".png").is_file()
     capsys.readouterr()
     assert cli.main(["demo", "--task", "arith-var", "--n", "1", "--model", str(model)]) == 0

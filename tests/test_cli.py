@@ -1,4 +1,5 @@
 """`python -m lopa_fast demo / eval / generate` end to end on the embedded model."""
+import re
 import subprocess
 import sys
 
@@ -6,15 +7,25 @@ import pytest
 
 from lopa_fast import cli
 from lopa_fast.tasks import evaluate
+from tests.utils import markdown_row
 
 
 
 def test_demo_runs(capsys):
+    """The README's main job shows what LoPA is for: on its default task (arith-var, model d2f-arith-var) LoPA k=4
+    answers as D2F does in fewer forwards, with lookahead wins, and says so in its last lines."""
     assert cli.main(["demo", "--n", "1"]) == 0
     out = capsys.readouterr().out
-    for needle in ("Q:", "d2f", "lopa-k4", "TPF", "forwards", "round:", "tokens:", "exact match"):
+    for needle in ("Q:", "d2f", "lopa-k4", "TPF", "forwards", "round:", "tokens:", "exact match", "task arith-var",
+                   "d2f-arith-var"):
         assert needle in out, needle
     assert "unavailable" not in out
+    forwards = {row: int(m) for row, m in re.findall(r"^   (d2f|lopa-k4) .*\n +TPF .*?forwards (\d+)", out, re.M)}
+    wins = re.search(r"forwards \d+, wall \d+ ms, lookahead wins (\d+)", out)
+    assert forwards["lopa-k4"] < forwards["d2f"] and int(wins.group(1)) > 0, out
+    summary = next(ln for ln in out.splitlines() if ln.startswith("LoPA k=4: "))
+    assert summary == (f"LoPA k=4: {forwards['lopa-k4']} forwards for 1 answers (1/1 right) against D2F's "
+                       f"{forwards['d2f']} (1/1 right): {forwards['d2f'] / forwards['lopa-k4']:.2f}x fewer forwards")
 
 
 def test_eval_n5_writes_table(tmp_path):
@@ -22,9 +33,8 @@ def test_eval_n5_writes_table(tmp_path):
     assert cli.main(["eval", "--n", "5", "--out", str(md), "--no-progress"]) == 0
     text = md.read_text()
     for row in evaluate.ROWS:
-        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[1].endswith("%"), line  # ran (not "unavailable")
+        cells = markdown_row(text, row)
+        assert cells[1].endswith("%"), cells  # ran (not "unavailable")
         assert float(cells[2]) >= 1.0 and float(cells[4]) > 0  # TPF >= 1, forwards per answer
     assert "python -m lopa_fast eval --n 5" in text
     png = md.with_suffix(".png").read_bytes()  # TPF / accuracy against k
@@ -47,7 +57,7 @@ def test_unavailable_strategy_is_reported_not_faked(monkeypatch, tmp_path):
     monkeypatch.setattr(lopa_fast, "generate", missing)
     res = evaluate.run_eval(n=1, strategies="d2f", out=tmp_path / "e.md", progress=False, log=lambda *_: None)
     assert res[0]["status"] == "unavailable"
-    assert "| d2f | unavailable |" in (tmp_path / "e.md").read_text()
+    assert markdown_row((tmp_path / "e.md").read_text(), "d2f")[1:] == ["unavailable", "-", "-", "-", "-"]
 
 
 def test_bad_arguments():
@@ -113,9 +123,8 @@ def test_eval_block_size_16_end_to_end(monkeypatch, tmp_path):
     assert "Knobs (temperature 0, max_new_tokens 32, block size 16)" in text
     assert "python -m lopa_fast eval --n 2 --block-size 16 --strategies d2f,lopa-k2" in text
     for row in ("d2f", "lopa-k2"):
-        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {row} |"))
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[1].endswith("%") and float(cells[2]) >= 1.0, line
+        cells = markdown_row(text, row)
+        assert cells[1].endswith("%") and float(cells[2]) >= 1.0, cells
         assert f"- `{row}`: " in text and "'block_size': 16" in text
     assert "'block_size': 8" not in text
     assert md.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -183,6 +192,59 @@ def test_generate_knob_flags_are_typed_from_the_config():
     a = g.parse_args(["--max-new-tokens", "7", "--top-p", "0.5", "--no-use-full-attention", "--cache", "dual"])
     assert (a.max_new_tokens, a.top_p, a.use_full_attention, a.cache) == (7, 0.5, False, "dual")
     assert not hasattr(a, "block_size")  # unset knobs keep the config's (or the preset's) default
+
+
+def test_generate_help_is_built_from_the_knobs(capsys):
+    """`generate --help` (issue 26): every knob flag shows the field's own description (GenerateConfig metadata), its
+    choices (the tuples of config.py and lopa_fast/strategies, not copies) and the value it runs with: the embedded
+    model's preset where it applies (block size 8, 32 new tokens), GenerateConfig's default otherwise."""
+    import dataclasses
+    import typing
+
+    from lopa_fast import config
+    from lopa_fast.config import GenerateConfig, knob_choices
+    from lopa_fast.strategies.threshold import CACHE_MODES
+    from lopa_fast.strategies.vanilla import DREAM_ALGS, REMASKING
+
+    fields = dataclasses.fields(GenerateConfig)
+    for f in fields:
+        assert f.metadata.get("help") and "\n" not in f.metadata["help"], f"GenerateConfig.{f.name}: no one-line help"
+        assert f.default is not None or f.metadata.get("unset"), \
+            f"GenerateConfig.{f.name}: default None needs knob(..., unset='what None runs as') for --help"
+    g = cli.build_parser()._subparsers._group_actions[0].choices["generate"]
+    actions = {a.dest: a for a in g._actions}
+    for f in fields:
+        a = actions[f.name]
+        assert a.help.startswith(f.metadata["help"]) and "(default: " in a.help, (f.name, a.help)
+        if f.name not in ("strategy", "backend", "compile"):  # knob flags; those three are shared flags
+            assert a.choices == knob_choices(f), f.name
+    assert actions["alg"].choices == DREAM_ALGS and actions["remasking"].choices == REMASKING
+    assert actions["cache"].choices == tuple(c for c in CACHE_MODES if c is not None)
+    assert actions["sampling_strategy"].choices == config.SAMPLING_STRATEGIES
+    assert actions["sampler"].choices == config.SAMPLERS and tuple(actions["strategy"].choices) == config.strategy_names()
+    text = " ".join(g.format_help().split())
+    assert "(default model's)" not in text and text.count("(default: the model's)") == 2  # mask / eos ids only
+    assert ("--block-size INT tokens per block (d2f / lopa; threshold's block_length when that is unset) (default: 8 "
+            "on the embedded model, its preset lopa-k4; GenerateConfig: 32)") in text
+    assert "--max-new-tokens INT new tokens to return" in text and "(default: 32 on the embedded model" in text
+    assert "--alg {origin,maskgit_plus,topk_margin,entropy} Dream vanilla: " in text and "(default: origin)" in text
+    assert "--branching-factor INT LoPA's k: lookahead branches per round" in text
+    # the value shown is the one that runs: the preset on the embedded model, GenerateConfig's with --model
+    args = g.parse_args(["--prompt", "x"])
+    knobs = cli.generate_knobs(args, args.knob_names)
+    assert (knobs["block_size"], knobs["max_new_tokens"]) == (8, 32) and "(default: 4)" in actions["branching_factor"].help
+    args = g.parse_args(["--prompt", "x", "--model", "DIR"])
+    assert "block_size" not in cli.generate_knobs(args, args.knob_names)  # GenerateConfig's 32
+    # flag types come from the resolved type hints, not from annotation strings
+    hints = typing.get_type_hints(GenerateConfig)
+    assert cli._knob_type(hints["top_k"]) == (int, False) and cli._knob_type(hints["logits_eos_inf"]) == (bool, True)
+    assert cli._knob_type(hints["stop"]) == (cli.token_sequences, False)
+    with pytest.raises(TypeError, match="no command-line flag type"):
+        cli._knob_type(list[str])
+    with pytest.raises(SystemExit) as e:  # a choice outside the tuple: argparse's one line, exit 2
+        cli.main(["generate", "--prompt", "x", "--alg", "bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'bogus'" in err and len(err.strip().splitlines()) == 1
 
 
 ERRORS = [

@@ -1,7 +1,8 @@
 """The README's quick start, run verbatim: its Python block loads a Dream checkpoint with a D2F LoRA adapter,
 tokenises a chat prompt and decodes with LoPA. Here the two placeholder paths (and nothing else) are replaced by a
 tiny Dream checkpoint and a PEFT LoRA adapter written in the real layout (config.json + model.safetensors +
-tokenizer files; adapter_config.json + adapter_model.safetensors)."""
+tokenizer files; adapter_config.json + adapter_model.safetensors). And the prompts the README and docs/ send to the
+embedded model: the curl request, run as the server runs it, and every task prompt they quote, each answered right."""
 import json
 import re
 import shutil
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import lopa_fast
+from lopa_fast import tasks
 from lopa_fast.assets import model_dir
 from lopa_fast.models import save_checkpoint
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -81,3 +83,63 @@ def test_readme_quick_start_runs_verbatim(tmp_path, capsys):
     plain = lopa_fast.load_model(base, dtype=torch.bfloat16, device=model.device)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(model.state_dict()[q], plain.state_dict()[q])  # the adapter was merged
+
+
+# ---- the prompts README.md and docs/ send to the embedded model: each one it answers --------------------------------
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
+# a word problem in the embedded task's phrasing, as the docs quote it
+TASK_PROMPT = re.compile(r'"((?:[A-Z][a-z]+) has \d+ [^"]*?\?(?: Answer :)?)"')
+FIRST_TEST_PROBLEM = tasks.generate("test", 1, seed=0)[0]
+# the answer of every task prompt quoted in the docs (a new one needs its answer here)
+ANSWERS = {
+    FIRST_TEST_PROBLEM.prompt: FIRST_TEST_PROBLEM.answer,
+    "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ? "
+    "Answer :": 26,  # 7 + 4 * 6 - 5
+}
+
+
+def docs_task_prompts() -> dict[str, list[str]]:
+    """{prompt with its " Answer :" (what the embedded chat template appends): the docs quoting it}."""
+    found: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for p in TASK_PROMPT.findall(doc.read_text()):
+            full = p if p.endswith(" Answer :") else p + " Answer :"
+            found.setdefault(full, []).append(doc.name)
+    return found
+
+
+def test_readme_curl_prompt_is_answered(capsys):
+    """The README's curl request, run as `serve` runs it on the embedded model (its preset lopa-k4, then the body's
+    knobs) through `generate`: the task's first held-out problem, answered right with LoPA k=4."""
+    import json as _json
+
+    from lopa_fast import cli
+
+    text = README.read_text()
+    body = _json.loads(re.search(r"curl -s localhost:8000/v1/completions .*?-d '(\{.*?\})'", text, re.S).group(1))
+    prompt = body.pop("prompt")
+    assert prompt == FIRST_TEST_PROBLEM.prompt  # tasks.generate("test", 1, seed=0)[0].prompt
+    argv = ["generate", "-q", "--json", "--prompt", prompt, "--preset", cli.EMBEDDED_PRESET]
+    for knob, value in body.items():  # the body's knobs override the server's defaults
+        argv += [f"--{knob.replace('_', '-')}", str(value)]
+    assert cli.main(argv) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert tasks.extract_answer(out["text"]) == FIRST_TEST_PROBLEM.answer, out["text"]
+    assert out["stats"]["strategy"] == "lopa" and out["stats"]["finish_reason"] == "stop"
+
+
+def test_docs_task_prompts_are_answered():
+    """Every task prompt README.md and docs/*.md send to the embedded model (d2f-arith) is one it answers right."""
+    from lopa_fast import cli
+    from lopa_fast.tasks.evaluate import answer_text
+
+    found = docs_task_prompts()
+    assert FIRST_TEST_PROBLEM.prompt in found and len(found) >= 2, found
+    unknown = {p: docs for p, docs in found.items() if p not in ANSWERS}
+    assert not unknown, f"task prompts in the docs without their answer in ANSWERS: {unknown}"
+    model, tok = lopa_fast.load_model(model_dir()), lopa_fast.load_tokenizer(model_dir())
+    knobs = cli.preset_knobs(cli.EMBEDDED_PRESET)  # what `generate` / `serve` run on the embedded model
+    for prompt, docs in found.items():
+        out = lopa_fast.generate(model, tok(prompt)["input_ids"], **knobs)
+        text = answer_text(tok, out.generated_ids)
+        assert tasks.extract_answer(text) == ANSWERS[prompt], (docs, prompt, text)

@@ -167,3 +167,14 @@ def step_models() -> dict:
         "llada_mask": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=4, sharpen=3,
                                    zero_mask_row=False),  # fmt: skip
     }
+
+
+def markdown_row(text: str, first_cell: str) -> list[str]:
+    """The stripped cells of the markdown-table row of `text` whose first cell is `first_cell` (tables are written by
+    tabulate, so cells are padded to their column's width); StopIteration when there is none."""
+    for line in text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0] == first_cell:
+                return cells
+    raise StopIteration(f"no table row {first_cell!r}")
