@@ -241,3 +241,37 @@ def test_batched_vanilla_stop_and_hooks(model):
         same(o, s, VANILLA_STATS)
         assert seen[j] == list(range(1, o.stats["forwards"] + 1))
     assert outs[0].stats["finish_reason"] == "stop"
+
+
+THRESHOLD = [  # (family, knobs): the three rules, both caches that batch, Dream's refresh_first, keyed T > 0
+    ("llada", dict(block_length=8, threshold=0.5)),
+    ("llada", dict(block_length=8, factor=1.0, cache="prefix")),
+    ("dream", dict(block_length=4, entropy_threshold=0.6, cache="prefix", count_noop_forward=True)),
+    ("dream", dict(block_length=8, threshold=0.7, temperature=0.6, seed=2)),
+]
+THRESHOLD_STATS = ("forwards", "refresh_forwards", "multi_token_steps", "noop_forwards", "finish_reason")
+
+
+@pytest.mark.parametrize("family, kw", THRESHOLD, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_batched_threshold_equals_solo(model, llada, family, kw):
+    """Threshold's steps of several requests in one forward per step (ThresholdDriver through the scheduler; the
+    prefix cache in the pool's slots): tokens, forwards, counters and trace equal the solo and reference runs."""
+    m = llada if family == "llada" else model
+    ps = prompts((5, 11, 8), seed=23)
+    kw = dict(kw, max_new_tokens=16)
+    solo = [lopa_fast.generate(m, p, "threshold", "fast", return_trace=True, **kw) for p in ps]
+    outs = lopa_fast.generate(m, ps, "threshold", "fast", return_trace=True, **kw)
+    for o, s, p in zip(outs, solo, ps):
+        assert o.stats["batched"] == 3
+        same(o, s, THRESHOLD_STATS)
+        assert o.trace == s.trace
+        same(o, lopa_fast.generate(m, p, "threshold", "reference", **kw), THRESHOLD_STATS[:2])
+
+
+def test_dual_cache_requests_run_one_at_a_time(model):
+    ps = prompts((5, 9), seed=2)
+    kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=8)
+    outs = lopa_fast.generate(model, ps, "threshold", "fast", **kw)
+    assert all("batched" not in o.stats for o in outs)
+    for o, p in zip(outs, ps):
+        same(o, lopa_fast.generate(model, p, "threshold", "fast", **kw), THRESHOLD_STATS)

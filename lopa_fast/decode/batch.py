@@ -36,7 +36,8 @@ from lopa_fast.output import GenerateOutput
 def batchable(cfg) -> bool:
     """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's), eager
     (compile=True runs requests one at a time), one process."""
-    return strategies.get(cfg.strategy).driver is not None and cfg.compile is not True and not cfg.distributed
+    spec = strategies.get(cfg.strategy)
+    return spec.driver is not None and spec.batches(cfg) and cfg.compile is not True and not cfg.distributed
 
 
 class Scheduler:

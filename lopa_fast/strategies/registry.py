@@ -54,6 +54,8 @@ class Strategy:
                 use_cache(k, v)); None: requests of this strategy are decoded one after another.
     cache_rows: the rows of static KV cache one request needs in the batch's pool: cache_rows(prompt_len, cfg)
                 (1: a cache-free driver).
+    batches:    batches(cfg): whether the driver's steps of this config can share a forward (e.g. threshold's
+                dual cache cannot: its requests run one at a time).
     compile:    compile=True is implemented on its fast path.
     distributed: distributed=True (the round's branch slots over the ranks) is implemented.
     default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
@@ -73,6 +75,7 @@ class Strategy:
     rows: Callable[[Any], int] = _one
     driver: Callable | str | None = None
     cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
+    batches: Callable[[Any], bool] = lambda cfg: True
     compile: bool = False
     distributed: bool = False
     default_sampler: str = "keyed"
