@@ -326,6 +326,7 @@ class DistributedDecoder(FastDecoder):
         self._head = None
         self.kv_rounds = 0  # rounds whose span K/V was broadcast
         self.max_share = 0  # the most slots this rank ran in one round (its window K/V)
+        self._hook_error: BaseException | None = None  # the progress hook's exception, held until the next gather
 
     def _read_head(self) -> list[int]:
         if self._pending is None:
@@ -382,14 +383,16 @@ class DistributedDecoder(FastDecoder):
         Rmax = min(-(-(geo.NB if compiled else nA) // comm.world) * Nb, Rb)
         err, kv, logits, w = None, None, None, None
         try:
+            if self._hook_error is not None:  # this rank's progress hook raised after the last round: the peers
+                raise self._hook_error  # learn it from this round's gather, as from any error of the round
             if compiled:
                 w, msg, logits, kv = self._share_compiled(nA, Nb, Rb)
             else:
                 w = rnd.window_inputs(self.st, T, geo, Nb, Rb)
                 self.st["round"] = self.st["round"] + 1  # as finish_round (the keyed sampler's step)
                 msg, logits, kv = self._share_eager(w, nA, u, Nb, Rb, s, Rmax)
-        except Exception as e:  # joins the gather with its flag set, so every rank stops now (no peer waits)
-            err = e
+        except BaseException as e:  # noqa: BLE001 - joins the gather with its flag set, so every rank stops now
+            err = e  # (no peer waits; a KeyboardInterrupt too: re-raised on this rank once the peers know)
             msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=self.dev)
             msg[0], msg[2] = 1, -1
         parts = comm.all_gather(msg, "stats", rnd_no)
@@ -439,14 +442,27 @@ class DistributedDecoder(FastDecoder):
         self.kv_rounds += 1
         rnd.commit_span(st, u, buf[0], buf[1])
 
+    def after_round(self) -> None:
+        """The round's counters and the progress hook; an exception of the hook (a cancelled request, a
+        KeyboardInterrupt) is held until the next round's gather, so every rank leaves in the same round (a rank
+        that left alone would meet its peers' round messages with its next request's: a size mismatch, SIGABRT)."""
+        try:
+            super().after_round()
+        except BaseException as e:  # noqa: BLE001 - re-raised after the peers were told (_step / run)
+            self._hook_error = e
+
     def _raise_peer_error(self, err: BaseException | None, rnd_no: int) -> None:
         msgs = self.comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}", rnd_no)
         bad = next(r for r, m in enumerate(msgs) if m is not None)
+        if err is not None and (not isinstance(err, Exception) or err is self._hook_error):
+            raise err  # this rank's own KeyboardInterrupt / hook error: the caller sees its own exception
         raise DistributedError(f"distributed decoding: rank {bad} of {self.comm.world} failed in round {rnd_no}: "
                                f"{msgs[bad]}", rank=bad, round=rnd_no) from err  # fmt: skip
 
     def run(self, on_round=None):
         out = super().run(on_round)
+        if self._hook_error is not None:  # the hook raised after the last round: no peer waits for this rank
+            raise self._hook_error
         c = self.comm
         rounds = max(1, out.stats["forwards"])
         total = sum(c.bytes.values())
@@ -459,11 +475,24 @@ class DistributedDecoder(FastDecoder):
         return out
 
 
+def weights_fingerprint(model, n: int = 4096) -> int:
+    """A crc32 of the model's weights as decoded: every parameter's name, shape and dtype, and the bytes of the
+    first and last `n` elements of the first, middle and last parameters (a few KiB copied to the host)."""
+    params = list(model.named_parameters())
+    crc = zlib.crc32(repr([(k, tuple(v.shape), str(v.dtype)) for k, v in params]).encode())
+    for _, v in [params[0], params[len(params) // 2], params[-1]] if params else []:
+        flat = v.detach().reshape(-1)
+        for part in (flat[:n], flat[-n:]):
+            crc = zlib.crc32(part.cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
 def _fingerprint(model, prompt: torch.Tensor, cfg) -> int:
-    """A crc32 of the request (config, prompt ids, model geometry): every rank must decode the same one."""
+    """A crc32 of the request (config, prompt ids, model geometry, dtype, weights: `weights_fingerprint`): every
+    rank must decode the same one."""
     c = model.config
-    geo = (c.vocab_size, c.num_layers, c.num_kv_heads, c.head_dim)
-    return zlib.crc32(repr((cfg, prompt.tolist(), geo)).encode())
+    geo = (c.vocab_size, c.num_layers, c.num_kv_heads, c.head_dim, str(model.dtype))
+    return zlib.crc32(repr((cfg, prompt.tolist(), geo)).encode(), weights_fingerprint(model))
 
 
 def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_round=None, branch_stats: bool = False):
@@ -483,6 +512,7 @@ def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_rou
     prints = seen[:, 0].tolist()
     if len(set(prints)) > 1:
         raise DistributedError(f"distributed decoding: the ranks were given different requests (config / prompt / "
-                               f"model fingerprints {prints}); every rank must call generate with the same arguments")
+                               f"model geometry, dtype or weights: fingerprints {prints}); every rank must call "
+                               "generate with the same arguments and the same model")  # fmt: skip
     dec.tables["seed"] = seen[0, 1].clone()
     return dec.run(on_round)
