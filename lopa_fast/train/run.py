@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -105,13 +106,25 @@ def load_state(out: Path, args: dict, ignore=RESUME_FREE) -> dict:
     path = out / RESUME_FILE
     if not path.is_file():
         raise FileNotFoundError(f"resume: no training state {path}")
-    state = torch.load(path, weights_only=False)
+    try:  # weights_only: tensors, numbers, strings and containers; a resume.pt never runs code when read
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated / corrupt / foreign file, whatever torch raises for it
+        raise ResumeError(f"resume: {path} is not a readable training state ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}); restore it or start a fresh run without --resume") from e
+    missing = [k for k in ("args", "model", "opt", "step") if not isinstance(state, dict) or k not in state]
+    if missing or not isinstance(state["args"], dict):
+        raise ResumeError(f"resume: {path} is not a training state (missing {missing or ['args']})")
     diff = sorted(k for k in set(args) | set(state["args"])
                   if k not in ignore and args.get(k) != state["args"].get(k))
     if diff:
-        raise ValueError(f"resume: options {diff} differ from the checkpointed run's "
-                         f"{ {k: state['args'].get(k) for k in diff} }")
+        raise ResumeError(f"resume: options {diff} differ from the checkpointed run's "
+                          f"{ {k: state['args'].get(k) for k in diff} }")
     return state
+
+
+class ResumeError(ValueError):
+    """resume.pt cannot continue this run (unreadable, not a training state, other options): `main` prints it as
+    one line and exits with status 2."""
 
 
 def main(recipe: str, doc: str, defaults: dict, train, argv=None, resumable: bool = False) -> None:
@@ -126,4 +139,10 @@ def main(recipe: str, doc: str, defaults: dict, train, argv=None, resumable: boo
         ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     ns = vars(ap.parse_args(argv))
     out = ns.pop("out")
-    train(out, **ns)
+    try:
+        train(out, **ns)
+    except (ResumeError, FileNotFoundError) as e:
+        if not str(e).startswith("resume:"):
+            raise
+        print(f"python -m {recipe}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
