@@ -221,7 +221,8 @@ def test_generate_help_is_built_from_the_knobs(capsys):
     assert actions["alg"].choices == DREAM_ALGS and actions["remasking"].choices == REMASKING
     assert actions["cache"].choices == tuple(c for c in CACHE_MODES if c is not None)
     assert actions["sampling_strategy"].choices == config.SAMPLING_STRATEGIES
-    assert actions["sampler"].choices == config.SAMPLERS and tuple(actions["strategy"].choices) == config.strategy_names()
+    assert actions["sampler"].choices == config.SAMPLERS
+    assert tuple(actions["strategy"].choices) == config.strategy_names()
     text = " ".join(g.format_help().split())
     assert "(default model's)" not in text and text.count("(default: the model's)") == 2  # mask / eos ids only
     assert ("--block-size INT tokens per block (d2f / lopa; threshold's block_length when that is unset) (default: 8 "
@@ -232,7 +233,8 @@ def test_generate_help_is_built_from_the_knobs(capsys):
     # the value shown is the one that runs: the preset on the embedded model, GenerateConfig's with --model
     args = g.parse_args(["--prompt", "x"])
     knobs = cli.generate_knobs(args, args.knob_names)
-    assert (knobs["block_size"], knobs["max_new_tokens"]) == (8, 32) and "(default: 4)" in actions["branching_factor"].help
+    assert (knobs["block_size"], knobs["max_new_tokens"]) == (8, 32)
+    assert "(default: 4)" in actions["branching_factor"].help
     args = g.parse_args(["--prompt", "x", "--model", "DIR"])
     assert "block_size" not in cli.generate_knobs(args, args.knob_names)  # GenerateConfig's 32
     # flag types come from the resolved type hints, not from annotation strings
