@@ -121,9 +121,12 @@ class GenerateConfig:
     on_round_cap: str = knob("warn", "at max_rounds: warn and return (finish_reason round_cap), or raise "
                                      "RoundCapError", choices=ROUND_CAP_ACTIONS)
     suppress_mask_token: bool = knob(False, "never emit the mask token (upstream does not suppress it)")
-    # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay
-    compile: bool = knob(False, "compile each round / step bucket once and replay it (CUDA graphs on GPU, "
-                                "torch.compile on CPU)")
+    # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay.
+    # None (auto): capture on CUDA (a round's capture costs about a second and removes hundreds of launches; a
+    # failed capture falls back to the eager step with a warning), eager on CPU (Inductor compiles take minutes);
+    # never instead of batching (batched requests run eager rounds)
+    compile: bool | None = knob(None, "compile each round / step bucket once and replay it (CUDA graphs on GPU, "
+                                      "torch.compile on CPU)", unset="capture on CUDA, eager on CPU and in batches")
     # the fast backend (d2f / lopa, T = 0): split each round's branch slots over the ranks of the initialised
     # torch.distributed process group (lopa_fast.distributed; docs/distributed.md); every rank returns the result
     distributed: bool = knob(False, "split each d2f / lopa round's branches over the ranks of the initialised "
@@ -218,7 +221,8 @@ class GenerateConfig:
         _positive_int("max_rounds", self.max_rounds, allow_none=True)
         _choice("on_round_cap", self.on_round_cap, ROUND_CAP_ACTIONS)
         _bool("suppress_mask_token", self.suppress_mask_token)
-        _bool("compile", self.compile)
+        if self.compile is not None:
+            _bool("compile", self.compile)
         if self.compile and self.backend == "reference":
             raise ValueError("compile=True applies to backend='fast' or 'auto'; the reference backend runs eagerly")
         if self.compile and not spec.compile:

@@ -1,0 +1,46 @@
+"""compile=None (the default, "auto"): captured on CUDA, eager on CPU, never instead of batching; a capture that
+fails falls back to the eager step with a warning (compile=True makes it an error)."""
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.decode import compiled
+from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
+from lopa_fast.testing import random_model, tiny_hf_config
+
+KW = dict(strategy="lopa", branching_factor=2, block_size=4, max_new_tokens=12)
+
+
+def test_who_compiles():
+    cfg = lopa_fast.GenerateConfig
+    assert cfg().compile is None  # the default is auto
+    assert compile_wanted(cfg(), "cuda") and not compile_wanted(cfg(), "cpu")
+    assert not compile_wanted(cfg(distributed=True), "cuda")  # distributed rounds: eager unless asked
+    assert compile_wanted(cfg(compile=True), "cpu") and not compile_wanted(cfg(compile=False), "cuda")
+    from lopa_fast.decode.batch import batchable
+
+    assert batchable(cfg()) and not batchable(cfg(compile=True))  # auto never trades batching away
+
+
+def test_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):
+    model = random_model(tiny_hf_config("dream"), seed=1, sharpen=6)
+    ids = [3, 4, 5, 6]
+    eager = lopa_fast.generate(model, ids, compile=False, **KW)
+    # the CUDA path on CPU: every request "captures", and every capture fails
+    monkeypatch.setattr(compiled, "compile_wanted", lambda cfg, device: cfg.compile is not False)
+    cr = CompiledRounds.for_model(model)
+    monkeypatch.setattr(cr, "emulate_graphs", True)
+
+    def broken(warmup, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CompiledRounds, "capture", staticmethod(broken))
+    with pytest.warns(RuntimeWarning, match="compile \\(auto\\): capturing the step .* failed .*runs eagerly"):
+        auto = lopa_fast.generate(model, ids, **KW)
+    assert auto.generated_ids == eager.generated_ids and auto.stats["forwards"] == eager.stats["forwards"]
+    assert auto.stats["compiled_graphs"] == 0
+    cr.fns.clear()
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        lopa_fast.generate(model, ids, compile=True, **KW)
+    cr.fns.clear()
+    cr.workspaces.clear()
