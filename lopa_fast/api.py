@@ -227,7 +227,8 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
     input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; or a list of such prompts (any
                 lengths): then a list of GenerateOutput, one per prompt, each equal to decoding it alone
-                (d2f / lopa on the fast backend share one forward per round: `generate_batch`).
+                (every strategy whose spec has a batch driver, on the fast backend: vanilla, threshold without the
+                dual cache, d2f, lopa, share one forward per round / step: `generate_batch`).
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
     backend:    "auto" (the default: the fast backend wherever it covers the request, else the reference with
                 a RuntimeWarning naming the knob, e.g. sampler="upstream" at T > 0) | "fast" (raises where it
@@ -302,8 +303,9 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
 
     verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`.
     on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`.
-    engine:   a lopa_fast.decode.batch.BatchEngine (the server's): a request it covers (d2f / lopa on the fast
-              backend, eager) joins its running batch (the same result as decoding alone); others run here."""
+    engine:   a lopa_fast.decode.batch.BatchEngine (the server's): a request it covers (`batchable`: a strategy with
+              a batch driver on the fast backend, not compile=True) joins its running batch (the same result as
+              decoding alone); others run here."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
     if is_batch(input_ids):
@@ -353,9 +355,10 @@ def is_batch(input_ids) -> bool:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone. d2f / lopa on the fast backend (eager) run every live request's branch windows
-    in ONE forward per round (lopa_fast.decode.batch); other strategies, the reference backend, compile=True and
-    distributed=True decode the prompts one after another. on_round: one hook for all prompts or a list (one
+    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold without the dual cache, d2f,
+    lopa) on the fast backend runs every live request's windows in ONE forward per round / step
+    (lopa_fast.decode.batch); apd, the reference backend, compile=True and distributed=True decode the prompts
+    one after another. on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
     if len(hooks) != len(prompts):
