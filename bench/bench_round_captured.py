@@ -203,6 +203,30 @@ def stage_batch(dry: bool) -> dict:
                            per_request_same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, loop)))
             rows.append(row)
             print(json.dumps(row), flush=True)
+    # the strategies whose steps batch through their drivers (issue 25): 32 new tokens, a few B
+    steps_kw = {"vanilla": dict(max_new_tokens=32, steps=8, alg="entropy"),
+                "threshold": dict(max_new_tokens=32, block_length=8, threshold=0.9, cache="prefix", max_rounds=8)}
+    for strategy, skw in steps_kw.items():
+        for B in (batches[0], batches[-1]) if dry else (1, 4, 16):
+            ps = prompts[:B]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lopa_fast.generate(model, ps, strategy, "fast", **skw)  # warm-up
+                _sync(dev)
+                t0 = time.perf_counter()
+                outs = lopa_fast.generate(model, ps, strategy, "fast", **skw)
+                _sync(dev)
+                tb = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                seq = [lopa_fast.generate(model, p, strategy, "fast", **skw) for p in ps]
+                _sync(dev)
+                ts = time.perf_counter() - t0
+            req_rounds = sum(o.stats["forwards"] for o in outs)
+            row = dict(k=strategy, B=B, batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
+                       batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
+                       same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return dict(device=str(dev), torch=torch.__version__, rows=rows)
 
 
@@ -224,10 +248,10 @@ def table(results: dict) -> str:
     b = results.get("batch")
     if b:
         lines.append(f"batched generate ({b['device']}): request-rounds per second, batched vs sequential")
-        lines.append(f"{'k':>2} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11} "
+        lines.append(f"{'k':>9} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11} "
                      f"{'per-req':>8} {'same':>5}")
-        for x in b["rows"]:
-            lines.append(f"{x['k']:>2} {x['B']:>3} {x['batched_rounds_per_s']:>9.1f} {x['sequential_rounds_per_s']:>10.1f} "
+        for x in b["rows"]:  # k: LoPA's branching factor, or the name of a step strategy (vanilla, threshold)
+            lines.append(f"{x['k']:>9} {x['B']:>3} {x['batched_rounds_per_s']:>9.1f} {x['sequential_rounds_per_s']:>10.1f} "
                          f"{x['batched_rounds_per_s'] / x['sequential_rounds_per_s']:>8.2f} {str(x['same_tokens']):>11} "
                          f"{x.get('per_request_rounds_per_s', float('nan')):>8.1f} "
                          f"{str(x.get('per_request_same_tokens', '-')):>5}")

@@ -3,7 +3,8 @@
 #   1. round latency: eager vs CUDA-graph-captured round of a random Dream-7B-shaped bf16 model, k = 1, 2, 4, 8
 #      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round);
 #   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate);
-#      then batched generate vs sequential (request-rounds per second, B = 1..16, bench_round_captured --stage batch);
+#      then batched generate vs sequential (request-rounds per second, B = 1..16 for d2f / LoPA, B = 1, 4, 16 for
+#      vanilla and threshold, whose steps batch through their drivers: bench_round_captured --stage batch);
 #   3. the `gpu` tests (device cache_len under CUDA-graph capture included) and the kernel microbenchmarks.
 # Every stage runs under its own `timeout`, so one hang cannot eat the budget (total <= 8 minutes on one H200).
 # Full logs and JSON to $OUT, a short table last on stdout. Run from the repo root: bash bench/gpu_check.sh
