@@ -44,12 +44,15 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
         import uvicorn
+
+        from lopa_fast.server import uvicorn_config
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        cfg = uvicorn_config(app, host="127.0.0.1", port=self.port, limits=limits or Limits(), log_level="warning")
+        self.server = uvicorn.Server(cfg)  # serve's own configuration: the request-head deadline, keep-alive
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + HANG_S
@@ -88,7 +91,7 @@ def served(embedded):
     """A server with small caps: k <= 16, bodies <= 64 KiB, 2 s to send one."""
     model, tok = embedded
     worker = Worker(model, tok, limits=Limits(max_branching_factor=16, max_body_bytes=64 << 10, read_timeout_s=2.0))
-    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS))
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), worker.limits)
     yield srv
     srv.close()
     worker.close()
@@ -219,6 +222,15 @@ def test_a_half_sent_body_times_out_with_408(served):
                   b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
         head = s.recv(4096)  # the server gives up after read_timeout_s = 2
     assert head.startswith(b"HTTP/1.1 408"), head[:200]
+
+
+def test_a_half_sent_request_head_is_closed(served):
+    """uvicorn alone holds a connection with a half-sent head forever; serve's protocol closes it after
+    read_timeout_s (2 s here)."""
+    with socket.create_connection(("127.0.0.1", served.port), timeout=HANG_S) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert s.recv(4096) == b""  # closed by the server (a hang would raise socket.timeout after HANG_S)
+    assert _call(served.url + "/health")[0] == 200
 
 
 # -- finding 8: every bad body a 4xx naming its field; null is the default --------------------------------------------

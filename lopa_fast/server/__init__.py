@@ -51,6 +51,51 @@ def check_auth(host: str, api_key: str | None, allow_no_key: bool) -> None:
                          f"{API_KEY_ENV}), or --no-api-key to serve anyone who can reach the port")  # fmt: skip
 
 
+def _header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline for a request's head: a connection that has not sent a complete
+    request line and headers `seconds` after it opened (or after its last response) is closed. (uvicorn waits for
+    a half-sent head forever; the body has its own deadline, limits.read_timeout_s, in the app.)"""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def _arm(self) -> None:
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+            self._head_timer = self.loop.call_later(seconds, self._head_timeout)
+
+        def _head_timeout(self) -> None:
+            if self.conn.their_state == h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # no (new) request head within the deadline
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64):
+    """The uvicorn.Config `serve` runs: the h11 protocol with a request-head deadline (limits.read_timeout_s), idle
+    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                          http=_header_timeout_protocol(limits.read_timeout_s),
+                          limit_concurrency=max(64, 4 * max_pending))  # fmt: skip
+
+
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
           warm_up: bool = True) -> None:  # fmt: skip
@@ -65,9 +110,8 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
         worker.warm_up(defaults)
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key)
     try:
-        # timeout_keep_alive: an idle connection is closed after it; the body's read timeout is limits'
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                    limit_concurrency=max(64, 4 * worker.max_pending))
+        uvicorn.Server(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
+                                      max_pending=worker.max_pending)).run()  # fmt: skip
     finally:
         worker.close()
 
