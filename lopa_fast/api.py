@@ -97,8 +97,8 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
 
     * the static KV cache of the prefix (weights' dtype);
     * one forward's tokens: every branch row (`strategies.get(cfg.strategy).rows(cfg)`; LoPA: k + 1) times its
-      window (a prefix-cached fast decoder: the undecoded blocks, `total - prompt_len + block_size`; otherwise
-      every position), or the prompt alone (the prefill), whichever is more;
+      window (a prefix-cached fast decoder, `spec.cache_rows > 1`: the undecoded blocks, `total - prompt_len +`
+      its length unit; otherwise every position), or the prompt alone (the prefill), whichever is more;
     * per forward token: one layer's transients (hidden states, q / k / v / attention output, the MLP's gate / up /
       product in the weights' dtype; the attention scores and their softmax against every position in float32),
       the window's K / V of every layer (kept until the round commits), the float32 logits with their softmax /
@@ -119,8 +119,11 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
     spec = strategies.get(cfg.strategy)
     rows = max(1, spec.rows(cfg))
     P = total if prompt_len is None else max(1, min(prompt_len, total))
-    cached = spec.driver is not None and cfg.backend != "reference"
-    window = min(total, total - P + cfg.block_size) if cached else total
+    # a prefix-cached fast decoder (its batch pool slot holds more than one cache row) forwards the undecoded
+    # part and a block; a cache-free one (vanilla, threshold without cache) and the reference every position
+    cache_rows = getattr(spec, "cache_rows", None)
+    cached = cfg.backend != "reference" and cache_rows is not None and cache_rows(P, cfg) > 1
+    window = min(total, total - P + max(1, spec.length_unit(cfg))) if cached else total
     tokens = max(P, rows * window)
     cache = 2 * n_layers * (total + 1) * n_kv * d * e
     per_token = (e * (6 * hidden + 2 * (n_heads + 2 * n_kv) * d + 4 * inter)  # one layer's transients
@@ -128,7 +131,7 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
                  + 2 * n_layers * n_kv * d * e  # the window's K / V, every layer
                  + 4 * f * c.vocab_size  # logits, softmax, log-softmax, entropy
                  + 8 * 8)  # the round's long / bool tables
-    tables = 0 if cfg.backend == "reference" else total * (-(-total // cfg.block_size)) * 8
+    tables = 0 if cfg.backend == "reference" else total * (-(-total // max(1, cfg.block_size or 1))) * 8
     slack = 3 / 2  # the allocator's: temporaries that overlap, fragmentation (measured peaks: 0.65-0.95 of this)
     return cache + int(tokens * per_token * slack) + tables
 
