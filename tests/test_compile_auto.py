@@ -44,3 +44,35 @@ def test_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):
         lopa_fast.generate(model, ids, compile=True, **KW)
     cr.fns.clear()
     cr.workspaces.clear()
+
+
+def test_compiled_buckets_are_bounded():
+    """At most `cap` buckets per model, the least recently used out (a client cycling float knobs cannot grow
+    graph memory without bound); a bucket asked again after its eviction compiles again."""
+    from lopa_fast.decode.compiled import LRU
+
+    lru = LRU(2)
+    lru["a"], lru["b"] = 1, 2
+    assert lru.get("a") == 1  # "a" is now the most recent
+    lru["c"] = 3
+    assert list(lru) == ["a", "c"] and lru.evicted == 1 and lru.get("b") is None
+    model = random_model(tiny_hf_config("dream"), seed=1, sharpen=6)
+    cr = CompiledRounds(cap=2)  # a fresh one (not the model's shared one), so this test stands alone
+    made = []
+
+    def make(tag):
+        def step(st, T):
+            return st, {}
+
+        made.append(tag)
+        return step
+
+    st = {"x": torch.zeros(3, dtype=torch.long)}
+    cr._req_buckets = set()
+    cr._req_compile_seconds = {}
+    import unittest.mock as mock
+
+    with mock.patch.object(torch, "compile", lambda fn, **kw: fn):
+        for temp in (0.1, 0.2, 0.3, 0.1):
+            cr.run(("steps", temp), (temp,), f"t{temp}", lambda t=temp: make(t), model, st, {}, None)
+    assert made == [0.1, 0.2, 0.3, 0.1] and len(cr.fns) == 2 and cr.fns.evicted == 2

@@ -19,6 +19,7 @@ Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (d
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -45,15 +46,43 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class CompiledRounds:
-    """The compiled / captured rounds of one model, keyed by bucket."""
+# the most compiled / captured buckets (and workspaces) one model keeps: keys hold the requests' float knobs
+# (temperature, top_p, thresholds), so a client cycling them would otherwise grow GPU graph memory and Dynamo's
+# caches without bound (issue 28 finding 5); the least recently used bucket goes first and compiles again if asked
+MAX_BUCKETS = 64
 
-    def __init__(self):
-        self.fns: dict = {}  # bucket key -> callable(st, T) -> (st, info)
+
+class LRU(collections.OrderedDict):
+    """A dict of at most `cap` entries: `get` and assignment make an entry the most recent, the least recent one
+    leaves when a new one would exceed the cap (`evicted` counts them)."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap, self.evicted = cap, 0
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.cap:
+            self.popitem(last=False)
+            self.evicted += 1
+
+
+class CompiledRounds:
+    """The compiled / captured rounds of one model, keyed by bucket (at most MAX_BUCKETS, least recently used out)."""
+
+    def __init__(self, cap: int = MAX_BUCKETS):
+        self.fns = LRU(cap)  # bucket key -> callable(st, T) -> (st, info)
         self.emulate_graphs = False  # tests: take the CUDA-graph path on CPU (with `capture` emulated)
         self.fallback = False  # the current request's compile=None: a failed capture runs the step eagerly
-        self.workspaces: dict = {}  # (geo) -> static state dict (CUDA graphs)
-        self.compile_seconds: dict = {}  # bucket key -> seconds of its first (compiling) call
+        self.workspaces = LRU(cap)  # (geo) -> static state dict (CUDA graphs; a graph keeps its own alive)
+        self.compile_seconds = LRU(cap)  # bucket key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
         self._req_graphs0 = 0
         self._req_buckets: set = set()
