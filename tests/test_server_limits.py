@@ -379,3 +379,31 @@ def test_cpp_build_lock_held_elsewhere_times_out_with_a_clear_error(monkeypatch,
         holder.kill()
         holder.wait()
     _cpp.build.__wrapped__()  # the holder died: the kernel dropped its lock, nothing stale is left
+
+
+def test_serve_warms_up_before_it_listens(embedded, monkeypatch):
+    """serve builds the CPU round ops and decodes once before uvicorn starts: /health cannot be "ok" before the
+    server can decode (before: the ~30 s build ran on the first d2f / lopa request, /health already ok)."""
+    import uvicorn
+
+    from lopa_fast import server
+    from lopa_fast.ops import _cpp
+
+    seen = {}
+
+    def run(self):
+        seen["cpp"] = _cpp.loaded() or not _cpp.wanted()
+        seen["decoded"] = calls[0] > 0
+
+    calls = [0]
+    real = lopa_fast.generate
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(lopa_fast, "generate", counting)
+    model, tok = embedded
+    server.serve(model, tok, model_id="d2f-arith", defaults=DEFAULTS, port=_free_port())
+    assert seen == {"cpp": True, "decoded": True}

@@ -3,11 +3,12 @@
     python -m lopa_fast serve [--model DIR] [--lora DIR] [--host 127.0.0.1] [--port 8000] [knob flags]
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events), GET /health,
-    GET /v1/models. docs/serve.md has the fields, the defaults and the errors.
+    GET /v1/models, GET /metrics (Prometheus text). docs/serve.md has the fields, the defaults, the caps
+    (`limits`), the API key and the errors.
 
 Modules, one job each: `protocol` (request body -> validated knobs and prompt ids; errors naming the field),
-`worker` (the execution seam: `Worker.submit(job) -> Handle`, one request at a time today), `app` (the routes,
-server-sent events, error responses).
+`worker` (the execution seam: `Worker.submit(job) -> Handle`), `app` (the routes, server-sent events, error
+responses, the API key), `limits` (the per-request caps and the memory budget), `metrics` (/metrics).
 """
 from __future__ import annotations
 
