@@ -88,16 +88,54 @@ def test_batching(benchmark, name, k, B):
     )  # fmt: skip
 
 
+STEP_STRATEGIES = {  # the strategies whose steps batch since the driver protocol (issue 25): 32 new tokens
+    "vanilla": dict(steps=16, alg="entropy"),
+    "threshold": dict(block_length=8, threshold=0.9, cache="prefix"),
+}
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("B", (1, 2, 4, 8))
+@pytest.mark.parametrize("strategy", sorted(STEP_STRATEGIES))
+@pytest.mark.parametrize("name", ["d2f-arith", "dream-60m"])
+def test_batching_steps(benchmark, name, strategy, B):
+    """Vanilla / threshold: B prompts batched (one forward per step for all) vs B sequential runs, same tokens."""
+    torch.set_num_threads(1)
+    m = model(name)
+    ps = prompts(m, B)
+    kw = dict(STEP_STRATEGIES[strategy], max_new_tokens=32)
+    times = {"batched": [], "sequential": []}
+    outs = {}
+
+    def both():
+        t = time.perf_counter()
+        outs["batched"] = lopa_fast.generate(m, ps, strategy, "fast", **kw)
+        times["batched"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        outs["sequential"] = [lopa_fast.generate(m, p, strategy, "fast", **kw) for p in ps]
+        times["sequential"].append(time.perf_counter() - t)
+
+    benchmark.pedantic(both, rounds=REPS, iterations=1, warmup_rounds=1)
+    for a, b in zip(outs["batched"], outs["sequential"]):
+        assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]
+    med = {p: statistics.median(v) for p, v in times.items()}
+    benchmark.extra_info.update(
+        model=name, strategy=strategy, k="-", B=B, tokens=sum(len(o.generated_ids) for o in outs["sequential"]),
+        forwards=sum(o.stats["forwards"] for o in outs["sequential"]), batched_s=med["batched"],
+        sequential_s=med["sequential"], params=sum(p.numel() for p in m.parameters()), torch=torch.__version__,
+    )  # fmt: skip
+
+
 def report(path: str) -> str:
     runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    header = ["model", "k", "B", "tokens", "sequential s", "batched s", "sequential tok/s", "batched tok/s",
+    header = ["model", "strategy", "k", "B", "tokens", "sequential s", "batched s", "sequential tok/s", "batched tok/s",
               "speed-up", "latency seq. (mean per request) s", "latency batched s"]
     rows = []
-    for e in sorted(runs, key=lambda e: (e["model"], e["k"], e["B"])):
+    for e in sorted(runs, key=lambda e: (e["model"], e.get("strategy", "lopa"), str(e["k"]), e["B"])):
         s, b = e["sequential_s"], e["batched_s"]
         # sequential: request i waits for the i-1 before it, so the mean latency is about (B + 1) / 2 runs
         lat_seq = s * (e["B"] + 1) / (2 * e["B"])
-        rows.append([f"{e['model']} ({e['params'] / 1e6:.1f}M)", e["k"], e["B"], e["tokens"], f"{s:.3f}", f"{b:.3f}",
+        rows.append([f"{e['model']} ({e['params'] / 1e6:.1f}M)", e.get("strategy", "d2f / lopa"), e["k"], e["B"], e["tokens"], f"{s:.3f}", f"{b:.3f}",
                      f"{e['tokens'] / s:.0f}", f"{e['tokens'] / b:.0f}", f"**{s / b:.2f}x**", f"{lat_seq:.3f}",
                      f"{b:.3f}"])  # fmt: skip
     return tabulate(rows, header, tablefmt="github", disable_numparse=True)
