@@ -13,6 +13,7 @@ import torch
 import lopa_fast
 from lopa_fast import strategies
 from lopa_fast.errors import KnobError
+from lopa_fast.decode.compiled import CompiledRounds, compile_wanted, unique_code
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.testing import random_model, tiny_hf_config
 
@@ -54,8 +55,109 @@ def ltr_fast(model, prompt, cfg, on_round=None):
     return _left_to_right(model, prompt, cfg, on_round, rows_only=True)
 
 
+class LtrDriver:
+    """The test strategy's fast path on the package's engine, from this file alone: the batch driver protocol
+    (lopa_fast.decode.batch drives many of them in one forward per step; `run` drives one) and, with compile, its
+    step through the compile layer (CompiledRounds.run: compiled or captured per key, knowing no strategy)."""
+
+    mode = "full"
+
+    def __init__(self, model, prompt, cfg, cache=None):
+        from lopa_fast.ops import _backend
+
+        c = model.config
+        self.model, self.cfg, self.P = model, cfg, prompt.numel()
+        self.x = torch.cat([prompt, prompt.new_full((cfg.max_new_tokens,), cfg.mask_token_id)])
+        self.L, self.i = self.x.numel(), self.P
+        self.shift = 1 if model.logits_shift else 0
+        self.attn_backend = _backend.resolve("branch_attention", None, prompt.device)
+        self.cache = cache or tuple(torch.zeros(c.num_layers, 1, c.num_kv_heads, c.head_dim) for _ in range(2))
+        self.stats = {"forwards": 0, "model_calls": 0}
+        self.done = False
+
+    def use_cache(self, k, v):
+        self.cache = (k, v)
+
+    def begin(self, on_round=None):
+        self.on_round, self.t0 = on_round, time.perf_counter()
+
+    def next_bucket(self):
+        return None if self.done or self.i >= self.L else (self.i,)
+
+    def prepare(self, i):
+        return {"i": i, "tokens": self.x[None].clone(), "rows": torch.tensor([i - self.shift])}
+
+    def forward_args(self, w):
+        return dict(tokens=w["tokens"], start=0, cache_k=self.cache[0], cache_v=self.cache[1], prefix_len=0,
+                    win_lens=torch.tensor([self.L]), bids=None, rows=w["rows"])
+
+    def finish(self, w, logits, k_win=None, v_win=None):
+        self.x[w["i"]] = logits[0].float().argmax()
+        self.stats["forwards"] += 1
+        self.stats["model_calls"] += 1
+
+    def read_head(self):
+        self.last = int(self.x[self.i])  # the step's one host read
+
+    def after_round(self):
+        self.i += 1
+        if self.on_round is not None:
+            self.on_round(self.x[self.P : self.i].tolist(), {"round": self.stats["forwards"]})
+        if self.cfg.eos_token_id is not None and self.last == self.cfg.eos_token_id:
+            self.x[self.i :] = self.cfg.eos_token_id
+            self.done = True
+
+    def _compiled_step(self, compiled):
+        """One step through the compile layer: the step function over a state of tensors, keyed by the length."""
+        model, fa = self.model, self.forward_args({"tokens": self.x[None], "rows": torch.tensor([0])})
+
+        def make():
+            def step(st, T):
+                rows = (st["i"] - self.shift).reshape(1)
+                logits = model.forward_requests([dict(fa, tokens=st["x"][None], rows=rows)], "full",
+                                                self.attn_backend)[0][0]
+                x = st["x"].index_put((st["i"].reshape(1),), logits[0].float().argmax().reshape(1))
+                return {"x": x, "i": st["i"] + 1}, {"tok": x[st["i"]]}
+
+            return unique_code(step, "ltr_step")
+
+        st = {"x": self.x, "i": torch.tensor(self.i)}
+        st, _ = compiled.run(("ltr", self.L), (self.L,), f"ltr_{self.L}", make, model, st, {}, ("ltr", self.L))
+        self.x = st["x"].clone()
+        self.stats["forwards"] += 1
+        self.stats["model_calls"] += 1
+
+    def run(self, on_round=None):
+        self.begin(on_round)
+        compiled = CompiledRounds.for_model(self.model, self.cfg) if compile_wanted(self.cfg, "cpu") else None
+        while (b := self.next_bucket()) is not None:
+            if compiled is not None:
+                self._compiled_step(compiled)
+            else:
+                w = self.prepare(*b)
+                part = self.forward_args(w)
+                self.finish(w, self.model.forward_requests([part], self.mode, self.attn_backend)[0][0])
+            self.read_head()
+            self.after_round()
+        return self.result(compiled)
+
+    def result(self, compiled=None):
+        ids = self.x[self.P :].tolist()
+        if compiled is not None:
+            self.stats.update(compiled.stats())
+        finalize_stats(self.stats, ids, self.cfg.eos_token_id, self.cfg.mask_token_id, time.perf_counter() - self.t0,
+                       steps_plus_one=False)
+        return GenerateOutput(ids, self.stats)
+
+
+def ltr_driver_fast(model, prompt, cfg, on_round=None):
+    return LtrDriver(model, prompt, cfg).run(on_round)
+
+
 LTR = strategies.Strategy(name="ltr", summary="left to right, one token per forward (a test strategy)",
                           reference=ltr_reference, fast=ltr_fast)
+# the same strategy on the engine: batch driver, compile layer (registered by the tests that use it)
+LTR_ENGINE = dataclasses.replace(LTR, fast=ltr_driver_fast, driver=LtrDriver, compile=True)
 
 
 @pytest.fixture
@@ -86,6 +188,42 @@ def test_registered_strategy_runs_on_both_backends_and_in_a_batch(ltr, model):
     seen = []
     lopa_fast.generate(model, ids, "ltr", "fast", max_new_tokens=6, on_round=lambda p, i: seen.append(len(p)))
     assert seen and seen == sorted(seen)
+
+
+def test_registered_strategy_batches_and_compiles_on_the_engine(model, monkeypatch):
+    """The test strategy with a batch driver and a compiled step (all in this file): a list of prompts shares one
+    forward per step (equal to solo runs and the reference), and compile=True runs its step through the compile
+    layer (the CUDA-graph path, emulated on the CPU as tests/test_compiled_round.py does) with the same tokens."""
+    strategies.register(LTR_ENGINE)
+    try:
+        ps = [[5, 9, 2, 7], [3, 4], [8, 1, 6]]
+        ref = [lopa_fast.generate(model, p, "ltr", "reference", max_new_tokens=6) for p in ps]
+        outs = lopa_fast.generate(model, ps, "ltr", "fast", max_new_tokens=6)
+        assert [o.generated_ids for o in outs] == [r.generated_ids for r in ref]
+        assert all(o.stats["batched"] == 3 for o in outs)
+
+        def emulated_capture(warmup, body):
+            _, info = warmup()
+            outputs = {k: v.clone() for k, v in info.items()}
+
+            def replay():
+                for k, v in body().items():
+                    outputs[k].copy_(v)
+
+            return replay, outputs
+
+        monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
+        cr = CompiledRounds.for_model(model)
+        monkeypatch.setattr(cr, "emulate_graphs", True)
+        first = lopa_fast.generate(model, ps[0], "ltr", "fast", max_new_tokens=6, compile=True)
+        again = lopa_fast.generate(model, ps[0], "ltr", "fast", max_new_tokens=6, compile=True)
+        assert first.generated_ids == again.generated_ids == ref[0].generated_ids
+        assert first.stats["compiled_graphs"] == 1 and again.stats["compiled_graphs"] == 0  # captured once, replayed
+        for key in [k for k in cr.fns if k[0] == "ltr"]:
+            del cr.fns[key]
+        cr.workspaces.pop(("ltr", 10), None)
+    finally:
+        strategies.unregister("ltr")
 
 
 def test_what_a_strategy_does_not_implement_is_refused_naming_it(ltr, model):
