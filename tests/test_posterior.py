@@ -110,7 +110,7 @@ def test_fill_orders_are_permutations():
 
 def test_policy_schedule_with_soft_targets_trains_and_resumes(tmp_path):
     """A tiny run on the policy schedule with soft targets: a run stopped and resumed at a multiple of
-    policy_every equals the uninterrupted run bit for bit; soft targets need arith-var."""
+    policy_every, or inside a pool's epoch, equals the uninterrupted run bit for bit; soft targets need arith-var."""
     from safetensors.torch import load_file
 
     kw = dict(log=lambda *_: None, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, batch=4, gen_len=96,
@@ -121,6 +121,11 @@ def test_policy_schedule_with_soft_targets_trains_and_resumes(tmp_path):
     d2f.train(tmp_path / "b", resume=True, **kw)
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # stopped inside an epoch of the pool (step 6 of policy_every 4): the pool's orders come from the checkpoint
+    d2f.train(tmp_path / "d", stop_at=6, **kw)
+    d2f.train(tmp_path / "d", resume=True, **kw)
+    wd = load_file(tmp_path / "d" / "model.safetensors")
+    assert all(torch.equal(wa[k], wd[k]) for k in wa)
     assert (tmp_path / "a" / "training_log.txt").read_text().count("policy pool of 3 problems") == 2
     with pytest.raises(ValueError, match="soft_targets=1 needs task arith-var"):
         d2f.train(tmp_path / "c", **{**kw, "task": "arith", "gen_len": 32, "max_positions": 128})

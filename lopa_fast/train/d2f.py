@@ -263,6 +263,12 @@ def loss_on(model, batch, mode: str, block_size: int, gen_len: int, g: torch.Gen
     return -(target * pred.log_softmax(-1)).sum(-1).mean()
 
 
+def policy_problems(a: dict, step: int) -> list:
+    """The `policy_pool` train problems of the pool built at `step` (seeded by it: a resumed run regenerates them)."""
+    return tasks.generate_task(a["task"], "train", a["policy_pool"], seed=a["seed"] * 1_000_003 + step + 500_009,
+                               variant=a["variant"])
+
+
 def policy_pool(model, a: dict, tok, step: int) -> tuple[list, torch.Tensor]:
     """`policy_pool` train problems (seeded by `step`) and the order the model's entropy-order decode visits
     their regions in, teacher-forced (`greedy.fill_orders`; policy_pool x gen_len forwards without gradients).
@@ -273,8 +279,7 @@ def policy_pool(model, a: dict, tok, step: int) -> tuple[list, torch.Tensor]:
     visible tokens had already determined (train.diagnose --posterior)."""
     from lopa_fast.train.greedy import fill_orders
 
-    problems = tasks.generate_task(a["task"], "train", a["policy_pool"], seed=a["seed"] * 1_000_003 + step + 500_009,
-                                   variant=a["variant"])
+    problems = policy_problems(a, step)
     model.eval()
     orders = torch.cat([fill_orders(model, make_batch(problems[i:i + 64], tok, a["gen_len"]), a["gen_len"])
                         for i in range(0, len(problems), 64)])
@@ -343,13 +348,19 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
                                                n_params)  # fmt: skip
     t0 = time.time() - spent
 
+    # "full_policy": (problems, their visiting orders, epoch), rebuilt every policy_every steps from the weights at the
+    # epoch's first policy step. A resumed run takes the pool's orders from the checkpoint (the problems are seeded by
+    # the epoch), so it is the uninterrupted run wherever it was stopped.
+    pool = None
+    if state is not None and "policy_orders" in state:
+        epoch = int(state["policy_epoch"])
+        pool = (policy_problems(a, epoch * a["policy_every"]), state["policy_orders"], epoch)
+
     def checkpoint(next_step: int) -> None:
-        run.checkpoint(out, a, model, opt, next_step, ema, first_loss, dev_acc, t0)
+        extra = None if pool is None else {"policy_orders": pool[1], "policy_epoch": pool[2]}
+        run.checkpoint(out, a, model, opt, next_step, ema, first_loss, dev_acc, t0, extra)
 
     last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
-    # "full_policy": (problems, their visiting orders, epoch), rebuilt every policy_every steps. A run resumed at a
-    # multiple of policy_every is the uninterrupted run; elsewhere the pool is rebuilt from the resumed weights.
-    pool = None
     for step in range(start, last_step):
         mode = SCHEDULES[a["schedule"]][step % len(SCHEDULES[a["schedule"]])]
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)

@@ -93,11 +93,13 @@ def begin(state: dict | None, model, opt, out: Path, emit, recipe: str, a: dict,
     return 0, None, None, None, 0.0
 
 
-def checkpoint(out: Path, a: dict, model, opt, next_step: int, ema, first_loss, dev_acc, t0: float) -> None:
-    """The resumable state after `next_step` steps (run.save_state): weights, optimiser, counters, torch RNG."""
+def checkpoint(out: Path, a: dict, model, opt, next_step: int, ema, first_loss, dev_acc, t0: float,
+               extra: dict | None = None) -> None:
+    """The resumable state after `next_step` steps (run.save_state): weights, optimiser, counters, torch RNG, and a
+    recipe's own `extra` entries (tensors, numbers; e.g. the d2f recipe's current policy pool)."""
     save_state(out, dict(args=a, model=model.state_dict(), opt=opt.state_dict(), step=next_step, ema=ema,
                          first_loss=first_loss, dev_acc=dev_acc, seconds=time.time() - t0,
-                         torch_rng=torch.get_rng_state()))
+                         torch_rng=torch.get_rng_state(), **(extra or {})))
 
 
 def load_state(out: Path, args: dict, ignore=RESUME_FREE) -> dict:
