@@ -68,11 +68,39 @@ def test_compiled_buckets_are_bounded():
         return step
 
     st = {"x": torch.zeros(3, dtype=torch.long)}
-    cr._req_buckets = set()
-    cr._req_compile_seconds = {}
     import unittest.mock as mock
 
     with mock.patch.object(torch, "compile", lambda fn, **kw: fn):
         for temp in (0.1, 0.2, 0.3, 0.1):
             cr.run(("steps", temp), (temp,), f"t{temp}", lambda t=temp: make(t), model, st, {}, None)
     assert made == [0.1, 0.2, 0.3, 0.1] and len(cr.fns) == 2 and cr.fns.evicted == 2
+
+
+def test_request_stats_are_per_thread():
+    """Two requests compiling on two threads at once: each one's compiled_graphs / buckets / seconds are its own
+    (they used to share one counter on the model's CompiledRounds)."""
+    import threading
+    import unittest.mock as mock
+
+    model = random_model(tiny_hf_config("dream"), seed=1, sharpen=6)
+    cr = CompiledRounds(cap=8)
+    st = {"x": torch.zeros(3, dtype=torch.long)}
+    barrier, seen = threading.Barrier(2, timeout=30), {}
+
+    def request(tag, buckets):
+        cr._request()  # this thread's view
+        cr._local.graphs, cr._local.buckets, cr._local.seconds = 0, set(), {}
+        barrier.wait()
+        for b in buckets:
+            cr.run(("t", b), (b,), f"b{b}", lambda: (lambda s, T: (s, {})), model, st, {}, None)
+        seen[tag] = cr.stats()
+
+    with mock.patch.object(torch, "compile", lambda fn, **kw: fn), mock.patch.object(compiled, "_dynamo_graphs",
+                                                                                        lambda: 0):
+        ts = [threading.Thread(target=request, args=("a", (1, 2))), threading.Thread(target=request, args=("b", (3,)))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+    assert seen["a"]["compiled_buckets"] == [(1,), (2,)] and set(seen["a"]["compile_seconds"]) == {"b1", "b2"}
+    assert seen["b"]["compiled_buckets"] == [(3,)] and set(seen["b"]["compile_seconds"]) == {"b3"}

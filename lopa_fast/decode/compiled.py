@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import threading
 import time
 import types
 import warnings
@@ -80,13 +81,25 @@ class CompiledRounds:
     def __init__(self, cap: int = MAX_BUCKETS):
         self.fns = LRU(cap)  # bucket key -> callable(st, T) -> (st, info)
         self.emulate_graphs = False  # tests: take the CUDA-graph path on CPU (with `capture` emulated)
-        self.fallback = False  # the current request's compile=None: a failed capture runs the step eagerly
         self.workspaces = LRU(cap)  # (geo) -> static state dict (CUDA graphs; a graph keeps its own alive)
         self.compile_seconds = LRU(cap)  # bucket key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
-        self._req_graphs0 = 0
-        self._req_buckets: set = set()
-        self._req_compile_seconds: dict = {}  # "NbxRb" -> seconds, buckets compiled during this request
+        # the current request's view, per thread (requests on several threads share this object): fallback (its
+        # compile=None: a failed capture runs the step eagerly), graphs, buckets used, seconds of buckets compiled
+        self._local = threading.local()
+
+    def _request(self):
+        """This thread's current request view (an empty one before the thread's first `for_model`)."""
+        req = self._local
+        if not hasattr(req, "buckets"):
+            req.fallback, req.graphs, req.buckets, req.seconds = False, 0, set(), {}
+        return req
+
+    def _count(self, n: int) -> None:
+        """n graphs compiled / captured for this thread's request (and the model's total). Dynamo's counter is
+        process-wide, so a compile on another thread at the same moment would be counted here too."""
+        self.graphs += n
+        self._request().graphs += n
 
     @classmethod
     def for_model(cls, model, cfg=None) -> "CompiledRounds":
@@ -95,10 +108,8 @@ class CompiledRounds:
         cr = _PER_MODEL.get(model)
         if cr is None:
             cr = _PER_MODEL[model] = cls()
-        cr.fallback = cfg is not None and cfg.compile is None
-        cr._req_graphs0 = cr.graphs
-        cr._req_buckets = set()
-        cr._req_compile_seconds = {}
+        req = cr._local
+        req.fallback, req.graphs, req.buckets, req.seconds = cfg is not None and cfg.compile is None, 0, set(), {}
         return cr
 
     # ------------------------------------------------------------------------------------------------
@@ -120,7 +131,7 @@ class CompiledRounds:
         geo's workspace (CUDA, or emulate_graphs) or torch.compile'd (CPU) on the key's first call, then replayed.
         Counted in stats() (bucket: compiled_buckets' entry; label: compile_seconds' name). The APD step
         (lopa_fast.decode.apd), the vanilla / threshold steps (lopa_fast.decode.static_steps) run through it."""
-        self._req_buckets.add(bucket)
+        self._request().buckets.add(bucket)
         fn = self.fns.get(key)
         if fn is None:
             what = "the step " + label
@@ -131,9 +142,9 @@ class CompiledRounds:
                 log.debug("capturing %s (a CUDA graph)...", what)
                 try:
                     fn = self._capture(model, st, T, geo, step)
-                    self.graphs += 1
+                    self._count(1)
                 except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this bucket runs its step eagerly
-                    if not self.fallback:
+                    if not self._request().fallback:
                         raise
                     warnings.warn(f"compile (auto): capturing {what} failed ({type(e).__name__}: {e}); this bucket "
                                   "runs eagerly (pass compile=True to make it an error)", RuntimeWarning,
@@ -145,14 +156,14 @@ class CompiledRounds:
                 log.info(_COMPILING, what)
                 fn = self.fns[key] = torch.compile(step, fullgraph=True, dynamic=False)
                 out = fn(st, T)
-                self.graphs += _dynamo_graphs() - g0
+                self._count(_dynamo_graphs() - g0)
             self.compile_seconds[key] = time.perf_counter() - t0
-            self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
+            self._request().seconds[label] = round(self.compile_seconds[key], 3)
             _log_done(what, self.compile_seconds[key], captured)
             return out
         g0 = _dynamo_graphs()
         out = fn(st, T)
-        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
+        self._count(_dynamo_graphs() - g0)  # a recompile inside a bucket would show here
         return out
 
     def call(self, key: tuple, bucket: tuple[int, int], label: str, make, *args):
@@ -161,7 +172,7 @@ class CompiledRounds:
         `step` for a round split into parts that cannot be one graph: lopa_fast.distributed compiles a rank's
         forward + statistics and, separately, the selection + plan, with the collectives between them outside
         any graph. Counted in stats() as `step`'s graphs (bucket: (Nb, Rb); label: its compile_seconds name)."""
-        self._req_buckets.add(bucket)
+        self._request().buckets.add(bucket)
         fn = self.fns.get(key)
         g0 = _dynamo_graphs()
         if fn is None:
@@ -171,11 +182,11 @@ class CompiledRounds:
             t0 = time.perf_counter()
             out = fn(*args)
             self.compile_seconds[key] = time.perf_counter() - t0
-            self._req_compile_seconds[label] = round(self.compile_seconds[key], 3)
+            self._request().seconds[label] = round(self.compile_seconds[key], 3)
             _log_done(f"the round part {label}", self.compile_seconds[key], captured=False)
         else:
             out = fn(*args)
-        self.graphs += _dynamo_graphs() - g0  # a recompile inside a bucket would show here
+        self._count(_dynamo_graphs() - g0)  # a recompile inside a bucket would show here
         return out
 
     # ------------------------------------------------------------------------------------------------
@@ -228,9 +239,9 @@ class CompiledRounds:
         """Per-request view: graphs built during this request, the buckets it used, and the seconds of each
         bucket it compiled (empty on a warm cache)."""
         return {
-            "compiled_graphs": self.graphs - self._req_graphs0,
-            "compiled_buckets": sorted(self._req_buckets),
-            "compile_seconds": dict(self._req_compile_seconds),
+            "compiled_graphs": self._request().graphs,
+            "compiled_buckets": sorted(self._request().buckets),
+            "compile_seconds": dict(self._request().seconds),
         }
 
 
