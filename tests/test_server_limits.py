@@ -310,6 +310,8 @@ def test_metrics_in_prometheus_text_format(served):
     assert fams["lopa_fast_requests_total"] == "counter" and fams["lopa_fast_request_seconds"] == "histogram"
     for name in ("lopa_fast_forwards_total", "lopa_fast_tpf", "lopa_fast_batch_size_max", "lopa_fast_requests_pending"):
         assert name in fams
+    assert fams["lopa_fast_batch_size"] == "histogram"  # requests per batched round
+    assert int(float(re.search(r"^lopa_fast_batch_size_count (\S+)", text, re.M).group(1))) >= 1
     assert re.search(r'^lopa_fast_requests_total\{endpoint="completions",status="200"\} [1-9]', text, re.M)
     assert re.search(r'^lopa_fast_requests_total\{endpoint="completions",status="400"\} [1-9]', text, re.M)
     assert int(re.search(r"^lopa_fast_forwards_total (\d+)", text, re.M).group(1)) > 0

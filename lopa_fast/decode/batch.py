@@ -240,6 +240,7 @@ class BatchEngine:
         self._schedulers: dict = {}
         self._waiting: dict = {}  # (scheduler key, request id) -> box
         self.max_live = 0  # the most requests seen in one batched round
+        self.batch_sizes: dict[int, int] = {}  # requests in one batched round -> rounds of that size (/metrics)
         self.rounds = 0
         self._closed = False
         self._go = threading.Event()
@@ -315,6 +316,8 @@ class BatchEngine:
                 except Exception as e:  # noqa: BLE001 - the shared forward failed: every request of this batch ends
                     ended = sched.abort(e)
                 self.max_live = max(self.max_live, sched.last_batch)
+                if sched.last_batch:
+                    self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1
                 self.rounds += 1
                 for rid in ended:
                     box = self._waiting.pop((key, rid))

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lopa_fast.errors import RoundCapError
 from lopa_fast.server.protocol import RequestError, checked, parse
-from lopa_fast.server.metrics import Metrics
+from lopa_fast.server.metrics import CONTENT_TYPE, Metrics
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
 
@@ -87,7 +87,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(worker), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(worker), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
