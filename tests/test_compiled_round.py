@@ -9,6 +9,7 @@ import torch
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import emulated_capture
 
 # one geometry per config (same prompt length, block size, k, mode, thresholds): every bucket after the
 # first request is a replay. max_new_tokens = block_size: the decode rounds all use the Nb = 8 bucket.
@@ -92,18 +93,6 @@ def test_graph_workspace_logic_on_cpu(monkeypatch):
     loaded into it, the round written back in place, graph-owned trace facts) with the capture emulated on
     CPU: the "graph" reruns the captured body and rewrites the outputs captured the first time."""
     from lopa_fast.decode.compiled import CompiledRounds
-
-    def emulated_capture(warmup, body):
-        # a real capture records kernels without running them: the workspace is not touched until a replay,
-        # so the emulation takes its output tensors from the warm-up (a round on scratch copies)
-        _, info = warmup()
-        outputs = {k: v.clone() for k, v in info.items()}
-
-        def replay():
-            for k, v in body().items():
-                outputs[k].copy_(v)
-
-        return replay, outputs
 
     model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=1, sharpen=6)
     cr = CompiledRounds.for_model(model)

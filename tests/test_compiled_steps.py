@@ -18,7 +18,7 @@ import pytest
 import lopa_fast
 from lopa_fast.decode.compiled import CompiledRounds
 from lopa_fast.decode.static_steps import StepGeometry
-from tests.utils import step_models
+from tests.utils import emulated_capture, step_models
 
 PROMPTS = ([3, 4, 5, 6], [9, 4, 5, 1], [7, 2, 8, 30])  # one length: a geometry's later requests replay
 
@@ -77,16 +77,6 @@ def emulated_graphs(monkeypatch):
     """CompiledRounds' CUDA-graph path on CPU for the models of a test: the "graph" reruns the captured body on
     the workspace and rewrites the outputs captured the first time (a real capture records without running, so
     those come from the warm-up on scratch copies), as tests/test_compiled_round.py does for D2F / LoPA."""
-
-    def emulated_capture(warmup, body):
-        _, info = warmup()
-        outputs = {k: v.clone() for k, v in info.items()}
-
-        def replay():
-            for k, v in body().items():
-                outputs[k].copy_(v)
-
-        return replay, outputs
 
     monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
     touched = []

@@ -25,6 +25,7 @@ from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
 from lopa_fast.testing import model_from_spec
+from tests.utils import emulated_capture
 
 HERE = os.path.dirname(__file__)
 PAIRS = {"a": ("d64", "q64"), "b": ("d66", "q64b")}  # (drafter, verifier) of tests/golden/apd_upstream.json
@@ -281,16 +282,6 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
     tests/test_compiled_round.py does for the D2F / LoPA round): token-exact, traces included, over requests
     whose buckets differ."""
     from lopa_fast.decode.compiled import CompiledRounds
-
-    def emulated_capture(warmup, body):
-        _, info = warmup()  # a real capture runs nothing: the outputs come from a warm-up on scratch copies
-        outputs = {k: v.clone() for k, v in info.items()}
-
-        def replay():
-            for k, v in body().items():
-                outputs[k].copy_(v)
-
-        return replay, outputs
 
     d, q = models["d64"], models["q64"]
     cr = CompiledRounds.for_model(d)

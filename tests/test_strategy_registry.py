@@ -16,6 +16,7 @@ from lopa_fast.errors import KnobError
 from lopa_fast.decode.compiled import CompiledRounds, compile_wanted, unique_code
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import emulated_capture
 
 PACKAGE = pathlib.Path(lopa_fast.__file__).parent
 
@@ -201,16 +202,6 @@ def test_registered_strategy_batches_and_compiles_on_the_engine(model, monkeypat
         outs = lopa_fast.generate(model, ps, "ltr", "fast", max_new_tokens=6)
         assert [o.generated_ids for o in outs] == [r.generated_ids for r in ref]
         assert all(o.stats["batched"] == 3 for o in outs)
-
-        def emulated_capture(warmup, body):
-            _, info = warmup()
-            outputs = {k: v.clone() for k, v in info.items()}
-
-            def replay():
-                for k, v in body().items():
-                    outputs[k].copy_(v)
-
-            return replay, outputs
 
         monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
         cr = CompiledRounds.for_model(model)

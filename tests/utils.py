@@ -178,3 +178,17 @@ def markdown_row(text: str, first_cell: str) -> list[str]:
             if cells[0] == first_cell:
                 return cells
     raise StopIteration(f"no table row {first_cell!r}")
+
+
+def emulated_capture(warmup, body):
+    """CompiledRounds.capture's CUDA-graph contract emulated on the CPU: a real capture records kernels without
+    running them (the workspace is untouched until a replay), so the outputs come from the warm-up on scratch copies,
+    and a "replay" reruns the captured body on the workspace and rewrites those outputs."""
+    _, info = warmup()
+    outputs = {k: v.clone() for k, v in info.items()}
+
+    def replay():
+        for k, v in body().items():
+            outputs[k].copy_(v)
+
+    return replay, outputs
