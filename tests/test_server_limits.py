@@ -130,7 +130,7 @@ def test_memory_cap_refuses_before_any_allocation(embedded):
 
 
 PEAK = r"""
-import json, resource, sys, warnings, torch, lopa_fast
+import json, sys, threading, time, warnings, psutil, torch, lopa_fast
 from lopa_fast import api
 from lopa_fast.assets import model_dir
 from lopa_fast.config import GenerateConfig
@@ -140,22 +140,34 @@ model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
 ids = lopa_fast.load_tokenizer(model_dir())(sys.argv[2])["input_ids"]
 knobs = {**json.loads(sys.argv[1])}
 lopa_fast.generate(model, ids, **{**knobs, "branching_factor": 2})  # warm: the C++ ops, the allocator's pools
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+proc = psutil.Process()
 out = []
 for k in (300, 1000):
-    base = peak()
+    before, top, done = proc.memory_info().rss, [0], threading.Event()
+
+    def sample():  # the RSS high-water mark of this request alone (the process's own maximum may predate it)
+        while not done.is_set():
+            top[0] = max(top[0], proc.memory_info().rss)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sample)
+    t.start()
     lopa_fast.generate(model, ids, **{**knobs, "branching_factor": k})
+    done.set()
+    t.join()
     cfg, _ = GenerateConfig(**{**knobs, "branching_factor": k}).validate().plan_length(model, len(ids))
     cfg = cfg.resolve(model)
-    out.append((k, peak() - base, api.request_bytes(model, len(ids) + cfg.max_new_tokens, cfg, len(ids))))
+    out.append((k, max(top[0], proc.memory_info().rss) - before,
+                api.request_bytes(model, len(ids) + cfg.max_new_tokens, cfg, len(ids))))
 print(json.dumps(out))
 """
 
 
 def test_request_bytes_bounds_the_real_peak():
-    """The estimate against the allocator: the growth of the peak RSS of a subprocess (capped at 6 GiB of address
-    space) over k = 300 and k = 1000 LoPA requests; the old estimate undercounted 36-52x (k=1000: 16 MiB vs +841
-    MiB). Larger k first, so each request's growth is its own peak."""
+    """The estimate against the process: the RSS growth of a subprocess (capped at 6 GiB of address space) during
+    k = 300 and k = 1000 LoPA requests, sampled every millisecond against the RSS before each (the process's own
+    high-water mark may predate a request: a CI run measured 0 growth from it); the old estimate undercounted 36-52x
+    (k=1000: 16 MiB vs +841 MiB). Sampling can miss the very top, hence the bound's 4x."""
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
@@ -165,7 +177,7 @@ def test_request_bytes_bounds_the_real_peak():
     assert r.returncode == 0, r.stderr[-3000:]
     for k, real, est in json.loads(r.stdout.strip().splitlines()[-1]):
         assert real > 0, (k, real)
-        assert real <= est <= 3 * real, f"k={k}: real peak +{real / 2**20:.0f} MiB, estimate {est / 2**20:.0f} MiB"
+        assert real <= est <= 4 * real, f"k={k}: real peak +{real / 2**20:.0f} MiB, estimate {est / 2**20:.0f} MiB"
 
 
 # -- finding 2: large bodies, the event loop --------------------------------------------------------------------------
