@@ -257,11 +257,12 @@ BAD_BODIES = [
     (json.dumps({"prompt": PROMPT, "stop": [[1, "a"]]}).encode(), "stop"),
     (json.dumps({"prompt": PROMPT, "strategy": "threshold", "threshold": 0.9, "cache": {"a": 1}}).encode(), "cache"),
     (json.dumps({"prompt": PROMPT, "strategy": "apd"}).encode(), "strategy"),
+    (json.dumps({"prompt": PROMPT, "compile": True}).encode(), "compile"),  # the operator's (serve --compile)
 ]
 
 
 @pytest.mark.parametrize("raw,param", BAD_BODIES, ids=["digits", "nesting", "n-true", "stream-str", "stop-vocab",
-                                                      "stop-empty", "stop-type", "cache", "apd"])  # fmt: skip
+                                                      "stop-empty", "stop-type", "cache", "apd", "compile"])  # fmt: skip
 def test_bad_bodies_are_4xx_naming_the_field(embedded, raw, param):
     model, tok = embedded
     worker = Worker(model, tok, batch=False, concurrency=1)

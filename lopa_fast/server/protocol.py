@@ -42,6 +42,11 @@ NOT_SERVED = {
     "return_trace": "the server returns no traces",
     "distributed": "the server runs one process (branch parallelism is set up per process group)",
 }
+# knobs only the operator sets (serve's flags), never a request: a client choosing `compile` could make the server
+# compile a bucket per float-knob value (25-100 s of Inductor each on CPU, behind the one-at-a-time lock)
+OPERATOR_ONLY = {
+    "compile": "an operator setting: `serve --compile` (captured / compiled buckets are the server's, not a request's)",
+}
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "stop", "user", "logprobs", "logit_bias",
                  "presence_penalty", "frequency_penalty", *MAX_TOKENS_FIELDS)  # fmt: skip
@@ -156,8 +161,9 @@ def _knobs_of(body: dict, endpoint: str) -> dict:
     for name, value in body.items():
         if name in allowed or name == "stop":
             continue
-        if name in NOT_SERVED:
-            raise RequestError(f"{name}: not accepted by the server ({NOT_SERVED[name]})", name)
+        if name in NOT_SERVED or name in OPERATOR_ONLY:
+            why = NOT_SERVED.get(name) or OPERATOR_ONLY[name]
+            raise RequestError(f"{name}: not accepted by the server ({why})", name)
         if name in ("temperature", "top_p", "seed") or name in KNOBS:
             knobs[name] = value
             continue
