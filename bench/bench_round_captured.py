@@ -150,6 +150,27 @@ def stage_parity(dry: bool) -> dict:
     return res
 
 
+def _batched_vs_sequential(model, ps: list, strategy: str, kw: dict, dev, k) -> tuple[list, dict]:
+    """One warm-up, then the B prompts `ps` batched and one after another (synchronised): (batched outputs, the
+    row: k (LoPA's branching factor or the strategy's name), B, seconds, request-rounds per second, same tokens)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lopa_fast.generate(model, ps, strategy, "fast", **kw)  # warm-up
+        _sync(dev)
+        t0 = time.perf_counter()
+        outs = lopa_fast.generate(model, ps, strategy, "fast", **kw)
+        _sync(dev)
+        tb = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        seq = [lopa_fast.generate(model, p, strategy, "fast", **kw) for p in ps]
+        _sync(dev)
+        ts = time.perf_counter() - t0
+    req_rounds = sum(o.stats["forwards"] for o in outs)
+    return outs, dict(k=k, B=len(ps), batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
+                      batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
+                      same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+
+
 def stage_batch(dry: bool) -> dict:
     if dry:
         dev = torch.device("cpu")
@@ -170,22 +191,8 @@ def stage_batch(dry: bool) -> dict:
     for k in ks:
         for B in batches:
             ps = prompts[:B]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                lopa_fast.generate(model, ps, "lopa", "fast", branching_factor=k, **kw)  # warm-up
-                _sync(dev)
-                t0 = time.perf_counter()
-                outs = lopa_fast.generate(model, ps, "lopa", "fast", branching_factor=k, **kw)
-                _sync(dev)
-                tb = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                seq = [lopa_fast.generate(model, p, "lopa", "fast", branching_factor=k, **kw) for p in ps]
-                _sync(dev)
-                ts = time.perf_counter() - t0
-            req_rounds = sum(o.stats["forwards"] for o in outs)
-            row = dict(k=k, B=B, batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
-                       batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
-                       same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+            outs, row = _batched_vs_sequential(model, ps, "lopa", dict(kw, branching_factor=k), dev, k)
+            req_rounds = row["request_rounds"]
             if B > 1:  # the same batch with per-request attention (forward_requests without pool; on CPU both are that)
                 real = model.forward_requests
                 model.forward_requests = lambda parts, mode, b=None, pool=None: real(parts, mode, b)
@@ -208,23 +215,7 @@ def stage_batch(dry: bool) -> dict:
                 "threshold": dict(max_new_tokens=32, block_length=8, threshold=0.9, cache="prefix", max_rounds=8)}
     for strategy, skw in steps_kw.items():
         for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 55 s
-            ps = prompts[:B]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                lopa_fast.generate(model, ps, strategy, "fast", **skw)  # warm-up
-                _sync(dev)
-                t0 = time.perf_counter()
-                outs = lopa_fast.generate(model, ps, strategy, "fast", **skw)
-                _sync(dev)
-                tb = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                seq = [lopa_fast.generate(model, p, strategy, "fast", **skw) for p in ps]
-                _sync(dev)
-                ts = time.perf_counter() - t0
-            req_rounds = sum(o.stats["forwards"] for o in outs)
-            row = dict(k=strategy, B=B, batched_s=tb, sequential_s=ts, request_rounds=req_rounds,
-                       batched_rounds_per_s=req_rounds / tb, sequential_rounds_per_s=req_rounds / ts,
-                       same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, seq)))
+            _, row = _batched_vs_sequential(model, prompts[:B], strategy, skw, dev, strategy)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return dict(device=str(dev), torch=torch.__version__, rows=rows)
