@@ -146,8 +146,10 @@ def test_eval_and_demo_task_arith_var_end_to_end(tmp_path, capsys):
     text = md.read_text()
     assert "# Eval on task `arith-var`" in text and "max_new_tokens 96" in text
     assert "tasks.generate_task('arith-var', 'test', 5, seed=0)" in text
-    for row in ("vanilla", "d2f", "lopa-k2"):
+    for row in ("vanilla", "d2f", "lopa-k2", "threshold-h0.45"):  # threshold-h0.45: the teacher, student's rule
         assert markdown_row(text, row)[1] != "unavailable", row
+    if evaluate.shipped("dparallel-arith-var"):  # student and teacher under one rule: their ratio is written
+        assert "dParallel under one rule (entropy threshold 0.45, block 8): the teacher needs" in text
     if not evaluate.shipped("ar-arith-var"):
         assert "ar-arith-var is not shipped" in text
     if not evaluate.shipped("dparallel-arith-var"):

@@ -27,7 +27,8 @@ Tasks (`task=`, the CLI's `--task`; default `arith`): `arith` (max_new_tokens 32
 ar-arith) and `arith-var` (issue 12: variable worked solutions of 64-96 tokens incl. EOS, max_new_tokens 96 = 12
 blocks of 8, model d2f-arith-var, verifier ar-arith-var, and the dParallel student dparallel-arith-var with rows
 `dparallel-h0.45` (the entropy-threshold rule, tau_H 0.45 nats: dParallel's Dream GSM8K setting, block_length
-= the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above)). Vanilla takes max_new_tokens
+= the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above), beside `threshold-h0.45`: the
+teacher under the student's rule). Vanilla takes max_new_tokens
 steps; the APD presets scale by max_new_tokens / 256. A model a row needs that is not shipped makes the row
 unavailable (with the reason), never approximated.
 """
@@ -110,6 +111,9 @@ APD_ROWS: dict[str, dict] = apd_rows(GEN_LEN)
 # tau_H = 0.45 nats, and LoPA k=4 with the D2F knobs
 STUDENT_ROWS = ("dparallel-h0.45", "dparallel-lopa-k4")
 STUDENT_ENTROPY_THRESHOLD = 0.45
+# the teacher (the task's model) under the student's rule: the row that dParallel's forwards-per-answer ratio
+# divides by (student vs teacher under the same rule, issue 27)
+TEACHER_RULE_ROW = "threshold-h0.45"
 VERIFIER_MODEL = "ar-arith"  # the shipped causal qwen2 model (same tokenizer as d2f-arith): APD's verifier
 
 
@@ -119,7 +123,8 @@ def make_rows(block_size: int = BLOCK, apd: bool = False, gen_len: int = GEN_LEN
     answers of `gen_len` tokens (vanilla: gen_len steps; APD presets scaled by gen_len / 256).
 
     apd=True appends the APD rows (no block knobs; they need the verifier, so they are not `generate --preset`s);
-    student=True appends the dParallel student's rows (they run on the student model)."""
+    student=True appends the dParallel student's rows (they run on the student model) and the teacher's row under
+    the student's rule (TEACHER_RULE_ROW, on the task's model)."""
     block_size = check_block_size(block_size, gen_len)
     d2f = dict(block_size=block_size, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
                sampling_strategy="neg_entropy", use_full_attention=True)
@@ -131,6 +136,8 @@ def make_rows(block_size: int = BLOCK, apd: bool = False, gen_len: int = GEN_LEN
         "lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
         "lopa-k8": dict(strategy="lopa", branching_factor=8, **d2f),
     } | (apd_rows(gen_len) if apd else {}) | ({
+        TEACHER_RULE_ROW: dict(strategy="threshold", block_size=block_size, block_length=block_size,
+                               entropy_threshold=STUDENT_ENTROPY_THRESHOLD),
         "dparallel-h0.45": dict(strategy="threshold", block_size=block_size, block_length=block_size,
                                 entropy_threshold=STUDENT_ENTROPY_THRESHOLD),
         "dparallel-lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
@@ -175,7 +182,7 @@ def parse_rows(spec: str | list[str], task: str = DEFAULT_TASK) -> list[str]:
     allowed = list(task_rows(task))  # the row names do not depend on the block size
     aliases = {**ALIASES, "all": allowed}
     if eval_task(task).student is not None:
-        aliases["dparallel"] = list(STUDENT_ROWS)
+        aliases["dparallel"] = [TEACHER_RULE_ROW, *STUDENT_ROWS]
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[str] = []
     for raw in names:
@@ -398,6 +405,17 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         "tokens/s is wall clock on this machine with the named backend; compare ratios within one run only.",
         "",
     ]
+    by_row = {r["row"]: r for r in results if r["status"] == "ok"}
+    if TEACHER_RULE_ROW in by_row and "dparallel-h0.45" in by_row:
+        te, st = by_row[TEACHER_RULE_ROW], by_row["dparallel-h0.45"]
+        lines += [
+            f"dParallel under one rule (entropy threshold {STUDENT_ENTROPY_THRESHOLD}, block {block_size}): the "
+            f"teacher needs {te['forwards_per_answer']:.1f} forwards per answer at {100 * te['accuracy']:.1f}%, the "
+            f"student {st['forwards_per_answer']:.1f} at {100 * st['accuracy']:.1f}%: "
+            f"{te['forwards_per_answer'] / st['forwards_per_answer']:.2f}x fewer forwards "
+            f"(accuracy {100 * (st['accuracy'] - te['accuracy']):+.1f} points).",
+            "",
+        ]
     if apd_rows:
         ran = sorted({r.get("backend") or "?" for r in apd_rows if r["status"] == "ok"})
         p6, p7 = rows["apd-r0.6"], rows["apd-r0.7"]
