@@ -1,16 +1,24 @@
-"""Many requests at once: every live request's branch windows in ONE forward per round.
+"""Many requests at once: every live request's branch windows in ONE forward per round (per forward of a round).
 
 A strategy batches when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
-tables and finish line (the driver, today a `FastDecoder` for d2f / lopa, driven step by step: `begin` /
-`next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` / `result`); its static prefix cache is a slot of
-the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at admission, freed when the request finishes or
-fails). Per round the batch runs one `model.forward_requests` over all live requests' windows (each layer's
-projections, norms and MLP once for all rows), then each request's own bookkeeping (the C++ twin on CPU, the torch
-round elsewhere). Attention: on the torch backend (CPU) per request over its own keys and window in the shapes of a
-solo round, so every request's tokens, forwards and stats are bitwise those of running it alone
-(tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for every request (equal to the
-per-request path within float tolerance, tokens equal on the tested cases: tests/test_kv_pool.py). A finished
-request leaves the batch (its rows are not computed again).
+tables and finish line (the driver: `FastDecoder` for d2f / lopa, `VanillaDriver`, `ThresholdDriver`, `FastApd`,
+driven step by step: `begin` / `next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` /
+`result`); its static prefix cache is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
+admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
+live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
+bookkeeping (the C++ twin on CPU, the torch round elsewhere). Attention: on the torch backend (CPU) per request over
+its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
+those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
+every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
+tests/test_kv_pool.py). A finished request leaves the batch (its rows are not computed again).
+
+Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
+verifier over the drafts) lists them in `forwards` ((model, mask, attention backend) per forward, in order). The
+scheduler runs forward f of every live request as one `forward_requests` per (model, mask, backend), each request's
+`finish` after each of its forwards (the driver moves on to its next forward's inputs), `read_head` after its last
+(`Scheduler._forwards`). The pool holds the scheduler's model's caches; another model (the verifier, one object
+per scheduler) attends over each request's own cache. A driver without `forwards` runs one forward of the
+scheduler's model, as before.
 
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
