@@ -230,8 +230,8 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
     input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; or a list of such prompts (any
                 lengths): then a list of GenerateOutput, one per prompt, each equal to decoding it alone
-                (every strategy whose spec has a batch driver, on the fast backend: vanilla, threshold without the
-                dual cache, d2f, lopa, apd, share one forward per round / step: `generate_batch`).
+                (every strategy whose spec has a batch driver, on the fast backend: vanilla, threshold, d2f, lopa,
+                apd, share one forward per round / step: `generate_batch`).
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
     backend:    "auto" (the default: the fast backend wherever it covers the request, else the reference with
                 a RuntimeWarning naming the knob, e.g. sampler="upstream" at T > 0) | "fast" (raises where it
@@ -371,9 +371,9 @@ def is_batch(input_ids) -> bool:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold without the dual cache, d2f,
-    lopa, apd) on the fast backend runs every live request's windows in ONE forward per round / step (apd: one
-    drafter forward, then one verifier forward; lopa_fast.decode.batch); the reference backend, compile=True and
+    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold, d2f, lopa, apd) on the fast
+    backend runs every live request's windows in ONE forward per round / step (apd: one drafter forward, then one
+    verifier forward; lopa_fast.decode.batch); the reference backend, compile=True and
     distributed=True decode the prompts one after another. on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)

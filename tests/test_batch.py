@@ -245,11 +245,13 @@ def test_batched_vanilla_stop_and_hooks(model):
     assert outs[0].stats["finish_reason"] == "stop"
 
 
-THRESHOLD = [  # (family, knobs): the three rules, both caches that batch, Dream's refresh_first, keyed T > 0
+THRESHOLD = [  # (family, knobs): the three rules, every cache mode, Dream's refresh_first, keyed T > 0
     ("llada", dict(block_length=8, threshold=0.5)),
     ("llada", dict(block_length=8, factor=1.0, cache="prefix")),
     ("dream", dict(block_length=4, entropy_threshold=0.6, cache="prefix", count_noop_forward=True)),
     ("dream", dict(block_length=8, threshold=0.7, temperature=0.6, seed=2)),
+    ("llada", dict(block_length=4, threshold=0.6, cache="dual")),
+    ("dream", dict(block_length=4, factor=1.0, cache="dual", count_noop_forward=True, temperature=0.5, seed=4)),
 ]
 THRESHOLD_STATS = ("forwards", "refresh_forwards", "multi_token_steps", "noop_forwards", "finish_reason")
 
@@ -270,13 +272,29 @@ def test_batched_threshold_equals_solo(model, llada, family, kw):
         same(o, lopa_fast.generate(m, p, "threshold", "reference", **kw), THRESHOLD_STATS[:2])
 
 
-def test_dual_cache_requests_run_one_at_a_time(model):
-    ps = prompts((5, 9), seed=2)
-    kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=8)
-    outs = lopa_fast.generate(model, ps, "threshold", "fast", **kw)
-    assert all("batched" not in o.stats for o in outs)
-    for o, p in zip(outs, ps):
-        same(o, lopa_fast.generate(model, p, "threshold", "fast", **kw), THRESHOLD_STATS)
+def test_dual_cache_steps_share_one_forward(llada, monkeypatch):
+    """Threshold's dual cache: a round's dual steps (the window's K/V written into each request's cache in place,
+    then attention over the whole cache) run as ONE packed forward (steps.DualForward), beside the refresh steps'
+    shared forward when the requests are in different phases; tokens and forwards equal the solo runs'."""
+    from lopa_fast.decode import steps
+
+    ps = prompts((5, 9, 14), seed=2)
+    kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=16)
+    solo = [lopa_fast.generate(llada, p, "threshold", "fast", **kw) for p in ps]
+    calls = {"dual": [], "model": []}
+    real = steps.dual_forwards
+    monkeypatch.setattr(steps, "dual_forwards", lambda m, parts: calls["dual"].append(len(parts)) or real(m, parts))
+    counting(llada, calls["model"])
+    try:
+        outs = lopa_fast.generate(llada, ps, "threshold", "fast", **kw)
+    finally:
+        del llada.forward_requests
+    for o, s in zip(outs, solo):
+        assert o.stats["batched"] == 3
+        same(o, s, THRESHOLD_STATS)
+    assert max(calls["dual"]) >= 2  # requests whose dual steps fall in one round share its one dual forward
+    refresh = sum(s.stats["refresh_forwards"] for s in solo)
+    assert sum(calls["dual"]) == sum(s.stats["forwards"] for s in solo) - refresh and sum(calls["model"]) == refresh
 
 
 # ---- APD: a step of two forwards (the drafter's, then the verifier's over the drafts), each ONE forward_requests

@@ -360,11 +360,10 @@ class FastApd:
     def attn_backend(self) -> str:
         return self.geo.attn_backend
 
-    @property
-    def forwards(self) -> tuple:
-        """The forwards of one step, in order, as (model, attention mask, attention backend): the drafter's, then
-        (with a verifier) the verifier's, whose tokens are the drafter's drafts (lopa_fast.decode.batch runs each
-        for every live request at once)."""
+    def forwards(self, w: dict) -> tuple:
+        """The forwards of the step `w` (`prepare`'s), in order, as (model, attention mask, attention backend): the
+        drafter's, then (with a verifier) the verifier's, whose tokens are the drafter's drafts
+        (lopa_fast.decode.batch runs each for every live request at once)."""
         out = ((self.drafter, "full", self.geo.attn_backend),)
         return out if self.geo.R is None else out + ((self.verifier, "causal", self.geo.attn_backend),)
 

@@ -13,12 +13,12 @@ every request (equal to the per-request path within float tolerance, tokens equa
 tests/test_kv_pool.py). A finished request leaves the batch (its rows are not computed again).
 
 Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
-verifier over the drafts) lists them in `forwards` ((model, mask, attention backend) per forward, in order). The
+verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
 scheduler runs forward f of every live request as one `forward_requests` per (model, mask, backend), each request's
 `finish` after each of its forwards (the driver moves on to its next forward's inputs), `read_head` after its last
 (`Scheduler._forwards`). The pool holds the scheduler's model's caches; another model (the verifier, one object
-per scheduler) attends over each request's own cache. A driver without `forwards` runs one forward of the
-scheduler's model, as before.
+per scheduler) attends over each request's own cache. A driver without `forwards` (or whose `forwards(w)` is None)
+runs one forward of the scheduler's model, as before.
 
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
@@ -186,21 +186,23 @@ class Scheduler:
 
     def _forwards(self, plan: list, ws: list) -> None:
         """The round's forwards (inside its round_scope). A driver's round is one forward of the scheduler's model
-        (its `mode` / `attn_backend`) or, when it has `forwards` ((model, mask, attn backend), ... in order: APD's
-        drafter then verifier), several: forward f of every request whose round has one runs as ONE
-        `forward_requests` per (model, mask, backend) (one group: a scheduler's requests share the model, the mask
-        and the verifier), then each request's `finish` (which prepares its next forward's inputs); `read_head`
-        after its last. The KV pool holds the scheduler's model's caches; another model's forward (the verifier's)
-        attends over each request's own cache (no pool)."""
-        seqs = [getattr(dec, "forwards", None) or ((self.model, dec.mode, dec.attn_backend),) for _, dec, _ in plan]
+        (its `mode` / `attn_backend`) or, when its `forwards(w)` gives them ((model, mask, attn backend), ... in
+        order: APD's drafter then verifier), several: forward f of every request whose round has one runs as ONE
+        `forward_requests` per (model, mask, backend) (a scheduler's requests share the model, the mask and the
+        verifier: one group), then each request's `finish` (which prepares its next forward's inputs); `read_head`
+        after its last. "model" is anything with `forward_requests` (e.g. a stand-in for a forward the model does
+        not batch itself), grouped by equality. The KV pool holds the scheduler's model's caches; another model's
+        forward (the verifier's) attends over each request's own cache (no pool)."""
+        seqs = []
+        for (_, dec, _), w in zip(plan, ws):
+            own = getattr(dec, "forwards", None)
+            seqs.append((own(w) if own is not None else None) or ((self.model, dec.mode, dec.attn_backend),))
         for f in range(max(len(q) for q in seqs)):
             groups: dict = {}
             for i, seq in enumerate(seqs):
                 if f < len(seq):
-                    model, mode, backend = seq[f]
-                    groups.setdefault((id(model), mode, backend), []).append(i)
-            for idx in groups.values():
-                model, mode, backend = seqs[idx[0]][f]
+                    groups.setdefault(seq[f], []).append(i)
+            for (model, mode, backend), idx in groups.items():
                 pooled = model is self.model
                 parts = [plan[i][1].forward_args(ws[i]) for i in idx]
                 if pooled:
