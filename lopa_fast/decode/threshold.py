@@ -151,7 +151,7 @@ class ThresholdDriver:
 
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (full / refresh: cache-free; prefix: over the cache;
-        dual: `steps.dual_forwards`', over the whole cache with the window written in place)."""
+        dual: a part of `steps.dual_forwards`, over the whole cache with the window written in place)."""
         n = w["tokens"].shape[1]
         return dict(tokens=w["tokens"], start=w["start"], cache_k=self.fw.cache_k, cache_v=self.fw.cache_v,
                     prefix_len=self.L if w["kind"] == "dual" else w["start"],
