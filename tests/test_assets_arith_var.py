@@ -1,7 +1,7 @@
 """The shipped arith-var models (issue 12) load in HF layout with the arith-var tokenizer and answer held-out
 problems (parameters never seen in training): the APD verifier ar-arith-var, the diffusion teacher d2f-arith-var
-(docs/tasks.md, "Training a model for arith-var", says what it does and does not reach) and its dParallel student
-dparallel-arith-var."""
+(docs/tasks.md, "Training a model for arith-var", says what it does and does not reach), its dParallel student
+dparallel-arith-var, and the base teacher in LLaDA's regime mdm-arith-var (issue 27)."""
 import json
 
 import pytest
@@ -18,7 +18,7 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 
 @pytest.mark.parametrize("name,kind", [("ar-arith-var", "qwen2"), ("d2f-arith-var", "Dream"),
-                                       ("dparallel-arith-var", "Dream")])
+                                       ("dparallel-arith-var", "Dream"), ("mdm-arith-var", "Dream")])
 def test_layout_and_vocabulary(name, kind):
     path = model_dir(name)
     for f in FILES:
@@ -39,11 +39,13 @@ def test_verifier_greedy_ar_answers_held_out_problems():
     assert acc >= 7 / 8
 
 
-def test_teacher_answers_held_out_problems_left_to_right():
-    """One token per forward, leftmost mask first (train.diagnose's left_to_right order; 99.0% on 96 dev problems)."""
+@pytest.mark.parametrize("name", ["d2f-arith-var", "mdm-arith-var"])
+def test_teacher_answers_held_out_problems_left_to_right(name):
+    """One token per forward, leftmost mask first (train.diagnose's left_to_right order; d2f-arith-var 99.0% on 96
+    dev problems; mdm-arith-var, the base teacher in LLaDA's regime, 100% on 100 held-out problems)."""
     from lopa_fast.train import diagnose
 
-    model = lopa_fast.load_model(model_dir("d2f-arith-var"), dtype=torch.float32)
+    model = lopa_fast.load_model(model_dir(name), dtype=torch.float32)
     assert model.config.kind == "dream" and model.mask_token_id == tasks.MASK_ID
     acc = diagnose.fill_order_accuracy(model, arith_var.generate("test", 8, seed=3), TOK.build_tokenizer(),
                                        orders=("left_to_right",))

@@ -7,6 +7,7 @@
     ar-arith-var/  the APD verifier for the arith-var task (127-id tokenizer; README.md here)
     d2f-arith-var/ the Dream-architecture model of the arith-var task, the dParallel teacher (README.md here)
     dparallel-arith-var/ its dParallel (certainty-forcing) student
+    mdm-arith-var/ the base teacher in LLaDA's regime (plain masked diffusion, issue 27)
 """
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ ar-arith) and `arith-var` (issue 12: variable worked solutions of 64-96 tokens i
 blocks of 8, model d2f-arith-var, verifier ar-arith-var, and the dParallel student dparallel-arith-var with rows
 `dparallel-h0.45` (the entropy-threshold rule, tau_H 0.45 nats: dParallel's Dream GSM8K setting, block_length
 = the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above), beside `threshold-h0.45`: the
-teacher under the student's rule). Vanilla takes max_new_tokens
+teacher under the student's rule), and `left-to-right` (one token per forward in order: threshold decoding in
+blocks of one token; alias `one-per-forward` = vanilla + left-to-right). Vanilla takes max_new_tokens
 steps; the APD presets scale by max_new_tokens / 256. A model a row needs that is not shipped makes the row
 unavailable (with the reason), never approximated.
 """
@@ -136,6 +137,10 @@ def make_rows(block_size: int = BLOCK, apd: bool = False, gen_len: int = GEN_LEN
         "lopa-k4": dict(strategy="lopa", branching_factor=4, **d2f),
         "lopa-k8": dict(strategy="lopa", branching_factor=8, **d2f),
     } | (apd_rows(gen_len) if apd else {}) | ({
+        # one token per forward, left to right (threshold decoding in blocks of one token: one forward fills its
+        # block; LLaDA's semi-autoregressive sampler at block_length 1): the base teacher's gate (issue 27) beside
+        # the vanilla row's whole-region entropy order
+        "left-to-right": dict(strategy="threshold", block_size=1, block_length=1, threshold=0.9),
         TEACHER_RULE_ROW: dict(strategy="threshold", block_size=block_size, block_length=block_size,
                                entropy_threshold=STUDENT_ENTROPY_THRESHOLD),
         "dparallel-h0.45": dict(strategy="threshold", block_size=block_size, block_length=block_size,
@@ -183,6 +188,7 @@ def parse_rows(spec: str | list[str], task: str = DEFAULT_TASK) -> list[str]:
     aliases = {**ALIASES, "all": allowed}
     if eval_task(task).student is not None:
         aliases["dparallel"] = [TEACHER_RULE_ROW, *STUDENT_ROWS]
+        aliases["one-per-forward"] = ["vanilla", "left-to-right"]
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[str] = []
     for raw in names:
