@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
 from lopa_fast.decode.shapes import knob, stop_table
-from lopa_fast.contracts import ROUND_COUNTERS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS, ROUND_STATE_FIELDS, lowest_k_table
+from lopa_fast.contracts import (ROUND_COUNTERS, ROUND_CPP_OPS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS,
+                                 ROUND_STATE_FIELDS, lowest_k_table)
+from lopa_fast.ops import _cpp
 from lopa_fast.sampling import is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
@@ -474,9 +476,10 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
 
 
 # ----------------------------------------------------------------------------- the C++ CPU twin (eager only)
-def cpp_tables(T: dict) -> list[torch.Tensor]:
-    """The request tables csrc/round_cpu.cpp reads, in its order (built once per request)."""
-    return [T["pos_block"], T["bstart"], T["bend"], T["tab_add"], T["tab_act"], T["ktable"]]
+def cpp_tables(T: dict) -> dict[str, torch.Tensor]:
+    """The request tables csrc/round_cpu.cpp's round_update reads: its tensor arguments named as tables of T
+    (lopa_fast.contracts.ROUND_CPP_OPS)."""
+    return {name: T[name] for name, kind in ROUND_CPP_OPS["round_update"] if kind == "tensor" and name in T}
 
 
 def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int, P: int, L: int,
@@ -498,17 +501,17 @@ def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_
 def window_inputs_cpp(st: dict, T: dict, geo, Nb: int, Rb: int, prefix_len: int, L: int) -> dict:
     """`window_inputs` on the C++ op (CPU): wpos [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
     rows [Rb] (prefix_len: the window start s as a host int; L: the request's total length)."""
-    wpos, tokens, bids, win_lens, rows = torch.ops.lopa_fast_cpp.round_prepare(
-        st["x"], st["need"], T["pos_block"], st["alive"], st["wl"], prefix_len, Nb, Rb, L, geo.mode == "block_causal"
+    wpos, tokens, bids, win_lens, rows = _cpp.call(
+        "round_prepare", x=st["x"], need=st["need"], pos_block=T["pos_block"], alive=st["alive"], wl=st["wl"],
+        s=prefix_len, Nb=Nb, Rb=Rb, L=L, block_causal=geo.mode == "block_causal",
     )  # fmt: skip
     return dict(wpos=wpos, tokens=tokens, bids=bids if geo.mode == "block_causal" else None, win_lens=win_lens,
                 rows=rows, Nb=Nb, Rb=Rb, prefix_len=prefix_len)  # fmt: skip
 
 
 def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, P: int, L: int,
-                     tables: list) -> tuple[dict, dict]:
+                     tables: dict) -> tuple[dict, dict]:
     """`finish_round` on the C++ op `round_update` (CPU): the same state and trace facts."""
-    cpp = torch.ops.lopa_fast_cpp
     Nb, Rb, rows, wpos, prefix_len = w["Nb"], w["Rb"], w["rows"], w["wpos"], w["prefix_len"]
     st["round"] = st["round"] + 1
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
@@ -518,11 +521,12 @@ def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win,
     if cfg.temperature > 0:
         over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature)
     knobs = round_knobs(cfg)
-    ints = [P, L, geo.G, geo.bs, geo.mask_id, -1 if geo.eos_id is None else geo.eos_id, geo.n_look,
-            int(geo.shift), int(geo.NB > 1 or geo.trace), Nb, Rb]  # fmt: skip
-    vals = cpp.round_update(
-        [st[f] for f in ROUND_STATE_FIELDS], tables, logits, rows, wpos, conf, x0, p, k_win, v_win,
-        st["cache_k"], st["cache_v"], ints, [knobs["skip_threshold"], knobs["alpha"] if geo.blend else 0.0],
+    vals = _cpp.call(
+        "round_update", st=[st[f] for f in ROUND_STATE_FIELDS], **tables, logits=logits, rows=rows, wpos=wpos,
+        conf=conf, x0=x0, p=p, k_win=k_win, v_win=v_win, cache_k=st["cache_k"], cache_v=st["cache_v"], P=P, L=L,
+        G=geo.G, bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
+        shift=geo.shift, scores=geo.NB > 1 or geo.trace, Nb=Nb, Rb=Rb, skip_threshold=knobs["skip_threshold"],
+        alpha=knobs["alpha"] if geo.blend else 0.0,
     )  # fmt: skip
     n_out = len(ROUND_OUT_FIELDS)
     info = dict(zip(ROUND_INFO_FIELDS, vals[n_out:]), wpos=wpos, look_pos=st["look_pos"])
