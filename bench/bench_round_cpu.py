@@ -14,6 +14,8 @@ compile seconds are cold ones, as on a new machine; without, warm):
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m pytest bench/bench_round_cpu.py -m bench -q \
         --benchmark-json=bench/results/round_cpu.json
     python bench/bench_round_cpu.py bench/results/round_cpu.json > bench/results/round_cpu.md
+The eager paths alone (no Inductor compile, seconds instead of an hour on a loaded 2-core machine):
+    ROUND_CPU_PATHS=reference,fast,fast_torch python -m pytest bench/bench_round_cpu.py -m bench -q ...
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
 
 RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
-PATHS = ("reference", "fast", "fast_torch", "compiled")
+# ROUND_CPU_PATHS=reference,fast,fast_torch: the eager paths only (no Inductor compile: minutes per config)
+PATHS = tuple(os.environ.get("ROUND_CPU_PATHS", "reference,fast,fast_torch,compiled").split(","))
 PROMPTS, PROMPT_LEN, ROUNDS = 3, 16, 5
 _model = None
 
@@ -77,7 +80,8 @@ def test_round_cpu(benchmark, k, full, bs):
     kw = knobs(k, full, bs)
     ps = prompts()
     t0 = time.perf_counter()
-    warm = [run("compiled", p, kw) for p in ps]  # compiles every bucket (the explicit warm-up)
+    compiled = "compiled" in PATHS
+    warm = [run("compiled", p, kw) for p in ps] if compiled else []  # compiles every bucket (the explicit warm-up)
     warm_s = time.perf_counter() - t0
     compile_s = sum(sum(o.stats["compile_seconds"].values()) for o in warm)  # this config's buckets only
     graphs = sum(o.stats["compiled_graphs"] for o in warm)
@@ -92,10 +96,10 @@ def test_round_cpu(benchmark, k, full, bs):
             times[path].append(time.perf_counter() - t)
 
     benchmark.pedantic(triple, rounds=ROUNDS, iterations=1)
-    for path in ("fast", "fast_torch", "compiled"):
+    for path in PATHS[1:]:
         for o, r in zip(outs[path], refs):
             assert o.generated_ids == r.generated_ids and o.stats["forwards"] == r.stats["forwards"], path
-    assert all(o.stats["compiled_graphs"] == 0 for o in outs["compiled"])  # replays only after warm-up
+    assert all(o.stats["compiled_graphs"] == 0 for o in outs.get("compiled", []))  # replays only after warm-up
     med = {path: statistics.median(v) for path, v in times.items()}
     benchmark.extra_info.update(
         k=k, full=full, bs=bs, forwards=sum(o.stats["forwards"] for o in refs), graphs=graphs,
@@ -105,30 +109,41 @@ def test_round_cpu(benchmark, k, full, bs):
     )  # fmt: skip
 
 
+NAMES = {"reference": "reference", "fast": "fast", "fast_torch": "fast (torch round)", "compiled": "compiled"}
+
+
 def report(path: str) -> str:
-    """Markdown table from the JSON: seconds per 3 requests (median of the rounds) and the ratios."""
+    """Markdown table from the JSON: seconds per 3 requests (median of the rounds) of the paths measured, the ratios
+    to the reference, the C++ bookkeeping against the torch round and (with compiled) the compile cost."""
     runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
-    header = ["k (seqs)", "attention", "block", "forwards", "reference s", "fast s", "fast (torch round) s",
-              "compiled s", "fast vs ref", "fast (torch round) vs ref", "compiled vs ref", "graphs", "compile s",
-              "pays off after"]
+    paths = [p for p in PATHS if f"{p}_median" in runs[0]]
+    fast = [p for p in paths if p != "reference"]
+    both = "fast" in paths and "fast_torch" in paths
+    compiled = "compiled" in paths
+    header = ["k (seqs)", "attention", "block", "forwards", *(f"{NAMES[p]} s" for p in paths),
+              *(f"{NAMES[p]} vs ref" for p in fast), *(["C++ vs torch round"] if both else []),
+              *(["graphs", "compile s", "pays off after"] if compiled else [])]  # fmt: skip
     rows = []
-    tot = {p: 0.0 for p in PATHS}
+    tot = dict.fromkeys(paths, 0.0)
     for e in sorted(runs, key=lambda e: (e["k"], not e["full"], e["bs"])):
-        r, f, ft, c = (e[f"{p}_median"] for p in PATHS)
-        for p in PATHS:
-            tot[p] += e[f"{p}_median"]
+        med = {p: e[f"{p}_median"] for p in paths}
+        for p in paths:
+            tot[p] += med[p]
         k = e["k"]
-        per_req_gain = (f - c) / PROMPTS  # against the default eager path
-        pay = f"{e['compile_s'] / per_req_gain:.0f} requests" if per_req_gain > 0 else "never"
-        rows.append([
-            f"{k} ({k + 1 if k > 1 else 1})", "full" if e["full"] else "block-causal", e["bs"], e["forwards"],
-            f"{r:.4f}", f"{f:.4f}", f"{ft:.4f}", f"{c:.4f}", f"**{r / f:.2f}x**", f"{r / ft:.2f}x",
-            f"**{r / c:.2f}x**", e["graphs"], f"{e['compile_s']:.1f}", pay,
-        ])  # fmt: skip
-    t = tot
-    rows.append(["all", "", "", "", f"{t['reference']:.3f}", f"{t['fast']:.3f}", f"{t['fast_torch']:.3f}",
-                 f"{t['compiled']:.3f}", f"**{t['reference'] / t['fast']:.2f}x**",
-                 f"{t['reference'] / t['fast_torch']:.2f}x", f"**{t['reference'] / t['compiled']:.2f}x**", "", "", ""])
+        row = [f"{k} ({k + 1 if k > 1 else 1})", "full" if e["full"] else "block-causal", e["bs"], e["forwards"],
+               *(f"{med[p]:.4f}" for p in paths), *(f"**{med['reference'] / med[p]:.2f}x**" for p in fast)]
+        if both:
+            row.append(f"{med['fast_torch'] / med['fast']:.2f}x")
+        if compiled:
+            per_req_gain = (med["fast"] - med["compiled"]) / PROMPTS  # against the default eager path
+            pay = f"{e['compile_s'] / per_req_gain:.0f} requests" if per_req_gain > 0 else "never"
+            row += [e["graphs"], f"{e['compile_s']:.1f}", pay]
+        rows.append(row)
+    last = ["all", "", "", "", *(f"{tot[p]:.3f}" for p in paths),
+            *(f"**{tot['reference'] / tot[p]:.2f}x**" for p in fast)]
+    if both:
+        last.append(f"{tot['fast_torch'] / tot['fast']:.2f}x")
+    rows.append(last + ([""] * 3 if compiled else []))
     return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 

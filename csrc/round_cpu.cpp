@@ -5,17 +5,23 @@
 // ops per round (~5 us each on a 2-core CPU, more than the model's forward); here it is two calls.
 //
 // Layouts are those of round.py (x [NB, Lb + 1] long with the trash column Lb, block tables [G + 1], ...).
-// The state arrives as a list in the order of lopa_fast.contracts.ROUND_STATE_FIELDS and leaves in the order of
-// ROUND_OUT_FIELDS (+ the round's trace facts ROUND_INFO_FIELDS); the indices come as -D defines
-// (LOPA_ST_<NAME>, LOPA_OUT_<NAME>), never as literals. Nothing is written in place except the KV cache
-// (the request's largest tensors), exactly as the torch round does.
+// The interface is generated from ONE description, lopa_fast.contracts.ROUND_CPP_OPS (lopa_fast/ops/_cpp.py
+// `header()` writes lopa_round_ops.h into the build directory): each op takes its arguments as a struct of named
+// fields (`a.skip_threshold`, `a.logits`, ...; `RoundPrepareArgs`, `RoundUpdateArgs`), the schemas and entry points
+// are generated, and Python passes them by name (`lopa_fast.ops._cpp.call`). The state arrives as a list in the
+// order of lopa_fast.contracts.ROUND_STATE_FIELDS and leaves in the order of ROUND_OUT_FIELDS (+ the round's trace
+// facts ROUND_INFO_FIELDS); the indices (LOPA_ST_<NAME>, LOPA_OUT_<NAME>) come from the same header, never as
+// literals. Nothing is written in place except the KV cache (the request's largest tensors), exactly as the torch
+// round does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#if !defined(LOPA_ST_X) || !defined(LOPA_OUT_HEAD) || !defined(LOPA_N_OUT)
-#error "build with the -D flags of lopa_fast.contracts.code_defines() (lopa_fast/ops/_cpp.py does)"
+#include "lopa_round_ops.h"  // generated: lopa_fast/ops/_cpp.py header()
+
+#if !defined(LOPA_ST_X) || !defined(LOPA_OUT_HEAD) || !defined(LOPA_N_OUT) || !defined(LOPA_CMP_GT)
+#error "build with lopa_fast/ops/_cpp.py (the generated lopa_round_ops.h and the -D flags of contracts.code_defines())"
 #endif
 
 #include <algorithm>
@@ -46,9 +52,10 @@ void check(const at::Tensor& t, at::ScalarType dt, const char* name) {
 // the trash column Lb), tokens [NB, Nb], block ids [NB, Nb] (block_causal; else an empty tensor), win_lens [NB]
 // (dead slots see their whole window), and the Rb LM-head rows: the needed flat rows (slot * Nb + column)
 // ascending, then the others ascending (the stable sort of round.py), cut to Rb.
-std::vector<at::Tensor> round_prepare(const at::Tensor& x, const at::Tensor& need, const at::Tensor& pos_block,
-                                      const at::Tensor& alive, const at::Tensor& wl, int64_t s, int64_t Nb,
-                                      int64_t Rb, int64_t L, bool block_causal) {
+std::vector<at::Tensor> round_prepare(const RoundPrepareArgs& a) {
+  const at::Tensor &x = a.x, &need = a.need, &pos_block = a.pos_block, &alive = a.alive, &wl = a.wl;
+  const int64_t s = a.s, Nb = a.Nb, Rb = a.Rb, L = a.L;
+  const bool block_causal = a.block_causal;
   check(x, at::kLong, "x");
   check(need, at::kBool, "need");
   check(pos_block, at::kLong, "pos_block");
@@ -93,24 +100,22 @@ std::vector<at::Tensor> round_prepare(const at::Tensor& x, const at::Tensor& nee
 // the new block table, then the plan of the next round and its 9-int head (head[8], the stop flag, is left 0:
 // the caller computes it when stop sequences are set).
 //
-// ints:   P, L, G, bs, mask_id, eos_id (-1: none), n_look, shift, scores (compute branch scores), Nb, Rb
-// floats: skip_threshold, alpha
-// tables: pos_block [Lb + 1], bstart [G + 1], bend [G + 1], tab_add [bs + 1] bool, tab_act [bs + 1] bool,
-//         ktable [>= Nb + 1] long
-// conf / x0 / p: the statistics of the table rows (with the shift: row 0 = the stale last_logit, row r >= 1
-//         = logits row r - 1), fp32 / long / fp32.
-std::vector<at::Tensor> round_update(at::TensorList st, at::TensorList tables, const at::Tensor& logits,
-                                     const at::Tensor& rows, const at::Tensor& wpos_t, const at::Tensor& conf_t,
-                                     const at::Tensor& x0_t, const at::Tensor& p_t, const at::Tensor& k_win,
-                                     const at::Tensor& v_win, at::Tensor cache_k, at::Tensor cache_v,
-                                     at::IntArrayRef ints, at::ArrayRef<double> floats) {
+// a (RoundUpdateArgs, lopa_fast.contracts.ROUND_CPP_OPS): st (the state), the tables pos_block [Lb + 1],
+// bstart [G + 1], bend [G + 1], tab_add [bs + 1] bool, tab_act [bs + 1] bool, ktable [>= Nb + 1] long; conf / x0 / p:
+// the statistics of the table rows (with the shift: row 0 = the stale last_logit, row r >= 1 = logits row r - 1),
+// fp32 / long / fp32; P, L, G, bs, mask_id, eos_id (-1: none), n_look, shift, scores (compute branch scores), the
+// bucket Nb, Rb; the float knobs skip_threshold, alpha (0: scores do not blend).
+std::vector<at::Tensor> round_update(const RoundUpdateArgs& a) {
+  const at::TensorList st = a.st;
   TORCH_CHECK(st.size() == LOPA_N_ST, "round_update: ", st.size(), " state tensors, expected ", LOPA_N_ST);
-  TORCH_CHECK(ints.size() == 11 && floats.size() == 2 && tables.size() == 6, "round_update: argument counts");
-  const int64_t P = ints[0], L = ints[1], G = ints[2], bs = ints[3], mask_id = ints[4], eos_id = ints[5];
-  const int64_t n_look = ints[6], Nb = ints[9], Rb = ints[10];
-  const bool shift = ints[7] != 0, scores = ints[8] != 0;
-  const float tau_f = static_cast<float>(floats[0]);  // torch compares fp32 tensors with the scalar in fp32
-  const double alpha = floats[1];
+  const at::Tensor &logits = a.logits, &rows = a.rows, &wpos_t = a.wpos, &conf_t = a.conf, &x0_t = a.x0;
+  const at::Tensor &p_t = a.p, &k_win = a.k_win, &v_win = a.v_win;
+  at::Tensor cache_k = a.cache_k, cache_v = a.cache_v;
+  const int64_t P = a.P, L = a.L, G = a.G, bs = a.bs, mask_id = a.mask_id, eos_id = a.eos_id;
+  const int64_t n_look = a.n_look, Nb = a.Nb, Rb = a.Rb;
+  const bool shift = a.shift, scores = a.scores;
+  const float tau_f = static_cast<float>(a.skip_threshold);  // torch compares fp32 tensors with the scalar in fp32
+  const double alpha = a.alpha;
   const at::Tensor& x_t = st[LOPA_ST_X];
   check(x_t, at::kLong, "x");
   const int64_t NB = x_t.size(0), W1 = x_t.size(1), Lb = W1 - 1, G1 = G + 1;
@@ -140,12 +145,18 @@ std::vector<at::Tensor> round_update(at::TensorList st, at::TensorList tables, c
   const bool* tc = st[LOPA_ST_TC].const_data_ptr<bool>();
   const int64_t spe = item(st[LOPA_ST_SPE]), lay = item(st[LOPA_ST_LAY]), u = item(st[LOPA_ST_U]);
   const int64_t cache_len = item(st[LOPA_ST_CACHE_LEN]);
-  const int64_t* pos_block = tables[0].const_data_ptr<int64_t>();
-  const int64_t* bstart = tables[1].const_data_ptr<int64_t>();
-  const int64_t* bend = tables[2].const_data_ptr<int64_t>();
-  const bool* tab_add = tables[3].const_data_ptr<bool>();
-  const bool* tab_act = tables[4].const_data_ptr<bool>();
-  const int64_t* ktable = tables[5].const_data_ptr<int64_t>();
+  check(a.pos_block, at::kLong, "pos_block");
+  check(a.bstart, at::kLong, "bstart");
+  check(a.bend, at::kLong, "bend");
+  check(a.tab_add, at::kBool, "tab_add");
+  check(a.tab_act, at::kBool, "tab_act");
+  check(a.ktable, at::kLong, "ktable");
+  const int64_t* pos_block = a.pos_block.const_data_ptr<int64_t>();
+  const int64_t* bstart = a.bstart.const_data_ptr<int64_t>();
+  const int64_t* bend = a.bend.const_data_ptr<int64_t>();
+  const bool* tab_add = a.tab_add.const_data_ptr<bool>();
+  const bool* tab_act = a.tab_act.const_data_ptr<bool>();
+  const int64_t* ktable = a.ktable.const_data_ptr<int64_t>();
   const int64_t* wpos = wpos_t.const_data_ptr<int64_t>();
   const float* conf = conf_t.const_data_ptr<float>();
   const int64_t* x0 = x0_t.const_data_ptr<int64_t>();
@@ -521,15 +532,7 @@ std::vector<at::Tensor> round_update(at::TensorList st, at::TensorList tables, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(lopa_fast_cpp, m) {
-  m.def("round_prepare(Tensor x, Tensor need, Tensor pos_block, Tensor alive, Tensor wl, int s, int Nb, int Rb, "
-        "int L, bool block_causal) -> Tensor[]");
-  m.def("round_update(Tensor[] st, Tensor[] tables, Tensor logits, Tensor rows, Tensor wpos, Tensor conf, "
-        "Tensor x0, Tensor p, Tensor k_win, Tensor v_win, Tensor(a!) cache_k, Tensor(b!) cache_v, int[] ints, "
-        "float[] floats) -> Tensor[]");
-}
+// schemas and entry points: generated (lopa_round_ops.h) from lopa_fast.contracts.ROUND_CPP_OPS
+TORCH_LIBRARY_FRAGMENT(lopa_fast_cpp, m) { LOPA_ROUND_OPS_DEF(m) }
 
-TORCH_LIBRARY_IMPL(lopa_fast_cpp, CPU, m) {
-  m.impl("round_prepare", &round_prepare);
-  m.impl("round_update", &round_update);
-}
+TORCH_LIBRARY_IMPL(lopa_fast_cpp, CPU, m) { LOPA_ROUND_OPS_IMPL(m) }

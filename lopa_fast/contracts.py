@@ -23,7 +23,8 @@ COMPARATOR_CODES = {c: i for i, c in enumerate(COMPARATORS)}
 
 # The D2F / LoPA round's state (lopa_fast/decode/round.py) as the C++ CPU twin of its bookkeeping
 # (csrc/round_cpu.cpp) receives it (ROUND_STATE_FIELDS) and returns it (ROUND_OUT_FIELDS, then the round's trace
-# facts ROUND_INFO_FIELDS); the C++ source gets the indices as -D defines (LOPA_ST_<NAME>, LOPA_OUT_<NAME>).
+# facts ROUND_INFO_FIELDS); the C++ source gets the indices (LOPA_ST_<NAME>, LOPA_OUT_<NAME>) from its generated
+# header (ROUND_CPP_OPS below).
 # The counters stay consecutive (the C++ loops over them).
 ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
                   "max_branches")  # fmt: skip
@@ -35,6 +36,35 @@ ROUND_OUT_FIELDS = ROUND_STATE_FIELDS + ("done", "nonfinite", "head")
 ROUND_INFO_FIELDS = ("score", "winner", "acc", "tok")
 
 
+# The C++ CPU round's whole interface (csrc/round_cpu.cpp), ONE description: each op's arguments in order, by name
+# and kind. lopa_fast.ops._cpp generates from it the header the source includes (per op an argument struct, the op's
+# schema and its typed entry point that fills the struct; the state / output indices above), and Python calls the
+# ops by these names (`lopa_fast.ops._cpp.call`): adding an argument is one line here, then `a.<name>` in the C++
+# and `<name>=` at the call in lopa_fast/decode/round.py. Kinds: "tensors" (the round state, ROUND_STATE_FIELDS'
+# order), "tensor", "mut_tensor" (written in place), "int", "bool", "float" (a double).
+ROUND_CPP_OPS = {
+    "round_prepare": (  # the forward's inputs: round.py `window_inputs`
+        ("x", "tensor"), ("need", "tensor"), ("pos_block", "tensor"), ("alive", "tensor"), ("wl", "tensor"),
+        ("s", "int"), ("Nb", "int"), ("Rb", "int"), ("L", "int"), ("block_causal", "bool"),
+    ),
+    "round_update": (  # everything after the token statistics: round.py `finish_round` after `token_stats`
+        ("st", "tensors"),
+        # the request's tables (round.py `init_tables`, by the same names)
+        ("pos_block", "tensor"), ("bstart", "tensor"), ("bend", "tensor"), ("tab_add", "tensor"),
+        ("tab_act", "tensor"), ("ktable", "tensor"),
+        # the round's forward and statistics
+        ("logits", "tensor"), ("rows", "tensor"), ("wpos", "tensor"), ("conf", "tensor"), ("x0", "tensor"),
+        ("p", "tensor"), ("k_win", "tensor"), ("v_win", "tensor"), ("cache_k", "mut_tensor"),
+        ("cache_v", "mut_tensor"),
+        # the geometry and the bucket
+        ("P", "int"), ("L", "int"), ("G", "int"), ("bs", "int"), ("mask_id", "int"), ("eos_id", "int"),
+        ("n_look", "int"), ("shift", "bool"), ("scores", "bool"), ("Nb", "int"), ("Rb", "int"),
+        # the float knobs (round.py `round_knobs`)
+        ("skip_threshold", "float"), ("alpha", "float"),
+    ),
+}  # fmt: skip
+
+
 def code_defines() -> dict[str, int]:
     """{"LOPA_MODE_FULL": 0, ..., "LOPA_CMP_GT": 0, ...}: the codes as C preprocessor defines."""
     out = {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
@@ -44,7 +74,7 @@ def code_defines() -> dict[str, int]:
 
 def round_defines() -> dict[str, int]:
     """{"LOPA_ST_X": 0, ..., "LOPA_OUT_HEAD": ..., "LOPA_N_ST": ..., "LOPA_N_OUT": ...}: the round-state indices
-    of csrc/round_cpu.cpp as C preprocessor defines."""
+    of csrc/round_cpu.cpp (its generated header defines them)."""
     out = {f"LOPA_ST_{f.upper()}": i for i, f in enumerate(ROUND_STATE_FIELDS)}
     out.update({f"LOPA_OUT_{f.upper()}": i for i, f in enumerate(ROUND_OUT_FIELDS)})
     out.update(LOPA_N_ST=len(ROUND_STATE_FIELDS), LOPA_N_OUT=len(ROUND_OUT_FIELDS))

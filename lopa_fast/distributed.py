@@ -225,14 +225,14 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
     msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
     msg[0] = 0
     msg[1] = n_real
-    msg[2] = rnd.first_nonfinite(logits, flat, n_real, geo.NB * Nb, cfg.temperature) if n else -1
+    msg[2] = rnd.first_nonfinite(logits, flat, n_real, geo.NB * Nb, rnd.temperature(T, cfg)) if n else -1
     msg[3] = holder
     if table.shape[0] == 0:
         return msg
     # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
     keys = rnd.row_keys(st, T, flat if n else flat.new_zeros(1), st["s"], Nb, geo.shift, cfg)
     keys = None if keys is None else keys[: table.shape[0]]
-    conf, x0, p = rnd.token_stats(table, cfg, geo.use_conf_kernel, keys)
+    conf, x0, p = rnd.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     k = int(geo.shift)
     if geo.shift:
         msg[4], msg[5], msg[6] = _bits(conf[:1])[0], _bits(p[:1])[0], x0[0].to(torch.int32)

@@ -184,12 +184,26 @@ def categorical(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (c < t).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> torch.Tensor:
-    """LLaDA's sampler, keyed: argmax exp(l) / E**T in float64 (E = -log U); T = 0: argmax of the logits."""
-    if temperature == 0:
+def gumbel_argmax(logits: torch.Tensor, temperature, keys: torch.Tensor) -> torch.Tensor:
+    """LLaDA's sampler, keyed: argmax exp(l) / E**T in float64 (E = -log U); T = 0: argmax of the logits.
+    temperature: a float, or a 0-d float64 tensor (a compiled step's runtime input; T > 0 then, its compile key
+    says so)."""
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return torch.argmax(logits, dim=-1)
     l64 = logits.to(torch.float64)
-    return torch.argmax(l64.exp() / row_exponentials(keys, l64.shape[-1]) ** temperature, dim=-1)
+    return torch.argmax(l64.exp() / knob_pow(row_exponentials(keys, l64.shape[-1]), temperature), dim=-1)
+
+
+def knob_pow(x: torch.Tensor, t) -> torch.Tensor:
+    """x ** t, t a float or a 0-d tensor (a runtime knob), bitwise as `x ** python_float`: torch's pow by a scalar
+    takes exact shortcuts (0.5: sqrt, 2: x * x, 3: x * x * x, 1: x) that pow by a tensor does not (it rounds
+    differently there); a tensor t takes the same shortcuts with `where` (no host read)."""
+    if not isinstance(t, torch.Tensor):
+        return x**t
+    out = torch.where(t == 2, x * x, x.pow(t))
+    out = torch.where(t == 3, x * x * x, out)
+    out = torch.where(t == 0.5, x.sqrt(), out)
+    return torch.where(t == 1, x, out)
 
 
 def top_n_race(weights: torch.Tensor, n, keys: torch.Tensor) -> torch.Tensor:

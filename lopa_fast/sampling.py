@@ -64,21 +64,24 @@ def token_stats(
     the probability that the D2F/LoPA skip threshold tests (p_max at T = 0, p(x0) at T > 0) and conf the
     `sampling_strategy` confidence (fallback choice, lookahead ranking, branch score).
     keys: [N] int64 keyed-sampler keys (lopa_fast.keyed.key) of the rows; used at T > 0 instead of `generator`.
+    temperature, top_p: floats, or 0-d float64 tensors (a compiled step's runtime inputs, lopa_fast.decode.shapes.knob:
+    a tensor means T > 0 / the filter on, which the step's compile key says; the value is not a graph constant).
     """
     x = logits.float()
     if suppress_token is not None:
         x = x.clone()
         x[..., suppress_token] = float("-inf")
-    if temperature > 0:
+    sampling = is_on(temperature)
+    if sampling:
         x = x / temperature
-    if top_p is not None and top_p < 1:
+    if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1):
         x = top_p_filter(x, top_p)
     if top_k is not None:
         x = top_k_filter(x, top_k)
     if sampling_strategy not in SAMPLING_STRATEGIES:
         raise ValueError(f"sampling_strategy={sampling_strategy!r}; allowed: {SAMPLING_STRATEGIES}")
     probs = torch.softmax(x, dim=-1)
-    if temperature > 0:
+    if sampling:
         if keys is not None:
             x0 = keyed.categorical(probs, keys)
         else:
@@ -116,10 +119,17 @@ def softmax_stats(x: torch.Tensor, eps: float = NEG_ENTROPY_EPS):
     return token, p_max, prob_margin(probs), prob_neg_entropy(probs, eps)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator=None, keys=None) -> torch.Tensor:
+def is_on(temperature) -> bool:
+    """Whether a temperature samples: a float > 0, or a 0-d tensor (a runtime knob, passed only when T > 0: being
+    on is part of the compile key, the value is not)."""
+    return isinstance(temperature, torch.Tensor) or temperature > 0
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature, generator=None, keys=None) -> torch.Tensor:
     """LLaDA's sampler: argmax(exp(l) / (-log U)^T) in float64 (T = 0: plain argmax of the logits); U keyed
-    (lopa_fast.keyed.gumbel_argmax) when `keys` [N] is given, else drawn from `generator`."""
-    if temperature == 0:
+    (lopa_fast.keyed.gumbel_argmax) when `keys` [N] is given, else drawn from `generator`. temperature: a float or
+    a 0-d tensor (`is_on`)."""
+    if not is_on(temperature):
         return torch.argmax(logits, dim=-1)
     if keys is not None:
         return keyed.gumbel_argmax(logits, temperature, keys)

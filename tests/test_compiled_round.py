@@ -27,7 +27,7 @@ def compiled_runs():
     model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 60, (PROMPT_LEN,), generator=g) for _ in range(3)]
-    runs = {}
+    runs = {"model": model, "prompts": prompts}
     for name, kw in CONFIGS.items():
         kw = {**COMMON, **kw}
         strategy = kw.pop("strategy")
@@ -64,6 +64,22 @@ def test_compiles_once_per_bucket(compiled_runs, name):
         assert comp.stats["compile_seconds"] == {}  # per request: nothing compiled in this one
     assert len(first["compile_seconds"]) == first["compiled_graphs"]
     assert all(sec > 0 for sec in first["compile_seconds"].values())
+
+
+def test_float_knobs_replay_the_compiled_round(compiled_runs):
+    """A float knob is a runtime input of the compiled round, not a compile key (issue 28 finding 5): after the
+    fixture compiled lopa_full_k2 at skip_threshold 0.8, requests at 0.95 (other tokens) compile nothing and each
+    equals its eager run and the reference."""
+    model = compiled_runs["model"]
+    kw = {**COMMON, **CONFIGS["lopa_full_k2"], "skip_threshold": 0.95}
+    strategy = kw.pop("strategy")
+    for p, (_, before, _) in zip(compiled_runs["prompts"], compiled_runs["lopa_full_k2"]):
+        eager = lopa_fast.generate(model, p, strategy, "fast", **kw)
+        comp = lopa_fast.generate(model, p, strategy, "fast", compile=True, **kw)
+        assert eager.generated_ids != before.generated_ids  # the knob changes this prompt's tokens
+        assert comp.generated_ids == eager.generated_ids and comp.stats["forwards"] == eager.stats["forwards"]
+        assert comp.generated_ids == lopa_fast.generate(model, p, strategy, "reference", **kw).generated_ids
+        assert comp.stats["compiled_buckets"] and comp.stats["compiled_graphs"] == 0, comp.stats
 
 
 def test_compile_needs_a_fast_backend():

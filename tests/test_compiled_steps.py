@@ -200,7 +200,7 @@ def test_every_index_in_range_on_a_finished_state(models):
         geo = static_steps.geometry(m, cfg, L)
         x = torch.arange(L) % 50  # no mask left
         ts = torch.linspace(1, cfg.eps, cfg.steps + 1) if geo.alg is not None else None
-        st, T = static_steps.init(m, x, P, geo, 11, ts)
+        st, T = static_steps.init(m, x, P, geo, 11, ts, static_steps.step_knobs(cfg))
         st["fm"].fill_(L)
         st["i"].fill_(geo.n_steps)
         st["s"].fill_(L - geo.B)

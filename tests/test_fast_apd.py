@@ -174,8 +174,8 @@ def test_device_stop_check_equals_first_stop():
         x[Lb] = 1  # the trash column is never read
         stops = [torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
                  for _ in range(2)]  # fmt: skip
-        geo = fast_apd.ApdGeometry(Lb=Lb, W=None, M=None, R=None, K=1, V_ar=0, mask_id=mask, eos_id=None,
-                                   exact_prev=False, suppress_mask=False, top_p=None, top_k=None,
+        geo = fast_apd.ApdGeometry(Lb=Lb, W=None, M=None, verify=False, K=1, V_ar=0, mask_id=mask, eos_id=None,
+                                   exact_prev=False, suppress_mask=False, nucleus=False, top_k=None,
                                    stop_lens=tuple(len(q) for q in stops), attn_backend="torch")  # fmt: skip
         T = {"P": torch.tensor(P), "stops": stop_table(stops, "cpu", min_rows=1)}
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
@@ -291,7 +291,8 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
             stats.append(got.stats)
         assert stats[0]["compiled_graphs"] >= 1 and len(stats[0]["compiled_buckets"]) >= 1
         assert sum(s["compiled_graphs"] for s in stats[1:]) < sum(len(s["compiled_buckets"]) for s in stats[1:])
-        assert len([g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]) == 2  # one per R (a constant)
+        # R is a runtime input (the tables), not a constant: one workspace serves both values
+        assert len([g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]) == 1
     finally:
         cr.emulate_graphs = False  # the per-model compiled steps are shared with later tests
         for key in [k for k in cr.fns if k[0] == "apd"]:

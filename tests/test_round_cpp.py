@@ -2,8 +2,9 @@
 against its plain-PyTorch reference, `lopa_fast.decode.round.round_step`: every round of a grid of requests is
 run both ways from the same state, and every state field, the head and the trace facts must be equal
 (bitwise: integer logic, and the float decisions are made from the same fp32 values in the same order).
-The end-to-end parity grid (tests/test_fast_parity.py) runs the fast decoder with the C++ twin on CPU (the
-default); this file also keeps the torch eager round itself covered end to end (LOPA_FAST_CPP=0)."""
+The end-to-end parity grid (tests/test_fast_parity.py) runs the fast decoder on both rounds (the C++ twin, the CPU
+default, and the torch round, LOPA_FAST_CPP=0). The ops' interface is generated from ONE description
+(lopa_fast.contracts.ROUND_CPP_OPS): the built op's schema, the generated header and the build key follow it."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.contracts import ROUND_OUT_FIELDS
+from lopa_fast.contracts import ROUND_CPP_OPS, ROUND_OUT_FIELDS
 from lopa_fast.decode import round as rnd
 from lopa_fast.ops import _cpp
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -107,24 +108,37 @@ def test_cpp_round_with_stop_sequences(models, built, monkeypatch):
     assert out.stats["finish_reason"] == "stop"
 
 
-def test_torch_eager_round_still_exact(models, monkeypatch):
-    """LOPA_FAST_CPP=0: the eager torch round (what compiled rounds and CUDA run) is used and stays exact."""
-    monkeypatch.setenv("LOPA_FAST_CPP", "0")
-    calls = []
-    orig = rnd.round_step
-    monkeypatch.setattr(rnd, "round_step", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    model = models["dream"]
-    for k, full in ((1, True), (4, False)):
-        prompt = torch.randint(0, 60, (11,), generator=torch.Generator().manual_seed(k))
-        kw = dict(max_new_tokens=24, block_size=4, branching_factor=k, use_full_attention=full)
-        a = lopa_fast.generate(model, prompt, "lopa", "fast", **kw)
-        b = lopa_fast.generate(model, prompt, "lopa", "reference", **kw)
-        assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]
-    assert calls
-
-
 def test_round_ops_switch(monkeypatch, built):
     monkeypatch.setenv("LOPA_FAST_CPP", "0")
     assert not _cpp.round_ops()
     monkeypatch.setenv("LOPA_FAST_CPP", "1")
     assert _cpp.round_ops()
+
+
+def test_built_ops_take_the_described_arguments(built):
+    """The registered ops' schemas (generated) list ROUND_CPP_OPS' arguments, names and order, and the generated
+    header gives the C++ side a field per argument."""
+    kinds = {"tensors": "List[Tensor]", "tensor": "Tensor", "mut_tensor": "Tensor", "int": "int", "bool": "bool",
+             "float": "float"}  # fmt: skip
+    header = _cpp.header()
+    for op, args in ROUND_CPP_OPS.items():
+        schema = getattr(torch.ops.lopa_fast_cpp, op).default._schema
+        assert [(a.name, str(a.type)) for a in schema.arguments] == [(n, kinds[k]) for n, k in args], op
+        assert [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments] == \
+            [k == "mut_tensor" for _, k in args], op  # cache_k / cache_v are written in place
+        for name, _ in args:
+            assert f" {name};" in header, (op, name)
+
+
+def test_one_line_adds_an_argument(monkeypatch, tmp_path):
+    """An argument added to the description reaches the generated header (struct field, entry parameter, schema)
+    and changes the build key, so a stale build of the old interface is never loaded; a call must then pass it."""
+    monkeypatch.setenv("LOPA_FAST_CACHE_DIR", str(tmp_path))
+    before, key = _cpp.header(), _cpp.build_dir()
+    ops = dict(ROUND_CPP_OPS, round_update=ROUND_CPP_OPS["round_update"] + (("new_knob", "float"),))
+    monkeypatch.setattr(_cpp, "ROUND_CPP_OPS", ops)
+    after = _cpp.header()
+    assert "double new_knob;" in after and "double new_knob)" in after and "float new_knob)" in after
+    assert "new_knob" not in before and _cpp.build_dir() != key
+    with pytest.raises(TypeError, match=r"missing arguments \['new_knob'\], unexpected \['old_knob'\]"):
+        _cpp.call("round_update", **{n: None for n, _ in ROUND_CPP_OPS["round_update"]}, old_knob=1.0)

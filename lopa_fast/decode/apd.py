@@ -47,7 +47,7 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.contracts import report_round
-from lopa_fast.decode.shapes import pow2_bucket, quantized_length, stop_table
+from lopa_fast.decode.shapes import divided, knob, pow2_bucket, quantized_length, scaled, stop_table
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -59,25 +59,32 @@ HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonf
 
 @dataclass(frozen=True)
 class ApdGeometry:
-    """The Python constants of a request's step (baked into a compiled step; P and L are device tables)."""
+    """The Python constants of a request's step (baked into a compiled step; P, L and the float knobs `apd_knobs`
+    are device tables: whether a knob is on is a constant here, its value a runtime input)."""
 
     Lb: int
     W: int | None  # kv_window (None: no drafter cache)
     M: int | None  # max_lookahead (None: the whole canvas)
-    R: float | None  # apd_mixture_weight (None: the leftright baseline)
+    verify: bool  # apd_mixture_weight set (the value: T["R"]); False: the leftright baseline
     K: int  # tokens_per_step of the leftright baseline
     V_ar: int  # the verifier's vocabulary (0 without one)
     mask_id: int
     eos_id: int | None
     exact_prev: bool
     suppress_mask: bool
-    top_p: float | None
+    nucleus: bool  # a top-p filter (top_p < 1; the value: T["top_p"])
     top_k: int | None
     stop_lens: tuple
     attn_backend: str
-    temperature: float = 0.0  # > 0: the keyed draft (sampler="keyed"; the seed is a device table, T["seed"])
+    sampling: bool = False  # T > 0: the keyed draft (sampler="keyed"; the seed and T["temperature"] are tables)
     single_temperature: bool = False
     coupled_gumbel: bool = False
+
+
+def apd_knobs(cfg) -> dict[str, float | None]:
+    """A request's float knobs, the step's runtime inputs (tables; None: off, stored as 0.0): the mixture weight R,
+    the draft's temperature and top_p."""
+    return {"R": cfg.apd_mixture_weight, "temperature": cfg.temperature, "top_p": cfg.top_p}
 
 
 def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool) -> tuple[int, int]:
@@ -132,13 +139,13 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
         attn_backend=geo.attn_backend,
     )  # fmt: skip
     drafted(st, T, geo, a, l_d, k_win, v_win)
-    if geo.R is not None:
+    if geo.verify:
         v = verify_inputs(st, geo, a, first, prefix)
         l_v, vk_win, vv_win = verifier.forward_static(
             v["tokens"], v["start"], st["vk"], st["vv"], v["prefix_len"], v["win_lens"], None, "causal", v["rows"],
             attn_backend=geo.attn_backend,
         )  # fmt: skip
-        verified(st, geo, a, first, l_v, vk_win, vv_win)
+        verified(st, T, geo, a, first, l_v, vk_win, vv_win)
     return commit(st, T, geo, a)
 
 
@@ -181,20 +188,20 @@ def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_w
     if geo.suppress_mask:
         lg = lg.clone()
         lg[:, geo.mask_id] = float("-inf")  # a fill kernel (no host-to-device copy: capturable)
-    Tmp = geo.temperature
-    if Tmp > 0:
-        lg = lg / Tmp
-    if geo.top_p is not None and geo.top_p < 1:
-        lg = top_p_filter(lg, geo.top_p)
+    Tmp = T["temperature"]  # a runtime knob (read only when geo.sampling)
+    if geo.sampling:
+        lg = divided(lg, Tmp)
+    if geo.nucleus:
+        lg = top_p_filter(lg, T["top_p"])
     if geo.top_k is not None:
         lg = top_k_filter(lg, geo.top_k)
     noise = None
-    if Tmp > 0:  # the reference's keyed draft: rows keyed by (seed, step = this dLLM forward, position)
+    if geo.sampling:  # the reference's keyed draft: rows keyed by (seed, step = this dLLM forward, position)
         st["step"] = st["step"] + 1
         keys = keyed.key(T["seed"], keyed.TOKEN, st["step"], 0, curr + j)
         noise = keyed.row_exponentials(keys, lg.shape[-1])
         if not geo.single_temperature:
-            noise = noise**Tmp  # quirk Q1: the temperature applied twice
+            noise = keyed.knob_pow(noise, Tmp)  # quirk Q1: the temperature applied twice
         x0 = torch.argmax(lg.to(torch.float64).exp() / noise, dim=-1)
     else:
         x0 = torch.argmax(lg, dim=-1)  # [Db]
@@ -202,7 +209,7 @@ def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_w
 
 
 def verify_inputs(st: dict, geo: ApdGeometry, a: dict, first: bool, prefix: tuple[int, int] | None) -> dict:
-    """The verifier's forward inputs (geo.R given): first step, the whole draft x[:right] (x0 written in) from
+    """The verifier's forward inputs (geo.verify): first step, the whole draft x[:right] (x0 written in) from
     position 0, the AR rows for curr .. right; later steps, x0 at positions [curr, right) over its cache [0, curr).
     Returns its tokens [1, Nb or Db], start (0-d), prefix_len, win_lens [1], rows; adds outside (0-d bool: a drafted
     id outside the verifier's vocabulary) and vdst (the cache rows its window's K/V go to) to `a`."""
@@ -227,14 +234,14 @@ def verify_inputs(st: dict, geo: ApdGeometry, a: dict, first: bool, prefix: tupl
                 win_lens=n_d.reshape(1), rows=j)  # fmt: skip
 
 
-def verified(st: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor, vk_win: torch.Tensor,
+def verified(st: dict, T: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor, vk_win: torch.Tensor,
              vv_win: torch.Tensor) -> None:  # fmt: skip
     """After the verifier's forward (logits l_v [Db + 1 (first) or Db, V_ar], window K/V): its K/V into the
     verifier's cache, the acceptance rule (target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR), quirk Q2; the
     longest agreeing prefix, at least 1) and prev_logits (Q3 unless exact_prev). Adds accepted, nf_v to `a`."""
     dev = st["x"].device
     j, n_d, dvalid, x0, l_d, noise = a["j"], a["n_d"], a["dvalid"], a["x0"], a["l_d"], a["noise"]
-    Db, Vq, Tmp = j.shape[0], geo.V_ar, geo.temperature
+    Db, Vq, Tmp = j.shape[0], geo.V_ar, T["temperature"]
     ext = l_v if first else torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept
     st["vk"].index_copy_(1, a["vdst"], vk_win[:, 0])
     st["vv"].index_copy_(1, a["vdst"], vv_win[:, 0])
@@ -242,9 +249,10 @@ def verified(st: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor
     read = (er < n_d) | ((er == n_d) & geo.exact_prev)
     nf_v = _first_bad(ext, read, st["curr"])
     l_ar = ext[:Db]
-    mix = geo.R * l_d[:, :Vq] + (1 - geo.R) * l_ar
+    R = T["R"]  # a runtime knob; written as `R * l_d + (1 - R) * l_ar` with a Python float R computes it
+    mix = scaled(l_d[:, :Vq], R) + scaled(l_ar, 1 - R)
     if geo.coupled_gumbel and noise is not None:  # the paper's target: the draft's noise reused
-        target = torch.argmax((mix / Tmp).to(torch.float64).exp() / noise[:, :Vq], dim=-1)
+        target = torch.argmax(divided(mix, Tmp).to(torch.float64).exp() / noise[:, :Vq], dim=-1)
     else:
         target = torch.argmax(mix, dim=-1)
     agree = ((x0 == target) | (j == 0)) & dvalid
@@ -261,7 +269,7 @@ def commit(st: dict, T: dict, geo: ApdGeometry, a: dict) -> tuple[dict, dict]:
     dev = st["x"].device
     Lb, x, curr, j, dvalid, x0 = geo.Lb, st["x"], st["curr"], a["j"], a["dvalid"], a["x0"]
     zero = torch.zeros((), dtype=torch.long, device=dev)
-    if geo.R is not None:
+    if geo.verify:
         outside, nf_v, accepted = a["outside"], a["nf_v"], a["accepted"]
     else:
         outside = torch.zeros((), dtype=torch.bool, device=dev)
@@ -324,19 +332,21 @@ class FastApd:
         Lb = quantized_length(L)
         R = cfg.apd_mixture_weight
         self.geo = ApdGeometry(
-            Lb=Lb, W=cfg.kv_window, M=cfg.max_lookahead, R=R,
+            Lb=Lb, W=cfg.kv_window, M=cfg.max_lookahead, verify=R is not None,
             K=cfg.tokens_per_step if cfg.tokens_per_step is not None else 1,
             V_ar=verifier.config.vocab_size if verifier is not None else 0, mask_id=cfg.mask_token_id,
             eos_id=cfg.eos_token_id, exact_prev=bool(cfg.exact_prev_logits),
             suppress_mask=bool(cfg.suppress_mask_token),
-            top_p=cfg.top_p, top_k=cfg.top_k, stop_lens=tuple(len(q) for q in cfg.stop or ()),
+            nucleus=cfg.top_p is not None and cfg.top_p < 1, top_k=cfg.top_k,
+            stop_lens=tuple(len(q) for q in cfg.stop or ()),
             attn_backend=_backend.resolve("branch_attention", None, dev),
-            temperature=float(cfg.temperature), single_temperature=bool(cfg.single_temperature),
+            sampling=cfg.temperature > 0, single_temperature=bool(cfg.single_temperature),
             coupled_gumbel=bool(cfg.coupled_gumbel),
         )  # fmt: skip
         seed = keyed.resolve_seed(cfg.seed) if keyed.needs_draws(cfg) else 0  # as the reference's KeyedNoise
         self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
-                       "stops": stop_table(cfg.stop, dev, min_rows=1), "seed": torch.tensor(seed, device=dev)}  # fmt: skip
+                       "stops": stop_table(cfg.stop, dev, min_rows=1), "seed": torch.tensor(seed, device=dev),
+                       **{name: knob(v, dev) for name, v in apd_knobs(cfg).items()}}  # fmt: skip
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
@@ -365,7 +375,7 @@ class FastApd:
         drafter's, then (with a verifier) the verifier's, whose tokens are the drafter's drafts
         (lopa_fast.decode.batch runs each for every live request at once)."""
         out = ((self.drafter, "full", self.geo.attn_backend),)
-        return out if self.geo.R is None else out + ((self.verifier, "causal", self.geo.attn_backend),)
+        return out if not self.geo.verify else out + ((self.verifier, "causal", self.geo.attn_backend),)
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The drafter's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -404,11 +414,11 @@ class FastApd:
         geo = self.geo
         if w["phase"] == 0:
             drafted(self.st, self.tables, geo, w, logits, k_win, v_win)
-            if geo.R is not None:
+            if geo.verify:
                 w["verify"], w["phase"] = verify_inputs(self.st, geo, w, w["first"], w["prefix"]), 1
                 return
         else:
-            verified(self.st, geo, w, w["first"], logits, k_win, v_win)
+            verified(self.st, self.tables, geo, w, w["first"], logits, k_win, v_win)
         self.st, self.info = commit(self.st, self.tables, geo, w)
 
     def _read_head(self) -> list[int]:
@@ -471,7 +481,7 @@ class FastApd:
         cfg, geo, stats, head, P, L = self.cfg, self.geo, self.stats, self.head, self.P, self.L
         curr, left, right = self.curr, self.left, self.right
         stats["dllm_forwards"] += 1
-        stats["verifier_forwards"] += geo.R is not None
+        stats["verifier_forwards"] += geo.verify
         stats["forwards"] += 1
         self._refuse(head, stats["forwards"])
         accepted = head["accepted"]

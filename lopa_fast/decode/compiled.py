@@ -1,6 +1,7 @@
 """Compiled rounds: `generate(..., compile=True)` compiles each bucket's round once and replays it.
 
-A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the statistics knobs); its round
+A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the statistics knobs that change the
+graph: `key`; float knobs are runtime inputs in the round's tables, never keys); its round
 (`lopa_fast.decode.round.round_step`: forward + selection + commit + spawn + the next plan) is
 
 * on CUDA: captured as one `torch.cuda.CUDAGraph` over a static workspace (the round state tensors,
@@ -47,9 +48,10 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-# the most compiled / captured buckets (and workspaces) one model keeps: keys hold the requests' float knobs
-# (temperature, top_p, thresholds), so a client cycling them would otherwise grow GPU graph memory and Dynamo's
-# caches without bound (issue 28 finding 5); the least recently used bucket goes first and compiles again if asked
+# the most compiled / captured buckets (and workspaces) one model keeps: the float knobs (temperature, top_p,
+# thresholds, alpha) are runtime inputs, not keys, but prompt-length bands, batch shapes and the structural knobs
+# still multiply them, so a bound keeps GPU graph memory and Dynamo's caches finite (issue 28 finding 5); the least
+# recently used bucket goes first and compiles again if asked
 MAX_BUCKETS = 64
 
 
@@ -115,7 +117,11 @@ class CompiledRounds:
     # ------------------------------------------------------------------------------------------------
     @staticmethod
     def key(geo, cfg, Nb: int, Rb: int) -> tuple:
-        stats_knobs = (cfg.sampling_strategy, cfg.top_p, cfg.top_k, cfg.suppress_mask_token, cfg.temperature)
+        """A D2F / LoPA round's compile key: the geometry, the bucket and what of the statistics knobs changes the
+        graph: the confidence, top_k (a shape), the mask suppression, and whether T > 0 / a top-p filter applies.
+        Their float values are runtime inputs (the tables, lopa_fast.decode.round.round_knobs), not keys."""
+        stats_knobs = (cfg.sampling_strategy, cfg.top_p is not None and cfg.top_p < 1, cfg.top_k,
+                       cfg.suppress_mask_token, cfg.temperature > 0)  # fmt: skip
         return (geo, stats_knobs, Nb, Rb)
 
     def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:

@@ -37,7 +37,8 @@ MIN_HEAD_ROWS = 64
 @dataclass(frozen=True)
 class Geometry:
     """The Python constants of a request's round (they are baked into a compiled / captured round; the
-    prompt length is not one of them: it lives in the device tables)."""
+    prompt length and the float knobs (`round.round_knobs`: temperature, top_p, skip threshold, alpha) are not
+    among them: they live in the device tables, so a graph serves every value)."""
 
     bs: int
     G: int
@@ -48,8 +49,7 @@ class Geometry:
     mode: str
     mask_id: int
     eos_id: int | None
-    skip_threshold: float
-    alpha: float
+    blend: bool  # selection_conf_alpha > 0: branch scores blend the creating confidence (by T["alpha"])
     attn_backend: str
     use_conf_kernel: bool
     trace: bool  # branch scores are computed for a one-slot round only when a trace asks for them
@@ -99,8 +99,7 @@ class FastDecoder:
         self.geo = Geometry(
             bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
             mode="full" if cfg.use_full_attention else "block_causal", mask_id=cfg.mask_token_id,
-            eos_id=cfg.eos_token_id, skip_threshold=cfg.skip_threshold,
-            alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))),
+            eos_id=cfg.eos_token_id, blend=rnd.round_knobs(cfg)["alpha"] > 0,
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
             trace=bool(cfg.return_trace), stop_lens=tuple(len(q) for q in cfg.stop or ()),
         )  # fmt: skip

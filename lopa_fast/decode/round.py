@@ -35,8 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
-from lopa_fast.decode.shapes import stop_table
-from lopa_fast.contracts import ROUND_COUNTERS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS, ROUND_STATE_FIELDS, lowest_k_table
+from lopa_fast.decode.shapes import knob, stop_table
+from lopa_fast.contracts import (ROUND_COUNTERS, ROUND_CPP_OPS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS,
+                                 ROUND_STATE_FIELDS, lowest_k_table)
+from lopa_fast.ops import _cpp
+from lopa_fast.sampling import is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
@@ -48,25 +51,40 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, i.reshape(1)).squeeze(0)
 
 
-def token_stats(logits: torch.Tensor, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
-    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V].
+def round_knobs(cfg) -> dict[str, float]:
+    """The round's float knobs (runtime inputs in the tables, `init_tables`: a compiled / captured round serves
+    every value; only whether T > 0 / top-p filters / scores blend keys a graph): the temperature, top_p (1.0: no
+    filter), the skip threshold and the selection blend alpha (clamped to [0, 1])."""
+    return dict(temperature=float(cfg.temperature), top_p=1.0 if cfg.top_p is None else float(cfg.top_p),
+                skip_threshold=float(cfg.skip_threshold), alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))))
+
+
+def temperature(T: dict, cfg):
+    """The temperature a round computes with: the tables' 0-d knob at T > 0, else 0.0 (greedy: another graph)."""
+    return T["temperature"] if cfg.temperature > 0 else 0.0
+
+
+def token_stats(logits: torch.Tensor, T: dict, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
+    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V]; the temperature and top_p values come
+    from the tables T (runtime knobs), whether they apply from cfg (the compile key).
 
     use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity);
     at T > 0 it draws x0 with the keyed sampler (keys [R]: `row_keys`), as the reference does.
     use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics
     within ~1e-6 (not bitwise)."""
     suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    top_p = T["top_p"] if cfg.top_p is not None and cfg.top_p < 1 else None
     if cfg.temperature > 0:
         if keys is None:
             raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
-        return softmax_token_stats(logits, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        return softmax_token_stats(logits, temperature=T["temperature"], top_p=top_p, top_k=cfg.top_k,
                                    sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
                                    keys=keys)  # fmt: skip
     if use_kernel:
         c = ops.confidence(logits, suppress_token=suppress, check=False)
         conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
         return conf, c.token, c.p_max
-    return softmax_token_stats(logits, temperature=0.0, top_p=cfg.top_p, top_k=cfg.top_k,
+    return softmax_token_stats(logits, temperature=0.0, top_p=top_p, top_k=cfg.top_k,
                                sampling_strategy=cfg.sampling_strategy, suppress_token=suppress)  # fmt: skip
 
 
@@ -86,7 +104,7 @@ def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg
 def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
     """Request constants as tensors: P and L, block geometry, position tables (Lb + 1 entries; positions
     >= L, the trash column included, belong to no block), the lowest-k table and the decoded-fraction
-    lookup tables. Shapes depend on (bs, G, Lb) only."""
+    lookup tables, and the float knobs (`round_knobs`: 0-d float64). Shapes depend on (bs, G, Lb) only."""
     L = P + G * bs
     j = torch.arange(G + 1, device=dev)
     p = torch.arange(Lb + 1, device=dev)
@@ -110,6 +128,7 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
         tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
         seed=torch.tensor(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0, device=dev),  # keyed draws
+        **{name: knob(v, dev) for name, v in round_knobs(cfg).items()},
     )
 
 
@@ -251,11 +270,11 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win) -> 
     Nb = w["i"].shape[0]
     st["round"] = st["round"] + 1
     # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, cfg.temperature)
+    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
     # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
     keys = row_keys(st, T, w["rows"], st["s"], Nb, geo.shift, cfg)
-    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel, keys)
+    conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     sel = select_winner(st, T, geo, w, conf)
     W1 = sel["W"].reshape(1)
     commit_span(st, st["u"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
@@ -292,12 +311,13 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
                 need_flat=need_flat, rows=rows)  # fmt: skip
 
 
-def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature: float = 0.0):
+def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0):
     """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
-    NaN / inf (at T > 0 also: overflowing when divided by T), else -1 (none: any value > every flat row)."""
+    NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
+    any value > every flat row)."""
     real = torch.arange(logits.shape[0], device=logits.device) < n_real
     ok = torch.isfinite(logits).all(-1)
-    if temperature > 0:
+    if is_on(temperature):
         ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
     bad = real & ~ok
     return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
@@ -332,7 +352,8 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
         asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
         low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
         future = torch.where(m > 0, low.double(), 1.0)
-        score = future if geo.alpha == 0.0 else geo.alpha * st["cconf"] + (1.0 - geo.alpha) * future
+        alpha = T["alpha"]  # a runtime knob; whether scores blend at all (alpha > 0) is the geometry's
+        score = alpha * st["cconf"] + (1.0 - alpha) * future if geo.blend else future
         score = torch.where(lens <= st["spe"], 1.0, score)
         keyw = torch.where(rem, score, float("-inf"))
         # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
@@ -374,7 +395,7 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
     actWb = st["active"].index_select(0, W1)[0]  # [G + 1]
     onehot = T["onehot"].index_select(0, wpos)  # [Nb, G + 1]: window position i lies in block j
     candW = mW & actWb[T["pos_block"].index_select(0, wpos).clamp(max=G)]
-    thr = candW & (pW > geo.skip_threshold)  # strict, as upstream
+    thr = candW & (pW > T["skip_threshold"])  # strict, as upstream (a runtime knob, rounded to pW's float32)
     # fallback: a fully activated active block with masks and no accept fills its most confident mask
     # (first index on exact ties)
     cand_b = candW[:, None] & onehot
@@ -455,9 +476,10 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
 
 
 # ----------------------------------------------------------------------------- the C++ CPU twin (eager only)
-def cpp_tables(T: dict) -> list[torch.Tensor]:
-    """The request tables csrc/round_cpu.cpp reads, in its order (built once per request)."""
-    return [T["pos_block"], T["bstart"], T["bend"], T["tab_add"], T["tab_act"], T["ktable"]]
+def cpp_tables(T: dict) -> dict[str, torch.Tensor]:
+    """The request tables csrc/round_cpu.cpp's round_update reads: its tensor arguments named as tables of T
+    (lopa_fast.contracts.ROUND_CPP_OPS)."""
+    return {name: T[name] for name, kind in ROUND_CPP_OPS["round_update"] if kind == "tensor" and name in T}
 
 
 def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int, P: int, L: int,
@@ -479,30 +501,32 @@ def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_
 def window_inputs_cpp(st: dict, T: dict, geo, Nb: int, Rb: int, prefix_len: int, L: int) -> dict:
     """`window_inputs` on the C++ op (CPU): wpos [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
     rows [Rb] (prefix_len: the window start s as a host int; L: the request's total length)."""
-    wpos, tokens, bids, win_lens, rows = torch.ops.lopa_fast_cpp.round_prepare(
-        st["x"], st["need"], T["pos_block"], st["alive"], st["wl"], prefix_len, Nb, Rb, L, geo.mode == "block_causal"
+    wpos, tokens, bids, win_lens, rows = _cpp.call(
+        "round_prepare", x=st["x"], need=st["need"], pos_block=T["pos_block"], alive=st["alive"], wl=st["wl"],
+        s=prefix_len, Nb=Nb, Rb=Rb, L=L, block_causal=geo.mode == "block_causal",
     )  # fmt: skip
     return dict(wpos=wpos, tokens=tokens, bids=bids if geo.mode == "block_causal" else None, win_lens=win_lens,
                 rows=rows, Nb=Nb, Rb=Rb, prefix_len=prefix_len)  # fmt: skip
 
 
 def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, P: int, L: int,
-                     tables: list) -> tuple[dict, dict]:
+                     tables: dict) -> tuple[dict, dict]:
     """`finish_round` on the C++ op `round_update` (CPU): the same state and trace facts."""
-    cpp = torch.ops.lopa_fast_cpp
     Nb, Rb, rows, wpos, prefix_len = w["Nb"], w["Rb"], w["rows"], w["wpos"], w["prefix_len"]
     st["round"] = st["round"] + 1
     table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    conf, x0, p = token_stats(table, cfg, geo.use_conf_kernel, row_keys(st, T, rows, prefix_len, Nb, geo.shift, cfg))
+    conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, row_keys(st, T, rows, prefix_len, Nb, geo.shift, cfg))
     # T > 0: the real rows (the plan's needed ones, all inside the window) checked for 1 / T overflow
     over = None
     if cfg.temperature > 0:
         over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature)
-    ints = [P, L, geo.G, geo.bs, geo.mask_id, -1 if geo.eos_id is None else geo.eos_id, geo.n_look,
-            int(geo.shift), int(geo.NB > 1 or geo.trace), Nb, Rb]  # fmt: skip
-    vals = cpp.round_update(
-        [st[f] for f in ROUND_STATE_FIELDS], tables, logits, rows, wpos, conf, x0, p, k_win, v_win,
-        st["cache_k"], st["cache_v"], ints, [float(geo.skip_threshold), float(geo.alpha)],
+    knobs = round_knobs(cfg)
+    vals = _cpp.call(
+        "round_update", st=[st[f] for f in ROUND_STATE_FIELDS], **tables, logits=logits, rows=rows, wpos=wpos,
+        conf=conf, x0=x0, p=p, k_win=k_win, v_win=v_win, cache_k=st["cache_k"], cache_v=st["cache_v"], P=P, L=L,
+        G=geo.G, bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
+        shift=geo.shift, scores=geo.NB > 1 or geo.trace, Nb=Nb, Rb=Rb, skip_threshold=knobs["skip_threshold"],
+        alpha=knobs["alpha"] if geo.blend else 0.0,
     )  # fmt: skip
     n_out = len(ROUND_OUT_FIELDS)
     info = dict(zip(ROUND_INFO_FIELDS, vals[n_out:]), wpos=wpos, look_pos=st["look_pos"])

@@ -37,3 +37,30 @@ def stop_table(stop, dev, min_rows: int = 0) -> torch.Tensor:
     for j, q in enumerate(seqs):
         t[j, : len(q)] = torch.tensor(q)
     return t.to(dev)
+
+
+def knob(value: float | None, dev, off: float = 0.0) -> torch.Tensor:
+    """A float knob as a 0-d float64 tensor on `dev` (`off` when the knob is None): a runtime input of a compiled /
+    captured step, read from its tables, so requests that differ only in the value share one graph (issue 28:
+    every temperature, top_p or threshold compiled a graph of its own). Only whether a knob is on (T > 0, a top-p
+    filter, which threshold rule) changes a graph; that stays in the step's geometry (its compile key).
+    float64 as a Python float: an op with a 0-d tensor rounds it to the other operand's dtype as it rounds a Python
+    scalar (write the knob as the right operand: `t * k`, never `k * t`, and `t.reciprocal() * k` for `k / t`, as
+    Python's reflected operators do; `lopa_fast.keyed.knob_pow` for `t ** k`)."""
+    return torch.tensor(off if value is None else float(value), dtype=torch.float64, device=dev)
+
+
+def scaled(t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """t * k for a knob k (0-d float64, `knob`) as `t * python_float` computes it on the CPU: in float32 and rounded
+    once to t's dtype when t is bf16 / fp16 (on CUDA a 0-d tensor operand would be rounded to bf16 first), plainly
+    otherwise."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return (t.float() * k).to(t.dtype)
+    return t * k
+
+
+def divided(t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """t / k for a knob k, as `t / python_float` computes it on the CPU (see `scaled`)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return (t.float() / k).to(t.dtype)
+    return t / k

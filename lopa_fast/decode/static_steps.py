@@ -35,7 +35,9 @@ as the eager step does; the logits are returned (graph-owned under CUDA graphs) 
 State (`init`, per request; the CUDA workspace of CompiledRounds per StepGeometry):
   x [L] long; fwd (forwards so far: the keyed sampler's step), i (Dream's step index), fm, s, e 0-d long;
   transferred, multi, noop 0-d long counters; head [4] long; ck, cv [layers, L or 1, Hkv, D] the cache.
-Tables T: P (prompt length), seed (the keyed sampler's, as int64 bits), ts (Dream's timesteps, float32).
+Tables T: P (prompt length), seed (the keyed sampler's, as int64 bits), ts (Dream's timesteps, float32), and the
+float knobs (`step_knobs`: temperature, top_p, threshold, factor, entropy_threshold, cfg_scale, alg_temp) as 0-d
+float64 runtime inputs: a step's graph serves every value; only whether a knob is on is in the StepGeometry.
 The host writes s and e in place (`fill_`) at each block start: a kernel launch, not a host read.
 """
 from __future__ import annotations
@@ -47,10 +49,14 @@ import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
 from lopa_fast.decode import steps
+from lopa_fast.decode.shapes import divided, knob, scaled
 from lopa_fast.models.transformer import rms_norm
 from lopa_fast.sampling import gumbel_argmax
 
 HEAD = ("bad", "full", "first_mask", "masks_left")
+# the threshold strategy's rules (GenerateConfig's names), in `steps.select_by_rule`'s order of precedence
+RULES = ("factor", "entropy_threshold", "threshold")
+KNOBS = ("temperature", "top_p", *RULES, "cfg_scale", "alg_temp")  # float knobs: runtime inputs (tables)
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
 
@@ -58,7 +64,8 @@ DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "ne
 @dataclass(frozen=True)
 class StepGeometry:
     """Every Python constant a compiled step of one request reads (it keys the compiled callables and the CUDA
-    workspace: two requests share a step's graph iff their geometries are equal)."""
+    workspace: two requests share a step's graph iff their geometries are equal). Float knobs are not constants:
+    the geometry says whether each is on, its value is a runtime input in the tables (`step_knobs`)."""
 
     strategy: str  # "vanilla" | "threshold"
     llada: bool
@@ -66,21 +73,19 @@ class StepGeometry:
     L: int  # prompt + generation
     B: int  # block length (threshold, LLaDA vanilla; 0 for Dream vanilla)
     mask_id: int
-    temperature: float
-    top_p: float | None
+    sampling: bool  # temperature > 0 (the value: T["temperature"])
+    nucleus: bool  # a top-p filter (top_p < 1; the value: T["top_p"])
     top_k: int | None
     suppress_mask: bool
     attn_backend: str
     cache: str | None = None
-    threshold: float | None = None  # the threshold rules (names as GenerateConfig's: `threshold.select` reads them)
-    factor: float | None = None
-    entropy_threshold: float | None = None
-    cfg_scale: float = 0.0
+    rule: str | None = None  # the threshold rule set ("threshold" | "factor" | "entropy_threshold"; its value: T)
+    guidance: bool = False  # LLaDA's cfg_scale > 0 (the value: T["cfg_scale"])
     remasking: str | None = None
     eos_inf: int | None = None  # logits_eos_inf: this id's logits -> -inf (None: off)
     blocked: tuple = ()  # confidence_eos_eot_inf: ids committed last (confidence -1)
     alg: str | None = None
-    alg_temp: float | None = None
+    race: bool = False  # Dream's alg_temp > 0: a keyed draw without replacement (the value: T["alg_temp"])
     n_steps: int = 0  # Dream vanilla's steps
 
 
@@ -100,20 +105,37 @@ def geometry(model, cfg, L: int) -> StepGeometry:
     return StepGeometry(
         strategy=cfg.strategy, llada=model.config.kind == "llada", shift=bool(model.logits_shift), L=L,
         B=0 if dream_vanilla else int(cfg.block_length), mask_id=cfg.mask_token_id,
-        temperature=float(cfg.temperature), top_p=cfg.top_p, top_k=cfg.top_k,
+        sampling=cfg.temperature > 0, nucleus=cfg.top_p is not None and cfg.top_p < 1, top_k=cfg.top_k,
         suppress_mask=bool(cfg.suppress_mask_token),
         attn_backend=_backend.resolve("branch_attention", None, model.device),
-        cache=cfg.cache, threshold=cfg.threshold, factor=cfg.factor, entropy_threshold=cfg.entropy_threshold,
-        cfg_scale=float(cfg.cfg_scale or 0.0), remasking=cfg.remasking,
+        cache=cfg.cache, rule=next((r for r in RULES if getattr(cfg, r, None) is not None), None),
+        guidance=(cfg.cfg_scale or 0.0) > 0, remasking=cfg.remasking,
         eos_inf=cfg.eos_token_id if cfg.logits_eos_inf else None,
         blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
-        alg_temp=cfg.alg_temp if dream_vanilla else None, n_steps=int(cfg.steps) if dream_vanilla else 0,
+        race=dream_vanilla and bool(cfg.alg_temp), n_steps=int(cfg.steps) if dream_vanilla else 0,
     )  # fmt: skip
 
 
-def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch.Tensor | None = None):
+def step_knobs(cfg) -> dict[str, float | None]:
+    """A request's float knobs, the tables' runtime inputs of its steps (None: off; `init` stores 0.0)."""
+    return {name: getattr(cfg, name, None) for name in KNOBS}
+
+
+def _rule_knobs(geo: StepGeometry, T: dict) -> dict:
+    """The threshold rule as `steps.select_by_rule` takes it: the set rule's tables knob, the others None."""
+    return {r: T[r] if r == geo.rule else None for r in RULES}
+
+
+def _temperature(geo: StepGeometry, T: dict):
+    """The temperature a step computes with: the tables' knob when it samples, else 0.0 (greedy: another graph)."""
+    return T["temperature"] if geo.sampling else 0.0
+
+
+def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch.Tensor | None = None,
+         knobs: dict | None = None):
     """(state, tables) of a request whose canvas is x [L] (prompt + masks); seed: the keyed sampler's (resolved);
-    ts: Dream's timesteps [steps + 1] float32 on x's device (None elsewhere)."""
+    ts: Dream's timesteps [steps + 1] float32 on x's device (None elsewhere); knobs: `step_knobs(cfg)` (None: all
+    off)."""
     dev = x.device
     c = model.config
     z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
@@ -125,6 +147,7 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
           "ck": cache(), "cv": cache()}  # fmt: skip
     T = {"P": z(P), "seed": z(keyed._s64(int(seed) % (1 << 64))),
          "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}  # fmt: skip
+    T.update({name: knob((knobs or {}).get(name), dev) for name in KNOBS})
     return st, T
 
 
@@ -194,10 +217,11 @@ def _finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Ten
     return st, {"logits": logits}
 
 
-def llada_choice(logits: torch.Tensor, geo: StepGeometry, token_keys, remask_keys) -> tuple:
+def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_keys, remask_keys) -> tuple:
     """Vanilla LLaDA's token choice and confidence from the (cfg-mixed) logits [n, V] of n candidate rows, eager
     and compiled alike: (x0 [n], x0_p [n]): the EOS (logits_eos_inf) and mask (suppress_mask_token) ids at
-    -inf, x0 = argmax or the keyed Gumbel-max at T > 0 (token_keys [n]), x0_p = softmax(logits)[x0]
+    -inf, x0 = argmax or the keyed Gumbel-max at T > 0 (temperature: a float, or the tables' 0-d knob; token_keys
+    [n]), x0_p = softmax(logits)[x0]
     (low_confidence) or a keyed uniform (random: remask_keys [n]); blocked ids get confidence -1 (committed
     last, as the reference). Callers run the numerics guard on the logits before this."""
     if geo.eos_inf is not None:
@@ -206,7 +230,7 @@ def llada_choice(logits: torch.Tensor, geo: StepGeometry, token_keys, remask_key
     if geo.suppress_mask:
         logits = logits.clone()
         logits[:, geo.mask_id] = float("-inf")
-    x0 = gumbel_argmax(logits, geo.temperature, keys=token_keys)
+    x0 = gumbel_argmax(logits, temperature, keys=token_keys)
     if geo.remasking == "low_confidence":
         x0_p = torch.softmax(logits, dim=-1).gather(-1, x0[:, None]).squeeze(-1)
     else:
@@ -220,7 +244,6 @@ def llada_choice(logits: torch.Tensor, geo: StepGeometry, token_keys, remask_key
 def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """One threshold step (lopa_fast.decode.threshold's `step` after its forward) of `kind` on bucket `sizes`
     (module docstring); reads and replaces the tensors of st; no host read."""
-    from lopa_fast.decode.steps import threshold_select as select
     from lopa_fast.sampling import threshold_stats
 
     x, s, L, dev = st["x"], st["s"], geo.L, st["x"].device
@@ -244,16 +267,17 @@ def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == geo.mask_id) & valid
     only_first = kind == "refresh_first"  # Dream refresh: the block's first token, unconditionally
-    bad = steps.first_bad_row(logits, valid if only_first else cand, geo.temperature)
+    temperature = _temperature(geo, T)
+    bad = steps.first_bad_row(logits, valid if only_first else cand, temperature)
     fwd = st["fwd"] + 1
-    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
-    x0, conf, ent = threshold_stats(logits, llada=geo.llada, temperature=geo.temperature, top_p=geo.top_p,
-                                    top_k=geo.top_k, suppress_token=geo.mask_id if geo.suppress_mask else None,
-                                    keys=keys)  # fmt: skip
+    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
+    x0, conf, ent = threshold_stats(logits, llada=geo.llada, temperature=temperature,
+                                    top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
+                                    suppress_token=geo.mask_id if geo.suppress_mask else None, keys=keys)  # fmt: skip
     if only_first:
         sel = valid
     else:
-        sel = select(conf, ent, cand, geo)
+        sel = steps.select_by_rule(conf, ent, cand, **_rule_knobs(geo, T))
         nsel = sel.sum()
         st["multi"] = st["multi"] + (nsel >= 2).long()
         st["noop"] = st["noop"] + (nsel == 0).long()
@@ -267,20 +291,21 @@ def llada_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
     Rb, k = sizes
     x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
     pos, valid, raw = _rows(st["fm"], st["e"], Rb, L, False)
-    if geo.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows in one forward
+    if geo.guidance:  # conditional and unconditional (prompt masked) rows in one forward
         un_x = torch.where(torch.arange(L, device=dev) < T["P"], mask_id, x)
         both = _full(model, st, torch.stack([x, un_x]), torch.cat([raw, raw + L]), geo)[0]
         cond, un = both[:Rb], both[Rb:]
-        logits = un + (geo.cfg_scale + 1) * (cond - un)
+        logits = un + scaled(cond - un, T["cfg_scale"] + 1)  # as the eager `(cfg_scale + 1) * (cond - un)`
     else:
         logits = _full(model, st, x[None], raw, geo)[0]
     fwd = st["fwd"] + 1
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == mask_id) & valid
-    bad = steps.first_bad_row(logits, cand, geo.temperature)
-    token_keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
+    temperature = _temperature(geo, T)
+    bad = steps.first_bad_row(logits, cand, temperature)
+    token_keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
     remask_keys = _keys(T, keyed.REMASK, fwd, pos) if geo.remasking == "random" else None
-    x0, x0_p = llada_choice(logits, geo, token_keys, remask_keys)
+    x0, x0_p = llada_choice(logits, geo, temperature, token_keys, remask_keys)
     minus_inf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
     conf = _scatter(minus_inf, pos_c, valid, torch.where(cand, x0_p, float("-inf")))
     sel = torch.topk(conf, k).indices
@@ -302,9 +327,10 @@ def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
     fwd = st["fwd"] + 1
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == mask_id) & valid
-    bad = steps.first_bad_row(logits, cand, geo.temperature)
-    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.temperature > 0 else None
-    kw = dict(temperature=geo.temperature, top_p=geo.top_p, top_k=geo.top_k,
+    temperature = _temperature(geo, T)
+    bad = steps.first_bad_row(logits, cand, temperature)
+    keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
+    kw = dict(temperature=temperature, top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
               suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
     i = st["i"]
     if geo.alg == "origin":
@@ -324,11 +350,11 @@ def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
         if n > 0:
             masks = torch.full((L,), mask_id, dtype=x.dtype, device=dev)
             x0_full = _scatter(masks, pos_c, valid, torch.where(cand, x0, mask_id))
-            if geo.alg_temp is None or geo.alg_temp == 0:
+            if not geo.race:
                 sel = torch.topk(full_conf, n).indices
                 x = x.index_copy(0, sel, x0_full.index_select(0, sel))
             else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
-                race = keyed.top_n_race(torch.softmax(full_conf / geo.alg_temp, -1), n,
+                race = keyed.top_n_race(torch.softmax(divided(full_conf, T["alg_temp"]), -1), n,
                                         _keys(T, keyed.ORDER, fwd, torch.arange(L, device=dev)))  # fmt: skip
                 x = torch.where(race, x0_full, x)
         st["transferred"] = st["transferred"] + n

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lopa_fast import ops
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.models.transformer import rms_norm
+from lopa_fast.sampling import is_on
 
 
 class StepForward:
@@ -132,12 +133,12 @@ def raw_rows(lo: int, hi: int, win_start: int, shift: bool, device) -> torch.Ten
     return (r - 1).clamp(min=0) if shift else r
 
 
-def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature: float) -> torch.Tensor:
+def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature) -> torch.Tensor:
     """0-d long: the first row r with read[r] whose logits [n, V] hold NaN / inf (or overflow when divided
-    by the temperature, T > 0), else -1. No host read."""
+    by the temperature, T > 0: a float, or a 0-d tensor knob, `sampling.is_on`), else -1. No host read."""
     x = logits.float()
     ok = torch.isfinite(x).all(-1)
-    if temperature > 0:
+    if is_on(temperature):
         ok = ok & torch.isfinite(x / temperature).all(-1)
     bad = read & ~ok
     idx = torch.arange(bad.numel(), device=bad.device)
@@ -178,23 +179,33 @@ def threshold_select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, 
     adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
     conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
     `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
-    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
+    every candidate when there is none or b is the last rank (upstream's edge case), in float64.
+    cfg: a GenerateConfig (its three rule knobs; `select_by_rule` takes them as values)."""
+    return select_by_rule(conf, ent, cand, cfg.factor, cfg.entropy_threshold, cfg.threshold)
+
+
+def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
+                   threshold=None) -> torch.Tensor:
+    """`threshold_select` with the rule knobs as values: floats, or 0-d float64 tensors (a compiled step's runtime
+    inputs, lopa_fast.decode.static_steps); the formulas round a tensor exactly as they round a float."""
     any_c = cand.any()
     idx = torch.arange(cand.numel(), device=cand.device)
-    if cfg.factor is not None:
+    if factor is not None:
         c = torch.where(cand, conf, float("-inf"))
         rank = rank_desc(c)
         desc = torch.sort(c, descending=True, stable=True).values.double()
         n = cand.sum()
-        th = torch.where(idx == 0, -1.0, 1 - cfg.factor / (idx + 2).double())
+        # (idx + 2).reciprocal() * f: what `f / tensor` computes for a Python float f (Tensor.__rtruediv__), written
+        # out so that a tensor f (a true division otherwise) rounds the same
+        th = torch.where(idx == 0, -1.0, 1 - (idx + 2).double().reciprocal() * factor)
         viol = (desc < th) & (idx < n)
         b = torch.where(viol.any(), viol.long().argmax(), n)
         count = torch.where(b < n - 1, b, n)
         return cand & (rank < count)
-    if cfg.entropy_threshold is not None:
+    if entropy_threshold is not None:
         first = idx == torch.where(cand, ent, float("inf")).argmin()
-        keep = cand & ~(ent > cfg.entropy_threshold)
+        keep = cand & ~(ent > entropy_threshold)
     else:
         first = idx == torch.where(cand, conf, float("-inf")).argmax()
-        keep = cand & ~(conf < cfg.threshold)
+        keep = cand & ~(conf < threshold)
     return (keep | (first & cand)) & any_c

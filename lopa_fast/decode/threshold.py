@@ -72,7 +72,8 @@ class ThresholdDriver:
         if cache is None and compile_wanted(cfg, dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.geo = static_steps.geometry(model, cfg, self.L)
-            self.cst, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed)
+            self.cst, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed,
+                                                 knobs=static_steps.step_knobs(cfg))
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's prefix cache: a batch's pool slot views (re-pointed when the pool grows)."""

@@ -96,7 +96,8 @@ class VanillaDriver:
         if cache is None and compile_wanted(cfg, self.dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
             ts = None if self.llada else self.timesteps
-            self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts)
+            self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts,
+                                                static_steps.step_knobs(cfg))
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's (unused) cache rows: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -166,7 +167,8 @@ class VanillaDriver:
         cand = x[lo:e] == self.mask_id
         self._bad = steps.first_bad_row(logits, cand, cfg.temperature)  # before the deliberate -inf below
         self._logits = logits
-        x0, x0_p = llada_choice(logits, self.geo, self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
+        x0, x0_p = llada_choice(logits, self.geo, cfg.temperature,
+                                self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
                                 self.keys(keyed.REMASK, rows) if cfg.remasking == "random" else None)
         # full-length rows, so torch.topk sees the reference's vector (its order among exact ties)
         conf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)

@@ -42,8 +42,9 @@ NOT_SERVED = {
     "return_trace": "the server returns no traces",
     "distributed": "the server runs one process (branch parallelism is set up per process group)",
 }
-# knobs only the operator sets (serve's flags), never a request: a client choosing `compile` could make the server
-# compile a bucket per float-knob value (25-100 s of Inductor each on CPU, behind the one-at-a-time lock)
+# knobs only the operator sets (serve's flags), never a request: a client choosing `compile` would choose the server's
+# compile cost (25-100 s of Inductor per new graph on CPU, behind the one-at-a-time lock); float knobs are runtime
+# inputs of the compiled steps, so only new shapes or structural knobs add graphs (docs/serve.md)
 OPERATOR_ONLY = {
     "compile": "an operator setting: `serve --compile` (captured / compiled buckets are the server's, not a request's)",
 }
