@@ -80,6 +80,28 @@ def test_complementary_masks_cover_the_segment_exactly():
     assert abs(big.float().mean().item() - 0.5005) < 0.02  # p = (1 - 1e-3) 0.5 + 1e-3
 
 
+def test_semiar_masks_clean_blocks_then_one_active_block_then_masks():
+    """Spec 4.3's LLaDA variant, checked per row against its definition: a prefix of whole clean blocks, one active
+    block split between the two views, everything after it masked in both; every j in [0, R // B] is drawn."""
+    B, R, n = 8, 24, 40
+    plens = torch.tensor([3, 5, 4] * 40)
+    lens = plens + R
+    m, c = cf.semiar_masks(plens, lens, n, torch.Generator().manual_seed(0), block=B)
+    seen = set()
+    for r in range(len(plens)):
+        P, L = int(plens[r]), int(lens[r])
+        both, either = (m[r] & c[r]).nonzero().flatten().tolist(), (m[r] | c[r]).nonzero().flatten().tolist()
+        assert not (m[r, :P] | c[r, :P]).any() and not (m[r, L:] | c[r, L:]).any()
+        first = either[0] if either else L  # the active block's start: a block boundary after the prompt
+        j = (first - P) // B
+        assert (first - P) % B == 0 or not either
+        hi = min(P + (j + 1) * B, L)
+        assert both == list(range(hi, L))  # the suffix is masked in both views
+        assert either == list(range(P + j * B, L))  # the active block is split: each position in exactly one view
+        seen.add(j)  # j = R // B (B divides R): no active position, the row only reads (upstream's draw)
+    assert seen == set(range(R // B + 1))
+
+
 def test_trajectories_keep_only_correct_answers(monkeypatch):
     problems = tasks.generate_task("arith-var", "train", 6, seed=1)
 

@@ -10,9 +10,13 @@ model on the embedded tasks.
    row; `greedy.greedy_fill(alg="entropy")`, batched). Only answers whose final answer is right are kept
    (dParallel filters its LLaDA / Dream self-generated data the same way). Every target token is the teacher's
    own: self-distillation, no reference solutions. They are written to OUT/trajectories.pt (reused on resume).
-2. Views (spec 4.3, the Dream variant: no block structure). The active segment is the whole response (the
-   gen_len region: the answer, EOS, EOS padding). Each position is masked independently with
+2. Views (spec 4.3). `--views dream` (default; the Dream variant: no block structure): the active segment is the
+   whole response (the gen_len region: the answer, EOS, EOS padding). Each position is masked independently with
    p = (1 - 1e-3) * 0.5 + 1e-3; the complementary view masks exactly the other positions of the segment.
+   `--views semiar --view-block B` (the LLaDA variant, the states of block-wise decoding): per example
+   j ~ UniformInt[0, gen_len // B]; the first j response blocks are clean, the active segment is block j (masked
+   at p, its complement inverted), every position after it is MASK in both views (and in the loss's M and M').
+   As upstream, j = gen_len / B (B dividing gen_len) leaves no active position: that example only reads.
 3. Loss, per example and then averaged over the batch (upstream runs one example per device and accumulates):
        CE  = mean over the masked positions M of CE(logits_i, y_i);  CE' the same over the complement M'
        H   = mean over {i in M : argmax logits_i = y_i} of the entropy of softmax(logits_i / 0.5); H' likewise
@@ -52,8 +56,9 @@ DEFAULTS = dict(
     traj_batch=64,
     batch=16, steps=600, lr=1e-4, min_lr_frac=0.1, warmup=30, weight_decay=0.01, lam=1.0, temperature=0.5,
     mask_t=0.5, seed=0, eval_every=200, eval_n=32, entropy_threshold=0.45, eval_block=8, threads=1,
-    ckpt_every=50, stop_at=0,
+    ckpt_every=50, stop_at=0, views="dream", view_block=8,
 )
+VIEWS = ("dream", "semiar")  # spec 4.3's two masking variants (Dream: the whole response; LLaDA: semi-AR blocks)
 
 
 @dataclass
@@ -120,6 +125,26 @@ def complementary_masks(prompt_lens: torch.Tensor, lens: torch.Tensor, n: int, g
     return draw & segment, ~draw & segment
 
 
+def semiar_masks(prompt_lens: torch.Tensor, lens: torch.Tensor, n: int, g: torch.Generator, t: float = 0.5,
+                 block: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, complement) bool [B, n] of spec 4.3's LLaDA variant: per row j ~ UniformInt[0, R // block] with R =
+    lens - P the response length; positions [P, P + j block) clean, the active block [P + j block, P + (j + 1)
+    block) (to lens when it is the last) masked with p = (1 - 1e-3) t + 1e-3 in `mask` and exactly the others in
+    `complement`, every position in [P + (j + 1) block, lens) masked in both."""
+    B = len(prompt_lens)
+    R = lens - prompt_lens
+    jb = (torch.rand(B, generator=g) * (R // block + 1)).long().clamp(max=R // block) * block  # [B] j * block
+    lo = prompt_lens + jb
+    last = lo + block >= lens
+    hi = torch.where(last, lens, lo + block)  # [B] end of the active segment
+    pos = torch.arange(n)[None, :]
+    active = (pos >= lo[:, None]) & (pos < hi[:, None])
+    suffix = (pos >= hi[:, None]) & (pos < lens[:, None])
+    p = (1 - MASK_EPS) * t + MASK_EPS
+    draw = torch.rand(B, n, generator=g) < p
+    return (draw & active) | suffix, (~draw & active) | suffix
+
+
 def view_terms(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, temperature: float = 0.5):
     """Per-example (CE, H) of one view: logits [B, n, V] (raw, position j - 1 predicts j), targets [B, n],
     masked [B, n] bool (position 0 is never masked). CE: mean cross-entropy over the masked positions; H: mean
@@ -138,10 +163,15 @@ def view_terms(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor
 
 
 def certainty_forcing_loss(model, ids, prompt_lens, lens, g: torch.Generator, lam: float = 1.0,
-                           temperature: float = 0.5, t: float = 0.5) -> tuple[torch.Tensor, dict]:
+                           temperature: float = 0.5, t: float = 0.5, views: str = "dream",
+                           view_block: int = 8) -> tuple[torch.Tensor, dict]:
     """L = CE + CE' + lam * (H + H') averaged over the batch, with the parts (floats) for the log. Two forwards:
-    the masked view and its complement (full attention, keys up to `lens`)."""
-    mask, comp = complementary_masks(prompt_lens, lens, ids.shape[1], g, t)
+    the masked view and its complement (full attention, keys up to `lens`); views: "dream" (complementary_masks)
+    or "semiar" (semiar_masks with view_block)."""
+    if views == "semiar":
+        mask, comp = semiar_masks(prompt_lens, lens, ids.shape[1], g, t, view_block)
+    else:
+        mask, comp = complementary_masks(prompt_lens, lens, ids.shape[1], g, t)
     parts, total = {}, 0.0
     for tag, m in (("", mask), ("'", comp)):
         noisy = torch.where(m, torch.full_like(ids, tasks.MASK_ID), ids)
@@ -196,7 +226,9 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
 
     a = run.options(DEFAULTS, overrides)
     tasks.check_task(a["task"])
-    for k in ("n_problems", "traj_batch", "batch", "steps", "eval_n", "eval_block"):
+    if a["views"] not in VIEWS:
+        raise ValueError(f"certainty forcing: views={a['views']!r}; allowed: {', '.join(VIEWS)}")
+    for k in ("n_problems", "traj_batch", "batch", "steps", "eval_n", "eval_block", "view_block"):
         if isinstance(a[k], bool) or not isinstance(a[k], int) or a[k] < 1:
             raise ValueError(f"certainty forcing: {k}={a[k]!r}; expected an int >= 1")
     if not 0 < a["mask_t"] < 1 or a["temperature"] <= 0 or a["lam"] < 0:
@@ -270,7 +302,8 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
         index = torch.randint(traj.kept, (a["batch"],), generator=g).tolist()
         ids, plens, lens = batch_of(traj, index)
         lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
-        loss, parts = certainty_forcing_loss(model, ids, plens, lens, g, a["lam"], a["temperature"], a["mask_t"])
+        loss, parts = certainty_forcing_loss(model, ids, plens, lens, g, a["lam"], a["temperature"], a["mask_t"],
+                                             a["views"], a["view_block"])
         v = run.optimizer_step(model, opt, loss, lr)
         done = step == last_step - 1
         if step % 25 == 0 or done:
