@@ -26,6 +26,7 @@ from collections import deque
 import torch
 
 from lopa_fast import strategies
+from lopa_fast.decode import compiled_batch
 from lopa_fast.decode.shapes import LENGTH_QUANTUM
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
@@ -34,10 +35,13 @@ from lopa_fast.output import GenerateOutput
 
 
 def batchable(cfg) -> bool:
-    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's), eager
-    (compile=True runs requests one at a time), one process."""
+    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's) whose
+    steps of this config batch (`batches`), one process, and with compile=True a driver that runs compiled batched
+    steps (`compile_batches`; otherwise compiled requests run one at a time)."""
     spec = strategies.get(cfg.strategy)
-    return spec.driver is not None and spec.batches(cfg) and cfg.compile is not True and not cfg.distributed
+    if spec.driver is None or not spec.batches(cfg) or cfg.distributed:
+        return False
+    return cfg.compile is not True or spec.compile_batches
 
 
 class Scheduler:
@@ -71,6 +75,7 @@ class Scheduler:
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
+        self.last_groups = 0  # forwards of the last step (the eager one, one per compiled step key)
         self._next_id = 0
 
     @property
@@ -160,14 +165,28 @@ class Scheduler:
         self.last_batch = len(plan)
         if not plan:
             return finished
+        eager, groups = [], {}  # compiled steps grouped by key: one batched graph each (compiled_batch)
+        for item in plan:
+            step = item[1].batch_step(*item[2]) if self.spec.compile_batches else None
+            if step is None:
+                eager.append(item)
+            else:
+                groups.setdefault(step.key, []).append((item[1], step))
         with round_scope():
-            ws = [dec.prepare(*b) for _, dec, b in plan]
-            parts = [dict(dec.forward_args(w), slot=self.slot_of[rid]) for (rid, dec, _), w in zip(plan, ws)]
-            outs = self.model.forward_requests(parts, plan[0][1].mode, plan[0][1].attn_backend,
-                                               pool=(self.pool.k, self.pool.v))  # fmt: skip
-            for (_, dec, _), w, (logits, k_win, v_win) in zip(plan, ws, outs):
-                dec.finish(w, logits, k_win, v_win)
-                dec.read_head()
+            if eager:
+                ws = [dec.prepare(*b) for _, dec, b in eager]
+                parts = [dict(dec.forward_args(w), slot=self.slot_of[rid]) for (rid, dec, _), w in zip(eager, ws)]
+                outs = self.model.forward_requests(parts, eager[0][1].mode, eager[0][1].attn_backend,
+                                                   pool=(self.pool.k, self.pool.v))  # fmt: skip
+                for (_, dec, _), w, (logits, k_win, v_win) in zip(eager, ws, outs):
+                    dec.finish(w, logits, k_win, v_win)
+                    dec.read_head()
+            for members in groups.values():
+                outs = compiled_batch.run([st for _, st in members], self.model)
+                for (dec, _), (st, info) in zip(members, outs):
+                    dec.take(st, info)
+                    dec.read_head()
+            self.last_groups = len(groups) + bool(eager)
         for rid, dec, _ in plan:
             try:
                 dec.after_round()
