@@ -15,8 +15,17 @@ request leaves the batch (its rows are not computed again).
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
 of branch slots) stay within `max_rows` and the live requests within `max_slots`; admission never changes a
-running request's tokens (each request's computation is independent of its neighbours). Eager rounds only
-(compile=True runs requests one at a time).
+running request's tokens (each request's computation is independent of its neighbours).
+
+Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
+`compile_batches` (vanilla, threshold without the dual cache, d2f, lopa): each round the scheduler asks every live
+driver for its step as a `BatchStep` (`batch_step`; None: an eager step, e.g. d2f / lopa's prefill round), groups
+the compiled ones by their step key (geometry, bucket, statistics knobs) and runs each group as ONE compiled /
+captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two batch-size bucket with inert lanes,
+one graph per (key, batch bucket), reused across rounds and requests); the eager ones share one forward as above.
+So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
+lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
+token- and forward-exact with its solo eager run (tests/test_compiled_batch.py). APD has no driver: one at a time.
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
@@ -280,7 +289,8 @@ class BatchEngine:
 
     @staticmethod
     def covers(cfg) -> bool:
-        """Whether a bound config can join a batch (`batchable`: a strategy with a driver, eager, one process)."""
+        """Whether a bound config can join a batch (`batchable`: a strategy with a driver, one process, compiled only
+        with `compile_batches`)."""
         return batchable(cfg)
 
     def generate(self, prompt, cfg, on_round=None) -> GenerateOutput:

@@ -11,10 +11,12 @@ A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the sta
   static per bucket, so every bucket compiles exactly once.
 
 Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
-nothing. A workspace serves one request at a time (requests of one model run one after another). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
+nothing. A workspace serves one request at a time (a batch's requests use compiled_batch's lanes instead). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
 The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
 The same machinery (`_run`) serves the APD step (`apd_step`) and the vanilla / threshold steps (`steps_step`:
 lopa_fast.decode.static_steps, buckets (kind, *sizes), every step compiled, no prefill).
+Batched steps (many requests' steps of one key as one graph per batch-size bucket) use the same LRUs, counters and
+`capture`: lopa_fast.decode.compiled_batch.
 Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
 """
 from __future__ import annotations
