@@ -248,3 +248,33 @@ def test_compile_layer_imports_no_strategy():
         bad = {m for m in imported if any(m == s or m.startswith(s + ".") for s in strategy_modules)}
         assert not bad, (name, bad)
         assert len(imported) >= 3, imported  # the walk saw its imports
+
+
+def test_server_compile_batches_through_the_engine(captured):
+    """`serve --compile` (the operator's compile in the server's defaults): a request is decoded by the batch engine
+    as compiled batched steps (captured, emulated here), with the answer of `generate` alone."""
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.assets import model_dir
+    from lopa_fast.server.app import create_app
+    from lopa_fast.server.worker import Worker
+
+    model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
+    tok = lopa_fast.load_tokenizer(model_dir())
+    rounds(model)
+    worker = Worker(model, tok, concurrency=2)
+    prompt = "Lily has 3 apples ."
+    try:
+        with TestClient(create_app(worker, model_id="m", defaults={"max_new_tokens": 8, "compile": True})) as http:
+            # vanilla (4 steps): every step compiled (a d2f / lopa answer here ends in its eager prefill round)
+            body = {"model": "m", "prompt": prompt, "strategy": "vanilla", "steps": 4, "alg": "entropy"}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            st = r.json()["stats"]
+        assert st["batched"] is True and any(b[-1] == "x1" for b in st["compiled_buckets"]), st
+        assert worker.engine.rounds > 0
+        want = lopa_fast.generate(model, tok(prompt)["input_ids"], "vanilla", max_new_tokens=8, steps=4, alg="entropy")
+        assert r.json()["usage"]["forwards"] == want.stats["forwards"]
+        assert r.json()["choices"][0]["text"] == tok.decode(want.generated_ids, skip_special_tokens=True)
+    finally:
+        worker.close()
