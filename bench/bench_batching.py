@@ -1,7 +1,8 @@
 """Batched generate vs B sequential single-prompt runs (CPU, one thread), side by side in one run.
 
-For batch sizes B in {1, 2, 4, 8, 16}, D2F (k = 1) and LoPA k = 4, on the embedded `d2f-arith` model and on a
-~60M-parameter Dream-shaped random model (12 layers, hidden 576, GQA 9/3, vocab 4096; 32 new tokens, capped
+For batch sizes B in {1, 2, 4, 8, 16}, D2F (k = 1) and LoPA k = 4 (and B in {1, 2, 4, 8} for vanilla, threshold
+and APD, whose verifier is the shipped `ar-arith` / a random 4-layer qwen2), on the embedded `d2f-arith` model and
+on a ~60M-parameter Dream-shaped random model (12 layers, hidden 576, GQA 9/3, vocab 4096; 32 new tokens, capped
 at max_rounds so a point takes seconds): the same B prompts decoded by `generate(model, [ids...])` (one
 forward per round for every live request) and by B calls of `generate(model, ids)`; both give the same tokens
 (asserted). Throughput = generated tokens / wall seconds; latency = the mean per-request wall time (batched:
@@ -91,7 +92,25 @@ def test_batching(benchmark, name, k, B):
 STEP_STRATEGIES = {  # the strategies whose steps batch since the driver protocol (issue 25): 32 new tokens
     "vanilla": dict(steps=16, alg="entropy"),
     "threshold": dict(block_length=8, threshold=0.9, cache="prefix"),
+    # two forwards per step (the drafter's, then the verifier's over the drafts), each one call for the batch
+    "apd": dict(apd_mixture_weight=0.7, kv_window=16, max_lookahead=16),
 }
+_verifiers: dict = {}
+
+
+def verifier(name: str):
+    """APD's verifier for the model `name`: the shipped causal `ar-arith` for d2f-arith (its tokenizer), a random
+    causal qwen2 model (4 layers, hidden 256) over the same 4096 ids for dream-60m."""
+    if name not in _verifiers:
+        if name == "d2f-arith":
+            from lopa_fast.tasks.evaluate import load_verifier
+
+            _verifiers[name] = load_verifier()
+        else:
+            cfg = tiny_hf_config("qwen2", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=768)  # fmt: skip
+            _verifiers[name] = random_model(cfg, seed=1, sharpen=4)
+    return _verifiers[name]
 
 
 @pytest.mark.bench
@@ -99,11 +118,14 @@ STEP_STRATEGIES = {  # the strategies whose steps batch since the driver protoco
 @pytest.mark.parametrize("strategy", sorted(STEP_STRATEGIES))
 @pytest.mark.parametrize("name", ["d2f-arith", "dream-60m"])
 def test_batching_steps(benchmark, name, strategy, B):
-    """Vanilla / threshold: B prompts batched (one forward per step for all) vs B sequential runs, same tokens."""
+    """Vanilla / threshold / apd: B prompts batched (one forward per step for all; apd: one drafter and one verifier
+    forward) vs B sequential runs, same tokens."""
     torch.set_num_threads(1)
     m = model(name)
     ps = prompts(m, B)
     kw = dict(STEP_STRATEGIES[strategy], max_new_tokens=32)
+    if lopa_fast.strategies.get(strategy).takes_verifier:
+        kw["verifier"] = verifier(name)
     times = {"batched": [], "sequential": []}
     outs = {}
 

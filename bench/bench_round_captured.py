@@ -11,7 +11,8 @@ Stages (each writes $OUT/<stage>.json and prints a short table):
   token-exact (reported as mismatching runs); bf16 reports the token agreement rate (the GPU confidence kernel
   is not bitwise).
 * batch: batched generate (one forward per round for B requests, lopa_fast.decode.batch, eager) vs B sequential
-  runs on the same Dream-7B-shaped model, D2F and LoPA k = 4, B = 1, 2, 4, 8, 16, prefix 1024, 4 rounds each:
+  runs on the same Dream-7B-shaped model, D2F and LoPA k = 4, B = 1, 2, 4, 8, 16, prefix 1024, 4 rounds each (and
+  vanilla, threshold and APD, whose verifier is a Qwen2.5-0.5B-shaped random model, at B = 1 and 16):
   request-rounds per second (the issue-15 GPU entry); the tokens of both paths are compared. On the GPU the batch
   also runs with its attention per request (B launches per layer instead of the pooled one: `per-req` column,
   tokens compared too), which measures what the KV pool's single pooled attention call buys (on the CPU both paths
@@ -175,12 +176,14 @@ def stage_batch(dry: bool) -> dict:
     if dry:
         dev = torch.device("cpu")
         model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+        verifier = random_model(tiny_hf_config("qwen2", vocab_size=64, num_kv_heads=2), seed=1, sharpen=6)
         window, prefix, batches, ks = 8, 16, (1, 2), (1, 4)
     else:
-        from bench.bench_round_gpu import dream7b_random
+        from bench.bench_round_gpu import QWEN05B, dream7b_random
 
         dev = torch.device("cuda")
         model = dream7b_random()
+        verifier = dream7b_random(QWEN05B)  # APD's: a Qwen2.5-0.5B-shaped causal model
         window, prefix, batches, ks = WINDOW, PREFIX, (1, 2, 4, 8, 16), (1, 4)
     V = model.config.vocab_size
     g = torch.Generator(device=dev).manual_seed(2)
@@ -210,11 +213,14 @@ def stage_batch(dry: bool) -> dict:
                            per_request_same_tokens=all(a.generated_ids == b.generated_ids for a, b in zip(outs, loop)))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    # the strategies whose steps batch through their drivers (issue 25): 32 new tokens, a few B
+    # the strategies whose steps batch through their drivers (issue 25): 32 new tokens, a few B; apd's step is two
+    # batched forwards (the 7B drafter's window, then the 0.5B verifier over the drafts)
     steps_kw = {"vanilla": dict(max_new_tokens=32, steps=8, alg="entropy"),
-                "threshold": dict(max_new_tokens=32, block_length=8, threshold=0.9, cache="prefix", max_rounds=8)}
+                "threshold": dict(max_new_tokens=32, block_length=8, threshold=0.9, cache="prefix", max_rounds=8),
+                "apd": dict(max_new_tokens=32, apd_mixture_weight=0.7, kv_window=16, max_lookahead=16, max_rounds=8,
+                            verifier=verifier)}  # fmt: skip
     for strategy, skw in steps_kw.items():
-        for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 55 s
+        for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 65 s
             _, row = _batched_vs_sequential(model, prompts[:B], strategy, skw, dev, strategy)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -241,7 +247,7 @@ def table(results: dict) -> str:
         lines.append(f"batched generate ({b['device']}): request-rounds per second, batched vs sequential")
         lines.append(f"{'k':>9} {'B':>3} {'batched':>9} {'sequential':>10} {'speed-up':>8} {'same tokens':>11} "
                      f"{'per-req':>8} {'same':>5}")
-        for x in b["rows"]:  # k: LoPA's branching factor, or the name of a step strategy (vanilla, threshold)
+        for x in b["rows"]:  # k: LoPA's branching factor, or the name of a step strategy (vanilla, threshold, apd)
             lines.append(f"{x['k']:>9} {x['B']:>3} {x['batched_rounds_per_s']:>9.1f} {x['sequential_rounds_per_s']:>10.1f} "
                          f"{x['batched_rounds_per_s'] / x['sequential_rounds_per_s']:>8.2f} {str(x['same_tokens']):>11} "
                          f"{x.get('per_request_rounds_per_s', float('nan')):>8.1f} "

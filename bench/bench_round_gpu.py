@@ -35,6 +35,9 @@ from lopa_fast.testing import tiny_hf_config
 
 DREAM7B = dict(kind="dream", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                num_heads=28, num_kv_heads=4, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+# APD's verifier beside it: Qwen2.5-0.5B's shape (causal qwen2), over the drafter's vocabulary (a prefix of it)
+QWEN05B = dict(kind="qwen2", vocab_size=152064, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+               num_kv_heads=2, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
 KS = (1, 2, 4, 8)
 PREFIXES = (512, 1024)
 WINDOW = 32
@@ -49,9 +52,10 @@ def floor_ms(T: int, prefix: int) -> float:
     return 1e3 * max(t_mem, t_comp)
 
 
-def dream7b_random():
-    """Random bf16 weights built directly on the GPU (no 30 GB fp32 detour through the CPU)."""
-    cfg = parse_config(tiny_hf_config(**DREAM7B))
+def dream7b_random(shape: dict = DREAM7B):
+    """Random bf16 weights built directly on the GPU (no 30 GB fp32 detour through the CPU); shape: the
+    tiny_hf_config arguments (default Dream-7B's; QWEN05B: APD's verifier)."""
+    cfg = parse_config(tiny_hf_config(**shape))
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -4,7 +4,8 @@
 #      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round);
 #   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate);
 #      then batched generate vs sequential (request-rounds per second, B = 1..16 for d2f / LoPA, B = 1 and 16 for
-#      vanilla and threshold, whose steps batch through their drivers: bench_round_captured --stage batch);
+#      vanilla, threshold and APD (a 0.5B-shaped verifier), whose steps batch through their drivers:
+#      bench_round_captured --stage batch; 65 s, 10 s of them from the tiny-model parity stage's cap);
 #   3. the `gpu` tests (device cache_len under CUDA-graph capture included) and the kernel microbenchmarks.
 # Every stage runs under its own `timeout`, so one hang cannot eat the budget (total <= 8 minutes on one H200).
 # Full logs and JSON to $OUT, a short table last on stdout. Run from the repo root: bash bench/gpu_check.sh
@@ -26,8 +27,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
 
 # --- 1. round latency first (the headline numbers), 2. compile=True token parity
 step round_captured 140 python bench/bench_round_captured.py --stage round --out "$OUT"
-step parity_compiled 60 python bench/bench_round_captured.py --stage parity --out "$OUT"
-step batch 55 python bench/bench_round_captured.py --stage batch --out "$OUT"
+step parity_compiled 50 python bench/bench_round_captured.py --stage parity --out "$OUT"
+step batch 65 python bench/bench_round_captured.py --stage batch --out "$OUT"
 
 # --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks, then benchmarks
 step cuda_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_select_round.py \

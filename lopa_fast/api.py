@@ -230,8 +230,8 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     model:      a DecoderLM from `lopa_fast.load_model` (Dream / D2F / DiffuCoder / LLaDA family).
     input_ids:  LongTensor [P] or [1, P] on the model's device, or list[int]; or a list of such prompts (any
                 lengths): then a list of GenerateOutput, one per prompt, each equal to decoding it alone
-                (every strategy whose spec has a batch driver, on the fast backend: vanilla, threshold without the
-                dual cache, d2f, lopa, share one forward per round / step: `generate_batch`).
+                (every strategy whose spec has a batch driver, on the fast backend: vanilla, threshold, d2f, lopa,
+                apd, share one forward per round / step: `generate_batch`).
     strategy:   "vanilla" | "threshold" | "d2f" | "lopa" | "apd" (docs/decoding.md describes each and its knobs).
     backend:    "auto" (the default: the fast backend wherever it covers the request, else the reference with
                 a RuntimeWarning naming the knob, e.g. sampler="upstream" at T > 0) | "fast" (raises where it
@@ -315,10 +315,7 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
         return generate_batch(model, list(input_ids), cfg, verifier, on_round)
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
     spec = strategies.get(cfg.strategy)
-    if verifier is not None and not spec.takes_verifier:
-        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
-        raise ValueError(f"verifier= applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
-                         f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
+    check_verifier_taken(cfg, verifier)
     ids = prepare_prompt(model, input_ids)
     cfg, length = cfg.plan_length(model, ids.numel())  # max_new_tokens -> the whole-block length decoded
     cfg = cfg.resolve(model)
@@ -326,19 +323,13 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
     fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None, model=model)
-    if spec.takes_verifier:  # the pair is checked before any forward; the verifier travels beside the config
-        spec.load("check_models")(model, verifier, cfg)
-        if verifier is not None and verifier.config.max_position_embeddings < ids.numel() + cfg.max_new_tokens:
-            raise ValueError(
-                f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
-                f"max_position_embeddings={verifier.config.max_position_embeddings}"
-            )
+    check_pair(model, verifier, ids, cfg)
     extra = {"verifier": verifier} if spec.takes_verifier else {}
     if on_round is not None:
         extra["on_round"] = on_round
     with torch.inference_mode(), threads.scoped(model):  # small CPU models: one thread for the call (threads.py)
         if engine is not None and ran == "fast" and engine.covers(cfg):
-            out = engine.generate(ids, cfg, on_round)
+            out = engine.generate(ids, cfg, on_round, verifier)
             out.stats["batched"] = True
         else:
             out = fn(model, ids, cfg, **extra)
@@ -347,6 +338,28 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if fallback is not None:
         out.stats["fallback"] = fallback
     return cut_to_length(out, length, cfg)
+
+
+def check_verifier_taken(cfg: GenerateConfig, verifier) -> None:
+    """Refuse verifier= for a strategy that takes none (naming those that do)."""
+    if verifier is not None and not strategies.get(cfg.strategy).takes_verifier:
+        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
+        raise ValueError(f"verifier= applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
+                         f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
+
+
+def check_pair(model, verifier, ids: torch.Tensor, cfg: GenerateConfig) -> None:
+    """A strategy that takes a verifier: the (model, verifier) pair checked before any forward (its spec's
+    check_models), and the prompt + generation within the verifier's positions. ids: the prompt [P]."""
+    spec = strategies.get(cfg.strategy)
+    if not spec.takes_verifier:
+        return
+    spec.load("check_models")(model, verifier, cfg)
+    if verifier is not None and verifier.config.max_position_embeddings < ids.numel() + cfg.max_new_tokens:
+        raise ValueError(
+            f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
+            f"max_position_embeddings={verifier.config.max_position_embeddings}"
+        )
 
 
 def is_batch(input_ids) -> bool:
@@ -358,16 +371,18 @@ def is_batch(input_ids) -> bool:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold without the dual cache, d2f,
-    lopa) on the fast backend runs every live request's windows in ONE forward per round / step
-    (lopa_fast.decode.batch; with compile=True one compiled / captured batched step per step key:
-    lopa_fast.decode.compiled_batch); apd, the reference backend and distributed=True decode the prompts one after
-    another. on_round: one hook for all prompts or a list (one
+    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold, d2f, lopa, apd) on the fast
+    backend runs every live request's windows in ONE forward per round / step (apd: one drafter forward, then one
+    verifier forward; lopa_fast.decode.batch; with compile=True one compiled / captured batched step per step key:
+    lopa_fast.decode.compiled_batch, for vanilla, threshold without the dual cache, d2f, lopa); the reference
+    backend, distributed=True and compile=True requests of the others decode the prompts one after another.
+    on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
     if len(hooks) != len(prompts):
         raise ValueError(f"on_round: {len(hooks)} hooks for {len(prompts)} prompts; give one hook or one per prompt")
     cfg.validate()
+    check_verifier_taken(cfg, verifier)
     preps = []
     for i, p in enumerate(prompts):
         try:
@@ -375,6 +390,7 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
             c, length = cfg.plan_length(model, ids.numel())
             c = c.resolve(model)
             check_prompt(model, ids, c)
+            check_pair(model, verifier, ids, c)
         except (ValueError, TypeError) as e:  # say which prompt (the error keeps its type and fields)
             e.args = (f"prompt {i} of {len(prompts)}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
             raise
@@ -386,7 +402,8 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
     if not batched:
         return [generate_with_config(model, p, cfg, verifier, h) for p, h in zip(prompts, hooks)]
     with torch.inference_mode(), threads.scoped(model):
-        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], on_round=hooks)
+        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], on_round=hooks,
+                         verifier=verifier)  # fmt: skip
     results = []
     for out, (_, c, length) in zip(outs, preps):
         out.stats.setdefault("strategy", c.strategy)

@@ -1,9 +1,11 @@
 """Batched generate (lopa_fast.decode.batch): several requests' branch windows in one forward per round, each
 request token-, forward- and stats-exact with running it alone (fp32, CPU), on the C++ round (the CPU default)
-and on the torch round; the scheduler admitting requests mid-flight and capping rows."""
+and on the torch round; the scheduler admitting requests mid-flight and capping rows; APD's two-forward steps
+(one drafter forward, then one verifier forward, for every live request)."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -243,11 +245,13 @@ def test_batched_vanilla_stop_and_hooks(model):
     assert outs[0].stats["finish_reason"] == "stop"
 
 
-THRESHOLD = [  # (family, knobs): the three rules, both caches that batch, Dream's refresh_first, keyed T > 0
+THRESHOLD = [  # (family, knobs): the three rules, every cache mode, Dream's refresh_first, keyed T > 0
     ("llada", dict(block_length=8, threshold=0.5)),
     ("llada", dict(block_length=8, factor=1.0, cache="prefix")),
     ("dream", dict(block_length=4, entropy_threshold=0.6, cache="prefix", count_noop_forward=True)),
     ("dream", dict(block_length=8, threshold=0.7, temperature=0.6, seed=2)),
+    ("llada", dict(block_length=4, threshold=0.6, cache="dual")),
+    ("dream", dict(block_length=4, factor=1.0, cache="dual", count_noop_forward=True, temperature=0.5, seed=4)),
 ]
 THRESHOLD_STATS = ("forwards", "refresh_forwards", "multi_token_steps", "noop_forwards", "finish_reason")
 
@@ -268,10 +272,180 @@ def test_batched_threshold_equals_solo(model, llada, family, kw):
         same(o, lopa_fast.generate(m, p, "threshold", "reference", **kw), THRESHOLD_STATS[:2])
 
 
-def test_dual_cache_requests_run_one_at_a_time(model):
-    ps = prompts((5, 9), seed=2)
-    kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=8)
-    outs = lopa_fast.generate(model, ps, "threshold", "fast", **kw)
-    assert all("batched" not in o.stats for o in outs)
-    for o, p in zip(outs, ps):
-        same(o, lopa_fast.generate(model, p, "threshold", "fast", **kw), THRESHOLD_STATS)
+def test_dual_cache_steps_share_one_forward(llada, monkeypatch):
+    """Threshold's dual cache: a round's dual steps (the window's K/V written into each request's cache in place,
+    then attention over the whole cache) run as ONE packed forward (steps.DualForward), beside the refresh steps'
+    shared forward when the requests are in different phases; tokens and forwards equal the solo runs'."""
+    from lopa_fast.decode import steps
+
+    ps = prompts((5, 9, 14), seed=2)
+    kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=16)
+    solo = [lopa_fast.generate(llada, p, "threshold", "fast", **kw) for p in ps]
+    calls = {"dual": [], "model": []}
+    real = steps.dual_forwards
+    monkeypatch.setattr(steps, "dual_forwards", lambda m, parts: calls["dual"].append(len(parts)) or real(m, parts))
+    counting(llada, calls["model"])
+    try:
+        outs = lopa_fast.generate(llada, ps, "threshold", "fast", **kw)
+    finally:
+        del llada.forward_requests
+    for o, s in zip(outs, solo):
+        assert o.stats["batched"] == 3
+        same(o, s, THRESHOLD_STATS)
+    assert max(calls["dual"]) >= 2  # requests whose dual steps fall in one round share its one dual forward
+    refresh = sum(s.stats["refresh_forwards"] for s in solo)
+    assert sum(calls["dual"]) == sum(s.stats["forwards"] for s in solo) - refresh and sum(calls["model"]) == refresh
+
+
+# ---- APD: a step of two forwards (the drafter's, then the verifier's over the drafts), each ONE forward_requests
+# for every live request (the driver's `forwards`)
+APD_STATS = ("acceptance_counts", "dllm_forwards", "verifier_forwards", "forwards", "model_calls", "eos_detected",
+             "hit_round_cap", "finish_reason")  # fmt: skip
+APD_PROMPTS = ([5, 9, 2], [7], [4, 8, 15, 16, 23, 42, 1, 3, 11], [1, 2])
+APD = [  # (pair, knobs): a drafter cache (W) or none, M or the whole canvas, the prefill's exact prev row (Q3
+    # fix), the verifier-free leftright baseline (one forward per step), top-k / top-p and the keyed draw at T > 0
+    ("a", dict(apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, eos_token_id=62)),
+    ("a", dict(apd_mixture_weight=0.5, kv_window=None, max_lookahead=None, exact_prev_logits=True, eos_token_id=61)),
+    ("a", dict(apd_mixture_weight=None, tokens_per_step=3, kv_window=0, max_lookahead=4, eos_token_id=62)),
+    ("b", dict(apd_mixture_weight=0.6, kv_window=16, max_lookahead=4, top_k=5, top_p=0.9, eos_token_id=6)),
+    ("b", dict(apd_mixture_weight=0.7, kv_window=2, max_lookahead=8, temperature=1.0, sampler="keyed", seed=11,
+               eos_token_id=61)),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def apd():
+    from tests.utils import apd_models
+
+    return apd_models()
+
+
+def apd_pair(apd, pair: str, kw: dict):
+    """(drafter, knobs with the verifier when the config has one) of a tests/test_fast_apd.py pair."""
+    d, q = {"a": ("d64", "q64"), "b": ("d66", "q64b")}[pair]
+    return apd[d], dict(kw, strategy="apd", max_new_tokens=20,
+                        verifier=apd[q] if kw["apd_mixture_weight"] is not None else None)  # fmt: skip
+
+
+def counting(m, calls: list):
+    """Record the batch size of every forward_requests of model `m` (undo: `del m.forward_requests`)."""
+    fr = m.forward_requests
+    m.forward_requests = lambda parts, *a, **k: calls.append(len(parts)) or fr(parts, *a, **k)
+
+
+@pytest.mark.parametrize("pair, kw", APD, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+def test_batched_apd_equals_solo_and_reference(apd, pair, kw):
+    """Every APD step of the batch runs ONE drafter forward and ONE verifier forward for all live requests; each
+    request's tokens, drafter / verifier forwards, acceptance counts and trace equal its solo and reference runs."""
+    d, kw = apd_pair(apd, pair, kw)
+    q = kw["verifier"]
+    solo = [lopa_fast.generate(d, p, backend="fast", return_trace=True, **kw) for p in APD_PROMPTS]
+    d_calls, q_calls = [], []
+    counting(d, d_calls)
+    if q is not None:
+        counting(q, q_calls)
+    try:
+        outs = lopa_fast.generate(d, list(APD_PROMPTS), backend="fast", return_trace=True, **kw)
+    finally:
+        del d.forward_requests
+        if q is not None:
+            del q.forward_requests
+    for o, s, p in zip(outs, solo, APD_PROMPTS):
+        assert o.stats["batched"] == len(APD_PROMPTS)
+        same(o, s, APD_STATS)
+        assert o.trace == s.trace
+        same(o, lopa_fast.generate(d, p, backend="reference", **kw), APD_STATS)
+    # one drafter forward per step for every live request (they leave as they finish), one verifier forward after it
+    assert d_calls[0] == len(APD_PROMPTS) and len(d_calls) == max(s.stats["dllm_forwards"] for s in solo)
+    assert sum(d_calls) == sum(s.stats["dllm_forwards"] for s in solo)
+    assert q_calls == (d_calls if q is not None else [])
+    assert sum(q_calls) == sum(s.stats["verifier_forwards"] for s in solo)
+
+
+def test_apd_scheduler_admits_mid_flight(apd):
+    """Continuous admission of APD requests (two at a time: max_slots=2), each equal to its solo run."""
+    d, kw = apd_pair(apd, *APD[0])
+    q = kw.pop("verifier")
+    cfg = lopa_fast.GenerateConfig(backend="fast", **kw).bind(d)
+    ps = [torch.tensor(p) for p in APD_PROMPTS]
+    solo = [lopa_fast.generate(d, p, backend="fast", verifier=q, **kw) for p in ps]
+    sched = batch.Scheduler(d, cfg, max_slots=2, verifier=q)
+    ids = [sched.submit(p) for p in ps[:1]]
+    sched.step()
+    ids += [sched.submit(p) for p in ps[1:]]  # admitted at later step boundaries, as slots free up
+    live = []
+    while sched.queue or sched.live:
+        sched.step()
+        live.append(len(sched.live))
+    assert max(live) == 2 and not sched.failed
+    for i, s in zip(ids, solo):
+        same(sched.done[i], s, APD_STATS[:-1])
+
+
+@pytest.mark.parametrize("which", ("drafter", "verifier"))
+def test_apd_request_with_nonfinite_logits_ends_alone(apd, which):
+    """A request whose drafter (or verifier) logits are NaN (its prompt holds a token whose embedding is NaN) ends
+    with the solo run's NonFiniteLogitsError; the other requests of the batch finish with their solo results."""
+    import copy
+
+    from lopa_fast.errors import NonFiniteLogitsError
+
+    d, kw = apd_pair(apd, *APD[0])
+    q = kw.pop("verifier")
+    bad = copy.deepcopy(d if which == "drafter" else q)
+    with torch.no_grad():
+        bad.embed_weight()[59] = float("nan")  # token 59: only in the poisoned prompt
+    d, q = (bad, q) if which == "drafter" else (d, bad)
+    ps = [torch.tensor(p) for p in ([5, 9, 2], [7, 59, 3], [4, 8, 15])]
+    with pytest.raises(NonFiniteLogitsError, match=re.escape(f"({which})")) as solo_err:
+        lopa_fast.generate(d, ps[1], backend="fast", verifier=q, **kw)
+    solo = [lopa_fast.generate(d, ps[i], backend="fast", verifier=q, **kw) for i in (0, 2)]
+    cfg = lopa_fast.GenerateConfig(backend="fast", **kw).bind(d)
+    sched = batch.Scheduler(d, cfg, verifier=q)
+    ids = [sched.submit(p) for p in ps]
+    sched.run()
+    err = sched.failed[ids[1]]
+    assert isinstance(err, NonFiniteLogitsError) and str(err) == str(solo_err.value)
+    for i, s in zip((ids[0], ids[2]), solo):
+        same(sched.done[i], s, APD_STATS[:-1])
+    with pytest.raises(NonFiniteLogitsError, match=re.escape(f"({which})")):  # generate(list): as the solo run
+        lopa_fast.generate(d, ps, backend="fast", verifier=q, **kw)
+
+
+def test_batch_engine_keys_apd_schedulers_by_verifier(apd):
+    """BatchEngine: APD requests with one verifier share a scheduler (one verifier forward per step); another
+    verifier object gets its own; each caller gets its solo result."""
+    import copy
+    import threading
+    import time
+
+    d, kw = apd_pair(apd, *APD[0])
+    q = kw.pop("verifier")
+    q2 = copy.deepcopy(q)
+    cfg = lopa_fast.GenerateConfig(backend="fast", **kw).bind(d)
+    ps = [torch.tensor(p) for p in APD_PROMPTS[:3]]
+    verifiers = [q, q, q2]
+    solo = [lopa_fast.generate(d, p, backend="fast", verifier=v, **kw) for p, v in zip(ps, verifiers)]
+    engine = batch.BatchEngine(d, start=False)
+    results = [None] * 3
+
+    def call(i):
+        results[i] = engine.generate(ps[i], cfg, verifier=verifiers[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while True:
+        with engine._cv:
+            if len(engine._incoming) == 3:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.start()
+    for t in threads:
+        t.join(timeout=120)
+    engine.close()
+    assert engine.max_live == 2  # q's two requests in one batch, q2's in its own scheduler
+    for r, s in zip(results, solo):
+        same(r, s, APD_STATS[:-1])

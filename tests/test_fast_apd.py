@@ -25,7 +25,7 @@ from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
 from lopa_fast.testing import model_from_spec
-from tests.utils import emulated_capture
+from tests.utils import apd_models, emulated_capture
 
 HERE = os.path.dirname(__file__)
 PAIRS = {"a": ("d64", "q64"), "b": ("d66", "q64b")}  # (drafter, verifier) of tests/golden/apd_upstream.json
@@ -40,15 +40,7 @@ STATS = ("acceptance_counts", "dllm_forwards", "verifier_forwards", "forwards", 
 
 @pytest.fixture(scope="module")
 def models():
-    data = json.load(open(os.path.join(HERE, "golden", "apd_upstream.json")))["models"]
-    out = {}
-    for name, spec in data.items():
-        m = model_from_spec(spec["hf"], spec["random"])
-        if spec["zero_head_rows_from"] is not None:
-            with torch.no_grad():
-                m.head_weight()[spec["zero_head_rows_from"] :] = 0
-        out[name] = m
-    return out
+    return apd_models()
 
 
 def case(pair="a", R=0.7, W=4, M=8, P=3, eos="often", n=20, K=None, exact=False, **kw) -> dict:

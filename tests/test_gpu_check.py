@@ -26,4 +26,4 @@ def test_batch_stage_dry_run(tmp_path, capsys):
 
     rows = json.loads((tmp_path / "batch_dry.json").read_text())["rows"]
     assert rows and all(r["same_tokens"] for r in rows)
-    assert {r["k"] for r in rows} >= {1, 4, "vanilla", "threshold"}  # every strategy that batches
+    assert {r["k"] for r in rows} >= {1, 4, "vanilla", "threshold", "apd"}  # every strategy that batches

@@ -253,3 +253,25 @@ def test_pooled_batch_on_the_device():
         for (la, ka, _), (lb, kb, _) in zip(pooled, loop):
             torch.testing.assert_close(la, lb, atol=1e-3, rtol=1e-3)
             torch.testing.assert_close(ka, kb, atol=1e-4, rtol=1e-4)
+
+
+def test_pooled_apd_batch_tokens_equal_solo_triton(monkeypatch):
+    """APD on the Triton backend (interpreter, one-layer drafter and verifier): every step's drafter forward is ONE
+    pooled call over the KV pool, the verifier's forward one call over the requests' own caches (no pool); tokens,
+    forwards and acceptance counts equal the solo runs'."""
+    monkeypatch.setenv("LOPA_FAST_BACKEND", "triton")
+    d = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2, num_layers=1), seed=2, sharpen=6)
+    q = random_model(tiny_hf_config("qwen2", vocab_size=64, num_kv_heads=2, num_layers=1), seed=3, sharpen=6)
+    kw = dict(strategy="apd", backend="fast", apd_mixture_weight=0.7, kv_window=2, max_lookahead=4, max_new_tokens=8,
+              eos_token_id=61, verifier=q)  # fmt: skip
+    ps = prompts((4, 9), seed=8)
+    solo = [lopa_fast.generate(d, p, **kw) for p in ps]
+    seen = []
+    for m, name in ((d, "drafter"), (q, "verifier")):
+        real = m.forward_requests
+        monkeypatch.setattr(m, "forward_requests", lambda parts, mode, b=None, pool=None, real=real, name=name: (
+            seen.append((name, b, pool is not None)) or real(parts, mode, b, pool=pool)))
+    outs = lopa_fast.generate(d, ps, **kw)
+    assert set(seen) == {("drafter", "triton", True), ("verifier", "triton", False)}
+    for o, s in zip(outs, solo):
+        same(o, s, ("forwards", "dllm_forwards", "verifier_forwards", "acceptance_counts"))

@@ -169,6 +169,25 @@ def step_models() -> dict:
     }
 
 
+def apd_models() -> dict:
+    """The APD tests' drafters (d64, d66: seeded tiny Dream models) and verifiers (q64, q64b: tiny Qwen2) of
+    tests/golden/apd_upstream.json, with the head rows the golden zeroes (tests/test_fast_apd.py PAIRS)."""
+    import json
+    import os
+
+    from lopa_fast.testing import model_from_spec
+
+    data = json.load(open(os.path.join(os.path.dirname(__file__), "golden", "apd_upstream.json")))["models"]
+    out = {}
+    for name, spec in data.items():
+        m = model_from_spec(spec["hf"], spec["random"])
+        if spec["zero_head_rows_from"] is not None:
+            with torch.no_grad():
+                m.head_weight()[spec["zero_head_rows_from"] :] = 0
+        out[name] = m
+    return out
+
+
 def markdown_row(text: str, first_cell: str) -> list[str]:
     """The stripped cells of the markdown-table row of `text` whose first cell is `first_cell` (tables are written by
     tabulate, so cells are padded to their column's width); StopIteration when there is none."""

@@ -120,17 +120,40 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     first: the prefill step (the verifier runs over the whole draft x[:right]); prefix: (drafter, verifier)
     committed prefix lengths as host ints (eager: exact key slices), or None (compiled: masked static buffers).
     Reads and replaces the tensors of `st` (the caches are written in place); returns (st, info) with info the
-    step's draft x0 [Db] (read by the host only for a trace). No host read."""
+    step's draft x0 [Db] (read by the host only for a trace). No host read.
+
+    The step is stages around its two forwards: `draft_inputs` -> the drafter -> `drafted` -> `verify_inputs` ->
+    the verifier -> `verified` -> `commit` (no verifier, leftright: straight to `commit`). Solo, this function
+    runs them with `forward_static`; the batch scheduler runs the same stages (FastApd's driver methods) with each
+    forward shared by every live request (`forward_requests`)."""
+    a = draft_inputs(st, geo, Nb, Db, first, prefix)
+    l_d, k_win, v_win = drafter.forward_static(
+        a["tokens"], a["start"], st["dk"], st["dv"], a["prefix_len"], a["win_lens"], None, "full", a["rows"],
+        attn_backend=geo.attn_backend,
+    )  # fmt: skip
+    drafted(st, T, geo, a, l_d, k_win, v_win)
+    if geo.R is not None:
+        v = verify_inputs(st, geo, a, first, prefix)
+        l_v, vk_win, vv_win = verifier.forward_static(
+            v["tokens"], v["start"], st["vk"], st["vv"], v["prefix_len"], v["win_lens"], None, "causal", v["rows"],
+            attn_backend=geo.attn_backend,
+        )  # fmt: skip
+        verified(st, geo, a, first, l_v, vk_win, vv_win)
+    return commit(st, T, geo, a)
+
+
+def draft_inputs(st: dict, geo: ApdGeometry, Nb: int, Db: int, first: bool, prefix: tuple[int, int] | None) -> dict:
+    """The drafter's forward inputs: x[left:right] over its cache [0, left), the LM head on the rows predicting
+    [curr, right). Returns the step's working dict `a`: the forward's tokens [1, Nb], start (0-d), prefix_len,
+    win_lens [1], rows [Db], and the step's tables j [Db], n_d (0-d), dvalid [Db] (real draft rows), wcol [Nb]
+    (window columns; padding -> the trash column Lb)."""
     dev = st["x"].device
-    Lb = geo.Lb
     x, curr, left, right = st["x"], st["curr"], st["left"], st["right"]
     i = torch.arange(Nb, device=dev)
     j = torch.arange(Db, device=dev)
     n_d = right - curr
     dvalid = j < n_d  # [Db] real draft rows
-    wcol = torch.where(left + i < right, left + i, Lb)  # [Nb] window columns (padding -> the trash column)
-
-    # ---- the drafter: x[left:right] over its cache [0, left), LM head on the rows predicting [curr, right)
+    wcol = torch.where(left + i < right, left + i, geo.Lb)  # [Nb] window columns (padding -> the trash column)
     tokens = x.index_select(0, wcol)[None]
     d_prefix = (0 if geo.W is None or first else prefix[0]) if prefix is not None else (
         left if geo.W is not None else torch.zeros((), dtype=torch.long, device=dev))  # fmt: skip
@@ -138,13 +161,19 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     # every gather index is in range by construction, whatever the state (a captured graph's warm-up runs on
     # the workspace's last state, possibly a finished request's: an out-of-range index would be a device assert)
     raw_row = torch.where(dvalid, raw_row, 0).clamp(max=Nb - 1)
-    l_d, k_win, v_win = drafter.forward_static(
-        tokens, left, st["dk"], st["dv"], d_prefix, (right - left).reshape(1), None, "full", raw_row,
-        attn_backend=geo.attn_backend,
-    )  # fmt: skip
+    return dict(tokens=tokens, start=left, prefix_len=d_prefix, win_lens=(right - left).reshape(1), rows=raw_row,
+                j=j, n_d=n_d, dvalid=dvalid, wcol=wcol)  # fmt: skip
+
+
+def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_win: torch.Tensor,
+            v_win: torch.Tensor) -> None:  # fmt: skip
+    """After the drafter's forward (logits l_d [Db, V_D], window K/V [layers, 1, Nb, Hkv, D]): the window's K/V into
+    the drafter's cache, the non-finite guard and the draft x0 [Db] (the reference's draft_tokens: filters, then
+    argmax, or the keyed draw at T > 0). Adds l_d, nf_d, x0, noise to `a`."""
+    curr, j, dvalid = st["curr"], a["j"], a["dvalid"]
     if geo.W is not None:  # the window's K/V at rows [left, right): the next step's prefix reads [0, left')
-        st["dk"].index_copy_(1, wcol, k_win[:, 0])
-        st["dv"].index_copy_(1, wcol, v_win[:, 0])
+        st["dk"].index_copy_(1, a["wcol"], k_win[:, 0])
+        st["dv"].index_copy_(1, a["wcol"], v_win[:, 0])
     nf_d = _first_bad(l_d, dvalid, curr)
 
     # ---- the draft (the reference's draft_tokens at T = 0: filters, then argmax)
@@ -169,52 +198,75 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
         x0 = torch.argmax(lg.to(torch.float64).exp() / noise, dim=-1)
     else:
         x0 = torch.argmax(lg, dim=-1)  # [Db]
+    a.update(l_d=l_d, nf_d=nf_d, x0=x0, noise=noise)
 
-    # ---- the verifier and the acceptance rule
+
+def verify_inputs(st: dict, geo: ApdGeometry, a: dict, first: bool, prefix: tuple[int, int] | None) -> dict:
+    """The verifier's forward inputs (geo.R given): first step, the whole draft x[:right] (x0 written in) from
+    position 0, the AR rows for curr .. right; later steps, x0 at positions [curr, right) over its cache [0, curr).
+    Returns its tokens [1, Nb or Db], start (0-d), prefix_len, win_lens [1], rows; adds outside (0-d bool: a drafted
+    id outside the verifier's vocabulary) and vdst (the cache rows its window's K/V go to) to `a`."""
+    dev = st["x"].device
+    x, curr, right = st["x"], st["curr"], st["right"]
+    j, n_d, dvalid, wcol, x0 = a["j"], a["n_d"], a["dvalid"], a["wcol"], a["x0"]
+    Db, Nb, Lb = j.shape[0], wcol.shape[0], geo.Lb
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    Vq = geo.V_ar
+    a["outside"] = (dvalid & (x0 >= Vq)).any()
+    vtok = x0.clamp(max=Vq - 1)  # an outside id is refused after the read; it must not index the embedding
+    if first:  # the whole draft x[:right] (left = 0: the window columns are positions 0..Nb-1)
+        dst = torch.where(dvalid, curr + j, Lb)
+        vt = x.index_copy(0, dst, vtok).index_select(0, wcol)[None]
+        er = torch.arange(Db + 1, device=dev)
+        vrows = torch.where(er <= n_d, curr - 1 + er, 0).clamp(0, Nb - 1)  # AR predictions for curr .. right
+        a["vdst"] = wcol
+        return dict(tokens=vt, start=zero, prefix_len=0 if prefix is not None else zero, win_lens=right.reshape(1),
+                    rows=vrows)  # fmt: skip
+    a["vdst"] = torch.where(dvalid, curr + j, Lb)
+    return dict(tokens=vtok[None], start=curr, prefix_len=prefix[1] if prefix is not None else curr,
+                win_lens=n_d.reshape(1), rows=j)  # fmt: skip
+
+
+def verified(st: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor, vk_win: torch.Tensor,
+             vv_win: torch.Tensor) -> None:  # fmt: skip
+    """After the verifier's forward (logits l_v [Db + 1 (first) or Db, V_ar], window K/V): its K/V into the
+    verifier's cache, the acceptance rule (target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR), quirk Q2; the
+    longest agreeing prefix, at least 1) and prev_logits (Q3 unless exact_prev). Adds accepted, nf_v to `a`."""
+    dev = st["x"].device
+    j, n_d, dvalid, x0, l_d, noise = a["j"], a["n_d"], a["dvalid"], a["x0"], a["l_d"], a["noise"]
+    Db, Vq, Tmp = j.shape[0], geo.V_ar, geo.temperature
+    ext = l_v if first else torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept
+    st["vk"].index_copy_(1, a["vdst"], vk_win[:, 0])
+    st["vv"].index_copy_(1, a["vdst"], vv_win[:, 0])
+    er = torch.arange(Db + 1, device=dev)
+    read = (er < n_d) | ((er == n_d) & geo.exact_prev)
+    nf_v = _first_bad(ext, read, st["curr"])
+    l_ar = ext[:Db]
+    mix = geo.R * l_d[:, :Vq] + (1 - geo.R) * l_ar
+    if geo.coupled_gumbel and noise is not None:  # the paper's target: the draft's noise reused
+        target = torch.argmax((mix / Tmp).to(torch.float64).exp() / noise[:, :Vq], dim=-1)
+    else:
+        target = torch.argmax(mix, dim=-1)
+    agree = ((x0 == target) | (j == 0)) & dvalid
+    accepted = agree.long().cumprod(0).sum()
+    # prev_logits: the AR row for the first rejected position; all accepted: row n_d - 1 (Q3) or n_d (exact)
+    keep = (accepted if geo.exact_prev else torch.where(accepted < n_d, accepted, n_d - 1)).clamp(0, Db)
+    st["prev"] = ext.index_select(0, keep.reshape(1))[0]
+    a.update(accepted=accepted, nf_v=nf_v)
+
+
+def commit(st: dict, T: dict, geo: ApdGeometry, a: dict) -> tuple[dict, dict]:
+    """Commit the accepted prefix (at most the drafted rows; leftright: tokens_per_step), then the end tests, the
+    next window and the step's head [11] (HEAD_FIELDS). Returns (st, {"x0": the draft [Db]})."""
+    dev = st["x"].device
+    Lb, x, curr, j, dvalid, x0 = geo.Lb, st["x"], st["curr"], a["j"], a["dvalid"], a["x0"]
     zero = torch.zeros((), dtype=torch.long, device=dev)
     if geo.R is not None:
-        Vq = geo.V_ar
-        outside = (dvalid & (x0 >= Vq)).any()
-        vtok = x0.clamp(max=Vq - 1)  # an outside id is refused after the read; it must not index the embedding
-        if first:  # the whole draft x[:right] (left = 0: the window columns are positions 0..Nb-1)
-            dst = torch.where(dvalid, curr + j, Lb)
-            vt = x.index_copy(0, dst, vtok).index_select(0, wcol)[None]
-            er = torch.arange(Db + 1, device=dev)
-            vrows = torch.where(er <= n_d, curr - 1 + er, 0).clamp(0, Nb - 1)  # AR predictions for curr .. right
-            ext, vk_win, vv_win = verifier.forward_static(
-                vt, zero, st["vk"], st["vv"], 0 if prefix is not None else zero, right.reshape(1), None,
-                "causal", vrows, attn_backend=geo.attn_backend,
-            )  # fmt: skip
-            vdst = wcol
-        else:  # x0 at positions [curr, right) over the verifier's cache [0, curr)
-            l_v, vk_win, vv_win = verifier.forward_static(
-                vtok[None], curr, st["vk"], st["vv"], prefix[1] if prefix is not None else curr, n_d.reshape(1),
-                None, "causal", j, attn_backend=geo.attn_backend,
-            )  # fmt: skip
-            ext = torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept last step
-            vdst = torch.where(dvalid, curr + j, Lb)
-        st["vk"].index_copy_(1, vdst, vk_win[:, 0])
-        st["vv"].index_copy_(1, vdst, vv_win[:, 0])
-        er = torch.arange(Db + 1, device=dev)
-        read = (er < n_d) | ((er == n_d) & geo.exact_prev)
-        nf_v = _first_bad(ext, read, curr)
-        l_ar = ext[:Db]
-        mix = geo.R * l_d[:, :Vq] + (1 - geo.R) * l_ar
-        if geo.coupled_gumbel and noise is not None:  # the paper's target: the draft's noise reused
-            target = torch.argmax((mix / Tmp).to(torch.float64).exp() / noise[:, :Vq], dim=-1)
-        else:
-            target = torch.argmax(mix, dim=-1)
-        agree = ((x0 == target) | (j == 0)) & dvalid
-        accepted = agree.long().cumprod(0).sum()
-        # prev_logits: the AR row for the first rejected position; all accepted: row n_d - 1 (Q3) or n_d (exact)
-        keep = (accepted if geo.exact_prev else torch.where(accepted < n_d, accepted, n_d - 1)).clamp(0, Db)
-        st["prev"] = ext.index_select(0, keep.reshape(1))[0]
+        outside, nf_v, accepted = a["outside"], a["nf_v"], a["accepted"]
     else:
         outside = torch.zeros((), dtype=torch.bool, device=dev)
         nf_v = torch.full((), -1, dtype=torch.long, device=dev)
         accepted = torch.full((), geo.K, dtype=torch.long, device=dev)
-
-    # ---- commit the accepted prefix (at most the drafted rows), then the end tests and the next window
     written = dvalid & (j < accepted)
     x = x.index_copy(0, torch.where(written, curr + j, Lb), x0)
     mask_committed = (written & (x0 == geo.mask_id)).any()
@@ -225,7 +277,7 @@ def apd_step(drafter, verifier, st: dict, T: dict, geo: ApdGeometry, Nb: int, Db
     right = torch.minimum(curr + geo.M, T["L"]) if geo.M is not None else T["L"]
     left = (curr - geo.W - accepted + 1).clamp(min=0) if geo.W is not None else zero
     st.update(x=x, curr=curr, left=left, right=right)
-    st["head"] = torch.stack([accepted, curr, left, right, eos, done, stop, nf_d, nf_v, mask_committed,
+    st["head"] = torch.stack([accepted, curr, left, right, eos, done, stop, a["nf_d"], nf_v, mask_committed,
                               outside]).long()  # fmt: skip
     return st, {"x0": x0}
 
@@ -241,14 +293,28 @@ def compiled_step(drafter, verifier, geo: ApdGeometry, Nb: int, Db: int):
     return unique_code(step, f"apd_step_{Nb}x{Db}")
 
 
+def cache_rows(prompt_len: int, cfg) -> int:
+    """Rows of the drafter's static cache of one request (kv_window given: its buffer Lb + the trash row; None:
+    one unused row), e.g. a batch's KV pool slot (the APD spec's `cache_rows`)."""
+    return quantized_length(prompt_len + cfg.max_new_tokens) + 1 if cfg.kv_window is not None else 1
+
+
 class FastApd:
     """One APD / leftright request on the fast machinery. drafter: a Dream-family DecoderLM; verifier: a causal
     qwen2 DecoderLM or None; prompt: LongTensor [P] on drafter.device; cfg: bound, validated and checked by
-    lopa_fast.api (knobs, prompt, the drafter / verifier pair). `run()` equals the reference's output."""
+    lopa_fast.api (knobs, prompt, the drafter / verifier pair); cache: None (the request allocates the drafter's
+    static cache) or (k, v) views [num_layers, cache_rows(P, cfg), Hkv, D] of a batch's KV pool slot, zeroed.
+    `run()` equals the reference's output.
+
+    It is also the batch scheduler's driver (lopa_fast.decode.batch; the APD spec's `driver`): begin / next_bucket /
+    prepare / forward_args / finish / read_head / after_round / result, with a round of two forwards (`forwards`:
+    the drafter's, then, with a verifier, the verifier's over the drafts), each shared by every live request. Solo,
+    `run()` steps through the same stages with the step in one call (`apd_step`, eager or compiled)."""
 
     name = "apd"
+    mode = "full"  # the drafter forward's attention (the batch's first forward)
 
-    def __init__(self, drafter, prompt: torch.Tensor, cfg, verifier=None):
+    def __init__(self, drafter, prompt: torch.Tensor, cfg, verifier=None, cache=None):
         from lopa_fast.ops import _backend
 
         self.drafter, self.verifier, self.cfg = drafter, verifier, cfg
@@ -274,7 +340,10 @@ class FastApd:
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
-        self.st.update(_cache("d", drafter, Lb + 1 if cfg.kv_window is not None else 1))
+        if cache is None:
+            self.st.update(_cache("d", drafter, cache_rows(P, cfg)))
+        else:
+            self.use_cache(*cache)
         drafter.fused_layers()  # the merged-weight views, built or checked once per request (outside any graph)
         if R is not None:
             self.st.update(_cache("v", verifier, Lb + 1))
@@ -284,25 +353,71 @@ class FastApd:
         self.compiled = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if compile_wanted(cfg, dev):
+        if cache is None and compile_wanted(cfg, dev):  # a batch's request (a pool slot) runs eager steps
             self.compiled = CompiledRounds.for_model(drafter, cfg)
 
-    def _step(self, first: bool, curr: int, left: int, right: int) -> dict:
+    @property
+    def attn_backend(self) -> str:
+        return self.geo.attn_backend
+
+    def forwards(self, w: dict) -> tuple:
+        """The forwards of the step `w` (`prepare`'s), in order, as (model, attention mask, attention backend): the
+        drafter's, then (with a verifier) the verifier's, whose tokens are the drafter's drafts
+        (lopa_fast.decode.batch runs each for every live request at once)."""
+        out = ((self.drafter, "full", self.geo.attn_backend),)
+        return out if self.geo.R is None else out + ((self.verifier, "causal", self.geo.attn_backend),)
+
+    def use_cache(self, cache_k, cache_v) -> None:
+        """The drafter's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
+        self.st["dk"], self.st["dv"] = cache_k, cache_v
+
+    def _step(self, first: bool, curr: int, left: int, right: int) -> None:
         n, n_d = right - left, right - curr
         if self.compiled is not None and not first:
             Nb, Db = pow2_bucket(n), pow2_bucket(n_d)
             # the verifier is bound into the callable (which holds it alive), so its id keys the bucket
             key = ("apd", id(self.verifier), self.geo, Nb, Db)
-            self.st, info = self.compiled.run(key, (Nb, Db), f"{Nb}x{Db}", lambda: compiled_step(
+            self.st, self.info = self.compiled.run(key, (Nb, Db), f"{Nb}x{Db}", lambda: compiled_step(
                 self.drafter, self.verifier, self.geo, Nb, Db), self.drafter, self.st, self.tables, self.geo)
         else:  # eager (and the prefill step, whose verifier window is the whole draft)
-            self.st, info = apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo, n, n_d, first,
-                                     prefix=(left, curr))  # fmt: skip
-        return info
+            self.st, self.info = apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo, n, n_d, first,
+                                          prefix=(left, curr))  # fmt: skip
+
+    # ---- one eager step in stages, for lopa_fast.decode.batch (each forward shared by many requests)
+    def prepare(self, first: bool, curr: int, left: int, right: int) -> dict:
+        """The step's working dict on its exact window (eager shapes): the drafter's forward inputs first."""
+        w = draft_inputs(self.st, self.geo, right - left, right - curr, first, (left, curr))
+        w.update(first=first, prefix=(left, curr), phase=0)
+        return w
+
+    def forward_args(self, w: dict) -> dict:
+        """This request's part of the coming forward's `forward_requests` (the arguments of the solo step's
+        `forward_static`): the drafter's (phase 0), then the verifier's (phase 1, after `finish` of the drafter)."""
+        st = self.st
+        f, k, v = (w, st["dk"], st["dv"]) if w["phase"] == 0 else (w["verify"], st["vk"], st["vv"])
+        return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
+                    win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
+
+    def finish(self, w: dict, logits, k_win, v_win) -> None:
+        """After one of the step's forwards (this request's logits and window K/V): the drafter's -> the draft (and
+        the verifier's inputs); the step's last forward -> the acceptance and the commit (`apd_step`'s stages)."""
+        geo = self.geo
+        if w["phase"] == 0:
+            drafted(self.st, self.tables, geo, w, logits, k_win, v_win)
+            if geo.R is not None:
+                w["verify"], w["phase"] = verify_inputs(self.st, geo, w, w["first"], w["prefix"]), 1
+                return
+        else:
+            verified(self.st, geo, w, w["first"], logits, k_win, v_win)
+        self.st, self.info = commit(self.st, self.tables, geo, w)
 
     def _read_head(self) -> list[int]:
         self.host_reads += 1
         return self.st["head"].tolist()  # the step's one device-to-host read
+
+    def read_head(self) -> None:
+        """The step's one host read (inside the caller's round_scope)."""
+        self.head = dict(zip(HEAD_FIELDS, self._read_head()))
 
     def _refuse(self, head: dict, step: int) -> None:
         """The reference's errors, in its order, for the step just run (before any of its tokens is returned)."""
@@ -318,67 +433,93 @@ class FastApd:
             raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_verifier"],
                                        value="NaN/inf (verifier)")  # fmt: skip
 
+    # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
+    def begin(self, on_round=None) -> None:
+        """Start the clock and plan step 1. on_round: the progress hook (lopa_fast.contracts.report_round), called
+        after every step with the committed prefix (one extra host read per step, only with a hook)."""
+        self.on_round = on_round
+        self.stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}
+        self.counts: list[int] = []
+        self.trace = [] if self.cfg.return_trace else None
+        self.curr, self.first, self.ended = self.P, True, False
+        self.left, self.right = next_window(self.curr, 0, self.L, self.geo, self.first)
+        self.eos_detected = self.mask_pending = False
+        self.st.update(curr=torch.tensor(self.curr, device=self.dev), left=torch.tensor(self.left, device=self.dev),
+                       right=torch.tensor(self.right, device=self.dev))  # fmt: skip
+        self.clock = Clock(self.dev).__enter__()
+
+    def next_bucket(self) -> tuple[bool, int, int, int] | None:
+        """The coming step's (first, curr, left, right) (host ints), or None when the request has finished (done,
+        a stop sequence, or the round cap: said in stats). Raises the reference's error when the last step
+        committed a drafted mask id."""
+        if self.ended:
+            return None
+        if self.stats["forwards"] >= self.cfg.max_rounds:
+            round_cap_hit(self.cfg, self.stats, "apd")
+            return None
+        if self.mask_pending:  # the reference finds the committed mask in this step's window
+            raise RuntimeError(
+                f"apd: the window [{self.left}, {self.right}) holds more masks than the {self.right - self.curr} "
+                "ahead of the decoding position: the drafter emitted the mask token as a draft token (upstream's "
+                "apd_sample misaligns the draft here). Pass suppress_mask_token=True"
+            )
+        return self.first, self.curr, self.left, self.right
+
+    def after_round(self) -> None:
+        """Counters, the reference's errors, the trace entry, the progress hook and the end tests of the step just
+        run (outside the step's scope)."""
+        cfg, geo, stats, head, P, L = self.cfg, self.geo, self.stats, self.head, self.P, self.L
+        curr, left, right = self.curr, self.left, self.right
+        stats["dllm_forwards"] += 1
+        stats["verifier_forwards"] += geo.R is not None
+        stats["forwards"] += 1
+        self._refuse(head, stats["forwards"])
+        accepted = head["accepted"]
+        if self.trace is not None:
+            x0 = self.info["x0"][: right - curr].tolist()
+            self.trace.append({
+                "round": stats["forwards"], "window_start": left - P, "window_len": right - left, "draft": x0,
+                "num_accept": accepted,
+                "accepted": [[curr + q - P, x0[q]] for q in range(min(accepted, L - curr))],
+            })  # fmt: skip
+        self.counts.append(accepted)
+        if self.on_round is not None:
+            report_round(self.on_round, self.st["x"][P:L], geo.mask_id, cfg.max_new_tokens, stats["forwards"])
+        self.curr, self.left, self.right = head["curr"], head["left"], head["right"]
+        self.first = False
+        self.mask_pending = bool(head["mask_committed"])
+        self.eos_detected |= bool(head["eos"])
+        if head["stop"]:  # a stop sequence in the committed prefix (the API cuts the output before it)
+            stats["stopped"] = True
+            self.ended = True
+        elif head["done"]:
+            self.ended = True
+
     def run(self, on_round=None) -> GenerateOutput:
-        """Decode the request. on_round: the progress hook (lopa_fast.contracts.report_round), called after every
-        step with the committed prefix (one extra host read per step, only with a hook)."""
-        cfg, geo, P, L = self.cfg, self.geo, self.P, self.L
-        stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}
-        counts: list[int] = []
-        trace = [] if cfg.return_trace else None
-        curr, accepted, first = P, 0, True
-        left, right = next_window(curr, accepted, L, geo, first)
-        eos_detected = mask_pending = False
-        self.st.update(curr=torch.tensor(curr, device=self.dev), left=torch.tensor(left, device=self.dev),
-                       right=torch.tensor(right, device=self.dev))  # fmt: skip
-        with Clock(self.dev) as clock:
-            while True:
-                if stats["forwards"] >= cfg.max_rounds:
-                    round_cap_hit(cfg, stats, "apd")
-                    break
-                if mask_pending:  # the reference finds the committed mask in this step's window
-                    raise RuntimeError(
-                        f"apd: the window [{left}, {right}) holds more masks than the {right - curr} ahead of the "
-                        "decoding position: the drafter emitted the mask token as a draft token (upstream's "
-                        "apd_sample misaligns the draft here). Pass suppress_mask_token=True"
-                    )
-                with round_scope():
-                    info = self._step(first, curr, left, right)
-                    head = dict(zip(HEAD_FIELDS, self._read_head()))
-                stats["dllm_forwards"] += 1
-                stats["verifier_forwards"] += geo.R is not None
-                stats["forwards"] += 1
-                self._refuse(head, stats["forwards"])
-                accepted = head["accepted"]
-                if trace is not None:
-                    x0 = info["x0"][: right - curr].tolist()
-                    trace.append({
-                        "round": stats["forwards"], "window_start": left - P, "window_len": right - left, "draft": x0,
-                        "num_accept": accepted,
-                        "accepted": [[curr + q - P, x0[q]] for q in range(min(accepted, L - curr))],
-                    })  # fmt: skip
-                counts.append(accepted)
-                if on_round is not None:
-                    report_round(on_round, self.st["x"][P:L], geo.mask_id, cfg.max_new_tokens, stats["forwards"])
-                curr, left, right = head["curr"], head["left"], head["right"]
-                first = False
-                mask_pending = bool(head["mask_committed"])
-                eos_detected |= bool(head["eos"])
-                if head["stop"]:  # a stop sequence in the committed prefix (the API cuts the output before it)
-                    stats["stopped"] = True
-                    break
-                if head["done"]:
-                    break
-        ids = self.st["x"][P : min(curr, L)].tolist()
+        """Decode the request alone (see `begin` for on_round)."""
+        self.begin(on_round)
+        while (b := self.next_bucket()) is not None:
+            with round_scope():
+                self._step(*b)
+                self.read_head()
+            self.after_round()
+        return self.result()
+
+    def result(self) -> GenerateOutput:
+        """Stop the clock; the tokens, the counters and stats, the trace."""
+        self.clock.__exit__(None, None, None)
+        cfg, stats, counts = self.cfg, self.stats, self.counts
+        ids = self.st["x"][self.P : min(self.curr, self.L)].tolist()
         stats["model_calls"] = stats["dllm_forwards"] + stats["verifier_forwards"]
         stats["acceptance_counts"] = counts
         stats["mean_accepted"] = sum(counts) / len(counts) if counts else 0.0
-        stats["eos_detected"] = eos_detected
+        stats["eos_detected"] = self.eos_detected
         stats["host_reads"] = self.host_reads
         stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
         if self.compiled is not None:
             stats.update(self.compiled.stats())
-        finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
-        return GenerateOutput(ids, stats, trace)
+        finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, self.clock.seconds, steps_plus_one=False)
+        return GenerateOutput(ids, stats, self.trace)
 
 
 def _cache(prefix: str, model, rows: int) -> dict:
@@ -395,4 +536,4 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
     return FastApd(model, prompt, cfg, verifier).run(on_round)
 
 
-__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "generate", "next_window"]
+__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "apd_step", "cache_rows", "generate", "next_window"]

@@ -1,16 +1,24 @@
-"""Many requests at once: every live request's branch windows in ONE forward per round.
+"""Many requests at once: every live request's branch windows in ONE forward per round (per forward of a round).
 
 A strategy batches when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
-tables and finish line (the driver, today a `FastDecoder` for d2f / lopa, driven step by step: `begin` /
-`next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` / `result`); its static prefix cache is a slot of
-the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at admission, freed when the request finishes or
-fails). Per round the batch runs one `model.forward_requests` over all live requests' windows (each layer's
-projections, norms and MLP once for all rows), then each request's own bookkeeping (the C++ twin on CPU, the torch
-round elsewhere). Attention: on the torch backend (CPU) per request over its own keys and window in the shapes of a
-solo round, so every request's tokens, forwards and stats are bitwise those of running it alone
-(tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for every request (equal to the
-per-request path within float tolerance, tokens equal on the tested cases: tests/test_kv_pool.py). A finished
-request leaves the batch (its rows are not computed again).
+tables and finish line (the driver: `FastDecoder` for d2f / lopa, `VanillaDriver`, `ThresholdDriver`, `FastApd`,
+driven step by step: `begin` / `next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` /
+`result`); its static prefix cache is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
+admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
+live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
+bookkeeping (the C++ twin on CPU, the torch round elsewhere). Attention: on the torch backend (CPU) per request over
+its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
+those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
+every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
+tests/test_kv_pool.py). A finished request leaves the batch (its rows are not computed again).
+
+Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
+verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
+scheduler runs forward f of every live request as one `forward_requests` per (model, mask, backend), each request's
+`finish` after each of its forwards (the driver moves on to its next forward's inputs), `read_head` after its last
+(`Scheduler._forwards`). The pool holds the scheduler's model's caches; another model (the verifier, one object
+per scheduler) attends over each request's own cache. A driver without `forwards` (or whose `forwards(w)` is None)
+runs one forward of the scheduler's model, as before.
 
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
@@ -25,7 +33,8 @@ captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two
 one graph per (key, batch bucket), reused across rounds and requests); the eager ones share one forward as above.
 So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
 lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
-token- and forward-exact with its solo eager run (tests/test_compiled_batch.py). APD has no driver: one at a time.
+token- and forward-exact with its solo eager run (tests/test_compiled_batch.py). Not compiled in a batch (their
+compiled requests run one at a time; eager ones batch): APD's two-forward step and threshold's dual cache.
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
@@ -50,14 +59,16 @@ def batchable(cfg) -> bool:
     spec = strategies.get(cfg.strategy)
     if spec.driver is None or not spec.batches(cfg) or cfg.distributed:
         return False
-    return cfg.compile is not True or spec.compile_batches
+    return cfg.compile is not True or spec.compile_batches(cfg)
 
 
 class Scheduler:
     """Requests of one model and one decoding config, batched per round (see the module docstring).
 
     model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request; the strategy's
-    spec gives the per-request driver and the rows of one request); max_rows: the most branch slots (rows of the
+    spec gives the per-request driver and the rows of one request); verifier: the second model of a strategy that
+    takes one (its spec's `takes_verifier`: APD), the same object for every request of the scheduler, so a round's
+    verifier forwards are one; max_rows: the most branch slots (rows of the
     forward's batch, k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
     None: no cap); slot_len: the most cache rows of one pool slot (a request needs its buffer length + 1:
     `engine.buffer_len`; None: no cap). A request that can never fit (more rows than max_rows, a longer cache than
@@ -65,7 +76,7 @@ class Scheduler:
     `pool`: the KV pool (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
 
     def __init__(self, model, cfg, max_rows: int | None = None, max_slots: int | None = None,
-                 slot_len: int | None = None):  # fmt: skip
+                 slot_len: int | None = None, verifier=None):  # fmt: skip
         for knob, v in (("max_rows", max_rows), ("max_slots", max_slots), ("slot_len", slot_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise KnobError(f"{knob}={v!r}; allowed: None or an int >= 1", knob=knob, value=v)
@@ -74,6 +85,8 @@ class Scheduler:
             raise KnobError(f"Scheduler: strategy={cfg.strategy!r} has no batch driver (its requests run one at a "
                             "time)", knob="strategy", value=cfg.strategy)  # fmt: skip
         self._driver = self.spec.load("driver")
+        # the driver's extra models (the strategy's verifier), passed to every request's driver
+        self._extra = {"verifier": verifier} if self.spec.takes_verifier else {}
         self.max_rows, self.max_slots, self.slot_len = max_rows, max_slots, slot_len
         self.queue: deque = deque()  # (request id, prompt, on_round, cfg, rows, cache rows)
         self.live: dict = {}  # request id -> its driver
@@ -139,7 +152,7 @@ class Scheduler:
             slot = self.pool.acquire(cache_rows)
             self.slot_of[rid] = slot
             try:
-                dec = self._driver(self.model, prompt, cfg, cache=self.pool.views(slot, cache_rows))
+                dec = self._driver(self.model, prompt, cfg, cache=self.pool.views(slot, cache_rows), **self._extra)
                 dec.begin(on_round)
             except Exception as e:  # noqa: BLE001 - this request's setup failed: it ends, the batch goes on
                 self._fail(rid, e)
@@ -174,22 +187,19 @@ class Scheduler:
         self.last_batch = len(plan)
         if not plan:
             return finished
-        eager, groups = [], {}  # compiled steps grouped by key: one batched graph each (compiled_batch)
+        # a driver's compiled steps (compile=True, or auto on CUDA) come as BatchSteps (its optional `batch_step`;
+        # None: an eager step), grouped by key: one batched graph each (compiled_batch)
+        eager, groups = [], {}
         for item in plan:
-            step = item[1].batch_step(*item[2]) if self.spec.compile_batches else None
+            own = getattr(item[1], "batch_step", None)
+            step = own(*item[2]) if own is not None else None
             if step is None:
                 eager.append(item)
             else:
                 groups.setdefault(step.key, []).append((item[1], step))
         with round_scope():
             if eager:
-                ws = [dec.prepare(*b) for _, dec, b in eager]
-                parts = [dict(dec.forward_args(w), slot=self.slot_of[rid]) for (rid, dec, _), w in zip(eager, ws)]
-                outs = self.model.forward_requests(parts, eager[0][1].mode, eager[0][1].attn_backend,
-                                                   pool=(self.pool.k, self.pool.v))  # fmt: skip
-                for (_, dec, _), w, (logits, k_win, v_win) in zip(eager, ws, outs):
-                    dec.finish(w, logits, k_win, v_win)
-                    dec.read_head()
+                self._forwards(eager, [dec.prepare(*b) for _, dec, b in eager])
             for members in groups.values():
                 outs = compiled_batch.run([st for _, st in members], self.model)
                 for (dec, _), (st, info) in zip(members, outs):
@@ -204,6 +214,36 @@ class Scheduler:
                 finished.append(rid)
         self.rounds += 1
         return finished
+
+    def _forwards(self, plan: list, ws: list) -> None:
+        """The round's forwards (inside its round_scope). A driver's round is one forward of the scheduler's model
+        (its `mode` / `attn_backend`) or, when its `forwards(w)` gives them ((model, mask, attn backend), ... in
+        order: APD's drafter then verifier), several: forward f of every request whose round has one runs as ONE
+        `forward_requests` per (model, mask, backend) (a scheduler's requests share the model, the mask and the
+        verifier: one group), then each request's `finish` (which prepares its next forward's inputs); `read_head`
+        after its last. "model" is anything with `forward_requests` (e.g. a stand-in for a forward the model does
+        not batch itself), grouped by equality. The KV pool holds the scheduler's model's caches; another model's
+        forward (the verifier's) attends over each request's own cache (no pool)."""
+        seqs = []
+        for (_, dec, _), w in zip(plan, ws):
+            own = getattr(dec, "forwards", None)
+            seqs.append((own(w) if own is not None else None) or ((self.model, dec.mode, dec.attn_backend),))
+        for f in range(max(len(q) for q in seqs)):
+            groups: dict = {}
+            for i, seq in enumerate(seqs):
+                if f < len(seq):
+                    groups.setdefault(seq[f], []).append(i)
+            for (model, mode, backend), idx in groups.items():
+                pooled = model is self.model
+                parts = [plan[i][1].forward_args(ws[i]) for i in idx]
+                if pooled:
+                    parts = [dict(p, slot=self.slot_of[plan[i][0]]) for p, i in zip(parts, idx)]
+                outs = model.forward_requests(parts, mode, backend, pool=(self.pool.k, self.pool.v) if pooled else None)
+                for i, (logits, k_win, v_win) in zip(idx, outs):
+                    dec = plan[i][1]
+                    dec.finish(ws[i], logits, k_win, v_win)
+                    if f == len(seqs[i]) - 1:
+                        dec.read_head()
 
     def _leave(self, rid: int) -> None:
         """A request leaves the batch: its rows and its pool slot free."""
@@ -233,13 +273,17 @@ class Scheduler:
         return self.done
 
 
-def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_round=None) -> list[GenerateOutput]:
+def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_round=None,
+              verifier=None) -> list[GenerateOutput]:  # fmt: skip
     """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`, one strategy that
-    `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list)."""
+    `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list);
+    verifier: the strategy's second model, if it takes one (`Scheduler`)."""
     hooks = on_round if on_round is not None else [None] * len(prompts)
+    spec = strategies.get(cfgs[0].strategy)
     if len(prompts) == 1:  # nothing to share: the solo round (no per-request split of the forward)
-        return [strategies.get(cfgs[0].strategy).load("driver")(model, prompts[0], cfgs[0]).run(hooks[0])]
-    sched = Scheduler(model, cfgs[0], max_rows)
+        extra = {"verifier": verifier} if spec.takes_verifier else {}
+        return [spec.load("driver")(model, prompts[0], cfgs[0], **extra).run(hooks[0])]
+    sched = Scheduler(model, cfgs[0], max_rows, verifier=verifier)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
     for i in ids:  # a prompt's own error is raised as decoding it alone would raise it (the first, in order)
@@ -251,8 +295,8 @@ def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_
 class BatchEngine:
     """Continuous batching for callers on many threads (the server): `generate(prompt, cfg, on_round)` blocks
     its caller while one engine thread runs every submitted request in the running batch, admitted at the next
-    round boundary (`Scheduler`; one scheduler per (strategy, rows per request, attention mode), stepped in
-    turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
+    round boundary (`Scheduler`; one scheduler per (strategy, rows per request, attention mode, verifier), stepped
+    in turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
     stream); the other requests go on.
 
     model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
@@ -264,7 +308,7 @@ class BatchEngine:
 
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         self._cv = threading.Condition()
-        self._incoming: list = []  # (prompt, cfg, on_round, box)
+        self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
         self._schedulers: dict = {}
         self._waiting: dict = {}  # (scheduler key, request id) -> box
         self.max_live = 0  # the most requests seen in one batched round
@@ -293,16 +337,17 @@ class BatchEngine:
         with `compile_batches`)."""
         return batchable(cfg)
 
-    def generate(self, prompt, cfg, on_round=None) -> GenerateOutput:
-        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`) in the running
-        batch; blocks until it finishes. Raises the request's own exception."""
+    def generate(self, prompt, cfg, on_round=None, verifier=None) -> GenerateOutput:
+        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`; verifier: the
+        strategy's second model, checked by the caller) in the running batch; blocks until it finishes. Raises
+        the request's own exception."""
         import threading
 
         box = {"event": threading.Event()}
         with self._cv:
             if self._closed:
                 raise RuntimeError("BatchEngine: closed")
-            self._incoming.append((prompt, cfg, on_round, box))
+            self._incoming.append((prompt, cfg, on_round, verifier, box))
             self._cv.notify_all()
         box["event"].wait()
         if "error" in box:
@@ -322,12 +367,14 @@ class BatchEngine:
                 if self._closed and not self._incoming and not self._waiting:
                     return
                 incoming, self._incoming = self._incoming, []
-            for prompt, cfg, on_round, box in incoming:
-                key = (cfg.strategy, strategies.get(cfg.strategy).rows(cfg), bool(cfg.use_full_attention))
+            for prompt, cfg, on_round, verifier, box in incoming:
+                # one verifier object per scheduler (its round's verifier forward is one); the scheduler holds it,
+                # so its id is not reused while the key lives
+                key = (cfg.strategy, strategies.get(cfg.strategy).rows(cfg), bool(cfg.use_full_attention), id(verifier))
                 sched = self._schedulers.get(key)
                 if sched is None:
                     sched = self._schedulers[key] = Scheduler(self.model, cfg, self.max_rows, self.max_slots,
-                                                              self.slot_len)  # fmt: skip
+                                                              self.slot_len, verifier)  # fmt: skip
                 try:
                     self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears

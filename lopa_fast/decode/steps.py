@@ -22,6 +22,9 @@ window), aligned row i is raw row i - 1, except the window's first row, which ke
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -71,19 +74,55 @@ class StepForward:
     def dual(self, win: torch.Tensor, s: int, rows: torch.Tensor) -> torch.Tensor:
         """Window win [n] at positions s.., its K/V written over cache rows [s, s + n) in place, attending to the
         whole cache [0, L) (`forward_window`'s in-place mode on the request's buffer); raw logits [R, V]."""
-        model, ck, cv, L = self.model, self.cache_k, self.cache_v, self.L
-        n = win.numel()
-        no_window = torch.zeros(1, dtype=torch.long, device=win.device)
+        part = dict(tokens=win[None], start=s, cache_k=self.cache_k, cache_v=self.cache_v, prefix_len=self.L, rows=rows)
+        return dual_forwards(self.model, [part])[0]
 
-        def attend(i, q, k, v):
-            ck[i, s : s + n] = k[0]
-            cv[i, s : s + n] = v[0]
-            return ops.branch_attention(q, ck[i], cv[i], L, k, v, no_window, None, "full")
 
-        positions = torch.arange(s, s + n, device=win.device)
-        h = model._layers(win[None], positions, attend).reshape(n, -1).index_select(0, rows)
-        h = rms_norm(h, model.final_norm_weight(), model.config.rms_norm_eps)
-        return F.linear(h, model.head_weight())
+def dual_forwards(model, parts: list[dict]) -> list[torch.Tensor]:
+    """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer.
+
+    parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: int), cache_k / cache_v [num_layers,
+    L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V overwrite its rows [start_r, start_r + n_r)
+    in place before the window's queries attend to the whole cache [0, prefix_len_r)), rows [R_r] (the raw rows
+    that get the LM head). Every op but attention is row-wise over the packed rows, the RoPE table is computed per
+    request at its own positions, and attention runs per request in the shapes of its solo step, so a request's
+    logits are those of running it alone (StepForward.dual is this with one part). Returns raw logits [R_r, V]."""
+    dev = parts[0]["tokens"].device
+    ns = [p["tokens"].shape[1] for p in parts]
+    offs = [sum(ns[:r]) for r in range(len(ns))]
+    tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
+    ropes = [model._rope(torch.arange(p["start"], p["start"] + n, device=dev)) for p, n in zip(parts, ns)]
+    rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
+    no_window = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def attend(i, q, k, v):
+        outs = []
+        for p, off, n in zip(parts, offs, ns):
+            sl, s = slice(off, off + n), p["start"]
+            ck, cv = p["cache_k"][i], p["cache_v"][i]
+            ck[s : s + n] = k[0, sl]
+            cv[s : s + n] = v[0, sl]
+            outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window, None,
+                                             "full"))  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    h = model._layers(tokens, None, attend, rope=rope)[0]
+    h = h.index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
+    h = rms_norm(h, model.final_norm_weight(), model.config.rms_norm_eps)
+    logits = F.linear(h, model.head_weight())
+    return list(logits.split([p["rows"].shape[0] for p in parts]))
+
+
+@dataclass(frozen=True)
+class DualForward:
+    """`dual_forwards` as a `forward_requests` for the batch scheduler (lopa_fast.decode.batch groups a round's
+    forwards by (this, mask, backend): equal for every request of one model). Returns (logits, None, None) per
+    request: the window's K/V are already in each request's cache."""
+
+    model: Any
+
+    def forward_requests(self, parts: list[dict], mode: str, attn_backend=None, pool=None) -> list[tuple]:
+        return [(logits, None, None) for logits in dual_forwards(self.model, parts)]
 
 
 def raw_rows(lo: int, hi: int, win_start: int, shift: bool, device) -> torch.Tensor:

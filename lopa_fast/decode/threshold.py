@@ -33,9 +33,10 @@ class ThresholdDriver:
     prepare / forward_args / finish / read_head / after_round / result); `run()` drives it alone (eager through the
     same stages, or compile=True through CompiledRounds). A step's "bucket" is its kind (full | refresh |
     refresh_first | prefix | dual: lopa_fast.decode.static_steps); the block machine picks the next one from the
-    last step's head (block full, first mask). Batches take cache None and "prefix" steps (every forward is a window
-    over a cached prefix); a "dual" step writes its window's K/V into the cache in place before attending to the
-    whole cache, which the shared forward does not do, so dual requests run one at a time (`batches`).
+    last step's head (block full, first mask). In a batch, every step but "dual" is a window over a cached prefix
+    (the model's `forward_requests`); a "dual" step writes its window's K/V into the cache in place before attending
+    to the whole cache, so its forward is `steps.DualForward` (the same in-place forward as solo, for every dual
+    request of the round at once: `forwards`).
 
     model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound threshold GenerateConfig; cache: a batch's
     pool slot views [num_layers, L or 1, Hkv, D] (the prefix cache lives there)."""
@@ -70,11 +71,19 @@ class ThresholdDriver:
         self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if compile_wanted(cfg, dev):
+        if compile_wanted(cfg, dev) and (cache is None or self.batch_compiles(cfg)):
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.cview = self.compiled.view()
             self.geo = static_steps.geometry(model, cfg, self.L)
             self.cst, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, cache=cache)
+
+    @staticmethod
+    def batch_compiles(cfg) -> bool:
+        """Whether this config's steps run as compiled batched steps in a batch (the spec's `compile_batches`): cache
+        None / "prefix"; a "dual" step's forward writes the cache inside its layer loop (steps.DualForward), which no
+        static step split has: with compile=True dual requests run alone (compiled), with compile=None (auto, CUDA) a
+        batch runs them eagerly."""
+        return cfg.cache != "dual"
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's prefix cache: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -148,12 +157,19 @@ class ThresholdDriver:
         rows = steps.raw_rows(lo, hi, start, self.shift, self.dev)
         return dict(kind=kind, s=s, e=e, lo=lo, hi=hi, wstart=wstart, start=start, tokens=tokens[None], rows=rows)
 
+    def forwards(self, w: dict):
+        """The step's forward when it is not the model's `forward_requests` (lopa_fast.decode.batch): a "dual" step's
+        in-place forward (`steps.DualForward`); None otherwise."""
+        return ((steps.DualForward(self.model), self.mode, self.attn_backend),) if w["kind"] == "dual" else None
+
     def forward_args(self, w: dict) -> dict:
-        """This request's part of `model.forward_requests` (full / refresh: cache-free; prefix: over the cache)."""
+        """This request's part of `model.forward_requests` (full / refresh: cache-free; prefix: over the cache;
+        dual: a part of `steps.dual_forwards`, over the whole cache with the window written in place)."""
         n = w["tokens"].shape[1]
         return dict(tokens=w["tokens"], start=w["start"], cache_k=self.fw.cache_k, cache_v=self.fw.cache_v,
-                    prefix_len=w["start"], win_lens=torch.full((1,), n, dtype=torch.long, device=self.dev),
-                    bids=None, rows=w["rows"])  # fmt: skip
+                    prefix_len=self.L if w["kind"] == "dual" else w["start"],
+                    win_lens=torch.full((1,), n, dtype=torch.long, device=self.dev), bids=None,
+                    rows=w["rows"])  # fmt: skip
 
     def _forward(self, w: dict) -> torch.Tensor:
         """The solo forward of a step (StepForward: the same numerics as the shared forward's part)."""

@@ -308,14 +308,15 @@ class DecoderLM(nn.Module):
             return h
         return F.linear(h, self.head_weight())
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor | None, attend, rope=None) -> torch.Tensor:
         """Embedding + every decoder layer for tokens [B, n] at positions [n]; returns h [B, n, H].
 
         attend(layer, q [B, n, Hq, D], k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (keys post-RoPE) is where the
-        callers differ (cache-free, in-place, append window, static round)."""
+        callers differ (cache-free, in-place, append window, static round). rope: (cos, sin) [n, D] given instead
+        of positions (several requests' windows packed in one row, each table computed at its own positions)."""
         cfg = self.config
         B, n = tokens.shape
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions) if rope is None else rope
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(tokens, self.embed_weight())
         for i in range(cfg.num_layers):

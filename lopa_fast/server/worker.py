@@ -1,10 +1,10 @@
 """The server's request-execution seam: `Worker.submit(job)` -> `Handle`.
 
 Each submitted request runs through `lopa_fast.stream` (which runs `lopa_fast.generate` and ends with its text and
-stats) on one of `concurrency` job threads. Requests the batch engine covers (d2f / lopa on the fast backend,
-eager: `lopa_fast.decode.batch.BatchEngine.covers`) share ONE forward per round with every other running request
-(continuous batching at round boundaries); each still gets exactly the result it would get alone. Other requests
-run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
+stats) on one of `concurrency` job threads. Requests the batch engine covers (a strategy with a batch driver on the
+fast backend, eager: `lopa_fast.decode.batch.BatchEngine.covers`) share ONE forward per round with every other
+running request (continuous batching at round boundaries); each still gets exactly the result it would get alone.
+Other requests run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
 
 Cancellation (a client that disconnects, or a server shutting down): a request still waiting in the queue is
 dropped before it starts; a running one is stopped at its next round boundary (stream's per-round hook raises in

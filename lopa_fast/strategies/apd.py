@@ -108,8 +108,24 @@ def check_models(model, verifier, cfg, *, tokenizer=None, verifier_tokenizer=Non
             )
 
 
+def driver(model, prompt, cfg, cache=None, verifier=None):
+    """The batch scheduler's per-request state machine: a step of two forwards (the drafter's, then the
+    verifier's over the drafts), each shared by the batch's requests (one verifier object for all of them)."""
+    from lopa_fast.decode.apd import FastApd
+
+    return FastApd(model, prompt, cfg, verifier, cache=cache)
+
+
+def cache_rows(prompt_len: int, cfg) -> int:
+    """The drafter's static cache (kv_window given) or none; the verifier's cache is the request's own."""
+    from lopa_fast.decode.apd import cache_rows as rows
+
+    return rows(prompt_len, cfg)
+
+
 SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
     reference="lopa_fast.reference.apd:generate", fast="lopa_fast.decode.apd:generate", knobs=KNOBS,
-    validate=validate, resolve=resolve, compile=True, default_sampler="upstream", check_models=check_models,
+    validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True, default_sampler="upstream",
+    check_models=check_models,
 ))  # fmt: skip

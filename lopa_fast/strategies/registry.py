@@ -49,17 +49,20 @@ class Strategy:
                 rounded up to it and the output cut back.
     rows:       branch slots (forward rows) of one request: rows(cfg) -> int (LoPA: k + 1).
     driver:     the fast backend's per-request state machine for the batch scheduler (lopa_fast.decode.batch):
-                driver(model, prompt, cfg, cache=None) -> an object with begin / next_bucket / prepare /
-                forward_args / finish / read_head / after_round / result, and mode / attn_backend /
-                use_cache(k, v)); None: requests of this strategy are decoded one after another.
+                driver(model, prompt, cfg, cache=None, **extra) (extra: verifier= for a strategy that takes one)
+                -> an object with begin / next_bucket / prepare / forward_args / finish / read_head / after_round /
+                result, and mode / attn_backend / use_cache(k, v), and, when a round runs several forwards (APD:
+                drafter, then verifier) or another forward than the model's, `forwards(w)`: ((model, mask, attn
+                backend), ...) in order); None: requests of this strategy are decoded one after another.
     cache_rows: the rows of static KV cache one request needs in the batch's pool: cache_rows(prompt_len, cfg)
                 (1: a cache-free driver).
-    batches:    batches(cfg): whether the driver's steps of this config can share a forward (e.g. threshold's
-                dual cache cannot: its requests run one at a time).
+    batches:    batches(cfg): whether the driver's steps of this config can share a forward (default: all; a
+                config whose steps cannot runs its requests one at a time).
     compile:    compile=True is implemented on its fast path.
-    compile_batches: its driver also runs compiled / captured batched steps (`batch_step(*bucket)` -> a
-                lopa_fast.decode.compiled_batch.BatchStep or None for an eager step, `take(state, info)`), so
-                compile=True requests share a forward too (else they run one at a time).
+    compile_batches: compile_batches(cfg): whether its driver runs this config's steps as compiled / captured
+                batched steps (`batch_step(*bucket)` -> a lopa_fast.decode.compiled_batch.BatchStep or None for an
+                eager step, `take(state, info)`), so that compile=True requests share a forward too (default: no,
+                such requests run one at a time).
     distributed: distributed=True (the round's branch slots over the ranks) is implemented.
     default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
                 upstream's draw order, reference only; APD's, for exactness with upstream).
@@ -80,7 +83,7 @@ class Strategy:
     cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
     batches: Callable[[Any], bool] = lambda cfg: True
     compile: bool = False
-    compile_batches: bool = False
+    compile_batches: Callable[[Any], bool] = lambda cfg: False
     distributed: bool = False
     default_sampler: str = "keyed"
     check_models: Callable | str | None = None

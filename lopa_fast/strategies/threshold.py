@@ -41,21 +41,23 @@ def resolve(cfg, model):
 
 
 def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine (cache None / "prefix" steps share one forward)."""
+    """The batch scheduler's per-request state machine (every cache mode: a dual step's in-place forward is shared
+    through steps.DualForward)."""
     from lopa_fast.decode.threshold import ThresholdDriver
 
     return ThresholdDriver(model, prompt, cfg, cache=cache)
 
 
 def cache_rows(prompt_len: int, cfg) -> int:
-    """The prefix cache of every position (cache "prefix") or none."""
+    """The cache of every position (cache "prefix" / "dual") or none."""
     return prompt_len + cfg.max_new_tokens if cfg.cache is not None else 1
 
 
-def batches(cfg) -> bool:
-    """A dual-cache step writes its window's K/V into the cache before attending to all of it: not a shared
-    forward's window (its requests run one at a time)."""
-    return cfg.cache != "dual"
+def compile_batches(cfg) -> bool:
+    """Whether compiled requests of this config batch (the driver's rule: cache None / "prefix")."""
+    from lopa_fast.decode.threshold import ThresholdDriver
+
+    return ThresholdDriver.batch_compiles(cfg)
 
 
 def length_unit(cfg) -> int:
@@ -66,5 +68,5 @@ SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
-    batches=batches, compile=True, compile_batches=True,
+    compile=True, compile_batches=compile_batches,
 ))  # fmt: skip
