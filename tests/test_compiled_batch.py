@@ -1,7 +1,7 @@
 """compile=True in a batch (lopa_fast.decode.compiled_batch): the live requests whose next step has one key run it as
 ONE compiled / captured batched step (a shared forward + every request's bookkeeping), one graph per (step key,
 batch-size bucket), each request token-, forward- and counter-exact with running it alone eagerly (and so with the
-reference), for vanilla, threshold, d2f and lopa.
+reference), for vanilla, threshold, d2f, lopa and apd.
 
 The grid runs the CUDA-graph path with the capture emulated on CPU (tests/utils.py `emulated_capture`: the workspace
 lanes, the copies in and out, the inert padding lanes, graph-owned outputs) and asserts graph reuse through the
@@ -110,6 +110,46 @@ def test_batched_compiled_equals_solo_eager(models, captured, case):
         assert o.stats["compiled_graphs"] == 0 and o.stats["compile_seconds"] == {}
 
 
+APD_CASES = [  # (drafter, verifier, knobs): a drafter cache and a verifier (two forwards per step); leftright (one)
+    ("d64", "q64", dict(apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, eos_token_id=62)),
+    ("d66", None, dict(apd_mixture_weight=None, tokens_per_step=3, kv_window=0, max_lookahead=4, eos_token_id=62)),
+]
+
+
+@pytest.mark.parametrize("case", APD_CASES, ids=lambda c: c[1] or "leftright")
+def test_batched_compiled_apd_equals_solo_eager(captured, case):
+    """APD's step of two forwards as one batched graph (the drafter's forward for the group, its drafts, the
+    verifier's forward for the group, acceptance and commit): tokens, forwards, acceptance counts and trace equal
+    the solo eager runs; replays on the second batch."""
+    from tests.utils import apd_models
+
+    apd = apd_models()
+    d, q = apd[case[0]], apd[case[1]] if case[1] else None
+    kw = dict(case[2], strategy="apd", max_new_tokens=20, verifier=q, return_trace=True)
+    ps = ([5, 9, 2], [7], [4, 8, 15, 16, 23, 42, 1, 3, 11])
+    solo = [lopa_fast.generate(d, p, backend="fast", **kw) for p in ps]
+    cr = rounds(d)
+    calls = []
+    if q is not None:
+        fr = q.forward_requests
+        q.forward_requests = lambda parts, *a, **k: calls.append(len(parts)) or fr(parts, *a, **k)
+    try:
+        outs = lopa_fast.generate(d, list(ps), backend="fast", compile=True, **kw)
+    finally:
+        if q is not None:
+            del q.forward_requests
+    graphs = cr.graphs
+    again = lopa_fast.generate(d, list(ps), backend="fast", compile=True, **kw)
+    assert cr.graphs == graphs > 0
+    for o, a, s in zip(outs, again, solo):
+        for got in (o, a):
+            assert got.generated_ids == s.generated_ids and got.trace == s.trace
+            for k in ("forwards", "dllm_forwards", "verifier_forwards", "acceptance_counts", "eos_detected"):
+                assert got.stats[k] == s.stats[k], k
+    assert any(b[-1] == "x4" for o in outs for b in o.stats["compiled_buckets"])
+    assert q is None or 4 in calls  # the verifier's forward shared by the group (padded to 4)
+
+
 def test_scheduler_admits_compiled_requests_mid_flight(models, captured):
     """Requests admitted at later rounds join running compiled groups (their eager prefill beside the compiled
     steps of the others); caps on rows hold; every request equals its solo run."""
@@ -166,7 +206,7 @@ def test_lru_cap_holds_for_batched_graphs(models, captured):
 
 
 def test_batchable_and_engine_cover_compiled_requests(models, captured):
-    """compile=True requests of the four strategies batch (the server's BatchEngine takes them: `covers`); threshold's
+    """compile=True requests of the five strategies batch (the server's BatchEngine takes them: `covers`); threshold's
     dual cache and distributed requests still run alone; a strategy without compiled batched steps is not claimed."""
     import dataclasses
 
@@ -176,11 +216,11 @@ def test_batchable_and_engine_cover_compiled_requests(models, captured):
     for strategy, kw in (("vanilla", {}), ("threshold", dict(cache="prefix")), ("d2f", {}), ("lopa", {})):
         assert batch.batchable(cfg(strategy=strategy, compile=True, **kw))
         assert batch.BatchEngine.covers(cfg(strategy=strategy, compile=True, **kw))
-    # not compiled in a batch (their compile=True requests run alone, their eager ones batch): threshold's dual cache
-    # (its forward writes the cache inside the layer loop) and APD (two forwards per step)
-    for strategy, kw in (("threshold", dict(cache="dual")), ("apd", {})):
-        assert batch.batchable(cfg(strategy=strategy, **kw)) and not batch.batchable(cfg(strategy=strategy,
-                                                                                         compile=True, **kw))
+    assert batch.batchable(cfg(strategy="apd", compile=True))
+    # not compiled in a batch (its compile=True requests run alone, its eager ones batch): threshold's dual cache (its
+    # forward writes the cache inside the layer loop)
+    dual = dict(strategy="threshold", cache="dual")
+    assert batch.batchable(cfg(**dual)) and not batch.batchable(cfg(compile=True, **dual))
     assert not batch.batchable(cfg(strategy="lopa", distributed=True, compile=True))
     spec = strategies.get("d2f")
     strategies.register(dataclasses.replace(spec, compile_batches=lambda c: False), replace=True)

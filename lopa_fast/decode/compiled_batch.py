@@ -58,6 +58,12 @@ class BatchStep:
     state: dict
     tables: dict
     view: Any
+    # a step of several dependent forwards (APD: the drafter's, then the verifier's over the drafts): forwards =
+    # ((model, mask, attention backend), ...) in order, and between forward f and f + 1 the stage
+    # mids[f](st, T, ctx, logits, k_win, v_win) -> (the next forward's part, ctx); None: one forward of the model
+    # `run` is given, with `mode` / `attn_backend`
+    forwards: tuple | None = None
+    mids: tuple = ()
 
 
 def batch_bucket(n: int) -> int:
@@ -121,19 +127,23 @@ def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
 
 
 def _batched_step(model, first: BatchStep, Bb: int, label: str):
-    """step(states, tables) -> [(state, info)] for Bb lanes: every lane's `pre`, ONE `model.forward_requests` over
-    their parts (per-request attention: no pool), every lane's `post`; with its own code object (Dynamo keeps
-    compiled graphs per code object)."""
-    pre, post, mode, backend = first.pre, first.post, first.mode, first.attn_backend
+    """step(states, tables) -> [(state, info)] for Bb lanes: every lane's `pre`, then per forward ONE
+    `forward_requests` over the lanes' parts (per-request attention: no pool) followed by every lane's next stage
+    (a `mids` entry, the last one `post`); with its own code object (Dynamo keeps compiled graphs per code
+    object)."""
+    fwds = first.forwards or ((model, first.mode, first.attn_backend),)
+    stages = (*first.mids, first.post)
+    if len(stages) != len(fwds):
+        raise ValueError(f"BatchStep {first.label}: {len(fwds)} forwards need {len(fwds) - 1} mids, got "
+                         f"{len(first.mids)}")  # fmt: skip
+    pre = first.pre
 
     def batched_step(states: list, tables: list) -> list:
-        parts, ctxs = [], []
-        for st, T in zip(states, tables):
-            part, ctx = pre(st, T)
-            parts.append(part)
-            ctxs.append(ctx)
-        outs = model.forward_requests(parts, mode, backend)
-        return [post(st, T, ctx, *o) for st, T, ctx, o in zip(states, tables, ctxs, outs)]
+        outs = [pre(st, T) for st, T in zip(states, tables)]  # (part, ctx) per lane
+        for (m, mode, backend), stage in zip(fwds, stages):
+            res = m.forward_requests([part for part, _ in outs], mode, backend)
+            outs = [stage(st, T, ctx, *o) for st, T, (_, ctx), o in zip(states, tables, outs, res)]
+        return outs  # (state, info) per lane
 
     return unique_code(batched_step, label)
 
