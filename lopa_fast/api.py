@@ -374,8 +374,8 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
     decoding that prompt alone. A strategy with a batch driver (vanilla, threshold, d2f, lopa, apd) on the fast
     backend runs every live request's windows in ONE forward per round / step (apd: one drafter forward, then one
     verifier forward; lopa_fast.decode.batch; with compile=True one compiled / captured batched step per step key:
-    lopa_fast.decode.compiled_batch, for all but threshold's dual cache); the reference backend, distributed=True
-    and compile=True dual-cache threshold requests decode the prompts one after another.
+    lopa_fast.decode.compiled_batch); the reference backend and distributed=True decode the prompts one after
+    another.
     on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)

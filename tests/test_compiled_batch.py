@@ -30,6 +30,9 @@ CASES = [
     ("llada", "threshold", dict(G16, block_length=8, threshold=0.5), (5, 5, 5)),
     ("llada", "threshold", dict(G16, block_length=8, cache="prefix", entropy_threshold=0.3, temperature=0.7), (4, 4, 4)),
     ("dream_mask", "threshold", dict(G16, block_length=8, cache="prefix", threshold=0.9, eos_token_id=7), (4, 4, 4)),
+    ("llada_mask", "threshold", dict(G16, block_length=4, cache="dual", threshold=0.9, count_noop_forward=True),
+     (4, 4, 4)),
+    ("dream", "threshold", dict(G16, block_length=4, cache="dual", entropy_threshold=1.5, temperature=0.7), (4, 4, 4)),
     ("dream", "d2f", dict(LOPA, use_full_attention=False), (3, 17, 9)),
     ("dream", "lopa", dict(LOPA, branching_factor=2, use_full_attention=True, return_trace=True), (3, 17, 9)),
     ("dream", "lopa", dict(LOPA, branching_factor=4, use_full_attention=False, sampling_strategy="margin"), (6, 11, 9)),
@@ -206,21 +209,17 @@ def test_lru_cap_holds_for_batched_graphs(models, captured):
 
 
 def test_batchable_and_engine_cover_compiled_requests(models, captured):
-    """compile=True requests of the five strategies batch (the server's BatchEngine takes them: `covers`); threshold's
-    dual cache and distributed requests still run alone; a strategy without compiled batched steps is not claimed."""
+    """compile=True requests of the five strategies batch (the server's BatchEngine takes them: `covers`); distributed
+    requests still run alone; a strategy without compiled batched steps is not claimed."""
     import dataclasses
 
     from lopa_fast import strategies
 
     cfg = lopa_fast.GenerateConfig
-    for strategy, kw in (("vanilla", {}), ("threshold", dict(cache="prefix")), ("d2f", {}), ("lopa", {})):
+    for strategy, kw in (("vanilla", {}), ("threshold", dict(cache="prefix")), ("threshold", dict(cache="dual")),
+                         ("d2f", {}), ("lopa", {}), ("apd", {})):
         assert batch.batchable(cfg(strategy=strategy, compile=True, **kw))
         assert batch.BatchEngine.covers(cfg(strategy=strategy, compile=True, **kw))
-    assert batch.batchable(cfg(strategy="apd", compile=True))
-    # not compiled in a batch (its compile=True requests run alone, its eager ones batch): threshold's dual cache (its
-    # forward writes the cache inside the layer loop)
-    dual = dict(strategy="threshold", cache="dual")
-    assert batch.batchable(cfg(**dual)) and not batch.batchable(cfg(compile=True, **dual))
     assert not batch.batchable(cfg(strategy="lopa", distributed=True, compile=True))
     spec = strategies.get("d2f")
     strategies.register(dataclasses.replace(spec, compile_batches=lambda c: False), replace=True)

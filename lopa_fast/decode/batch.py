@@ -26,7 +26,7 @@ of branch slots) stay within `max_rows` and the live requests within `max_slots`
 running request's tokens (each request's computation is independent of its neighbours).
 
 Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
-`compile_batches` (vanilla, threshold without the dual cache, d2f, lopa, apd): each round the scheduler asks every live
+`compile_batches` (vanilla, threshold, d2f, lopa, apd): each round the scheduler asks every live
 driver for its step as a `BatchStep` (`batch_step`; None: an eager step, e.g. d2f / lopa / apd's prefill), groups
 the compiled ones by their step key (geometry, bucket, statistics knobs) and runs each group as ONE compiled /
 captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two batch-size bucket with inert lanes,
@@ -34,8 +34,7 @@ one graph per (key, batch bucket), reused across rounds and requests; APD's two 
 ones share their forwards as above.
 So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
 lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
-token- and forward-exact with its solo eager run (tests/test_compiled_batch.py). Not compiled in a batch (its
-compiled requests run one at a time; eager ones batch): threshold's dual cache.
+token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations

@@ -14,6 +14,9 @@ requests with equal workspace keys have states of equal shapes), and the step sp
 plus the request's own state `st` and tables `T` (dicts of tensors of static shapes) and its `RequestView`. The
 step of one request alone is exactly pre -> `model.forward_static` -> post, so batching only changes which rows
 share the projections (the per-request attention path of `forward_requests`: each request over its own keys).
+A step of several dependent forwards (APD: the drafter's, then the verifier's over the drafts) names them in
+`forwards` ((model, mask, attention backend) each: anything with a `forward_requests`, e.g. threshold's in-place dual
+forward `steps.DualForward`) with a stage between two of them in `mids`; every forward runs once for the group.
 
 `run(steps)` (all of one key) pads the group to Bb = the next power of two with inert lanes and runs the key's
 batched callable over a *workspace* of Bb lanes (per workspace key, at least Bb lanes; clones of a request's state

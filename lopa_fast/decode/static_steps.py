@@ -240,6 +240,15 @@ def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes
     return _threshold_post(st, T, geo, kind, ctx, *_forward(model, a, geo))
 
 
+def _dual_pre(st: dict, geo: StepGeometry) -> tuple[dict, dict]:
+    """A dual step's `steps.dual_forwards` part: the block x[s : s + B] at positions s.. (0-d s), its K/V written over
+    cache rows [s, s + B), attending to the whole cache [0, L)."""
+    s = st["s"]
+    pos, valid, raw = _rows(s, s + geo.B, geo.B, geo.L, geo.shift, win_start=s)
+    return dict(tokens=st["x"].index_select(0, pos)[None], start=s, cache_k=st["ck"], cache_v=st["cv"],
+                prefix_len=geo.L, rows=raw), dict(pos=pos, valid=valid)
+
+
 def _threshold_pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """A threshold step's forward arguments (full / refresh / refresh_first / prefix) and its rows."""
     x, s, L, dev = st["x"], st["s"], geo.L, st["x"].device
@@ -390,9 +399,9 @@ def _dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, l
 def parts(geo: StepGeometry, kind: str, sizes: tuple):
     """(pre, post) of the step of `kind` on bucket `sizes` split around its forward (lopa_fast.decode.compiled_batch):
     pre(st, T) -> (forward arguments, ctx), post(st, T, ctx, logits, k_win, v_win) -> (st, {"logits"}); `step` is
-    exactly pre -> forward_static -> post. Not "dual" (its forward writes the cache inside the layer loop)."""
+    exactly pre -> forward_static -> post ("dual": pre -> steps.dual_forwards, the in-place forward -> post)."""
     if kind == "dual":
-        raise ValueError("static_steps.parts: kind='dual' has no separate forward (its requests run one at a time)")
+        return (lambda st, T: _dual_pre(st, geo)), (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o))
     if kind == "llada":
         return (lambda st, T: _llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _llada_post(st, T, geo, sizes, c, *o))
     if kind == "dream":
@@ -401,14 +410,16 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple):
             (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o)))  # fmt: skip
 
 
-def batch_step(compiled, view, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple):
+def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple):
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
-    sizes) and batch size; lopa_fast.decode.compiled_batch)."""
+    sizes) and batch size; lopa_fast.decode.compiled_batch). A "dual" step's forward is steps.DualForward (the
+    window's K/V written into each request's cache inside the layer loop)."""
     from lopa_fast.decode.compiled_batch import BatchStep
 
     pre, post = parts(geo, kind, sizes)
+    fwds = ((steps.DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),
-                     pre, post, "full", geo.attn_backend, st, T, view)  # fmt: skip
+                     pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)  # fmt: skip
 
 
 def _label(kind: str, sizes: tuple) -> str:

@@ -71,19 +71,11 @@ class ThresholdDriver:
         self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if compile_wanted(cfg, dev) and (cache is None or self.batch_compiles(cfg)):
+        if compile_wanted(cfg, dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.cview = self.compiled.view()
             self.geo = static_steps.geometry(model, cfg, self.L)
             self.cst, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, cache=cache)
-
-    @staticmethod
-    def batch_compiles(cfg) -> bool:
-        """Whether this config's steps run as compiled batched steps in a batch (the spec's `compile_batches`): cache
-        None / "prefix"; a "dual" step's forward writes the cache inside its layer loop (steps.DualForward), which no
-        static step split has: with compile=True dual requests run alone (compiled), with compile=None (auto, CUDA) a
-        batch runs them eagerly."""
-        return cfg.cache != "dual"
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's prefix cache: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -265,7 +257,7 @@ class ThresholdDriver:
         if self.compiled is None:
             return None
         _, sizes = self._compiled_plan(kind)
-        return static_steps.batch_step(self.compiled, self.cview, self.cst, self.T, self.geo, kind, sizes)
+        return static_steps.batch_step(self.compiled, self.cview, self.model, self.cst, self.T, self.geo, kind, sizes)
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""

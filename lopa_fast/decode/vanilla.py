@@ -261,7 +261,8 @@ class VanillaDriver:
         if self.compiled is None:
             return None
         self._pending = (lo, self.x.clone() if self.trace is not None else None)
-        return static_steps.batch_step(self.compiled, self.cview, self.st, self.T, self.geo, *self._kind(lo, e, i))
+        return static_steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo,
+                                       *self._kind(lo, e, i))  # fmt: skip
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""

@@ -53,13 +53,6 @@ def cache_rows(prompt_len: int, cfg) -> int:
     return prompt_len + cfg.max_new_tokens if cfg.cache is not None else 1
 
 
-def compile_batches(cfg) -> bool:
-    """Whether compiled requests of this config batch (the driver's rule: cache None / "prefix")."""
-    from lopa_fast.decode.threshold import ThresholdDriver
-
-    return ThresholdDriver.batch_compiles(cfg)
-
-
 def length_unit(cfg) -> int:
     return cfg.block_length if cfg.block_length is not None else cfg.block_size
 
@@ -68,5 +61,5 @@ SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
-    compile=True, compile_batches=compile_batches,
+    compile=True, compile_batches=lambda cfg: True,
 ))  # fmt: skip
