@@ -246,7 +246,7 @@ def _dual_pre(st: dict, geo: StepGeometry) -> tuple[dict, dict]:
     s = st["s"]
     pos, valid, raw = _rows(s, s + geo.B, geo.B, geo.L, geo.shift, win_start=s)
     return dict(tokens=st["x"].index_select(0, pos)[None], start=s, cache_k=st["ck"], cache_v=st["cv"],
-                prefix_len=geo.L, rows=raw), dict(pos=pos, valid=valid)
+                prefix_len=geo.L, rows=raw, attn_backend=geo.attn_backend), dict(pos=pos, valid=valid)
 
 
 def _threshold_pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:

@@ -78,12 +78,13 @@ class StepForward:
         return dual_forwards(self.model, [part])[0]
 
 
-def dual_forwards(model, parts: list[dict], attn_backend: str | None = None) -> list[torch.Tensor]:
+def dual_forwards(model, parts: list[dict]) -> list[torch.Tensor]:
     """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer.
 
     parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
     compiled / captured batched step, lopa_fast.decode.compiled_batch: then the rows are written with index_copy_
-    and nothing is checked on the host), cache_k / cache_v [num_layers,
+    and nothing is checked on the host; its part also names the attention backend, attn_backend), cache_k / cache_v
+    [num_layers,
     L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V overwrite its rows [start_r, start_r + n_r)
     in place before the window's queries attend to the whole cache [0, prefix_len_r)), rows [R_r] (the raw rows
     that get the LM head). Every op but attention is row-wise over the packed rows, the RoPE table is computed per
@@ -99,7 +100,6 @@ def dual_forwards(model, parts: list[dict], attn_backend: str | None = None) -> 
     ropes = [model._rope(q) for q in pos]
     rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
     no_window = torch.zeros(1, dtype=torch.long, device=dev)
-    kw = {} if attn_backend is None else {"backend": attn_backend}
 
     def attend(i, q, k, v):
         outs = []
@@ -113,7 +113,7 @@ def dual_forwards(model, parts: list[dict], attn_backend: str | None = None) -> 
                 ck[s : s + n] = k[0, sl]
                 cv[s : s + n] = v[0, sl]
             outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window, None,
-                                             "full", check=not st, **kw))  # fmt: skip
+                                             "full", check=not st, backend=p.get("attn_backend")))  # fmt: skip
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     h = model._layers(tokens, None, attend, rope=rope)[0]
@@ -132,7 +132,7 @@ class DualForward:
     model: Any
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend=None, pool=None) -> list[tuple]:
-        return [(logits, None, None) for logits in dual_forwards(self.model, parts, attn_backend)]
+        return [(logits, None, None) for logits in dual_forwards(self.model, parts)]
 
 
 def raw_rows(lo: int, hi: int, win_start: int, shift: bool, device) -> torch.Tensor:
