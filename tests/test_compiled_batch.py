@@ -222,7 +222,7 @@ def test_batchable_and_engine_cover_compiled_requests(models, captured):
         assert batch.BatchEngine.covers(cfg(strategy=strategy, compile=True, **kw))
     assert not batch.batchable(cfg(strategy="lopa", distributed=True, compile=True))
     spec = strategies.get("d2f")
-    strategies.register(dataclasses.replace(spec, compile_batches=lambda c: False), replace=True)
+    strategies.register(dataclasses.replace(spec, compile_batches=False), replace=True)
     try:
         assert batch.batchable(cfg(strategy="d2f")) and not batch.batchable(cfg(strategy="d2f", compile=True))
     finally:

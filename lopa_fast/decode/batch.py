@@ -59,7 +59,7 @@ def batchable(cfg) -> bool:
     spec = strategies.get(cfg.strategy)
     if spec.driver is None or not spec.batches(cfg) or cfg.distributed:
         return False
-    return cfg.compile is not True or spec.compile_batches(cfg)
+    return cfg.compile is not True or spec.compile_batches
 
 
 class Scheduler:
