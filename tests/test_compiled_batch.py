@@ -28,7 +28,8 @@ CASES = [
     ("llada", "vanilla", dict(G16, block_length=8, steps=8, cfg_scale=1.5), (4, 4, 4)),
     ("dream", "vanilla", dict(G16, steps=8, alg="entropy", temperature=0.7), (4, 4, 4)),
     ("llada", "threshold", dict(G16, block_length=8, threshold=0.5), (5, 5, 5)),
-    ("llada", "threshold", dict(G16, block_length=8, cache="prefix", entropy_threshold=0.3, temperature=0.7), (4, 4, 4)),
+    ("llada", "threshold", dict(G16, block_length=8, cache="prefix", entropy_threshold=0.3, temperature=0.7),
+     (4, 4, 4)),
     ("dream_mask", "threshold", dict(G16, block_length=8, cache="prefix", threshold=0.9, eos_token_id=7), (4, 4, 4)),
     ("llada_mask", "threshold", dict(G16, block_length=4, cache="dual", threshold=0.9, count_noop_forward=True),
      (4, 4, 4)),
@@ -68,8 +69,8 @@ def gen(model, p, strategy, **kw):
         return lopa_fast.generate(model, p, strategy, "fast", **kw)
 
 
-COUNTERS = ("forwards", "transferred", "multi_token_steps", "noop_forwards", "refresh_forwards", "accepted_by_threshold",
-            "fallback_fills", "multi_token_rounds", "eos_fills", "lookahead_wins")  # fmt: skip
+COUNTERS = ("forwards", "transferred", "multi_token_steps", "noop_forwards", "refresh_forwards",
+            "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "lookahead_wins")  # fmt: skip
 
 
 def same(got, solo):

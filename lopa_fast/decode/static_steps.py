@@ -403,9 +403,11 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple):
     if kind == "dual":
         return (lambda st, T: _dual_pre(st, geo)), (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o))
     if kind == "llada":
-        return (lambda st, T: _llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _llada_post(st, T, geo, sizes, c, *o))
+        return (lambda st, T: _llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _llada_post(st, T, geo, sizes, c,
+                                                                                                 *o))  # fmt: skip
     if kind == "dream":
-        return (lambda st, T: _dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _dream_post(st, T, geo, sizes, c, *o))
+        return (lambda st, T: _dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _dream_post(st, T, geo, sizes, c,
+                                                                                                 *o))  # fmt: skip
     return ((lambda st, T: _threshold_pre(st, T, geo, kind, sizes)),
             (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o)))  # fmt: skip
 
