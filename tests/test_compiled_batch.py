@@ -26,8 +26,8 @@ LOPA = dict(block_size=4, max_new_tokens=24, eos_token_id=5, skip_threshold=0.9)
 # so their requests share a graph at one prompt length; d2f / lopa buffers are rounded up (any lengths share)
 CASES = [
     ("llada", "vanilla", dict(G16, block_length=8, steps=8, cfg_scale=1.5), (4, 4, 4)),
-    ("dream", "vanilla", dict(G16, steps=8, alg="entropy", temperature=0.7), (4, 4, 4)),
-    ("llada", "threshold", dict(G16, block_length=8, threshold=0.5), (5, 5, 5)),
+    ("dream", "vanilla", dict(G16, steps=8, alg="entropy", temperature=0.7, return_trace=True), (4, 4, 4)),
+    ("llada", "threshold", dict(G16, block_length=8, threshold=0.5, return_trace=True), (5, 5, 5)),
     ("llada", "threshold", dict(G16, block_length=8, cache="prefix", entropy_threshold=0.3, temperature=0.7),
      (4, 4, 4)),
     ("dream_mask", "threshold", dict(G16, block_length=8, cache="prefix", threshold=0.9, eos_token_id=7), (4, 4, 4)),
@@ -100,7 +100,7 @@ def test_batched_compiled_equals_solo_eager(models, captured, case):
     for o, s in zip(outs, solo):
         same(o, s)
         assert o.stats["batched"] == len(ps)
-        if strategy == "lopa" and kw.get("return_trace"):
+        if kw.get("return_trace"):
             assert [r["accepted"] for r in o.trace] == [r["accepted"] for r in s.trace]
     # the three requests ran padded to a batch bucket of 4 (one inert lane) in one shared forward per key and round
     assert any(b[-1] == "x4" for b in outs[0].stats["compiled_buckets"]), outs[0].stats["compiled_buckets"]
