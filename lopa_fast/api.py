@@ -307,8 +307,8 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`.
     on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`.
     engine:   a lopa_fast.decode.batch.BatchEngine (the server's): a request it covers (`batchable`: a strategy with
-              a batch driver on the fast backend, not compile=True) joins its running batch (the same result as
-              decoding alone); others run here."""
+              a batch driver on the fast backend; with compile=True one whose driver runs compiled batched steps)
+              joins its running batch (the same result as decoding alone); others run here."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
     if is_batch(input_ids):
@@ -373,8 +373,10 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
     decoding that prompt alone. A strategy with a batch driver (vanilla, threshold, d2f, lopa, apd) on the fast
     backend runs every live request's windows in ONE forward per round / step (apd: one drafter forward, then one
-    verifier forward; lopa_fast.decode.batch); the reference backend, compile=True and
-    distributed=True decode the prompts one after another. on_round: one hook for all prompts or a list (one
+    verifier forward; lopa_fast.decode.batch; with compile=True one compiled / captured batched step per step key:
+    lopa_fast.decode.compiled_batch); the reference backend and distributed=True decode the prompts one after
+    another.
+    on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
     if len(hooks) != len(prompts):

@@ -19,7 +19,7 @@ def test_who_compiles():
     assert compile_wanted(cfg(compile=True), "cpu") and not compile_wanted(cfg(compile=False), "cuda")
     from lopa_fast.decode.batch import batchable
 
-    assert batchable(cfg()) and not batchable(cfg(compile=True))  # auto never trades batching away
+    assert batchable(cfg()) and batchable(cfg(compile=True))  # compiled requests batch too (compiled_batch)
 
 
 def test_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):

@@ -360,11 +360,12 @@ class FastApd:
             self.st["prev"] = torch.zeros(verifier.config.vocab_size, dtype=verifier.dtype, device=dev)
             verifier.fused_layers()
         self.host_reads = 0
-        self.compiled = None
+        self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if cache is None and compile_wanted(cfg, dev):  # a batch's request (a pool slot) runs eager steps
+        if compile_wanted(cfg, dev):  # alone: `_step`; in a batch (a pool slot): `batch_step`
             self.compiled = CompiledRounds.for_model(drafter, cfg)
+            self.cview = self.compiled.view()
 
     @property
     def attn_backend(self) -> str:
@@ -392,6 +393,54 @@ class FastApd:
         else:  # eager (and the prefill step, whose verifier window is the whole draft)
             self.st, self.info = apd_step(self.drafter, self.verifier, self.st, self.tables, self.geo, n, n_d, first,
                                           prefix=(left, curr))  # fmt: skip
+
+    # ---- a compiled / captured step in a batch (lopa_fast.decode.compiled_batch: one graph per bucket and batch size)
+    def batch_step(self, first: bool, curr: int, left: int, right: int):
+        """The coming step as a compiled batch's BatchStep (its two forwards, drafter then verifier, each shared by
+        the group), or None when it runs eagerly (compile off, or the prefill step: as alone)."""
+        if self.compiled is None or first:
+            return None
+        from lopa_fast.decode.compiled_batch import BatchStep
+
+        if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
+            self.st = {k: v if k in ("dk", "dv") else v.clone() for k, v in self.st.items()}  # own them (not the
+            self._owned = True  # pool slot's drafter cache)
+        geo, drafter, verifier, b = self.geo, self.drafter, self.verifier, self.geo.attn_backend
+        Nb, Db = pow2_bucket(right - left), pow2_bucket(right - curr)
+
+        def part(f: dict, k, v) -> dict:
+            return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
+                        win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
+
+        def pre(st: dict, T: dict):
+            a = draft_inputs(st, geo, Nb, Db, False, None)
+            return part(a, st["dk"], st["dv"]), a
+
+        if not geo.verify:  # leftright: the drafter's forward only
+
+            def post(st: dict, T: dict, a: dict, l_d, k_win, v_win):
+                drafted(st, T, geo, a, l_d, k_win, v_win)
+                return commit(st, T, geo, a)
+
+            mids, fwds = (), ((drafter, "full", b),)
+        else:
+
+            def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):
+                drafted(st, T, geo, a, l_d, k_win, v_win)
+                return part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
+
+            def post(st: dict, T: dict, a: dict, l_v, k_win, v_win):
+                verified(st, T, geo, a, False, l_v, k_win, v_win)
+                return commit(st, T, geo, a)
+
+            mids, fwds = (mid,), ((drafter, "full", b), (verifier, "causal", b))
+        key = ("apd", id(verifier), geo, Nb, Db)  # as alone: the verifier is bound into the callable
+        return BatchStep(self.compiled, key, (Nb, Db), f"apd_{Nb}x{Db}", ("apd", id(verifier), geo), pre, post,
+                         "full", b, self.st, self.tables, self.cview, forwards=fwds, mids=mids)  # fmt: skip
+
+    def take(self, st: dict, info: dict) -> None:
+        """The batched step's result for this request (its state, {"x0"}); then `read_head`."""
+        self.st, self.info = st, info
 
     # ---- one eager step in stages, for lopa_fast.decode.batch (each forward shared by many requests)
     def prepare(self, first: bool, curr: int, left: int, right: int) -> dict:
@@ -527,7 +576,7 @@ class FastApd:
         stats["host_reads"] = self.host_reads
         stats["host_reads_per_round"] = self.host_reads / max(1, stats["forwards"])
         if self.compiled is not None:
-            stats.update(self.compiled.stats())
+            stats.update(self.compiled.stats(self.cview))
         finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, self.clock.seconds, steps_plus_one=False)
         return GenerateOutput(ids, stats, self.trace)
 

@@ -23,8 +23,18 @@ runs one forward of the scheduler's model, as before.
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
 of branch slots) stay within `max_rows` and the live requests within `max_slots`; admission never changes a
-running request's tokens (each request's computation is independent of its neighbours). Eager rounds only
-(compile=True runs requests one at a time).
+running request's tokens (each request's computation is independent of its neighbours).
+
+Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
+`compile_batches` (vanilla, threshold, d2f, lopa, apd): each round the scheduler asks every live
+driver for its step as a `BatchStep` (`batch_step`; None: an eager step, e.g. d2f / lopa / apd's prefill), groups
+the compiled ones by their step key (geometry, bucket, statistics knobs) and runs each group as ONE compiled /
+captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two batch-size bucket with inert lanes,
+one graph per (key, batch bucket), reused across rounds and requests; APD's two forwards both inside it); the eager
+ones share their forwards as above.
+So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
+lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
+token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
@@ -34,6 +44,7 @@ from collections import deque
 import torch
 
 from lopa_fast import strategies
+from lopa_fast.decode import compiled_batch
 from lopa_fast.decode.shapes import LENGTH_QUANTUM
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
@@ -42,10 +53,13 @@ from lopa_fast.output import GenerateOutput
 
 
 def batchable(cfg) -> bool:
-    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's), eager
-    (compile=True runs requests one at a time), one process."""
+    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's) whose
+    steps of this config batch (`batches`), one process, and with compile=True a driver that runs compiled batched
+    steps (`compile_batches`; otherwise compiled requests run one at a time)."""
     spec = strategies.get(cfg.strategy)
-    return spec.driver is not None and spec.batches(cfg) and cfg.compile is not True and not cfg.distributed
+    if spec.driver is None or not spec.batches(cfg) or cfg.distributed:
+        return False
+    return cfg.compile is not True or spec.compile_batches
 
 
 class Scheduler:
@@ -83,6 +97,7 @@ class Scheduler:
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
+        self.last_groups = 0  # forwards of the last step (the eager one, one per compiled step key)
         self._next_id = 0
 
     @property
@@ -172,9 +187,25 @@ class Scheduler:
         self.last_batch = len(plan)
         if not plan:
             return finished
+        # a driver's compiled steps (compile=True, or auto on CUDA) come as BatchSteps (its optional `batch_step`;
+        # None: an eager step), grouped by key: one batched graph each (compiled_batch)
+        eager, groups = [], {}
+        for item in plan:
+            own = getattr(item[1], "batch_step", None)
+            step = own(*item[2]) if own is not None else None
+            if step is None:
+                eager.append(item)
+            else:
+                groups.setdefault(step.key, []).append((item[1], step))
         with round_scope():
-            ws = [dec.prepare(*b) for _, dec, b in plan]
-            self._forwards(plan, ws)
+            if eager:
+                self._forwards(eager, [dec.prepare(*b) for _, dec, b in eager])
+            for members in groups.values():
+                outs = compiled_batch.run([st for _, st in members], self.model)
+                for (dec, _), (st, info) in zip(members, outs):
+                    dec.take(st, info)
+                    dec.read_head()
+            self.last_groups = len(groups) + bool(eager)
         for rid, dec, _ in plan:
             try:
                 dec.after_round()
@@ -302,7 +333,8 @@ class BatchEngine:
 
     @staticmethod
     def covers(cfg) -> bool:
-        """Whether a bound config can join a batch (`batchable`: a strategy with a driver, eager, one process)."""
+        """Whether a bound config can join a batch (`batchable`: a strategy with a driver, one process, compiled only
+        with `compile_batches`)."""
         return batchable(cfg)
 
     def generate(self, prompt, cfg, on_round=None, verifier=None) -> GenerateOutput:

@@ -12,10 +12,12 @@ graph: `key`; float knobs are runtime inputs in the round's tables, never keys);
   static per bucket, so every bucket compiles exactly once.
 
 Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
-nothing. A workspace serves one request at a time (requests of one model run one after another). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
+nothing. A workspace serves one request at a time (a batch's requests use compiled_batch's lanes instead). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
 The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
 The same machinery (`_run`) serves the APD step (`apd_step`) and the vanilla / threshold steps (`steps_step`:
 lopa_fast.decode.static_steps, buckets (kind, *sizes), every step compiled, no prefill).
+Batched steps (many requests' steps of one key as one graph per batch-size bucket) use the same LRUs, counters and
+`capture`: lopa_fast.decode.compiled_batch.
 Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
 """
 from __future__ import annotations
@@ -77,6 +79,16 @@ class LRU(collections.OrderedDict):
             self.evicted += 1
 
 
+class RequestView:
+    """One request's compile statistics: fallback (its compile=None: a failed capture runs the step eagerly), graphs
+    built during it, the buckets it used, the seconds of the buckets it compiled (by label)."""
+
+    __slots__ = ("fallback", "graphs", "buckets", "seconds")
+
+    def __init__(self, fallback: bool):
+        self.fallback, self.graphs, self.buckets, self.seconds = fallback, 0, set(), {}
+
+
 class CompiledRounds:
     """The compiled / captured rounds of one model, keyed by bucket (at most MAX_BUCKETS, least recently used out)."""
 
@@ -90,18 +102,25 @@ class CompiledRounds:
         # compile=None: a failed capture runs the step eagerly), graphs, buckets used, seconds of buckets compiled
         self._local = threading.local()
 
-    def _request(self):
+    def _request(self) -> "RequestView":
         """This thread's current request view (an empty one before the thread's first `for_model`)."""
-        req = self._local
-        if not hasattr(req, "buckets"):
-            req.fallback, req.graphs, req.buckets, req.seconds = False, 0, set(), {}
-        return req
+        view = getattr(self._local, "view", None)
+        if view is None:
+            view = self._local.view = RequestView(False)
+        return view
 
-    def _count(self, n: int) -> None:
-        """n graphs compiled / captured for this thread's request (and the model's total). Dynamo's counter is
-        process-wide, so a compile on another thread at the same moment would be counted here too."""
+    def view(self) -> "RequestView":
+        """The current request's view (`for_model` just made it): a batch's request keeps it to be counted in
+        (`run_batch`, `stats(view)`), since one engine thread runs many requests."""
+        return self._request()
+
+    def _count(self, n: int, views=None) -> None:
+        """n graphs compiled / captured for this thread's request (or for each of `views`) and the model's total.
+        Dynamo's counter is process-wide, so a compile on another thread at the same moment would be counted here
+        too."""
         self.graphs += n
-        self._request().graphs += n
+        for view in views or (self._request(),):
+            view.graphs += n
 
     @classmethod
     def for_model(cls, model, cfg=None) -> "CompiledRounds":
@@ -110,8 +129,7 @@ class CompiledRounds:
         cr = _PER_MODEL.get(model)
         if cr is None:
             cr = _PER_MODEL[model] = cls()
-        req = cr._local
-        req.fallback, req.graphs, req.buckets, req.seconds = cfg is not None and cfg.compile is None, 0, set(), {}
+        cr._local.view = RequestView(cfg is not None and cfg.compile is None)
         return cr
 
     # ------------------------------------------------------------------------------------------------
@@ -241,13 +259,14 @@ class CompiledRounds:
             outputs = body()
         return graph.replay, outputs
 
-    def stats(self) -> dict:
-        """Per-request view: graphs built during this request, the buckets it used, and the seconds of each
-        bucket it compiled (empty on a warm cache)."""
+    def stats(self, view: "RequestView | None" = None) -> dict:
+        """Per-request view (this thread's current one, or `view`): graphs built during this request, the buckets it
+        used, and the seconds of each bucket it compiled (empty on a warm cache)."""
+        view = view or self._request()
         return {
-            "compiled_graphs": self._request().graphs,
-            "compiled_buckets": sorted(self._request().buckets),
-            "compile_seconds": dict(self._request().seconds),
+            "compiled_graphs": view.graphs,
+            "compiled_buckets": sorted(view.buckets),
+            "compile_seconds": dict(view.seconds),
         }
 
 

@@ -116,11 +116,12 @@ class FastDecoder:
 
             if _cpp.round_ops():
                 self.cpp_tables = rnd.cpp_tables(self.tables)
-        self.compiled = None
+        self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if cache is None and compile_wanted(cfg, dev):  # a batch's request (a pool slot) runs eager rounds
+        if compile_wanted(cfg, dev):  # alone: `_step`; in a batch (a pool slot): `batch_step`
             self.compiled = CompiledRounds.for_model(model, cfg)
+            self.cview = self.compiled.view()
 
     @property
     def mode(self) -> str:
@@ -150,6 +151,34 @@ class FastDecoder:
             self.st, self.info = rnd.round_step(
                 self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s
             )
+
+    # ---- a compiled / captured round in a batch (lopa_fast.decode.compiled_batch: one graph per bucket and batch size)
+    def batch_step(self, Nb: int, Rb: int, s: int):
+        """The coming round as a compiled batch's BatchStep, or None when it runs eagerly (compile off, or the
+        prefill round, whose bucket depends on the prompt length: as alone)."""
+        if self.compiled is None or self._rounds == 0:
+            return None
+        from lopa_fast.decode.compiled_batch import BatchStep
+
+        if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
+            self.st = {k: v if k in ("cache_k", "cache_v") else v.clone() for k, v in self.st.items()}  # own them
+            self._owned = True
+        geo, cfg = self.geo, self.cfg
+
+        def pre(st: dict, T: dict):
+            w = rnd.window_inputs(st, T, geo, Nb, Rb)
+            return dict(tokens=w["tokens"], start=st["s"], cache_k=st["cache_k"], cache_v=st["cache_v"],
+                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"]), w
+
+        def post(st: dict, T: dict, w: dict, logits, k_win, v_win):
+            return rnd.finish_round(st, T, geo, cfg, w, logits, k_win, v_win)
+
+        return BatchStep(self.compiled, self.compiled.key(geo, cfg, Nb, Rb), (Nb, Rb), f"round_{Nb}x{Rb}", geo, pre,
+                         post, geo.mode, geo.attn_backend, self.st, self.tables, self.cview)  # fmt: skip
+
+    def take(self, st: dict, info: dict) -> None:
+        """The batched step's result for this request (its state, its trace facts); then `read_head`."""
+        self.st, self.info = st, info
 
     # ---- one eager round in three stages, for lopa_fast.decode.batch (one forward for many requests)
     def prepare(self, Nb: int, Rb: int, s: int) -> dict:
@@ -304,7 +333,7 @@ class FastDecoder:
         stats["kv_prefix_bytes"] = kv.numel() * kv.element_size() * 2
         stats["kv_window_bytes"] = kv[:, :1].numel() * kv.element_size() * 2 * geo.NB * self.max_Nb
         if self.compiled is not None:
-            stats.update(self.compiled.stats())
+            stats.update(self.compiled.stats(self.cview))
         if self.dev.type == "cuda":
             stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.dev)
         finalize_stats(stats, ids, cfg.eos_token_id, geo.mask_id, clock.seconds, steps_plus_one=True)

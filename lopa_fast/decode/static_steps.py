@@ -132,19 +132,23 @@ def _temperature(geo: StepGeometry, T: dict):
 
 
 def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch.Tensor | None = None,
-         knobs: dict | None = None):
+         knobs: dict | None = None, cache=None):
     """(state, tables) of a request whose canvas is x [L] (prompt + masks); seed: the keyed sampler's (resolved);
     ts: Dream's timesteps [steps + 1] float32 on x's device (None elsewhere); knobs: `step_knobs(cfg)` (None: all
-    off)."""
+    off); cache: None (its own zero cache) or (k, v) views [layers, L or 1, Hkv, D] it uses in its place (a batch's
+    KV pool slot)."""
     dev = x.device
     c = model.config
     z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
     rows = geo.L if geo.cache is not None else 1  # no cache: the eager path's one unused row
     shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
-    cache = lambda: torch.zeros(shape, dtype=model.dtype, device=dev)  # noqa: E731
+    if cache is None:
+        cache = tuple(torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(2))
+    elif any(tuple(t.shape) != shape for t in cache):
+        raise ValueError(f"static_steps.init: cache views must be {shape}, got {[tuple(t.shape) for t in cache]}")
     st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
           "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),
-          "ck": cache(), "cv": cache()}  # fmt: skip
+          "ck": cache[0], "cv": cache[1]}  # fmt: skip
     T = {"P": z(P), "seed": z(keyed._s64(int(seed) % (1 << 64))),
          "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}  # fmt: skip
     T.update({name: knob((knobs or {}).get(name), dev) for name in KNOBS})
@@ -152,17 +156,25 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
 
 
 # ---- the forwards (static shapes; positions and prefix lengths are device tensors) -------------------------
-def _forward(model, st: dict, tokens: torch.Tensor, start, cache_len, win_lens, rows, geo) -> tuple:
-    return model.forward_static(tokens, start, st["ck"], st["cv"], cache_len, win_lens, None, "full", rows,
-                                attn_backend=geo.attn_backend)  # fmt: skip
+# A step's forward is described by its arguments (a `model.forward_requests` part: tokens, start, cache_k, cache_v,
+# prefix_len, win_lens, bids, rows): alone it runs as `forward_static` (`_forward`), in a compiled batch as one
+# request's part of the shared forward (lopa_fast.decode.compiled_batch).
+def _forward(model, a: dict, geo) -> tuple:
+    return model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
+                                None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
 
 
-def _full(model, st: dict, tokens: torch.Tensor, rows: torch.Tensor, geo) -> tuple:
-    """Cache-free forward of tokens [Bt, L] (as StepForward.full / refresh): (raw logits [R, V], K, V)."""
+def _args(st: dict, tokens: torch.Tensor, start, cache_len, win_lens, rows) -> dict:
+    return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=cache_len,
+                win_lens=win_lens, bids=None, rows=rows)  # fmt: skip
+
+
+def _full(st: dict, tokens: torch.Tensor, rows: torch.Tensor) -> dict:
+    """The cache-free forward of tokens [Bt, L] (as StepForward.full / refresh): its arguments."""
     Bt, n = tokens.shape
     zero = torch.zeros((), dtype=torch.long, device=tokens.device)
     win_lens = torch.full((Bt,), n, dtype=torch.long, device=tokens.device)
-    return _forward(model, st, tokens, zero, 0, win_lens, rows, geo)
+    return _args(st, tokens, zero, 0, win_lens, rows)
 
 
 def _dual(model, st: dict, win: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, geo) -> torch.Tensor:
@@ -244,26 +256,50 @@ def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_key
 def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """One threshold step (lopa_fast.decode.threshold's `step` after its forward) of `kind` on bucket `sizes`
     (module docstring); reads and replaces the tensors of st; no host read."""
-    from lopa_fast.sampling import threshold_stats
+    if kind == "dual":  # its forward writes the cache inside the layer loop: not a `forward_requests` part
+        pos, valid, raw = _rows(st["s"], st["s"] + geo.B, geo.B, geo.L, geo.shift, win_start=st["s"])
+        logits = _dual(model, st, st["x"].index_select(0, pos), st["s"], raw, geo)
+        return _threshold_post(st, T, geo, kind, dict(pos=pos, valid=valid), logits, None, None)
+    a, ctx = _threshold_pre(st, T, geo, kind, sizes)
+    return _threshold_post(st, T, geo, kind, ctx, *_forward(model, a, geo))
 
+
+def _dual_pre(st: dict, geo: StepGeometry) -> tuple[dict, dict]:
+    """A dual step's `steps.dual_forwards` part: the block x[s : s + B] at positions s.. (0-d s), its K/V written over
+    cache rows [s, s + B), attending to the whole cache [0, L)."""
+    s = st["s"]
+    pos, valid, raw = _rows(s, s + geo.B, geo.B, geo.L, geo.shift, win_start=s)
+    return dict(tokens=st["x"].index_select(0, pos)[None], start=s, cache_k=st["ck"], cache_v=st["cv"],
+                prefix_len=geo.L, rows=raw, attn_backend=geo.attn_backend), dict(pos=pos, valid=valid)
+
+
+def _threshold_pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
+    """A threshold step's forward arguments (full / refresh / refresh_first / prefix) and its rows."""
     x, s, L, dev = st["x"], st["s"], geo.L, st["x"].device
     if kind in ("full", "refresh"):  # candidates: every mask in [fm, e)
         pos, valid, raw = _rows(st["fm"], st["e"], sizes[0], L, geo.shift)
     elif kind == "refresh_first":  # the row predicting the block start
         pos, valid, raw = _rows(s, s + 1, 1, L, geo.shift)
-    else:  # "prefix" / "dual": the block [s, s + B) over a window starting at s
+    else:  # "prefix": the block [s, s + B) over a window starting at s
         pos, valid, raw = _rows(s, s + geo.B, geo.B, L, geo.shift, win_start=s)
-    if kind == "full":
-        logits = _full(model, st, x[None], raw, geo)[0]
-    elif kind in ("refresh", "refresh_first"):
-        logits, k, v = _full(model, st, x[None], raw, geo)
+    if kind == "prefix":
+        cols = (s + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
+        a = _args(st, x.index_select(0, cols)[None], s, s, (L - s).reshape(1), raw)
+    else:
+        a = _full(st, x[None], raw)
+    return a, dict(pos=pos, valid=valid)
+
+
+def _threshold_post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k, v) -> tuple[dict, dict]:
+    """A threshold step after its forward (raw logits [R, V]; a refresh's K/V [layers, 1, L, Hkv, D] become the
+    cache): statistics, the rule, the commit, the head."""
+    from lopa_fast.sampling import threshold_stats
+
+    x, L = st["x"], geo.L
+    pos, valid = ctx["pos"], ctx["valid"]
+    if kind in ("refresh", "refresh_first"):
         st["ck"].copy_(k[:, 0])  # all L rows: a "prefix" step reads (masks) only [0, s)
         st["cv"].copy_(v[:, 0])
-    elif kind == "prefix":
-        cols = (s + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
-        logits = _forward(model, st, x.index_select(0, cols)[None], s, s, (L - s).reshape(1), raw, geo)[0]
-    else:
-        logits = _dual(model, st, x.index_select(0, pos), s, raw, geo)
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == geo.mask_id) & valid
     only_first = kind == "refresh_first"  # Dream refresh: the block's first token, unconditionally
@@ -288,16 +324,28 @@ def threshold_step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes
 def llada_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
     """One vanilla LLaDA step (lopa_fast.decode.vanilla `_Loop.llada`'s body) on bucket (Rb, k): rows [fm, e),
     k = this step's transfer count."""
+    a, ctx = _llada_pre(st, T, geo, sizes)
+    return _llada_post(st, T, geo, sizes, ctx, *_forward(model, a, geo))
+
+
+def _llada_pre(st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
+    """Vanilla LLaDA's forward arguments: x (cfg_scale > 0: and its prompt-masked twin) on rows [fm, e)."""
+    x, L, dev = st["x"], geo.L, st["x"].device
+    pos, valid, raw = _rows(st["fm"], st["e"], sizes[0], L, False)
+    if geo.guidance:  # conditional and unconditional (prompt masked) rows in one forward
+        un_x = torch.where(torch.arange(L, device=dev) < T["P"], geo.mask_id, x)
+        return _full(st, torch.stack([x, un_x]), torch.cat([raw, raw + L])), dict(pos=pos, valid=valid)
+    return _full(st, x[None], raw), dict(pos=pos, valid=valid)
+
+
+def _llada_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None):
+    """Vanilla LLaDA's step after its forward (raw logits [Rb or 2 Rb, V]): the choice, the top-k commit."""
     Rb, k = sizes
     x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
-    pos, valid, raw = _rows(st["fm"], st["e"], Rb, L, False)
-    if geo.guidance:  # conditional and unconditional (prompt masked) rows in one forward
-        un_x = torch.where(torch.arange(L, device=dev) < T["P"], mask_id, x)
-        both = _full(model, st, torch.stack([x, un_x]), torch.cat([raw, raw + L]), geo)[0]
-        cond, un = both[:Rb], both[Rb:]
+    pos, valid = ctx["pos"], ctx["valid"]
+    if geo.guidance:
+        cond, un = logits[:Rb], logits[Rb:]
         logits = un + scaled(cond - un, T["cfg_scale"] + 1)  # as the eager `(cfg_scale + 1) * (cond - un)`
-    else:
-        logits = _full(model, st, x[None], raw, geo)[0]
     fwd = st["fwd"] + 1
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == mask_id) & valid
@@ -318,12 +366,23 @@ def llada_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
 def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
     """One vanilla Dream step (lopa_fast.decode.vanilla `_Loop.dream`'s body) on bucket (Rb, n): rows
     [min(fm, L - 1), L), n = this step's transfer count (unused by alg='origin')."""
+    a, ctx = _dream_pre(st, T, geo, sizes)
+    return _dream_post(st, T, geo, sizes, ctx, *_forward(model, a, geo))
+
+
+def _dream_pre(st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
+    """Vanilla Dream's forward arguments: x on rows [min(fm, L - 1), L)."""
+    pos, valid, raw = _rows(st["fm"].clamp(max=geo.L - 1), geo.L, sizes[0], geo.L, True)
+    return _full(st, st["x"][None], raw), dict(pos=pos, valid=valid)
+
+
+def _dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None):
+    """Vanilla Dream's step after its forward (raw logits [Rb, V]): its alg's reveal or top-n commit."""
     from lopa_fast.sampling import token_stats
 
     Rb, n = sizes
     x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
-    pos, valid, raw = _rows(st["fm"].clamp(max=L - 1), L, Rb, L, True)
-    logits = _full(model, st, x[None], raw, geo)[0]
+    pos, valid = ctx["pos"], ctx["valid"]
     fwd = st["fwd"] + 1
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == mask_id) & valid
@@ -363,6 +422,38 @@ def dream_step(model, st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tup
     return _finish(st, x, bad, geo, logits)
 
 
+def parts(geo: StepGeometry, kind: str, sizes: tuple):
+    """(pre, post) of the step of `kind` on bucket `sizes` split around its forward (lopa_fast.decode.compiled_batch):
+    pre(st, T) -> (forward arguments, ctx), post(st, T, ctx, logits, k_win, v_win) -> (st, {"logits"}); `step` is
+    exactly pre -> forward_static -> post ("dual": pre -> steps.dual_forwards, the in-place forward -> post)."""
+    if kind == "dual":
+        return (lambda st, T: _dual_pre(st, geo)), (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o))
+    if kind == "llada":
+        return (lambda st, T: _llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _llada_post(st, T, geo, sizes, c,
+                                                                                                 *o))  # fmt: skip
+    if kind == "dream":
+        return (lambda st, T: _dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _dream_post(st, T, geo, sizes, c,
+                                                                                                 *o))  # fmt: skip
+    return ((lambda st, T: _threshold_pre(st, T, geo, kind, sizes)),
+            (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o)))  # fmt: skip
+
+
+def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple):
+    """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
+    sizes) and batch size; lopa_fast.decode.compiled_batch). A "dual" step's forward is steps.DualForward (the
+    window's K/V written into each request's cache inside the layer loop)."""
+    from lopa_fast.decode.compiled_batch import BatchStep
+
+    pre, post = parts(geo, kind, sizes)
+    fwds = ((steps.DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
+    return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),
+                     pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)  # fmt: skip
+
+
+def _label(kind: str, sizes: tuple) -> str:
+    return kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
+
+
 def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """The step of `kind` (module docstring) on bucket `sizes`: (state, {"logits": raw logits [R, V]})."""
     if kind == "llada":
@@ -372,8 +463,8 @@ def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -
     return threshold_step(model, st, T, geo, kind, sizes)
 
 
-__all__ = ["HEAD", "StepGeometry", "dream_step", "geometry", "init", "llada_choice", "llada_step", "step",
-           "threshold_step"]
+__all__ = ["HEAD", "StepGeometry", "batch_step", "dream_step", "geometry", "init", "llada_choice", "llada_step",
+           "parts", "step", "threshold_step"]
 
 
 def run_compiled(compiled, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
@@ -387,5 +478,5 @@ def run_compiled(compiled, model, st: dict, T: dict, geo: StepGeometry, kind: st
 
         return unique_code(one_step, f"{kind}_{'x'.join(map(str, sizes))}")
 
-    label = kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
+    label = _label(kind, sizes)
     return compiled.run(("steps", geo, kind, sizes), (kind, *sizes), label, make, model, st, T, geo)

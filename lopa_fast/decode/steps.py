@@ -82,7 +82,10 @@ class StepForward:
 def dual_forwards(model, parts: list[dict]) -> list[torch.Tensor]:
     """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer.
 
-    parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: int), cache_k / cache_v [num_layers,
+    parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
+    compiled / captured batched step, lopa_fast.decode.compiled_batch: then the rows are written with index_copy_
+    and nothing is checked on the host; its part also names the attention backend, attn_backend), cache_k / cache_v
+    [num_layers,
     L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V overwrite its rows [start_r, start_r + n_r)
     in place before the window's queries attend to the whole cache [0, prefix_len_r)), rows [R_r] (the raw rows
     that get the LM head). Every op but attention is row-wise over the packed rows, the RoPE table is computed per
@@ -92,19 +95,26 @@ def dual_forwards(model, parts: list[dict]) -> list[torch.Tensor]:
     ns = [p["tokens"].shape[1] for p in parts]
     offs = [sum(ns[:r]) for r in range(len(ns))]
     tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
-    ropes = [model._rope(torch.arange(p["start"], p["start"] + n, device=dev)) for p, n in zip(parts, ns)]
+    static = [torch.is_tensor(p["start"]) for p in parts]
+    pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
+           for p, n, st in zip(parts, ns, static)]  # fmt: skip
+    ropes = [model._rope(q) for q in pos]
     rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
     no_window = torch.zeros(1, dtype=torch.long, device=dev)
 
     def attend(i, q, k, v):
         outs = []
-        for p, off, n in zip(parts, offs, ns):
+        for p, off, n, st, dst in zip(parts, offs, ns, static, pos):
             sl, s = slice(off, off + n), p["start"]
             ck, cv = p["cache_k"][i], p["cache_v"][i]
-            ck[s : s + n] = k[0, sl]
-            cv[s : s + n] = v[0, sl]
+            if st:  # a device start: no host int to slice with
+                ck.index_copy_(0, dst, k[0, sl])
+                cv.index_copy_(0, dst, v[0, sl])
+            else:
+                ck[s : s + n] = k[0, sl]
+                cv[s : s + n] = v[0, sl]
             outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window, None,
-                                             "full"))  # fmt: skip
+                                             "full", check=not st, backend=p.get("attn_backend")))  # fmt: skip
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     h = model._layers(tokens, None, attend, rope=rope)[0]

@@ -66,18 +66,23 @@ class ThresholdDriver:
         self.stopped = False
         # the block machine: block index, phase (start | full | refresh | cache), the last head's (full, fm)
         self.blk, self.phase, self.full, self.fm = 0, "start", False, self.P
-        self.compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
+        # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps), alone or in a batch (then
+        # its prefix cache is the pool slot's)
+        self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if cache is None and compile_wanted(cfg, dev):
+        if compile_wanted(cfg, dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
+            self.cview = self.compiled.view()
             self.geo = static_steps.geometry(model, cfg, self.L)
             self.cst, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed,
-                                                 knobs=static_steps.step_knobs(cfg))
+                                                 knobs=static_steps.step_knobs(cfg), cache=cache)
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's prefix cache: a batch's pool slot views (re-pointed when the pool grows)."""
         self.fw.cache_k, self.fw.cache_v = cache_k, cache_v
+        if getattr(self, "cst", None) is not None:  # (called from __init__ before the compiled state exists)
+            self.cst["ck"], self.cst["cv"] = cache_k, cache_v
 
     def _budget(self) -> bool:
         if self.stats["forwards"] >= self.cfg.max_rounds:
@@ -203,6 +208,13 @@ class ThresholdDriver:
 
     def read_head(self) -> None:
         """The step's one host read: the guard, block full, the first mask."""
+        if self.compiled is not None:  # the compiled step's head
+            self.stats["host_reads"] += 1
+            self._b, full, self.fm, _ = self.cst["head"].tolist()  # the step's one device-to-host read
+            self.full = bool(full)
+            self.x.copy_(self.cst["x"])  # the host's canvas (hook, trace, result): a device copy, no read
+            self._logits = self._info["logits"]
+            return
         s, e = self._w["s"], self._w["e"]
         self.stats["host_reads"] += 1
         b, full, self.fm = steps.read_head(self._bad, ~(self.x[s:e] == self.mask_id).any(),
@@ -223,20 +235,34 @@ class ThresholdDriver:
                                "window_start": wstart})  # fmt: skip
         self.stopped = after_step(self.x[self.P :], self.cfg, self.stats, self.on_round)
 
-    def compiled_step(self, kind: str) -> None:
-        """compile=True: the step as one compiled / captured callable, then the one host read and the rest."""
+    def _compiled_plan(self, kind: str) -> tuple[dict, tuple]:
+        """compile=True: the step's plan (prepare's) and bucket sizes; counts the forward, keeps the trace's canvas."""
         w = self.prepare(kind)
         s, e, fm, L = w["s"], w["e"], self.fm, self.L
         self._count(refresh=kind.startswith("refresh"))
         sizes = {"full": (bucket(max(e - fm, 1)),), "refresh": (bucket(max(e - fm, 1)),), "refresh_first": (1,),
                  "prefix": (bucket(L - s),), "dual": ()}[kind]  # fmt: skip
-        before = self.x.clone() if self.trace is not None else None
-        self.cst, info = static_steps.run_compiled(self.compiled, self.model, self.cst, self.T, self.geo, kind, sizes)
-        self.stats["host_reads"] += 1
-        b, full, self.fm, _ = self.cst["head"].tolist()  # the step's one device-to-host read
-        self.full = bool(full)
-        self.x.copy_(self.cst["x"])  # the host's canvas (hook, trace, result): a device copy, no read
-        self._after(b, info["logits"], w["lo"], before, w["wstart"])
+        self._w, self._before = w, (self.x.clone() if self.trace is not None else None)
+        return w, sizes
+
+    def compiled_step(self, kind: str) -> None:
+        """compile=True: the step as one compiled / captured callable, then the one host read and the rest."""
+        _, sizes = self._compiled_plan(kind)
+        self.cst, self._info = static_steps.run_compiled(self.compiled, self.model, self.cst, self.T, self.geo, kind,
+                                                         sizes)  # fmt: skip
+        self.read_head()
+        self.after_round()
+
+    def batch_step(self, kind: str):
+        """compile=True in a batch: the step as a compiled batch's BatchStep (lopa_fast.decode.compiled_batch)."""
+        if self.compiled is None:
+            return None
+        _, sizes = self._compiled_plan(kind)
+        return static_steps.batch_step(self.compiled, self.cview, self.model, self.cst, self.T, self.geo, kind, sizes)
+
+    def take(self, st: dict, info: dict) -> None:
+        """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""
+        self.cst, self._info = st, info
 
     def run(self, on_round=None) -> GenerateOutput:
         """Decode the request alone: every step through the stages above (or compiled), then the result."""
@@ -259,7 +285,7 @@ class ThresholdDriver:
         ids = self.x[self.P :].tolist()
         if self.compiled is not None:
             counters = {"multi_token_steps": self.cst["multi"], "noop_forwards": self.cst["noop"]}
-            stats.update(self.compiled.stats())
+            stats.update(self.compiled.stats(self.cview))
         stats.update({k: int(v) for k, v in counters.items()})
         stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
         finalize_stats(stats, ids, self.cfg.eos_token_id, self.mask_id, self.clock.seconds, steps_plus_one=False)

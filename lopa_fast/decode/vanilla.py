@@ -90,11 +90,13 @@ class VanillaDriver:
             self.timesteps = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)  # float32, as upstream
             self.ts = self.timesteps.cpu()  # one read per request: the transfer counts are host ints (topk's k)
             self.allpos = torch.arange(self.L, device=self.dev)
-        self.compiled = None  # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps)
+        # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps), alone or in a batch
+        self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if cache is None and compile_wanted(cfg, self.dev):
+        if compile_wanted(cfg, self.dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
+            self.cview = self.compiled.view()
             ts = None if self.llada else self.timesteps
             self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts,
                                                 static_steps.step_knobs(cfg))
@@ -212,7 +214,11 @@ class VanillaDriver:
         self.transferred += n
 
     def read_head(self) -> None:
-        """The step's one host read: the guard, the first mask and the masks left."""
+        """The step's one host read: the guard, the first mask and the masks left (a compiled batch step's:
+        `after_round`, with the rest of its bookkeeping)."""
+        if self.compiled is not None:
+            self._b = self._read_compiled_head()
+            return
         self.stats["host_reads"] += 1
         self._head = steps.read_head(self._bad, steps.first_mask(self.x, self.mask_id),
                                      (self.x == self.mask_id).sum())  # fmt: skip
@@ -220,6 +226,9 @@ class VanillaDriver:
 
     def after_round(self) -> None:
         """The guard's refusal, the trace entry and the hook (with a stop check) of the step just run."""
+        if self.compiled is not None:
+            self._compiled_after(self._info, *self._pending, self._b)
+            return
         self.step_index += 1
         if self._head[0] >= 0:
             steps.refuse(self._logits[self._head[0]], self._lo + self._head[0], self.stats["forwards"], "vanilla",
@@ -234,24 +243,47 @@ class VanillaDriver:
         if after_step(self.x[self.P :], self.cfg, self.stats, self.on_round):
             self.stopped = True
 
+    def _kind(self, lo: int, e: int, i: int) -> tuple[str, tuple]:
+        """compile=True: the step's kind and bucket sizes (lopa_fast.decode.static_steps)."""
+        if self.llada:
+            return "llada", (bucket(max(e - lo, 1)), self.schedule[i])
+        n = dream_count(self.n_mask, self.ts, i, self.n_steps) if self.cfg.alg != "origin" else 0
+        return "dream", (bucket(self.L - lo), n)
+
     def compiled_step(self, lo: int, e: int, i: int) -> None:
         """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,
         head), then the one host read, the guard, the trace and the hook."""
-        cfg = self.cfg
         before = self.x.clone() if self.trace is not None else None
-        if self.llada:
-            kind, sizes = "llada", (bucket(max(e - lo, 1)), self.schedule[i])
-        else:
-            n = dream_count(self.n_mask, self.ts, i, self.n_steps) if cfg.alg != "origin" else 0
-            kind, sizes = "dream", (bucket(self.L - lo), n)
-        self.st, info = static_steps.run_compiled(self.compiled, self.model, self.st, self.T, self.geo, kind, sizes)
-        self.x = self.st["x"]
-        self.count()
+        self.st, info = static_steps.run_compiled(self.compiled, self.model, self.st, self.T, self.geo,
+                                                  *self._kind(lo, e, i))  # fmt: skip
+        self._compiled_after(info, lo, before, self._read_compiled_head())
+
+    def batch_step(self, lo: int, e: int, i: int):
+        """compile=True in a batch: the step as a compiled batch's BatchStep (lopa_fast.decode.compiled_batch)."""
+        if self.compiled is None:
+            return None
+        self._pending = (lo, self.x.clone() if self.trace is not None else None)
+        return static_steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo,
+                                       *self._kind(lo, e, i))  # fmt: skip
+
+    def take(self, st: dict, info: dict) -> None:
+        """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""
+        self.st, self._info = st, info
+
+    def _read_compiled_head(self) -> int:
+        """A compiled step's one host read (its head): the first non-finite row (or -1); sets the first mask and the
+        masks left."""
         self.stats["host_reads"] += 1
         b, _, self.fm, self.n_mask = self.st["head"].tolist()
+        return b
+
+    def _compiled_after(self, info: dict, lo: int, before, b: int) -> None:
+        """After a compiled step and its host read: the counters, the guard, the trace and the hook."""
+        self.x = self.st["x"]
+        self.count()
         self.step_index += 1
         if b >= 0:
-            steps.refuse(info["logits"][b], lo + b, self.stats["forwards"], "vanilla", cfg.temperature)
+            steps.refuse(info["logits"][b], lo + b, self.stats["forwards"], "vanilla", self.cfg.temperature)
         self._record(before)
 
     def run(self, on_round=None) -> GenerateOutput:
@@ -273,7 +305,7 @@ class VanillaDriver:
         cfg, stats = self.cfg, self.stats
         stats["transferred"] = int(self.transferred if self.compiled is None else self.st["transferred"])
         if self.compiled is not None:
-            stats.update(self.compiled.stats())
+            stats.update(self.compiled.stats(self.cview))
         stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
         ids = self.x[self.P :].tolist()
         finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, self.clock.seconds, steps_plus_one=False)

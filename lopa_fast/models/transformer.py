@@ -433,8 +433,9 @@ class DecoderLM(nn.Module):
           equals the per-request path up to float summation order in the window part (logits within the kernels'
           tolerance, tokens equal on the parity grid: tests/test_kv_pool.py).
 
-        parts[r]: dict(tokens [NB_r, Nb_r], start (int, the window start), cache_k / cache_v
-        [num_layers, Lc_r, Hkv, D], prefix_len (int, committed rows), win_lens [NB_r], bids [NB_r, Nb_r] or
+        parts[r]: dict(tokens [NB_r, Nb_r], start (int or 0-d long tensor, the window start), cache_k / cache_v
+        [num_layers, Lc_r, Hkv, D], prefix_len (committed rows: an int, or a 0-d long tensor in a compiled /
+        captured batched step, lopa_fast.decode.compiled_batch: no host read), win_lens [NB_r], bids [NB_r, Nb_r] or
         None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head), and with a pool: slot (int, the
         request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
         D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
@@ -465,16 +466,20 @@ class DecoderLM(nn.Module):
         else:
             masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
                      for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
+            # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
+            # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
+            prefix_ok = [prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev)
+                         if b == "torch" and torch.is_tensor(p["prefix_len"]) else None for p in parts]  # fmt: skip
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
-                for p, off, (NBr, Nbr), vis in zip(parts, offs, shapes, masks):
+                for p, off, (NBr, Nbr), vis, ok in zip(parts, offs, shapes, masks, prefix_ok):
                     sl = slice(off, off + NBr * Nbr)
                     qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
                     kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
                     if b == "torch":
                         a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                   vis, None)  # fmt: skip
+                                                   vis, ok)  # fmt: skip
                     else:
                         a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
                                                  p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip

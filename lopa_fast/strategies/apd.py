@@ -126,6 +126,6 @@ def cache_rows(prompt_len: int, cfg) -> int:
 SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
     reference="lopa_fast.reference.apd:generate", fast="lopa_fast.decode.apd:generate", knobs=KNOBS,
-    validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True, default_sampler="upstream",
-    check_models=check_models,
+    validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True,
+    compile_batches=True, default_sampler="upstream", check_models=check_models,
 ))  # fmt: skip

@@ -38,5 +38,5 @@ SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
     validate=check_strict_length, length_unit=block_size, driver=driver, cache_rows=cache_rows, compile=True,
-    distributed=True,
+    compile_batches=True, distributed=True,
 ))  # fmt: skip

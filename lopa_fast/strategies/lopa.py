@@ -23,5 +23,5 @@ SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.reference.lopa:generate", fast="lopa_fast.decode.lopa:generate",
     validate=check_strict_length, length_unit=block_size, rows=rows, driver=driver, cache_rows=cache_rows,
-    compile=True, distributed=True,
+    compile=True, compile_batches=True, distributed=True,
 ))  # fmt: skip

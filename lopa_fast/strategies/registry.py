@@ -59,6 +59,9 @@ class Strategy:
     batches:    batches(cfg): whether the driver's steps of this config can share a forward (default: all; a
                 config whose steps cannot runs its requests one at a time).
     compile:    compile=True is implemented on its fast path.
+    compile_batches: its driver runs compiled / captured batched steps (`batch_step(*bucket)` -> a
+                lopa_fast.decode.compiled_batch.BatchStep or None for an eager step, `take(state, info)`), so that
+                compile=True requests share a forward too (default: no, such requests run one at a time).
     distributed: distributed=True (the round's branch slots over the ranks) is implemented.
     default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
                 upstream's draw order, reference only; APD's, for exactness with upstream).
@@ -79,6 +82,7 @@ class Strategy:
     cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
     batches: Callable[[Any], bool] = lambda cfg: True
     compile: bool = False
+    compile_batches: bool = False
     distributed: bool = False
     default_sampler: str = "keyed"
     check_models: Callable | str | None = None

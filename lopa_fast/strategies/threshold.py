@@ -61,5 +61,5 @@ SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
-    compile=True,
+    compile=True, compile_batches=True,
 ))  # fmt: skip

@@ -95,5 +95,5 @@ SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.reference.vanilla:generate", fast="lopa_fast.decode.vanilla:generate",
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
-    length_unit=length_unit, rows=rows, driver=driver, compile=True,
+    length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True,
 ))  # fmt: skip

@@ -1,0 +1,225 @@
+"""Batched compiled rounds: the live requests of a batch whose next step has the same key run it as ONE compiled /
+captured callable (one shared forward + every request's bookkeeping), one graph per (step key, batch-size bucket),
+the way nano-vllm captures its decode step once per batch size.
+
+A driver that can (its spec's `compile_batches`) describes its coming step as a `BatchStep`: the step's key (every
+Python constant its code bakes in: geometry, bucket, statistics knobs), its workspace key (the shapes of its state:
+requests with equal workspace keys have states of equal shapes), and the step split around its forward:
+
+    pre(st, T)  -> (part, ctx)       part: this request's `model.forward_requests` part (tokens, start, cache_k,
+                                     cache_v, prefix_len, win_lens, bids, rows; positions and prefix lengths may
+                                     be 0-d device tensors), ctx: what post needs
+    post(st, T, ctx, logits, k_win, v_win) -> (st, info)
+
+plus the request's own state `st` and tables `T` (dicts of tensors of static shapes) and its `RequestView`. The
+step of one request alone is exactly pre -> `model.forward_static` -> post, so batching only changes which rows
+share the projections (the per-request attention path of `forward_requests`: each request over its own keys).
+A step of several dependent forwards (APD: the drafter's, then the verifier's over the drafts) names them in
+`forwards` ((model, mask, attention backend) each: anything with a `forward_requests`, e.g. threshold's in-place dual
+forward `steps.DualForward`) with a stage between two of them in `mids`; every forward runs once for the group.
+
+`run(steps)` (all of one key) pads the group to Bb = the next power of two with inert lanes and runs the key's
+batched callable over a *workspace* of Bb lanes (per workspace key, at least Bb lanes; clones of a request's state
+and tables, reused by every later group of the same shapes): each request's state is copied into its lane
+(`torch._foreach_copy_`: one fused copy on CUDA; tables only when the lane last held another request's), the
+callable runs, and the lane's new state is copied back into the request's own tensors (its cache: the KV pool slot
+view, updated in place). Lanes past the group's size keep whatever state they last held: every step is in range
+whatever the state (as a CUDA capture's warm-up already requires), and their results are never read, so they
+never touch a real request. On CUDA (or `emulate_graphs`) the callable is captured as one CUDA graph over the
+lanes; on CPU it is `torch.compile(fullgraph=True, dynamic=False)` of the same function on the same lane tensors
+(so its guards see the same inputs every call). The graphs and workspaces live in the model's `CompiledRounds`
+LRUs (bounded by MAX_BUCKETS). This module, like compiled.py, knows no strategy.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from lopa_fast.decode.compiled import _COMPILING, _dynamo_graphs, _log_done, log, unique_code
+from lopa_fast.decode.shapes import pow2_bucket
+
+
+@dataclass
+class BatchStep:
+    """One request's coming step, as the batched callable needs it (module docstring). key / bucket / label /
+    workspace / pre / post / mode / attn_backend are the same for every request of one key (the first one's are
+    used); state, tables, view are the request's own. rounds: the model's CompiledRounds."""
+
+    rounds: Any
+    key: tuple
+    bucket: tuple
+    label: str
+    workspace: Any
+    pre: Callable
+    post: Callable
+    mode: str
+    attn_backend: str
+    state: dict
+    tables: dict
+    view: Any
+    # a step of several dependent forwards (APD: the drafter's, then the verifier's over the drafts): forwards =
+    # ((model, mask, attention backend), ...) in order, and between forward f and f + 1 the stage
+    # mids[f](st, T, ctx, logits, k_win, v_win) -> (the next forward's part, ctx); None: one forward of the model
+    # `run` is given, with `mode` / `attn_backend`
+    forwards: tuple | None = None
+    mids: tuple = ()
+
+
+def batch_bucket(n: int) -> int:
+    """The batch-size bucket of a group of n requests: the next power of two (1, 2, 4, 8, ...)."""
+    return pow2_bucket(n, 1)
+
+
+def run(steps: list[BatchStep], model) -> list[tuple[dict, dict]]:
+    """Run one step of every request in `steps` (one key) as the key's batched callable; returns per request (its
+    state dict, its values updated in place; its info: graph-owned tensors under a capture, rewritten by the next
+    replay of this key)."""
+    first = steps[0]
+    cr, n = first.rounds, len(steps)
+    Bb = batch_bucket(n)
+    key = ("batch", Bb, first.key)
+    bucket = (*first.bucket, f"x{Bb}")
+    label = f"{first.label}_x{Bb}"
+    views = [s.view for s in steps]
+    for v in views:
+        v.buckets.add(bucket)
+    entry = cr.fns.get(key)
+    if entry is None:
+        t0, g0 = time.perf_counter(), _dynamo_graphs()
+        entry = _build(cr, first, model, Bb, label, views)
+        cr.fns[key] = entry
+        out = _call(entry, steps)
+        if not entry.captured:
+            cr._count(_dynamo_graphs() - g0, views)
+        cr.compile_seconds[key] = time.perf_counter() - t0
+        for v in views:
+            v.seconds[label] = round(cr.compile_seconds[key], 3)
+        _log_done("the batched step " + label, cr.compile_seconds[key], entry.captured)
+        return out
+    g0 = _dynamo_graphs()
+    out = _call(entry, steps)
+    if not entry.captured:
+        cr._count(_dynamo_graphs() - g0, views)  # a recompile inside a bucket would show here
+    return out
+
+
+class _Entry:
+    """A key's batched callable: lanes (its workspace's first Bb (state, tables) pairs), replay() -> flat info
+    {"lane.name": tensor}, captured (a CUDA graph, real or emulated) or compiled, and which lane last got which
+    request's tables."""
+
+    def __init__(self, lanes, replay, captured: bool, owners: list):
+        self.lanes, self.replay, self.captured, self.owners = lanes, replay, captured, owners
+
+
+def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
+    """The workspace of first.workspace with at least Bb lanes (a new one, from clones of this request's state and
+    tables, when there is none, it is smaller or its state has other fields); returns (lanes, table owners)."""
+    wkey = ("batch", first.workspace)
+    ws = cr.workspaces.get(wkey)
+    if ws is None or len(ws["lanes"]) < Bb or ws["lanes"][0][0].keys() != first.state.keys():
+        lanes = [({k: v.clone() for k, v in first.state.items()}, {k: v.clone() for k, v in first.tables.items()})
+                 for _ in range(Bb)]  # fmt: skip
+        # graphs captured over an older (smaller) workspace keep theirs alive; later keys use this one
+        ws = cr.workspaces[wkey] = {"lanes": lanes, "owners": [None] * Bb}
+    return ws["lanes"][:Bb], ws["owners"]
+
+
+def _batched_step(model, first: BatchStep, Bb: int, label: str):
+    """step(states, tables) -> [(state, info)] for Bb lanes: every lane's `pre`, then per forward ONE
+    `forward_requests` over the lanes' parts (per-request attention: no pool) followed by every lane's next stage
+    (a `mids` entry, the last one `post`); with its own code object (Dynamo keeps compiled graphs per code
+    object)."""
+    fwds = first.forwards or ((model, first.mode, first.attn_backend),)
+    stages = (*first.mids, first.post)
+    if len(stages) != len(fwds):
+        raise ValueError(f"BatchStep {first.label}: {len(fwds)} forwards need {len(fwds) - 1} mids, got "
+                         f"{len(first.mids)}")  # fmt: skip
+    pre = first.pre
+
+    def batched_step(states: list, tables: list) -> list:
+        outs = [pre(st, T) for st, T in zip(states, tables)]  # (part, ctx) per lane
+        for (m, mode, backend), stage in zip(fwds, stages):
+            res = m.forward_requests([part for part, _ in outs], mode, backend)
+            outs = [stage(st, T, ctx, *o) for st, T, (_, ctx), o in zip(states, tables, outs, res)]
+        return outs  # (state, info) per lane
+
+    return unique_code(batched_step, label)
+
+
+def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
+    lanes, owners = _lanes(cr, first, Bb)
+    step = _batched_step(model, first, Bb, label)
+
+    def body(states: list, tables: list, write: bool = True) -> dict:  # the step on the lanes, written back
+        outs = step([dict(S) for S in states], tables)  # into them (write); returns the flat info
+        flat = {}
+        for j, (S, (out, info)) in enumerate(zip(states, outs)):
+            for k, v in out.items():
+                if write and v is not S[k]:  # in-place updates (the cache's commits) are there already
+                    S[k].copy_(v)
+            for k, v in info.items():
+                if v is not None:
+                    flat[f"{j}.{k}"] = v
+        return flat
+
+    states, tables = [S for S, _ in lanes], [T for _, T in lanes]
+    captured = first.state[next(iter(first.state))].is_cuda or cr.emulate_graphs
+    if captured:
+        log.debug("capturing the batched step %s (a CUDA graph)...", label)
+        try:
+            # warm-up on scratch copies (kernels compile / autotune), then the capture over the lanes
+            def warmup():
+                return None, body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False)
+
+            replay, flat = cr.capture(warmup, lambda: body(states, tables))
+            cr._count(1, views)
+            graph_replay = replay
+
+            def replay_fn() -> dict:
+                graph_replay()
+                return flat
+        except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this key runs eagerly
+            if not first.view.fallback:
+                raise
+            warnings.warn(f"compile (auto): capturing the batched step {label} failed ({type(e).__name__}: {e}); "
+                          "it runs eagerly (pass compile=True to make it an error)", RuntimeWarning,
+                          stacklevel=3)  # fmt: skip
+
+            def replay_fn() -> dict:
+                return body(states, tables)
+        return _Entry(lanes, replay_fn, True, owners)
+    log.info(_COMPILING, "the batched step " + label)
+    fn = torch.compile(unique_code(body, f"{label}_body"), fullgraph=True, dynamic=False)
+    return _Entry(lanes, lambda: fn(states, tables), False, owners)
+
+
+def _call(entry: _Entry, steps: list[BatchStep]) -> list[tuple[dict, dict]]:
+    """Load each request into its lane, run the callable, copy each lane's new state back; per request (state,
+    info)."""
+    lanes, owners = entry.lanes, entry.owners
+    for j, s in enumerate(steps):
+        S, TS = lanes[j]
+        if S.keys() != s.state.keys():
+            raise RuntimeError(f"batched step: request state fields {sorted(s.state)} differ from its workspace's "
+                               f"{sorted(S)} (one workspace key must mean one state layout)")  # fmt: skip
+        names = list(S)
+        torch._foreach_copy_([S[k] for k in names], [s.state[k] for k in names])
+        if owners[j] is not s.tables:  # request constants: loaded when the lane last held another request
+            tn = list(TS)
+            torch._foreach_copy_([TS[k] for k in tn], [s.tables[k] for k in tn])
+            owners[j] = s.tables
+    flat = entry.replay()
+    out = []
+    for j, s in enumerate(steps):
+        S = lanes[j][0]
+        names = list(S)
+        torch._foreach_copy_([s.state[k] for k in names], [S[k] for k in names])
+        prefix = f"{j}."
+        info = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+        out.append((s.state, info))
+    return out
