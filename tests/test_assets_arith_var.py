@@ -18,7 +18,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 
 @pytest.mark.parametrize("name,kind", [("ar-arith-var", "qwen2"), ("d2f-arith-var", "Dream"),
-                                       ("dparallel-arith-var", "Dream"), ("mdm-arith-var", "Dream")])
+                                       ("dparallel-arith-var", "Dream"), ("mdm-arith-var", "Dream"),
+                                       ("dparallel-mdm-arith-var", "Dream")])
 def test_layout_and_vocabulary(name, kind):
     path = model_dir(name)
     for f in FILES:
@@ -52,18 +53,19 @@ def test_teacher_answers_held_out_problems_left_to_right(name):
     assert acc["left_to_right"] >= 7 / 8, acc
 
 
-def test_student_answers_held_out_problems_under_the_entropy_threshold():
-    """The dParallel student through lopa_fast.generate with the eval's dparallel-h0.45 row (several tokens per
+@pytest.mark.parametrize("name", ["dparallel-arith-var", "dparallel-mdm-arith-var"])
+def test_student_answers_held_out_problems_under_the_entropy_threshold(name):
+    """The dParallel students through lopa_fast.generate with the eval's dparallel-h0.45 row (several tokens per
     forward: fewer than the 96 of one token per forward)."""
     from lopa_fast.tasks import evaluate
 
-    model = lopa_fast.load_model(model_dir("dparallel-arith-var"), dtype=torch.float32)
-    tok = lopa_fast.load_tokenizer(model_dir("dparallel-arith-var"))
+    model = lopa_fast.load_model(model_dir(name), dtype=torch.float32)
+    tok = lopa_fast.load_tokenizer(model_dir(name))
     knobs = evaluate.task_rows("arith-var")["dparallel-h0.45"]
     correct = forwards = 0
-    for p in arith_var.generate("test", 4, seed=3):
+    for p in arith_var.generate("test", 8, seed=0):  # the eval's first 8 (held-out: 97% and 94% of its 100)
         ids = torch.tensor(evaluate.prompt_ids(tok, p), dtype=torch.long)
         out = lopa_fast.generate(model, ids, max_new_tokens=arith_var.GEN_LEN, temperature=0.0, **knobs)
         correct += tasks.extract_answer(tok.decode(out.generated_ids, skip_special_tokens=True)) == p.answer
         forwards += out.stats["forwards"]
-    assert correct >= 3 and forwards < 4 * arith_var.GEN_LEN / 2, (correct, forwards)
+    assert correct >= 6 and forwards < 8 * arith_var.GEN_LEN / 2, (correct, forwards)

@@ -58,7 +58,7 @@ def test_tokenizer_round_trip_and_lengths():
 
 
 @pytest.mark.parametrize("name", ["d2f-arith", "ar-arith", "d2f-arith-var", "ar-arith-var", "dparallel-arith-var",
-                                  "mdm-arith-var"])
+                                  "mdm-arith-var", "dparallel-mdm-arith-var"])
 def test_shipped_tokenizers_join_digits_wherever_loaded_from(name):
     """How text is spelled belongs to the tokenizer: each shipped model's tokenizer.json, loaded by path, decodes
     "49" as "49" (it used to decode "4 9" unless the caller knew the model was the embedded one)."""

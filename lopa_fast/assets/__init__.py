@@ -8,6 +8,7 @@
     d2f-arith-var/ the Dream-architecture model of the arith-var task, the dParallel teacher (README.md here)
     dparallel-arith-var/ its dParallel (certainty-forcing) student
     mdm-arith-var/ the base teacher in LLaDA's regime (plain masked diffusion, issue 27)
+    dparallel-mdm-arith-var/ its dParallel student (LLaDA's semi-AR certainty-forcing views)
 """
 from __future__ import annotations
 
