@@ -102,23 +102,32 @@ def test_semiar_masks_clean_blocks_then_one_active_block_then_masks():
     assert seen == set(range(R // B + 1))
 
 
-def test_trajectories_keep_only_correct_answers(monkeypatch):
+@pytest.mark.parametrize("order", ["entropy", "left_to_right"])
+def test_trajectories_keep_only_correct_answers(monkeypatch, order):
     problems = tasks.generate_task("arith-var", "train", 6, seed=1)
 
     def fake_fill(model, batch, gen_len, alg="max_prob"):  # the reference answers, rows 1 and 4 wrong
-        assert alg == "entropy"
+        assert alg == order  # the teacher's fill order (train.greedy's alg) reaches the decode
         rows = torch.arange(len(batch.ids))[:, None]
         out = batch.ids[rows, batch.prompt_lens[:, None] + torch.arange(gen_len)[None]].clone()
         out[[1, 4]] = TOK.token_to_id("7")
         return out
 
     monkeypatch.setattr(greedy, "greedy_fill", fake_fill)
-    traj = cf.collect_trajectories(_tiny(), problems, TOK, GEN, batch_size=8)
+    traj = cf.collect_trajectories(_tiny(), problems, TOK, GEN, batch_size=8, order=order)
     assert traj.kept == 4 and traj.total == 6
     assert traj.answers == [problems[i].answer for i in (0, 2, 3, 5)]
     monkeypatch.setattr(greedy, "greedy_fill", lambda m, b, g, alg: torch.full((len(b.ids), g), 3))
     with pytest.raises(ValueError, match="none of the teacher"):
         cf.collect_trajectories(_tiny(), problems, TOK, GEN)
+
+
+def test_bad_trajectory_order_or_views_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="traj_order='diagonal'; allowed: max_prob, entropy, left_to_right"):
+        cf.train(tmp_path / "x", log=lambda *_: None, traj_order="diagonal")
+    with pytest.raises(ValueError, match="views='blocks'; allowed: dream, semiar"):
+        cf.train(tmp_path / "y", log=lambda *_: None, views="blocks")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_short_distillation_lowers_masked_entropy(tmp_path):

@@ -7,7 +7,8 @@ model on the embedded tasks.
 
 1. Trajectories. The teacher decodes `n_problems` train-split prompts one token per forward (full attention over
    prompt + the whole region, the lowest-entropy masked position first: Dream's alg="entropy", the eval's vanilla
-   row; `greedy.greedy_fill(alg="entropy")`, batched). Only answers whose final answer is right are kept
+   row; `greedy.greedy_fill(alg="entropy")`, batched; `--traj-order left_to_right`: the leftmost mask first, LLaDA's
+   semi-AR sampler at block length 1). Only answers whose final answer is right are kept
    (dParallel filters its LLaDA / Dream self-generated data the same way). Every target token is the teacher's
    own: self-distillation, no reference solutions. They are written to OUT/trajectories.pt (reused on resume).
 2. Views (spec 4.3). `--views dream` (default; the Dream variant: no block structure): the active segment is the
@@ -56,7 +57,7 @@ DEFAULTS = dict(
     traj_batch=64,
     batch=16, steps=600, lr=1e-4, min_lr_frac=0.1, warmup=30, weight_decay=0.01, lam=1.0, temperature=0.5,
     mask_t=0.5, seed=0, eval_every=200, eval_n=32, entropy_threshold=0.45, eval_block=8, threads=1,
-    ckpt_every=50, stop_at=0, views="dream", view_block=8,
+    ckpt_every=50, stop_at=0, views="dream", view_block=8, traj_order="entropy",
 )
 VIEWS = ("dream", "semiar")  # spec 4.3's two masking variants (Dream: the whole response; LLaDA: semi-AR blocks)
 
@@ -77,9 +78,12 @@ class Trajectories:
 
 
 @torch.no_grad()
-def collect_trajectories(teacher, problems, tok, gen_len: int, batch_size: int = 64, log=None) -> Trajectories:
-    """Decode `problems` with the teacher one token per forward (lowest entropy first) and keep the answers whose
-    final answer is right. Raises ValueError when none is."""
+def collect_trajectories(teacher, problems, tok, gen_len: int, batch_size: int = 64, log=None,
+                         order: str = "entropy") -> Trajectories:
+    """Decode `problems` with the teacher one token per forward (order: which masked position each forward fills,
+    `train.greedy.greedy_fill`'s alg: "entropy" (lowest entropy first, Dream's), "left_to_right" (LLaDA's semi-AR
+    sampler at block length 1), "max_prob") and keep the answers whose final answer is right. Raises ValueError
+    when none is."""
     from lopa_fast.train.greedy import greedy_fill
 
     teacher.eval()
@@ -87,7 +91,7 @@ def collect_trajectories(teacher, problems, tok, gen_len: int, batch_size: int =
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         batch = make_batch(chunk, tok, gen_len)
-        out = greedy_fill(teacher, batch, gen_len, alg="entropy")  # [B, gen_len]
+        out = greedy_fill(teacher, batch, gen_len, alg=order)  # [B, gen_len]
         for b, (p, row) in enumerate(zip(chunk, out)):
             if tasks.extract_answer(tok.decode(row.tolist(), skip_special_tokens=True)) == p.answer:
                 prompts.append(batch.ids[b, : int(batch.prompt_lens[b])].tolist())
@@ -226,6 +230,10 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
 
     a = run.options(DEFAULTS, overrides)
     tasks.check_task(a["task"])
+    from lopa_fast.train.greedy import ALGS
+
+    if a["traj_order"] not in ALGS:
+        raise ValueError(f"certainty forcing: traj_order={a['traj_order']!r}; allowed: {', '.join(ALGS)}")
     if a["views"] not in VIEWS:
         raise ValueError(f"certainty forcing: views={a['views']!r}; allowed: {', '.join(VIEWS)}")
     for k in ("n_problems", "traj_batch", "batch", "steps", "eval_n", "eval_block", "view_block"):
@@ -263,12 +271,12 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
         emit(f"# certainty forcing: {json.dumps(a, sort_keys=True)}")
         t_traj = time.time()
         problems = tasks.generate_task(a["task"], "train", a["n_problems"], seed=a["seed"])
-        traj = trajectories or collect_trajectories(model, problems, tok, a["gen_len"], a["traj_batch"],
-                                                    log=log)  # progress on the console, not in the log file
+        traj = trajectories or collect_trajectories(model, problems, tok, a["gen_len"], a["traj_batch"], log=log,
+                                                    order=a["traj_order"])  # progress: console, not the log file
         torch.save(dict(prompts=traj.prompts, responses=traj.responses, answers=traj.answers, total=traj.total),
                    traj_path)
-        emit(f"# trajectories: {traj.kept}/{traj.total} teacher answers correct (kept), one token per forward, "
-             f"{time.time() - t_traj:.1f}s")
+        emit(f"# trajectories: {traj.kept}/{traj.total} teacher answers correct (kept), one token per forward "
+             f"({a['traj_order']} order), {time.time() - t_traj:.1f}s")
     # the entropy monitor: one seeded masked view of the first 32 kept trajectories
     val_idx = list(range(min(32, traj.kept)))
     val = batch_of(traj, val_idx)
