@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -159,8 +161,6 @@ def test_one_request_error_leaves_the_others_running(model):
 def test_batch_engine_serves_threads_in_one_batch(model):
     """BatchEngine (the server's): requests from several threads decode in one running batch, each with its solo
     result; one request's error (its hook) reaches only its caller."""
-    import threading
-
     ps = prompts((5, 12, 8), seed=9)
     kw = knobs(2, False, 4)
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
@@ -177,21 +177,7 @@ def test_batch_engine_serves_threads_in_one_batch(model):
         except Exception as e:  # noqa: BLE001
             results[i] = e
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    import time
-
-    deadline = time.monotonic() + 60
-    while True:  # line all three up before the engine takes its first step
-        with engine._cv:
-            if len(engine._incoming) == 3:
-                break
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    engine.start()
-    for t in threads:
-        t.join(timeout=120)
+    _start_together(engine, call, 3)
     deadline = time.monotonic() + 30  # the engine thread drops the idle scheduler right after its last step
     while engine._schedulers and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -416,8 +402,6 @@ def test_batch_engine_keys_apd_schedulers_by_verifier(apd):
     """BatchEngine: APD requests with one verifier share a scheduler (one verifier forward per step); another
     verifier object gets its own; each caller gets its solo result."""
     import copy
-    import threading
-    import time
 
     d, kw = apd_pair(apd, *APD[0])
     q = kw.pop("verifier")
@@ -432,20 +416,26 @@ def test_batch_engine_keys_apd_schedulers_by_verifier(apd):
     def call(i):
         results[i] = engine.generate(ps[i], cfg, verifier=verifiers[i])
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    _start_together(engine, call, 3)
+    engine.close()
+    assert engine.max_live == 2  # q's two requests in one batch, q2's in its own scheduler
+    for r, s in zip(results, solo):
+        same(r, s, APD_STATS[:-1])
+
+
+def _start_together(engine, call, n: int) -> None:
+    """Run call(0..n-1) on n threads, line all n requests up in the engine before it takes its first step, start
+    it and join them (bounded waits)."""
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
     while True:
         with engine._cv:
-            if len(engine._incoming) == 3:
+            if len(engine._incoming) == n:
                 break
         assert time.monotonic() < deadline
         time.sleep(0.01)
     engine.start()
     for t in threads:
         t.join(timeout=120)
-    engine.close()
-    assert engine.max_live == 2  # q's two requests in one batch, q2's in its own scheduler
-    for r, s in zip(results, solo):
-        same(r, s, APD_STATS[:-1])
