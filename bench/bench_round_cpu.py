@@ -3,9 +3,8 @@
 The grid of the compiled-round issue: LoPA/D2F with branching_factor k in {1, 2, 4} (1, 3, 5 sequences
 per round), both attention modes, block sizes 4 and 8, on the project's tiny random Dream model (2 layers,
 hidden 32, vocab 64, sharpened), three prompts of one length per config (so the compiled rounds of the
-first prompt serve the others). Four paths: the reference; the eager fast round with its bookkeeping on the
-C++ CPU twin (csrc/round_cpu.cpp, the CPU default); the eager torch round (LOPA_FAST_CPP=0: the round that
-compile and CUDA graphs trace); compile=True. All produce the same tokens and forwards (asserted), so the
+first prompt serve the others). Three paths: the reference; the eager fast round (the round that compile and
+CUDA graphs trace, run op by op); compile=True. All produce the same tokens and forwards (asserted), so the
 ratios compare equal work. One benchmark round runs the paths alternately on the three prompts, so a burst of
 load on the shared CPU hits all of them alike. Compile seconds (first request, per config) are reported.
 
@@ -15,7 +14,7 @@ compile seconds are cold ones, as on a new machine; without, warm):
         --benchmark-json=bench/results/round_cpu.json
     python bench/bench_round_cpu.py bench/results/round_cpu.json > bench/results/round_cpu.md
 The eager paths alone (no Inductor compile, seconds instead of an hour on a loaded 2-core machine):
-    ROUND_CPU_PATHS=reference,fast,fast_torch python -m pytest bench/bench_round_cpu.py -m bench -q ...
+    ROUND_CPU_PATHS=reference,fast python -m pytest bench/bench_round_cpu.py -m bench -q ...
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
 
 RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
-# ROUND_CPU_PATHS=reference,fast,fast_torch: the eager paths only (no Inductor compile: minutes per config)
-PATHS = tuple(os.environ.get("ROUND_CPU_PATHS", "reference,fast,fast_torch,compiled").split(","))
+# ROUND_CPU_PATHS=reference,fast: the eager paths only (no Inductor compile: minutes per config)
+PATHS = tuple(os.environ.get("ROUND_CPU_PATHS", "reference,fast,compiled").split(","))
 PROMPTS, PROMPT_LEN, ROUNDS = 3, 16, 5
 _model = None
 
@@ -57,18 +56,9 @@ def knobs(k: int, full: bool, bs: int) -> dict:
 
 
 def run(path: str, p, kw: dict):
-    """fast: the eager round with its bookkeeping on the C++ CPU twin (the default on CPU); fast_torch: the
-    eager torch round (LOPA_FAST_CPP=0, what compiled rounds and CUDA trace); compiled: compile=True."""
+    """reference; fast: the eager round; compiled: compile=True."""
     backend = "reference" if path == "reference" else "fast"
-    old = os.environ.get("LOPA_FAST_CPP")
-    os.environ["LOPA_FAST_CPP"] = "0" if path == "fast_torch" else "1"
-    try:
-        return lopa_fast.generate(model(), p, "lopa", backend, compile=path == "compiled", **kw)
-    finally:
-        if old is None:
-            os.environ.pop("LOPA_FAST_CPP")
-        else:
-            os.environ["LOPA_FAST_CPP"] = old
+    return lopa_fast.generate(model(), p, "lopa", backend, compile=path == "compiled", **kw)
 
 
 @pytest.mark.bench
@@ -109,19 +99,18 @@ def test_round_cpu(benchmark, k, full, bs):
     )  # fmt: skip
 
 
-NAMES = {"reference": "reference", "fast": "fast", "fast_torch": "fast (torch round)", "compiled": "compiled"}
+NAMES = {"reference": "reference", "fast": "fast", "compiled": "compiled"}
 
 
 def report(path: str) -> str:
     """Markdown table from the JSON: seconds per 3 requests (median of the rounds) of the paths measured, the ratios
-    to the reference, the C++ bookkeeping against the torch round and (with compiled) the compile cost."""
+    to the reference and (with compiled) the compile cost."""
     runs = [b["extra_info"] for b in json.load(open(path))["benchmarks"]]
     paths = [p for p in PATHS if f"{p}_median" in runs[0]]
     fast = [p for p in paths if p != "reference"]
-    both = "fast" in paths and "fast_torch" in paths
     compiled = "compiled" in paths
     header = ["k (seqs)", "attention", "block", "forwards", *(f"{NAMES[p]} s" for p in paths),
-              *(f"{NAMES[p]} vs ref" for p in fast), *(["C++ vs torch round"] if both else []),
+              *(f"{NAMES[p]} vs ref" for p in fast),
               *(["graphs", "compile s", "pays off after"] if compiled else [])]  # fmt: skip
     rows = []
     tot = dict.fromkeys(paths, 0.0)
@@ -132,8 +121,6 @@ def report(path: str) -> str:
         k = e["k"]
         row = [f"{k} ({k + 1 if k > 1 else 1})", "full" if e["full"] else "block-causal", e["bs"], e["forwards"],
                *(f"{med[p]:.4f}" for p in paths), *(f"**{med['reference'] / med[p]:.2f}x**" for p in fast)]
-        if both:
-            row.append(f"{med['fast_torch'] / med['fast']:.2f}x")
         if compiled:
             per_req_gain = (med["fast"] - med["compiled"]) / PROMPTS  # against the default eager path
             pay = f"{e['compile_s'] / per_req_gain:.0f} requests" if per_req_gain > 0 else "never"
@@ -141,8 +128,6 @@ def report(path: str) -> str:
         rows.append(row)
     last = ["all", "", "", "", *(f"{tot[p]:.3f}" for p in paths),
             *(f"**{tot['reference'] / tot[p]:.2f}x**" for p in fast)]
-    if both:
-        last.append(f"{tot['fast_torch'] / tot['fast']:.2f}x")
     rows.append(last + ([""] * 3 if compiled else []))
     return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 

@@ -30,7 +30,7 @@ KNOBS = dict(strategy="lopa", branching_factor=4, block_size=8, max_new_tokens=3
 
 def _ms(model, ids, policy: str) -> float:
     os.environ[threads.ENV] = policy
-    lopa_fast.generate(model, ids, **KNOBS)  # warm-up (the C++ round ops, caches)
+    lopa_fast.generate(model, ids, **KNOBS)  # warm-up (caches)
     times = []
     for _ in range(REPS):
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from GenerateConfig's fields. From the command line (`main()` with no argv) ever
 value, a missing / unreadable model directory, a non-UTF-8 prompt file, an empty prompt, a lopa_fast error, a
 knob the validation refuses) prints one line to stderr and exits 2; called with an argv list, `main` raises the
 typed exception instead (programmatic use, tests). Every subcommand shows lopa_fast's INFO log lines on stderr
-(what a long step is doing: a C++ build, a compile, a large model load); `-q` only warnings, `-v` DEBUG.
+(what a long step is doing: a compile, a large model load); `-q` only warnings, `-v` DEBUG.
 """
 from __future__ import annotations
 
@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     loud = common.add_mutually_exclusive_group()
     loud.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
                       default=logging.INFO, help="debug log lines too (default: info lines on stderr say what a "
-                                                  "long step is doing: a C++ build, a compile, a large model load)")
+                                                  "long step is doing: a compile, a large model load)")
     loud.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
                       help="only warnings and errors (no info lines, no progress bar)")
 

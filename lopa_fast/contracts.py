@@ -16,53 +16,15 @@ ATTENTION_MODES = ("full", "block_causal", "causal")
 COMPARATORS = ("gt", "ge", "le")
 
 # The integer codes kernels receive for a mode / comparator: its index above. Triton kernels compare with
-# these; CUDA (.cu) and C++ CPU (csrc/) sources get them as -D defines (`code_defines`), never as literals.
+# these; CUDA (.cu) sources get them as -D defines (`code_defines`), never as literals.
 MODE_CODES = {m: i for i, m in enumerate(ATTENTION_MODES)}
 COMPARATOR_CODES = {c: i for i, c in enumerate(COMPARATORS)}
 
 
-# The D2F / LoPA round's state (lopa_fast/decode/round.py) as the C++ CPU twin of its bookkeeping
-# (csrc/round_cpu.cpp) receives it (ROUND_STATE_FIELDS) and returns it (ROUND_OUT_FIELDS, then the round's trace
-# facts ROUND_INFO_FIELDS); the C++ source gets the indices (LOPA_ST_<NAME>, LOPA_OUT_<NAME>) from its generated
-# header (ROUND_CPP_OPS below).
-# The counters stay consecutive (the C++ loops over them).
+# The D2F / LoPA round's counters (lopa_fast/decode/round.py: one 0-d device tensor each in the round state, read
+# once at the end of a request into the stats).
 ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
                   "max_branches")  # fmt: skip
-ROUND_STATE_FIELDS = (
-    "x", "nblk", "state", "complete", "eos", "alive", "cconf", "look_pos", "last_logit", "cache_len",
-    "exists", "active", "rem", "ismask", "need", "lens", "wl", "tc", "spe", "lay", "s", "u",
-) + tuple("c_" + c for c in ROUND_COUNTERS)  # fmt: skip
-ROUND_OUT_FIELDS = ROUND_STATE_FIELDS + ("done", "nonfinite", "head")
-ROUND_INFO_FIELDS = ("score", "winner", "acc", "tok")
-
-
-# The C++ CPU round's whole interface (csrc/round_cpu.cpp), ONE description: each op's arguments in order, by name
-# and kind. lopa_fast.ops._cpp generates from it the header the source includes (per op an argument struct, the op's
-# schema and its typed entry point that fills the struct; the state / output indices above), and Python calls the
-# ops by these names (`lopa_fast.ops._cpp.call`): adding an argument is one line here, then `a.<name>` in the C++
-# and `<name>=` at the call in lopa_fast/decode/round.py. Kinds: "tensors" (the round state, ROUND_STATE_FIELDS'
-# order), "tensor", "mut_tensor" (written in place), "int", "bool", "float" (a double).
-ROUND_CPP_OPS = {
-    "round_prepare": (  # the forward's inputs: round.py `window_inputs`
-        ("x", "tensor"), ("need", "tensor"), ("pos_block", "tensor"), ("alive", "tensor"), ("wl", "tensor"),
-        ("s", "int"), ("Nb", "int"), ("Rb", "int"), ("L", "int"), ("block_causal", "bool"),
-    ),
-    "round_update": (  # everything after the token statistics: round.py `finish_round` after `token_stats`
-        ("st", "tensors"),
-        # the request's tables (round.py `init_tables`, by the same names)
-        ("pos_block", "tensor"), ("bstart", "tensor"), ("bend", "tensor"), ("tab_add", "tensor"),
-        ("tab_act", "tensor"), ("ktable", "tensor"),
-        # the round's forward and statistics
-        ("logits", "tensor"), ("rows", "tensor"), ("wpos", "tensor"), ("conf", "tensor"), ("x0", "tensor"),
-        ("p", "tensor"), ("k_win", "tensor"), ("v_win", "tensor"), ("cache_k", "mut_tensor"),
-        ("cache_v", "mut_tensor"),
-        # the geometry and the bucket
-        ("P", "int"), ("L", "int"), ("G", "int"), ("bs", "int"), ("mask_id", "int"), ("eos_id", "int"),
-        ("n_look", "int"), ("shift", "bool"), ("scores", "bool"), ("Nb", "int"), ("Rb", "int"),
-        # the float knobs (round.py `round_knobs`)
-        ("skip_threshold", "float"), ("alpha", "float"),
-    ),
-}  # fmt: skip
 
 
 def code_defines() -> dict[str, int]:
@@ -71,14 +33,6 @@ def code_defines() -> dict[str, int]:
     out.update({f"LOPA_CMP_{k.upper()}": c for k, c in COMPARATOR_CODES.items()})
     return out
 
-
-def round_defines() -> dict[str, int]:
-    """{"LOPA_ST_X": 0, ..., "LOPA_OUT_HEAD": ..., "LOPA_N_ST": ..., "LOPA_N_OUT": ...}: the round-state indices
-    of csrc/round_cpu.cpp (its generated header defines them)."""
-    out = {f"LOPA_ST_{f.upper()}": i for i, f in enumerate(ROUND_STATE_FIELDS)}
-    out.update({f"LOPA_OUT_{f.upper()}": i for i, f in enumerate(ROUND_OUT_FIELDS)})
-    out.update(LOPA_N_ST=len(ROUND_STATE_FIELDS), LOPA_N_OUT=len(ROUND_OUT_FIELDS))
-    return out
 
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
 RoundSelection = namedtuple("RoundSelection", ["accept", "lookahead", "score", "winner"])

@@ -54,10 +54,6 @@ rank's share padded to ceil(NB / world) slots, its forward, statistics and messa
 after them. Round 1 (the prefill) is eager, as on one process. On CUDA this is Inductor too, not a captured
 CUDA graph (a capture owns the whole round state as one static workspace); not run on a GPU here.
 
-The C++ CPU twin of the bookkeeping (round.round_step_cpp) is not used: its `round_update` takes every
-slot's logits and window K/V in one call (it commits the winner's K/V and copies the winner's vocabulary row
-inside), and a rank holds only its share; splitting the op at the exchange point would be a second op.
-
 Every rank returns the same GenerateOutput (same ids, forwards and counters; its `seconds` are its own);
 stats["distributed"] holds the world size, this rank, the backend and the bytes moved.
 
@@ -317,8 +313,6 @@ class DistributedDecoder(FastDecoder):
     def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm: Comm, branch_stats: bool = False):
         super().__init__(model, prompt, cfg, branching_factor, name, branch_stats=branch_stats)
         self.comm = comm
-        # the torch stages: the C++ twin (round_update) takes every slot's logits and K/V in one call
-        self.cpp_tables = None
         self.holder = 0  # the rank holding the last_logit row (Dream's shift); round 1's is everyone's
         self._holder_flag = [torch.tensor(v, dtype=torch.int32, device=self.dev) for v in (0, 1)]
         self._rank_t = torch.tensor(comm.rank, dtype=torch.long, device=self.dev)

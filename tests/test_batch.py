@@ -1,6 +1,5 @@
 """Batched generate (lopa_fast.decode.batch): several requests' branch windows in one forward per round, each
-request token-, forward- and stats-exact with running it alone (fp32, CPU), on the C++ round (the CPU default)
-and on the torch round; the scheduler admitting requests mid-flight and capping rows; APD's two-forward steps
+request token-, forward- and stats-exact with running it alone (fp32, CPU); the scheduler admitting requests mid-flight and capping rows; APD's two-forward steps
 (one drafter forward, then one verifier forward, for every live request)."""
 from __future__ import annotations
 
@@ -75,9 +74,8 @@ def test_batched_equals_reference_and_llada(llada):
         same(o, lopa_fast.generate(llada, p, "lopa", "reference", **kw))
 
 
-def test_batched_torch_round(model, monkeypatch):
-    """LOPA_FAST_CPP=0: the batch runs the torch round's stages and stays exact."""
-    monkeypatch.setenv("LOPA_FAST_CPP", "0")
+def test_batched_k1_block_causal_and_k4_full(model):
+    """The batch runs the round's stages (prepare / forward / finish) and stays exact at both ends of the grid."""
     ps = prompts((5, 14), seed=7)
     for k, full in ((1, False), (4, True)):
         kw = knobs(k, full, 4)

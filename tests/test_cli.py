@@ -348,32 +348,6 @@ def test_library_adds_only_a_null_handler():
     assert handlers and all(type(h) is logging.NullHandler for h in handlers)
 
 
-def test_cpp_build_says_what_it_is_doing(monkeypatch, tmp_path, caplog):
-    """The first CPU decode's C++ build (~30 s) is announced at INFO with its seconds; a cached build only loads
-    (~0.1 s), said at DEBUG."""
-    import logging
-    import re
-    from pathlib import Path
-
-    import torch.utils.cpp_extension as ext
-
-    from lopa_fast.ops import _cpp
-
-    def fake_load(name, sources, build_directory, **kw):  # what a build leaves behind, without the 30 s
-        (Path(build_directory) / f"{name}.so").write_bytes(b"")
-
-    monkeypatch.setattr(ext, "load", fake_load)
-    monkeypatch.setenv("LOPA_FAST_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.DEBUG, logger="lopa_fast"):
-        _cpp.build.__wrapped__()  # build() without its functools.cache: first use, then cached
-        _cpp.build.__wrapped__()
-    (l1, m1), (l2, m2), (l3, m3), (l4, m4) = _records(caplog, "lopa_fast.ops._cpp")
-    assert l1 == l2 == logging.INFO and l3 == l4 == logging.DEBUG
-    assert m1.startswith("building the CPU round ops (csrc/round_cpu.cpp, first use; ~30 s") and m1.endswith("...")
-    assert re.fullmatch(r"built the CPU round ops in \d+\.\d s", m2)
-    assert m3.startswith("loading the CPU round ops (cached under ") and m4.startswith("loaded the CPU round ops in")
-
-
 def test_compile_says_what_it_is_doing(monkeypatch, caplog):
     import logging
     import re

@@ -1,5 +1,5 @@
 """confidence on every backend: torch (the reference, = the decoders' token_stats formula), Triton (interpreter
-on CPU), the CUDA kernel (host emulation, GPU) and the C++ CPU op, vs the fp64 reference (2x rule for the
+on CPU), the CUDA kernel (host emulation, GPU), vs the fp64 reference (2x rule for the
 reductions, exact argmax)."""
 from __future__ import annotations
 

@@ -149,30 +149,8 @@ def assert_coverage(cov: dict) -> None:
     assert not missing, f"paths never exercised by the grid: {missing} (counters: {cov})"
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def round_impl(request, monkeypatch):
-    """Both implementations of the eager CPU round's bookkeeping run the grid: "cpp" the C++ twin
-    (csrc/round_cpu.cpp, the CPU default), "torch" the torch round (lopa_fast/decode/round.py: what compile=True and
-    CUDA run; LOPA_FAST_CPP=0). Yields a counter of the C++ op calls, which the test checks after the grid (the
-    variant must have run the round it names)."""
-    from lopa_fast.ops import _cpp
-
-    monkeypatch.setenv("LOPA_FAST_CPP", "1" if request.param == "cpp" else "0")
-    assert _cpp.round_ops() == (request.param == "cpp"), "the C++ round ops must build on the CI machine"
-    calls = [0]
-    real = _cpp.call
-
-    def counted(op, **args):
-        calls[0] += 1
-        return real(op, **args)
-
-    monkeypatch.setattr(_cpp, "call", counted)
-    yield calls
-    assert (calls[0] > 0) == (request.param == "cpp"), (request.param, calls[0])
-
-
-def test_parity_grid_ci(round_impl):
-    """A seeded subset of the product (every axis value appears); parity + coverage counters, on both rounds."""
+def test_parity_grid_ci():
+    """A seeded subset of the product (every axis value appears); parity + coverage counters."""
     cases = ci_subset()
     for axis, values in (("branching_factor", KS), ("sampling_strategy", SAMPLING), ("use_full_attention", FULL),
                          ("block_size", BLOCKS), ("model", MODELS)):  # fmt: skip
@@ -182,7 +160,7 @@ def test_parity_grid_ci(round_impl):
 
 
 @pytest.mark.slow
-def test_parity_grid_full(round_impl):
+def test_parity_grid_full():
     cov = check_cases(full_product())
     assert_coverage(cov)
 

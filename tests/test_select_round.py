@@ -1,5 +1,5 @@
 """select_round on every backend: a loop-by-loop oracle written from the spec checks the reference (torch); the
-Triton kernel, the CUDA kernel (host emulation, GPU) and the C++ CPU op must match the reference exactly on
+Triton kernel, the CUDA kernel (host emulation, GPU) must match the reference exactly on
 discrete outputs (accept, lookahead, winner), ties included."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Issue 28: a server that one request cannot take down. The per-request caps and the honest memory estimate
 (lopa_fast.server.limits, lopa_fast.api.request_bytes), a body-size limit and a read timeout, parsing off the
-event loop, every bad body a 4xx naming its field, the API key, /metrics, and the C++ build lock that cannot hang.
+event loop, every bad body a 4xx naming its field, the API key, and /metrics.
 
 The server runs in process (uvicorn in a thread, loopback, a free port) on the embedded model; the memory
 measurement runs in a subprocess with an address-space cap."""
@@ -139,7 +139,7 @@ torch.set_num_threads(1)
 model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
 ids = lopa_fast.load_tokenizer(model_dir())(sys.argv[2])["input_ids"]
 knobs = {**json.loads(sys.argv[1])}
-lopa_fast.generate(model, ids, **{**knobs, "branching_factor": 2})  # warm: the C++ ops, the allocator's pools
+lopa_fast.generate(model, ids, **{**knobs, "branching_factor": 2})  # warm: the allocator's pools
 proc = psutil.Process()
 out = []
 for k in (300, 1000):
@@ -336,78 +336,14 @@ def test_metrics_in_prometheus_text_format(served):
         assert line.startswith("#") or re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+', line)
 
 
-# -- finding 3: the C++ build cannot hang -----------------------------------------------------------------------------
-
-def _hanging_load(name, sources, build_directory, **kw):
-    """torch's cpp_extension.load as it behaves on a stale lock (FileBaton.wait forever), made finite here."""
-    if (Path(build_directory) / "lock").exists():
-        raise AssertionError("load would wait forever on the stale lock")
-    (Path(build_directory) / f"{name}.so").write_bytes(b"")
-
-
-def test_cpp_build_survives_a_stale_lock_and_is_keyed_by_source(monkeypatch, tmp_path):
-    import torch.utils.cpp_extension as ext
-
-    from lopa_fast.ops import _cpp
-
-    monkeypatch.setattr(ext, "load", _hanging_load)
-    monkeypatch.setenv("LOPA_FAST_CACHE_DIR", str(tmp_path / "cache"))
-    d = _cpp.build_dir()
-    assert d.parent == tmp_path / "cache" / "cpp" and len(d.name) == 16
-    (d / "lock").write_text("")  # what a build killed mid-way leaves behind
-    _cpp.build.__wrapped__()
-    assert not (d / "lock").exists() and (d / "lopa_fast_cpp.so").exists()
-    src = tmp_path / "csrc"  # another checkout's (changed) sources: another directory, never the same build
-    src.mkdir()
-    for p in _cpp.CSRC.iterdir():
-        if p.is_file():
-            (src / p.name).write_bytes(p.read_bytes())
-    (src / "round_cpu.cpp").write_bytes((src / "round_cpu.cpp").read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(_cpp, "CSRC", src)
-    assert _cpp.build_dir() != d
-
-
-LOCK_HOLDER = r"""
-import fcntl, sys, time
-fh = open(sys.argv[1], "a+b")
-fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
-def test_cpp_build_lock_held_elsewhere_times_out_with_a_clear_error(monkeypatch, tmp_path):
-    import torch.utils.cpp_extension as ext
-
-    from lopa_fast.ops import _cpp
-
-    monkeypatch.setattr(ext, "load", _hanging_load)
-    monkeypatch.setenv("LOPA_FAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(_cpp.LOCK_TIMEOUT_ENV, "1")
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(_cpp.build_dir() / "build.flock")],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RuntimeError, match=r"building them .* for over 1 s .*LOPA_FAST_CPP_LOCK_TIMEOUT"):
-            _cpp.build.__wrapped__()
-    finally:
-        holder.kill()
-        holder.wait()
-    _cpp.build.__wrapped__()  # the holder died: the kernel dropped its lock, nothing stale is left
-
-
 def test_serve_warms_up_before_it_listens(embedded, monkeypatch):
-    """serve builds the CPU round ops and decodes once before uvicorn starts: /health cannot be "ok" before the
-    server can decode (before: the ~30 s build ran on the first d2f / lopa request, /health already ok)."""
+    """serve decodes once before uvicorn starts: /health cannot be "ok" before the server can decode."""
     import uvicorn
 
     from lopa_fast import server
-    from lopa_fast.ops import _cpp
-
     seen = {}
 
     def run(self):
-        seen["cpp"] = _cpp.loaded() or not _cpp.wanted()
         seen["decoded"] = calls[0] > 0
 
     calls = [0]
@@ -421,4 +357,4 @@ def test_serve_warms_up_before_it_listens(embedded, monkeypatch):
     monkeypatch.setattr(lopa_fast, "generate", counting)
     model, tok = embedded
     server.serve(model, tok, model_id="d2f-arith", defaults=DEFAULTS, port=_free_port())
-    assert seen == {"cpp": True, "decoded": True}
+    assert seen == {"decoded": True}

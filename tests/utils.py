@@ -129,7 +129,7 @@ def random_round(B, n, nb, seed):
     return value, conf, masked, block_ids, complete, torch.rand(B, generator=g), torch.rand(B, generator=g) < 0.8
 
 
-# ------------------------------------------------------------ CUDA emulation and C++ CPU ops (backends)
+# ------------------------------------------------------------ CUDA emulation (backends)
 @pytest.fixture(scope="module")
 def cuda_emu():
     """The CUDA kernels' exact source run on CPU (lopa_fast.ops.cuda.emulation); skips without g++ >= 12."""

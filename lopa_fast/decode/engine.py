@@ -108,14 +108,6 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
-        # on CPU the eager rounds run their bookkeeping on the C++ twin (csrc/round_cpu.cpp), the same state
-        # round by round; compiled rounds and CUDA keep the torch round (traced / captured)
-        self.cpp_tables = None
-        if dev.type == "cpu":
-            from lopa_fast.ops import _cpp
-
-            if _cpp.round_ops():
-                self.cpp_tables = rnd.cpp_tables(self.tables)
         self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
@@ -143,10 +135,6 @@ class FastDecoder:
     def _step(self, Nb: int, Rb: int, s: int) -> None:
         if self.compiled is not None and self._rounds > 0:
             self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
-        elif self.cpp_tables is not None:  # eager on CPU (and the prefill round): the C++ bookkeeping
-            self.st, self.info = rnd.round_step_cpp(
-                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, s, self.P, self.L, self.cpp_tables,
-            )  # fmt: skip
         else:  # eager (and the prefill round, whose bucket depends on the prompt length)
             self.st, self.info = rnd.round_step(
                 self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s
@@ -183,10 +171,7 @@ class FastDecoder:
     # ---- one eager round in three stages, for lopa_fast.decode.batch (one forward for many requests)
     def prepare(self, Nb: int, Rb: int, s: int) -> dict:
         """The coming round's forward inputs on bucket (Nb, Rb) (s: the window start = prefix length, host int)."""
-        if self.cpp_tables is not None:
-            w = rnd.window_inputs_cpp(self.st, self.tables, self.geo, Nb, Rb, s, self.L)
-        else:
-            w = rnd.window_inputs(self.st, self.tables, self.geo, Nb, Rb)
+        w = rnd.window_inputs(self.st, self.tables, self.geo, Nb, Rb)
         w["start"] = s
         return w
 
@@ -197,11 +182,7 @@ class FastDecoder:
 
     def finish(self, w: dict, logits, k_win, v_win) -> None:
         """The round after its forward (this request's logits [Rb, V] and window K/V [layers, NB, Nb, Hkv, D])."""
-        if self.cpp_tables is not None:
-            self.st, self.info = rnd.finish_round_cpp(self.st, self.tables, self.geo, self.cfg, w, logits, k_win,
-                                                      v_win, self.P, self.L, self.cpp_tables)  # fmt: skip
-        else:
-            self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win)
+        self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win)
 
     def _trace_entry(self, head: list[int]) -> dict:
         info, P = self.info, self.P

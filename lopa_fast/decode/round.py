@@ -36,9 +36,7 @@ import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
 from lopa_fast.decode.shapes import knob, stop_table
-from lopa_fast.contracts import (ROUND_COUNTERS, ROUND_CPP_OPS, ROUND_INFO_FIELDS, ROUND_OUT_FIELDS,
-                                 ROUND_STATE_FIELDS, lowest_k_table)
-from lopa_fast.ops import _cpp
+from lopa_fast.contracts import ROUND_COUNTERS, lowest_k_table
 from lopa_fast.sampling import is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
@@ -473,69 +471,3 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
               cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
     plan(st, T, geo)
     return info
-
-
-# ----------------------------------------------------------------------------- the C++ CPU twin (eager only)
-def cpp_tables(T: dict) -> dict[str, torch.Tensor]:
-    """The request tables csrc/round_cpu.cpp's round_update reads: its tensor arguments named as tables of T
-    (lopa_fast.contracts.ROUND_CPP_OPS)."""
-    return {name: T[name] for name, kind in ROUND_CPP_OPS["round_update"] if kind == "tensor" and name in T}
-
-
-def round_step_cpp(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int, P: int, L: int,
-                   tables: list) -> tuple[dict, dict]:
-    """`round_step` with its bookkeeping on the C++ CPU ops (csrc/round_cpu.cpp: `round_prepare` builds the
-    forward's inputs, `round_update` does everything after the token statistics, the next plan included):
-    the same forward, the same `token_stats`, and the same state after every round as `round_step`
-    (tests/test_round_cpp.py compares every field, round by round). Eager on CPU only: the two calls replace
-    ~270 small tensor ops per round (about as long as the tiny models' whole forward; bench/results/round_cpu.md).
-    prefix_len: the window start s of the head just read (host int); P, L: the prompt and total lengths."""
-    w = window_inputs_cpp(st, T, geo, Nb, Rb, prefix_len, L)
-    logits, k_win, v_win = model.forward_static(
-        w["tokens"], prefix_len, st["cache_k"], st["cache_v"], prefix_len, w["win_lens"], w["bids"], geo.mode,
-        w["rows"], attn_backend=geo.attn_backend,
-    )  # fmt: skip
-    return finish_round_cpp(st, T, geo, cfg, w, logits, k_win, v_win, P, L, tables)
-
-
-def window_inputs_cpp(st: dict, T: dict, geo, Nb: int, Rb: int, prefix_len: int, L: int) -> dict:
-    """`window_inputs` on the C++ op (CPU): wpos [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
-    rows [Rb] (prefix_len: the window start s as a host int; L: the request's total length)."""
-    wpos, tokens, bids, win_lens, rows = _cpp.call(
-        "round_prepare", x=st["x"], need=st["need"], pos_block=T["pos_block"], alive=st["alive"], wl=st["wl"],
-        s=prefix_len, Nb=Nb, Rb=Rb, L=L, block_causal=geo.mode == "block_causal",
-    )  # fmt: skip
-    return dict(wpos=wpos, tokens=tokens, bids=bids if geo.mode == "block_causal" else None, win_lens=win_lens,
-                rows=rows, Nb=Nb, Rb=Rb, prefix_len=prefix_len)  # fmt: skip
-
-
-def finish_round_cpp(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, P: int, L: int,
-                     tables: dict) -> tuple[dict, dict]:
-    """`finish_round` on the C++ op `round_update` (CPU): the same state and trace facts."""
-    Nb, Rb, rows, wpos, prefix_len = w["Nb"], w["Rb"], w["rows"], w["wpos"], w["prefix_len"]
-    st["round"] = st["round"] + 1
-    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, row_keys(st, T, rows, prefix_len, Nb, geo.shift, cfg))
-    # T > 0: the real rows (the plan's needed ones, all inside the window) checked for 1 / T overflow
-    over = None
-    if cfg.temperature > 0:
-        over = first_nonfinite(logits, rows, st["need"].sum(), geo.NB * Nb, cfg.temperature)
-    knobs = round_knobs(cfg)
-    vals = _cpp.call(
-        "round_update", st=[st[f] for f in ROUND_STATE_FIELDS], **tables, logits=logits, rows=rows, wpos=wpos,
-        conf=conf, x0=x0, p=p, k_win=k_win, v_win=v_win, cache_k=st["cache_k"], cache_v=st["cache_v"], P=P, L=L,
-        G=geo.G, bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
-        shift=geo.shift, scores=geo.NB > 1 or geo.trace, Nb=Nb, Rb=Rb, skip_threshold=knobs["skip_threshold"],
-        alpha=knobs["alpha"] if geo.blend else 0.0,
-    )  # fmt: skip
-    n_out = len(ROUND_OUT_FIELDS)
-    info = dict(zip(ROUND_INFO_FIELDS, vals[n_out:]), wpos=wpos, look_pos=st["look_pos"])
-    if info["score"].numel() == 0:  # D2F without a trace: nothing scored (as round_step)
-        info["score"] = None
-    st.update(zip(ROUND_OUT_FIELDS, vals[:n_out]))
-    if geo.stop_lens:  # the C++ head leaves the stop flag 0
-        st["head"][8] = _stop_in_prefix(st["x"], st["head"][1] - 1, T, geo)
-    if over is not None:  # the C++ guard checks finiteness; rows that 1 / T overflows are refused too
-        st["nonfinite"] = torch.where(st["nonfinite"] >= 0, st["nonfinite"], over)
-        st["head"][7] = st["nonfinite"]
-    return st, info

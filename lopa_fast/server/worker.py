@@ -153,18 +153,12 @@ class Worker:
         return handle
 
     def warm_up(self, defaults: dict | None = None) -> None:
-        """Before serving: build the CPU round ops when the model is on the CPU (their build may take ~30 s and
-        raises a clear error instead of hanging on a stale lock: lopa_fast.ops._cpp), then decode one short request
-        with the server's defaults (its failure is logged, not raised: the requests get their own errors)."""
+        """Before serving: decode one short request with the server's defaults (its failure is logged, not raised:
+        the requests get their own errors)."""
         import logging
         import warnings
 
         log = logging.getLogger("lopa_fast.server")
-        p = next(iter(self.model.parameters()), None)
-        if p is not None and p.device.type == "cpu":
-            from lopa_fast.ops import _cpp
-
-            _cpp.round_ops()
         knobs = {k: v for k, v in (defaults or {}).items() if k not in ("max_new_tokens",)}
         bos = getattr(self.model.config, "bos_token_id", None)
         try:
