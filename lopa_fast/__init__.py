@@ -1,8 +1,14 @@
-"""lopa_fast: fast, faithful decoding for diffusion LLMs (LoPA, D2F, Fast-dLLM, APD, dParallel)."""
-import logging as _logging
+"""lopa_fast: fast, faithful decoding for diffusion LLMs (LoPA, D2F, Fast-dLLM, APD, dParallel).
 
-from lopa_fast.api import generate
-from lopa_fast.config import GenerateConfig, LopaConfig
+The public names are imported on first use (PEP 562 `__getattr__`): `import lopa_fast` costs ~0.1 s, and
+`python -m lopa_fast --help` or a bad flag answers without importing torch (~4 s); `lopa_fast.generate` imports what
+it needs the first time it is read.
+"""
+import importlib as _importlib
+import logging as _logging
+import sys as _sys
+import types as _types
+
 from lopa_fast.errors import (
     CheckpointError,
     ConfigError,
@@ -13,12 +19,49 @@ from lopa_fast.errors import (
     NonFiniteLogitsError,
     RoundCapError,
 )
-from lopa_fast.models import KVCache, load_model, load_tokenizer
-from lopa_fast.output import GenerateOutput
-from lopa_fast.stream import TextStream, stream
 
 # a library adds no handler of its own: the application decides where "lopa_fast" records go (lopa_fast.logs)
 _logging.getLogger("lopa_fast").addHandler(_logging.NullHandler())
+
+# public name -> the module that defines it
+_LAZY = {
+    "generate": "lopa_fast.api",
+    "GenerateConfig": "lopa_fast.config",
+    "LopaConfig": "lopa_fast.config",
+    "KVCache": "lopa_fast.models",
+    "load_model": "lopa_fast.models",
+    "load_tokenizer": "lopa_fast.models",
+    "GenerateOutput": "lopa_fast.output",
+    "TextStream": "lopa_fast.stream",
+    "stream": "lopa_fast.stream",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once: later reads are plain attribute reads
+        return value
+    raise AttributeError(f"module 'lopa_fast' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(_types.ModuleType):
+    """The package module. The import system binds a loaded submodule as an attribute of its package; `stream` is
+    both a submodule and a public function, and `lopa_fast.stream` stays the function (as when it was imported
+    eagerly): `from lopa_fast.stream import TextStream` still reads the module from sys.modules."""
+
+    def __setattr__(self, name, value):
+        if name in _LAZY and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -467,7 +467,7 @@ def _serve(args) -> int:
             raise
         raise CLIError(f"serve: {e.name} is not installed; pip install '.[serve]' (fastapi, uvicorn)") from e
     from lopa_fast.config import GenerateConfig
-    from lopa_fast.server.protocol import NOT_SERVED
+    from lopa_fast.server.served import NOT_SERVED
 
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port {args.port}; allowed: 0..65535")
@@ -530,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     STRATEGIES = strategy_names()
     knob = {f.name: f for f in dataclasses.fields(GenerateConfig)}
 
-    from lopa_fast.server.protocol import NOT_SERVED
+    from lopa_fast.server.served import NOT_SERVED
 
     ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -12,10 +12,22 @@ responses, the API key), `limits` (the per-request caps and the memory budget), 
 """
 from __future__ import annotations
 
-from lopa_fast.server.app import create_app
-from lopa_fast.server.limits import Limits
-from lopa_fast.server.protocol import RequestError, model_sampling_defaults, parse
-from lopa_fast.server.worker import Handle, Job, Worker
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from lopa_fast.server.limits import Limits
+
+# the public names, imported on first use (PEP 562): `python -m lopa_fast --help` reads the served knobs
+# (lopa_fast.server.served) without importing FastAPI, pydantic and torch (~4 s)
+_LAZY = {"create_app": "app", "Limits": "limits", "RequestError": "protocol", "model_sampling_defaults": "protocol",
+         "parse": "protocol", "Handle": "worker", "Job": "worker", "Worker": "worker"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"lopa_fast.server.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'lopa_fast.server' has no attribute {name!r}")
 
 
 def check_address(host: str, port: int) -> None:
@@ -102,9 +114,12 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
           warm_up: bool = True) -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
-    client (Authorization: Bearer) when set. warm_up: build what the first request would (the CPU round ops)
-    and decode one short request before listening, so /health is not ok before the server can decode."""
+    client (Authorization: Bearer) when set. warm_up: decode one short request before listening, so /health is
+    not ok before the server can decode."""
     import uvicorn
+
+    from lopa_fast.server.app import create_app
+    from lopa_fast.server.worker import Worker
 
     worker = Worker(model, tokenizer, limits=limits)
     if warm_up:

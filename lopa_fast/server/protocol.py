@@ -33,21 +33,10 @@ from lopa_fast import strategies
 from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
+from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
 from lopa_fast.text import check_text_prompt, encode_prompt, split_stops, unknown_words
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
-# knobs a request may not set, and why
-NOT_SERVED = {
-    "stop": "the body's stop is OpenAI's (text stops; token-id stops as lists of ints in it)",
-    "return_trace": "the server returns no traces",
-    "distributed": "the server runs one process (branch parallelism is set up per process group)",
-}
-# knobs only the operator sets (serve's flags), never a request: a client choosing `compile` would choose the server's
-# compile cost (25-100 s of Inductor per new graph on CPU, behind the one-at-a-time lock); float knobs are runtime
-# inputs of the compiled steps, so only new shapes or structural knobs add graphs (docs/serve.md)
-OPERATOR_ONLY = {
-    "compile": "an operator setting: `serve --compile` (captured / compiled buckets are the server's, not a request's)",
-}
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "stop", "user", "logprobs", "logit_bias",
                  "presence_penalty", "frequency_penalty", *MAX_TOKENS_FIELDS)  # fmt: skip

@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from lopa_fast import strategies, tasks
 from lopa_fast.tasks import arith_var
 
@@ -207,20 +205,28 @@ def parse_rows(spec: str | list[str], task: str = DEFAULT_TASK) -> list[str]:
     return out
 
 
-def load_default(model_dir=None, dtype=torch.float32, task: str = DEFAULT_TASK):
-    """(model, tokenizer, directory) of `task`'s embedded model (or `model_dir`)."""
+def load_default(model_dir=None, dtype=None, task: str = DEFAULT_TASK):
+    """(model, tokenizer, directory) of `task`'s embedded model (or `model_dir`); dtype default float32."""
+    import torch
+
     import lopa_fast
     from lopa_fast.assets import model_dir as _embedded
+
+    dtype = torch.float32 if dtype is None else dtype
 
     path = Path(model_dir) if model_dir is not None else _embedded(eval_task(task).model)
     return lopa_fast.load_model(path, dtype=dtype), lopa_fast.load_tokenizer(path), path
 
 
-def load_verifier(dtype=torch.float32, name: str = VERIFIER_MODEL):
+def load_verifier(dtype=None, name: str = VERIFIER_MODEL):
     """A shipped APD verifier (default `ar-arith`, a causal qwen2 model with d2f-arith's tokenizer), loaded like
-    `load_default` loads the drafter."""
+    `load_default` loads the drafter (dtype default float32)."""
+    import torch
+
     import lopa_fast
     from lopa_fast.assets import model_dir as _embedded
+
+    dtype = torch.float32 if dtype is None else dtype
 
     return lopa_fast.load_model(_embedded(name), dtype=dtype)
 
@@ -286,6 +292,8 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
             block_size: int = BLOCK, compile: bool = False, verifier=None, task: str = DEFAULT_TASK) -> dict:
     """Decode every problem with one row of `task` at `block_size` (APD rows: with `verifier`). Returns the row's
     numbers (or status "unavailable")."""
+    import torch
+
     import lopa_fast
 
     t = eval_task(task)
@@ -364,6 +372,8 @@ def markdown_table(rows: list[list], header: list[str]) -> str:
 
 def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int,
              block_size: int = BLOCK, task: str = DEFAULT_TASK, student_path=None) -> str:
+    import torch
+
     t = eval_task(task)
     rows = task_rows(task, block_size)
     apd_rows = [r for r in results if r["row"] in APD_ROWS]
@@ -601,6 +611,8 @@ def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compi
              task: str = DEMO_TASK) -> list[dict]:
     """Decode `n` held-out problems of `task` (default arith-var) with D2F and LoPA (k=4) and print answers, fill
     order and stats, then the two rows' forwards and accuracy side by side."""
+    import torch
+
     import lopa_fast
 
     t = eval_task(task)
