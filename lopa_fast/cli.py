@@ -324,13 +324,12 @@ def _load(args):
     from lopa_fast.assets import model_dir
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     embedded = args.model is None
     path = model_dir() if embedded else args.model
     if not embedded and not os.path.isdir(path):
         raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)")
     try:
-        model = lopa_fast.load_model(path, dtype=getattr(torch, dtype), device=device, lora=args.lora)
+        model = lopa_fast.load_model(path, dtype=args.dtype, device=device, lora=args.lora)  # None: default_dtype
         tok = lopa_fast.load_tokenizer(path)
     except OSError as e:
         raise CLIError(f"--model {path}: cannot read it ({e.strerror or type(e).__name__})") from e

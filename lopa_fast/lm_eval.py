@@ -257,9 +257,8 @@ class LopaFastLM(TemplateLM):
         self.seed = _int_arg("seed", seed, 0, f"an int >= 0 (default {SEED})")
         self.check_greedy = _bool_arg("check_greedy", check_greedy)
         dev = _device_arg(device)
-        dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.startswith("cuda") else torch.float32)
         path = model_dir() if pretrained is None else str(pretrained)
-        self.model = lopa_fast.load_model(path, dtype=dt, device=dev, lora=lora)
+        self.model = lopa_fast.load_model(path, dtype=dtype, device=dev, lora=lora)  # None: default_dtype
         self.tok = lopa_fast.load_tokenizer(path)
         self.path = str(path)
         self._device = torch.device(dev)

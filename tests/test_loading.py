@@ -43,6 +43,15 @@ def test_dtype_and_generation_config_ids(tmp_path):
     assert m.eos_token_id == 40 and m.config.eos_token_ids == [40, 41] and m.mask_token_id == 7
 
 
+def test_default_dtype_is_float32_on_cpu_bfloat16_on_cuda(tmp_path):
+    """One default on every surface (load_model, CLI, server, lm-eval): a CPU has no fast bfloat16 matmul."""
+    from lopa_fast.models.loading import default_dtype
+
+    d, _, _ = _write(tmp_path, "qwen2")
+    assert lopa_fast.load_model(d).dtype == torch.float32
+    assert default_dtype("cpu") == torch.float32 and default_dtype("cuda:1") == torch.bfloat16
+
+
 def _write_adapter(tmp_path, model, targets, r=4, alpha=8, use_rslora=False, extra_cfg=None):
     d = tmp_path / "adapter"
     d.mkdir()

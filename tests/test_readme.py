@@ -80,7 +80,8 @@ def test_readme_quick_start_runs_verbatim(tmp_path, capsys):
     assert len(out.generated_ids) == 256
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == f"{st['finish_reason']} {st['tpf']} {st['forwards']}"
-    plain = lopa_fast.load_model(base, dtype=torch.bfloat16, device=model.device)
+    assert model.dtype == torch.float32  # load_model default on CPU (bfloat16 on CUDA)
+    plain = lopa_fast.load_model(base, dtype=model.dtype, device=model.device)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(model.state_dict()[q], plain.state_dict()[q])  # the adapter was merged
 
