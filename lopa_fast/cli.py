@@ -670,13 +670,19 @@ def main(argv=None, *, exit_on_error: bool | None = None) -> int:
 
 def _lm_eval(argv) -> int:
     """`lm-eval ARGS`: lm-eval's own command line with the `lopa_fast` model registered (lopa_fast.lm_eval)."""
-    try:
-        from lopa_fast import lm_eval
-    except ModuleNotFoundError as e:
-        if e.name is None or not e.name.startswith("lm_eval"):
-            raise
-        raise CLIError("lm-eval: lm-evaluation-harness is not installed; pip install '.[eval]' (or lm-eval)") from e
-    return lm_eval.main(argv)
+    from lopa_fast import logs
+
+    with log_to_stderr(logging.INFO):  # lm-eval's own flags have no -q / -v: lopa_fast's INFO lines, as elsewhere
+        try:  # lm-eval, datasets, torch, transformers: 5-15 s on a 2-core machine (said while it runs)
+            with logs.step(logging.getLogger("lopa_fast.cli"), "importing lm-eval", "imported lm-eval", long=False):
+                from lopa_fast import lm_eval
+
+                lm_eval.prepare()
+        except ModuleNotFoundError as e:
+            if e.name is None or not e.name.startswith("lm_eval"):
+                raise
+            raise CLIError("lm-eval: lm-evaluation-harness is not installed; pip install '.[eval]' (or lm-eval)") from e
+        return lm_eval.main(argv)
 
 
 def _run(argv) -> int:
@@ -688,10 +694,14 @@ def _run(argv) -> int:
         raise CLIError(f"--threads {args.threads}; allowed: an int >= 1")
     check_device(getattr(args, "device", None))  # before any work: a load, a build, a decode
     check_environment()
-    import torch
-
-    torch.set_num_threads(args.threads)
     with log_to_stderr(args.log_level):
+        from lopa_fast import logs
+
+        # torch's import: 1.5 s on a quiet machine, 4-6 s under load (said while it runs when it takes > 2 s)
+        with logs.step(logging.getLogger("lopa_fast.cli"), "importing torch", "imported torch", long=False):
+            import torch
+
+        torch.set_num_threads(args.threads)
         return args.fn(args)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from lopa_fast import threads
+from lopa_fast import logs, threads
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
 MODEL_ARGS = ("pretrained", "lora", "dtype", "device", "max_gen_toks", "mc_num", "mc_batch_size", "seed",
@@ -546,8 +547,6 @@ def _loggers(wandb_args, wandb_config_args, trackio_args) -> list:
 
 def _log_results(loggers: list, results: dict, samples) -> None:
     """Each logger's results (and samples) as `lm-eval run` logs them: a failure is logged, never fatal."""
-    import logging
-
     for lg in loggers:
         try:
             lg.post_init(results)
@@ -569,14 +568,19 @@ def _run(args) -> int:
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as lm-eval's run does
-    cfg = EvaluatorConfig.from_cli(args)
+    log = logging.getLogger(__name__)
+    with logs.step(log, "reading lm-eval's configuration", "read lm-eval's configuration", long=False):
+        cfg = EvaluatorConfig.from_cli(args)
     if cfg.model == "lopa_fast":  # a model_arg wins over the flag of the same name (--device defaults to cuda:0)
         flags = {"batch_size": cfg.batch_size, "max_batch_size": cfg.max_batch_size, "device": cfg.device}
-        model = LopaFastLM.create_from_arg_obj(cfg.model_args, {k: v for k, v in flags.items()
-                                                                if k not in cfg.model_args})  # fmt: skip
+        with logs.step(log, "loading the model", "loaded the model", long=False):
+            model = LopaFastLM.create_from_arg_obj(cfg.model_args, {k: v for k, v in flags.items()
+                                                                    if k not in cfg.model_args})  # fmt: skip
     else:  # another lm-eval model: lm-eval builds it
         model = cfg.model
     seed = cfg.seed or [None] * 4
+    with logs.step(log, "indexing lm-eval's tasks", "indexed lm-eval's tasks", long=False):
+        tasks = cfg.process_tasks(cfg.metadata)
     evaluate(model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples, model_args=cfg.model_args,
              hf_hub_log_args=cfg.hf_hub_log_args, wandb_args=cfg.wandb_args, wandb_config_args=cfg.wandb_config_args,
              trackio_args=cfg.trackio_args, show_config=cfg.show_config, num_fewshot=cfg.num_fewshot,
@@ -587,10 +591,18 @@ def _run(args) -> int:
              samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
              system_instruction=cfg.system_instruction, apply_chat_template=cfg.apply_chat_template,
              fewshot_as_multiturn=cfg.fewshot_as_multiturn, gen_kwargs=cfg.gen_kwargs,
-             task_manager=cfg.process_tasks(cfg.metadata), predict_only=cfg.predict_only, random_seed=seed[0],
+             task_manager=tasks, predict_only=cfg.predict_only, random_seed=seed[0],
              numpy_random_seed=seed[1], torch_random_seed=seed[2], fewshot_random_seed=seed[3],
              confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata)  # fmt: skip
     return 0
+
+
+def prepare() -> None:
+    """Import what `main` needs (lm-eval's command line, its evaluator, torch): the slow part of a start, done
+    under the CLI's progress line."""
+    import lm_eval._cli  # noqa: F401
+    import lm_eval.evaluator  # noqa: F401
+    import torch  # noqa: F401
 
 
 def main(argv: list[str]) -> int:

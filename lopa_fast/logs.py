@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 
 ROOT = "lopa_fast"
@@ -20,11 +21,23 @@ LONG_S = 2.0  # a step this long says what it did at INFO even when it was not e
 @contextlib.contextmanager
 def step(log: logging.Logger, what: str, done: str, long: bool = True):
     """Log `what...` before the block and `done in X s` after it: at INFO when the step is expected to be
-    `long`, else at DEBUG (the after-line still at INFO when it took LONG_S or more). A failing step logs
+    `long`, else at DEBUG, and then `what...` at INFO once the step has run LONG_S seconds and the after-line
+    at INFO when it took LONG_S or more: no step stalls silently for more than LONG_S. A failing step logs
     nothing more: its exception says what happened."""
     log.log(logging.INFO if long else logging.DEBUG, "%s...", what)
+    # a step not expected to be long that still runs after LONG_S (a busy machine, a cold disk cache) says so then,
+    # while it runs, not only once it is over
+    late = None
+    if not long and log.isEnabledFor(logging.INFO):
+        late = threading.Timer(LONG_S, log.info, ("%s...", what))
+        late.daemon = True
+        late.start()
     t0 = time.perf_counter()
-    yield
+    try:
+        yield
+    finally:
+        if late is not None:
+            late.cancel()
     seconds = time.perf_counter() - t0
     log.log(logging.INFO if long or seconds >= LONG_S else logging.DEBUG, "%s in %.1f s", done, seconds)
 

@@ -348,6 +348,28 @@ def test_library_adds_only_a_null_handler():
     assert handlers and all(type(h) is logging.NullHandler for h in handlers)
 
 
+def test_a_step_that_runs_long_says_so_while_it_runs(monkeypatch, caplog):
+    """A step not expected to be long (model load, torch's import, lm-eval's import) announces itself at INFO once
+    it has run LONG_S seconds, before it ends, and its after-line is at INFO too; a short one stays at DEBUG."""
+    import logging
+    import time
+
+    from lopa_fast import logs
+
+    monkeypatch.setattr(logs, "LONG_S", 0.05)
+    log = logging.getLogger("lopa_fast.test_step")
+    with caplog.at_level(logging.INFO, logger="lopa_fast"):
+        with logs.step(log, "doing a slow thing", "did the slow thing", long=False):
+            time.sleep(0.5)
+            during = [r.getMessage() for r in caplog.records]
+        with logs.step(log, "doing a quick thing", "did the quick thing", long=False):
+            pass
+    assert during == ["doing a slow thing..."]
+    msgs = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert msgs[0] == (logging.INFO, "doing a slow thing...") and msgs[1][1].startswith("did the slow thing in")
+    assert len(msgs) == 2, msgs  # the quick step: nothing at INFO
+
+
 def test_compile_says_what_it_is_doing(monkeypatch, caplog):
     import logging
     import re

@@ -122,8 +122,14 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
     from lopa_fast.server.worker import Worker
 
     worker = Worker(model, tokenizer, limits=limits)
-    if warm_up:
-        worker.warm_up(defaults)
+    if warm_up:  # one short decode (with --compile: its compile); said while it runs when it takes > 2 s
+        import logging
+
+        from lopa_fast import logs
+
+        with logs.step(logging.getLogger("lopa_fast.server"), "warming up (one short decode before listening)",
+                       "warmed up", long=False):  # fmt: skip
+            worker.warm_up(defaults)
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key)
     try:
         uvicorn.Server(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
