@@ -77,6 +77,45 @@ def test_module_entry_point_help():
     assert r.returncode == 0 and "demo" in r.stdout and "eval" in r.stdout
 
 
+def test_help_and_a_bad_flag_import_no_torch():
+    """--help and a user error answer before the heavy imports (torch, FastAPI, transformers: ~4 s): the parser is
+    built from light modules (lopa_fast.config, the tasks' tables, lopa_fast.server.served)."""
+    code = ("import sys, runpy\nsys.argv = ['lopa_fast'] + sys.argv[1:]\ntry:\n"
+            "    runpy.run_module('lopa_fast', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    heavy = sorted(m for m in ('torch', 'fastapi', 'transformers', 'numpy') if m in sys.modules)\n"
+            "    print('heavy:', heavy, 'exit:', e.code)\n")  # fmt: skip
+    for argv in (["--help"], ["serve", "--help"], ["generate", "--no-such-flag"], ["generate", "--threads", "0"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        assert r.stdout.splitlines()[-1] in ("heavy: [] exit: 0", "heavy: [] exit: 2"), (argv, r.stdout, r.stderr)
+
+
+def test_a_second_process_builds_nothing(tmp_path):
+    """Two CLI decodes in a row on one fresh set of cache directories: the second writes nothing to them (nothing is
+    rebuilt per process), and neither does --help or a refused flag. Judged by file times, not by the clock."""
+    import os
+    import time
+
+    caches = {"LOPA_FAST_CACHE_DIR": tmp_path / "lopa", "TRITON_CACHE_DIR": tmp_path / "triton",
+              "TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "XDG_CACHE_HOME": tmp_path / "xdg"}  # fmt: skip
+    env = {**os.environ, **{k: str(v) for k, v in caches.items()}}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "lopa_fast", *argv], capture_output=True, text=True, env=env,
+                              timeout=600)  # fmt: skip
+
+    def files():
+        return {p: p.stat().st_mtime_ns for d in caches.values() if d.exists() for p in d.rglob("*") if p.is_file()}
+
+    first = run("generate", "--prompt", PROMPT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = files()
+    time.sleep(0.05)  # distinct modification times for anything written from here on
+    for argv in (("generate", "--prompt", PROMPT), ("--help",), ("generate", "--no-such-flag")):
+        r = run(*argv)
+        assert r.returncode in (0, 2), r.stderr[-2000:]
+        assert files() == before, f"{argv} wrote to the caches: {sorted(set(files().items()) - set(before.items()))}"
+
+
 def test_eval_plot_is_matplotlib_png(tmp_path):
     from lopa_fast.viz import png_size
 
