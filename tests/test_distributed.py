@@ -33,9 +33,11 @@ from lopa_fast.testing import random_model, tiny_hf_config
 KS = (1, 2, 4, 5)
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
             "branch_growth", "winner_grew", "hit_round_cap", "eos_detected")  # fmt: skip
-PG_TIMEOUT_S = 20  # the process group's collective timeout in the spawned workers (bounds a dead peer's wait)
+# the process group's collective timeout in the spawned workers (bounds a dead peer's wait); it also bounds the first
+# collective, which waits for the slowest rank's start-up: 20 s failed with a second test suite beside this one
+PG_TIMEOUT_S = 120
 STALL_S = 40  # how long the "stall" fault sleeps: far longer than the 5 s group timeout of its test
-JOIN_TIMEOUT_S = 180  # a whole spawned group (start-up ~5 s per process on a loaded 2-core machine + its cases)
+JOIN_TIMEOUT_S = 600  # a whole spawned group, a hang guard only (start-up 5-30 s per process on a busy 2-core machine)
 # a group whose ranks compile (compile=True): two Inductor graphs per bucket per rank, the ranks compiling at
 # once; cold (empty Inductor cache) on the loaded 2-core machine ~370 s for COMPILE_CASE, warm ~60 s
 COMPILE_JOIN_TIMEOUT_S = 900
@@ -157,6 +159,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
                 return fwd(self, *a, **k)
 
             cls.forward_static = broken
+        tc = time.monotonic()
         try:
             hook = []  # the progress hook runs on every rank, once per round
             out = run_case(models, case, distributed=True, on_round=lambda prefix, info: hook.append(info["round"]))
@@ -167,7 +170,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
                 res["cases"][-1]["local"] = summary(run_case(models, case))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
             res["cases"].append({"error": {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None),
-                                           "seconds": time.monotonic() - t0}})  # fmt: skip
+                                           "seconds": time.monotonic() - t0,
+                                           "case_seconds": time.monotonic() - tc}})  # fmt: skip
         finally:
             cls.forward_static = fwd
         res["seconds"] = time.monotonic() - t0
@@ -303,7 +307,7 @@ def test_faults_end_every_rank(tmp_path):
         assert "error" not in ranks[r]["cases"][2]  # after a clean fault the group still decodes
     err = _error(ranks[0], 4)
     assert "a peer died or timed out" in err["message"]
-    assert ranks[0]["seconds"] < PG_TIMEOUT_S + 60
+    assert err["case_seconds"] < 60 < PG_TIMEOUT_S  # a dead peer is a connection reset, seen at once, not at the timeout
     assert len(ranks[1]["cases"]) == 4  # it died in the 5th case
 
 
@@ -315,7 +319,7 @@ def test_stalled_rank_ends_its_peer_at_the_group_timeout(tmp_path):
     ranks = spawn_group(2, tmp_path, [case], pg_timeout=5)
     err = _error(ranks[0], 0)
     assert "a peer died or timed out" in err["message"]
-    assert err["seconds"] < STALL_S - 10
+    assert err["case_seconds"] < STALL_S - 10
 
 
 @pytest.mark.gpu
