@@ -451,6 +451,33 @@ def check_verifier_taken(cfg: GenerateConfig, verifier) -> None:
                          f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
 
 
+def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=") -> None:
+    """The surfaces that load a verifier from a path (CLI --verifier, serve --verifier, lm-eval's verifier=): a
+    KnobError naming the knob when `cfg` needs a verifier and none was given (`how`: how to give one there), or
+    naming `verifier` when one was given to a strategy that takes none."""
+    spec = strategies.get(cfg.strategy)
+    if given and not spec.takes_verifier:
+        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
+        raise KnobError(f"{how} applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
+                        f"verifies drafts); strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)
+    if not given and spec.uses_verifier(cfg):
+        name = spec.verifier_knob
+        raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
+                        "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
+                        f"d2f-arith), or leave {name} unset for strategy={cfg.strategy!r}'s verifier-free baseline",
+                        knob=name, value=getattr(cfg, name))  # fmt: skip
+
+
+def check_verifier_fits(model, verifier, tokenizer=None, verifier_tokenizer=None) -> None:
+    """A verifier loaded once for many requests (serve --verifier, lm-eval's verifier=): checked against the drafter
+    at start (the check every request's pair passes: its strategy's check_models, with both tokenizers when given)."""
+    name = next(n for n in strategies.names() if strategies.get(n).takes_verifier)
+    spec = strategies.get(name)
+    cfg = GenerateConfig(strategy=name, **({spec.verifier_knob: 0.5} if spec.verifier_knob else {})).validate()
+    cfg = cfg.resolve(model)
+    spec.load("check_models")(model, verifier, cfg, tokenizer=tokenizer, verifier_tokenizer=verifier_tokenizer)
+
+
 def check_pair(model, verifier, ids: torch.Tensor, cfg: GenerateConfig) -> None:
     """A strategy that takes a verifier: the (model, verifier) pair checked before any forward (its spec's
     check_models), and the prompt + generation within the verifier's positions. ids: the prompt [P]."""
