@@ -458,13 +458,13 @@ def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=
     spec = strategies.get(cfg.strategy)
     if given and not spec.takes_verifier:
         takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
-        raise KnobError(f"{how} applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
+        raise KnobError(f"a verifier ({how}) applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
                         f"verifies drafts); strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)
     if not given and spec.uses_verifier(cfg):
         name = spec.verifier_knob
         raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
                         "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
-                        f"d2f-arith), or leave {name} unset for strategy={cfg.strategy!r}'s verifier-free baseline",
+                        f"d2f-arith), or leave {name} unset for the verifier-free baseline of strategy={cfg.strategy!r}",
                         knob=name, value=getattr(cfg, name))  # fmt: skip
 
 

@@ -364,6 +364,12 @@ class GenerateConfig:
             n = self.max_new_tokens if self.max_new_tokens is not None else default_max_new_tokens(model)[0]
             self = self.replace(max_new_tokens=self.decode_length(n))
         kind = model.config.kind
+        if kind == "qwen2":  # the real reason first: a causal AR model has no mask token to ask for
+            raise ValueError(
+                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
+                "use a Dream / D2F / DiffuCoder / LLaDA model (a qwen2 model is APD's verifier: strategy='apd', "
+                "verifier=)"
+            )
         mask = self.mask_token_id if self.mask_token_id is not None else model.mask_token_id
         if mask is None:
             raise ValueError("mask_token_id=None and the model config has none; pass mask_token_id=")
@@ -380,11 +386,6 @@ class GenerateConfig:
         for q in self.stop or ():
             if max(q) >= vocab:
                 raise ValueError(f"stop sequence {list(q)!r} holds id {max(q)}; allowed: ids in [0, vocab_size={vocab})")
-        if kind == "qwen2":
-            raise ValueError(
-                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
-                "use a Dream / D2F / DiffuCoder / LLaDA model"
-            )
         spec = strategies.get(self.strategy)
         kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
         if self.sampler is None:

@@ -173,7 +173,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     knobs = aliases.translate(knobs, [len(ids) if isinstance(ids, (list, tuple)) else int(ids.shape[-1])]
                               if {"max_length", "attention_mask"} & set(knobs) else None)  # other libraries' names
     if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
-        seqs = [*seqs, *knobs.pop("stop")]
+        seqs = [*(seqs or []), *knobs.pop("stop")]
     bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
     if bad:
         raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")

@@ -345,7 +345,9 @@ def _hanging_load(name, sources, build_directory, **kw):
     (Path(build_directory) / f"{name}.so").write_bytes(b"")
 
 
-def test_cpp_build_survives_a_stale_lock_and_is_keyed_by_source(monkeypatch, tmp_path):
+def test_cpp_build_survives_a_stale_lock_and_is_keyed_by_source(monkeypatch, tmp_path, caplog):
+    import logging
+
     import torch.utils.cpp_extension as ext
 
     from lopa_fast.ops import _cpp
@@ -355,8 +357,12 @@ def test_cpp_build_survives_a_stale_lock_and_is_keyed_by_source(monkeypatch, tmp
     d = _cpp.build_dir()
     assert d.parent == tmp_path / "cache" / "cpp" and len(d.name) == 16
     (d / "lock").write_text("")  # what a build killed mid-way leaves behind
-    _cpp.build.__wrapped__()
+    with caplog.at_level(logging.WARNING, logger="lopa_fast"):
+        _cpp.build.__wrapped__()
     assert not (d / "lock").exists() and (d / "lopa_fast_cpp.so").exists()
+    msg = next(r.getMessage() for r in caplog.records if "stale lock" in r.getMessage())
+    # issue 35: the line says what is being built, where, and why the file is removed
+    assert "building the C++ CPU round ops" in msg and str(d) in msg and "killed" in msg, msg
     src = tmp_path / "csrc"  # another checkout's (changed) sources: another directory, never the same build
     src.mkdir()
     for p in _cpp.CSRC.iterdir():

@@ -151,7 +151,9 @@ def _build_lock(d: Path, timeout: float):
         try:
             stale = d / "lock"
             if stale.exists():
-                log.warning("removing a stale build lock %s (left by a killed build)", stale)
+                log.warning("building the C++ CPU round ops (%s, for torch.ops.lopa_fast_cpp) in %s: removing the "
+                            "stale lock file %s that an earlier build left when it was killed (torch's "
+                            "cpp_extension would wait on it forever)", ", ".join(SOURCES), d, stale)  # fmt: skip
                 stale.unlink(missing_ok=True)
             yield
         finally:
