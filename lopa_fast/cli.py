@@ -263,7 +263,8 @@ def add_other_library_flags(parser: argparse.ArgumentParser, length: bool = True
     grp.add_argument("--do-sample", dest="x_do_sample", action=argparse.BooleanOptionalAction, default=None,
                      help="HF's do_sample: --do-sample samples (needs --temperature > 0; lopa_fast's default is 0), "
                           "--no-do-sample is greedy (temperature 0)")
-    grp.add_argument("--n", dest="x_n", type=int, default=None, help="outputs per prompt: only 1 (vLLM's n)")
+    grp.add_argument("--n", dest="x_n", type=int, default=None, metavar="N",
+                     help="outputs per prompt: only 1 (vLLM's n)")
     for name in aliases.REFUSED:
         grp.add_argument("--" + name.replace("_", "-"), dest="x_" + name, default=None, help=argparse.SUPPRESS)
 
@@ -589,14 +590,20 @@ def _serve(args) -> int:
     if "max_length" in knobs:
         raise CLIError("serve: --max-length is prompt + new tokens, which a server default cannot know; pass "
                        "--max-new-tokens (a request's max_tokens)")  # fmt: skip
-    from lopa_fast import api
+    from lopa_fast import api, strategies
 
+    def check_defaults(defaults):  # a default that needs the verifier, without one: before any load
+        cfg = _user_errors(lambda: GenerateConfig(**defaults).validate())
+        given = args.verifier is not None and strategies.get(cfg.strategy).takes_verifier
+        _user_errors(api.check_verifier_given, cfg, given, "serve --verifier DIR")
+
+    check_defaults(knobs)
+    if args.verifier is not None and not os.path.isdir(args.verifier):
+        raise CLIError(f"--verifier {args.verifier}: not a directory (an HF-format causal qwen2 model directory)")
     model, tok = _load(args)
     path = model.name_or_path if getattr(model, "name_or_path", None) else args.model
     defaults = {**_user_errors(server.model_sampling_defaults, path), **knobs}
-    cfg = _user_errors(lambda: GenerateConfig(**defaults).validate())
-    _user_errors(api.check_verifier_given, cfg, args.verifier is not None and
-                 api.strategies.get(cfg.strategy).takes_verifier, "serve --verifier DIR")
+    check_defaults(defaults)
     verifier = load_verifier(args, model)
     if verifier is not None:  # one verifier for the server's life: checked against the drafter now
         import lopa_fast
