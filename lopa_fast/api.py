@@ -300,7 +300,9 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
-    out = generate_with_config(model, input_ids, GenerateConfig(**kw), streamer=streamer, **extra)
+    if streamer is not None:
+        extra["streamer"] = streamer
+    out = generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
     if tokenizer is not None:
         from lopa_fast.text import answer_text, text_decoder
 
@@ -370,9 +372,7 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
               requested length and before a stop sequence, so the puts join to the returned generated_ids), end()."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-        raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
-                        "(transformers' TextStreamer protocol)")  # fmt: skip
+    check_streamer(streamer)
     if is_batch(input_ids):
         if streamer is not None:
             raise ValueError("streamer= streams one prompt (as in transformers); got a list of prompts")
@@ -409,6 +409,13 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     if streamer is not None:
         finish(out)
     return out
+
+
+def check_streamer(streamer) -> None:
+    """streamer= is None or has transformers' TextStreamer protocol (put(ids), end()), else a TypeError."""
+    if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+        raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
+                        "(transformers' TextStreamer protocol)")  # fmt: skip
 
 
 def _streamer_hook(streamer, ids: torch.Tensor, cfg: GenerateConfig, requested: int, on_round=None):
@@ -458,13 +465,15 @@ def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=
     spec = strategies.get(cfg.strategy)
     if given and not spec.takes_verifier:
         takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
-        raise KnobError(f"a verifier ({how}) applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
-                        f"verifies drafts); strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)
+        names = " / ".join(f"strategy={n!r}" for n in takers)
+        raise KnobError(f"a verifier ({how}) applies to {names} (the AR model that verifies drafts); "
+                        f"strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)  # fmt: skip
     if not given and spec.uses_verifier(cfg):
         name = spec.verifier_knob
         raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
                         "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
-                        f"d2f-arith), or leave {name} unset for the verifier-free baseline of strategy={cfg.strategy!r}",
+                        f"d2f-arith), or leave {name} unset for the verifier-free baseline of "
+                        f"strategy={cfg.strategy!r}",
                         knob=name, value=getattr(cfg, name))  # fmt: skip
 
 

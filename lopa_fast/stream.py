@@ -185,8 +185,6 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         bound = planned.resolve(model)
         api.check_prompt(model, ids_t, bound)
         api.resolve_backend(bound, hook=True)
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-        raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
-                        "(transformers' TextStreamer protocol)")  # fmt: skip
+    api.check_streamer(streamer)
     return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer),
                       texts, verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip

@@ -41,41 +41,43 @@ def _ids(tok):
 # ("refused", field, needle) or ("warns", needle)
 ONES = "ones"  # an all-ones attention mask of the prompt's length (built per surface)
 ZERO = "zero"  # the same with a 0 at position 0 (padding)
+ON3 = ("generate", "stream", "server")
 ROWS = {
-    "attention_mask (all ones)": {s: ({"attention_mask": ONES}, ("same", {})) for s in ("generate", "stream", "server")},
+    "attention_mask (all ones)": {s: ({"attention_mask": ONES}, ("same", {}))
+                                  for s in ON3},
     "attention_mask (a 0)": {s: ({"attention_mask": ZERO}, ("refused", "attention_mask", r"zero\(s\) \(padding"))
-                             for s in ("generate", "stream", "server")},
-    "pad_token_id": {s: ({"pad_token_id": 0}, ("same", {})) for s in ("generate", "stream", "server")},
-    "use_cache": {s: ({"use_cache": True}, ("same", {})) for s in ("generate", "stream", "server")},
-    "top_k=0 / top_k=-1": {**{s: ({"top_k": -1, "temperature": 0.7, "seed": 3}, ("same", {"temperature": 0.7, "seed": 3}))
-                              for s in ("generate", "stream", "server")},
+                             for s in ON3},
+    "pad_token_id": {s: ({"pad_token_id": 0}, ("same", {})) for s in ON3},
+    "use_cache": {s: ({"use_cache": True}, ("same", {})) for s in ON3},
+    "top_k=0 / top_k=-1": {**{s: ({"top_k": -1, "temperature": 0.7, "seed": 3},
+                                  ("same", {"temperature": 0.7, "seed": 3})) for s in ON3},
                            "cli": (["--top-k", "0", "--temperature", "0.7", "--seed", "3"],
                                    ("same", ["--temperature", "0.7", "--seed", "3"]))},
     "top_p at temperature 0": {**{s: ({"top_p": 0.9}, ("warns", "top_p=0.9 has no effect at temperature=0"))
-                                  for s in ("generate", "stream", "server")},
+                                  for s in ON3},
                                "cli": (["--top-p", "0.9"], ("warns", "top_p=0.9 has no effect at temperature=0"))},
-    "do_sample": {**{s: ({"do_sample": False}, ("same", {})) for s in ("generate", "stream", "server")},
+    "do_sample": {**{s: ({"do_sample": False}, ("same", {})) for s in ON3},
                   "cli": (["--no-do-sample"], ("same", []))},
     "max_length": {**{s: ({"max_length": "P+8", "max_new_tokens": None}, ("same", {}))
                       for s in ("generate", "stream")},
                    "cli": (["--max-length", "P+8"], ("same", [])),
                    "server": ({"max_length": 30}, ("refused", "max_length", "pass max_tokens"))},
     "eos_token_id (a list)": {s: ({"eos_token_id": "[eos, 9]"}, ("same", {"eos_token_id": "eos", "stop": [[9]]}))
-                              for s in ("generate", "stream", "server")},
-    "n": {**{s: ({"n": 2}, ("refused", "n", "n=2")) for s in ("generate", "stream", "server")},
+                              for s in ON3},
+    "n": {**{s: ({"n": 2}, ("refused", "n", "n=2")) for s in ON3},
           "cli": (["--n", "2"], ("refused", "n", "--n 2: one output per prompt"))},
-    "typical_p": {**{s: ({"typical_p": 0.9}, ("refused", "typical_p", "typical_p=0.9 is not a lopa_fast knob: .*top_p="))
-                     for s in ("generate", "stream", "server")},
+    "typical_p": {**{s: ({"typical_p": 0.9},
+                         ("refused", "typical_p", "typical_p=0.9 is not a lopa_fast knob: .*top_p=")) for s in ON3},
                   "cli": (["--typical-p", "0.9"], ("refused", "typical_p", "--typical-p 0.9: not a lopa_fast knob"))},
-    "no_repeat_ngram_size": {**{s: ({"no_repeat_ngram_size": 3}, ("refused", "no_repeat_ngram_size", "not a lopa_fast knob"))
-                                for s in ("generate", "stream", "server")},
+    "no_repeat_ngram_size": {**{s: ({"no_repeat_ngram_size": 3},
+                                    ("refused", "no_repeat_ngram_size", "not a lopa_fast knob")) for s in ON3},
                              "cli": (["--no-repeat-ngram-size", "3"], ("refused", "", "not a lopa_fast knob"))},
-    "logprobs": {**{s: ({"logprobs": 2}, ("refused", "logprobs", "logprobs=2 is not a lopa_fast knob: .*return_trace"))
-                    for s in ("generate", "stream")},
+    "logprobs": {**{s: ({"logprobs": 2},
+                        ("refused", "logprobs", "logprobs=2 is not a lopa_fast knob: .*return_trace")) for s in ("generate", "stream")},
                  "server": ({"logprobs": 2}, ("refused", "logprobs", "log-probabilities are not implemented")),
                  "cli": (["--logprobs", "2"], ("refused", "", "--logprobs 2: not a lopa_fast knob"))},
-    "num_beams": {**{s: ({"num_beams": 4}, ("refused", "num_beams", "num_beams=4 is not a lopa_fast knob: .*branching_factor="))
-                     for s in ("generate", "stream", "server")},
+    "num_beams": {**{s: ({"num_beams": 4},
+                         ("refused", "num_beams", "num_beams=4 is not a lopa_fast knob: .*branching_factor=")) for s in ON3},
                   "cli": (["--num-beams", "4"], ("refused", "", "--num-beams 4: not a lopa_fast knob"))},
 }
 CASES = [(row, s) for row, by in ROWS.items() for s in SURFACES if s in by]
