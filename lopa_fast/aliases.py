@@ -8,8 +8,16 @@ translated into lopa_fast's where they mean the same, refused naming lopa_fast's
                                       temperature is 0, HF's 1.0)
     eos_token_id=[a, b]  (HF)         EOS a; b, ... end decoding too, as one-token stop sequences (the output is cut
                                       before them, finish_reason "stop")
-A name of the same family that lopa_fast has no counterpart for (num_beams, repetition_penalty, ...) is refused by
-name (REFUSED says why)."""
+    attention_mask=M     (HF)         accepted when all ones (an unpadded prompt); a 0 anywhere is refused naming it
+    pad_token_id=N       (HF)         accepted, no effect: outputs are never padded (one GenerateOutput per prompt)
+    use_cache=B          (HF)         accepted, no effect: each strategy keeps the KV cache it defines (threshold:
+                                      cache=)
+    n=1                  (vLLM)       accepted (one output per prompt); n > 1 refused
+    top_k=0 / top_k=-1   (HF / vLLM)  "off", as there (GenerateConfig stores top_k=None)
+    streamer=S           (HF)         a TextStreamer-style object (put(ids), end()): generate / stream call put(prompt
+                                      ids), then put(new ids) as they become final, then end()
+A name of the same family that lopa_fast has no counterpart for (num_beams, repetition_penalty, typical_p, ...) is
+refused by name (REFUSED says why). docs/decoding.md "Knobs from other libraries" has the table."""
 from __future__ import annotations
 
 from lopa_fast.errors import KnobError
@@ -25,12 +33,60 @@ REFUSED = {
     "min_new_tokens": "not implemented; max_new_tokens= bounds the length",
     "output_scores": "not implemented; return_trace=True records each round's branch scores",
     "return_dict_in_generate": "generate returns a GenerateOutput (generated_ids, stats, trace)",
-    "stopping_criteria": "pass stop= token-id sequences (or text stops to lopa_fast.stream)",
+    "stopping_criteria": "pass stop= (token-id sequences, or text with tokenizer=)",
+    "typical_p": "not implemented; nucleus sampling is top_p= (with temperature > 0)",
+    "min_p": "not implemented; nucleus sampling is top_p=, top-k is top_k= (with temperature > 0)",
+    "epsilon_cutoff": "not implemented; nucleus sampling is top_p= (with temperature > 0)",
+    "eta_cutoff": "not implemented; nucleus sampling is top_p= (with temperature > 0)",
+    "no_repeat_ngram_size": "not implemented (a diffusion round fills positions out of order)",
+    "bad_words_ids": "not implemented; suppress_mask_token=True is the one suppressed id",
+    "logprobs": "not implemented; return_trace=True records each round's fill order and branch scores",
+    "top_logprobs": "not implemented; return_trace=True records each round's fill order and branch scores",
+    "best_of": "one output per prompt; LoPA's branches are the parallel candidates (branching_factor=)",
+    "logit_bias": "not implemented",
+    "presence_penalty": "not implemented",
+    "frequency_penalty": "not implemented",
+    "guidance_scale": "LLaDA vanilla's classifier-free guidance is cfg_scale= (its scale s: logits = u + (s + 1) * "
+                      "(c - u), so HF's guidance_scale g is cfg_scale = g - 1)",
     "gen_kwargs": "pass the knobs as keyword arguments",
     "generation_config": "pass the knobs as keyword arguments (a model's generation_config.json supplies "
                          "max_new_tokens and the special ids)",
 }
 ALIASES = ("max_length", "gen_length", "do_sample")
+# names accepted where they mean the same (checked, then dropped: no lopa_fast knob holds them)
+ACCEPTED = ("attention_mask", "pad_token_id", "use_cache", "n")
+# every name `translate` handles (generate calls it when one is given, or a list eos_token_id, or top_k 0 / -1)
+NAMES = frozenset(ALIASES) | frozenset(REFUSED) | frozenset(ACCEPTED)
+
+
+def applies(knobs: dict) -> bool:
+    """Whether `translate` has work on `knobs` (a name of another library, or a list eos_token_id)."""
+    return bool(NAMES & set(knobs)) or isinstance(knobs.get("eos_token_id"), (list, tuple))
+
+
+def check_attention_mask(mask, prompt_lens: list[int] | None) -> None:
+    """attention_mask= is accepted when it is all ones (and, with the prompt lengths known, as long as the prompt):
+    lopa_fast decodes unpadded prompts. A 0 (padding) or a shape that is not the prompt's is refused naming it."""
+    import torch
+
+    try:
+        t = torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError):
+        raise KnobError(f"attention_mask: {type(mask).__name__}; expected a tensor or list of 0 / 1 (all ones)",
+                        knob="attention_mask", value=type(mask).__name__) from None  # fmt: skip
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise KnobError(f"attention_mask has shape {tuple(t.shape)}; allowed: [P] or [1, P] of ones (for several "
+                        "prompts pass a list of prompts, unpadded)", knob="attention_mask", value=tuple(t.shape))
+    if prompt_lens is not None and len(prompt_lens) == 1 and t.numel() != prompt_lens[0]:
+        raise KnobError(f"attention_mask has {t.numel()} entries for a prompt of {prompt_lens[0]} tokens",
+                        knob="attention_mask", value=t.numel())  # fmt: skip
+    zeros = (t != 1).nonzero().flatten().tolist()
+    if zeros:
+        raise KnobError(f"attention_mask has {len(zeros)} zero(s) (padding; first at position {zeros[0]}): lopa_fast "
+                        "decodes unpadded prompts; pass the prompt without its padding (a list of prompts of any "
+                        "lengths for several)", knob="attention_mask", value=zeros[0])  # fmt: skip
 
 
 def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
@@ -40,6 +96,23 @@ def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
     for name, why in REFUSED.items():
         if name in out:
             raise KnobError(f"{name}={out[name]!r} is not a lopa_fast knob: {why}", knob=name, value=out[name])
+    if "n" in out:
+        n = out.pop("n")
+        if n != 1 or isinstance(n, bool):
+            raise KnobError(f"n={n!r}: one output per prompt (n=1); pass a list of prompts (or seeds) for several",
+                            knob="n", value=n)  # fmt: skip
+    if "attention_mask" in out:
+        check_attention_mask(out.pop("attention_mask"), prompt_lens)
+    if "pad_token_id" in out:
+        pad = out.pop("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+            raise KnobError(f"pad_token_id={pad!r}; expected an int id >= 0 (accepted, unused: outputs are not "
+                            "padded)", knob="pad_token_id", value=pad)  # fmt: skip
+    if "use_cache" in out:
+        use = out.pop("use_cache")
+        if not isinstance(use, bool):
+            raise KnobError(f"use_cache={use!r}; expected True or False (accepted, no effect: each strategy keeps "
+                            "the KV cache it defines; threshold: cache=)", knob="use_cache", value=use)  # fmt: skip
     if "gen_length" in out:
         _one_of(out, "gen_length", "max_new_tokens")
         out["max_new_tokens"] = out.pop("gen_length")

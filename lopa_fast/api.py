@@ -218,6 +218,8 @@ def _generate_signature() -> inspect.Signature:
     # per-round progress hook
     params.append(P("verifier", P.KEYWORD_ONLY, default=None))
     params.append(P("on_round", P.KEYWORD_ONLY, default=None))
+    params.append(P("tokenizer", P.KEYWORD_ONLY, default=None))
+    params.append(P("streamer", P.KEYWORD_ONLY, default=None))
     return inspect.Signature(params, return_annotation="GenerateOutput")
 
 
@@ -266,8 +268,27 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
-    if set(knobs) & (set(aliases.ALIASES) | set(aliases.REFUSED)) or isinstance(knobs.get("eos_token_id"), (list, tuple)):
-        knobs = aliases.translate(knobs, _prompt_lens(input_ids) if "max_length" in knobs else None)
+    tokenizer, streamer = knobs.pop("tokenizer", None), knobs.pop("streamer", None)
+    text_stops: list[str] = []
+    stop = knobs.get("stop")
+    has_text_stop = isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(q, str) for q in stop))
+    if tokenizer is None and (_is_text(input_ids) or has_text_stop):
+        tokenizer = known_tokenizer(model, "a str prompt" if _is_text(input_ids) else "a text stop")
+    if tokenizer is not None:
+        from lopa_fast.text import encode_prompt, split_stops
+
+        if isinstance(input_ids, str):
+            input_ids = encode_prompt(tokenizer, input_ids)
+        elif isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(p, str) for p in input_ids):
+            input_ids = [encode_prompt(tokenizer, p) for p in input_ids]
+        if has_text_stop:
+            seqs, text_stops = split_stops(tokenizer, stop)
+            knobs.pop("stop")
+            if seqs:
+                knobs["stop"] = seqs
+    if aliases.applies(knobs):  # HF / Dream / LLaDA / vLLM names (lopa_fast.aliases)
+        need = {"max_length", "attention_mask"} & set(knobs)
+        knobs = aliases.translate(knobs, _prompt_lens(input_ids) if need else None)
     known = {p for p in _SIGNATURE.parameters}
     unknown = sorted(set(knobs) - known)
     if unknown:
@@ -279,7 +300,44 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
-    return generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
+    if streamer is not None:
+        extra["streamer"] = streamer
+    out = generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
+    if tokenizer is not None:
+        from lopa_fast.text import answer_text, text_decoder
+
+        eos = kw.get("eos_token_id")
+        eos = eos if eos is not None else model.eos_token_id
+        for o in out if isinstance(out, list) else [out]:
+            o.text = answer_text(o, text_decoder(tokenizer), eos, text_stops)
+    return out
+
+
+def _is_text(input_ids) -> bool:
+    return isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and len(input_ids) > 0
+                                          and all(isinstance(p, str) for p in input_ids))
+
+
+def known_tokenizer(model, why: str):
+    """The tokenizer of a model loaded from a directory (lopa_fast.load_model sets `name_or_path`), loaded once and
+    kept on the model; a TypeError saying to pass tokenizer= when the model has none."""
+    tok = getattr(model, "_lopa_fast_tokenizer", None)
+    if tok is not None:
+        return tok
+    where = getattr(model, "name_or_path", None)
+    import os
+
+    if not where or not os.path.isdir(str(where)):
+        raise TypeError(f"generate(): {why} needs a tokenizer, and this model was not loaded from a directory; pass "
+                        "tokenizer= (lopa_fast.load_tokenizer(dir)) or token ids")  # fmt: skip
+    from lopa_fast.models.loading import load_tokenizer
+
+    tok = load_tokenizer(where)
+    try:
+        model._lopa_fast_tokenizer = tok
+    except AttributeError:
+        pass
+    return tok
 
 
 generate.__signature__ = _SIGNATURE
@@ -301,19 +359,27 @@ def _prompt_lens(input_ids) -> list[int] | None:
 
 
 def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None,
-                         engine=None) -> GenerateOutput:
+                         engine=None, streamer=None) -> GenerateOutput:
     """`generate` with a prepared GenerateConfig (validated and bound to the model here).
 
     verifier: APD's verifier model (strategy="apd" only); passed to the strategy as `verifier=`.
     on_round: the per-round progress hook (see `generate`); passed to the strategy as `on_round=`.
     engine:   a lopa_fast.decode.batch.BatchEngine (the server's): a request it covers (`batchable`: a strategy with
               a batch driver on the fast backend; with compile=True one whose driver runs compiled batched steps)
-              joins its running batch (the same result as decoding alone); others run here."""
+              joins its running batch (the same result as decoding alone); others run here.
+    streamer: a TextStreamer-style object (`put(ids)`, `end()`, as Hugging Face's generate drives it): put(prompt
+              [1, P]) first, then put(new ids [n]) as they become final (the tokens before the first mask, cut at the
+              requested length and before a stop sequence, so the puts join to the returned generated_ids), end()."""
     if not isinstance(cfg, GenerateConfig):
         raise TypeError(f"cfg: {type(cfg).__name__}; expected a lopa_fast.GenerateConfig")
+    check_streamer(streamer)
     if is_batch(input_ids):
+        if streamer is not None:
+            raise ValueError("streamer= streams one prompt (as in transformers); got a list of prompts")
         return generate_batch(model, list(input_ids), cfg, verifier, on_round)
     cfg.validate()  # the one validation of the knobs, before the prompt is touched
+    for note in cfg.sampling_notes():  # HF warns about the same
+        warnings.warn(note, UserWarning, stacklevel=3)
     spec = strategies.get(cfg.strategy)
     check_verifier_taken(cfg, verifier)
     ids = prepare_prompt(model, input_ids)
@@ -322,6 +388,8 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     check_prompt(model, ids, cfg)
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
+    if streamer is not None:
+        on_round, finish = _streamer_hook(streamer, ids, cfg, length["requested"], on_round)
     fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None, model=model)
     check_pair(model, verifier, ids, cfg)
     extra = {"verifier": verifier} if spec.takes_verifier else {}
@@ -337,7 +405,49 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     out.stats["backend"] = ran
     if fallback is not None:
         out.stats["fallback"] = fallback
-    return cut_to_length(out, length, cfg)
+    out = cut_to_length(out, length, cfg)
+    if streamer is not None:
+        finish(out)
+    return out
+
+
+def check_streamer(streamer) -> None:
+    """streamer= is None or has transformers' TextStreamer protocol (put(ids), end()), else a TypeError."""
+    if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+        raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
+                        "(transformers' TextStreamer protocol)")  # fmt: skip
+
+
+def _streamer_hook(streamer, ids: torch.Tensor, cfg: GenerateConfig, requested: int, on_round=None):
+    """(per-round hook, finish(out)) driving a TextStreamer-style `streamer` (generate_with_config's docstring). A
+    round puts the finalised prefix's new tokens, up to the requested length, before a stop sequence and holding
+    back the last (longest stop - 1) tokens (a stop they start is not complete yet); finish puts the rest of the
+    returned ids and calls end()."""
+    streamer.put(ids.detach().reshape(1, -1).cpu())
+    hold = max((len(q) for q in cfg.stop or ()), default=1) - 1
+    sent = 0
+
+    def put(new: list[int]) -> None:
+        nonlocal sent
+        if new:
+            streamer.put(torch.tensor(new, dtype=torch.long))
+            sent += len(new)
+
+    def hook(prefix, info):
+        if on_round is not None:
+            on_round(prefix, info)
+        upto = min(len(prefix) - hold, requested)
+        if cfg.stop:
+            at = first_stop(list(prefix), cfg.stop, cfg.mask_token_id)
+            upto = upto if at is None else min(upto, at)
+        if upto > sent:
+            put(list(prefix[sent:upto]))
+
+    def finish(out: GenerateOutput) -> None:
+        put(list(out.generated_ids[sent:]))
+        streamer.end()
+
+    return hook, finish
 
 
 def check_verifier_taken(cfg: GenerateConfig, verifier) -> None:
@@ -346,6 +456,35 @@ def check_verifier_taken(cfg: GenerateConfig, verifier) -> None:
         takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
         raise ValueError(f"verifier= applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
                          f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
+
+
+def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=") -> None:
+    """The surfaces that load a verifier from a path (CLI --verifier, serve --verifier, lm-eval's verifier=): a
+    KnobError naming the knob when `cfg` needs a verifier and none was given (`how`: how to give one there), or
+    naming `verifier` when one was given to a strategy that takes none."""
+    spec = strategies.get(cfg.strategy)
+    if given and not spec.takes_verifier:
+        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
+        names = " / ".join(f"strategy={n!r}" for n in takers)
+        raise KnobError(f"a verifier ({how}) applies to {names} (the AR model that verifies drafts); "
+                        f"strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)  # fmt: skip
+    if not given and spec.uses_verifier(cfg):
+        name = spec.verifier_knob
+        raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
+                        "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
+                        f"d2f-arith), or leave {name} unset for the verifier-free baseline of "
+                        f"strategy={cfg.strategy!r}",
+                        knob=name, value=getattr(cfg, name))  # fmt: skip
+
+
+def check_verifier_fits(model, verifier, tokenizer=None, verifier_tokenizer=None) -> None:
+    """A verifier loaded once for many requests (serve --verifier, lm-eval's verifier=): checked against the drafter
+    at start (the check every request's pair passes: its strategy's check_models, with both tokenizers when given)."""
+    name = next(n for n in strategies.names() if strategies.get(n).takes_verifier)
+    spec = strategies.get(name)
+    cfg = GenerateConfig(strategy=name, **({spec.verifier_knob: 0.5} if spec.verifier_knob else {})).validate()
+    cfg = cfg.resolve(model)
+    spec.load("check_models")(model, verifier, cfg, tokenizer=tokenizer, verifier_tokenizer=verifier_tokenizer)
 
 
 def check_pair(model, verifier, ids: torch.Tensor, cfg: GenerateConfig) -> None:

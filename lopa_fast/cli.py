@@ -166,6 +166,8 @@ def _eval(args) -> int:
     from lopa_fast.tasks.evaluate import check_block_size, eval_task, out_path, parse_rows, run_eval
 
     task = _user_errors(eval_task, args.task)  # before any work (model load, decoding)
+    if args.verifier is not None and not os.path.isdir(args.verifier):
+        raise CLIError(f"--verifier {args.verifier}: not a directory (an HF-format causal qwen2 model directory)")
     _user_errors(check_block_size, args.block_size, task.gen_len)
     _user_errors(parse_rows, args.strategies, args.task)
     if args.n < 1:
@@ -175,7 +177,8 @@ def _eval(args) -> int:
     command = "python -m lopa_fast " + " ".join(shlex.quote(a) for a in args.argv)
     run_eval(n=args.n, strategies=args.strategies, backend=args.backend, out=out, model_dir=args.model,
              progress=not args.no_progress and args.log_level <= logging.INFO, command=command,
-             block_size=args.block_size, compile=args.compile, task=args.task, student_dir=args.student)
+             block_size=args.block_size, compile=args.compile, task=args.task, student_dir=args.student,
+             verifier_dir=args.verifier)
     return 0
 
 
@@ -241,6 +244,29 @@ def knob_help(f: dataclasses.Field, preset: dict | None = None, note: str = "") 
     else:
         shown = f"default: {default}"
     return f"{f.metadata['help']}{note} ({shown})".replace("%", "%%")
+
+
+VERIFIER_HELP = ("APD's verifier: a causal AR qwen2 model directory whose vocabulary is a prefix of the model's "
+                 "(the embedded model's: lopa_fast/assets/ar-arith); needed by --apd-mixture-weight")
+
+
+def add_other_library_flags(parser: argparse.ArgumentParser, length: bool = True) -> None:
+    """Hugging Face / vLLM names as flags (lopa_fast.aliases): --max-length N (prompt + new tokens; generate only),
+    --do-sample / --no-do-sample (sampling: needs --temperature > 0; greedy: temperature 0), --n 1; the refused names
+    (--typical-p, --num-beams, ...) are parsed, hidden from --help, and refused naming the lopa_fast way."""
+    from lopa_fast import aliases
+
+    grp = parser.add_argument_group("names from Hugging Face / vLLM (docs/decoding.md, 'Knobs from other libraries')")
+    if length:
+        grp.add_argument("--max-length", dest="x_max_length", type=int, default=None, metavar="N",
+                         help="prompt + new tokens (HF): max_new_tokens = N - the prompt's length")
+    grp.add_argument("--do-sample", dest="x_do_sample", action=argparse.BooleanOptionalAction, default=None,
+                     help="HF's do_sample: --do-sample samples (needs --temperature > 0; lopa_fast's default is 0), "
+                          "--no-do-sample is greedy (temperature 0)")
+    grp.add_argument("--n", dest="x_n", type=int, default=None, metavar="N",
+                     help="outputs per prompt: only 1 (vLLM's n)")
+    for name in aliases.REFUSED:
+        grp.add_argument("--" + name.replace("_", "-"), dest="x_" + name, default=None, help=argparse.SUPPRESS)
 
 
 def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
@@ -340,6 +366,49 @@ def _load(args):
     return model, tok
 
 
+def load_verifier(args, model):
+    """--verifier DIR: APD's causal AR verifier, loaded like the drafter (its dtype, its device); None without it."""
+    import lopa_fast
+
+    path = getattr(args, "verifier", None)
+    if path is None:
+        return None
+    if not os.path.isdir(path):
+        raise CLIError(f"--verifier {path}: not a directory (an HF-format causal qwen2 model directory, e.g. "
+                       "lopa_fast/assets/ar-arith)")  # fmt: skip
+    try:
+        return lopa_fast.load_model(path, dtype=next(model.parameters()).dtype, device=model.device)
+    except OSError as e:
+        raise CLIError(f"--verifier {path}: cannot read it ({e.strerror or type(e).__name__})") from e
+
+
+def check_verifier_flag(args, knobs: dict) -> None:
+    """Before any load: --verifier given to a strategy that takes none, or a knob that needs one without it."""
+    from lopa_fast import api
+    from lopa_fast.config import GenerateConfig
+
+    cfg = _user_errors(lambda: GenerateConfig(**knobs).validate())
+    _user_errors(api.check_verifier_given, cfg, args.verifier is not None, "--verifier DIR")
+
+
+def other_library_flags(args) -> dict:
+    """The flags of other libraries' names: --max-length, --do-sample / --no-do-sample (translated by
+    lopa_fast.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the lopa_fast
+    way."""
+    from lopa_fast import aliases
+
+    out = {}
+    for name in (*aliases.REFUSED, "n", "max_length", "do_sample"):
+        if getattr(args, "x_" + name, None) is not None:
+            out[name] = getattr(args, "x_" + name)
+    for name in out:
+        if name in aliases.REFUSED:
+            raise CLIError(f"--{name.replace('_', '-')} {out[name]}: not a lopa_fast knob: {aliases.REFUSED[name]}")
+    if "n" in out and out.pop("n") != 1:
+        raise CLIError(f"--n {args.x_n}: one output per prompt (--n 1); run the command once per sample (--seed)")
+    return out
+
+
 def generate_knobs(args, knob_names) -> dict:
     """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
     nor --strategy is given), then every flag given."""
@@ -355,6 +424,17 @@ def generate_knobs(args, knob_names) -> dict:
     if args.compile:
         knobs["compile"] = True
     knobs.update({k: getattr(args, k) for k in knob_names if hasattr(args, k)})
+    extra = other_library_flags(args)
+    if "max_length" in extra and not hasattr(args, "max_new_tokens"):
+        knobs.pop("max_new_tokens", None)  # --max-length replaces the preset's length
+    if extra.get("do_sample") is True and not hasattr(args, "temperature"):
+        knobs.pop("temperature", None)  # the preset's greedy 0: --do-sample asks for --temperature itself
+    if "do_sample" in extra:
+        from lopa_fast import aliases
+
+        knobs = _user_errors(aliases.translate, {**knobs, "do_sample": extra["do_sample"]}, None)
+    if "max_length" in extra:
+        knobs["max_length"] = extra["max_length"]  # translated once the prompt's length is known
     return knobs
 
 
@@ -387,9 +467,19 @@ def _generate_one(args, text: str, knobs: dict) -> int:
     if args.png is not None:
         check_out(args.png, f"--png {args.png}")
         knobs["return_trace"] = True  # the picture is drawn from the run's trace
-    _user_errors(lambda: GenerateConfig(**knobs).validate())
+    max_length = knobs.pop("max_length", None)
+    if max_length is not None and knobs.get("max_new_tokens") is not None:
+        raise CLIError(f"--max-length {max_length} and --max-new-tokens {knobs['max_new_tokens']} both given; pass one")
+    if max_length is not None and max_length < 2:
+        raise CLIError(f"--max-length {max_length}; allowed: an int > the prompt's length (prompt + new tokens)")
+    check_verifier_flag(args, knobs)  # before any load
     model, tok = _load(args)
+    verifier = load_verifier(args, model)
     ids = encode_prompt(tok, text, args.chat, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    if max_length is not None:
+        from lopa_fast import aliases
+
+        knobs = _user_errors(aliases.translate, {**knobs, "max_length": max_length}, [len(ids)])
     ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
     seqs, texts = _user_errors(split_stops, tok, args.stop_text)  # text stops: tokenised + matched on the text
     if seqs:
@@ -405,12 +495,17 @@ def _generate_one(args, text: str, knobs: dict) -> int:
             bound = planned.resolve(model)
             api.check_prompt(model, api.prepare_prompt(model, ids_t), bound)
             api.resolve_backend(bound, hook=args.stream or args.show_steps)
+            api.check_pair(model, verifier, ids_t, bound)
 
     _user_errors(check)
+    for note in cfg.sampling_notes():
+        print(f"warning: {note}", file=sys.stderr)
     if args.stream or args.show_steps:
-        answer, out = _stream(args, model, tok, ids_t, knobs, texts)
+        answer, out = _stream(args, model, tok, ids_t, knobs, texts, verifier)
     else:
-        out = api.generate_with_config(model, ids_t, cfg)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".* has no effect at temperature=0")  # printed above
+            out = api.generate_with_config(model, ids_t, cfg, verifier=verifier)
         answer = answer_text(out, decode, eos, texts)
     gen = out.generated_ids
     st = out.stats
@@ -433,7 +528,7 @@ def _generate_one(args, text: str, knobs: dict) -> int:
     return 0
 
 
-def _stream(args, model, tok, ids_t, knobs, text_stops):
+def _stream(args, model, tok, ids_t, knobs, text_stops, verifier=None):
     """--stream: print the text as it becomes final (lopa_fast.stream); --show-steps: the live denoising view
     (lopa_fast.viz.StepView: redrawn in place on a terminal, one line per round otherwise). (text, output)."""
     import lopa_fast
@@ -444,7 +539,7 @@ def _stream(args, model, tok, ids_t, knobs, text_stops):
         view = StepView(lambda ids: [tok.decode([t]) for t in ids])
     knobs = dict(knobs)
     stop = [*(knobs.pop("stop", None) or []), *text_stops] or None
-    s = _user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop,
+    s = _user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop, verifier=verifier,
                      on_round=view, **knobs)  # fmt: skip
     with s:
         for piece in s:
@@ -491,15 +586,33 @@ def _serve(args) -> int:
         server.check_address(args.host, args.port)  # before the load: a busy port costs nothing
     except OSError as e:
         raise CLIError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from e
+    if "max_length" in knobs:
+        raise CLIError("serve: --max-length is prompt + new tokens, which a server default cannot know; pass "
+                       "--max-new-tokens (a request's max_tokens)")  # fmt: skip
+    from lopa_fast import api, strategies
+
+    def check_defaults(defaults):  # a default that needs the verifier, without one: before any load
+        cfg = _user_errors(lambda: GenerateConfig(**defaults).validate())
+        given = args.verifier is not None and strategies.get(cfg.strategy).takes_verifier
+        _user_errors(api.check_verifier_given, cfg, given, "serve --verifier DIR")
+
+    check_defaults(knobs)
+    if args.verifier is not None and not os.path.isdir(args.verifier):
+        raise CLIError(f"--verifier {args.verifier}: not a directory (an HF-format causal qwen2 model directory)")
     model, tok = _load(args)
     path = model.name_or_path if getattr(model, "name_or_path", None) else args.model
     defaults = {**_user_errors(server.model_sampling_defaults, path), **knobs}
-    _user_errors(lambda: GenerateConfig(**defaults).validate())
+    check_defaults(defaults)
+    verifier = load_verifier(args, model)
+    if verifier is not None:  # one verifier for the server's life: checked against the drafter now
+        import lopa_fast
+
+        _user_errors(api.check_verifier_fits, model, verifier, tok, lopa_fast.load_tokenizer(args.verifier))
     name = args.model_name or os.path.basename(os.path.normpath(str(path)))
     print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
     server.serve(model, tok, model_id=name, defaults=defaults, host=args.host, port=args.port,
                  log_level=logging.getLevelName(args.log_level).lower(),  # uvicorn's lines follow -q / -v too
-                 limits=limits, api_key=api_key)
+                 limits=limits, api_key=api_key, verifier=verifier, access_log=args.access_log)
     return 0
 
 
@@ -531,9 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lopa_fast.server.served import NOT_SERVED
 
-    ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)")
+    # allow_abbrev=False: `--n 2` is not an "ambiguous option" prefix of ten --no-* flags (each flag by its name)
+    ap = _Parser(prog="python -m lopa_fast", description="Fast diffusion-LLM decoding (LoPA, D2F, ...)",
+                 allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    common = _Parser(add_help=False)
+    common = _Parser(add_help=False, allow_abbrev=False)
     common.add_argument("--backend", default="auto", choices=BACKENDS, help=knob_help(knob["backend"]))
     common.add_argument("--model", default=None, help="model directory (default: the embedded model: d2f-arith for "
                                                       "generate / serve, the --task's model for demo / eval)")
@@ -548,7 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
     loud.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
                       help="only warnings and errors (no info lines, no progress bar)")
 
-    d = sub.add_parser("demo", parents=[common], help="decode a few held-out prompts with D2F and LoPA")
+    d = sub.add_parser("demo", parents=[common], allow_abbrev=False,
+                       help="decode a few held-out prompts with D2F and LoPA")
     d.add_argument("--n", type=int, default=3, help="number of held-out problems (default 3)")
     d.add_argument("--task", default=DEMO_TASK, choices=list(EVAL_TASKS),
                    help=f"the held-out task (default {DEMO_TASK}: worked solutions of 64-96 tokens on its model "
@@ -556,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "where D2F already fills a block per round)")
     d.set_defaults(fn=_demo)
 
-    e = sub.add_parser("eval", parents=[common], help="accuracy / TPF / forwards / tokens/s for every strategy")
+    e = sub.add_parser("eval", parents=[common], allow_abbrev=False,
+                       help="accuracy / TPF / forwards / tokens/s for every strategy")
     e.add_argument("--n", type=int, default=100, help="held-out problems per strategy (default 100)")
     e.add_argument("--strategies", default="all",
                    help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three apd rows), all (default); --task arith-var adds threshold-h0.45 (the teacher under the student's rule), dparallel-h0.45, dparallel-lopa-k4 (alias dparallel: these three)")
@@ -575,10 +692,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "and every LoPA row ties it)")
     e.add_argument("--student", default=None,
                    help="model directory of the dparallel rows (default: the task's shipped student)")
+    e.add_argument("--verifier", default=None, metavar="DIR",
+                   help="the APD rows' causal AR verifier (default: the task's shipped one, e.g. ar-arith)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=_eval)
 
-    g = sub.add_parser("generate", parents=[common], help="decode one prompt (any model; default the embedded one)",
+    g = sub.add_parser("generate", parents=[common], allow_abbrev=False,
+                       help="decode one prompt (any model; default the embedded one)",
                        description="Decode one prompt. Every knob of lopa_fast.generate is a flag of the same name "
                                    "(dashes for underscores); unset knobs keep GenerateConfig's defaults (or the "
                                    "--preset's; the embedded model runs its preset " + EMBEDDED_PRESET + "). Text to "
@@ -607,12 +727,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "per round otherwise), then the text")
     g.add_argument("--png", default=None, metavar="PATH",
                    help="also write the fill-order heatmap of the run (lopa_fast.viz.fill_order_png) to PATH")
+    g.add_argument("--verifier", default=None, metavar="DIR", help=VERIFIER_HELP)
     g.set_defaults(fn=_generate, knob_names=add_knob_flags(g))
+    add_other_library_flags(g)
 
-    v = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server (docs/serve.md)",
+    v = sub.add_parser("serve", parents=[common], allow_abbrev=False,
+                       help="OpenAI-compatible HTTP server (docs/serve.md)",
                        description="Serve a model over HTTP: POST /v1/completions, /v1/chat/completions (stream: "
-                                   "true for server-sent events), GET /health, /v1/models. The knob flags set the "
-                                   "server's defaults; a request's body fields of the same names override them.")
+                                   "true for server-sent events), GET /health, /v1/models, /metrics (Prometheus text: "
+                                   "requests by route and status, latency, queue, tokens, forwards). The knob flags "
+                                   "set the server's defaults; a request's body fields of the same names override "
+                                   "them. One access log line per request (method, path, status, latency) unless "
+                                   "--no-access-log.")
     v.add_argument("--lora", default=None, help="PEFT LoRA adapter directory, merged at load (e.g. D2F's)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -646,7 +772,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     v.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
+    v.add_argument("--verifier", default=None, metavar="DIR",
+                   help=VERIFIER_HELP + "; one for the server, checked against the model at start, used by the "
+                                        "requests that set apd_mixture_weight")
+    v.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access log line per request (default: one INFO line each: method, path, status, latency)")
     v.set_defaults(fn=_serve, knob_names=add_knob_flags(v, hidden=NOT_SERVED))
+    add_other_library_flags(v, length=False)
 
     sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with the lopa_fast model registered: "
                    "python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,... --tasks T "

@@ -102,7 +102,8 @@ class GenerateConfig:
     temperature: float = knob(0.0, "sampling temperature (0 = greedy)")
     top_p: float | None = knob(None, "nucleus sampling: keep the most likely tokens holding this much probability "
                                      "(T > 0)", unset="off")
-    top_k: int | None = knob(None, "keep only the k most likely tokens (T > 0)", unset="off")
+    top_k: int | None = knob(None, "keep only the k most likely tokens (T > 0; 0 or -1: off, as in HF / vLLM)",
+                             unset="off")
     # ids (None: the model's)
     mask_token_id: int | None = knob(None, "the mask token id", unset="the model's")
     eos_token_id: int | None = knob(None, "the end-of-sequence token id", unset="the model's")
@@ -185,6 +186,18 @@ class GenerateConfig:
         # that is not a sequence of sequences is left for validate() to name
         if isinstance(self.stop, (list, tuple)) and all(isinstance(q, (list, tuple)) for q in self.stop):
             object.__setattr__(self, "stop", tuple(tuple(q) for q in self.stop))
+        # top_k=0 (HF) and top_k=-1 (vLLM) mean "off" there: stored as None, the one "off" here
+        if type(self.top_k) is int and self.top_k in (0, -1):
+            object.__setattr__(self, "top_k", None)
+
+    def sampling_notes(self) -> list[str]:
+        """Knobs that are set but have no effect with the others (HF warns about the same): top_p / top_k at
+        temperature 0 (greedy). generate warns with them; the server returns them in the response's warnings."""
+        if self.temperature != 0:
+            return []
+        return [f"{name}={getattr(self, name)!r} has no effect at temperature=0 (greedy decoding); pass temperature > "
+                "0 to sample" for name in ("top_p", "top_k")
+                if getattr(self, name) is not None and not (name == "top_p" and getattr(self, name) == 1.0)]
 
     # ---------------------------------------------------------------------------------------------
     def replace(self, **kw) -> "GenerateConfig":
@@ -351,6 +364,12 @@ class GenerateConfig:
             n = self.max_new_tokens if self.max_new_tokens is not None else default_max_new_tokens(model)[0]
             self = self.replace(max_new_tokens=self.decode_length(n))
         kind = model.config.kind
+        if kind == "qwen2":  # the real reason first: a causal AR model has no mask token to ask for
+            raise ValueError(
+                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
+                "use a Dream / D2F / DiffuCoder / LLaDA model (a qwen2 model is APD's verifier: strategy='apd', "
+                "verifier=)"
+            )
         mask = self.mask_token_id if self.mask_token_id is not None else model.mask_token_id
         if mask is None:
             raise ValueError("mask_token_id=None and the model config has none; pass mask_token_id=")
@@ -367,11 +386,6 @@ class GenerateConfig:
         for q in self.stop or ():
             if max(q) >= vocab:
                 raise ValueError(f"stop sequence {list(q)!r} holds id {max(q)}; allowed: ids in [0, vocab_size={vocab})")
-        if kind == "qwen2":
-            raise ValueError(
-                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
-                "use a Dream / D2F / DiffuCoder / LLaDA model"
-            )
         spec = strategies.get(self.strategy)
         kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
         if self.sampler is None:

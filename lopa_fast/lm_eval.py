@@ -40,12 +40,13 @@ from lm_eval.api.registry import register_model
 from lopa_fast import logs, threads
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
-MODEL_ARGS = ("pretrained", "lora", "dtype", "device", "max_gen_toks", "mc_num", "mc_batch_size", "seed",
+MODEL_ARGS = ("pretrained", "lora", "verifier", "dtype", "device", "max_gen_toks", "mc_num", "mc_batch_size", "seed",
               "check_greedy")  # fmt: skip  # the others are generate knobs
 DTYPES = ("float32", "bfloat16", "float16")
 MC_NUM = 128  # LLaDA's eval default (mc_num=128)
 MC_BATCH = 32  # LLaDA's eval default batch (its batch_size=32)
 SEED = 1234  # the seed LLaDA's eval script sets
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"  # lm-eval's EvaluatorConfig.device when --device is not given
 
 
 # ---- model-arg checks: every bad value names itself and what is allowed ------------------------------------------
@@ -231,13 +232,17 @@ class LopaFastLM(TemplateLM):
     (Monte Carlo samples per request, default 128), mc_batch_size (samples per forward, default min(32, mc_num);
     must divide mc_num), seed (default 1234; each request's draws are seeded from it and the request's ids),
     check_greedy (default true: LLaDA's greedy check for is_greedy, up to L extra forwards per request; false: is_greedy
-    is always False, as Dream's eval returns), and any GenerateConfig knob."""
+    is always False, as Dream's eval returns), verifier (APD's causal AR verifier directory, loaded like the model and
+    checked against it; needed by apd_mixture_weight), and any GenerateConfig knob.
+
+    Built by name (`lm_eval.simple_evaluate(model="lopa_fast", model_args=...)`) the generate_until totals land in the
+    result dict too: results["config"]["lopa_fast"] (lm-eval's get_model_info hook) and results["lopa_fast"]."""
 
     last: "LopaFastLM | None" = None  # the instance created last
 
     def __init__(self, pretrained=None, lora=None, dtype=None, device=None, max_gen_toks=256, mc_num=MC_NUM,
                  mc_batch_size=None, seed=SEED, check_greedy=True, batch_size=None, max_batch_size=None,
-                 **knobs):  # fmt: skip
+                 verifier=None, **knobs):  # fmt: skip
         super().__init__()
         import lopa_fast
         from lopa_fast.assets import model_dir
@@ -249,8 +254,11 @@ class LopaFastLM(TemplateLM):
         if unknown:
             raise TypeError(f"lopa_fast model_args: unknown {unknown}; allowed: {', '.join(MODEL_ARGS)} and the "
                             "GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
+        from lopa_fast import api
+
         self.knobs = dict(knobs)
-        GenerateConfig(**self.knobs).validate()  # bad knobs fail here, before the model loads
+        cfg = GenerateConfig(**self.knobs).validate()  # bad knobs fail here, before the model loads
+        api.check_verifier_given(cfg, verifier is not None, "model_args verifier=DIR")
         if dtype is not None and dtype not in DTYPES:
             raise _arg_error("dtype", dtype, f"{', '.join(DTYPES)} (default bfloat16 on CUDA, float32 on CPU)")
         self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1, "an int >= 1 (default 256)")
@@ -261,6 +269,11 @@ class LopaFastLM(TemplateLM):
         path = model_dir() if pretrained is None else str(pretrained)
         self.model = lopa_fast.load_model(path, dtype=dtype, device=dev, lora=lora)  # None: default_dtype
         self.tok = lopa_fast.load_tokenizer(path)
+        self.verifier = None
+        if verifier is not None:  # loaded like the model, checked against it once
+            self.verifier = lopa_fast.load_model(str(verifier), dtype=dtype, device=dev)
+            api.check_verifier_fits(self.model, self.verifier, self.tok, lopa_fast.load_tokenizer(str(verifier)))
+        self.verifier_path = None if verifier is None else str(verifier)
         self.path = str(path)
         self._device = torch.device(dev)
         self.decode = text_decoder(self.tok)
@@ -438,7 +451,7 @@ class LopaFastLM(TemplateLM):
             if seqs:
                 knobs["stop"] = seqs
             ids = self.tok_encode(context)
-            out = lopa_fast.generate(self.model, ids, **knobs)
+            out = lopa_fast.generate(self.model, ids, **knobs, verifier=self.verifier)
             eos = knobs.get("eos_token_id", self.model.eos_token_id)
             text = answer_text(out, self.decode, eos, text_stops)
             st = out.stats
@@ -452,6 +465,25 @@ class LopaFastLM(TemplateLM):
             if hasattr(self, "cache_hook"):
                 self.cache_hook.add_partial("generate_until", req.args, text)
         return out_texts
+
+    def summary(self) -> dict:
+        """What the result dict records for this model: the model args (defaults included) and the totals."""
+        args = {"path": self.path, **({"verifier": self.verifier_path} if self.verifier_path else {}), **self.knobs,
+                **self.estimator()}
+        return {"model_args": args, "total": self.totals()}
+
+    def get_model_info(self) -> dict:
+        """lm-eval's hook (simple_evaluate calls it once the requests ran, into results["config"]): the summary under
+        "lopa_fast". lm-eval has no hook for a top-level key, so the same summary is also set as results["lopa_fast"]
+        on the result dict simple_evaluate is building (found in its frame; left alone when lm-eval changes)."""
+        import sys
+
+        summary = self.summary()
+        frame = sys._getframe(1)
+        results = frame.f_locals.get("results") if frame.f_code.co_name == "simple_evaluate" else None
+        if isinstance(results, dict) and results.get("lopa_fast") is None:
+            results["lopa_fast"] = summary
+        return {"lopa_fast": summary}
 
     def estimator(self) -> dict:
         """The loglikelihood estimator's settings (recorded with the results: an ELBO estimate depends on them)."""
@@ -508,8 +540,7 @@ def evaluate(model, tasks, *, output_path: str | None = None, log_samples: bool 
     samples = results.pop("samples", None) if log_samples else None
     summary = None
     if lm is not None:  # generate_until totals, and the loglikelihood estimator's settings (defaults included)
-        summary = {"model_args": {"path": lm.path, **lm.knobs, **lm.estimator()}, "total": lm.totals()}
-        results["lopa_fast"] = summary
+        summary = results["lopa_fast"] = lm.summary()
     if show_config:
         print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     _log_results(loggers, results, samples)
@@ -571,8 +602,12 @@ def _run(args) -> int:
     log = logging.getLogger(__name__)
     with logs.step(log, "reading lm-eval's configuration", "read lm-eval's configuration", long=False):
         cfg = EvaluatorConfig.from_cli(args)
-    if cfg.model == "lopa_fast":  # a model_arg wins over the flag of the same name (--device defaults to cuda:0)
-        flags = {"batch_size": cfg.batch_size, "max_batch_size": cfg.max_batch_size, "device": cfg.device}
+    if cfg.model == "lopa_fast":  # a model_arg wins over the flag of the same name
+        # --device unnamed: lm-eval's default cuda:0 is not asked for; the model's own default (cuda when
+        # available, else the CPU, without a warning) applies
+        named = getattr(args, "device", None) is not None or cfg.device != LM_EVAL_DEFAULT_DEVICE
+        flags = {"batch_size": cfg.batch_size, "max_batch_size": cfg.max_batch_size,
+                 "device": cfg.device if named else None}
         with logs.step(log, "loading the model", "loaded the model", long=False):
             model = LopaFastLM.create_from_arg_obj(cfg.model_args, {k: v for k, v in flags.items()
                                                                     if k not in cfg.model_args})  # fmt: skip
@@ -584,7 +619,8 @@ def _run(args) -> int:
     evaluate(model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples, model_args=cfg.model_args,
              hf_hub_log_args=cfg.hf_hub_log_args, wandb_args=cfg.wandb_args, wandb_config_args=cfg.wandb_config_args,
              trackio_args=cfg.trackio_args, show_config=cfg.show_config, num_fewshot=cfg.num_fewshot,
-             batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size, device=cfg.device,
+             batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size,
+             device=str(model._device) if isinstance(model, LopaFastLM) else cfg.device,
              use_cache=cfg.use_cache, cache_requests=cfg.cache_requests.get("cache_requests", False),
              rewrite_requests_cache=cfg.cache_requests.get("rewrite_requests_cache", False),
              delete_requests_cache=cfg.cache_requests.get("delete_requests_cache", False), limit=cfg.limit,

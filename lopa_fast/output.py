@@ -44,11 +44,14 @@ class GenerateOutput:
                    `score`, `lookahead` position or None, `window_len`), winner (index into branches),
                    accepted (list of [position, token]; positions are relative to the prompt end).
                    vanilla / threshold: one entry per forward with round and accepted.
+    text:          the answer's text (ids before the first EOS, decoded, cut before the first text stop) when
+                   generate had a tokenizer (`tokenizer=`, or a str prompt / text stop), else None.
     """
 
     generated_ids: list[int]
     stats: dict = field(default_factory=dict)
     trace: list | None = None
+    text: str | None = None
 
     def __len__(self) -> int:
         return len(self.generated_ids)

@@ -47,8 +47,9 @@ class TextStream:
     """
 
     def __init__(self, model, ids: torch.Tensor, cfg: GenerateConfig, length: int, decode, text_stops: list[str],
-                 verifier=None, on_round=None, engine=None):  # fmt: skip
+                 verifier=None, on_round=None, engine=None, streamer=None):  # fmt: skip
         self._model, self._ids, self._cfg, self._verifier, self._engine = model, ids, cfg, verifier, engine
+        self._streamer = streamer
         self._length, self._decode, self._text_stops, self._on_round = length, decode, text_stops, on_round
         self._unit = max(1, cfg.length_unit())
         self._eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
@@ -88,6 +89,8 @@ class TextStream:
 
         try:
             extra = {"verifier": self._verifier} if self._verifier is not None else {}
+            if self._streamer is not None:
+                extra["streamer"] = self._streamer
             out = api.generate_with_config(self._model, self._ids, self._cfg, on_round=hook, engine=self._engine,
                                            **extra)  # fmt: skip
             events.put(("done", out, None))
@@ -155,6 +158,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
                 .split_stops: a text stop ends decoding early when the model emits its tokenisation, and cuts the
                 text at its first occurrence in any case).
     verifier, on_round: as generate's (on_round runs in the consuming thread).
+    streamer:   as generate's (a TextStreamer-style put() / end() object, driven from the decoding thread).
     engine:     a lopa_fast.decode.batch.BatchEngine shared by concurrent streams (the server): a request it covers
                 decodes in its running batch, with the same result (lopa_fast.api.generate_with_config).
     **knobs:    every knob of lopa_fast.generate (strategy, backend, max_new_tokens, ...).
@@ -165,10 +169,11 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
     seqs, texts = split_stops(tokenizer, stop)
+    streamer = knobs.pop("streamer", None)
     knobs = aliases.translate(knobs, [len(ids) if isinstance(ids, (list, tuple)) else int(ids.shape[-1])]
-                              if "max_length" in knobs else None)  # HF / Dream / LLaDA names (lopa_fast.aliases)
+                              if {"max_length", "attention_mask"} & set(knobs) else None)  # other libraries' names
     if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
-        seqs = [*seqs, *knobs.pop("stop")]
+        seqs = [*(seqs or []), *knobs.pop("stop")]
     bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
     if bad:
         raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
@@ -180,5 +185,6 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         bound = planned.resolve(model)
         api.check_prompt(model, ids_t, bound)
         api.resolve_backend(bound, hook=True)
+    api.check_streamer(streamer)
     return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer),
-                      texts, verifier=verifier, on_round=on_round, engine=engine)  # fmt: skip
+                      texts, verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip

@@ -113,7 +113,8 @@ BAD = [
     ("d2f", dict(max_new_tokens=0), ValueError, "max_new_tokens=0"),
     ("lopa", dict(temperature=-1.0), ValueError, "temperature=-1.0"),
     ("lopa", dict(top_p=1.5), ValueError, "top_p=1.5"),
-    ("lopa", dict(top_k=0), ValueError, "top_k=0"),
+    ("lopa", dict(top_k=0), None, None),  # HF's "off" (issue 35), as top_k=-1 is vLLM's
+    ("lopa", dict(top_k=-2), ValueError, "top_k=-2"),
     ("lopa", dict(use_full_attention="yes"), TypeError, "use_full_attention='yes'"),
     ("lopa", dict(max_rounds=0), ValueError, "max_rounds=0"),
     ("lopa", dict(on_round_cap="ignore"), ValueError, "on_round_cap='ignore'"),

@@ -12,8 +12,9 @@ def test_generate_signature_is_the_config():
     params = inspect.signature(lopa_fast.generate).parameters
     fields = dataclasses.fields(GenerateConfig)
     assert list(params)[:2] == ["model", "input_ids"]
-    # the extras: APD's verifier model and the on_round hook, arguments beside the knobs (not in the config)
-    assert list(params)[2:] == [f.name for f in fields] + ["verifier", "on_round"]
+    # the extras: APD's verifier model, the on_round hook, the tokenizer (text prompts and stops) and a TextStreamer-
+    # style streamer, arguments beside the knobs (not in the config)
+    assert list(params)[2:] == [f.name for f in fields] + ["verifier", "on_round", "tokenizer", "streamer"]
     assert params["verifier"].default is None and params["verifier"].kind == inspect.Parameter.KEYWORD_ONLY
     assert "verifier" not in {f.name for f in fields}
     for f in fields:

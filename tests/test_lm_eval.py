@@ -324,3 +324,33 @@ def test_multiple_choice_task_through_simple_evaluate(ll_lm, tmp_path, monkeypat
     lls = [[r[0] for r in s["filtered_resps"]] for s in samples]
     assert len(lls) == 4 and all(len(x) == 3 for x in lls)
     assert (tmp_path / "out" / f"lopa_fast_stats_{date}.json").is_file()
+
+
+def test_simple_evaluate_by_name_fills_the_stats_and_runs_on_the_cpu_unasked(tmp_path, monkeypatch, recwarn):
+    """Issue 35: `lm_eval.simple_evaluate(model="lopa_fast", ...)` by name records the totals in its result dict, and
+    `python -m lopa_fast lm-eval` without --device runs on the CPU when CUDA is absent, without a 'cuda:0' warning."""
+    import datasets
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from lopa_fast import lm_eval as lfe
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": QUESTIONS[0][0], "answer": QUESTIONS[0][1]}) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "arith_tiny.yaml").write_text(TASK.format(data=data))
+    tm = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    res = lm_eval.simple_evaluate(model="lopa_fast", model_args="strategy=lopa,block_size=8", tasks=["arith_tiny"],
+                                  task_manager=tm, apply_chat_template=True)  # fmt: skip
+    assert res["lopa_fast"] is not None and res["lopa_fast"]["total"]["requests"] == 1
+    assert res["lopa_fast"]["total"]["forwards"] > 0 and res["config"]["lopa_fast"] == res["lopa_fast"]
+    if torch.cuda.is_available():
+        return
+    recwarn.clear()
+    assert lfe.main(["--model", "lopa_fast", "--model_args", "strategy=lopa,block_size=8", "--tasks", "arith_tiny",
+                     "--include_path", str(tmp_path / "tasks"), "--apply_chat_template"]) == 0  # fmt: skip
+    assert not [w for w in recwarn if "CUDA is not available" in str(w.message)]
+    assert str(lfe.LopaFastLM.last._device) == "cpu"

@@ -256,7 +256,8 @@ BAD_BODIES = [
     (json.dumps({"prompt": PROMPT, "stop": [[]]}).encode(), "stop"),
     (json.dumps({"prompt": PROMPT, "stop": [[1, "a"]]}).encode(), "stop"),
     (json.dumps({"prompt": PROMPT, "strategy": "threshold", "threshold": 0.9, "cache": {"a": 1}}).encode(), "cache"),
-    (json.dumps({"prompt": PROMPT, "strategy": "apd"}).encode(), "strategy"),
+    # a request that needs APD's verifier on a server started without one (issue 35: leftright apd is served)
+    (json.dumps({"prompt": PROMPT, "strategy": "apd", "apd_mixture_weight": 0.7}).encode(), "apd_mixture_weight"),
     (json.dumps({"prompt": PROMPT, "compile": True}).encode(), "compile"),  # the operator's (serve --compile)
 ]
 

@@ -88,7 +88,8 @@ def test_stop_that_never_appears_changes_nothing(model):
 
 @pytest.mark.parametrize("stop, exc, pattern", [
     ([], TypeError, "non-empty list"),
-    ("13", TypeError, "token-id sequences"),
+    ("13", TypeError, "a text stop needs a tokenizer"),  # text stops take the model's (or tokenizer=) tokenizer
+    ([13], TypeError, "token-id sequences"),
     ([[]], ValueError, "stop sequence"),
     ([[1, "a"]], ValueError, "stop sequence"),
     ([[-1]], ValueError, "stop sequence"),

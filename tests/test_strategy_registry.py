@@ -244,7 +244,8 @@ def test_registry_refuses_bad_specs_and_unknown_names():
 
 def test_registered_strategy_is_served(ltr):
     """The server's request path (protocol -> worker -> stream -> generate) takes the registered strategy; a
-    strategy that needs a second model (apd's verifier) is a 400 naming `strategy`."""
+    request that needs a second model (apd's verifier) on a server started without one is a 400 naming the knob that
+    asks for it (apd_mixture_weight); apd's verifier-free baseline is served."""
     from fastapi.testclient import TestClient
 
     from lopa_fast.assets import model_dir
@@ -262,8 +263,9 @@ def test_registered_strategy_is_served(ltr):
             ids = tok(prompt)["input_ids"]
             want = lopa_fast.generate(model, ids, "ltr", max_new_tokens=8)
             assert r.json()["usage"]["forwards"] == want.stats["forwards"]
-            r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "strategy": "apd"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "strategy", r.text
+            r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "strategy": "apd",
+                                                   "apd_mixture_weight": 0.7})  # fmt: skip
+            assert r.status_code == 400 and r.json()["error"]["param"] == "apd_mixture_weight", r.text
     finally:
         worker.close()
 

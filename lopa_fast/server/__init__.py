@@ -3,7 +3,7 @@
     python -m lopa_fast serve [--model DIR] [--lora DIR] [--host 127.0.0.1] [--port 8000] [knob flags]
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events), GET /health,
-    GET /v1/models, GET /metrics (Prometheus text). docs/serve.md has the fields, the defaults, the caps
+    GET /v1/models, GET /metrics (Prometheus text); an access log line per request (`--no-access-log`). docs/serve.md has the fields, the defaults, the caps
     (`limits`), the API key and the errors.
 
 Modules, one job each: `protocol` (request body -> validated knobs and prompt ids; errors naming the field),
@@ -101,27 +101,30 @@ def _header_timeout_protocol(seconds: float):
 
 def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64):
     """The uvicorn.Config `serve` runs: the h11 protocol with a request-head deadline (limits.read_timeout_s), idle
-    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503)."""
+    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503).
+    uvicorn's own access lines are off: the app logs one per request with its latency (create_app, access_log)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=False,
                           http=_header_timeout_protocol(limits.read_timeout_s),
                           limit_concurrency=max(64, 4 * max_pending))  # fmt: skip
 
 
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
-          warm_up: bool = True) -> None:  # fmt: skip
+          warm_up: bool = True, verifier=None, access_log: bool = True) -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
     client (Authorization: Bearer) when set. warm_up: decode one short request before listening, so /health is
-    not ok before the server can decode."""
+    not ok before the server can decode. verifier: the server's one APD verifier (checked against the model by the
+    caller), used by the requests that set apd_mixture_weight. access_log: one INFO line per request on the
+    "lopa_fast.server.access" logger."""
     import uvicorn
 
     from lopa_fast.server.app import create_app
     from lopa_fast.server.worker import Worker
 
-    worker = Worker(model, tokenizer, limits=limits)
+    worker = Worker(model, tokenizer, limits=limits, verifier=verifier)
     if warm_up:  # one short decode (with --compile: its compile); said while it runs when it takes > 2 s
         import logging
 
@@ -130,7 +133,7 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
         with logs.step(logging.getLogger("lopa_fast.server"), "warming up (one short decode before listening)",
                        "warmed up", long=False):  # fmt: skip
             worker.warm_up(defaults)
-    app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key)
+    app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log)
     try:
         uvicorn.Server(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
                                       max_pending=worker.max_pending)).run()  # fmt: skip

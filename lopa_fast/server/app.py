@@ -26,6 +26,11 @@ from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
 
 log = logging.getLogger("lopa_fast.server")
+access = logging.getLogger("lopa_fast.server.access")  # one line per request (create_app's access_log)
+# a body over --max-body-bytes is read and discarded up to this many bytes (within the read timeout) before the 413
+# is sent, so a client that writes its whole body before reading (urllib, http.client) reads the 413 instead of a
+# connection reset; a larger body is cut off (nginx's lingering close, bounded the same way)
+LINGER_BYTES = 64 << 20
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "round_cap": "length"}  # OpenAI's values; stats keep ours
 
@@ -49,10 +54,13 @@ def usage(done: Finished, eos_token_id) -> dict:
             "tpf": float(st.get("tpf", 0.0))}  # fmt: skip
 
 
-def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None) -> FastAPI:
+def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None,
+               access_log: bool = True) -> FastAPI:  # fmt: skip
     """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
     `api_key`: when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The caps
-    (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits)."""
+    (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits).
+    access_log: one INFO line per request on "lopa_fast.server.access": client, method, path, status and the
+    latency to the response head (a streamed response: to its first byte)."""
     app = FastAPI(title="lopa_fast", summary="OpenAI-compatible diffusion-LLM decoding (LoPA, D2F, ...)")
     app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
     limits = worker.limits
@@ -79,6 +87,19 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         return await call_next(request)
 
+    if access_log:  # registered after _auth, so it wraps it: a 401 is logged too
+        @app.middleware("http")
+        async def _access(request: Request, call_next):
+            t0, status = time.perf_counter(), 500
+            try:
+                response = await call_next(request)
+                status = response.status_code
+                return response
+            finally:
+                client = request.client
+                access.info('%s "%s %s" %d %.1f ms', f"{client.host}:{client.port}" if client else "-",
+                            request.method, request.url.path, status, 1000 * (time.perf_counter() - t0))
+
     @app.get("/health")
     async def health():
         eng = getattr(worker, "engine", None)  # the batch engine's facts: batched rounds, the largest batch seen
@@ -100,24 +121,51 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         cap = limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
+            await _discard(request, 0)
             raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {cap} "
                                "(--max-body-bytes)", None, 413)  # fmt: skip
-        chunks, size = [], 0
+        chunks, size, over = [], 0, False
 
         async def receive():
-            nonlocal size
-            async for chunk in request.stream():
-                size += len(chunk)
+            nonlocal size, over
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+                size += len(message.get("body", b""))
                 if size > cap:
-                    raise RequestError(f"the request body is over {cap} bytes, this server's cap (--max-body-bytes)",
-                                       None, 413)  # fmt: skip
-                chunks.append(chunk)
+                    over = message.get("more_body", False) or "done"  # "done": nothing left to discard
+                    return
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
 
         try:
             await asyncio.wait_for(receive(), limits.read_timeout_s)
         except asyncio.TimeoutError as e:
             raise RequestError(f"the request body did not arrive within {limits.read_timeout_s:g} s", None, 408) from e
+        if over:
+            if over is True:
+                await _discard(request, size)
+            raise RequestError(f"the request body is over {cap} bytes, this server's cap (--max-body-bytes)",
+                               None, 413)  # fmt: skip
         return b"".join(chunks)
+
+    async def _discard(request: Request, seen: int) -> None:
+        """Read and drop the rest of a refused body, up to LINGER_BYTES in all and within the read timeout (a
+        client that writes its whole body before reading can then read the 413)."""
+        async def drain():
+            n = seen
+            while n <= LINGER_BYTES:
+                message = await request.receive()
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+                n += len(message.get("body", b""))
+
+        try:
+            await asyncio.wait_for(drain(), limits.read_timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def _prepare(raw: bytes, endpoint: str, loop) -> tuple:
         """(parsed request, handle): JSON, the body's checks, tokenising, the knobs' checks and the queueing, on a
@@ -131,7 +179,8 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
             raise RequestError(f"model {body['model']!r} is not served; this server serves {model_id!r}",
                                "model", 404, code="model_not_found")  # fmt: skip
-        req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits)
+        req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits,
+                    verifier=getattr(worker, "verifier", None))  # fmt: skip
         for note in req.warnings:
             log.warning("%s", note)
         try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)

@@ -11,6 +11,9 @@ body's knobs. OpenAI fields:
                                                       stops): lopa_fast.stream's one stop mechanism
     stream, stream_options.include_usage           -> server-sent events (usage rides on the finishing chunk; with
                                                       include_usage also on a usage-only chunk, as OpenAI sends)
+    eos_token_id (an id or a list: the extra ids end decoding as token-id stops), top_k 0 / -1 (off), do_sample,
+    pad_token_id / use_cache (accepted), typical_p, ... (refused naming the lopa_fast way): as lopa_fast.generate
+    takes them (lopa_fast.aliases; docs/decoding.md "Knobs from other libraries")
     prompt (completions: str, [str] or [int] token ids), messages (chat: role + text content, the tokenizer's
     chat template), model (the served id, else 404), user (accepted, unused)
     n > 1, best_of > 1, logprobs, top_logprobs, echo, suffix, logit_bias, presence/frequency_penalty != 0, tools,
@@ -28,7 +31,7 @@ import warnings
 
 import pydantic
 
-from lopa_fast import api
+from lopa_fast import aliases, api
 from lopa_fast import strategies
 from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
@@ -144,12 +147,20 @@ def _check_types(body: dict) -> None:
         raise RequestError(f"{field}={shown}: {err['msg']}", field) from None
 
 
-def _knobs_of(body: dict, endpoint: str) -> dict:
-    """The body's generate knobs (OpenAI names mapped); unknown fields are refused by name."""
+def _knobs_of(body: dict, endpoint: str) -> tuple[dict, list]:
+    """(the body's generate knobs (OpenAI names mapped), token-id stops from a list eos_token_id); unknown fields are
+    refused by name; other libraries' names (do_sample, top_k -1, pad_token_id, typical_p, ...) as generate takes
+    or refuses them (lopa_fast.aliases)."""
     allowed = set(COMMON_FIELDS) | set(ENDPOINT_FIELDS[endpoint])
     knobs: dict = {}
     for name, value in body.items():
         if name in allowed or name == "stop":
+            continue
+        if name == "max_length":
+            raise RequestError(f"max_length={value!r}: pass max_tokens (the new tokens; max_length is HF's prompt + "
+                               "new tokens)", name)  # fmt: skip
+        if name in aliases.NAMES:
+            knobs[name] = value
             continue
         if name in NOT_SERVED or name in OPERATOR_ONLY:
             why = NOT_SERVED.get(name) or OPERATOR_ONLY[name]
@@ -161,16 +172,19 @@ def _knobs_of(body: dict, endpoint: str) -> dict:
         hint = f" (a field of the {other} endpoint)" if name in ENDPOINT_FIELDS[other] else ""
         raise RequestError(f"unknown field {name!r}{hint}; the body takes OpenAI fields and the knobs of "
                            "lopa_fast.generate (docs/serve.md)", name)  # fmt: skip
-    spec = strategies.find(knobs.get("strategy"))
-    if spec is not None and spec.takes_verifier:  # its second model cannot travel in a request body
-        raise RequestError(f"strategy={spec.name!r} needs a verifier model (generate(..., verifier=)), which the "
-                           "server does not load; pick another strategy", "strategy")  # fmt: skip
     given = [f for f in MAX_TOKENS_FIELDS if body.get(f) is not None]
     if len(given) > 1:
         raise RequestError(f"{' and '.join(given)} both given; pass one", given[1])
     if given:
         knobs["max_new_tokens"] = body[given[0]]
-    return knobs
+    extra_stops: list = []
+    if aliases.applies(knobs):
+        try:
+            knobs = aliases.translate(knobs, None)
+        except KnobError as e:
+            raise RequestError(str(e), e.knob) from e
+        extra_stops = [list(q) for q in knobs.pop("stop", None) or []]  # a list eos_token_id's extra ids
+    return knobs, extra_stops
 
 
 def blame_knob(knobs: dict, defaults: dict, model=None) -> str | None:
@@ -277,24 +291,29 @@ def _completion_ids(tokenizer, prompt, warn) -> list[int]:
     raise RequestError(f"prompt: {type(prompt).__name__}; expected text or a list of token ids", "prompt")
 
 
-def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits | None = None) -> Parsed:
+def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits | None = None,
+          verifier=None) -> Parsed:  # fmt: skip
     """Check an OpenAI request body (endpoint "completions" or "chat") and build what the worker runs.
 
     defaults: the server's knobs (validated at start-up); the body's knobs replace them; limits: the server's caps
     (limits.Limits, bound to the model), checked once the config is bound, before anything is allocated.
-    Raises RequestError."""
+    verifier: the server's APD verifier (serve --verifier) or None: a request that needs one without it is refused
+    naming the knob that asks for it (apd_mixture_weight). Raises RequestError."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # null means the default, as OpenAI servers read it
     _check_types(body)
     _refuse_unsupported(body, endpoint)
-    knobs = _knobs_of(body, endpoint)
+    knobs, extra_stops = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
     cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
                   endpoint=endpoint)  # fmt: skip
+    spec = strategies.get(cfg.strategy)
+    checked(None, api.check_verifier_given, cfg, verifier is not None and spec.takes_verifier,
+            "serve --verifier DIR (this server was started without one)", endpoint=endpoint)  # fmt: skip
+    notes: list[str] = list(cfg.sampling_notes())  # set but without effect (top_p at temperature 0, ...)
     # stage 2: the prompt
-    notes: list[str] = []
     field = "messages" if endpoint == "chat" else "prompt"
     if endpoint == "chat":
         ids = checked(field, _chat_ids, tokenizer, body.get("messages"), notes.append, endpoint=endpoint)
@@ -306,6 +325,8 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
                            "positions for the prompt and the answer together", field)  # fmt: skip
     # stage 3: the stops
     stop = body.get("stop")
+    if extra_stops:  # a list eos_token_id's extra ids: token-id stops beside the body's
+        stop = [*([stop] if isinstance(stop, str) else (stop or [])), *extra_stops]
     if stop is not None:
         seqs, _ = checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
         if seqs:  # the token-id stops: GenerateConfig's rules (1..32 ids >= 0, how many), then the vocabulary
@@ -332,6 +353,8 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
                 raise RequestError(str(e), _openai_knob_name(e.field, endpoint)) from e
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
         checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
+        if spec.uses_verifier(bound):
+            checked(field, api.check_pair, model, verifier, ids_t, bound, endpoint=endpoint)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage, memory)
 

@@ -117,11 +117,12 @@ class Worker:
     live requests, the memory budget every running request's estimate is reserved against)."""
 
     def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
-                 batch: bool = True, concurrency: int | None = None, limits=None):  # fmt: skip
+                 batch: bool = True, concurrency: int | None = None, limits=None, verifier=None):  # fmt: skip
         from lopa_fast.decode.batch import BatchEngine
         from lopa_fast.server.limits import Limits, MemoryBudget
 
         self.model, self.tokenizer = model, tokenizer
+        self.verifier = verifier  # APD's, for the requests that use one (Strategy.uses_verifier)
         self.limits = limits = (limits or Limits()).bind(model)
         concurrency = concurrency or limits.max_num_seqs
         self.max_pending = max_pending
@@ -143,7 +144,7 @@ class Worker:
         Busy. Call from the event loop's thread (or pass `loop`)."""
         handle = Handle(loop or asyncio.get_running_loop())
         text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
-                                on_round=handle.check, engine=self.engine,
+                                on_round=handle.check, engine=self.engine, verifier=self._verifier_for(job.knobs),
                                 **job.knobs)  # fmt: skip
         with self._lock:
             if self.counts["pending"] >= self.max_pending:
@@ -151,6 +152,16 @@ class Worker:
             self.counts["pending"] += 1
         self._queue.put((handle, text, job.memory))
         return handle
+
+    def _verifier_for(self, knobs: dict):
+        """The server's verifier for a request whose knobs use one (apd with apd_mixture_weight), else None."""
+        from lopa_fast import strategies
+        from lopa_fast.config import GenerateConfig
+
+        if self.verifier is None:
+            return None
+        cfg = GenerateConfig(**knobs)
+        return self.verifier if strategies.get(cfg.strategy).uses_verifier(cfg) else None
 
     def warm_up(self, defaults: dict | None = None) -> None:
         """Before serving: decode one short request with the server's defaults (its failure is logged, not raised:
@@ -164,7 +175,8 @@ class Worker:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1})
+                lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1},
+                                   verifier=self._verifier_for(knobs))  # fmt: skip
         except Exception as e:  # noqa: BLE001
             log.warning("warm-up request failed (%s: %s); serving anyway", type(e).__name__, e)
 

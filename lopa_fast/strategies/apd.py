@@ -127,5 +127,5 @@ SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
     reference="lopa_fast.reference.apd:generate", fast="lopa_fast.decode.apd:generate", knobs=KNOBS,
     validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True,
-    compile_batches=True, default_sampler="upstream", check_models=check_models,
+    compile_batches=True, default_sampler="upstream", check_models=check_models, verifier_knob="apd_mixture_weight",
 ))  # fmt: skip

@@ -67,6 +67,9 @@ class Strategy:
                 upstream's draw order, reference only; APD's, for exactness with upstream).
     verifier:   it takes a second model (`generate(..., verifier=)`): check_models(model, verifier, cfg) runs
                 before any forward; None: a verifier is refused.
+    verifier_knob: the knob whose value (not None) makes a request use the verifier (apd: apd_mixture_weight); the
+                CLI / server / lm-eval name it when no verifier was given, and pass their verifier only to requests
+                that set it (`uses_verifier`).
     """
 
     name: str
@@ -86,6 +89,7 @@ class Strategy:
     distributed: bool = False
     default_sampler: str = "keyed"
     check_models: Callable | str | None = None
+    verifier_knob: str | None = None
     extra: dict = field(default_factory=dict)  # anything else a strategy wants to publish (docs, presets)
 
     def load(self, what: str):
@@ -99,6 +103,10 @@ class Strategy:
     @property
     def takes_verifier(self) -> bool:
         return self.check_models is not None
+
+    def uses_verifier(self, cfg) -> bool:
+        """Whether a request with `cfg` runs with a verifier (its `verifier_knob` is set)."""
+        return self.takes_verifier and self.verifier_knob is not None and getattr(cfg, self.verifier_knob) is not None
 
 
 _REGISTRY: dict[str, Strategy] = {}

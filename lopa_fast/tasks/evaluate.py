@@ -533,10 +533,11 @@ def _legend_below(ax, ax2) -> None:
 
 def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, model_dir=None,
              progress: bool = True, command: str | None = None, log=print, block_size: int = BLOCK,
-             compile: bool = False, task: str = DEFAULT_TASK, student_dir=None) -> list[dict]:
+             compile: bool = False, task: str = DEFAULT_TASK, student_dir=None, verifier_dir=None) -> list[dict]:
     """Evaluate `task`'s rows on `n` held-out problems at `block_size` (a divisor of the task's max_new_tokens);
     write the markdown table (and PNG) to `out`. The dparallel rows run on the shipped student (or
-    `student_dir`); APD rows on the task's shipped verifier; a row whose model is not shipped is unavailable."""
+    `student_dir`); APD rows on the task's shipped verifier (or `verifier_dir`, loaded like the model); a row whose
+    model is not shipped is unavailable."""
     t = eval_task(task)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
@@ -546,8 +547,13 @@ def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, mo
     rows = parse_rows(strategies, task)
     model, tok, path = load_default(model_dir, task=task)
     problems = tasks.generate_task(task, "test", n, seed=0)
-    verifier = (load_verifier(name=t.verifier) if any(r in APD_ROWS for r in rows) and shipped(t.verifier)
-                else None)
+    apd = any(r in APD_ROWS for r in rows)
+    if verifier_dir is not None:
+        import lopa_fast
+
+        verifier = lopa_fast.load_model(verifier_dir, dtype=model.dtype) if apd else None
+    else:
+        verifier = load_verifier(name=t.verifier) if apd and shipped(t.verifier) else None
     student, student_path = None, None
     if any(r in STUDENT_ROWS for r in rows) and (student_dir is not None or shipped(t.student)):
         student, _, student_path = load_default(student_dir or _asset_path(t.student), task=task)
