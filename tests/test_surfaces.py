@@ -74,8 +74,8 @@ def test_cli_eval_takes_a_verifier(tmp_path, capsys):
     ar = tmp_path / "my-verifier"
     shutil.copytree(AR, ar)
     md = tmp_path / "e.md"
-    assert cli.main(["eval", "--task", "arith", "--n", "1", "--strategies", "apd-r0.7", "--verifier", str(ar), "--out", str(md),
-                     "--no-progress", "-q"]) == 0  # fmt: skip
+    assert cli.main(["eval", "--task", "arith", "--n", "1", "--strategies", "apd-r0.7", "--verifier", str(ar),
+                     "--out", str(md), "--no-progress", "-q"]) == 0  # fmt: skip
     row = next(ln for ln in md.read_text().splitlines() if ln.startswith("| apd-r0.7"))
     assert "unavailable" not in row and "%" in row, row
     with pytest.raises(cli.CLIError, match="--verifier /nope: not a directory"):
