@@ -99,8 +99,7 @@ def test_real_vocabulary_torch():
 # ---------------------------------------------------------------------------------------------- Triton (interpreter)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("suppress", [None, 3])
+@pytest.mark.parametrize("num_splits,suppress", [(1, None), (3, 3)])
 def test_triton_matches_unfused(dtype, num_splits, suppress):
     from lopa_fast.kernels.triton.head_confidence import head_confidence as tri
 
