@@ -182,6 +182,34 @@ def test_triton_custom_op_opcheck_and_fullgraph_compile():
         assert torch.equal(g, x)
 
 
+# ---------------------------------------------------------------------------------------------- CUDA (host emulation)
+# kernels/cuda/head_confidence.cu run on CPU (lopa_fast.ops.cuda.emulation, 4 "SMs": the split path at small V);
+# its sm_90 compile (nvcc, NVRTC) is tests/test_cuda_compile.py.
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_emu_matches_unfused(cuda_emu, dt):
+    """Two row tiles (11 rows, the second ragged), 3 vocabulary splits, ties across splits, the suppressed id."""
+    from lopa_fast.ops.cuda import launch
+
+    h, w = head_inputs(11, 40, 2100, dt, seed=11)
+    assert launch.head_confidence_splits(11, 2100, 4)[0] == 3
+    with poisoned_empty():
+        got = cuda_emu.head_confidence(h.cpu(), w.cpu(), 3)
+    check(got, h.cpu(), w.cpu(), 3)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_cuda_emu_nonfinite_rows_and_entropy_off(cuda_emu):
+    h, w = head_inputs(5, 16, 300, torch.float32, seed=9, ties=False)
+    h[1, 3] = float("nan")
+    h[3] = h[3] * 1e30
+    w[7] = 0.0
+    w[7, 0] = 1e38  # row 3's logit 7: inf
+    got = cuda_emu.head_confidence(h.cpu(), w.cpu(), None, entropy=False)
+    assert got.finite.tolist() == [True, False, True, False, True] and got.neg_entropy is None
+    ok = torch.tensor([0, 2, 4])
+    check(ops.HeadConfidence(*[None if t is None else t[ok] for t in got]), h[ok].cpu(), w.cpu(), entropy=False)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
