@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from lopa_fast.contracts import ATTENTION_MODES, COMPARATOR_CODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
+from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -83,6 +84,7 @@ def variants(quick: bool):
         if quick:
             break
     _confidence_variants(out, dtypes)
+    _head_confidence_variants(out, dtypes)
     _select_round_variants(out, quick)
     return out
 
@@ -120,6 +122,26 @@ def _confidence_variants(out, dtypes):
     types = {n: "*fp32" for n in cf._conf_finalize_kernel.arg_names}
     types.update(pi1_ptr="*i32", tok_ptr="*i64", S="i32")
     out.append(("_conf_finalize_kernel S<=16", cf._conf_finalize_kernel, types, dict(BLOCK_S=16), set(),
+                dict(num_warps=1, num_stages=3)))
+
+
+def _head_confidence_variants(out, dtypes):
+    """The fused head at Dream's vocabulary: a LoPA k=8 round's 64-row tiles (the launcher's GPU tiles)."""
+    BR, BV, BH = 64, 128, 64
+    ce = dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH)
+    for dt in dtypes:
+        types = {n: "i32" for n in hc._hc_stats_kernel.arg_names}
+        types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
+                     pfin_ptr="*i32")  # fmt: skip
+        out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce, {"stride_h", "stride_w", "H"},
+                    dict(num_warps=4, num_stages=3)))  # fmt: skip
+        types = {n: "i32" for n in hc._hc_entropy_kernel.arg_names}
+        types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", eps="fp32", lse_ptr="*fp32", pent_ptr="*fp32")
+        out.append((f"_hc_entropy_kernel {dt} V=152064", hc._hc_entropy_kernel, types, ce,
+                    {"stride_h", "stride_w", "H"}, dict(num_warps=4, num_stages=3)))  # fmt: skip
+    types = {n: "*fp32" for n in hc._hc_merge_kernel.arg_names}
+    types.update(pi1_ptr="*i32", pfin_ptr="*i32", tok_ptr="*i64", fin_ptr="*i8", S="i32")
+    out.append(("_hc_merge_kernel S<=16", hc._hc_merge_kernel, types, dict(BLOCK_S=16), set(),
                 dict(num_warps=1, num_stages=3)))
 
 

@@ -36,6 +36,10 @@ def code_defines() -> dict[str, int]:
 
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
 RoundSelection = namedtuple("RoundSelection", ["accept", "lookahead", "score", "winner"])
+# ops.head_confidence: Confidence's fields of the logits rows hidden @ weight.T (never materialised) plus
+# finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
+# are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.
+HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite"])
 
 
 def lowest_k_table(n: int, topp: float, device=None) -> torch.Tensor:

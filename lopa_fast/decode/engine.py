@@ -33,6 +33,26 @@ from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hi
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64
 
+# the fused LM head + statistics (`ops.head_confidence`): auto (on CUDA) | 1 (also on CPU) | 0 (never)
+FUSED_HEAD_ENV = "LOPA_FAST_FUSED_HEAD"
+
+
+def fused_head_wanted(cfg, device) -> bool:
+    """Whether a D2F / LoPA request's rounds compute the LM head and the token statistics as one fused op
+    (`ops.head_confidence`: the [R, V] logits of a round are never materialised). Only where the knobs allow:
+    T = 0 (the keyed sampler at T > 0 needs whole rows), no top-p / top-k, not distributed (a rank exchanges
+    statistics of its logits rows: lopa_fast.distributed). $LOPA_FAST_FUSED_HEAD: unset / "auto" = on CUDA only
+    (the fused statistics are ~1e-6 from the reference softmax, like `ops.confidence`'s: the CPU path stays
+    bitwise the reference decoders'); "1" = also on CPU (the chunked torch backend: tokens equal to the
+    reference on the tiny-model grid, tests/test_head_confidence_decode.py; not bitwise in the statistics);
+    "0" = never."""
+    value = os.environ.get(FUSED_HEAD_ENV) or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"environment variable {FUSED_HEAD_ENV}={value!r}; allowed: auto, 0, 1 (or unset)")
+    if value == "0" or cfg.temperature > 0 or cfg.top_p is not None or cfg.top_k is not None or cfg.distributed:
+        return False
+    return value == "1" or torch.device(device).type == "cuda"
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -52,6 +72,7 @@ class Geometry:
     blend: bool  # selection_conf_alpha > 0: branch scores blend the creating confidence (by T["alpha"])
     attn_backend: str
     use_conf_kernel: bool
+    fused_head: bool  # the round's LM head and statistics as ONE `ops.head_confidence` (`fused_head_wanted`)
     trace: bool  # branch scores are computed for a one-slot round only when a trace asks for them
     stop_lens: tuple  # lengths of the stop sequences (their ids are a device table: T["stops"])
 
@@ -101,6 +122,7 @@ class FastDecoder:
             mode="full" if cfg.use_full_attention else "block_causal", mask_id=cfg.mask_token_id,
             eos_id=cfg.eos_token_id, blend=rnd.round_knobs(cfg)["alpha"] > 0,
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
+            fused_head=fused_head_wanted(cfg, dev),
             trace=bool(cfg.return_trace), stop_lens=tuple(len(q) for q in cfg.stop or ()),
         )  # fmt: skip
         model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
@@ -156,10 +178,13 @@ class FastDecoder:
         def pre(st: dict, T: dict):
             w = rnd.window_inputs(st, T, geo, Nb, Rb)
             return dict(tokens=w["tokens"], start=st["s"], cache_k=st["cache_k"], cache_v=st["cache_v"],
-                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"]), w
+                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"],
+                        output=rnd.head_output(geo)), w
+
+        head = self._head()
 
         def post(st: dict, T: dict, w: dict, logits, k_win, v_win):
-            return rnd.finish_round(st, T, geo, cfg, w, logits, k_win, v_win)
+            return rnd.finish_round(st, T, geo, cfg, w, logits, k_win, v_win, head=head)
 
         return BatchStep(self.compiled, self.compiled.key(geo, cfg, Nb, Rb), (Nb, Rb), f"round_{Nb}x{Rb}", geo, pre,
                          post, geo.mode, geo.attn_backend, self.st, self.tables, self.cview)  # fmt: skip
@@ -178,11 +203,18 @@ class FastDecoder:
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (the arguments of its solo `forward_static`)."""
         return dict(tokens=w["tokens"], start=w["start"], cache_k=self.st["cache_k"], cache_v=self.st["cache_v"],
-                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"])  # fmt: skip
+                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"],
+                    output=rnd.head_output(self.geo))  # fmt: skip
+
+    def _head(self):
+        """The LM-head weight the fused head statistics read (None without geo.fused_head)."""
+        return self.model.head_weight() if self.geo.fused_head else None
 
     def finish(self, w: dict, logits, k_win, v_win) -> None:
-        """The round after its forward (this request's logits [Rb, V] and window K/V [layers, NB, Nb, Hkv, D])."""
-        self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win)
+        """The round after its forward (this request's logits [Rb, V] (hidden rows [Rb, H] with geo.fused_head)
+        and window K/V [layers, NB, Nb, Hkv, D])."""
+        self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
+                                              head=self._head())  # fmt: skip
 
     def _trace_entry(self, head: list[int]) -> dict:
         info, P = self.info, self.P

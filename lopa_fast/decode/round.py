@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from lopa_fast import keyed, ops
 from lopa_fast.decode.shapes import knob, stop_table
 from lopa_fast.contracts import ROUND_COUNTERS, lowest_k_table
-from lopa_fast.sampling import is_on
+from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
@@ -253,33 +253,72 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     separate functions so that lopa_fast.distributed can run the forward on a share of the slots and
     exchange token statistics between them; the single-process round is exactly their composition."""
     w = window_inputs(st, T, geo, Nb, Rb)
-    logits, k_win, v_win = model.forward_static(
+    out, k_win, v_win = model.forward_static(
         w["tokens"], st["s"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
         w["win_lens"], w["bids"], geo.mode, w["rows"],
-        attn_backend=geo.attn_backend,
+        attn_backend=geo.attn_backend, output=head_output(geo),
     )  # fmt: skip
-    return finish_round(st, T, geo, cfg, w, logits, k_win, v_win)
+    return finish_round(st, T, geo, cfg, w, out, k_win, v_win, head=model.head_weight() if geo.fused_head else None)
 
 
-def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win) -> tuple[dict, dict]:
+def head_output(geo) -> str:
+    """What the round's forward returns: "hidden" (the final-normed rows; the round applies the fused
+    `ops.head_confidence`) when geo.fused_head, else "logits"."""
+    return "hidden" if geo.fused_head else "logits"
+
+
+def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:
     """Everything of the round after its forward (logits [Rb, V] of the rows w["rows"], window K/V [layers, NB,
     Nb, Hkv, D]): token statistics, scores and the winner, the commit, the fill, the spawn and the next plan.
-    Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests."""
+    Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests.
+    geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
+    statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
     Nb = w["i"].shape[0]
     st["round"] = st["round"] + 1
-    # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-    st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
-    # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
-    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    keys = row_keys(st, T, w["rows"], st["s"], Nb, geo.shift, cfg)
-    conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
+    if geo.fused_head:
+        conf, x0, p, ok, last_raw = fused_head_stats(st, cfg, geo, logits, head)
+        st["nonfinite"] = _first_bad(ok, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
+    else:
+        # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
+        st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
+        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
+        table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+        keys = row_keys(st, T, w["rows"], st["s"], Nb, geo.shift, cfg)
+        conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     sel = select_winner(st, T, geo, w, conf)
     W1 = sel["W"].reshape(1)
     commit_span(st, st["u"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
-        new_last = _at(table, sel["last_row"])
-        st["last_logit"] = torch.where(st["u"] > 0, new_last, st["last_logit"].to(new_last.dtype))
+        if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
+            new_last = last_raw(sel["last_row"])
+            st["last_logit"] = torch.where((st["u"] > 0) & (sel["last_row"] > 0), new_last,
+                                           st["last_logit"].to(new_last.dtype))  # fmt: skip
+        else:
+            new_last = _at(table, sel["last_row"])
+            st["last_logit"] = torch.where(st["u"] > 0, new_last, st["last_logit"].to(new_last.dtype))
     return st, apply_winner(st, T, geo, w, sel, conf, x0, p)
+
+
+def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tensor):
+    """The statistics table of a round with the fused head (T = 0, no top-p / top-k: the FastDecoder's rule):
+    `ops.head_confidence` over hidden [Rb, H] x head [V, H] (the entropy pass only for sampling_strategy
+    "neg_entropy"), preceded under the shift by `ops.confidence` of the stale last_logit row (table row 0).
+    Returns (conf, x0, p [table rows], ok [Rb] (each raw row finite), last_raw: table row r (0-d, r >= 1) -> the
+    raw logits row r - 1 [V], one GEMV)."""
+    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    entropy = cfg.sampling_strategy == "neg_entropy"
+    hc = ops.head_confidence(hidden, head, suppress, NEG_ENTROPY_EPS, entropy, check=False)
+    pick = {"default": hc.p_max, "margin": hc.margin, "neg_entropy": hc.neg_entropy}[cfg.sampling_strategy]
+    conf, x0, p = pick, hc.token, hc.p_max
+    if geo.shift:
+        c = ops.confidence(st["last_logit"][None, :], suppress, NEG_ENTROPY_EPS, check=False)
+        c_conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
+        conf, x0, p = torch.cat([c_conf, conf]), torch.cat([c.token, x0]), torch.cat([c.p_max, p])
+
+    def last_raw(row: torch.Tensor) -> torch.Tensor:
+        return F.linear(_at(hidden, (row - 1).clamp(min=0))[None, :], head)[0]
+
+    return conf, x0, p, hc.finite, last_raw
 
 
 def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
@@ -313,10 +352,15 @@ def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int,
     """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
     NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
     any value > every flat row)."""
-    real = torch.arange(logits.shape[0], device=logits.device) < n_real
     ok = torch.isfinite(logits).all(-1)
     if is_on(temperature):
         ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
+    return _first_bad(ok, rows, n_real, none)
+
+
+def _first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
+    """0-d long: rows[r] of the first of the n_real real rows r with ok[r] False, else -1 (`first_nonfinite`)."""
+    real = torch.arange(ok.shape[0], device=ok.device) < n_real
     bad = real & ~ok
     return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
 

@@ -344,6 +344,7 @@ class DecoderLM(nn.Module):
         mask: str,
         rows: torch.Tensor,
         attn_backend: str | None = None,
+        output: str = "logits",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A window forward whose shapes depend only on the bucket, never on a per-round value.
 
@@ -357,7 +358,10 @@ class DecoderLM(nn.Module):
         gate/up as one GEMM each over merged weights (`fused_layers`), RoPE on q and k in one pass, the
         rms_norm / rope / silu_mul ops (Triton on CUDA; on CPU their torch backends, bitwise the plain
         layer's formulas), and attention masks built once per forward instead of once per layer.
-        Returns (raw logits [R, V], window keys and values [num_layers, B, n, Hkv, D], post-RoPE).
+        output: "logits" (the raw logits [R, V]) or "hidden" (the final-normed rows [R, H], for a caller that
+        applies the head itself: the fused `ops.head_confidence`, which never materialises [R, V]).
+        Returns (raw logits [R, V] (or the hidden rows), window keys and values [num_layers, B, n, Hkv, D],
+        post-RoPE).
         """
         cfg = self.config
         B, n = tokens.shape
@@ -381,7 +385,7 @@ class DecoderLM(nn.Module):
         h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
         h = h.reshape(B * n, -1).index_select(0, rows)
         h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
-        return F.linear(h, self.head_weight()), ks, vs
+        return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
     def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend) -> tuple:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
@@ -439,7 +443,10 @@ class DecoderLM(nn.Module):
         None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head), and with a pool: slot (int, the
         request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
         D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
-        Returns per request (raw logits [Rb_r, V], window keys and values [num_layers, NB_r, Nb_r, Hkv, D])."""
+        A part may carry output="hidden" (default "logits"): its rows come back final-normed [Rb_r, H], without the
+        head (the fused head path of lopa_fast.decode.round); the other parts' rows still share ONE head GEMM.
+        Returns per request (raw logits [Rb_r, V] (or hidden rows), window keys and values [num_layers, NB_r, Nb_r,
+        Hkv, D])."""
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
@@ -490,13 +497,28 @@ class DecoderLM(nn.Module):
         # the LM-head rows of every request: its flat rows, offset to its packed block
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
         hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
-        logits = F.linear(hs, self.head_weight())
-        out, r0 = [], 0
-        for p, off, (NBr, Nbr) in zip(parts, offs, shapes):
-            R = p["rows"].shape[0]
+        hidden = [p.get("output", "logits") == "hidden" for p in parts]
+        spans, r0 = [], 0
+        for p in parts:
+            spans.append((r0, r0 + p["rows"].shape[0]))
+            r0 = spans[-1][1]
+        if not any(hidden):
+            logits = F.linear(hs, self.head_weight())
+            heads = [logits[a:b] for a, b in spans]
+        else:  # the logits parts' rows in one GEMM, the hidden parts' rows as they are
+            want = [i for i, hid in enumerate(hidden) if not hid]
+            logits = F.linear(torch.cat([hs[slice(*spans[i])] for i in want]), self.head_weight()) if want else None
+            heads, q = [], 0
+            for (a, b), hid in zip(spans, hidden):
+                if hid:
+                    heads.append(hs[a:b])
+                else:
+                    heads.append(logits[q : q + b - a])
+                    q += b - a
+        out = []
+        for head, off, (NBr, Nbr) in zip(heads, offs, shapes):
             kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]
-            out.append((logits[r0 : r0 + R], kv[0], kv[1]))
-            r0 += R
+            out.append((head, kv[0], kv[1]))
         return out
 
 

@@ -13,6 +13,7 @@ from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract
     ATTENTION_MODES,
     COMPARATORS,
     Confidence,
+    HeadConfidence,
     RoundSelection,
     lowest_k_table,
     window_key_mask,
@@ -145,6 +146,77 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
         x[:, suppress_token] = float("-inf")
     token, p_max, margin, neg_entropy = softmax_stats(x, eps)
     return Confidence(token, p_max, margin, neg_entropy, torch.logsumexp(x, dim=-1))
+
+
+# the vocabulary columns per chunk of head_confidence's torch backend: [R, chunk] fp32 temporaries (9.4 MB at
+# R = 288) instead of the [R, V] logits (175 MB at V = 152,064)
+HEAD_CHUNK = 8192
+
+
+def head_confidence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    suppress_token: int | None = None,
+    eps: float = 1e-10,
+    entropy: bool = True,
+    chunk: int | None = None,
+) -> HeadConfidence:
+    """`confidence(F.linear(hidden, weight), suppress_token, eps)` and the rows' finiteness, computed over
+    vocabulary chunks of `chunk` columns (default HEAD_CHUNK) without materialising the [R, V] logits.
+
+    hidden [R, H] (final-normed rows), weight [V, H] (the LM head), both one float dtype. A logit is
+    F.linear's (hidden.dtype, as the unfused head returns it), upcast to float32 (float64 for float64 input).
+    Pass 1 per chunk: the logits, finite &= isfinite (raw logits, before the suppressed id is set to -inf),
+    then an online merge of (max, first arg-max, second max of the multiset, sum exp(x - max)) in vocabulary
+    order; lse = max + log(sum), p_max = exp(max - lse), margin = p_max - exp(second - lse).
+    Pass 2 (entropy=True): the same chunks recomputed, sum_v p_v * log(p_v + eps) with the final lse (the eps
+    inside the log needs p, so it cannot be folded into pass 1 exactly: the head is computed twice).
+    Returns HeadConfidence(token int64 [R], p_max, margin, neg_entropy (None if not entropy), lse fp32 [R],
+    finite bool [R]); a row with finite False has meaningless statistics (the round raises on it).
+    Equal to `confidence` of the unfused logits up to the order of the softmax's sums (tests/test_head_confidence.py)."""
+    cd = _compute_dtype(hidden)
+    R, V = hidden.shape[0], weight.shape[0]
+    C = max(1, int(chunk or HEAD_CHUNK))
+    dev = hidden.device
+    ninf = float("-inf")
+    m1 = torch.full((R,), ninf, dtype=cd, device=dev)
+    m2 = torch.full((R,), ninf, dtype=cd, device=dev)
+    i1 = torch.zeros(R, dtype=torch.long, device=dev)
+    s = torch.zeros(R, dtype=cd, device=dev)
+    finite = torch.ones(R, dtype=torch.bool, device=dev)
+
+    def logits(v0):
+        z = torch.nn.functional.linear(hidden, weight[v0 : v0 + C]).to(cd)
+        ok = torch.isfinite(z).all(-1)
+        if suppress_token is not None and v0 <= suppress_token < v0 + z.shape[1]:
+            z[:, suppress_token - v0] = ninf
+        return z, ok
+
+    for v0 in range(0, V, C):
+        z, ok = logits(v0)
+        finite &= ok
+        if z.shape[1] >= 2:
+            top = torch.topk(z, 2, dim=-1)  # the two largest of the chunk (multiset)
+            cmax, c2 = top.values[:, 0], top.values[:, 1]
+        else:
+            cmax, c2 = z[:, 0], torch.full_like(m2, ninf)
+        cidx = z.argmax(-1) + v0  # first index of the chunk's max
+        m2 = torch.maximum(torch.minimum(m1, cmax), torch.maximum(m2, c2))
+        i1 = torch.where(cmax > m1, cidx, i1)  # strict: an equal later max keeps the earlier index
+        m_new = torch.maximum(m1, cmax)
+        m_safe = torch.where(m_new == ninf, 0.0, m_new)
+        s = s * torch.exp(m1 - m_safe) + torch.exp(z - m_safe[:, None]).sum(-1)
+        m1 = m_new
+    lse = torch.where(m1 == ninf, 0.0, m1) + torch.log(s)
+    p_max = torch.exp(m1 - lse)
+    margin = p_max - torch.exp(m2 - lse)
+    neg_entropy = None
+    if entropy:
+        neg_entropy = torch.zeros(R, dtype=cd, device=dev)
+        for v0 in range(0, V, C):
+            p = torch.exp(logits(v0)[0] - lse[:, None])
+            neg_entropy += (p * torch.log(p + eps)).sum(-1)
+    return HeadConfidence(i1, p_max, margin, neg_entropy, lse, finite)
 
 
 def select_round(

@@ -1,7 +1,7 @@
 """CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
 
 The hook of lopa_fast.ops._backend: `available(op)`, `unsupported(op, *args)` and one function per op with the
-public op's signature (`branch_attention`, `confidence`, `select_round`). Without a CUDA device or CuPy,
+public op's signature (`branch_attention`, `confidence`, `head_confidence`, `select_round`). Without a CUDA device or CuPy,
 `available()` is False and `why_unavailable()` says why (logged once at INFO on logger "lopa_fast.ops.cuda");
 the dispatch then picks triton / torch. A call the kernels cannot take (a head dim other than 64/128, a window
 over 1024 positions, a dtype without an instantiation, CPU tensors) raises a ValueError naming why: an explicit
@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, SEL_MAX_N
-from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, select_round_op
+from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, head_confidence_op, select_round_op
 from lopa_fast.ops.cuda.probe import available, why_unavailable
 
-__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "select_round"]
+__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "head_confidence",
+           "select_round"]
 
 
 def unsupported(op: str, *args) -> str | None:
@@ -36,7 +37,7 @@ def unsupported(op: str, *args) -> str | None:
         if D not in HEAD_DIMS:
             return f"head dim D={D} has no CUDA kernel (D in {HEAD_DIMS})"
         t = q
-    elif op == "confidence":
+    elif op in ("confidence", "head_confidence"):
         t = args[0]
     elif op == "select_round":
         n = args[1].shape[1]
@@ -80,6 +81,13 @@ def confidence(logits, suppress_token=None, eps=1e-10):
     """lopa_fast.ops.confidence on the CUDA kernel; returns the 5 fields of lopa_fast.contracts.Confidence."""
     _require("confidence", logits)
     return confidence_op(logits, suppress_token, float(eps))
+
+
+def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True):
+    """lopa_fast.ops.head_confidence on the CUDA kernels; returns the 6 fields of lopa_fast.contracts.HeadConfidence
+    (neg_entropy: zeros without entropy)."""
+    _require("head_confidence", hidden)
+    return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy))
 
 
 def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,

@@ -10,7 +10,7 @@ import torch
 
 from lopa_fast.contracts import code_defines
 
-OPS = ("branch_attention", "confidence", "select_round")
+OPS = ("branch_attention", "confidence", "head_confidence", "select_round")
 # the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (64, 128)
@@ -25,6 +25,9 @@ MMA_ROWS = 16 * MMA_WARPS
 MMA_THREADS = 32 * MMA_WARPS
 # confidence: threads per CTA (one CTA per row or per (row, V split))
 CONF_THREADS = 256
+# head_confidence: threads per CTA (one vocabulary column each per tile) and hidden rows per CTA
+# (HC_ROWS * 32 == HC_THREADS: the staged hidden tile is one element per thread)
+HC_THREADS, HC_ROWS = 256, 8
 # select_round: at most this many warps (one branch each at a time); a lane records its lookahead picks in a
 # 32-bit mask over positions lane, lane + 32, ..., so windows hold at most 32 * 32 positions
 SEL_MAX_WARPS = 8
@@ -41,6 +44,8 @@ def defines() -> dict[str, int]:
         "LOPA_MMA_WARPS": MMA_WARPS,
         "LOPA_MMA_KEYS": MMA_KEYS,
         "LOPA_CONF_THREADS": CONF_THREADS,
+        "LOPA_HC_THREADS": HC_THREADS,
+        "LOPA_HC_ROWS": HC_ROWS,
         "LOPA_SEL_MAX_WARPS": SEL_MAX_WARPS,
         "LOPA_SEL_MAX_N": SEL_MAX_N,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.ops.cuda.device import launcher
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_select_round
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
@@ -43,6 +43,21 @@ def confidence_op(logits: Tensor, suppress_token: int | None, eps: float
 def _(logits, suppress_token, eps):
     N = logits.shape[0]
     return (logits.new_empty(N, dtype=torch.int64), *[logits.new_empty(N, dtype=torch.float32) for _ in range(4)])
+
+
+@torch.library.custom_op("lopa_fast::cuda_head_confidence", mutates_args=(), device_types="cuda")
+def head_confidence_op(hidden: Tensor, weight: Tensor, suppress_token: int | None, eps: float, entropy: bool
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The 6 HeadConfidence fields of hidden [R, H] x weight [V, H] (neg_entropy zeros without entropy)."""
+    L = launcher("head_confidence", hidden)
+    return run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms)
+
+
+@head_confidence_op.register_fake
+def _(hidden, weight, suppress_token, eps, entropy):
+    R = hidden.shape[0]
+    f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
+    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool))
 
 
 @torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")

@@ -21,6 +21,8 @@ from lopa_fast.ops.cuda.constants import (
     ATTN_WARPS,
     CONF_THREADS,
     DTYPE_NAMES,
+    HC_ROWS,
+    HC_THREADS,
     MMA_KEYS,
     MMA_ROWS,
     MMA_THREADS,
@@ -181,6 +183,51 @@ def run_confidence(launch: Launch, logits, suppress_token, eps, num_sms=None):
     launch("confidence_split_finalize", (math.ceil(N / (CONF_THREADS // 32)), 1, 1), block, 0,
            [P(ws_ent), ("i", N), ("i", S), P(neg_entropy)])
     return (token, *stats)
+
+
+# -------------------------------------------------------------------------------------- head_confidence
+def head_confidence_splits(R: int, V: int, num_sms: int) -> tuple[int, int]:
+    """(vocabulary splits S, columns per split, a multiple of HC_THREADS): about 2 CTAs per SM over (row tiles x
+    splits), no split under 4 column tiles."""
+    tiles = math.ceil(R / HC_ROWS)
+    s = max(1, min(math.ceil(2 * num_sms / max(tiles, 1)), math.ceil(V / (4 * HC_THREADS))))
+    chunk = math.ceil(math.ceil(V / s) / HC_THREADS) * HC_THREADS
+    return math.ceil(V / chunk), chunk
+
+
+def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, entropy, num_sms):
+    """Launch head_confidence on hidden [R, H], weight [V, H] (one dtype); returns (token int64 [R], p_max,
+    margin, neg_entropy (zeros without entropy), lse fp32 [R], finite bool [R])."""
+    R, H = hidden.shape
+    V = weight.shape[0]
+    tname = DTYPE_NAMES[hidden.dtype]
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    dev = hidden.device
+    token = torch.empty(R, dtype=torch.int64, device=dev)
+    p_max, margin, lse = (torch.empty(R, dtype=torch.float32, device=dev) for _ in range(3))
+    neg_entropy = torch.zeros(R, dtype=torch.float32, device=dev)
+    finite = torch.empty(R, dtype=torch.bool, device=dev)
+    if R == 0:
+        return token, p_max, margin, neg_entropy, lse, finite
+    P = _ptr
+    sup = -1 if suppress_token is None else int(suppress_token)
+    S, chunk = head_confidence_splits(R, V, num_sms)
+    ws_state = torch.empty((R, S, 6), dtype=torch.float32, device=dev)
+    grid = (math.ceil(R / HC_ROWS), S, 1)
+    block = (HC_THREADS, 1, 1)
+    head = [P(hidden), ("q", hidden.stride(0)), P(weight), ("q", weight.stride(0)), ("i", R), ("i", V), ("i", H),
+            ("i", chunk), ("i", sup)]  # fmt: skip
+    launch(f"head_confidence_stats_{tname}", grid, block, 0, [*head, P(ws_state)])
+    rows_grid = (math.ceil(R / HC_THREADS), 1, 1)
+    launch("head_confidence_merge", rows_grid, block, 0,
+           [P(ws_state), ("i", R), ("i", S), P(token), P(p_max), P(margin), P(lse), P(finite)])
+    if entropy:
+        ws_ent = torch.empty((R, S), dtype=torch.float32, device=dev)
+        launch(f"head_confidence_entropy_{tname}", grid, block, 0,
+               [*head, ("f", float(eps)), P(lse), P(ws_ent)])
+        launch("head_confidence_finalize", rows_grid, block, 0, [P(ws_ent), ("i", R), ("i", S), P(neg_entropy)])
+    return token, p_max, margin, neg_entropy, lse, finite
 
 
 # ----------------------------------------------------------------------------------------- select_round

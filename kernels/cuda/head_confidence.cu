@@ -1,0 +1,270 @@
+// head_confidence: the LM head (hidden @ weight^T) and the per-row confidence statistics fused; the [R, V]
+// logits never reach global memory.
+// Semantics: lopa_fast.reference.ops.head_confidence = lopa_fast.ops.confidence of F.linear(hidden, weight)
+// (each logit accumulated in fp32 and rounded to the storage dtype, as F.linear returns it), plus finite[r]:
+// every raw logit of row r is finite (checked before the suppressed id is set to -inf).
+//
+//   hidden [R, H] (row stride ldh), weight [V, H] (row stride ldw), last dims contiguous -> token int64 [R],
+//   p_max, margin, neg_entropy, lse fp32 [R], finite uint8 [R]; suppress (-1 = none); argmax ties -> lowest index.
+//
+// Grid (row tiles of kRows rows, S vocabulary splits), kThreads threads: a CTA walks its split in tiles of
+// kThreads columns (one column per thread) and, per tile, the hidden dimension in kK-wide steps staged in shared
+// memory (the weight tile read coalesced along H), each thread accumulating its column's kRows logits in a fixed
+// order. SIMT fp32 (no tensor cores yet: this is the parity path; see docs/architecture.md). Four launches, no
+// atomics, a fixed merge order (deterministic):
+//   stats     per (row tile, split): online max / first arg-max / second max / sum exp / non-finite count per
+//             row; the CTA's threads merged by a shared-memory tree (a fixed order) -> ws [R, S, 6]
+//   merge     per row: the S splits in order -> token, p_max, margin, lse, finite
+//   entropy   (entropy only) the same tiles recomputed (the same logits, bit for bit): sum p log(p + eps) with
+//             the final lse -> ws_ent [R, S]
+//   finalize  per row: neg_entropy = the splits' sums in order
+#include "common.cuh"
+
+namespace lopa {
+namespace hc {
+
+constexpr int kThreads = LOPA_HC_THREADS;
+constexpr int kRows = LOPA_HC_ROWS;
+constexpr int kK = 32;  // hidden elements per shared-memory step
+constexpr int kNoIndex = 0x7fffffff;
+static_assert(kRows * kK == kThreads, "one hidden-tile element per thread");
+
+struct State {
+  float m, s;    // running max and sum of exp(x - m)
+  float t1, t2;  // top-1 and top-2 values (multiset)
+  int i1;        // index of top-1 (lowest on ties)
+  int bad;       // non-finite raw logits seen
+};
+
+LOPA_INLINE State identity() {
+  State st;
+  st.m = LOPA_NEG_INF;
+  st.s = 0.f;
+  st.t1 = LOPA_NEG_INF;
+  st.t2 = LOPA_NEG_INF;
+  st.i1 = kNoIndex;
+  st.bad = 0;
+  return st;
+}
+
+LOPA_INLINE void push(State& st, float x, int j) {
+  if (x > st.t1 || (x == st.t1 && j < st.i1)) {
+    st.t2 = st.t1;
+    st.t1 = x;
+    st.i1 = j;
+  } else if (x > st.t2) {
+    st.t2 = x;
+  }
+  if (x > st.m) {
+    st.s = (st.m == LOPA_NEG_INF ? 0.f : st.s * expf(st.m - x)) + 1.f;
+    st.m = x;
+  } else if (st.m != LOPA_NEG_INF) {
+    st.s += expf(x - st.m);
+  }
+}
+
+LOPA_INLINE State merge(const State& a, const State& b) {
+  State r;
+  r.m = fmaxf(a.m, b.m);
+  r.s = r.m == LOPA_NEG_INF ? 0.f
+                            : (a.m == LOPA_NEG_INF ? 0.f : a.s * expf(a.m - r.m)) +
+                                  (b.m == LOPA_NEG_INF ? 0.f : b.s * expf(b.m - r.m));
+  const bool b_first = b.t1 > a.t1 || (b.t1 == a.t1 && b.i1 < a.i1);
+  const State& hi = b_first ? b : a;
+  const State& lo = b_first ? a : b;
+  r.t1 = hi.t1;
+  r.i1 = hi.i1;
+  r.t2 = fmaxf(hi.t2, lo.t1);
+  r.bad = a.bad + b.bad;
+  return r;
+}
+
+LOPA_INLINE bool finite(float x) { return fabsf(x) <= 3.402823466e38f; }  // false for NaN and +-inf
+
+// The logits of rows [row0, row0 + kRows) x column c0 + threadIdx.x, in fp32 after rounding to T (columns past
+// `end` and rows past R read zeros). Every thread of the CTA must call it (barriers).
+template <typename T>
+LOPA_INLINE void logits_tile(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R,
+                             int H, int row0, int c0, int end, float (*hs)[kK], float (*ws)[kK + 1],
+                             float* out) {
+  const int tid = threadIdx.x;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  for (int h0 = 0; h0 < H; h0 += kK) {
+    {  // the hidden tile: one element per thread
+      const int r = tid / kK, k = tid % kK;
+      hs[r][k] = (row0 + r < R && h0 + k < H) ? to_float(hid[(long long)(row0 + r) * ldh + h0 + k]) : 0.f;
+    }
+    for (int e = tid; e < kThreads * kK; e += kThreads) {  // the weight tile, consecutive threads along H
+      const int c = e / kK, k = e % kK;
+      ws[c][k] = (c0 + c < end && h0 + k < H) ? to_float(w[(long long)(c0 + c) * ldw + h0 + k]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int k = 0; k < kK; ++k) {
+      const float wv = ws[tid][k];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = fmaf(hs[r][k], wv, acc[r]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) out[r] = to_float(From<T>::cvt(acc[r]));
+}
+
+template <typename T>
+LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R, int V,
+                       int H, int chunk, int suppress, float* __restrict__ ws_state) {
+  __shared__ float hs[kRows][kK];
+  __shared__ float wt[kThreads][kK + 1];
+  __shared__ State red[kThreads];
+  __shared__ State row_state[kRows];
+  const int row0 = blockIdx.x * kRows, split = blockIdx.y, S = gridDim.y;
+  const int tid = threadIdx.x;
+  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  State st[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) st[r] = identity();
+  for (int c0 = begin; c0 < end; c0 += kThreads) {
+    float x[kRows];
+    logits_tile<T>(hid, ldh, w, ldw, R, H, row0, c0, end, hs, wt, x);
+    const int j = c0 + tid;
+    if (j < end) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        st[r].bad += finite(x[r]) ? 0 : 1;
+        push(st[r], j == suppress ? LOPA_NEG_INF : x[r], j);
+      }
+    }
+  }
+  // the CTA's kThreads states of each row merged by a shared-memory tree (fixed order: deterministic)
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    red[tid] = st[r];
+    __syncthreads();
+    for (int o = kThreads / 2; o > 0; o >>= 1) {
+      if (tid < o) red[tid] = merge(red[tid], red[tid + o]);
+      __syncthreads();
+    }
+    if (tid == 0) row_state[r] = red[0];
+    __syncthreads();
+  }
+  if (tid < kRows && row0 + tid < R) {
+    const State m = row_state[tid];
+    float* o = ws_state + ((long long)(row0 + tid) * S + split) * 6;
+    o[0] = m.m;
+    o[1] = m.s;
+    o[2] = m.t1;
+    o[3] = m.t2;
+    o[4] = __int_as_float(m.i1);
+    o[5] = __int_as_float(m.bad);
+  }
+}
+
+LOPA_INLINE void merge_splits(const float* __restrict__ ws_state, int R, int S, long long* __restrict__ token,
+                              float* __restrict__ p_max, float* __restrict__ margin, float* __restrict__ lse,
+                              unsigned char* __restrict__ fin) {
+  const int row = blockIdx.x * kThreads + threadIdx.x;
+  if (row >= R) return;
+  State st = identity();
+  for (int s2 = 0; s2 < S; ++s2) {
+    const float* p = ws_state + ((long long)row * S + s2) * 6;
+    State q;
+    q.m = p[0];
+    q.s = p[1];
+    q.t1 = p[2];
+    q.t2 = p[3];
+    q.i1 = __float_as_int(p[4]);
+    q.bad = __float_as_int(p[5]);
+    st = merge(st, q);
+  }
+  const float l = (st.m == LOPA_NEG_INF ? 0.f : st.m) + logf(st.s);
+  const float p1 = expf(st.t1 - l), p2 = expf(st.t2 - l);
+  token[row] = st.i1 == kNoIndex ? 0 : st.i1;
+  p_max[row] = p1;
+  margin[row] = p1 - p2;
+  lse[row] = l;
+  fin[row] = st.bad == 0 ? 1 : 0;
+}
+
+template <typename T>
+LOPA_INLINE void entropy(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R,
+                         int V, int H, int chunk, int suppress, float eps, const float* __restrict__ lse,
+                         float* __restrict__ ws_ent) {
+  __shared__ float hs[kRows][kK];
+  __shared__ float wt[kThreads][kK + 1];
+  __shared__ float red[kThreads];
+  __shared__ float row_acc[kRows];
+  const int row0 = blockIdx.x * kRows, split = blockIdx.y, S = gridDim.y;
+  const int tid = threadIdx.x;
+  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  float l[kRows], acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    l[r] = row0 + r < R ? lse[row0 + r] : 0.f;
+    acc[r] = 0.f;
+  }
+  for (int c0 = begin; c0 < end; c0 += kThreads) {
+    float x[kRows];
+    logits_tile<T>(hid, ldh, w, ldw, R, H, row0, c0, end, hs, wt, x);
+    const int j = c0 + tid;
+    if (j < end && j != suppress) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float p = expf(x[r] - l[r]);
+        acc[r] += p * logf(p + eps);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {  // a shared-memory tree per row, as in `stats`
+    red[tid] = acc[r];
+    __syncthreads();
+    for (int o = kThreads / 2; o > 0; o >>= 1) {
+      if (tid < o) red[tid] += red[tid + o];
+      __syncthreads();
+    }
+    if (tid == 0) row_acc[r] = red[0];
+    __syncthreads();
+  }
+  if (tid < kRows && row0 + tid < R) ws_ent[(long long)(row0 + tid) * S + split] = row_acc[tid];
+}
+
+LOPA_INLINE void finalize(const float* __restrict__ ws_ent, int R, int S, float* __restrict__ neg_entropy) {
+  const int row = blockIdx.x * kThreads + threadIdx.x;
+  if (row >= R) return;
+  float a = 0.f;
+  for (int s2 = 0; s2 < S; ++s2) a += ws_ent[(long long)row * S + s2];
+  neg_entropy[row] = a;
+}
+
+}  // namespace hc
+}  // namespace lopa
+
+#define LOPA_HC_ENTRY(TNAME, T)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads) head_confidence_stats_##TNAME(               \
+      const T* hid, long long ldh, const T* w, long long ldw, int R, int V, int H, int chunk, int suppress,     \
+      float* ws_state) {                                                                                         \
+    lopa::hc::stats<T>(hid, ldh, w, ldw, R, V, H, chunk, suppress, ws_state);                                   \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads) head_confidence_entropy_##TNAME(             \
+      const T* hid, long long ldh, const T* w, long long ldw, int R, int V, int H, int chunk, int suppress,     \
+      float eps, const float* lse, float* ws_ent) {                                                              \
+    lopa::hc::entropy<T>(hid, ldh, w, ldw, R, V, H, chunk, suppress, eps, lse, ws_ent);                         \
+  }
+
+LOPA_HC_ENTRY(f32, float)
+LOPA_HC_ENTRY(bf16, lopa::bf16)
+LOPA_HC_ENTRY(f16, lopa::f16)
+
+extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads)
+    head_confidence_merge(const float* ws_state, int R, int S, long long* token, float* p_max, float* margin,
+                          float* lse, unsigned char* fin) {
+  lopa::hc::merge_splits(ws_state, R, S, token, p_max, margin, lse, fin);
+}
+
+extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads)
+    head_confidence_finalize(const float* ws_ent, int R, int S, float* neg_entropy) {
+  lopa::hc::finalize(ws_ent, R, S, neg_entropy);
+}

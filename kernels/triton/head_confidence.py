@@ -1,0 +1,200 @@
+"""Triton `head_confidence`: the LM head (hidden @ weight.T) and the per-row confidence statistics fused.
+
+The [R, V] logits never leave registers. Tiles of BLOCK_R rows x BLOCK_V vocabulary columns: each tile's
+logits are one `tl.dot` loop over H (fp32 accumulation, rounded to the storage dtype as F.linear returns
+them), then folded into per-row online statistics. The vocabulary is cut into S splits so that a round's
+few row tiles still fill the GPU (grid: row tiles x splits):
+  `_hc_stats_kernel`    per (row tile, split): max, first arg-max, second max (multiset), sum exp, finite
+  `_hc_merge_kernel`    per row: the splits merged in index order -> token, p_max, margin, lse, finite
+  `_hc_entropy_kernel`  (entropy=True) per (row tile, split): the same tiles recomputed (same loop order, so
+                        the same logits bit for bit), sum_v p_v * log(p_v + eps) with the final lse
+and the entropy partials are summed per row in split order. Bytes: the weight is read once per row tile and
+pass (twice with the entropy); nothing of size R x V is written. Matches lopa_fast.reference.ops.head_confidence.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lopa_fast.kernels.triton._common import is_interpreter
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, rows, rmask, cols, cmask, H, stride_h, stride_w,
+                 BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Logits [BLOCK_R, BLOCK_V] of rows x cols in fp32, each rounded to the storage dtype first."""
+    acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
+    offs_h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        hh = h0 + offs_h
+        hm = hh < H
+        a = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :], mask=rmask[:, None] & hm[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_w + hh[:, None], mask=cmask[None, :] & hm[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # fp32 inputs: IEEE, not TF32 (parity with F.linear)
+    return acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _hc_stats_kernel(
+    h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress,
+    pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pfin_ptr,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rt = tl.program_id(0)
+    sp = tl.program_id(1)
+    S = tl.num_programs(1)
+    rows = rt * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    lo = sp * split
+    hi = tl.minimum(lo + split, V)
+    offs_v = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    m1 = tl.full((BLOCK_R,), neg_inf, tl.float32)
+    m2 = tl.full((BLOCK_R,), neg_inf, tl.float32)
+    i1 = tl.full((BLOCK_R,), 0, tl.int32) + lo
+    s = tl.zeros((BLOCK_R,), tl.float32)
+    bad = tl.zeros((BLOCK_R,), tl.int32)
+    for v0 in range(lo, hi, BLOCK_V):
+        cols = v0 + offs_v
+        cmask = cols < hi
+        x = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols.to(tl.int64), cmask, H, stride_h, stride_w,
+                         BLOCK_R, BLOCK_V, BLOCK_H)
+        nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # on the raw logits, before the suppression
+        bad += tl.sum(tl.where(nonfinite & cmask[None, :], 1, 0), axis=1)
+        x = tl.where(cmask[None, :], x, neg_inf)
+        if HAS_SUPPRESS:
+            x = tl.where(cols[None, :] == suppress, neg_inf, x)
+        cmax = tl.max(x, axis=1)
+        cidx = tl.min(tl.where(x == cmax[:, None], cols[None, :], 2147483647), axis=1)  # first arg-max
+        c2 = tl.max(tl.where(cols[None, :] == cidx[:, None], neg_inf, x), axis=1)
+        m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
+        i1 = tl.where(cmax > m1, cidx, i1)  # strict: an equal later max keeps the earlier index
+        m_new = tl.maximum(m1, cmax)
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+        s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+        m1 = m_new
+    o = rows64 * S + sp
+    tl.store(pm1_ptr + o, m1, mask=rmask)
+    tl.store(pi1_ptr + o, i1, mask=rmask)
+    tl.store(pm2_ptr + o, m2, mask=rmask)
+    tl.store(ps_ptr + o, s, mask=rmask)
+    tl.store(pfin_ptr + o, (bad == 0).to(tl.int32), mask=rmask)
+
+
+@triton.jit
+def _hc_merge_kernel(
+    pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pfin_ptr, tok_ptr, pmax_ptr, margin_ptr, lse_ptr, fin_ptr, S,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    os_ = tl.arange(0, BLOCK_S)
+    ok = os_ < S
+    base = row * S
+    pm1 = tl.load(pm1_ptr + base + os_, mask=ok, other=float("-inf"))
+    pm2 = tl.load(pm2_ptr + base + os_, mask=ok, other=float("-inf"))
+    ps = tl.load(ps_ptr + base + os_, mask=ok, other=0.0)
+    pi1 = tl.load(pi1_ptr + base + os_, mask=ok, other=0)
+    pfin = tl.load(pfin_ptr + base + os_, mask=ok, other=1)
+    m1 = tl.max(pm1, axis=0)
+    first = tl.min(tl.where(ok & (pm1 == m1), os_, BLOCK_S), axis=0)  # splits are in vocabulary order
+    i1 = tl.sum(tl.where(os_ == first, pi1, 0), axis=0)
+    m2 = tl.maximum(tl.max(pm2, axis=0), tl.max(tl.where(os_ == first, float("-inf"), pm1), axis=0))
+    m_safe = tl.where(m1 == float("-inf"), 0.0, m1)
+    z = tl.sum(ps * tl.exp(pm1 - m_safe), axis=0)
+    lse = m_safe + tl.log(z)
+    p_max = tl.exp(m1 - lse)
+    tl.store(tok_ptr + row, i1.to(tl.int64))
+    tl.store(pmax_ptr + row, p_max)
+    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
+    tl.store(lse_ptr + row, lse)
+    tl.store(fin_ptr + row, (tl.min(pfin, axis=0) == 1).to(tl.int8))
+
+
+@triton.jit
+def _hc_entropy_kernel(
+    h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress, eps, lse_ptr, pent_ptr,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rt = tl.program_id(0)
+    sp = tl.program_id(1)
+    S = tl.num_programs(1)
+    rows = rt * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
+    lo = sp * split
+    hi = tl.minimum(lo + split, V)
+    offs_v = tl.arange(0, BLOCK_V)
+    ent = tl.zeros((BLOCK_R,), tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        cols = v0 + offs_v
+        cmask = cols < hi
+        x = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols.to(tl.int64), cmask, H, stride_h, stride_w,
+                         BLOCK_R, BLOCK_V, BLOCK_H)
+        x = tl.where(cmask[None, :], x, float("-inf"))
+        if HAS_SUPPRESS:
+            x = tl.where(cols[None, :] == suppress, float("-inf"), x)
+        p = tl.exp(x - lse[:, None])
+        ent += tl.sum(tl.where(cmask[None, :], p * tl.log(p + eps), 0.0), axis=1)
+    tl.store(pent_ptr + rows64 * S + sp, ent, mask=rmask)
+
+
+def tiles_for(R: int, V: int, H: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_V, BLOCK_H). GPU: 16-64 rows (a round's R is 32-300) x 128 columns x 64 of H per dot.
+    Interpreter (CPU tests): wide vocabulary tiles, each step a numpy matmul."""
+    block_r = 16 if R <= 16 else (32 if R <= 32 else 64)
+    if is_interpreter():
+        return block_r, min(1024, triton.next_power_of_2(max(V, 16))), min(256, triton.next_power_of_2(max(H, 16)))
+    return block_r, 128, 64
+
+
+def num_splits_for(R: int, V: int, block_r: int, block_v: int, n_sm: int = 132) -> int:
+    """Vocabulary splits: ~4 programs per SM over (row tiles x splits), each split >= 8 vocabulary tiles."""
+    tiles = triton.cdiv(R, block_r)
+    return max(1, min(triton.cdiv(V, 8 * block_v), triton.cdiv(4 * n_sm, tiles)))
+
+
+def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None = None,
+                    eps: float = 1e-10, entropy: bool = True, num_splits: int | None = None, tiles=None):
+    """hidden [R, H], weight [V, H] (one dtype, last dims contiguous) -> (token int64 [R], p_max, margin,
+    neg_entropy (zeros when entropy=False), lse fp32 [R], finite bool [R]). num_splits / tiles (BLOCK_R,
+    BLOCK_V, BLOCK_H): None = the launcher's choice (tests force both)."""
+    R, H = hidden.shape
+    V = weight.shape[0]
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    dev = hidden.device
+    tok = torch.empty(R, dtype=torch.int64, device=dev)
+    p_max, margin, lse = (torch.empty(R, dtype=torch.float32, device=dev) for _ in range(3))
+    neg_entropy = torch.zeros(R, dtype=torch.float32, device=dev)
+    finite = torch.empty(R, dtype=torch.bool, device=dev)
+    if R == 0:
+        return tok, p_max, margin, neg_entropy, lse, finite
+    BR, BV, BH = tiles or tiles_for(R, V, H)
+    S = num_splits_for(R, V, BR, BV) if num_splits is None else max(1, min(int(num_splits), triton.cdiv(V, BV)))
+    split = triton.cdiv(triton.cdiv(V, S), BV) * BV
+    S = triton.cdiv(V, split)
+    BLOCK_S = max(2, triton.next_power_of_2(S))
+    pm1, pm2, ps = (torch.empty(R, S, dtype=torch.float32, device=dev) for _ in range(3))
+    pi1, pfin = (torch.empty(R, S, dtype=torch.int32, device=dev) for _ in range(2))
+    sup = -1 if suppress_token is None else int(suppress_token)
+    has_sup = suppress_token is not None
+    grid = (triton.cdiv(R, BR), S)
+    _hc_stats_kernel[grid](
+        hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, pm1, pi1, pm2, ps, pfin,
+        HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, num_warps=4,
+    )
+    _hc_merge_kernel[(R,)](pm1, pi1, pm2, ps, pfin, tok, p_max, margin, lse, finite.view(torch.int8), S,
+                           BLOCK_S=BLOCK_S, num_warps=1)  # fmt: skip
+    if entropy:
+        pent = torch.empty(R, S, dtype=torch.float32, device=dev)
+        _hc_entropy_kernel[grid](
+            hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, float(eps), lse, pent,
+            HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, num_warps=4,
+        )
+        neg_entropy = pent.sum(dim=1)  # split order: deterministic
+    return tok, p_max, margin, neg_entropy, lse, finite

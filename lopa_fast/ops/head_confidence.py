@@ -1,0 +1,107 @@
+"""`head_confidence`: the LM head and the per-row confidence statistics fused, over vocabulary chunks.
+
+See lopa_fast.reference.ops.head_confidence (the torch backend) for the semantics: the `confidence` of the
+logits rows hidden @ weight.T without materialising them, plus each row's finiteness (the numerics guard).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from lopa_fast.contracts import HeadConfidence
+from lopa_fast.ops import _backend
+from lopa_fast.reference import ops as ref
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(hidden, weight, suppress_token, eps, entropy, chunk):
+    op = "head_confidence"
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-d tensor, got {getattr(t, 'shape', type(t))}")
+    if hidden.dtype not in _FLOATS:
+        raise TypeError(f"{op}: hidden.dtype={hidden.dtype}; allowed: {_FLOATS}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{op}: weight.dtype={weight.dtype} differs from hidden.dtype={hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{op}: weight is on {weight.device}, hidden on {hidden.device}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{op}: hidden [R, H={hidden.shape[1]}] and weight [V, H={weight.shape[1]}] disagree on H")
+    V = weight.shape[0]
+    if V < 2:
+        raise ValueError(f"{op}: weight has V={V} rows; the top-2 margin needs V >= 2")
+    if suppress_token is not None:
+        if isinstance(suppress_token, bool) or not isinstance(suppress_token, int):
+            raise TypeError(f"{op}: suppress_token={suppress_token!r} must be an int or None")
+        if not 0 <= suppress_token < V:
+            raise ValueError(f"{op}: suppress_token={suppress_token} not in [0, V={V})")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
+        raise ValueError(f"{op}: eps={eps!r} must be a float >= 0")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"{op}: entropy={entropy!r} must be True or False")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{op}: chunk={chunk!r} must be an int >= 1 or None")
+    _backend.check_last_dim_contiguous(op, hidden=hidden, weight=weight)
+
+
+def head_confidence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    suppress_token: int | None = None,
+    eps: float = 1e-10,
+    entropy: bool = True,
+    *,
+    chunk: int | None = None,
+    check: bool = True,
+    backend: str | None = None,
+) -> HeadConfidence:
+    """The LM head and the confidence statistics fused: for hidden [R, H] (final-normed rows) and the head
+    weight [V, H] (same dtype), the statistics of `ops.confidence(F.linear(hidden, weight), suppress_token, eps)`
+    computed over vocabulary chunks, the [R, V] logits never materialised.
+
+    Returns HeadConfidence(token int64 [R] (argmax, ties -> lowest index), p_max, margin (p_top1 - p_top2),
+    neg_entropy (sum_v p_v * log(p_v + eps); None when entropy=False), lse fp32 [R], finite bool [R]).
+    A logit is the head's value in hidden.dtype (fp32 accumulation rounded to the storage dtype, what F.linear
+    returns), upcast to fp32; finite[r] is False when any raw logit of row r is NaN / inf (checked before the
+    suppressed id is set to -inf): that row's statistics are meaningless and must not be decoded.
+    entropy=False skips the second pass over the head (the entropy's eps needs the final lse): the round asks
+    for it only under sampling_strategy="neg_entropy".
+    chunk: vocabulary columns per step of the torch backend (None: reference.ops.HEAD_CHUNK); the kernels tile
+    on their own.
+    backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch" (see lopa_fast.ops._backend).
+    """
+    if check:
+        _check(hidden, weight, suppress_token, eps, entropy, chunk)
+    b = _backend.resolve("head_confidence", backend, hidden.device, (hidden, weight, suppress_token, eps))
+    if b == "torch":
+        return ref.head_confidence(hidden, weight, suppress_token, eps, entropy, chunk)
+    if hidden.dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"head_confidence: hidden.dtype={hidden.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
+    if b == "cuda":
+        out = _backend.kernel("head_confidence", b)(hidden, weight, suppress_token, eps, entropy)
+    else:
+        sup = None if suppress_token is None else int(suppress_token)
+        out = torch.ops.lopa_fast.triton_head_confidence(hidden, weight, sup, float(eps), bool(entropy))
+    token, p_max, margin, neg_entropy, lse, finite = out
+    return HeadConfidence(token, p_max, margin, neg_entropy if entropy else None, lse, finite)
+
+
+# ------------------------------------------------------------------------------ torch custom op (Triton)
+# Registered so that torch.compile(fullgraph=True) and CUDA-graph capture trace through the public op; the
+# op returns plain tensors (neg_entropy: zeros without the entropy pass) and the namedtuple is rebuilt outside.
+@torch.library.custom_op("lopa_fast::triton_head_confidence", mutates_args=())
+def _head_confidence_op(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None, eps: float,
+                        entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor]:
+    launch = importlib.import_module("lopa_fast.kernels.triton.head_confidence").head_confidence  # optional
+    return tuple(launch(hidden, weight, suppress_token, eps, entropy))
+
+
+@_head_confidence_op.register_fake
+def _(hidden, weight, suppress_token, eps, entropy):
+    R = hidden.shape[0]
+    f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
+    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool))
