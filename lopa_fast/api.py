@@ -159,7 +159,7 @@ def resolve_backend(cfg: GenerateConfig, hook: bool = False, model=None):
     """Return (callable, backend name that runs, fallback note or None) for a validated config.
 
     "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover:
-    lopa_fast.decode.fast_not_covered, e.g. sampler="upstream" at T > 0); "auto" runs it where it covers the
+    lopa_fast.strategies.fast_not_covered, e.g. sampler="upstream" at T > 0); "auto" runs it where it covers the
     config, else the reference (with a RuntimeWarning when the strategy has a fast path but the knobs do not
     fit it). hook: an `on_round=` hook is given (a fast
     implementation that does not accept one counts as not covering the request). model: when given, "auto"
@@ -192,7 +192,7 @@ def _resolve_backend(cfg: GenerateConfig):
                 "Use backend='reference' or backend='auto' (fast where available, else reference)"
             )
         return spec.load("reference"), "reference", None
-    from lopa_fast.decode import fast_not_covered
+    from lopa_fast.strategies import fast_not_covered
 
     why = fast_not_covered(cfg)
     if why is None:

@@ -70,7 +70,7 @@ class GenerateConfig:
     description, its choices and what None runs as in its metadata (`knob`): the CLI's --help is built from them."""
 
     strategy: str = knob("lopa", 'the decoding strategy (docs/decoding.md "Strategies")', choices=strategy_names)
-    # auto: the fast backend wherever it covers the request (lopa_fast.decode.fast_not_covered)
+    # auto: the fast backend wherever it covers the request (lopa_fast.strategies.fast_not_covered)
     backend: str = knob("auto", "auto: the fast decoder wherever it covers the request, else the reference (the "
                         "per-step oracle)", choices=BACKENDS)
     # None: the model's generation_config.json `max_new_tokens` (else DEFAULT_MAX_NEW_TOKENS), clipped to the room

@@ -20,7 +20,7 @@ def prompt():
 
 
 def test_compile_is_covered_for_every_strategy():
-    from lopa_fast.decode import fast_not_covered
+    from lopa_fast.strategies import fast_not_covered
 
     for strategy in ("vanilla", "threshold", "d2f", "lopa"):  # apd: tests/test_fast_apd.py
         assert fast_not_covered(lopa_fast.GenerateConfig(strategy=strategy, backend="fast", compile=True)) is None

@@ -304,7 +304,37 @@ def _imports(name: str, path: pathlib.Path, mods: dict) -> set[str]:
         for t in targets:
             if t.startswith("lopa_fast.") and (o := owner(t)) not in (None, name, "lopa_fast"):
                 found.add(o)
-    return found
+    return found | _dynamic_imports(name, path, mods)
+
+
+def _dynamic_imports(name: str, path: pathlib.Path, mods: dict) -> set[str]:
+    """The lopa_fast modules a module may import by name at run time (importlib.import_module / __import__): in a
+    module that calls either, every string naming a package module is an edge, and an f-string starting with
+    "lopa_fast.<package>." an edge to every module of that package (the lazy loaders' tables and patterns)."""
+    tree = ast.parse(path.read_text(), str(path))
+    calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+             for n in ast.walk(tree) if isinstance(n, ast.Call)}  # fmt: skip
+    if not calls & {"import_module", "__import__"}:
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in mods:
+            found.add(node.value)
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            prefix = str(node.values[0].value)
+            if prefix.startswith("lopa_fast.") and prefix.endswith("."):
+                found |= {m for m in mods if m.startswith(prefix)}
+    return found - {name, "lopa_fast"}
+
+
+def test_the_cycle_walk_sees_importlib_imports():
+    """Imports by name count as edges: the backend dispatch loads lopa_fast.ops.cuda through importlib, and the
+    lazy packages load their modules from tables (a cycle through them was invisible before)."""
+    mods = _modules()
+    assert "lopa_fast.ops.cuda" in _imports("lopa_fast.ops._backend", mods["lopa_fast.ops._backend"], mods)
+    assert {"lopa_fast.server.app", "lopa_fast.server.worker"} <= _imports("lopa_fast.server",
+                                                                           mods["lopa_fast.server"], mods)
+    assert {"lopa_fast.api", "lopa_fast.stream"} <= _imports("lopa_fast", mods["lopa_fast"], mods)
 
 
 def test_import_graph_has_no_cycle():

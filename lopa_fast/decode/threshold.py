@@ -294,5 +294,5 @@ class ThresholdDriver:
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Threshold decoding on the fast backend. prompt: LongTensor [P] on model.device; cfg: bound
-    GenerateConfig (covered: lopa_fast.decode.fast_not_covered); on_round: the progress hook."""
+    GenerateConfig (covered: lopa_fast.strategies.fast_not_covered); on_round: the progress hook."""
     return ThresholdDriver(model, prompt, cfg).run(on_round)

@@ -319,5 +319,5 @@ class VanillaDriver:
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Vanilla decoding on the fast backend. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig
-    (covered: lopa_fast.decode.fast_not_covered); on_round: the progress hook."""
+    (covered: lopa_fast.strategies.fast_not_covered); on_round: the progress hook."""
     return VanillaDriver(model, prompt, cfg).run(on_round)

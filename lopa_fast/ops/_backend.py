@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
 
 import torch
 
@@ -35,13 +34,6 @@ def triton_available() -> bool:
         except Exception:  # noqa: BLE001 - any import failure (missing driver libs, ...) means "no triton"
             _triton_ok = False
     return _triton_ok
-
-
-def cache_dir(sub: str) -> Path:
-    """$LOPA_FAST_CACHE_DIR/<sub> (default ~/.cache/lopa_fast/<sub>), created: compiled kernels and ops."""
-    d = Path(os.environ.get("LOPA_FAST_CACHE_DIR", Path.home() / ".cache" / "lopa_fast")) / sub
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def cuda_module():

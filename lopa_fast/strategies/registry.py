@@ -158,3 +158,22 @@ def specific_knobs() -> tuple[str, ...]:
 def owners(knob: str) -> list[str]:
     """The strategies that read the specific knob `knob`."""
     return [s.name for s in _REGISTRY.values() if knob in s.knobs]
+
+
+def fast_not_covered(cfg) -> str | None:
+    """Why the fast backend cannot run this validated config (a phrase naming the knob), or None.
+
+    Random draws run on the keyed sampler (lopa_fast.keyed: a pure function of seed, step and position, so a
+    batched step draws what the reference draws); upstream's draw-for-draw order (sampler="upstream") exists
+    only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
+    for its fast path)."""
+    from lopa_fast.keyed import needs_draws  # torch: only when a request is checked, never for the CLI's parser
+
+    if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
+        if get(cfg.strategy).default_sampler == "upstream":
+            fast = (f"for {cfg.strategy}'s fast path pass sampler='keyed' ({cfg.strategy}'s default at T > 0 is "
+                    "upstream's order, for exactness with upstream)")  # fmt: skip
+        else:
+            fast = "the fast backend draws with sampler='keyed' (the default)"
+        return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
+    return None
