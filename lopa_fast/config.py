@@ -125,9 +125,9 @@ class GenerateConfig:
     # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay.
     # None (auto): capture on CUDA (a round's capture costs about a second and removes hundreds of launches; a
     # failed capture falls back to the eager step with a warning), eager on CPU (Inductor compiles take minutes);
-    # never instead of batching (batched requests run eager rounds)
+    # batched requests run one compiled / captured step per batch-size bucket (lopa_fast.decode.compiled_batch)
     compile: bool | None = knob(None, "compile each round / step bucket once and replay it (CUDA graphs on GPU, "
-                                      "torch.compile on CPU)", unset="capture on CUDA, eager on CPU and in batches")
+                                      "torch.compile on CPU)", unset="capture on CUDA, eager on CPU")
     # the fast backend (d2f / lopa, T = 0): split each round's branch slots over the ranks of the initialised
     # torch.distributed process group (lopa_fast.distributed; docs/distributed.md); every rank returns the result
     distributed: bool = knob(False, "split each d2f / lopa round's branches over the ranks of the initialised "
