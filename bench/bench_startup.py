@@ -15,11 +15,14 @@ Every measurement is a new process (`python -m lopa_fast ...` or `python -c ...`
 "fresh cache": every cache directory the package or torch writes to (LOPA_FAST_CACHE_DIR, TRITON_CACHE_DIR,
 TORCHINDUCTOR_CACHE_DIR, XDG_CACHE_HOME) is a new empty one per process; "warm cache": one set shared by every run,
 populated by a first run that is not counted. The Python bytecode of the package and of its dependencies is
-compiled at install (the first import after `pip install` is not measured here). Runs alternate fresh / warm, so
-load on the shared machine hits both alike; the median of `--reps` runs is reported with the load average.
+compiled at install (the first import after `pip install` is not measured here). Runs alternate fresh / warm (and
+checkouts, with `--tree`), so load on the shared machine hits all alike; the median of `--reps` runs is reported with
+the load average.
 
 Run (results + this command in bench/results/startup.md):
     nice -n 5 python bench/bench_startup.py --reps 3 --out bench/results/startup.md
+Side by side with another checkout (each with its own .venv, e.g. a `git worktree` of an older commit):
+    nice -n 5 python bench/bench_startup.py --tree now=. --tree before=../wt-old --out bench/results/startup.md
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from pathlib import Path
 
 PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"
 CACHE_VARS = ("LOPA_FAST_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
-PY = sys.executable
+PY = sys.executable  # the python of the tree being measured (`run` sets it per tree)
+CWD = None  # that tree's root (None: this process's working directory)
 
 API = """
 import sys, time, json
@@ -72,7 +76,7 @@ def _env(cache: Path) -> dict:
 
 def _timed(argv: list[str], env: dict, timeout: float = 600) -> float:
     t0 = time.perf_counter()
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=CWD)
     dt = time.perf_counter() - t0
     if r.returncode not in (0, 2):
         raise RuntimeError(f"{argv} exited {r.returncode}: {r.stderr[-2000:]}")
@@ -82,7 +86,7 @@ def _timed(argv: list[str], env: dict, timeout: float = 600) -> float:
 def _first_stdout(argv: list[str], env: dict, timeout: float = 600) -> float:
     """Seconds from start to the first byte on stdout."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=CWD)
     try:
         first = p.stdout.read(1)
         dt = time.perf_counter() - t0
@@ -97,7 +101,7 @@ def _first_stdout(argv: list[str], env: dict, timeout: float = 600) -> float:
 
 def _json(code: str, env: dict) -> dict:
     r = subprocess.run([PY, "-c", code, repr(time.time()), PROMPT], env=env, capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
+                       timeout=600, cwd=CWD)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -109,7 +113,7 @@ def _serve_ready(env: dict, timeout: float = 300) -> float:
         port = s.getsockname()[1]
     t0 = time.perf_counter()
     p = subprocess.Popen([PY, "-m", "lopa_fast", "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+                         stderr=subprocess.DEVNULL, cwd=CWD)  # fmt: skip
     try:
         while time.perf_counter() - t0 < timeout:
             if p.poll() is not None:
@@ -155,20 +159,31 @@ def measure(name: str, env: dict) -> dict[str, float]:
 NAMES = ("help", "bad_flag", "cli_generate", "cli_stream", "api", "serve_ready", "lm_eval_first", "demo")
 
 
-def run(names, reps: int) -> dict:
-    """{metric: {"fresh": [s, ...], "warm": [s, ...]}} over `reps` alternating runs per measurement."""
+def _use(tree: Path | None) -> None:
+    global PY, CWD
+    PY, CWD = (sys.executable, None) if tree is None else (str(tree / ".venv" / "bin" / "python"), str(tree))
+
+
+def run(names, reps: int, trees: dict[str, Path | None]) -> dict:
+    """{metric: {"<tree> fresh": [s, ...], "<tree> warm": [s, ...]}} over `reps` runs per measurement, the trees
+    and the two cache kinds alternating inside each repetition."""
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        warm = _env(Path(tmp) / "warm")
+        for t, tree in trees.items():  # populate each tree's shared caches (not counted)
+            _use(tree)
+            for name in names:
+                measure(name, _env(Path(tmp) / f"warm-{t}"))
         for name in names:
-            measure(name, warm)  # populates the shared caches (not counted)
             for i in range(reps):
-                for kind in ("fresh", "warm"):
-                    env = _env(Path(tmp) / f"fresh-{name}-{i}") if kind == "fresh" else warm
-                    for metric, s in measure(name, env).items():
-                        out.setdefault(metric, {"fresh": [], "warm": []})[kind].append(s)
-            print(name, {m: {k: [round(x, 2) for x in v] for k, v in d.items()} for m, d in out.items()
-                         if m.startswith(name[:3])}, file=sys.stderr, flush=True)  # fmt: skip
+                for t, tree in trees.items():
+                    _use(tree)
+                    for kind in ("fresh", "warm"):
+                        env = _env(Path(tmp) / (f"fresh-{t}-{name}-{i}" if kind == "fresh" else f"warm-{t}"))
+                        for metric, s in measure(name, env).items():
+                            out.setdefault(metric, {}).setdefault(f"{t} {kind}".strip(), []).append(s)
+            print(name, {m: {k: [round(x, 2) for x in v] for k, v in d.items()} for m, d in out.items()},
+                  file=sys.stderr, flush=True)  # fmt: skip
+    _use(None)
     return out
 
 
@@ -182,10 +197,12 @@ def markdown(res: dict, command: str, loads: tuple) -> str:
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, {os.cpu_count()} cores, "
              f"torch {torch.__version__}; load average before / after: {loads[0]:.1f} / {loads[1]:.1f} (the 2 cores "
              "are shared with other work); embedded model, CPU, fp32. Median of the runs in seconds (min-max).", "",
-             "| measurement | fresh cache s | warm cache s |", "|---|---|---|"]  # fmt: skip
+             ]  # fmt: skip
+    cols = list(next(iter(res.values())))
+    lines += ["| measurement | " + " | ".join(f"{c} cache s" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for metric, d in res.items():
-        cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in (d["fresh"], d["warm"])]
-        lines.append(f"| {metric} | {cells[0]} | {cells[1]} |")
+        cells = [f"{statistics.median(d[c]):.2f} ({min(d[c]):.2f}-{max(d[c]):.2f})" if c in d else "-" for c in cols]
+        lines.append(f"| {metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -194,13 +211,24 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default=",".join(NAMES), help=f"comma-separated: {', '.join(NAMES)}")
     ap.add_argument("--out", default=None, help="markdown file to write (default: print)")
+    ap.add_argument("--tree", action="append", default=None, metavar="NAME=DIR",
+                    help="a checkout with its own .venv to measure (repeatable; default: this process's python)")
     args = ap.parse_args(argv)
+    trees: dict[str, Path | None] = {"": None}
+    if args.tree:
+        try:
+            trees = {n: Path(d).resolve() for n, d in (t.split("=", 1) for t in args.tree)}
+        except ValueError:
+            ap.error(f"--tree {args.tree}: expected NAME=DIR")
+        missing = [str(d) for d in trees.values() if not (d / ".venv" / "bin" / "python").is_file()]
+        if missing:
+            ap.error(f"--tree: no .venv/bin/python under {missing}")
     names = [n for n in args.only.split(",") if n]
     bad = [n for n in names if n not in NAMES]
     if bad or args.reps < 1:
         ap.error(f"--only {bad} / --reps {args.reps}; allowed: {', '.join(NAMES)} and reps >= 1")
     l0 = os.getloadavg()[0]
-    res = run(names, args.reps)
+    res = run(names, args.reps, trees)
     text = markdown(res, "python bench/bench_startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     (l0, os.getloadavg()[0]))  # fmt: skip
     if args.out:
