@@ -87,34 +87,55 @@ def _header_timeout_protocol(seconds: float):
     return Protocol
 
 
-def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64):
+DRAIN_TIMEOUT_S = 30.0  # serve's default deadline for in-flight requests after SIGTERM / SIGINT
+
+
+def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64,
+                   drain_timeout_s: float = DRAIN_TIMEOUT_S):  # fmt: skip
     """The uvicorn.Config `serve` runs: the h11 protocol with a request-head deadline (limits.read_timeout_s), idle
-    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503)."""
+    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503), and
+    `drain_timeout_s` for in-flight requests at shutdown (then they are cancelled)."""
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
                           http=_header_timeout_protocol(limits.read_timeout_s),
-                          limit_concurrency=max(64, 4 * max_pending))  # fmt: skip
+                          limit_concurrency=max(64, 4 * max_pending),
+                          timeout_graceful_shutdown=drain_timeout_s)  # fmt: skip
+
+
+def _server_class():
+    """uvicorn.Server, where a second SIGTERM ends the drain as a second SIGINT does (uvicorn forces the exit on a
+    second SIGINT only: a second SIGTERM was ignored while orphaned requests ran on)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
-          warm_up: bool = True) -> None:  # fmt: skip
+          warm_up: bool = True, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
     client (Authorization: Bearer) when set. warm_up: build what the first request would (the CPU round ops)
-    and decode one short request before listening, so /health is not ok before the server can decode."""
-    import uvicorn
-
+    and run the self-check (finite weights, one short request) before listening, so /health is not ok before the
+    server can decode (a failed self-check: /health 503 unhealthy). Shutdown (SIGTERM / SIGINT): no new
+    connections, in-flight requests get `drain_timeout_s` seconds, then they are cancelled (a second signal ends the
+    wait at once); the job threads stop at their next round."""
     worker = Worker(model, tokenizer, limits=limits)
     if warm_up:
         worker.warm_up(defaults)
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key)
     try:
-        uvicorn.Server(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
-                                      max_pending=worker.max_pending)).run()  # fmt: skip
+        _server_class()(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
+                                       max_pending=worker.max_pending, drain_timeout_s=drain_timeout_s)).run()
     finally:
-        worker.close()
+        worker.close(timeout=drain_timeout_s)
 
 
 __all__ = ["Handle", "Job", "Limits", "RequestError", "Worker", "check_address", "check_auth", "create_app",
