@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_server_limits import DEFAULTS, HANG_S, KEY, PROMPT, _call, _Server, embedded  # noqa: F401 - the fixture
+from test_server_limits import DEFAULTS, HANG_S, KEY, PROMPT, _call, _free_port, _Server, embedded  # noqa: F401
 
 from lopa_fast.server import create_app
 from lopa_fast.server.limits import Limits
@@ -107,3 +107,179 @@ def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving():
     assert res["health_status"] == 200 and res["health"]["status"] == "ok", res["health"]
     assert res["health"]["out_of_memory"] >= 1
     assert res["default_budget"] <= res["room"] // 2 + (1 << 20), res  # the cap, not physical RAM, sizes the budget
+
+
+# -- finding 2: metric labels from a closed set -----------------------------------------------------------------------
+
+def test_metric_labels_are_a_closed_set(embedded):
+    """Finding 2. Before: every 401 was counted under its raw request path as a label (300 random 8,000-character
+    paths: /metrics 24 KB -> 43.5 MB)."""
+    model, tok = embedded
+    worker = Worker(model, tok, batch=False, concurrency=1)
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY))
+    try:
+        for i in range(40):
+            assert _call(srv.url + f"/{i}-" + "x" * 4000, method="GET")[0] == 401
+        assert _call(srv.url + "/v1/completions", {"prompt": PROMPT})[0] == 401
+        status, text = _call(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, method="GET")
+        assert status == 200 and len(text) < 32 << 10, len(text)
+        labels = set(re.findall(r'endpoint="([^"]*)"', text))
+        assert labels <= {"completions", "chat", "models", "metrics", "health", "other"}, labels
+        assert re.search(r'^lopa_fast_requests_total\{endpoint="other",status="401"\} 40\.0$', text, re.M)
+        assert re.search(r'^lopa_fast_requests_total\{endpoint="completions",status="401"\} 1\.0$', text, re.M)
+    finally:
+        srv.close()
+        worker.close()
+
+
+# -- finding 3: a client that leaves cancels its request, whatever its kind; shutdown has a deadline ------------------
+
+def _slow_forwards(model, monkeypatch, seconds: float) -> None:
+    """Every batched forward sleeps `seconds` first: a request lasts many seconds, so leaving it is observable."""
+    real = model.forward_requests
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward_requests", slow)
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["open", "api-key"])
+def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, key):
+    """Finding 3. Before: FastAPI's @app.middleware("http") (installed even without a key) kept
+    request.is_disconnected() from ever reporting, so 16 abandoned requests ran to completion."""
+    model, tok = embedded
+    _slow_forwards(model, monkeypatch, 0.2)
+    worker = Worker(model, tok)
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=key))
+    try:
+        body = json.dumps({"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}).encode()
+        auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+            _wait(lambda: worker.counts["running"] == 1, "the request never started")
+        # the client is gone: the request stops at a round boundary (polled every 0.25 s), long before its end
+        _wait(lambda: worker.counts["cancelled"] == 1 and worker.counts["running"] == 0, "the request was not cancelled")
+        assert worker.counts["served"] == 0, worker.counts
+    finally:
+        srv.close()
+        worker.close()
+
+
+SHUTDOWN_SCRIPT = """
+import os, sys, threading, time, json, urllib.request, socket
+import torch
+torch.set_num_threads(1)
+import lopa_fast
+from lopa_fast import server
+from lopa_fast.assets import model_dir
+from test_server_limits import DEFAULTS, PROMPT, _free_port
+
+model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
+tok = lopa_fast.load_tokenizer(model_dir())
+real = model.forward_requests
+def slow(*a, **k):  # a request of ~100 rounds lasts ~50 s
+    time.sleep(0.5)
+    return real(*a, **k)
+model.forward_requests = slow
+port = _free_port()
+def client():
+    body = json.dumps({"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=300).read()
+    except Exception:
+        pass
+def health():
+    try:
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())
+    except OSError:
+        return {}
+def signals():
+    while not health():  # the server listens: the client's request, then, once it runs, the signals
+        time.sleep(0.1)
+    threading.Thread(target=client, daemon=True).start()
+    while health().get("running") != 1:
+        time.sleep(0.1)
+    print("T0", time.monotonic(), flush=True)
+    for _ in range(int(sys.argv[2])):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+import signal
+threading.Thread(target=signals, daemon=True).start()
+server.serve(model, tok, model_id="d2f-arith", defaults=DEFAULTS, port=port, log_level="warning",
+             drain_timeout_s=float(sys.argv[1]))
+"""
+
+
+def test_shutdown_cancels_what_outlives_the_drain_deadline(embedded, monkeypatch):
+    """Finding 3, in process: uvicorn given serve's config with a 1 s drain deadline stops with a request of
+    ~20 s still running (before: no deadline, it waited for the request); the worker's close cancels it."""
+    import uvicorn
+
+    from lopa_fast.server import uvicorn_config
+
+    model, tok = embedded
+    _slow_forwards(model, monkeypatch, 0.2)
+    worker = Worker(model, tok)
+    app = create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)
+    srv = _Server.__new__(_Server)
+    srv.port = _free_port()
+    srv.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=srv.port, limits=worker.limits,
+                                               log_level="critical", drain_timeout_s=1.0))  # fmt: skip
+    srv.thread = threading.Thread(target=srv.server.run, daemon=True)
+    srv.thread.start()
+    _wait(lambda: srv.server.started, "the server did not start")
+    body = {"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}
+    client = threading.Thread(target=lambda: _try_call(f"http://127.0.0.1:{srv.port}/v1/completions", body),
+                              daemon=True)  # fmt: skip
+    client.start()
+    _wait(lambda: worker.counts["running"] == 1, "the request never started")
+    srv.server.should_exit = True
+    srv.thread.join(HANG_S)
+    assert not srv.thread.is_alive(), "uvicorn did not stop at its drain deadline"
+    worker.close(timeout=HANG_S)
+    assert worker.counts["cancelled"] == 1 and worker.counts["served"] == 0, worker.counts
+
+
+def test_a_second_sigterm_ends_the_drain():
+    """Finding 3: uvicorn forces the exit on a second SIGINT only; serve's server on a second SIGTERM too."""
+    from lopa_fast.server import _server_class, uvicorn_config
+
+    srv = _server_class()(uvicorn_config(None, host="127.0.0.1", port=0, limits=Limits()))
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.should_exit and not srv.force_exit
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.force_exit
+
+
+def _try_call(url, body):
+    try:
+        _call(url, body)
+    except OSError:  # the server went away: what this client sees is not the point
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drain_s,signals", [(2.0, 1), (600.0, 2)], ids=["drain-deadline", "second-sigterm"])
+def test_shutdown_has_a_deadline(drain_s, signals):
+    """Finding 3. Before: SIGTERM waited for every in-flight request (110 s on orphans) and a second SIGTERM was
+    ignored. Now a drain deadline (`drain_timeout_s`, serve --drain-timeout) or a second signal ends the wait; the
+    running request is cancelled at its next round. The request here would run ~50 s."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(SHUTDOWN_SCRIPT), str(drain_s), str(signals)],
+                       capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    t1 = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
+    # uvicorn re-raises the signal once it has shut down: the process ends by SIGTERM (143 from a shell)
+    assert r.returncode in (0, -signal.SIGTERM), r.stderr[-4000:]
+    t0 = float(re.search(r"^T0 (\S+)$", r.stdout, re.M).group(1))
+    assert t1 - t0 < 30, (t1 - t0, r.stderr[-2000:])  # generous: the deadline (2 s) or the second signal (1 s)
