@@ -283,3 +283,98 @@ def test_shutdown_has_a_deadline(drain_s, signals):
     assert r.returncode in (0, -signal.SIGTERM), r.stderr[-4000:]
     t0 = float(re.search(r"^T0 (\S+)$", r.stdout, re.M).group(1))
     assert t1 - t0 < 30, (t1 - t0, r.stderr[-2000:])  # generous: the deadline (2 s) or the second signal (1 s)
+
+
+# -- finding 8: the self-check, bad tokenizer files, a length check before tokenising, surrogates, id ranges ---------
+
+def test_nan_weights_fail_the_self_check_and_health_says_so(embedded):
+    """Before: the warm-up failure was a warning and /health said ok while every request was a 500."""
+    import copy
+
+    model, tok = embedded
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        next(bad.parameters()).view(-1)[3] = float("nan")
+    worker = Worker(bad, tok, batch=False, concurrency=1)
+    worker.warm_up(DEFAULTS)
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS))
+    try:
+        status, body = _call(srv.url + "/health")
+        assert status == 503 and body["status"] == "unhealthy", body
+        assert "NaN" in body["self_check"] and next(n for n, _ in bad.named_parameters()) in body["self_check"], body
+    finally:
+        srv.close()
+        worker.close()
+    healthy = Worker(model, tok, batch=False, concurrency=1)
+    try:
+        healthy.warm_up(DEFAULTS)
+        assert healthy.health["status"] == "ok" and healthy.health["self_check"] == "passed"
+    finally:
+        healthy.close()
+
+
+@pytest.mark.parametrize("content", [b"", b'{"version": "1.0", "model": {"type": "Word', b"\x00\xff garbage"],
+                         ids=["empty", "truncated", "garbage"])  # fmt: skip
+def test_a_bad_tokenizer_file_exits_2_naming_it(tmp_path, content, capsys):
+    """Before: a raw traceback from the tokenizers library, exit 1 (weights and config: exit 2 with a message)."""
+    import shutil
+
+    from lopa_fast import cli
+    from lopa_fast.assets import model_dir
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir(), d)
+    (d / "tokenizer.json").write_bytes(content)
+    assert cli.main(["generate", "--model", str(d), "--prompt", "1 + 2 =", "--max-new-tokens", "4"],
+                    exit_on_error=True) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert str(d / "tokenizer.json") in err and "Traceback" not in err, err
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenising(embedded, monkeypatch):
+    """Before: a 1 MiB prompt was tokenised in full (9.9 s of a shared parse thread, +490 MiB) before the
+    length check refused it."""
+    model, tok = embedded
+    seen = []
+    real = type(tok).__call__
+
+    def spy(self, text, *a, **k):
+        seen.append(len(text) if isinstance(text, str) else -1)
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    worker = Worker(model, tok, batch=False, concurrency=1, limits=Limits(max_body_bytes=4 << 20))
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), worker.limits)
+    try:
+        huge = "pens " * 200_000  # 1 MB
+        for url, body in ((srv.url + "/v1/completions", {"prompt": huge}),
+                          (srv.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+            status, out = _call(url, body)
+            assert status == 400 and out["error"]["param"] in ("prompt", "messages"), out
+            assert "before tokenising" in out["error"]["message"] and "--max-model-len" in out["error"]["message"]
+        assert all(n < 100_000 for n in seen), seen  # the tokenizer never saw the huge text
+        assert _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[0] == 200
+    finally:
+        srv.close()
+        worker.close()
+
+
+def test_a_lone_surrogate_and_an_id_out_of_range_name_the_prompt(served_plain):
+    url = served_plain.url
+    status, body = _call(url + "/v1/completions", raw=b'{"prompt": "Tom has \\ud800 pens"}')
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert "surrogate U+D800 at character 8" in body["error"]["message"], body
+    status, body = _call(url + "/v1/chat/completions", raw=b'{"messages": [{"role": "user", "content": "a\\udfff"}]}')
+    assert status == 400 and body["error"]["param"] == "messages" and "U+DFFF" in body["error"]["message"], body
+    status, body = _call(url + "/v1/completions", {"prompt": [2, 5, 99_999]})
+    assert status == 400 and body["error"]["param"] == "prompt" and "99999" in body["error"]["message"], body
+
+
+@pytest.fixture(scope="module")
+def served_plain(embedded):
+    model, tok = embedded
+    worker = Worker(model, tok, batch=False, concurrency=1)
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), worker.limits)
+    yield srv
+    srv.close()
+    worker.close()

@@ -591,7 +591,13 @@ def load_tokenizer(path: str | os.PathLike):
         for k in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token")
         if isinstance(tcfg.get(k), str)
     }
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    try:
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"load_tokenizer: {path / 'tokenizer.json'} is not a tokenizer file the tokenizers "
+                              f"library can read ({first}); a truncated or garbled copy?",
+                              path=path / "tokenizer.json") from e  # fmt: skip
     template = tcfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
