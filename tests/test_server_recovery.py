@@ -378,3 +378,41 @@ def served_plain(embedded):
     yield srv
     srv.close()
     worker.close()
+
+
+# -- finding 6: idle half-sent heads cannot exhaust the connection slots ----------------------------------------------
+
+def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded):
+    """Before: once the connection limit was full of half-sent heads, every request, /health included, was a 503
+    until the head deadline (--read-timeout, 30 s here). Now the oldest idle connections make room."""
+    import uvicorn
+
+    from lopa_fast.server import uvicorn_config
+
+    model, tok = embedded
+    worker = Worker(model, tok, batch=False, concurrency=1, max_pending=1)  # the connection limit: max(64, 4 x 1)
+    cfg = uvicorn_config(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), host="127.0.0.1",
+                         port=_free_port(), limits=worker.limits, log_level="critical", max_pending=1)  # fmt: skip
+    assert cfg.limit_concurrency == 64 and worker.limits.read_timeout_s == 30
+    srv = _Server.__new__(_Server)
+    srv.port, srv.server = cfg.port, uvicorn.Server(cfg)
+    srv.url = f"http://127.0.0.1:{srv.port}"
+    srv.thread = threading.Thread(target=srv.server.run, daemon=True)
+    srv.thread.start()
+    _wait(lambda: srv.server.started, "the server did not start")
+    socks = []
+    try:
+        for _ in range(80):  # more half-sent heads than the limit
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            socks.append(s)
+        time.sleep(0.5)
+        assert _call(srv.url + "/health")[0] == 200
+        status, body = _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
+        assert status == 200, body
+        assert len(srv.server.server_state.connections) <= 64
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+        worker.close()

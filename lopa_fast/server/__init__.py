@@ -55,7 +55,12 @@ def check_auth(host: str, api_key: str | None, allow_no_key: bool) -> None:
 def _header_timeout_protocol(seconds: float):
     """uvicorn's h11 protocol with a deadline for a request's head: a connection that has not sent a complete
     request line and headers `seconds` after it opened (or after its last response) is closed. (uvicorn waits for
-    a half-sent head forever; the body has its own deadline, limits.read_timeout_s, in the app.)"""
+    a half-sent head forever; the body has its own deadline, limits.read_timeout_s, in the app.)
+
+    And connection slots idle heads cannot exhaust: when a new connection finds uvicorn's connection limit
+    (`limit_concurrency`) reached, the oldest connections with no request in progress (a half-sent head, an idle
+    keep-alive) are closed to make room for it. Before (issue 36), 256 half-sent heads made every request, /health
+    included, a 503 until the head deadline passed."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -72,7 +77,19 @@ def _header_timeout_protocol(seconds: float):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._opened = self.loop.time()
             self._arm()
+            cap = self.limit_concurrency
+            if cap is not None and len(self.connections) >= cap:
+                idle = sorted((c for c in self.connections if c is not self and c._idle()),
+                              key=lambda c: getattr(c, "_opened", 0.0))  # fmt: skip
+                for c in idle[: len(self.connections) - cap + 1]:
+                    c.transport.close()
+                    self.connections.discard(c)  # now, not at its connection_lost: this one's request counts them
+
+        def _idle(self) -> bool:
+            """No request in progress: nothing or a part of a head received since the last response."""
+            return self.conn.their_state == h11.IDLE and not self.transport.is_closing()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
