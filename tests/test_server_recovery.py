@@ -416,3 +416,48 @@ def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded):
             s.close()
         srv.close()
         worker.close()
+
+
+# -- finding 4: a corrupt Inductor artifact (a killed build's 0-byte *.so) ----------------------------------------------
+
+@pytest.mark.parametrize("knobs", [dict(DEFAULTS), dict(strategy="threshold", threshold=0.9, max_new_tokens=32)],
+                         ids=["lopa-round", "threshold-step"])  # fmt: skip
+def test_a_corrupt_inductor_artifact_is_removed_and_the_step_runs_eagerly(embedded, monkeypatch, tmp_path, knobs):
+    """Before: every later compile=True failed with "file too short" (the package neither recompiled nor fell
+    back). Inductor's load of the cut-short artifact is stood in for (a real one takes 25-100 s per graph on CPU):
+    the compiled callable raises what dlopen raises, wrapped as Dynamo wraps it."""
+    import copy
+    import warnings
+
+    import lopa_fast
+    from lopa_fast.decode import compiled
+
+    model, tok = embedded
+    cache = tmp_path / "inductor" / "ab"
+    cache.mkdir(parents=True)
+    (cache / "cabc.main.so").write_bytes(b"")  # what a killed link leaves
+    (cache / "cgood.main.so").write_bytes(b"\x7fELF" + bytes(200))
+    monkeypatch.setattr(compiled, "inductor_cache_dir", lambda: str(tmp_path / "inductor"))
+    calls = []
+
+    def poisoned_compile(fn, **kw):
+        def call(*a, **k):
+            calls.append(fn.__name__)
+            try:
+                raise ImportError(f"{cache / 'cabc.main.so'}: file too short")
+            except ImportError as e:
+                raise RuntimeError("backend='inductor' raised:\nImportError: file too short") from e
+        return call
+
+    monkeypatch.setattr(torch, "compile", poisoned_compile)
+    ids = tok(PROMPT)["input_ids"]
+    eager = lopa_fast.generate(model, ids, **knobs)
+    fresh = copy.deepcopy(model)  # no compiled steps of an earlier test
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = lopa_fast.generate(fresh, ids, compile=True, **knobs)
+    assert calls, "the compiled path was not taken"
+    assert out.generated_ids == eager.generated_ids
+    corrupt = [w for w in caught if "corrupt artifact" in str(w.message)]
+    assert len(corrupt) == len(set(calls)) >= 1, [str(w.message) for w in caught]  # one per compiled step, once
+    assert not (cache / "cabc.main.so").exists() and (cache / "cgood.main.so").exists()
