@@ -565,6 +565,8 @@ def _serve(args) -> int:
 
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port {args.port}; allowed: 0..65535")
+    if not args.drain_timeout >= 0:
+        raise CLIError(f"--drain-timeout {args.drain_timeout}; allowed: seconds >= 0")
     knobs = generate_knobs(args, args.knob_names)
     refused = [k for k in knobs if k in NOT_SERVED]
     if refused:
@@ -612,7 +614,8 @@ def _serve(args) -> int:
     print(f"serving {name} on http://{args.host}:{args.port} (defaults: {defaults})", file=sys.stderr, flush=True)
     server.serve(model, tok, model_id=name, defaults=defaults, host=args.host, port=args.port,
                  log_level=logging.getLevelName(args.log_level).lower(),  # uvicorn's lines follow -q / -v too
-                 limits=limits, api_key=api_key, verifier=verifier, access_log=args.access_log)
+                 limits=limits, api_key=api_key, verifier=verifier, access_log=args.access_log,
+                 drain_timeout_s=args.drain_timeout)
     return 0
 
 
@@ -765,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the running requests' estimates together (default half of the device's memory)")
     lim.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
                      help="seconds to receive a request body (default 30; slower: 408)")
+    lim.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                     help="at SIGTERM / SIGINT, seconds in-flight requests may finish in (default 30; then they are "
+                          "cancelled; a second signal ends the wait at once)")
     v.add_argument("--strategy", default=None, choices=STRATEGIES, help=knob_help(knob["strategy"]))
     v.add_argument("--preset", default=None, choices=list(ROWS),
                    help=f"an eval row's knobs as defaults (the embedded model: {EMBEDDED_PRESET} unless --strategy "

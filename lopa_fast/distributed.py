@@ -469,15 +469,46 @@ class DistributedDecoder(FastDecoder):
         return out
 
 
-def weights_fingerprint(model, n: int = 4096) -> int:
-    """A crc32 of the model's weights as decoded: every parameter's name, shape and dtype, and the bytes of the
-    first and last `n` elements of the first, middle and last parameters (a few KiB copied to the host)."""
-    params = list(model.named_parameters())
-    crc = zlib.crc32(repr([(k, tuple(v.shape), str(v.dtype)) for k, v in params]).encode())
-    for _, v in [params[0], params[len(params) // 2], params[-1]] if params else []:
-        flat = v.detach().reshape(-1)
-        for part in (flat[:n], flat[-n:]):
-            crc = zlib.crc32(part.cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+_DIGEST_CHUNK = 1 << 24  # 32-bit words per step of `_tensor_digest` (its int64 temporaries: 3 x 128 MiB at most)
+
+
+def _tensor_digest(t: torch.Tensor) -> tuple[int, int]:
+    """Two 63-bit sums over every bit of `t`, computed where it lives (no host copy): its bytes as 32-bit words w_i,
+    sum(w_i) and sum(w_i * m_i) with position weights m_i = (i * 2654435761 + 1) mod 2**31 (a moved, swapped or
+    changed word changes the second), in int64 arithmetic."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    w = b.view(torch.int32)
+    plain, weighted = 0, 0
+    for start in range(0, w.numel(), _DIGEST_CHUNK):
+        part = w[start:start + _DIGEST_CHUNK].to(torch.int64)
+        idx = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64)
+        plain += int(part.sum())
+        weighted += int((part * ((idx * 2654435761 + 1) % 2**31)).sum())
+    return plain & (2**63 - 1), weighted & (2**63 - 1)
+
+
+def weights_fingerprint(model) -> int:
+    """A crc32 of the model's weights as decoded: every parameter's and buffer's name, shape and dtype, and a digest
+    of all its bits (`_tensor_digest`, on its device). Computed once per state of the weights: cached on the model
+    under the tensors' storage and version counters (an in-place change, a LoRA merge, `.to()`, computes it anew).
+    Before issue 36 only 4,096 values at each end of three parameters were read: a LoRA-like change to the q / v / o
+    projections on one rank passed the check and its answers were wrong."""
+    tensors = [(k, v) for k, v in model.named_parameters()]
+    tensors += [(k, v) for k, v in model.named_buffers() if v.is_floating_point()]
+    key = tuple((k, v.data_ptr(), v._version, tuple(v.shape), str(v.dtype)) for k, v in tensors)
+    cached = getattr(model, "_lopa_fast_weights_fingerprint", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    crc = zlib.crc32(repr([(k, tuple(v.shape), str(v.dtype)) for k, v in tensors]).encode())
+    with torch.no_grad():
+        for _, v in tensors:
+            crc = zlib.crc32(repr(_tensor_digest(v)).encode(), crc)
+    try:
+        model._lopa_fast_weights_fingerprint = (key, crc)
+    except AttributeError:
+        pass
     return crc
 
 

@@ -90,3 +90,36 @@ __all__ = [
     "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
     "NonFiniteLogitsError", "RoundCapError",
 ]  # fmt: skip
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure: MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's
+    plain RuntimeError ("DefaultCPUAllocator: can't allocate memory": torch gives it no type of its own, so this one
+    case is read from the message)."""
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def drop_frames(exc: BaseException) -> BaseException:
+    """`exc` with the local variables of its finished frames cleared (its cause and context too), returned. A
+    raised exception keeps its traceback, and the traceback every frame's locals: after a failed batched forward
+    that is every activation of the batch (issue 36: 1.4 GiB kept after one out-of-memory batch, so every later
+    request failed too). The message and the frames' names and lines stay for the log."""
+    import traceback
+
+    seen, first = set(), exc
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        if exc.__cause__ is not None and id(exc.__cause__) not in seen:
+            drop_frames(exc.__cause__)
+        exc = exc.__context__
+    return first

@@ -45,7 +45,33 @@ def check_text_prompt(text, where: str = "prompt") -> str:
         raise TypeError(f"{where}: {type(text).__name__}; expected text (str)")
     if not text.strip():
         raise KnobError(f"{where}: the prompt is empty (or only whitespace)", knob="prompt", value=text)
+    check_unicode(text, where)
     return text
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest token of the tokenizer's vocabulary, in characters (byte-level BPE: in bytes; cached on the
+    tokenizer): a text of n characters encodes to at least n / max_token_chars tokens, so a text too long for
+    max_model_len tokens is known before it is tokenised (barring an unknown-word token that covers a whole word)."""
+    n = getattr(tokenizer, "_lopa_fast_max_token_chars", None)
+    if n is None:
+        n = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        try:
+            tokenizer._lopa_fast_max_token_chars = n
+        except AttributeError:
+            pass
+    return max(1, n)
+
+
+def check_unicode(text: str, where: str = "prompt") -> None:
+    """KnobError (knob "prompt") naming the first lone UTF-16 surrogate of `text` (JSON's "\\ud800" decodes to one;
+    no tokenizer can encode it, and its own message does not say where it is)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KnobError(f"{where}: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}; allowed: "
+                        "valid Unicode text (a surrogate only as half of an escaped pair)", knob="prompt",
+                        value=text[e.start])  # fmt: skip
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> list[int]:

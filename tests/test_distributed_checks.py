@@ -3,7 +3,8 @@ protocol. In one gloo group of 2 (spawned, bounded by JOIN_TIMEOUT_S): (1) the l
 element: both ranks refuse at setup (before: a silently wrong answer); (2) its dtype differs: both refuse (before:
 a gloo size mismatch, SIGABRT); (3) its progress hook raises in round 2: it gets its own exception, its peer a
 DistributedError naming it, in the same round, and (4) the next request decodes on both (before: the retry's setup
-message met the peer's round message: SIGABRT)."""
+message met the peer's round message: SIGABRT). Issue 36: (1b) a LoRA-like change to the q / v / o projections of
+the last rank is refused too (the fingerprint covers every weight; before it sampled three parameters' ends)."""
 from __future__ import annotations
 
 import datetime
@@ -48,6 +49,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         with torch.no_grad():
             next(other.parameters()).view(-1)[0] += 1.0
     run(other)  # (1) one element of the last rank's weights differs
+    lora = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+    if last:  # (1b) a rank-2 update of every q / v / o projection (none of the parameters sampled before issue 36)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if name.endswith(("q_proj.weight", "v_proj.weight", "o_proj.weight")):
+                    p += 0.05 * torch.randn(p.shape[0], 2, generator=g) @ torch.randn(2, p.shape[1], generator=g)
+    run(lora)
     run(model.to(torch.float64) if last else model)  # (2) its dtype differs
     model = model.to(torch.float32)
 
@@ -76,8 +85,8 @@ def test_ranks_refuse_other_weights_or_dtype_and_a_hook_error_ends_both(tmp_path
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]  # no SIGABRT
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for res in (r0, r1):
-        for i in (0, 1):
+        for i in (0, 1, 2):
             assert res[i].get("error") == "DistributedError" and "different requests" in res[i]["message"], res[i]
-    assert r1[2] == {"error": "RuntimeError", "message": "hook fault", "rank": None}
-    assert r0[2]["error"] == "DistributedError" and r0[2]["rank"] == 1 and "hook fault" in r0[2]["message"]
-    assert "ids" in r0[3] and r0[3] == r1[3]
+    assert r1[3] == {"error": "RuntimeError", "message": "hook fault", "rank": None}
+    assert r0[3]["error"] == "DistributedError" and r0[3]["rank"] == 1 and "hook fault" in r0[3]["message"]
+    assert "ids" in r0[4] and r0[4] == r1[4]

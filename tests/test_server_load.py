@@ -50,6 +50,8 @@ ABUSE = [
     json.dumps({"prompt": PROMPT, "max_tokens": -5}).encode(),
     json.dumps({"prompt": [1, 2, 10**30]}).encode(),
     json.dumps({"messages": "hi"}).encode(),
+    json.dumps({"prompt": "Tom has \ud800 pens"}).encode(),  # a lone surrogate (issue 36)
+    json.dumps({"prompt": [2, 5, 99_999]}).encode(),  # an id past the vocabulary: blamed on prompt
 ]
 
 

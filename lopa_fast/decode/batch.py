@@ -48,7 +48,7 @@ from lopa_fast.decode import compiled_batch
 from lopa_fast.decode.shapes import LENGTH_QUANTUM
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
-from lopa_fast.errors import KnobError
+from lopa_fast.errors import KnobError, drop_frames
 from lopa_fast.output import GenerateOutput
 
 
@@ -397,8 +397,8 @@ class BatchEngine:
                 self.rounds += 1
                 for rid in ended:
                     box = self._waiting.pop((key, rid))
-                    if rid in sched.failed:
-                        box["error"] = sched.failed.pop(rid)
+                    if rid in sched.failed:  # its frames' tensors (the batch's activations) go now, not with box
+                        box["error"] = drop_frames(sched.failed.pop(rid))
                     else:
                         box["out"] = sched.done.pop(rid)
                     box["event"].set()

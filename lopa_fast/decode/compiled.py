@@ -178,7 +178,7 @@ class CompiledRounds:
                 out = fn(st, T)
             else:
                 log.info(_COMPILING, what)
-                fn = self.fns[key] = torch.compile(step, fullgraph=True, dynamic=False)
+                fn = self.fns[key] = compile_guarded(step, what)
                 out = fn(st, T)
                 self._count(_dynamo_graphs() - g0)
             self.compile_seconds[key] = time.perf_counter() - t0
@@ -201,8 +201,8 @@ class CompiledRounds:
         g0 = _dynamo_graphs()
         if fn is None:
             log.info(_COMPILING, f"the round part {label}")
-            fn = self.fns[key] = torch.compile(own_code(make(), f"{label}_{next(_CODE_IDS)}"), fullgraph=True,
-                                               dynamic=False)  # fmt: skip
+            fn = self.fns[key] = compile_guarded(own_code(make(), f"{label}_{next(_CODE_IDS)}"),
+                                                 f"the round part {label}")  # fmt: skip
             t0 = time.perf_counter()
             out = fn(*args)
             self.compile_seconds[key] = time.perf_counter() - t0
@@ -276,6 +276,82 @@ def compile_wanted(cfg, device) -> bool:
     if cfg.compile is None:
         return torch.device(device).type == "cuda" and not cfg.distributed
     return bool(cfg.compile)
+
+
+# what dlopen says of a cached Inductor artifact a killed build left behind (a 0-byte or cut *.so)
+_CORRUPT_ARTIFACT = ("file too short", "invalid ELF header", "ELF load command", "not a dynamic executable")
+
+
+def _corrupt_artifact(exc: BaseException) -> bool:
+    """Whether a compile failed on a corrupt cached artifact: dlopen's message somewhere in the exception chain
+    (it reaches us wrapped, e.g. in Dynamo's BackendCompilerFailed, with no type of its own)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(m in str(exc) for m in _CORRUPT_ARTIFACT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def inductor_cache_dir() -> str | None:
+    """Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else its default under the temp dir)."""
+    try:
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    except ImportError:  # another torch layout
+        try:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+        except ImportError:
+            return None
+    return cache_dir()
+
+
+def purge_corrupt_artifacts(root: str | None = None) -> list[str]:
+    """Delete the shared objects under Inductor's cache (or `root`) that cannot be loaded because they are cut
+    short: empty, or shorter than an ELF header (64 bytes). Returns their paths. (A process killed while Inductor
+    linked leaves a 0-byte *.so, and every later compile of that graph fails with "file too short": issue 36.)"""
+    import os
+
+    root = root or inductor_cache_dir()
+    removed = []
+    if root is None or not os.path.isdir(root):
+        return removed
+    for d, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(d, f)
+            try:
+                if f.endswith(".so") and os.path.getsize(path) < 64:
+                    os.remove(path)
+                    removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def compile_guarded(fn, what: str):
+    """torch.compile(fn, fullgraph=True, dynamic=False), made to survive a corrupt Inductor cache: when the compiled
+    call fails on a corrupt cached artifact (`_corrupt_artifact`; it fails while loading, before running anything),
+    the cut-short artifacts are deleted (`purge_corrupt_artifacts`, so later compiles build them anew), one
+    RuntimeWarning names them, and this callable runs `fn` eagerly from then on (same results: the compiled and
+    eager steps are bit-equal, tests/test_compiled_*). Any other error propagates."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    state = {"fn": compiled}
+
+    def call(*args, **kwargs):
+        try:
+            return state["fn"](*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - only a corrupt artifact is handled; the rest is re-raised
+            if state["fn"] is fn or not _corrupt_artifact(e):
+                raise
+            removed = purge_corrupt_artifacts()
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            warnings.warn(f"compile: the Inductor cache holds a corrupt artifact ({first}); removed "
+                          f"{len(removed)} cut-short file(s) {removed[:3]}; {what} runs eagerly in this process, "
+                          "later compiles rebuild", RuntimeWarning, stacklevel=2)  # fmt: skip
+            state["fn"] = fn
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _log_done(what: str, seconds: float, captured: bool) -> None:

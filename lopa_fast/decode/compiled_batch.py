@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from lopa_fast.decode import compiled
 from lopa_fast.decode.compiled import _COMPILING, _dynamo_graphs, _log_done, log, unique_code
 from lopa_fast.decode.shapes import pow2_bucket
 
@@ -194,7 +195,7 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
                 return body(states, tables)
         return _Entry(lanes, replay_fn, True, owners)
     log.info(_COMPILING, "the batched step " + label)
-    fn = torch.compile(unique_code(body, f"{label}_body"), fullgraph=True, dynamic=False)
+    fn = compiled.compile_guarded(unique_code(body, f"{label}_body"), f"the batched step {label}")
     return _Entry(lanes, lambda: fn(states, tables), False, owners)
 
 

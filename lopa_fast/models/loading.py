@@ -178,7 +178,8 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
 def total_memory(device="cpu") -> tuple[int, int]:
     """(total, available) bytes of the device's memory. CUDA: torch.cuda.mem_get_info. CPU: psutil's
     virtual_memory (total, available), lowered to the cgroup's limit when one is set (psutil does not read cgroups:
-    v2 memory.max / memory.current, v1 memory.limit_in_bytes / memory.usage_in_bytes are read here)."""
+    v2 memory.max / memory.current, v1 memory.limit_in_bytes / memory.usage_in_bytes are read here) and to the room
+    left under an address-space limit (RLIMIT_AS: `address_space_room`)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
@@ -208,7 +209,36 @@ def total_memory(device="cpu") -> tuple[int, int]:
             except (OSError, ValueError):
                 avail = min(avail, total)
         break
+    room = address_space_room()
+    if room is not None:  # an address-space cap (ulimit -v): what this process may still map
+        total, avail = min(total, room), min(avail, room)
     return int(total), int(avail)
+
+
+def address_space_room() -> int | None:
+    """Bytes this process may still map under its address-space limit (RLIMIT_AS, `ulimit -v`): the soft limit
+    minus the virtual size now; None when there is no such limit. Under a cap every allocation fails past it even
+    with physical memory free, so the budget has to fit under it (issue 36: a budget sized from RAM alone let one
+    batch fail with "can't allocate memory")."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    try:
+        import psutil
+
+        vms = psutil.Process().memory_info().vms
+    except (ImportError, OSError, RuntimeError):
+        try:
+            with open("/proc/self/statm") as f:
+                vms = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    return max(0, int(soft) - int(vms))
 
 
 def check_memory(needed: int, device, what: str) -> None:
@@ -585,7 +615,13 @@ def load_tokenizer(path: str | os.PathLike):
         for k in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token")
         if isinstance(tcfg.get(k), str)
     }
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    try:
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"load_tokenizer: {path / 'tokenizer.json'} is not a tokenizer file the tokenizers "
+                              f"library can read ({first}); a truncated or garbled copy?",
+                              path=path / "tokenizer.json") from e  # fmt: skip
     template = tcfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()

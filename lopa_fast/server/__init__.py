@@ -67,7 +67,12 @@ def check_auth(host: str, api_key: str | None, allow_no_key: bool) -> None:
 def _header_timeout_protocol(seconds: float):
     """uvicorn's h11 protocol with a deadline for a request's head: a connection that has not sent a complete
     request line and headers `seconds` after it opened (or after its last response) is closed. (uvicorn waits for
-    a half-sent head forever; the body has its own deadline, limits.read_timeout_s, in the app.)"""
+    a half-sent head forever; the body has its own deadline, limits.read_timeout_s, in the app.)
+
+    And connection slots idle heads cannot exhaust: when a new connection finds uvicorn's connection limit
+    (`limit_concurrency`) reached, the oldest connections with no request in progress (a half-sent head, an idle
+    keep-alive) are closed to make room for it. Before (issue 36), 256 half-sent heads made every request, /health
+    included, a 503 until the head deadline passed."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -84,7 +89,19 @@ def _header_timeout_protocol(seconds: float):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._opened = self.loop.time()
             self._arm()
+            cap = self.limit_concurrency
+            if cap is not None and len(self.connections) >= cap:
+                idle = sorted((c for c in self.connections if c is not self and c._idle()),
+                              key=lambda c: getattr(c, "_opened", 0.0))  # fmt: skip
+                for c in idle[: len(self.connections) - cap + 1]:
+                    c.transport.close()
+                    self.connections.discard(c)  # now, not at its connection_lost: this one's request counts them
+
+        def _idle(self) -> bool:
+            """No request in progress: nothing or a part of a head received since the last response."""
+            return self.conn.their_state == h11.IDLE and not self.transport.is_closing()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -99,46 +116,69 @@ def _header_timeout_protocol(seconds: float):
     return Protocol
 
 
-def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64):
+DRAIN_TIMEOUT_S = 30.0  # serve's default deadline for in-flight requests after SIGTERM / SIGINT
+
+
+def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64,
+                   drain_timeout_s: float = DRAIN_TIMEOUT_S):  # fmt: skip
     """The uvicorn.Config `serve` runs: the h11 protocol with a request-head deadline (limits.read_timeout_s), idle
-    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503).
-    uvicorn's own access lines are off: the app logs one per request with its latency (create_app, access_log)."""
+    keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503), and
+    `drain_timeout_s` for in-flight requests at shutdown (then they are cancelled). uvicorn's own access lines are
+    off: the app logs one per request with its latency (create_app, access_log)."""
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=False,
                           http=_header_timeout_protocol(limits.read_timeout_s),
-                          limit_concurrency=max(64, 4 * max_pending))  # fmt: skip
+                          limit_concurrency=max(64, 4 * max_pending),
+                          timeout_graceful_shutdown=drain_timeout_s)  # fmt: skip
+
+
+def _server_class():
+    """uvicorn.Server, where a second SIGTERM ends the drain as a second SIGINT does (uvicorn forces the exit on a
+    second SIGINT only: a second SIGTERM was ignored while orphaned requests ran on)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
-          warm_up: bool = True, verifier=None, access_log: bool = True) -> None:  # fmt: skip
+          warm_up: bool = True, verifier=None, access_log: bool = True,
+          drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
-    client (Authorization: Bearer) when set. warm_up: decode one short request before listening, so /health is
-    not ok before the server can decode. verifier: the server's one APD verifier (checked against the model by the
-    caller), used by the requests that set apd_mixture_weight. access_log: one INFO line per request on the
-    "lopa_fast.server.access" logger."""
+    client (Authorization: Bearer) when set. warm_up: the self-check (finite weights, one short request) before
+    listening, so /health is not ok before the server can decode (a failed self-check: /health 503 unhealthy).
+    verifier: the server's one APD verifier (checked against the model by the caller), used by the requests that
+    set apd_mixture_weight. access_log: one INFO line per request on the "lopa_fast.server.access" logger.
+    Shutdown (SIGTERM / SIGINT): no new connections, in-flight requests get `drain_timeout_s` seconds, then they
+    are cancelled (a second signal ends the wait at once); the job threads stop at their next round."""
     import uvicorn
 
     from lopa_fast.server.app import create_app
     from lopa_fast.server.worker import Worker
 
     worker = Worker(model, tokenizer, limits=limits, verifier=verifier)
-    if warm_up:  # one short decode (with --compile: its compile); said while it runs when it takes > 2 s
+    if warm_up:  # the self-check (with --compile: its compile); said while it runs when it takes > 2 s
         import logging
 
         from lopa_fast import logs
 
-        with logs.step(logging.getLogger("lopa_fast.server"), "warming up (one short decode before listening)",
+        with logs.step(logging.getLogger("lopa_fast.server"), "warming up (the self-check: one short decode)",
                        "warmed up", long=False):  # fmt: skip
             worker.warm_up(defaults)
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log)
     try:
-        uvicorn.Server(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
-                                      max_pending=worker.max_pending)).run()  # fmt: skip
+        _server_class()(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
+                                       max_pending=worker.max_pending, drain_timeout_s=drain_timeout_s)).run()
     finally:
-        worker.close()
+        worker.close(timeout=drain_timeout_s)
 
 
 __all__ = ["Handle", "Job", "Limits", "RequestError", "Worker", "check_address", "check_auth", "create_app",

@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lopa_fast.errors import RoundCapError
 from lopa_fast.server.protocol import RequestError, checked, parse
-from lopa_fast.server.metrics import CONTENT_TYPE, Metrics
+from lopa_fast.errors import is_out_of_memory
+from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import answer_ids
 
@@ -35,8 +36,67 @@ LINGER_BYTES = 64 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "round_cap": "length"}  # OpenAI's values; stats keep ours
 
 
+RETRY_AFTER_S = 2  # a 503's Retry-After: a full queue or a batch that ran out of memory clears within rounds
+
+
 def _error(exc: RequestError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+class _ApiKey:
+    """ASGI middleware: with an API key, every route but /health needs `Authorization: Bearer <key>` (401
+    otherwise, counted under the route's label: a closed set, never the raw path). A plain ASGI class, not
+    FastAPI's @app.middleware("http"): that one wraps `receive`, and behind it `request.is_disconnected()` never
+    reports a client that left (issue 36: 16 abandoned requests ran to completion)."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.key, self.metrics = app, None if api_key is None else api_key.encode(), metrics
+
+    async def __call__(self, scope, receive, send):
+        if self.key is None or scope["type"] != "http" or scope.get("path") == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        self.metrics.request(route_label(scope.get("path", "")), 401, 0.0)
+        response = JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None, 401,
+                                             "authentication_error", "invalid_api_key").body(),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        await response(scope, receive, send)
+
+
+class _AccessLog:
+    """ASGI middleware: one INFO line per HTTP request on "lopa_fast.server.access": client, method, path, status
+    and the latency to the response head. A plain ASGI class for the reason _ApiKey is one: FastAPI's
+    @app.middleware("http") would hide a client's disconnect from the route (its requests would never be
+    cancelled)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, logged = time.perf_counter(), [False]
+
+        def line(status: int) -> None:
+            logged[0] = True
+            client = scope.get("client")
+            access.info('%s "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-", scope.get("method"),
+                        scope.get("path"), status, 1000 * (time.perf_counter() - t0))  # fmt: skip
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                line(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            if not logged[0]:  # the app raised (or the client left) before any response head: a 500 as uvicorn sends
+                line(500)
 
 
 def _jsonable(obj):
@@ -75,36 +135,21 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         log.exception("unexpected error")
         return _error(RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                metrics.request(request.url.path, 401, 0.0)
-                return JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None,
-                                                 401, "authentication_error", "invalid_api_key").body(),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        return await call_next(request)
+    app.add_middleware(_ApiKey, api_key=api_key, metrics=metrics)
 
-    if access_log:  # registered after _auth, so it wraps it: a 401 is logged too
-        @app.middleware("http")
-        async def _access(request: Request, call_next):
-            t0, status = time.perf_counter(), 500
-            try:
-                response = await call_next(request)
-                status = response.status_code
-                return response
-            finally:
-                client = request.client
-                access.info('%s "%s %s" %d %.1f ms', f"{client.host}:{client.port}" if client else "-",
-                            request.method, request.url.path, status, 1000 * (time.perf_counter() - t0))
+    if access_log:  # added after _ApiKey, so it wraps it: a 401 is logged too
+        app.add_middleware(_AccessLog)
 
     @app.get("/health")
     async def health():
+        """200 {"status": "ok", ...} while the server can decode (its last self-check passed); 503 {"status":
+        "unhealthy", "self_check": the reason, ...} otherwise (NaN weights, a probe after an out-of-memory failure
+        that failed too)."""
         eng = getattr(worker, "engine", None)  # the batch engine's facts: batched rounds, the largest batch seen
         batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live}
-        return {"status": "ok", "model": model_id, **worker.counts, **batch}
+        facts = worker.health
+        body = {"status": facts.pop("status"), "model": model_id, **facts, **batch}
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -291,8 +336,12 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
 def _run_error(exc: BaseException) -> RequestError:
     """An error raised while a request decoded (after its checks passed), by type: the round cap the request asked
     to fail on (on_round_cap="error") is a 400 naming max_rounds; anything else (NaN / inf logits, a failed
-    collective, a bug) is a 500 naming its type."""
+    collective, a bug) is a 500 naming its type, except an allocation failure: 503 with Retry-After."""
     log.error("request failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, RoundCapError):
         return RequestError(str(exc), "max_rounds")
+    if is_out_of_memory(exc):  # the batch it ran in was freed; the server goes on (503 + Retry-After)
+        return RequestError(f"out of memory while decoding ({type(exc).__name__}: {str(exc).splitlines()[0]}); the "
+                            "request's batch was freed: retry later, or lower max_tokens / branching_factor", None,
+                            503, "server_error", "out_of_memory")  # fmt: skip
     return RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error")

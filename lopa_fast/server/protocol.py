@@ -37,7 +37,7 @@ from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
-from lopa_fast.text import check_text_prompt, encode_prompt, split_stops, unknown_words
+from lopa_fast.text import check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops, unknown_words
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
@@ -79,7 +79,7 @@ class Parsed:
 def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
     if knob == "max_new_tokens":
         return "max_tokens"
-    if knob == "prompt":
+    if knob in ("prompt", "input_ids"):  # input_ids: the prompt's token ids, as generate names them
         return "messages" if endpoint == "chat" else "prompt"
     return knob
 
@@ -241,7 +241,17 @@ def _plan(cfg, model, prompt_len):
         raise ValueError(str(e)) from e
 
 
-def _chat_ids(tokenizer, messages, warn) -> list[int]:
+def _check_text_length(chars: int, max_len: int, tokenizer, field: str) -> None:
+    """Refuse, before tokenising, a text longer than `max_len` tokens can hold (a 1 MiB prompt took 9.9 s of a
+    shared parse thread and +490 MiB to be refused after tokenising: issue 36)."""
+    cap = max_len * max_token_chars(tokenizer)
+    if chars > cap:
+        raise RequestError(f"{field}: {chars} characters; at most {cap} fit the {max_len} positions of this server "
+                           f"(--max-model-len) at {max_token_chars(tokenizer)} characters per token (the tokenizer's "
+                           "longest); refused before tokenising", field)  # fmt: skip
+
+
+def _chat_ids(tokenizer, messages, warn, max_len: int) -> list[int]:
     """Token ids of a chat: the tokenizer's chat template over the messages, with the generation prompt."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty list of {role, content} objects", "messages")
@@ -263,6 +273,9 @@ def _chat_ids(tokenizer, messages, warn) -> list[int]:
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if not clean[-1]["content"].strip():
         raise RequestError("messages: the last message is empty (or only whitespace)", "messages")
+    for i, m in enumerate(clean):
+        check_unicode(m["content"], f"messages[{i}].content")
+    _check_text_length(sum(len(m["content"]) for m in clean), max_len, tokenizer, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the model's tokenizer has no chat template; use /v1/completions", "messages")
     missing = [w for m in clean for w in unknown_words(tokenizer, m["content"])]
@@ -275,12 +288,13 @@ def _chat_ids(tokenizer, messages, warn) -> list[int]:
     return list(ids)
 
 
-def _completion_ids(tokenizer, prompt, warn) -> list[int]:
+def _completion_ids(tokenizer, prompt, warn, max_len: int) -> list[int]:
     """Token ids of a completions prompt: text (the tokenizer's own specials) or a list of token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a list
     if isinstance(prompt, str):
         check_text_prompt(prompt)
+        _check_text_length(len(prompt), max_len, tokenizer, "prompt")
         return encode_prompt(tokenizer, prompt, warn=warn)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
@@ -315,11 +329,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     notes: list[str] = list(cfg.sampling_notes())  # set but without effect (top_p at temperature 0, ...)
     # stage 2: the prompt
     field = "messages" if endpoint == "chat" else "prompt"
-    if endpoint == "chat":
-        ids = checked(field, _chat_ids, tokenizer, body.get("messages"), notes.append, endpoint=endpoint)
-    else:
-        ids = checked(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, endpoint=endpoint)
     limit = model.config.max_position_embeddings
+    max_len = min(limit, limits.max_model_len or limit) if limits is not None else limit
+    if endpoint == "chat":
+        ids = checked(field, _chat_ids, tokenizer, body.get("messages"), notes.append, max_len, endpoint=endpoint)
+    else:
+        ids = checked(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, max_len, endpoint=endpoint)
     if len(ids) >= limit:
         raise RequestError(f"{field}: too long ({len(ids)} tokens); the model has max_position_embeddings={limit} "
                            "positions for the prompt and the answer together", field)  # fmt: skip

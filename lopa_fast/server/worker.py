@@ -20,8 +20,27 @@ import queue
 import threading
 
 import lopa_fast
+from lopa_fast.errors import drop_frames, is_out_of_memory
 
 MAX_PENDING = 64  # requests queued or running at once; one more is refused (HTTP 503), never queued without bound
+
+
+def free_memory() -> None:
+    """Hand memory no tensor holds back: the cycle collector, CUDA's cached blocks, and glibc's free heap pages
+    (malloc_trim: freed small blocks otherwise stay in the process, and under an address-space cap they are the
+    room the next request needs)."""
+    import ctypes
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class Busy(RuntimeError):
@@ -132,7 +151,12 @@ class Worker:
         self.memory = MemoryBudget(limits.memory_budget)
         self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs) \
             if batch else None
-        self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
+        self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0, "out_of_memory": 0}
+        self._health = {"status": "ok", "self_check": "not run"}
+        self._defaults: dict = {}
+        self._recovering = threading.Lock()
+        self._running: set = set()  # the handles of the requests decoding now (close cancels them)
+        self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
                          for i in range(concurrency if batch else 1)]  # fmt: skip
         for t in self._threads:
@@ -164,29 +188,78 @@ class Worker:
         return self.verifier if strategies.get(cfg.strategy).uses_verifier(cfg) else None
 
     def warm_up(self, defaults: dict | None = None) -> None:
-        """Before serving: decode one short request with the server's defaults (its failure is logged, not raised:
-        the requests get their own errors)."""
+        """Before serving: the self-check (`self_check`: finite weights, one short request with the server's
+        defaults). A failed self-check is logged and makes /health unhealthy (503 naming the reason); the server
+        still answers requests."""
+        self._defaults = dict(defaults or {})
+        self.self_check(weights=True)
+
+    def self_check(self, weights: bool = False) -> bool:
+        """Whether the server can decode: (weights=True) every weight finite, then one short request with the
+        server's defaults (one new token) decodes. Sets `health` (the /health answer) and returns the verdict."""
         import logging
         import warnings
 
-        log = logging.getLogger("lopa_fast.server")
-        knobs = {k: v for k, v in (defaults or {}).items() if k not in ("max_new_tokens",)}
-        bos = getattr(self.model.config, "bos_token_id", None)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1},
-                                   verifier=self._verifier_for(knobs))  # fmt: skip
-        except Exception as e:  # noqa: BLE001
-            log.warning("warm-up request failed (%s: %s); serving anyway", type(e).__name__, e)
+        import torch
 
-    def close(self) -> None:
-        """Stop the worker after the requests it runs (queued ones are cancelled)."""
+        log = logging.getLogger("lopa_fast.server")
+        reason = None
+        if weights:
+            bad = next((n for n, t in self.model.named_parameters() if not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                reason = f"the weight {bad} holds NaN or inf"
+        if reason is None:
+            knobs = {k: v for k, v in self._defaults.items() if k not in ("max_new_tokens",)}
+            bos = getattr(self.model.config, "bos_token_id", None)
+            try:
+                with warnings.catch_warnings(), torch.inference_mode():
+                    warnings.simplefilter("ignore")
+                    lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1},
+                                       verifier=self._verifier_for(knobs))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the verdict, not a crash
+                reason = f"a one-token request failed: {type(e).__name__}: {e}"
+                drop_frames(e)
+        with self._lock:
+            self._health = {"status": "ok" if reason is None else "unhealthy", "self_check": reason or "passed"}
+        if reason is not None:
+            log.error("self-check failed (%s); /health reports unhealthy", reason)
+        return reason is None
+
+    @property
+    def health(self) -> dict:
+        """/health's facts: status "ok" (the last self-check passed) or "unhealthy", the self-check's verdict, the
+        requests that failed for memory (`out_of_memory`), and `counts`."""
+        with self._lock:
+            return {**self._health, **self.counts}
+
+    def _recover(self) -> None:
+        """After a request failed for memory: give the freed memory back (the collector, the allocator's caches,
+        glibc's free lists), then check the server still decodes (one probe at a time; the others skip it). A
+        probe that fails leaves /health unhealthy until a request is served again."""
+        if not self._recovering.acquire(blocking=False):
+            return
+        try:
+            free_memory()
+            self._probe_failed = not self.self_check()
+        finally:
+            self._recovering.release()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker: queued requests are cancelled, running ones too (they stop at their next round: by
+        now nobody reads them, the server drained or its drain deadline passed). Waits at most `timeout` seconds
+        for the job threads (None: until they end)."""
+        import time
+
+        with self._lock:
+            running = list(self._running)
+        for h in running:
+            h.cancel()
         for _ in self._threads:
             self._queue.put(None)
-        if self.engine is not None:
-            for t in self._threads:
-                t.join()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.engine is not None and not any(t.is_alive() for t in self._threads):
             self.engine.close()
 
     def _batched(self, text) -> bool:
@@ -213,7 +286,10 @@ class Worker:
                 handle.emit("cancelled")
                 continue
             self._count(running=1)
+            with self._lock:
+                self._running.add(handle)
             solo = contextlib.nullcontext() if self._batched(text) else self._solo
+            oom = False
             try:
                 with solo, text:
                     for piece in text:
@@ -222,11 +298,20 @@ class Worker:
             except Cancelled:
                 end, outcome = ("cancelled", None), "cancelled"
             except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
-                end, outcome = ("error", e), "failed"
+                oom = is_out_of_memory(e)
+                end, outcome = ("error", drop_frames(e)), "failed"  # its frames' tensors are freed now
             finally:
                 self.memory.release(memory)
-            self._count(running=-1, pending=-1, **{outcome: 1})  # before the end event: a reader sees final counts
+                with self._lock:
+                    self._running.discard(handle)
+            self._count(running=-1, pending=-1, out_of_memory=int(oom), **{outcome: 1})  # before the end event
             handle.emit(*end)
+            # this thread holds nothing of a finished request while it waits for the next (a stream, its caches)
+            del item, handle, text, end
+            if oom:
+                self._recover()
+            elif outcome == "served" and self._probe_failed:
+                self._recover()  # a request decoded again after a failed probe: check once more
 
     def _drain(self) -> None:
         stops = 0  # the other job threads' stop markers go back for them
