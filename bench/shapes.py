@@ -65,10 +65,3 @@ CONFIDENCE = {
     "dream7b_N288_V152064": (288, 152064),  # 9 branches x 32
     "dream7b_N2048_V152064": (2048, 152064),  # 16 branches x 128
 }
-
-# name -> (branches B, window n, active blocks nb, lookahead n_look)
-SELECT_ROUND = {
-    "lopa_B3_n32": (3, 32, 1, 2),
-    "lopa_B9_n64": (9, 64, 2, 8),
-    "lopa_B16_n128": (16, 128, 4, 15),
-}

@@ -10,7 +10,7 @@ import torch
 
 from lopa_fast.contracts import code_defines
 
-OPS = ("branch_attention", "confidence", "select_round")
+OPS = ("branch_attention", "confidence")
 # the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (64, 128)
@@ -25,14 +25,10 @@ MMA_ROWS = 16 * MMA_WARPS
 MMA_THREADS = 32 * MMA_WARPS
 # confidence: threads per CTA (one CTA per row or per (row, V split))
 CONF_THREADS = 256
-# select_round: at most this many warps (one branch each at a time); a lane records its lookahead picks in a
-# 32-bit mask over positions lane, lane + 32, ..., so windows hold at most 32 * 32 positions
-SEL_MAX_WARPS = 8
-SEL_MAX_N = 32 * 32
 
 
 def defines() -> dict[str, int]:
-    """Every macro the .cu sources read: the mode / comparator codes of lopa_fast.contracts plus the tiles."""
+    """Every macro the .cu sources read: the mode codes of lopa_fast.contracts plus the tiles."""
     return {
         **code_defines(),
         "LOPA_ATTN_WARPS": ATTN_WARPS,
@@ -41,8 +37,6 @@ def defines() -> dict[str, int]:
         "LOPA_MMA_WARPS": MMA_WARPS,
         "LOPA_MMA_KEYS": MMA_KEYS,
         "LOPA_CONF_THREADS": CONF_THREADS,
-        "LOPA_SEL_MAX_WARPS": SEL_MAX_WARPS,
-        "LOPA_SEL_MAX_N": SEL_MAX_N,
     }
 
 

@@ -16,10 +16,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lopa_fast.contracts import Confidence, RoundSelection
+from lopa_fast.contracts import Confidence
 from lopa_fast.ops._backend import cache_dir
 from lopa_fast.ops.cuda.constants import OPS, define_flags
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_select_round
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence
 from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
 
 
@@ -60,12 +60,6 @@ class Emulated:
         """split=False: one CTA per row whatever N (the GPU picks by N; here both paths are testable)."""
         L = self._l["confidence"]
         return Confidence(*run_confidence(L, logits, suppress_token, eps, L.num_sms if split else None))
-
-    def select_round(self, accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0,
-                     topp=1.0, alpha=0.0, creation_conf=None, branch_active=None):
-        return RoundSelection(*run_select_round(self._l["select_round"], accept_value, conf, masked, block_ids,
-                                                block_complete, tau, comparator, n_look, topp, alpha,
-                                                creation_conf, branch_active))
 
 
 def host_compiler() -> str | None:

@@ -49,8 +49,6 @@ def entry_names(op: str) -> list[str]:
             for t in DTYPE_NAMES.values()
             for d in HEAD_DIMS
         ]
-    if op == "select_round":
-        return ["select_round_f32"]
     parts = ("", "_split_stats", "_split_entropy")
     return [f"confidence{p}_{t}" for p in parts for t in DTYPE_NAMES.values()] + ["confidence_split_finalize"]
 
