@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         raise SystemExit("upstream's loop is Dream's (a logits shift, DreamLoRA): --shape dream7b only")
     out = Path(a.out) if a.out else None
     doc = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
-    doc.update(shape_name=a.shape, shape=shape, layers=a.layers, dtype=a.dtype, knobs=dict(KNOBS, prompt=PROMPT),
+    doc.update(shape_name=a.shape, shape=shape, kv_bytes_per_token=kv_bytes_per_token(shape), layers=a.layers, dtype=a.dtype, knobs=dict(KNOBS, prompt=PROMPT),
                rounds=a.rounds)  # fmt: skip
     doc.setdefault("machine", []).append(machine())
     t0 = time.perf_counter()
