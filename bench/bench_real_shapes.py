@@ -10,10 +10,13 @@ branch_topp 1, alpha 0, full attention, T = 0. Each config runs `--rounds` stead
 
 Paths:
   fast       lopa_fast.generate(..., backend="fast"): all branches in one forward, one host read per round
-  fastgpu    the same round with the GPU's layer kernels (LOPA_FAST_BACKEND=triton; on a CPU under
-             TRITON_INTERPRET=1, which this script sets): each Triton kernel is ONE op to the counter, so its launches
-             and bytes are the GPU round's (the eager CUDA-graph capture replays exactly these kernels). Its time is
-             the interpreter's (meaningless); the H200 projection of the fast path is taken from this row
+  fastgpu    the same round with the GPU's layer kernels (LOPA_FAST_BACKEND=triton): each Triton kernel is ONE
+             custom op to the counter, so its launches and bytes are the GPU round's (the CUDA-graph capture replays
+             exactly these kernels); on a CPU the kernel bodies run as their torch references
+             (roundcount.kernel_bodies_in_torch; TRITON_INTERPRET=1, which this script sets, only makes triton
+             importable). Its time is not a GPU time; the H200 projection of the fast path is taken from this row.
+             (The round's statistics stay torch ops here: the GPU round's ops.confidence kernel needs CUDA; an upper
+             bound of ~20 launches and a few passes over the logits rows.)
   reference  lopa_fast.generate(..., backend="reference"): one forward per branch (the semantics oracle)
   upstream   zhijie-group/LoPA scale_dream_d2f.DreamLoRA's loop, imported from a checkout (`--upstream DIR`;
              fetched beside the repo, never copied into it) through tests/golden/make_lopa_golden.py's harness:
@@ -31,6 +34,7 @@ pytest -m bench bench/bench_real_shapes.py runs the fast path's LoPA k=4 round a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -60,7 +64,7 @@ PROMPT, BLOCK, NEW = 64, 32, 64
 KNOBS = dict(block_size=BLOCK, max_new_tokens=NEW, block_add_threshold=1.0, decoded_token_threshold=0.95,
              skip_threshold=0.9, sampling_strategy="neg_entropy", branch_topp=1.0, selection_conf_alpha=0.0,
              use_full_attention=True)  # fmt: skip
-# tokens per forward used for tokens/s: the paper's D2F-Dream LoPA GSM8K TPF (docs/performance.md) and the goal's 10
+# tokens per forward used for tokens/s: the paper's D2F-Dream LoPA GSM8K TPF (bench/results/projection.md) and the goal's 10
 TPF_PAPER = 10.1
 TPF_GOAL = 10.0
 
@@ -125,7 +129,8 @@ def run_config(model, path: str, k: int, rounds: int, upstream=None) -> dict:
             if path == "fastgpu":
                 os.environ["LOPA_FAST_BACKEND"] = "triton"
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), (rc.kernel_bodies_in_torch() if path == "fastgpu"
+                                                 else contextlib.nullcontext()):  # fmt: skip
                     warnings.simplefilter("ignore", RuntimeWarning)  # the round cap
                     return lopa_fast.generate(model, prompt, strategy, backend, **kw)
             finally:

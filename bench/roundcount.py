@@ -48,7 +48,7 @@ FIELDS = ("t", "ovh", "flops", "bytes_f32", "bytes_other", "launches", "syncs", 
 # datasheet: NVIDIA H200 product brief: HBM3e 4.8 TB/s, dense BF16 tensor core 989 TFLOP/s (1,979 with sparsity)
 H200_SHEET_BW = 4.8e12
 H200_SHEET_FLOPS = 989e12
-# measured on the lent H200 (docs/performance.md "H200 constants", from the project's toolchain notes):
+# measured on the lent H200 (the project toolchain notes; bench/results/projection.md "Constants"):
 # ~4.3 TB/s device-to-device copy, ~790 TFLOP/s bf16 GEMM
 H200_MEAS_BW = 4.3e12
 H200_MEAS_FLOPS = 790e12
@@ -58,7 +58,7 @@ EAGER_US = (5.0, 10.0)
 GRAPH_NODE_US = (1.0, 2.0)
 GRAPH_LAUNCH_US = 10.0
 HOST_READ_US = 15.0  # one small device-to-host copy + the stream sync it implies (planning constant)
-GEMM_EFFICIENCY = 0.8  # "GEMMs with M = 32-160 usually reach 70-85% of HBM roofline" (docs/performance.md)
+GEMM_EFFICIENCY = 0.8  # "GEMMs with M = 32-160 usually reach 70-85% of HBM roofline" (bench/results/projection.md)
 
 # Dream-7B weight-streaming floor (bench/bench_round_gpu.py): bytes streamed per forward, KV bytes per token
 DREAM7B_STREAMED = 14.14e9
@@ -70,6 +70,8 @@ _SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._u
 _NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset}
 # ops that read only the rows their index names (bytes: the output twice + the index), not the whole table
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index, aten.take}
+# custom ops that are several GPU kernels (launches per call): Triton branch attention = prefix + window kernels
+_MULTI_LAUNCH = {"triton_branch_attention": 2}
 # in-place scatters into a big buffer (bytes: the source twice + the index)
 _SCATTERS_INPLACE = {aten.index_copy_, aten.index_put_, aten.scatter_, aten.scatter_add_, aten.masked_scatter_}
 
@@ -228,7 +230,7 @@ class OpCounter(TorchDispatchMode):
         if func.is_view or func in _NO_LAUNCH or packet in _NO_LAUNCH:
             st["ovh"] += time.perf_counter() - t_done
             return out
-        st["launches"] += 1
+        st["launches"] += _MULTI_LAUNCH.get(getattr(packet, "__name__", ""), 1)
         f = op_flops(func, args, kwargs, out)
         b32, bo = op_bytes(func, args, kwargs, out)
         st["flops"] += f
@@ -474,7 +476,7 @@ def floor_ms(T: int, prefix: int, streamed: float = DREAM7B_STREAMED, kv_per_tok
 
 
 def project(scaled: dict) -> dict:
-    """Projected ms per round on one H200 from depth-scaled counts (see docs/performance.md for the model):
+    """Projected ms per round on one H200 from depth-scaled counts (bench/results/projection.md states the model):
     every op at its roofline (bf16 bytes / HBM bandwidth vs FLOPs / bf16 peak), plus launch costs:
       eager     = sum(roofline) + launches x 5-10 us + host reads x 15 us
       captured  = sum(roofline) + launches x 1-2 us (graph nodes; an upper bound, Inductor fuses element-wise ops)
@@ -493,6 +495,33 @@ def project(scaled: dict) -> dict:
                                   for us in GRAPH_NODE_US)  # fmt: skip
     p["stage_roof_ms"] = {s: scaled[s]["roof_meas"] * 1e3 for s in STAGES}
     return p
+
+
+@contextlib.contextmanager
+def kernel_bodies_in_torch():
+    """The fast path's GPU kernel sequence with each Triton kernel's body computed by its torch reference: the
+    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, branch_attention}`) are replaced by
+    `lopa_fast.reference.ops`, so every kernel is still ONE custom op to the counter (`torch.ops.lopa_fast.triton_*`,
+    its inputs and outputs as the kernel's) but runs at torch speed instead of the Triton interpreter's (minutes
+    at real width). For counting only: use with LOPA_FAST_BACKEND=triton."""
+    import importlib
+
+    from lopa_fast.reference import ops as ref
+
+    def attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
+                  scale=None, return_lse=False, num_splits=None, *, cache_index=None):
+        return ref.branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale,
+                                    return_lse, cache_index=cache_index)  # fmt: skip
+
+    swaps = {"rms_norm": {"rms_norm": ref.rms_norm, "add_rms_norm": ref.add_rms_norm},
+             "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
+             "branch_attention": {"branch_attention": attention}}  # fmt: skip
+    with contextlib.ExitStack() as es:
+        for mod_name, fns in swaps.items():
+            mod = importlib.import_module(f"lopa_fast.kernels.triton.{mod_name}")
+            for name, fn in fns.items():
+                es.enter_context(_patched(mod, name, lambda orig, fn=fn: fn))
+        yield
 
 
 class Upstream:
