@@ -76,7 +76,10 @@ def build(shape: dict, layers: int, dtype: torch.dtype, seed: int = 0):
     from lopa_fast.models.loading import build_model
     from lopa_fast.testing import tiny_hf_config
 
-    cfg = parse_config(tiny_hf_config(**dict(shape, num_layers=layers)))
+    # Qwen2.5-0.5B (APD's causal verifier) has no mask token: its geometry is run as a Dream-kind (D2F) model, the
+    # same layers, widths and tied head, so the per-round counts are its forward's at a D2F round's shapes
+    kind = "dream" if shape["kind"] == "qwen2" else shape["kind"]
+    cfg = parse_config(tiny_hf_config(**dict(shape, kind=kind, num_layers=layers)))
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
