@@ -64,7 +64,7 @@ PROMPT, BLOCK, NEW = 64, 32, 64
 KNOBS = dict(block_size=BLOCK, max_new_tokens=NEW, block_add_threshold=1.0, decoded_token_threshold=0.95,
              skip_threshold=0.9, sampling_strategy="neg_entropy", branch_topp=1.0, selection_conf_alpha=0.0,
              use_full_attention=True)  # fmt: skip
-# tokens per forward used for tokens/s: the paper's D2F-Dream LoPA GSM8K TPF (bench/results/projection.md) and the goal's 10
+# tokens per forward for tokens/s: the paper's D2F-Dream LoPA GSM8K TPF (bench/results/projection.md), the goal's 10
 TPF_PAPER = 10.1
 TPF_GOAL = 10.0
 
@@ -207,7 +207,8 @@ def main(argv=None) -> int:
         raise SystemExit("upstream's loop is Dream's (a logits shift, DreamLoRA): --shape dream7b only")
     out = Path(a.out) if a.out else None
     doc = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
-    doc.update(shape_name=a.shape, shape=shape, kv_bytes_per_token=kv_bytes_per_token(shape), layers=a.layers, dtype=a.dtype, knobs=dict(KNOBS, prompt=PROMPT),
+    doc.update(shape_name=a.shape, shape=shape, kv_bytes_per_token=kv_bytes_per_token(shape), layers=a.layers,
+               dtype=a.dtype, knobs=dict(KNOBS, prompt=PROMPT),
                rounds=a.rounds)  # fmt: skip
     doc.setdefault("machine", []).append(machine())
     t0 = time.perf_counter()
@@ -278,7 +279,8 @@ def render(doc: dict) -> str:
             f"{p['launches']:.0f} | {p['syncs']:.1f} | {p['roofline_ms']:.2f} | {p['eager_ms'][0]:.1f}-"
             f"{p['eager_ms'][1]:.1f} | {p['captured_ms'][0]:.2f}-{p['captured_ms'][1]:.2f} | "
             f"{p['floor_ms']:.2f} ({p['T']}) | {p['frac_floor'][0]:.2f}-{p['frac_floor'][1]:.2f} | "
-            f"{p['tok_s_paper'][1]:.0f}-{p['tok_s_paper'][0]:.0f} | {p['tok_s_goal'][1]:.0f}-{p['tok_s_goal'][0]:.0f} |")
+            f"{p['tok_s_paper'][1]:.0f}-{p['tok_s_paper'][0]:.0f} | "
+            f"{p['tok_s_goal'][1]:.0f}-{p['tok_s_goal'][0]:.0f} |")
     out += ["", f"### {doc['shape_name']}: projected H200 roofline ms per stage at {L} layers", "",
             "| path | " + " | ".join(rc.STAGES) + " |", "|---|" + "---:|" * len(rc.STAGES)]
     for r in rows:

@@ -62,7 +62,8 @@ def compare(round_res: dict, proj: dict) -> list[dict]:
 
 def table(rows: list[dict], device: str, dry: bool) -> str:
     f = lambda x, w=7, d=2: f"{x:>{w}.{d}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
-    lines = [f"measured vs projected (Dream-7B bf16, {device}{'; DRY RUN: tiny model, numbers meaningless' if dry else ''})",
+    dry_note = "; DRY RUN: tiny model, numbers meaningless" if dry else ""
+    lines = [f"measured vs projected (Dream-7B bf16, {device}{dry_note})",
              f"{'k':>2} {'eager':>7} {'proj eager':>13} {'capt':>7} {'proj capt':>13} {'capt/proj':>9} "
              f"{'roof':>6} {'nodes':>5} {'us/node':>7} {'us/op':>6}"]  # fmt: skip
     for r in rows:

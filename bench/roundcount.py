@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
