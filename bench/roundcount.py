@@ -47,7 +47,7 @@ FIELDS = ("t", "ovh", "flops", "bytes_f32", "bytes_other", "launches", "syncs", 
 # datasheet: NVIDIA H200 product brief: HBM3e 4.8 TB/s, dense BF16 tensor core 989 TFLOP/s (1,979 with sparsity)
 H200_SHEET_BW = 4.8e12
 H200_SHEET_FLOPS = 989e12
-# measured on the lent H200 (the project toolchain notes; bench/results/projection.md "Constants"):
+# measured on an H200 (docs/toolchain.md section 7; bench/results/projection.md "Constants of the projection"):
 # ~4.3 TB/s device-to-device copy, ~790 TFLOP/s bf16 GEMM
 H200_MEAS_BW = 4.3e12
 H200_MEAS_FLOPS = 790e12
