@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.conftest import event_us, machine_info
-from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B, SELECT_ROUND
+from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
 from lopa_fast import ops
 
 pytestmark = pytest.mark.bench
@@ -112,21 +112,3 @@ def test_bench_confidence(benchmark, shape, provider):
         ops.confidence(x, None, backend=provider, check=False)
 
     _run(benchmark, fn, N * V * 2)
-
-
-@on_gpu
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape", list(SELECT_ROUND))
-def test_bench_select_round(benchmark, shape, provider):
-    """One round's decision: launch-bound (inputs are a few KB); the torch path is ~20 small kernels."""
-    B, n, nb, n_look = SELECT_ROUND[shape]
-    g = torch.Generator().manual_seed(0)
-    c = torch.rand(B, n, generator=g).cuda()
-    masked = (torch.rand(B, n, generator=g) < 0.7).cuda()
-    bid = (torch.arange(n) // max(1, n // nb)).clamp(max=nb - 1).expand(B, n).contiguous().cuda()
-    complete = torch.ones(B, nb, dtype=torch.bool, device="cuda")
-
-    def fn():
-        ops.select_round(c, c, masked, bid, complete, 0.9, "gt", n_look, 0.5, 0.0, backend=provider, check=False)
-
-    _run(benchmark, fn, 3 * c.numel() * 4)

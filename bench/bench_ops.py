@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B, SELECT_ROUND
+from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
 from lopa_fast import ops
 from lopa_fast.reference import ops as ref
 
@@ -122,19 +122,3 @@ def test_bench_confidence(gpu_timer, benchmark, shape, provider):
     logits = (torch.randn(N, V, device=DEV) * 4).to(DT)
     fn = lambda: ops.confidence(logits, 151666, check=False, backend=provider)  # noqa: E731 - Dream mask id
     gpu_timer(fn, nbytes=N * V * logits.element_size())  # one read of the logits is the floor
-
-
-@pytest.mark.parametrize("provider", ["triton", "torch"])
-@pytest.mark.parametrize("shape", list(SELECT_ROUND))
-def test_bench_select_round(gpu_timer, benchmark, shape, provider):
-    B, n, nb, n_look = SELECT_ROUND[shape]
-    benchmark.group = f"select_round {shape}"
-    g = torch.Generator(device=DEV).manual_seed(0)
-    val = torch.rand(B, n, device=DEV, generator=g)
-    conf = torch.rand(B, n, device=DEV, generator=g)
-    masked = torch.rand(B, n, device=DEV, generator=g) < 0.7
-    blk = (torch.arange(n, device=DEV) // 32).expand(B, n).contiguous()
-    complete = torch.ones(B, nb, dtype=torch.bool, device=DEV)
-    args = (val, conf, masked, blk, complete, 0.9, "gt", n_look, 1.0, 0.0)
-    fn = lambda: ops.select_round(*args, check=False, backend=provider)  # noqa: E731
-    gpu_timer(fn)  # latency-bound (a few KB): the number that matters is us per round

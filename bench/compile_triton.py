@@ -29,11 +29,10 @@ from tabulate import tabulate  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lopa_fast.contracts import ATTENTION_MODES, COMPARATOR_CODES, MODE_CODES  # noqa: E402
+from lopa_fast.contracts import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
-from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -85,7 +84,6 @@ def variants(quick: bool):
             break
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
-    _select_round_variants(out, quick)
     return out
 
 
@@ -145,18 +143,6 @@ def _head_confidence_variants(out, dtypes):
                 dict(num_warps=1, num_stages=3)))
 
 
-def _select_round_variants(out, quick):
-    for B, n in ([(16, 256)] if quick else [(16, 256), (4, 64), (16, 1024), (1, 32)]):
-        types = {nm: "i32" for nm in sr._select_round_kernel.arg_names}
-        types.update(val_ptr="*fp32", conf_ptr="*fp32", masked_ptr="*u8", blk_ptr="*i32", complete_ptr="*u8",
-                     ktab_ptr="*i32", cc_ptr="*fp32", active_ptr="*u8", accept_ptr="*i8", look_ptr="*i64",
-                     score_ptr="*fp32", winner_ptr="*i64", tau="fp32", alpha="fp32")
-        BB, BNn, warps = sr.tile_for(B, n)
-        ce = dict(CMP=COMPARATOR_CODES["gt"], HAS_CC=True, HAS_ACTIVE=True, BLOCK_B=BB, BLOCK_N=BNn)
-        out.append((f"_select_round_kernel B={B} n={n}", sr._select_round_kernel, types, ce, set(),
-                    dict(num_warps=warps, num_stages=1)))
-
-
 def ptxas_report(ptx: str, name: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / f"{name}.ptx"
@@ -204,8 +190,8 @@ def main(argv=None) -> int:
             "# Triton kernel resources on sm_90 (compiled without a GPU)",
             "",
             f"Command: `python bench/compile_triton.py` (triton {triton.__version__}, GPUTarget('cuda', 90, 32), "
-            "bundled ptxas -arch=sm_90a -v). Dream-7B shapes: Hq 28, Hkv 4 (G 7), D 128, V 152064; "
-            "select_round at B x n windows. smem = Triton's dynamic shared memory (bytes).",
+            "bundled ptxas -arch=sm_90a -v). Dream-7B shapes: Hq 28, Hkv 4 (G 7), D 128, V 152064. "
+            "smem = Triton's dynamic shared memory (bytes).",
             "",
             tabulate([[*r[:7], f"{r[7]:.1f}"] for r in rows],
                      ["kernel", "warps", "stages", "registers/thread", "smem bytes", "spill bytes", "stack bytes",

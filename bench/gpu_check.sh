@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (docs/toolchain.md section 7): install without network, then, in this order,
 #   1. round latency: eager vs CUDA-graph-captured round of a random Dream-7B-shaped bf16 model, k = 1, 2, 4, 8
-#      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round);
+#      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round),
+#      then measured vs projected: those round times next to the CPU-counted H200 projection of the same round
+#      (bench/projection_check.py over bench/results/real_shapes_dream7b.json) and the per-launch costs they imply;
 #   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate);
 #      then batched generate vs sequential (request-rounds per second, B = 1..16 for d2f / LoPA, B = 1 and 16 for
 #      vanilla, threshold and APD (a 0.5B-shaped verifier), whose steps batch through their drivers:
@@ -27,18 +29,19 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
 
 # --- 1. round latency first (the headline numbers), 2. compile=True token parity
 step round_captured 140 python bench/bench_round_captured.py --stage round --out "$OUT"
+step projection 10 python bench/projection_check.py --out "$OUT"
 step parity_compiled 50 python bench/bench_round_captured.py --stage parity --out "$OUT"
 step batch 65 python bench/bench_round_captured.py --stage batch --out "$OUT"
 
 # --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks, then benchmarks
-step cuda_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_select_round.py \
+step cuda_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
   tests/test_cuda_graph_capture.py tests/test_cuda_compile.py tests/test_cuda_loader.py -q -k "cuda or nvrtc or nvcc"
 step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-group-by=param:shape \
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs torch/SDPA/Flex
-step triton_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
-  tests/test_select_round.py tests/test_triton_compile.py -q
+step triton_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
+  tests/test_triton_compile.py -q
 step triton_bench 40 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"
 
@@ -56,3 +59,4 @@ for b in rows:
     print(f"{b['name']:<72} {e.get('us_event', 0):>9.1f} {e.get('gbps', 0):>8.0f} {e.get('tflops', 0):>8.1f}")
 PY
 python bench/bench_round_captured.py --stage table --out "$OUT" || tail -n 20 "$OUT/round_captured.log"
+tail -n 8 "$OUT/projection.log"

@@ -8,6 +8,36 @@ H200 ceilings measured on the device machine (docs/toolchain.md section 7): ~4.3
 from __future__ import annotations
 
 DREAM_7B = dict(num_heads=28, num_kv_heads=4, head_dim=128, vocab_size=152064)
+
+# ---- the models users run, at full width (issue 33): `lopa_fast.testing.tiny_hf_config` arguments, num_layers the
+# real depth (benchmarks build them at reduced depth and scale the per-layer counts; bench/bench_real_shapes.py).
+# Values: the public config.json files (docs/checkpoints.md; Qwen2.5 geometry for the Dream family).
+REAL_SHAPES = {
+    # Dream-v0-7B, D2F-Dream (Dream + merged LoRA), DiffuCoder-7B: Qwen2.5-7B geometry, untied head
+    "dream7b": dict(kind="dream", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                    num_heads=28, num_kv_heads=4, max_position_embeddings=4096, rope_theta=1e6),
+    # LLaDA-8B (Base / Instruct / 1.5, dParallel-LLaDA): MHA, SwiGLU FFN 12288, untied head, no logits shift
+    "llada8b": dict(kind="llada", vocab_size=126464, hidden_size=4096, intermediate_size=12288, num_layers=32,
+                    num_heads=32, num_kv_heads=32, max_position_embeddings=4096, rope_theta=5e5),
+    # Qwen2.5-0.5B: APD's causal verifier, tied embedding / head
+    "qwen25_05b": dict(kind="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                       num_heads=14, num_kv_heads=2, max_position_embeddings=4096, rope_theta=1e6,
+                       tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def streamed_params(shape: dict) -> int:
+    """Weights one forward streams (every layer's projections + the LM head; the embedding is only gathered)."""
+    H, I, L = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
+    D = H // shape["num_heads"]
+    q = H * shape["num_heads"] * D
+    kv = 2 * H * shape["num_kv_heads"] * D
+    per_layer = 2 * q + kv + 3 * H * I  # q and o, k and v, gate / up / down
+    return L * per_layer + shape["vocab_size"] * H
+
+
+def kv_bytes_per_token(shape: dict, elt: int = 2) -> int:
+    return shape["num_layers"] * 2 * shape["num_kv_heads"] * (shape["hidden_size"] // shape["num_heads"]) * elt
 H200_GBPS = 4300.0
 H200_TFLOPS_BF16 = 790.0
 
@@ -34,11 +64,4 @@ CONFIDENCE = {
     "dream7b_N32_V152064": (32, 152064),  # one 32-token window
     "dream7b_N288_V152064": (288, 152064),  # 9 branches x 32
     "dream7b_N2048_V152064": (2048, 152064),  # 16 branches x 128
-}
-
-# name -> (branches B, window n, active blocks nb, lookahead n_look)
-SELECT_ROUND = {
-    "lopa_B3_n32": (3, 32, 1, 2),
-    "lopa_B9_n64": (9, 64, 2, 8),
-    "lopa_B16_n128": (16, 128, 4, 15),
 }

@@ -12,13 +12,10 @@ import torch
 
 # window-attention modes of `branch_attention` (the prefix is always fully visible)
 ATTENTION_MODES = ("full", "block_causal", "causal")
-# threshold comparators of `select_round`: "gt" v > tau (D2F), "ge" v >= tau (Fast-dLLM), "le" v <= tau (dParallel)
-COMPARATORS = ("gt", "ge", "le")
 
-# The integer codes kernels receive for a mode / comparator: its index above. Triton kernels compare with
+# The integer codes kernels receive for a mode: its index above. Triton kernels compare with
 # these; CUDA (.cu) sources get them as -D defines (`code_defines`), never as literals.
 MODE_CODES = {m: i for i, m in enumerate(ATTENTION_MODES)}
-COMPARATOR_CODES = {c: i for i, c in enumerate(COMPARATORS)}
 
 
 # The D2F / LoPA round's counters (lopa_fast/decode/round.py: one 0-d device tensor each in the round state, read
@@ -28,14 +25,11 @@ ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "grow
 
 
 def code_defines() -> dict[str, int]:
-    """{"LOPA_MODE_FULL": 0, ..., "LOPA_CMP_GT": 0, ...}: the codes as C preprocessor defines."""
-    out = {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
-    out.update({f"LOPA_CMP_{k.upper()}": c for k, c in COMPARATOR_CODES.items()})
-    return out
+    """{"LOPA_MODE_FULL": 0, ...}: the codes as C preprocessor defines."""
+    return {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
 
 
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
-RoundSelection = namedtuple("RoundSelection", ["accept", "lookahead", "score", "winner"])
 # ops.head_confidence: Confidence's fields of the logits rows hidden @ weight.T (never materialised) plus
 # finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
 # are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.

@@ -66,13 +66,6 @@ def test_custom_ops_registered_with_fake_impls():
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 3, 4), torch.float32)
     out = torch.ops.lopa_fast.cuda_confidence(torch.empty(7, 100, device="meta", dtype=torch.float16), 3, 1e-10)
     assert [t.dtype for t in out] == [torch.int64] + [torch.float32] * 4 and all(t.shape == (7,) for t in out)
-    m = torch.empty(3, 40, device="meta", dtype=torch.bool)
-    acc, look, score, win = torch.ops.lopa_fast.cuda_select_round(
-        torch.empty(3, 40, device="meta"), torch.empty(3, 40, device="meta"), m,
-        torch.empty(3, 40, device="meta", dtype=torch.int64), torch.empty(3, 2, device="meta", dtype=torch.bool),
-        0.9, "gt", 4, 1.0, 0.0, None, None)
-    assert (acc.shape, acc.dtype, look.shape, look.dtype) == ((3, 40), torch.bool, (3, 4), torch.int64)
-    assert (score.shape, score.dtype, win.shape, win.dtype) == ((3,), torch.float32, (), torch.int64)
 
 
 def test_hooks_refuse_calls_without_a_kernel():
@@ -86,15 +79,12 @@ def test_hooks_refuse_calls_without_a_kernel():
         cuda.confidence(torch.randn(2, 30, generator=g), 4)
     with pytest.raises(ValueError, match="cuda confidence: dtype torch.float64"):
         cuda.confidence(torch.randn(2, 30, dtype=torch.float64), 4)
-    c = torch.rand(2, 9, generator=g)
-    with pytest.raises(ValueError, match="cuda select_round: tensors are on cpu"):
-        cuda.select_round(c, c, c > 0.2, torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), 0.5)
 
 
 def test_kernel_sources_take_codes_and_tiles_from_the_defines():
-    """Mode / comparator codes and tile sizes live once in Python (lopa_fast.contracts,
-    lopa_fast.ops.cuda.constants): every define is read by a source, and no source compares a mode or a
-    comparator with a literal."""
+    """Mode codes and tile sizes live once in Python (lopa_fast.contracts,
+    lopa_fast.ops.cuda.constants): every define is read by a source, and no source compares a mode with a
+    literal."""
     texts = {p.name: p.read_text() for p in source.KERNEL_DIR.glob("*.cu*")}
     every = "".join(texts.values())
     for name in constants.defines():

@@ -119,16 +119,6 @@ def make_attention_inputs(shape, dtype, seed=0, device=DEVICE, extra_rows=3, len
     return q, kc, vc, L, kw, vw, win_lens, block_ids
 
 
-def random_round(B, n, nb, seed):
-    """(value, conf, masked, block_ids, complete, creation_conf, active) of a random select_round (CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    value, conf = torch.rand(B, n, generator=g), torch.rand(B, n, generator=g)
-    masked = torch.rand(B, n, generator=g) < 0.7
-    block_ids = torch.sort(torch.randint(-1, nb, (B, n), generator=g), dim=1).values
-    complete = torch.rand(B, nb, generator=g) < 0.6
-    return value, conf, masked, block_ids, complete, torch.rand(B, generator=g), torch.rand(B, generator=g) < 0.8
-
-
 # ------------------------------------------------------------ CUDA emulation (backends)
 @pytest.fixture(scope="module")
 def cuda_emu():

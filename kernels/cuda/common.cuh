@@ -8,14 +8,12 @@
 
 // Codes and tile sizes are defined once in Python (lopa_fast/contracts.py, lopa_fast/ops/cuda/constants.py)
 // and reach every compiler (NVRTC, nvcc, the host emulation) as -D flags.
-#if !defined(LOPA_MODE_BLOCK_CAUSAL) || !defined(LOPA_CMP_GT) || !defined(LOPA_ATTN_WARPS)
+#if !defined(LOPA_MODE_BLOCK_CAUSAL) || !defined(LOPA_ATTN_WARPS)
 #error "compile with the -D flags of lopa_fast.ops.cuda.constants.define_flags()"
 #endif
 static_assert(LOPA_MODE_FULL != LOPA_MODE_BLOCK_CAUSAL && LOPA_MODE_FULL != LOPA_MODE_CAUSAL &&
                   LOPA_MODE_BLOCK_CAUSAL != LOPA_MODE_CAUSAL,
               "attention mode codes are distinct");
-static_assert(LOPA_CMP_GT != LOPA_CMP_GE && LOPA_CMP_GT != LOPA_CMP_LE && LOPA_CMP_GE != LOPA_CMP_LE,
-              "comparator codes are distinct");
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define LOPA_DEVICE_BUILD 1

@@ -6,11 +6,9 @@ The `torch` backend is what the CPU fast path runs; kernels are picked on CUDA t
 from lopa_fast.ops.branch_attention import branch_attention
 from lopa_fast.ops.confidence import confidence
 from lopa_fast.ops.head_confidence import head_confidence
-from lopa_fast.ops.select_round import select_round
-from lopa_fast.contracts import Confidence, HeadConfidence, RoundSelection
+from lopa_fast.contracts import Confidence, HeadConfidence
 
-__all__ = ["branch_attention", "confidence", "head_confidence", "select_round", "Confidence", "HeadConfidence",
-           "RoundSelection"]
+__all__ = ["branch_attention", "confidence", "head_confidence", "Confidence", "HeadConfidence"]
 from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from lopa_fast.ops.rope import rope, rope_cos_sin  # noqa: E402
 from lopa_fast.ops.silu_mul import silu_mul  # noqa: E402

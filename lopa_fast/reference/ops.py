@@ -11,10 +11,8 @@ import torch
 
 from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract types)
     ATTENTION_MODES,
-    COMPARATORS,
     Confidence,
     HeadConfidence,
-    RoundSelection,
     lowest_k_table,
     window_key_mask,
 )
@@ -217,107 +215,6 @@ def head_confidence(
             p = torch.exp(logits(v0)[0] - lse[:, None])
             neg_entropy += (p * torch.log(p + eps)).sum(-1)
     return HeadConfidence(i1, p_max, margin, neg_entropy, lse, finite)
-
-
-def select_round(
-    accept_value: torch.Tensor,
-    conf: torch.Tensor,
-    masked: torch.Tensor,
-    block_ids: torch.Tensor,
-    block_complete: torch.Tensor,
-    tau: float,
-    comparator: str = "gt",
-    n_look: int = 0,
-    topp: float = 1.0,
-    alpha: float = 0.0,
-    creation_conf: torch.Tensor | None = None,
-    branch_active: torch.Tensor | None = None,
-) -> RoundSelection:
-    """One D2F/LoPA selection round over B branch windows of n positions (docs/semantics.md sections 2-3).
-
-    Inputs (window position i of branch b; padding positions must have masked=False, block_ids=-1):
-      accept_value   [B, n] float  the thresholded statistic: p_max for D2F (`gt`) and Fast-dLLM (`ge`),
-                                   the entropy H = -neg_entropy for dParallel (`le`)
-      conf           [B, n] float  the sampling_strategy confidence c(i) (p_max | margin | neg_entropy):
-                                   used by the fallback, the lookahead ranking and the branch score
-      masked         [B, n] bool   position still holds the mask token (this round's snapshot)
-      block_ids      [B, n] int    local index in [0, nb) of the ACTIVE block holding position i, or -1
-                                   (prompt / to_cache / in_cache positions, padding)
-      block_complete [B, nb] bool  the block's is_complete flag ("fully activated": fallback allowed)
-      tau            float         threshold; comparator "gt": v > tau | "ge": v >= tau | "le": v <= tau
-      n_look         int >= 0      lookahead positions to return per branch
-      topp, alpha    floats        branch_topp in (0, 1], selection_conf_alpha in [0, 1]
-      creation_conf  [B] float | None  (None = 1.0) the conf of the token that created the branch
-      branch_active  [B] bool | None   (None = all) inactive branches never win
-    Values of accept_value/conf at positions that are not candidates are never read (may be NaN).
-
-    Semantics, per branch b:
-      accept[b, i] = masked & block_ids >= 0 & cmp(accept_value, tau)                   (threshold accept)
-      fallback: for each active block j with block_complete[b, j], at least one masked position and no
-        accepted one: also accept argmax_i c(i) over the block's masked positions (ties -> earliest i)
-      lookahead[b, :] = the n_look positions with the highest c among masked & block_ids >= 0 & ~accept
-        (higher c first, earlier position on ties), padded with -1 when fewer exist
-      future[b] = 1.0 if b has no masked position, else the mean of the lowest k = max(1, floor(m * topp))
-        values of c over ALL its m masked positions (every block, before this round's fill)
-      score[b] = alpha * creation_conf[b] + (1 - alpha) * future[b]
-      winner = argmax over active branches of score, ties -> the earliest branch in the given order
-        (callers order branches as upstream: lookaheads in rank order, the anchor last); -1 if none active
-    The decoder applies the winner's accept row (x0 tokens) and spawns lookaheads from its lookahead row
-    (positions of W's remaining masks inside W's active blocks, ranked by c from W's logits).
-
-    Returns RoundSelection(accept bool [B, n], lookahead int64 [B, n_look], score fp32 [B],
-                           winner int64 0-d tensor). Computes in float32 (float64 for float64 conf).
-    """
-    B, n = conf.shape
-    cdt = _compute_dtype(conf)
-    dev = conf.device
-    v = accept_value.to(cdt)
-    c = conf.to(cdt)
-    masked = masked.bool()
-    block_ids = block_ids.long()
-    in_block = masked & (block_ids >= 0)
-    if comparator == "gt":
-        hit = v > tau
-    elif comparator == "ge":
-        hit = v >= tau
-    elif comparator == "le":
-        hit = v <= tau
-    else:
-        raise ValueError(f"select_round: comparator={comparator!r}; allowed: {COMPARATORS}")
-    accept = in_block & hit
-    pos = torch.arange(n, device=dev)
-    neg_inf = torch.tensor(float("-inf"), dtype=cdt, device=dev)
-    for j in range(block_complete.shape[1]):
-        bm = masked & (block_ids == j)  # [B, n]
-        need = block_complete[:, j].bool() & bm.any(1) & ~(accept & bm).any(1)
-        cj = torch.where(bm, c, neg_inf)
-        best = cj.max(1, keepdim=True).values
-        first = torch.where(bm & (cj == best), pos, n).min(1).values  # earliest arg-max
-        accept = accept | (need[:, None] & (pos[None, :] == first[:, None]))
-
-    cand = in_block & ~accept
-    lookahead = torch.full((B, n_look), -1, dtype=torch.long, device=dev)
-    if n_look > 0:
-        # stable descending sort: among equal c the earlier position comes first
-        key = torch.where(cand, c, neg_inf)
-        order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :n_look]
-        ok = torch.gather(cand, 1, order)
-        lookahead[:, : order.shape[1]] = torch.where(ok, order, -1)
-
-    m = masked.sum(1)  # [B]
-    k = lowest_k_table(n, topp).to(dev)[m].long()
-    asc = torch.sort(torch.where(masked, c, float("inf")), dim=1).values
-    low = torch.where(pos[None, :] < k[:, None], asc, 0.0).sum(1) / k
-    future = torch.where(m > 0, low, torch.ones_like(low))
-    cc = torch.ones(B, dtype=cdt, device=dev) if creation_conf is None else creation_conf.to(cdt)
-    score = alpha * cc + (1.0 - alpha) * future
-    active = torch.ones(B, dtype=torch.bool, device=dev) if branch_active is None else branch_active.bool()
-    key = torch.where(active, score, neg_inf)
-    best = key.max()
-    winner = torch.where(active & (key == best), torch.arange(B, device=dev), B).min()
-    winner = torch.where(winner == B, -1, winner)
-    return RoundSelection(accept, lookahead, score, winner)
-
 
 # ------------------------------------------------------------------------------------- layer ops
 # The decoder layer's elementwise / row-wise parts. Unlike the ops above these do NOT upcast their

@@ -1,7 +1,7 @@
 """CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on torch tensors.
 
 The hook of lopa_fast.ops._backend: `available(op)`, `unsupported(op, *args)` and one function per op with the
-public op's signature (`branch_attention`, `confidence`, `head_confidence`, `select_round`). Without a CUDA device or CuPy,
+public op's signature (`branch_attention`, `confidence`, `head_confidence`). Without a CUDA device or CuPy,
 `available()` is False and `why_unavailable()` says why (logged once at INFO on logger "lopa_fast.ops.cuda");
 the dispatch then picks triton / torch. A call the kernels cannot take (a head dim other than 64/128, a window
 over 1024 positions, a dtype without an instantiation, CPU tensors) raises a ValueError naming why: an explicit
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, SEL_MAX_N
-from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, head_confidence_op, select_round_op
+from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS
+from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, head_confidence_op
 from lopa_fast.ops.cuda.probe import available, why_unavailable
 
-__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "head_confidence",
-           "select_round"]
+__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "head_confidence"]
 
 
 def unsupported(op: str, *args) -> str | None:
@@ -39,11 +38,6 @@ def unsupported(op: str, *args) -> str | None:
         t = q
     elif op in ("confidence", "head_confidence"):
         t = args[0]
-    elif op == "select_round":
-        n = args[1].shape[1]
-        if n > SEL_MAX_N:
-            return f"window n={n} is longer than the CUDA kernel's {SEL_MAX_N} positions"
-        return None  # inputs are converted to fp32 by the launcher
     else:
         return f"no CUDA kernel for op {op!r} (ops: {OPS})"
     if t.dtype not in DTYPE_NAMES:
@@ -53,7 +47,7 @@ def unsupported(op: str, *args) -> str | None:
 
 def _require(op: str, *args) -> None:
     why = unsupported(op, *args)
-    dev = args[1 if op == "select_round" else 0].device
+    dev = args[0].device
     if why is None and dev.type != "cuda":
         why = f"tensors are on {dev}"
     if why is not None:
@@ -88,12 +82,3 @@ def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True
     (neg_entropy: zeros without entropy)."""
     _require("head_confidence", hidden)
     return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy))
-
-
-def select_round(accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0, topp=1.0,
-                 alpha=0.0, creation_conf=None, branch_active=None):
-    """lopa_fast.ops.select_round on the CUDA kernel (one CTA per round); returns the 4 RoundSelection fields."""
-    _require("select_round", accept_value, conf)
-    return select_round_op(accept_value, conf, masked, block_ids, block_complete, float(tau), comparator,
-                           int(n_look), float(topp), float(alpha), creation_conf, branch_active)
-

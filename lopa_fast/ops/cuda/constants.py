@@ -10,7 +10,7 @@ import torch
 
 from lopa_fast.contracts import code_defines
 
-OPS = ("branch_attention", "confidence", "head_confidence", "select_round")
+OPS = ("branch_attention", "confidence", "head_confidence")
 # the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (64, 128)
@@ -28,14 +28,10 @@ CONF_THREADS = 256
 # head_confidence: threads per CTA (one vocabulary column each per tile) and hidden rows per CTA
 # (HC_ROWS * 32 == HC_THREADS: the staged hidden tile is one element per thread)
 HC_THREADS, HC_ROWS = 256, 8
-# select_round: at most this many warps (one branch each at a time); a lane records its lookahead picks in a
-# 32-bit mask over positions lane, lane + 32, ..., so windows hold at most 32 * 32 positions
-SEL_MAX_WARPS = 8
-SEL_MAX_N = 32 * 32
 
 
 def defines() -> dict[str, int]:
-    """Every macro the .cu sources read: the mode / comparator codes of lopa_fast.contracts plus the tiles."""
+    """Every macro the .cu sources read: the mode codes of lopa_fast.contracts plus the tiles."""
     return {
         **code_defines(),
         "LOPA_ATTN_WARPS": ATTN_WARPS,
@@ -46,8 +42,6 @@ def defines() -> dict[str, int]:
         "LOPA_CONF_THREADS": CONF_THREADS,
         "LOPA_HC_THREADS": HC_THREADS,
         "LOPA_HC_ROWS": HC_ROWS,
-        "LOPA_SEL_MAX_WARPS": SEL_MAX_WARPS,
-        "LOPA_SEL_MAX_N": SEL_MAX_N,
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.ops.cuda.device import launcher
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
@@ -58,20 +58,3 @@ def _(hidden, weight, suppress_token, eps, entropy):
     R = hidden.shape[0]
     f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
     return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool))
-
-
-@torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")
-def select_round_op(accept_value: Tensor, conf: Tensor, masked: Tensor, block_ids: Tensor, block_complete: Tensor,
-                    tau: float, comparator: str, n_look: int, topp: float, alpha: float, creation_conf: OptTensor,
-                    branch_active: OptTensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The 4 RoundSelection fields of one round (one CTA)."""
-    return run_select_round(launcher("select_round", conf), accept_value, conf, masked, block_ids, block_complete,
-                            tau, comparator, n_look, topp, alpha, creation_conf, branch_active)
-
-
-@select_round_op.register_fake
-def _(accept_value, conf, masked, block_ids, block_complete, tau, comparator, n_look, topp, alpha, creation_conf,
-      branch_active):
-    B, n = conf.shape
-    return (conf.new_empty((B, n), dtype=torch.bool), conf.new_empty((B, n_look), dtype=torch.int64),
-            conf.new_empty(B, dtype=torch.float32), conf.new_empty((), dtype=torch.int64))

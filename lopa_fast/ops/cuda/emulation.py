@@ -16,10 +16,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lopa_fast.contracts import Confidence, HeadConfidence, RoundSelection
+from lopa_fast.contracts import Confidence, HeadConfidence
 from lopa_fast.cache import cache_dir
 from lopa_fast.ops.cuda.constants import OPS, define_flags
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence
 from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
 
 
@@ -65,12 +65,6 @@ class Emulated:
         L = self._l["head_confidence"]
         out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms)
         return HeadConfidence(*out[:3], out[3] if entropy else None, *out[4:])
-
-    def select_round(self, accept_value, conf, masked, block_ids, block_complete, tau, comparator="gt", n_look=0,
-                     topp=1.0, alpha=0.0, creation_conf=None, branch_active=None):
-        return RoundSelection(*run_select_round(self._l["select_round"], accept_value, conf, masked, block_ids,
-                                                block_complete, tau, comparator, n_look, topp, alpha,
-                                                creation_conf, branch_active))
 
 
 def host_compiler() -> str | None:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from lopa_fast.contracts import COMPARATOR_CODES, MODE_CODES, lowest_k_table
+from lopa_fast.contracts import MODE_CODES
 from lopa_fast.ops.cuda.constants import (
     ATTN_KEYS,
     ATTN_ROWS,
@@ -26,7 +26,6 @@ from lopa_fast.ops.cuda.constants import (
     MMA_KEYS,
     MMA_ROWS,
     MMA_THREADS,
-    SEL_MAX_WARPS,
 )
 
 Launch = Callable[[str, tuple, tuple, int, list], None]
@@ -228,33 +227,3 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
                [*head, ("f", float(eps)), P(lse), P(ws_ent)])
         launch("head_confidence_finalize", rows_grid, block, 0, [P(ws_ent), ("i", R), ("i", S), P(neg_entropy)])
     return token, p_max, margin, neg_entropy, lse, finite
-
-
-# ----------------------------------------------------------------------------------------- select_round
-def run_select_round(launch: Launch, accept_value, conf, masked, block_ids, block_complete, tau, comparator,
-                     n_look, topp, alpha, creation_conf, branch_active):
-    """Launch select_round (one CTA); returns (accept bool [B, n], lookahead int64 [B, n_look], score fp32 [B],
-    winner int64 0-d)."""
-    B, n = conf.shape
-    nb = block_complete.shape[1]
-    dev = conf.device
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731 - [B, n] rows of a round: a few KB
-    u8 = lambda t: t.to(torch.bool).contiguous().view(torch.uint8)  # noqa: E731
-    value, c = f32(accept_value), f32(conf)
-    m, done = u8(masked), u8(block_complete)
-    bid = block_ids.to(torch.int64).contiguous()
-    cc = None if creation_conf is None else f32(creation_conf)
-    act = None if branch_active is None else u8(branch_active)
-    accept = torch.empty((B, n), dtype=torch.bool, device=dev)
-    look = torch.empty((B, n_look), dtype=torch.int64, device=dev)
-    score = torch.empty(B, dtype=torch.float32, device=dev)
-    winner = torch.empty((), dtype=torch.int64, device=dev)
-    warps = max(1, min(B, SEL_MAX_WARPS))
-    P = _ptr
-    # tau and alpha rounded to fp32 as the reference's tensor-scalar ops do; 1 - alpha formed in float64 first
-    launch("select_round_f32", (1, 1, 1), (32 * warps, 1, 1), warps * n * 4,
-           [P(value), P(c), P(m), P(bid), P(done), P(lowest_k_table(n, topp, dev)), P(cc), P(act), P(accept),
-            P(look), P(score), P(winner), ("i", B), ("i", n), ("i", nb), ("i", int(n_look)),
-            ("i", COMPARATOR_CODES[comparator]), ("f", float(tau)), ("f", float(alpha)),
-            ("f", 1.0 - float(alpha))])  # fmt: skip
-    return accept, look, score, winner

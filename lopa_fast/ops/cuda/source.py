@@ -49,8 +49,6 @@ def entry_names(op: str) -> list[str]:
             for t in DTYPE_NAMES.values()
             for d in HEAD_DIMS
         ]
-    if op == "select_round":
-        return ["select_round_f32"]
     if op == "head_confidence":
         return [f"head_confidence_{p}_{t}" for p in ("stats", "entropy") for t in DTYPE_NAMES.values()] + [
             "head_confidence_merge", "head_confidence_finalize"]
