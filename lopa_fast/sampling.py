@@ -145,7 +145,8 @@ def threshold_stats(
     """The per-row statistics of a threshold (Fast-dLLM / dParallel) step, logits [n, V] already aligned:
     (x0 [n] int64, conf [n], entropy [n] float64 = -sum p log(p + 1e-12) of the float64 softmax).
 
-    stats_in_float64 (LLaDA family, ModelConfig.stats_in_float64): x0 = argmax (LLaDA's float64 Gumbel-max at T > 0), conf = float64 softmax[x0] (Fast-dLLM).
+    stats_in_float64 (LLaDA family, ModelConfig.stats_in_float64): x0 = argmax (LLaDA's float64 Gumbel-max at
+    T > 0), conf = float64 softmax[x0] (Fast-dLLM).
     Else (Dream family): Dream's sampler (`token_stats`: temperature, top-p, top-k, fp32 softmax), conf = p(x0) in
     float32 (upstream compares the fp32 tensor with tau, which rounds to fp32).
     Used by lopa_fast.reference.threshold and lopa_fast.decode.threshold alike."""

@@ -195,8 +195,8 @@ class ThresholdDriver:
         self._logits, self._w = logits, w
         keys = self.noise.keys(TOKEN, self.stats["forwards"], 0, lo + torch.arange(logits.shape[0], device=self.dev)) \
             if cfg.temperature > 0 else None
-        x0, conf, ent = threshold_stats(logits, stats_in_float64=self.stats_in_float64, temperature=cfg.temperature, top_p=cfg.top_p,
-                                        top_k=cfg.top_k, suppress_token=self.suppress, keys=keys)  # fmt: skip
+        x0, conf, ent = threshold_stats(logits, stats_in_float64=self.stats_in_float64, temperature=cfg.temperature,
+                                        top_p=cfg.top_p, top_k=cfg.top_k, suppress_token=self.suppress, keys=keys)  # fmt: skip
         if only_first:  # Dream refresh: the block's first token, unconditionally (Fast-dLLM's Dream loop)
             sel = torch.ones_like(cand)
         else:

@@ -77,8 +77,8 @@ def check_models(model, verifier, cfg, *, tokenizer=None, verifier_tokenizer=Non
         raise TypeError(f"verifier: {type(verifier).__name__}; expected a model from lopa_fast.load_model")
     if not vcfg.causal_verifier or verifier.attention != "causal":
         raise ValueError(
-            f"verifier model_type {vcfg.model_type!r} ({verifier.attention} attention) cannot verify: APD's verifier is a "
-            "causal AR qwen2 model (Qwen2.5-0.5B for Dream-v0-7B, ar-arith for d2f-arith)"
+            f"verifier model_type {vcfg.model_type!r} ({verifier.attention} attention) cannot verify: APD's verifier "
+            "is a causal AR qwen2 model (Qwen2.5-0.5B for Dream-v0-7B, ar-arith for d2f-arith)"
         )
     Vd, Vq = model.config.vocab_size, vcfg.vocab_size
     if Vq > Vd:
