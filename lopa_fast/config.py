@@ -363,10 +363,9 @@ class GenerateConfig:
             # no prompt here (generate plans the length with it): the model's default, in whole blocks
             n = self.max_new_tokens if self.max_new_tokens is not None else default_max_new_tokens(model)[0]
             self = self.replace(max_new_tokens=self.decode_length(n))
-        kind = model.config.kind
-        if kind == "qwen2":  # the real reason first: a causal AR model has no mask token to ask for
+        if not model.config.is_diffusion:  # the real reason first: a causal AR model has no mask token to ask for
             raise ValueError(
-                f"model kind {kind!r} (causal AR Qwen2) cannot run diffusion decoding; "
+                f"model_type {model.config.model_type!r} (causal AR Qwen2) cannot run diffusion decoding; "
                 "use a Dream / D2F / DiffuCoder / LLaDA model (a qwen2 model is APD's verifier: strategy='apd', "
                 "verifier=)"
             )

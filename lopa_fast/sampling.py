@@ -139,14 +139,15 @@ def gumbel_argmax(logits: torch.Tensor, temperature, generator=None, keys=None) 
 
 
 def threshold_stats(
-    logits: torch.Tensor, *, llada: bool, temperature: float, top_p=None, top_k=None, suppress_token=None,
+    logits: torch.Tensor, *, stats_in_float64: bool, temperature: float, top_p=None, top_k=None, suppress_token=None,
     generator=None, keys=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-row statistics of a threshold (Fast-dLLM / dParallel) step, logits [n, V] already aligned:
     (x0 [n] int64, conf [n], entropy [n] float64 = -sum p log(p + 1e-12) of the float64 softmax).
 
-    LLaDA family: x0 = argmax (LLaDA's float64 Gumbel-max at T > 0), conf = float64 softmax[x0] (Fast-dLLM).
-    Dream family: Dream's sampler (`token_stats`: temperature, top-p, top-k, fp32 softmax), conf = p(x0) in
+    stats_in_float64 (LLaDA family, ModelConfig.stats_in_float64): x0 = argmax (LLaDA's float64 Gumbel-max at
+    T > 0), conf = float64 softmax[x0] (Fast-dLLM).
+    Else (Dream family): Dream's sampler (`token_stats`: temperature, top-p, top-k, fp32 softmax), conf = p(x0) in
     float32 (upstream compares the fp32 tensor with tau, which rounds to fp32).
     Used by lopa_fast.reference.threshold and lopa_fast.decode.threshold alike."""
     if suppress_token is not None:
@@ -154,7 +155,7 @@ def threshold_stats(
         logits[:, suppress_token] = float("-inf")
     p64 = torch.softmax(logits.to(torch.float64), dim=-1)
     ent = -(p64 * torch.log(p64 + ENTROPY_EPS)).sum(-1)
-    if llada:
+    if stats_in_float64:
         x0 = gumbel_argmax(logits, temperature, generator, keys)
         conf = p64.gather(-1, x0[:, None]).squeeze(-1)
     else:

@@ -206,10 +206,10 @@ def test_every_index_in_range_on_a_finished_state(models):
         st["s"].fill_(L - geo.B)
         st["e"].fill_(L)
         if strategy == "vanilla":
-            kinds = [("llada", (16, 1))] if geo.llada else [("dream", (16, 1))]
+            kinds = [("block_topk", (16, 1))] if m.config.vanilla_commit == "block_topk" else [("timestep", (16, 1))]
         else:
             kinds = [("full", (16,)), ("refresh", (16,)), ("refresh_first", (1,)), ("prefix", (16,)), ("dual", ())]
             kinds = [k for k in kinds if (k[0] == "full") == (geo.cache is None)]
         for kind, sizes in kinds:
             out, _ = static_steps.step(m, {k: v.clone() for k, v in st.items()}, T, geo, kind, sizes)
-            assert out["head"][2] == L or kind in ("llada", "dream"), (kind, name)  # still no mask
+            assert out["head"][2] == L or kind in ("block_topk", "timestep"), (kind, name)  # still no mask

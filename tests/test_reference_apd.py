@@ -210,7 +210,7 @@ def test_errors(models):
         lopa_fast.generate(d, [1, 2], strategy="apd", apd_mixture_weight=0.7, max_new_tokens=8)
     with pytest.raises(ValueError, match=r"verifier= given but apd_mixture_weight=None"):
         lopa_fast.generate(d, [1, 2], strategy="apd", verifier=q, max_new_tokens=8)
-    with pytest.raises(ValueError, match=r"verifier kind 'dream'.*causal AR qwen2"):
+    with pytest.raises(ValueError, match=r"verifier model_type 'Dream'.*causal AR qwen2"):
         lopa_fast.generate(d, [1, 2], strategy="apd", verifier=d, apd_mixture_weight=0.7, max_new_tokens=8)
     big = random_model(tiny_hf_config("qwen2", vocab_size=70), seed=0)
     with pytest.raises(ValueError, match=r"verifier vocab_size=70 > drafter vocab_size=64.*prefix"):
@@ -452,7 +452,7 @@ def test_real_checkpoint_layout_mismatches_raise(real_layout, tmp_path):
     _write_layout(tmp_path / "small", "qwen2", 64, _LAYOUT_WORDS[:64], seed=3, eos_token_id=60, bos_token_id=60)
     with pytest.raises(ValueError, match=rf"eos_token_id={LAYOUT_EOS} is outside the verifier's vocabulary \[0, 64\)"):
         lopa_fast.generate(d, [3, 4], verifier=lopa_fast.load_model(tmp_path / "small"), **kw)
-    with pytest.raises(ValueError, match=r"verifier kind 'dream'.*causal AR qwen2"):
+    with pytest.raises(ValueError, match=r"verifier model_type 'Dream'.*causal AR qwen2"):
         lopa_fast.generate(d, [3, 4], verifier=d, **kw)
     other = _LAYOUT_WORDS[:10] + ["x10"] + _LAYOUT_WORDS[11:]
     _write_layout(tmp_path / "other", "qwen2", LAYOUT_V_AR, other, seed=3)

@@ -2,12 +2,14 @@
 decoder tests use (importable from the other test files: `from test_reference_common import StubModel`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lopa_fast.models.config import FAMILIES
 from lopa_fast.models.kv_cache import KVCache
 from lopa_fast.reference.common import shift_logits, token_stats, top_k_filter, top_p_filter
 
@@ -36,9 +38,11 @@ class StubModel:
 
     def __init__(self, rule, *, vocab=8, mask=7, eos=6, shift=True, max_pos=512):
         self.rule = rule
+        kind = "dream" if shift else "llada"
         self.config = SimpleNamespace(
-            kind="dream" if shift else "llada", vocab_size=vocab, max_position_embeddings=max_pos,
+            kind=kind, vocab_size=vocab, max_position_embeddings=max_pos,
             num_layers=1, num_kv_heads=1, head_dim=2, eos_token_ids=[eos],
+            **dataclasses.asdict(FAMILIES[kind]),  # the family's properties (lopa_fast.models.config.Family)
         )  # fmt: skip
         self.logits_shift = shift
         self.attention = "full"

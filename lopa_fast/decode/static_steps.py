@@ -15,8 +15,8 @@ value, so here every per-step value is a 0-d device tensor of the state and ever
                    buffer); columns past L are padding (masked keys, unread rows)
   "dual"           window x[s : s + B] whose K/V overwrite cache rows [s, s + B) in      ()
                    place (index_copy_), attending to the whole cache
-  "llada"          vanilla LLaDA: "full" + the top-k commit, k = the schedule's count   (Rb, k)
-  "dream"          vanilla Dream: "full" over rows [min(fm, L - 1), L) + its commit,    (Rb, n)
+  "block_topk"     vanilla LLaDA: "full" + the top-k commit, k = the schedule's count   (Rb, k)
+  "timestep"       vanilla Dream: "full" over rows [min(fm, L - 1), L) + its commit,    (Rb, n)
                    n = the step's transfer count
 
 k and n stay bucket constants (not device values) because the commit is `torch.topk` over the full-length
@@ -68,7 +68,7 @@ class StepGeometry:
     the geometry says whether each is on, its value is a runtime input in the tables (`step_knobs`)."""
 
     strategy: str  # "vanilla" | "threshold"
-    llada: bool
+    stats_in_float64: bool  # the model family's token statistics (ModelConfig.stats_in_float64)
     shift: bool  # Dream's logits shift
     L: int  # prompt + generation
     B: int  # block length (threshold, LLaDA vanilla; 0 for Dream vanilla)
@@ -103,7 +103,7 @@ def geometry(model, cfg, L: int) -> StepGeometry:
         if model.config.vocab_size > LLADA_EOT_ID:
             blocked.append(LLADA_EOT_ID)
     return StepGeometry(
-        strategy=cfg.strategy, llada=model.config.kind == "llada", shift=bool(model.logits_shift), L=L,
+        strategy=cfg.strategy, stats_in_float64=model.config.stats_in_float64, shift=bool(model.logits_shift), L=L,
         B=0 if dream_vanilla else int(cfg.block_length), mask_id=cfg.mask_token_id,
         sampling=cfg.temperature > 0, nucleus=cfg.top_p is not None and cfg.top_p < 1, top_k=cfg.top_k,
         suppress_mask=bool(cfg.suppress_mask_token),
@@ -307,7 +307,7 @@ def _threshold_post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, 
     bad = steps.first_bad_row(logits, valid if only_first else cand, temperature)
     fwd = st["fwd"] + 1
     keys = _keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
-    x0, conf, ent = threshold_stats(logits, llada=geo.llada, temperature=temperature,
+    x0, conf, ent = threshold_stats(logits, stats_in_float64=geo.stats_in_float64, temperature=temperature,
                                     top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
                                     suppress_token=geo.mask_id if geo.suppress_mask else None, keys=keys)  # fmt: skip
     if only_first:
@@ -428,10 +428,10 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple):
     exactly pre -> forward_static -> post ("dual": pre -> steps.dual_forwards, the in-place forward -> post)."""
     if kind == "dual":
         return (lambda st, T: _dual_pre(st, geo)), (lambda st, T, c, *o: _threshold_post(st, T, geo, kind, c, *o))
-    if kind == "llada":
+    if kind == "block_topk":
         return (lambda st, T: _llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _llada_post(st, T, geo, sizes, c,
                                                                                                  *o))  # fmt: skip
-    if kind == "dream":
+    if kind == "timestep":
         return (lambda st, T: _dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: _dream_post(st, T, geo, sizes, c,
                                                                                                  *o))  # fmt: skip
     return ((lambda st, T: _threshold_pre(st, T, geo, kind, sizes)),
@@ -456,9 +456,9 @@ def _label(kind: str, sizes: tuple) -> str:
 
 def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple) -> tuple[dict, dict]:
     """The step of `kind` (module docstring) on bucket `sizes`: (state, {"logits": raw logits [R, V]})."""
-    if kind == "llada":
+    if kind == "block_topk":
         return llada_step(model, st, T, geo, sizes)
-    if kind == "dream":
+    if kind == "timestep":
         return dream_step(model, st, T, geo, sizes)
     return threshold_step(model, st, T, geo, kind, sizes)
 

@@ -56,7 +56,8 @@ class ThresholdDriver:
         if cache is not None:
             self.use_cache(*cache)
         self.attn_backend = self.fw.backend
-        self.llada = model.config.kind == "llada"
+        self.stats_in_float64 = model.config.stats_in_float64
+        self.refresh_kind = "refresh_first" if model.config.refresh_commits_first else "refresh"
         self.shift = bool(model.logits_shift)
         self.suppress = self.mask_id if cfg.suppress_mask_token else None
         self.stats = {"forwards": 0, "model_calls": 0, "refresh_forwards": 0, "host_reads": 0}
@@ -118,7 +119,7 @@ class ThresholdDriver:
                     if not self._budget():
                         return None
                     self.phase = "refresh"
-                    return ("refresh" if self.llada else "refresh_first",)
+                    return (self.refresh_kind,)
             if self.phase == "full":
                 if self.full:
                     self._next_block()
@@ -194,8 +195,8 @@ class ThresholdDriver:
         self._logits, self._w = logits, w
         keys = self.noise.keys(TOKEN, self.stats["forwards"], 0, lo + torch.arange(logits.shape[0], device=self.dev)) \
             if cfg.temperature > 0 else None
-        x0, conf, ent = threshold_stats(logits, llada=self.llada, temperature=cfg.temperature, top_p=cfg.top_p,
-                                        top_k=cfg.top_k, suppress_token=self.suppress, keys=keys)  # fmt: skip
+        x0, conf, ent = threshold_stats(logits, stats_in_float64=self.stats_in_float64, temperature=cfg.temperature,
+                                        top_p=cfg.top_p, top_k=cfg.top_k, suppress_token=self.suppress, keys=keys)  # fmt: skip
         if only_first:  # Dream refresh: the block's first token, unconditionally (Fast-dLLM's Dream loop)
             sel = torch.ones_like(cand)
         else:

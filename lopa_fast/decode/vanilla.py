@@ -77,10 +77,10 @@ class VanillaDriver:
         self.fm = self.P  # the first mask position, read with each step's head
         self.n_mask = G  # the number of masks, read with each step's head (Dream's transfer count needs it)
         self.geo = static_steps.geometry(model, cfg, self.L)
-        self.llada = model.config.kind == "llada"
+        self.block_topk = model.config.vanilla_commit == "block_topk"  # LLaDA's sampler, else Dream's "timestep"
         self.step_index = 0  # steps run (LLaDA: block * steps_per_block + i)
         self.stopped = False
-        if self.llada:
+        if self.block_topk:
             self.nb = (self.L - self.P) // cfg.block_length
             self.spb = cfg.steps // self.nb
             self.schedule = transfer_schedule(cfg.block_length, self.spb)  # every block starts all masks
@@ -97,7 +97,7 @@ class VanillaDriver:
         if compile_wanted(cfg, self.dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.cview = self.compiled.view()
-            ts = None if self.llada else self.timesteps
+            ts = None if self.block_topk else self.timesteps
             self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts,
                                                 static_steps.step_knobs(cfg))
 
@@ -121,7 +121,7 @@ class VanillaDriver:
         """The coming step's plan (lo, e, i), or None when the request has finished (every step run, or a stop)."""
         if self.stopped or self.step_index >= self.n_steps:
             return None
-        if self.llada:
+        if self.block_topk:
             b, i = divmod(self.step_index, self.spb)
             e = self.P + (b + 1) * self.cfg.block_length
             if self.compiled is not None and i == 0:
@@ -133,7 +133,7 @@ class VanillaDriver:
         """The step's forward inputs: tokens [NB, L] (NB 2 with LLaDA's cfg_scale: the prompt-masked
         unconditional row beside the conditional one) and the flat rows [R] that get the LM head."""
         x, L = self.x, self.L
-        if self.llada:
+        if self.block_topk:
             rows = torch.arange(lo, e, device=self.dev)
             if self.cfg.cfg_scale > 0:
                 un_x = x.clone()
@@ -154,7 +154,7 @@ class VanillaDriver:
         self.count()
         self._before = self.x.clone() if self.trace is not None else None
         self._lo = w["lo"]
-        if self.llada:
+        if self.block_topk:
             self._llada(w, logits)
         else:
             self._dream(w, logits)
@@ -245,10 +245,10 @@ class VanillaDriver:
 
     def _kind(self, lo: int, e: int, i: int) -> tuple[str, tuple]:
         """compile=True: the step's kind and bucket sizes (lopa_fast.decode.static_steps)."""
-        if self.llada:
-            return "llada", (bucket(max(e - lo, 1)), self.schedule[i])
+        if self.block_topk:
+            return "block_topk", (bucket(max(e - lo, 1)), self.schedule[i])
         n = dream_count(self.n_mask, self.ts, i, self.n_steps) if self.cfg.alg != "origin" else 0
-        return "dream", (bucket(self.L - lo), n)
+        return "timestep", (bucket(self.L - lo), n)
 
     def compiled_step(self, lo: int, e: int, i: int) -> None:
         """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,

@@ -13,12 +13,46 @@ LLADA_TYPES = {"llada": "llada"}
 SUPPORTED_MODEL_TYPES = sorted(set(QWEN2_FAMILY_TYPES) | set(LLADA_TYPES))
 
 
+@dataclass(frozen=True)
+class Family:
+    """What the decoders need to know of a model family: one row per family (`FAMILIES`), read through
+    ModelConfig's properties of the same names. Decoders, strategies, reference decoders and config checks read
+    these, never the family's name (tests/test_family_properties.py)."""
+
+    attention: str  # default attention pattern: "full" (bidirectional dLLM) or "causal" (AR)
+    logits_shift: bool  # the raw logit at position j predicts token j+1 (else token j)
+    is_diffusion: bool  # a masked-diffusion LM: it can run diffusion decoding (has a mask token to fill)
+    causal_verifier: bool  # a causal AR LM: usable as APD's verifier
+    stats_in_float64: bool  # token statistics as LLaDA's upstream: Gumbel-max in float64 on raw logits (no top-p /
+    #                         top-k), confidence = float64 softmax[x0]; else Dream's sampler (temperature, top-p,
+    #                         top-k, fp32 softmax; at T > 0 it draws every row it is given)
+    refresh_commits_first: bool  # threshold with a cache: the refresh forward commits the block's first token
+    #                              unconditionally (Fast-dLLM's Dream dual cache); else it commits by the rule
+    vanilla_commit: str | None  # the vanilla sampler upstream ships for the family: "block_topk" (LLaDA's
+    #                             `generate`: blocks of block_length, top-k by confidence with the even transfer
+    #                             schedule, remasking/cfg_scale knobs) or "timestep" (Dream's `diffusion_generate`:
+    #                             a linear timestep schedule over the whole generation, alg/alg_temp/eps knobs);
+    #                             None: no diffusion decoding
+
+
+# kind -> its family's facts (the one place; lopa_fast.models.qwen2 / llada build the networks)
+FAMILIES = {
+    "dream": Family(attention="full", logits_shift=True, is_diffusion=True, causal_verifier=False,
+                    stats_in_float64=False, refresh_commits_first=True, vanilla_commit="timestep"),
+    "qwen2": Family(attention="causal", logits_shift=True, is_diffusion=False, causal_verifier=True,
+                    stats_in_float64=False, refresh_commits_first=False, vanilla_commit=None),
+    "llada": Family(attention="full", logits_shift=False, is_diffusion=True, causal_verifier=False,
+                    stats_in_float64=True, refresh_commits_first=False, vanilla_commit="block_topk"),
+}  # fmt: skip
+
+
 @dataclass
 class ModelConfig:
     """Architecture + special ids.
 
     `kind` is one of "dream" (Dream / DiffuCoder / D2F-*: bidirectional, shifted logits),
-    "qwen2" (Qwen2.5 causal AR: causal, shifted) and "llada" (bidirectional, unshifted).
+    "qwen2" (Qwen2.5 causal AR: causal, shifted) and "llada" (bidirectional, unshifted). Only lopa_fast.models
+    reads it: everything a decoder needs of the family is a property below (`Family`).
     """
 
     kind: str
@@ -42,14 +76,43 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.kind]
+
+    @property
     def attention(self) -> str:
         """Default attention pattern of the family: "full" or "causal"."""
-        return "causal" if self.kind == "qwen2" else "full"
+        return self.family.attention
 
     @property
     def logits_shift(self) -> bool:
         """True when the raw logit at position j predicts token j+1 (Dream family, Qwen2 AR)."""
-        return self.kind in ("dream", "qwen2")
+        return self.family.logits_shift
+
+    @property
+    def is_diffusion(self) -> bool:
+        """A masked-diffusion LM (Dream / D2F / DiffuCoder / LLaDA): it can run diffusion decoding."""
+        return self.family.is_diffusion
+
+    @property
+    def causal_verifier(self) -> bool:
+        """A causal AR LM (Qwen2.5): usable as APD's verifier."""
+        return self.family.causal_verifier
+
+    @property
+    def stats_in_float64(self) -> bool:
+        """LLaDA's token statistics (Gumbel-max in float64, float64 confidence); else Dream's sampler."""
+        return self.family.stats_in_float64
+
+    @property
+    def refresh_commits_first(self) -> bool:
+        """A cached threshold refresh commits the block's first token unconditionally (Dream)."""
+        return self.family.refresh_commits_first
+
+    @property
+    def vanilla_commit(self) -> str | None:
+        """The family's vanilla sampler: "block_topk" (LLaDA), "timestep" (Dream), None (not a dLLM)."""
+        return self.family.vanilla_commit
 
 
 _MISSING = object()

@@ -81,8 +81,8 @@ def step_stats(model, logits: torch.Tensor, cfg, gen, step: int = 0, lo: int = 0
     rows predict positions lo, lo + 1, ... (lopa_fast.sampling.threshold_stats; the keyed sampler's draws are
     keyed by (step, position))."""
     draw = draw_kw(gen, cfg, TOKEN, step, 0, lo + torch.arange(logits.shape[0], device=logits.device))
-    return threshold_stats(logits, llada=model.config.kind == "llada", temperature=cfg.temperature, top_p=cfg.top_p,
-                           top_k=cfg.top_k, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
+    return threshold_stats(logits, stats_in_float64=model.config.stats_in_float64, temperature=cfg.temperature,
+                           top_p=cfg.top_p, top_k=cfg.top_k, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
                            **draw)  # fmt: skip
 
 
@@ -101,7 +101,8 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
     L = x.numel()
     cache = model.new_cache(L) if cfg.cache is not None else None
-    dream = model.config.kind != "llada"
+    draws_all_rows = not model.config.stats_in_float64  # Dream's sampler draws every row it is given at T > 0
+    refresh_commits_first = model.config.refresh_commits_first  # Fast-dLLM Dream: the block's first token
     stats = {"forwards": 0, "model_calls": 0, "refresh_forwards": 0, "multi_token_steps": 0, "noop_forwards": 0}
 
     def budget() -> bool:
@@ -130,7 +131,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
 
     def guard(lo: int, logits: torch.Tensor, cand) -> None:
         """The numerics guard on the rows this step reads (the candidates; every row the sampler draws at T > 0)."""
-        if cand is None or (cfg.temperature > 0 and dream):
+        if cand is None or (cfg.temperature > 0 and draws_all_rows):
             check_finite(logits, lo, cfg, stats["forwards"])
         else:
             idx = cand.nonzero(as_tuple=True)[0]
@@ -165,7 +166,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
                 keep = s if cfg.cache == "prefix" else L
                 logits = align(model, model.forward_window(x[None], cache=cache, mask="full", commit=keep)[0])
                 count(refresh=True)
-                if dream:
+                if refresh_commits_first:
                     guard(s, logits[s : s + 1], None)
                     x0, _, _ = step_stats(model, logits[s : s + 1], cfg, gen, stats["forwards"], s)
                     before = x.clone() if trace is not None else None

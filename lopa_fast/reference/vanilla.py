@@ -178,7 +178,8 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
     trace = [] if cfg.return_trace else None
     with Clock(prompt.device) as clock:
-        x = (_llada if model.config.kind == "llada" else _dream)(model, prompt, cfg, gen, stats, trace, on_round)
+        run = _llada if model.config.vanilla_commit == "block_topk" else _dream  # LLaDA's generate / Dream's
+        x = run(model, prompt, cfg, gen, stats, trace, on_round)
     ids = x[prompt.numel() :].tolist()
     finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, clock.seconds, steps_plus_one=False)
     if stats["masks_left"] and not stats.get("stopped"):  # a stop ends decoding with masks left (cut by the API)

@@ -53,11 +53,10 @@ def check_models(model, verifier, cfg, *, tokenizer=None, verifier_tokenizer=Non
     drafter's and the drafter's EOS id inside it; with both tokenizers given, the token strings of the
     shared prefix must be equal.
     """
-    kind = model.config.kind
-    if kind == "llada" or not model.logits_shift or model.attention != "full":
+    if not model.config.is_diffusion or not model.logits_shift or model.attention != "full":
         raise ValueError(
             f"strategy='apd' drafts with a Dream-family dLLM (bidirectional, shifted logits); the model is "
-            f"{kind!r}. Upstream's apd_sample is Dream's (LLaDA has no APD path)"
+            f"model_type {model.config.model_type!r}. Upstream's apd_sample is Dream's (LLaDA has no APD path)"
         )
     R = cfg.apd_mixture_weight
     if verifier is None:
@@ -76,10 +75,10 @@ def check_models(model, verifier, cfg, *, tokenizer=None, verifier_tokenizer=Non
     vcfg = getattr(verifier, "config", None)
     if vcfg is None or not hasattr(verifier, "forward_window"):
         raise TypeError(f"verifier: {type(verifier).__name__}; expected a model from lopa_fast.load_model")
-    if vcfg.kind != "qwen2" or verifier.attention != "causal":
+    if not vcfg.causal_verifier or verifier.attention != "causal":
         raise ValueError(
-            f"verifier kind {vcfg.kind!r} ({verifier.attention} attention) cannot verify: APD's verifier is a "
-            "causal AR qwen2 model (Qwen2.5-0.5B for Dream-v0-7B, ar-arith for d2f-arith)"
+            f"verifier model_type {vcfg.model_type!r} ({verifier.attention} attention) cannot verify: APD's verifier "
+            "is a causal AR qwen2 model (Qwen2.5-0.5B for Dream-v0-7B, ar-arith for d2f-arith)"
         )
     Vd, Vq = model.config.vocab_size, vcfg.vocab_size
     if Vq > Vd:

@@ -52,7 +52,7 @@ def steps_for(cfg) -> int:
 def resolve(cfg, model):
     """The family's knobs: LLaDA (block_length default max_new_tokens, low_confidence, cfg_scale 0) or Dream
     (alg origin, eps 1e-3); a knob of the other family is refused naming both lists."""
-    if model.config.kind == "llada":
+    if model.config.vanilla_commit == "block_topk":
         bad = [k for k in ("alg", "alg_temp", "eps") if getattr(cfg, k) is not None]
         if bad:
             raise ValueError(f"{bad[0]}={getattr(cfg, bad[0])!r} is a Dream vanilla knob, but the model is LLaDA; "
