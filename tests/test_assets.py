@@ -25,8 +25,8 @@ def test_layout_and_size_budget():
 
 
 def test_loads_with_task_special_ids():
-    model = lopa_fast.load_model(MODEL)  # default dtype bf16
-    assert model.dtype == torch.bfloat16 and model.attention == "full" and model.logits_shift
+    model = lopa_fast.load_model(MODEL)  # default dtype on CPU: float32 (models.loading.default_dtype)
+    assert model.dtype == torch.float32 and model.attention == "full" and model.logits_shift
     assert (model.mask_token_id, model.eos_token_id, model.pad_token_id, model.bos_token_id) == (
         tasks.MASK_ID, tasks.EOS_ID, tasks.EOS_ID, tasks.BOS_ID)
     tok = lopa_fast.load_tokenizer(MODEL)
