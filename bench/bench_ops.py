@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
-from lopa_fast import ops
+from lopa_fast import attention_modes, ops
 from lopa_fast.reference import ops as ref
 
 pytestmark = pytest.mark.bench
@@ -43,7 +43,7 @@ def _dense_layout(q, kc, vc, L, kw, vw, win_lens, block_ids):
     B, n = q.shape[:2]
     k = torch.cat([kc[:L].unsqueeze(0).expand(B, -1, -1, -1), kw], dim=1).transpose(1, 2).contiguous()
     v = torch.cat([vc[:L].unsqueeze(0).expand(B, -1, -1, -1), vw], dim=1).transpose(1, 2).contiguous()
-    vis = ref.window_key_mask(n, win_lens, block_ids, "block_causal", B, q.device)
+    vis = attention_modes.window_key_mask(n, win_lens, block_ids, "block_causal", B, q.device)
     mask = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=q.device), vis], dim=-1)[:, None]
     return q.transpose(1, 2).contiguous(), k, v, mask
 

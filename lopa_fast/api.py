@@ -18,7 +18,7 @@ import torch
 
 from lopa_fast import aliases, strategies, threads
 from lopa_fast.config import GenerateConfig
-from lopa_fast.contracts import first_stop
+from lopa_fast.progress import first_stop
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
 
@@ -258,7 +258,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     on_round:   a progress hook `on_round(prefix, info)` called after every round / step with the accepted
                 sequence's finalised prefix (list[int]: generated ids before its first mask) and info
                 {"round", "forwards", "canvas" (every decoded position, mask id where not yet filled),
-                "mask_token_id"} (lopa_fast.contracts.report_round). It costs one host read per round (the
+                "mask_token_id"} (lopa_fast.progress.report_round). It costs one host read per round (the
                 fast backend otherwise reads only its small round head). An exception raised by the hook
                 ends decoding and propagates. lopa_fast.stream is built on it.
 

@@ -19,6 +19,8 @@ Formulas (lopa_fast.ops.confidence and its kernels match these):
 """
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
 from lopa_fast import keyed
@@ -26,6 +28,13 @@ from lopa_fast import keyed
 NEG_ENTROPY_EPS = 1e-10
 ENTROPY_EPS = 1e-12  # Fast-dLLM / dParallel's entropy (float64, nats)
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
+
+# ops.confidence: the token statistics of logits rows [R, V], each field [R] (every backend returns these fields)
+Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
+# ops.head_confidence: Confidence's fields of the logits rows hidden @ weight.T (never materialised) plus
+# finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
+# are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.
+HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite"])
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from lopa_fast import aliases, api
 from lopa_fast.config import GenerateConfig
-from lopa_fast.contracts import first_stop
+from lopa_fast.progress import first_stop
 from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
     text_decoder  # fmt: skip
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lopa_fast import ops
+from lopa_fast import attention_modes, ops
 from lopa_fast.reference import ops as ref
 from lopa_fast.ops import cuda
 from lopa_fast.ops.cuda import launch
@@ -546,7 +546,7 @@ def test_pooled_torch_backend_is_bitwise_the_single_call_per_row(shape, dtype, m
     inputs = pool_inputs(*shape, dtype, seed=sum(shape), device="cpu")
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
     B, n, Lmax = q.shape[0], q.shape[1], kp.shape[1]
-    vis = ref.window_key_mask(n, wl, bid, mode, B, "cpu")
+    vis = attention_modes.window_key_mask(n, wl, bid, mode, B, "cpu")
     prefix_ok = prefix_visibility(cl, Lmax, "cpu", idx)
     assert prefix_ok.shape == (B, Lmax) and torch.equal(prefix_ok.sum(1), cl[idx])
     o = branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_ok, cache_index=idx)
@@ -554,7 +554,7 @@ def test_pooled_torch_backend_is_bitwise_the_single_call_per_row(shape, dtype, m
                                           cache_index=idx)
     for b in range(B):
         qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
-        visb = ref.window_key_mask(n, wlb, bidb, mode, 1, "cpu")
+        visb = attention_modes.window_key_mask(n, wlb, bidb, mode, 1, "cpu")
         one = branch_attention_torch(qb, kb, vb, clb, kwb, vwb, visb, prefix_visibility(clb, Lmax, "cpu"))
         assert torch.equal(o[b : b + 1], one), f"torch backend row {b}"
         one_ref, one_lse = ref.branch_attention(qb, kb, vb, clb, kwb, vwb, wlb, bidb, mode, return_lse=True)
@@ -576,7 +576,7 @@ def test_pooled_rows_never_see_other_slots_or_rows_past_their_length():
 
     inputs = pool_inputs(4, 6, 4, 2, 16, 40, torch.float32, seed=3, device="cpu")
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
-    vis = ref.window_key_mask(6, wl, bid, "block_causal", 4, "cpu")
+    vis = attention_modes.window_key_mask(6, wl, bid, "block_causal", 4, "cpu")
     run = lambda kp, vp: (  # noqa: E731
         branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_visibility(cl, 40, "cpu", idx), cache_index=idx),
         ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", cache_index=idx, backend="torch"))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.contracts import first_stop
+from lopa_fast.progress import first_stop
 from lopa_fast.decode import apd as fast_apd
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table

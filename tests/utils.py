@@ -89,7 +89,7 @@ def golden_models(data: dict, script: str) -> dict:
 def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode, softmax_fp32: bool = False):
     """A plain PyTorch branch attention in the input dtype: the 2x rule's yardstick (softmax in the input
     dtype, or in fp32 and cast back with softmax_fp32=True, as a kernel that keeps fp32 statistics does)."""
-    from lopa_fast.reference import ops as ref
+    from lopa_fast import attention_modes
 
     B, n, Hq, D = q.shape
     G = Hq // kw.shape[2]
@@ -97,7 +97,7 @@ def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode, softmax_
     k = torch.cat([rep(kc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(kw)], dim=1)  # [B, L+n, Hq, D]
     v = torch.cat([rep(vc[:L]).unsqueeze(0).expand(B, -1, -1, -1), rep(vw)], dim=1)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * (1.0 / math.sqrt(D))
-    vis = ref.window_key_mask(n, win_lens, block_ids, mode, B, q.device)
+    vis = attention_modes.window_key_mask(n, win_lens, block_ids, mode, B, q.device)
     vis = torch.cat([torch.ones(B, n, L, dtype=torch.bool, device=q.device), vis], dim=-1)
     s = s.masked_fill(~vis[:, None], float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(q.dtype) if softmax_fp32 else torch.softmax(s, dim=-1)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.contracts import report_round
+from lopa_fast.progress import report_round
 from lopa_fast.decode.shapes import divided, knob, pow2_bucket, quantized_length, scaled, stop_table
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
@@ -494,7 +494,7 @@ class FastApd:
 
     # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
     def begin(self, on_round=None) -> None:
-        """Start the clock and plan step 1. on_round: the progress hook (lopa_fast.contracts.report_round), called
+        """Start the clock and plan step 1. on_round: the progress hook (lopa_fast.progress.report_round), called
         after every step with the committed prefix (one extra host read per step, only with a hook)."""
         self.on_round = on_round
         self.stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}
@@ -591,7 +591,7 @@ def _cache(prefix: str, model, rows: int) -> dict:
 
 def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> GenerateOutput:
     """APD / leftright on the fast backend (cfg bound and covered: temperature 0; lopa_fast.api checked the pair).
-    on_round: the progress hook, called after every step (lopa_fast.contracts.report_round)."""
+    on_round: the progress hook, called after every step (lopa_fast.progress.report_round)."""
     return FastApd(model, prompt, cfg, verifier).run(on_round)
 
 

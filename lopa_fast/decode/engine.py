@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast.contracts import report_round
+from lopa_fast.progress import report_round
 from lopa_fast.decode import round as rnd
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
 from lopa_fast.decode.syncs import round_scope
@@ -245,7 +245,7 @@ class FastDecoder:
     # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
     def begin(self, on_round=None) -> None:
         """Start the clock, plan round 1 and read its head (the request's first host read). on_round: the
-        progress hook (lopa_fast.contracts.report_round), called after every round with the anchor row (the
+        progress hook (lopa_fast.progress.report_round), called after every round with the anchor row (the
         accepted sequence): one extra host read per round, only with a hook."""
         self.on_round = on_round
         self.stats = {"forwards": 0, "model_calls": 0}

@@ -36,12 +36,15 @@ import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
 from lopa_fast.decode.shapes import knob, stop_table
-from lopa_fast.contracts import ROUND_COUNTERS, lowest_k_table
 from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged", "nonfinite", "stop")
+# the round's counters: one 0-d device tensor each in the round state, read once at the end of a request into
+# the stats (lopa_fast.decode.engine)
+ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
+                  "max_branches")  # fmt: skip
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -97,6 +100,13 @@ def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg
     if shift:  # table row 0: last_logit predicts the window start
         pos = torch.cat([(torch.zeros_like(rows[:1]) + s), pos])
     return keyed.key(T["seed"], keyed.TOKEN, st["round"], 0, pos)
+
+
+def lowest_k_table(n: int, topp: float) -> torch.Tensor:
+    """k(c) = max(1, floor(c * topp)) for c = 0..n as int32 [n + 1], computed in Python float64 exactly as
+    upstream's `int(len(confs) * branch_topp)`: the branch score reads this table instead of redoing float maths
+    on the device."""
+    return torch.tensor([max(1, int(c * topp)) for c in range(n + 1)], dtype=torch.int32)
 
 
 def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:

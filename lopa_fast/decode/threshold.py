@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.contracts import after_step
+from lopa_fast.progress import after_step
 from lopa_fast.decode import static_steps, steps
 from lopa_fast.decode.steps import threshold_select as select  # noqa: F401  (the step's rule, shared)
 from lopa_fast.decode.shapes import pow2_bucket as bucket

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.contracts import after_step
+from lopa_fast.progress import after_step
 from lopa_fast.decode import static_steps, steps
 from lopa_fast.decode.shapes import pow2_bucket as bucket
 from lopa_fast.decode.static_steps import DREAM_CONF, llada_choice

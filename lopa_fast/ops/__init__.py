@@ -6,7 +6,7 @@ The `torch` backend is what the CPU fast path runs; kernels are picked on CUDA t
 from lopa_fast.ops.branch_attention import branch_attention
 from lopa_fast.ops.confidence import confidence
 from lopa_fast.ops.head_confidence import head_confidence
-from lopa_fast.contracts import Confidence, HeadConfidence
+from lopa_fast.sampling import Confidence, HeadConfidence
 
 __all__ = ["branch_attention", "confidence", "head_confidence", "Confidence", "HeadConfidence"]
 from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
-from lopa_fast.contracts import ATTENTION_MODES
+from lopa_fast.attention_modes import ATTENTION_MODES
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -204,7 +204,7 @@ def branch_attention_torch(
     cache_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch backend of `branch_attention` for a layer loop: the masks come in precomputed (built once
-    per forward, not per layer: `vis` = contracts.window_key_mask(...) [B, n, n], `prefix_ok` =
+    per forward, not per layer: `vis` = attention_modes.window_key_mask(...) [B, n, n], `prefix_ok` =
     prefix_visibility(...)), and each contraction is the one batched matmul the reference's einsum runs,
     so the result is bitwise the reference's (tests/test_branch_attention.py) with about a third of its
     ops. Returns o [B, n, Hq, D] in q.dtype (no lse).

@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from lopa_fast.contracts import HeadConfidence
+from lopa_fast.sampling import HeadConfidence
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
 

@@ -9,14 +9,8 @@ import math
 
 import torch
 
-from lopa_fast.contracts import (  # noqa: F401  (re-exported: the ops' contract types)
-    ATTENTION_MODES,
-    Confidence,
-    HeadConfidence,
-    lowest_k_table,
-    window_key_mask,
-)
-from lopa_fast.sampling import softmax_stats
+from lopa_fast.attention_modes import window_key_mask
+from lopa_fast.sampling import Confidence, HeadConfidence, softmax_stats
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

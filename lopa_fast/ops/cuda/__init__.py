@@ -72,13 +72,13 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
 
 
 def confidence(logits, suppress_token=None, eps=1e-10):
-    """lopa_fast.ops.confidence on the CUDA kernel; returns the 5 fields of lopa_fast.contracts.Confidence."""
+    """lopa_fast.ops.confidence on the CUDA kernel; returns the 5 fields of lopa_fast.sampling.Confidence."""
     _require("confidence", logits)
     return confidence_op(logits, suppress_token, float(eps))
 
 
 def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True):
-    """lopa_fast.ops.head_confidence on the CUDA kernels; returns the 6 fields of lopa_fast.contracts.HeadConfidence
+    """lopa_fast.ops.head_confidence on the CUDA kernels; returns the 6 fields of lopa_fast.sampling.HeadConfidence
     (neg_entropy: zeros without entropy)."""
     _require("head_confidence", hidden)
     return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy))

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lopa_fast.contracts import Confidence, HeadConfidence
+from lopa_fast.sampling import Confidence, HeadConfidence
 from lopa_fast.cache import cache_dir
 from lopa_fast.ops.cuda.constants import OPS, define_flags
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence

@@ -1,82 +1,10 @@
-"""Types and tables shared by the decoders (reference and fast), the public ops and the kernels.
+"""What every decoding loop (reference and fast) does when a step or round ends: the progress hook and the stop check.
 
-A neutral module: `lopa_fast.decode`, `lopa_fast.ops` and `kernels/` import these from here, never from
-`lopa_fast.reference` (the reference decoders are the oracle the fast path is tested against).
+A neutral module (torch only): `first_stop` also cuts a finished output (lopa_fast.api, lopa_fast.stream).
 """
 from __future__ import annotations
 
-import functools
-from collections import namedtuple
-
 import torch
-
-# window-attention modes of `branch_attention` (the prefix is always fully visible)
-ATTENTION_MODES = ("full", "block_causal", "causal")
-
-# The integer codes kernels receive for a mode: its index above. Triton kernels compare with
-# these; CUDA (.cu) sources get them as -D defines (`code_defines`), never as literals.
-MODE_CODES = {m: i for i, m in enumerate(ATTENTION_MODES)}
-
-
-# The D2F / LoPA round's counters (lopa_fast/decode/round.py: one 0-d device tensor each in the round state, read
-# once at the end of a request into the stats).
-ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
-                  "max_branches")  # fmt: skip
-
-
-def code_defines() -> dict[str, int]:
-    """{"LOPA_MODE_FULL": 0, ...}: the codes as C preprocessor defines."""
-    return {f"LOPA_MODE_{m.upper()}": c for m, c in MODE_CODES.items()}
-
-
-Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
-# ops.head_confidence: Confidence's fields of the logits rows hidden @ weight.T (never materialised) plus
-# finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
-# are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.
-HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite"])
-
-
-def lowest_k_table(n: int, topp: float, device=None) -> torch.Tensor:
-    """k(c) = max(1, floor(c * topp)) for c = 0..n as int32 [n + 1], computed in Python float64 exactly as
-    upstream's `int(len(confs) * branch_topp)`; kernels read this table instead of redoing float maths.
-    With a `device`, the table is cached per (n, topp, device): no host-to-device copy per round once warm."""
-    if device is None:
-        return torch.tensor([max(1, int(c * topp)) for c in range(n + 1)], dtype=torch.int32)
-    return _device_table(n, float(topp), str(device))
-
-
-@functools.lru_cache(maxsize=64)
-def _device_table(n: int, topp: float, device: str) -> torch.Tensor:
-    return lowest_k_table(n, topp).to(device)
-
-
-def window_key_mask(
-    n: int,
-    win_lens: torch.Tensor | None,
-    block_ids: torch.Tensor | None,
-    mode: str,
-    batch: int,
-    device,
-) -> torch.Tensor:
-    """Visibility of window keys: bool [B, n_query, n_key] (True = visible).
-
-    Query (b, i) sees window key j iff j < win_lens[b] and
-      full:          always
-      block_causal:  block_ids[b, j] <= block_ids[b, i]
-      causal:        j <= i
-    Built from block ids and lengths; the prefix (cache) part is always fully visible.
-    """
-    j = torch.arange(n, device=device)
-    if win_lens is None:
-        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
-    else:
-        valid = j[None, :] < win_lens.to(device).reshape(batch, 1)
-    vis = valid[:, None, :].expand(batch, n, n)
-    if mode == "causal":
-        vis = vis & (j[None, :, None] >= j[None, None, :])
-    elif mode == "block_causal":
-        vis = vis & (block_ids[:, None, :] <= block_ids[:, :, None])
-    return vis
 
 
 def first_stop(ids: list[int], stops, mask_token_id: int | None = None) -> int | None:
