@@ -325,11 +325,12 @@ class LopaFastLM(TemplateLM):
 
     # ---- loglikelihood requests ----------------------------------------------------------------------------
     def _require_diffusion(self, what: str) -> None:
-        if self.model.attention != "full" or self.model.mask_token_id is None:
+        mc = self.model.config
+        if not mc.is_diffusion or self.model.mask_token_id is None:  # the family's property, not its attention
             raise NotImplementedError(
-                f"lopa_fast: {what} needs a masked-diffusion model (full attention and a mask token); {self.path} "
-                f"has attention={self.model.attention!r}, mask_token_id={self.model.mask_token_id!r}. Supported on "
-                "it: generate_until")  # fmt: skip
+                f"lopa_fast: {what} needs a masked-diffusion model (a mask token to fill); {self.path} is "
+                f"model_type={mc.model_type!r} (is_diffusion={mc.is_diffusion}, attention={self.model.attention!r}), "
+                f"mask_token_id={self.model.mask_token_id!r}. Supported on it: generate_until")  # fmt: skip
 
     def _fit(self, context: list[int], continuation: list[int]) -> list[int]:
         """The context cut on the left so context + continuation fit `max_length` (with a warning); at least one
