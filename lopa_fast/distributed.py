@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from lopa_fast.decode import round as rnd
+from lopa_fast.decode import round_stats
 from lopa_fast.decode.engine import FastDecoder
 from lopa_fast.errors import DistributedError, KnobError
 
@@ -196,12 +197,12 @@ def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, pref
     own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V], k_win,
     v_win [layers, m, Nb, Hkv, D], flat [n_rows]: the rows' flat window rows slot * Nb + column, the real ones
     first in ascending order, n_real: 0-d, how many are real)."""
-    Nb = w["i"].shape[0]
+    Nb = w["cols"].shape[0]
     need = w["need"].index_select(0, slots) & valid[:, None]  # [m, Nb]
     rows = torch.sort((~need.reshape(-1)).to(torch.uint8), stable=True).indices[:n_rows]
-    bids = None if w["bids"] is None else w["bids"].index_select(0, slots)
+    bids = None if w["block_ids"] is None else w["block_ids"].index_select(0, slots)
     logits, k_win, v_win = model.forward_static(
-        w["tokens"].index_select(0, slots), st["s"], st["cache_k"], st["cache_v"], prefix_len,
+        w["tokens"].index_select(0, slots), st["start"], st["cache_k"], st["cache_v"], prefix_len,
         w["win_lens"].index_select(0, slots), bids, geo.mode, rows, attn_backend=geo.attn_backend,
     )  # fmt: skip
     flat = slots.index_select(0, rows // Nb) * Nb + rows % Nb
@@ -221,14 +222,15 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
     msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
     msg[0] = 0
     msg[1] = n_real
-    msg[2] = rnd.first_nonfinite(logits, flat, n_real, geo.NB * Nb, rnd.temperature(T, cfg)) if n else -1
+    t = round_stats.temperature(T, cfg)
+    msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
     msg[3] = holder
     if table.shape[0] == 0:
         return msg
     # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
-    keys = rnd.row_keys(st, T, flat if n else flat.new_zeros(1), st["s"], Nb, geo.shift, cfg)
+    keys = round_stats.row_keys(st, T, flat if n else flat.new_zeros(1), st["start"], Nb, geo.shift, cfg)
     keys = None if keys is None else keys[: table.shape[0]]
-    conf, x0, p = rnd.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
+    conf, x0, p = round_stats.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     k = int(geo.shift)
     if geo.shift:
         msg[4], msg[5], msg[6] = _bits(conf[:1])[0], _bits(p[:1])[0], x0[0].to(torch.int32)
@@ -272,13 +274,13 @@ def after_exchange(st: dict, T: dict, geo, w: dict, parts: torch.Tensor, Nb: int
     conf, x0, p, nonfinite, failed = gathered_stats(parts, geo, Nb, Rmax)
     st["nonfinite"] = nonfinite
     sel = rnd.select_winner(st, T, geo, w, conf)
-    info = rnd.apply_winner(st, T, geo, w, sel, conf, x0, p)
+    info = rnd.apply_winner(st, T, geo, w, sel, round_stats.TokenStats(conf, x0, p))
     if geo.shift:  # table row last_row = needed raw row last_row - 1; this rank's rows follow the lower ranks'
         lower = torch.arange(parts.shape[0], device=parts.device) < rank
         loc = sel["last_row"] - 1 - torch.where(lower, parts[:, 1].long(), 0).sum()
     else:
         loc = torch.zeros((), dtype=torch.long, device=conf.device)
-    vals = torch.cat([st["head"], sel["W"].reshape(1), failed.reshape(1).long(), loc.reshape(1)])
+    vals = torch.cat([st["head"], sel["winner"].reshape(1), failed.reshape(1).long(), loc.reshape(1)])
     return st, info, vals
 
 
@@ -322,7 +324,7 @@ class DistributedDecoder(FastDecoder):
         self.max_share = 0  # the most slots this rank ran in one round (its window K/V)
         self._hook_error: BaseException | None = None  # the progress hook's exception, held until the next gather
 
-    def _read_head(self) -> list[int]:
+    def _read_head(self) -> rnd.Head:
         if self._pending is None:
             head = super()._read_head()
         else:  # read with the winner and the error flag at the end of _step: still one read per round
@@ -370,7 +372,7 @@ class DistributedDecoder(FastDecoder):
     def _step(self, Nb: int, Rb: int, s: int) -> None:
         T, geo, comm = self.tables, self.geo, self.comm
         rnd_no = self._rounds + 1
-        nA, u = self._head[1], self._head[3]
+        nA, u = self._head.alive, self._head.commit_len
         self.max_Nb = max(self.max_Nb, Nb)
         compiled = self.compiled is not None and self._rounds > 0  # round 1 (the prefill) eager, as on one process
         # message rows per rank: a compiled share is padded to the static ceil(NB / world) slots
@@ -401,7 +403,7 @@ class DistributedDecoder(FastDecoder):
         else:
             self.st, self.info, vals = after_exchange(self.st, T, geo, w, parts, Nb, Rmax, self._rank_t)
         vals = vals.tolist()  # the round's one host read: the next head, the winner, the error flag, a row index
-        self._pending = vals[:9]
+        self._pending = rnd.Head(*vals[:9])
         if vals[10]:
             self._raise_peer_error(err, rnd_no)
         if u > 0:

@@ -150,9 +150,9 @@ class FastDecoder:
         """The request's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
         self.st["cache_k"], self.st["cache_v"] = cache_k, cache_v
 
-    def _read_head(self) -> list[int]:
+    def _read_head(self) -> rnd.Head:
         self.host_reads += 1
-        return self.st["head"].tolist()  # the round's one device-to-host read
+        return rnd.Head(*self.st["head"].tolist())  # the round's one device-to-host read
 
     def _step(self, Nb: int, Rb: int, s: int) -> None:
         if self.compiled is not None and self._rounds > 0:
@@ -177,8 +177,8 @@ class FastDecoder:
 
         def pre(st: dict, T: dict):
             w = rnd.window_inputs(st, T, geo, Nb, Rb)
-            return dict(tokens=w["tokens"], start=st["s"], cache_k=st["cache_k"], cache_v=st["cache_v"],
-                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"],
+            return dict(tokens=w["tokens"], start=st["start"], cache_k=st["cache_k"], cache_v=st["cache_v"],
+                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
                         output=rnd.head_output(geo)), w
 
         head = self._head()
@@ -203,7 +203,7 @@ class FastDecoder:
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (the arguments of its solo `forward_static`)."""
         return dict(tokens=w["tokens"], start=w["start"], cache_k=self.st["cache_k"], cache_v=self.st["cache_v"],
-                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["bids"], rows=w["rows"],
+                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
                     output=rnd.head_output(self.geo))  # fmt: skip
 
     def _head(self):
@@ -216,17 +216,17 @@ class FastDecoder:
         self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
                                               head=self._head())  # fmt: skip
 
-    def _trace_entry(self, head: list[int]) -> dict:
+    def _trace_entry(self, head: rnd.Head) -> dict:
         info, P = self.info, self.P
-        nA = head[1]
+        nA = head.alive
         W = int(info["winner"])
         look = [None if q < 0 else q - P for q in info["look_pos"][:nA].tolist()]
-        acc_mask = info["acc"]
-        acc = [[q - P, t] for q, t in zip(info["wpos"][acc_mask].tolist(), info["tok"][acc_mask].tolist())]
+        acc_mask = info["accepted"]
+        acc = [[q - P, t] for q, t in zip(info["win_pos"][acc_mask].tolist(), info["tokens"][acc_mask].tolist())]
         if look[W] is not None:
             acc.append([look[W], int(self.st["x"][0, look[W] + P])])
         return {
-            "round": None, "window_start": head[2] - P, "cached": head[3],
+            "round": None, "window_start": head.start - P, "cached": head.commit_len,
             "branches": [{"score": float(info["score"][b]), "lookahead": look[b], "window_len": wl}
                          for b, wl in enumerate(self._wl[:nA])],
             "winner": W, "accepted": sorted(acc),
@@ -273,7 +273,7 @@ class FastDecoder:
             round_cap_hit(self.cfg, self.stats, self.name)
             return None
         if self.trace is not None:
-            self._wl = self.st["wl"].tolist()
+            self._wl = self.st["window_lens"].tolist()
         Nb, Rb = bucket(n, R, self.geo)
         if self.compiled is None:  # eager rounds need no shape sharing: the LM head and the statistics run on the
             Rb = max(1, R)  # needed rows only (rows are independent: the same values as in a padded bucket)
@@ -291,13 +291,13 @@ class FastDecoder:
         self._rounds += 1
         stats["forwards"] += 1
         stats["model_calls"] += 1
-        self.ragged_rounds += bool(self._prev_head[6])
+        self.ragged_rounds += bool(self._prev_head.ragged)
         if self.trace is not None:
             self.trace.append(self._trace_entry(self._prev_head))
             self.trace[-1]["round"] = stats["forwards"]
         if self.on_round is not None:  # the anchor is the last alive slot of the next round's plan
             self.host_reads += 1
-            row = self.st["x"][max(head[1], 1) - 1, self.P : self.P + geo.G * geo.bs]
+            row = self.st["x"][max(head.alive, 1) - 1, self.P : self.P + geo.G * geo.bs]
             report_round(self.on_round, row, geo.mask_id, geo.G * geo.bs, stats["forwards"])
 
     def run(self, on_round=None) -> GenerateOutput:
@@ -316,21 +316,21 @@ class FastDecoder:
         self.clock.__exit__(None, None, None)
         cfg, geo, stats, head, trace, clock = self.cfg, self.geo, self.stats, self.head, self.trace, self.clock
         ragged_rounds = self.ragged_rounds
-        if head[7] >= 0:
-            self._refuse_nonfinite(head[7], stats["forwards"])
+        if head.nonfinite >= 0:
+            self._refuse_nonfinite(head.nonfinite, stats["forwards"])
         st = self.st
-        if head[8]:
-            out_slot = head[1] - 1  # the anchor (the last alive slot): the accepted sequence
-        elif head[0]:
+        if head.stop:
+            out_slot = head.alive - 1  # the anchor (the last alive slot): the accepted sequence
+        elif head.done:
             # every alive branch finished in the same round (lookaheads always keep an active block, so a
             # finished round holds just the anchor): upstream returns the first finished branch in list order
             out_slot = int(torch.where(st["done"], torch.arange(geo.NB, device=self.dev), geo.NB).min()) \
-                if head[1] > 1 else 0
+                if head.alive > 1 else 0
         else:
-            out_slot = int(st["lay"])  # the cap: the running anchor (else the first running branch)
-        length = self.P + int(st["nblk"][out_slot]) * geo.bs
+            out_slot = int(st["layout_slot"])  # the cap: the running anchor (else the first running branch)
+        length = self.P + int(st["n_blocks"][out_slot]) * geo.bs
         ids = st["x"][out_slot, self.P : length].tolist()
-        c = {k[2:]: int(v) for k, v in st.items() if k.startswith("c_")}
+        c = {name: int(st["count_" + name]) for name in rnd.ROUND_COUNTERS}
         stats.update(
             accepted_by_threshold=c["thresh"], fallback_fills=c["fallback"], eos_fills=c["eos_fills"],
             multi_token_rounds=c["multi"], eos_detected=bool(st["eos"][out_slot]),

@@ -4,43 +4,72 @@ The fast decoder (lopa_fast.decode.engine) keeps a request's round state in a di
 are fixed for the request (`init_state`), and runs each round as `round_step(...)` on a *bucket*
 (Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
 branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
-and then the plan of the NEXT round (grow, activation, termination, window start s, cached span u,
-window length n, LM-head rows R), ending in the 9-int `head` the driver reads once per round to pick
-the next bucket and to stop. Every per-round scalar (s, u, the prefix length, the winner, the alive
-count) stays a device tensor, so the same step can run eagerly, under `torch.compile(fullgraph=True)`
-or be captured once as a CUDA graph and replayed.
+and then the plan of the NEXT round (grow, activation, termination, window start, the span it commits to the
+cache, window width n, LM-head rows R), ending in the 9-int `head` the driver reads once per round (as a `Head`)
+to pick the next bucket and to stop. Every per-round scalar (the window start, the commit length, the prefix
+length, the winner, the alive count) stays a device tensor, so the same step can run eagerly, under
+`torch.compile(fullgraph=True)` or be captured once as a CUDA graph and replayed. The token statistics live in
+lopa_fast/decode/round_stats.py.
 
 Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
 buffer length Lb >= L (L rounded up, so prompts of nearby lengths share compiled rounds: P and L are
-device tensors in the tables, never shapes), NB branch slots = k + 1 for k >= 2, else 1):
-  x        [NB, Lb + 1] long  token rows; column Lb is a trash column (scatters of padding go there)
-  nblk     [NB] long          generated blocks present per slot
-  state    [G + 1] long       block states 0 active, 1 to_cache, 2 in_cache (shared by every slot:
-                              a new branch always gets the winner's table, growth appends active blocks)
-  complete [NB, G + 1] bool   is_complete ("fully activated": the fallback may fill)
-  eos, alive [NB] bool; cconf [NB] float64 (the confidence that created a branch); look_pos [NB] long
-  last_logit [V]              the raw logit saved with the last committed span (Dream's shift)
+device tensors in the tables (prompt_len, total_len), never shapes), NB branch slots = k + 1 for k >= 2, else 1):
+  x            [NB, Lb + 1] long  token rows; column Lb is a trash column (scatters of padding go there)
+  n_blocks     [NB] long          generated blocks present per slot
+  block_state  [G + 1] long       block states 0 active, 1 to_cache, 2 in_cache (shared by every slot:
+                                  a new branch always gets the winner's table, growth appends active blocks)
+  complete     [NB, G + 1] bool   is_complete ("fully activated": the fallback may fill)
+  eos, alive [NB] bool; creation_conf [NB] float64 (the confidence that created a branch); look_pos [NB] long
+  last_logit   [V]                the raw logit saved with the last committed span (Dream's shift)
   cache_k/v [layers, Lb + 1, Hkv, D]; cache_len 0-d long  (row Lb is a trash row for masked commits)
-  plan tensors of the coming round: exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u
-  head [9] long: done, alive slots nA, s, u, n, R, ragged, the flat window row (slot * Nb + column)
-           of the first non-finite raw logits row the last round read, or -1 (the numerics guard rides on
-           the round's one host read: the driver raises before any token of that round is returned), and
-           whether a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
+  count_<name> 0-d long           the round's counters (ROUND_COUNTERS), read once at the end of the request
+  plan tensors of the coming round (`plan`): exists, active [NB, G + 1] bool; running, done [NB] bool (alive and
+    not finished / finished); is_mask, need [NB, Lb + 1] bool (a mask inside the row's length / an LM-head row
+    needed); lens, window_lens [NB] long (row length, window length from the start); to_cache [G + 1] bool;
+    shared_end (the end of the leading non-active blocks), layout_slot (the anchor if running, else the first
+    running slot), start (the window start), commit_len (the to-cache span's length): 0-d long
+  head [9] long: the `Head` fields, read by the host once per round
 Slots [0, n_look) hold lookaheads in rank order and the anchor comes last among the alive slots (slot
 nA - 1): upstream's verification order, so "first maximum" is its tie rule for the winner.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from lopa_fast import keyed, ops
+from lopa_fast import keyed
+from lopa_fast.decode.round_stats import (
+    TokenStats,
+    first_bad,
+    first_nonfinite,
+    fused_head_stats,
+    row_keys,
+    temperature,
+    token_stats,
+)
 from lopa_fast.decode.shapes import knob, stop_table
-from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
-from lopa_fast.sampling import token_stats as softmax_token_stats
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
-HEAD_FIELDS = ("done", "alive", "s", "u", "n", "R", "ragged", "nonfinite", "stop")
+
+
+class Head(NamedTuple):
+    """The round's `head` [9] as the host reads it (one `.tolist()` per round): the plan of the coming round."""
+
+    done: int  # every alive slot finished
+    alive: int  # alive slots nA (the anchor is slot nA - 1)
+    start: int  # the window start s (= the committed prefix length once the span below is cached)
+    commit_len: int  # the to-cache span the round commits (u positions from the start)
+    width: int  # the window width n: the longest running slot's window
+    rows: int  # the LM-head rows R the round needs
+    ragged: int  # the alive slots' windows differ in length
+    nonfinite: int  # the flat window row (slot * Nb + column) of the first non-finite raw logits row the last
+    # round read, or -1 (the numerics guard rides on the round's one host read: the driver raises before any
+    # token of that round is returned)
+    stop: int  # a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
+
+
 # the round's counters: one 0-d device tensor each in the round state, read once at the end of a request into
 # the stats (lopa_fast.decode.engine)
 ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
@@ -58,48 +87,6 @@ def round_knobs(cfg) -> dict[str, float]:
     filter), the skip threshold and the selection blend alpha (clamped to [0, 1])."""
     return dict(temperature=float(cfg.temperature), top_p=1.0 if cfg.top_p is None else float(cfg.top_p),
                 skip_threshold=float(cfg.skip_threshold), alpha=float(max(0.0, min(1.0, cfg.selection_conf_alpha))))
-
-
-def temperature(T: dict, cfg):
-    """The temperature a round computes with: the tables' 0-d knob at T > 0, else 0.0 (greedy: another graph)."""
-    return T["temperature"] if cfg.temperature > 0 else 0.0
-
-
-def token_stats(logits: torch.Tensor, T: dict, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
-    """(conf [R] fp32, x0 [R] int64, p [R] fp32) for logits rows [R, V]; the temperature and top_p values come
-    from the tables T (runtime knobs), whether they apply from cfg (the compile key).
-
-    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity);
-    at T > 0 it draws x0 with the keyed sampler (keys [R]: `row_keys`), as the reference does.
-    use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics
-    within ~1e-6 (not bitwise)."""
-    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
-    top_p = T["top_p"] if cfg.top_p is not None and cfg.top_p < 1 else None
-    if cfg.temperature > 0:
-        if keys is None:
-            raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
-        return softmax_token_stats(logits, temperature=T["temperature"], top_p=top_p, top_k=cfg.top_k,
-                                   sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
-                                   keys=keys)  # fmt: skip
-    if use_kernel:
-        c = ops.confidence(logits, suppress_token=suppress, check=False)
-        conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
-        return conf, c.token, c.p_max
-    return softmax_token_stats(logits, temperature=0.0, top_p=top_p, top_k=cfg.top_k,
-                               sampling_strategy=cfg.sampling_strategy, suppress_token=suppress)  # fmt: skip
-
-
-def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg) -> torch.Tensor | None:
-    """The keyed sampler's keys of the stats table rows at T > 0 (None at T = 0): the row predicting absolute
-    position q in round r draws with key (seed, TOKEN, r, 0, q), as the reference decoders key it (no branch
-    field: the Dream-shift row 0, the stale last_logit, is one row shared by every slot). rows [Rb]: the
-    flat window rows (slot * Nb + column) of the raw logits; s: the window start (0-d tensor or int)."""
-    if cfg.temperature == 0:
-        return None
-    pos = s + rows % Nb + (1 if shift else 0)  # the position a raw row predicts
-    if shift:  # table row 0: last_logit predicts the window start
-        pos = torch.cat([(torch.zeros_like(rows[:1]) + s), pos])
-    return keyed.key(T["seed"], keyed.TOKEN, st["round"], 0, pos)
 
 
 def lowest_k_table(n: int, topp: float) -> torch.Tensor:
@@ -122,19 +109,19 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
     # as a full generated block, so one table of bs + 1 entries serves every block.
     frac = [(bs - c) / bs for c in range(bs + 1)]
     return dict(
-        P=torch.tensor(P, device=dev),
-        L=torch.tensor(L, device=dev),
+        prompt_len=torch.tensor(P, device=dev),
+        total_len=torch.tensor(L, device=dev),
         gen_pos=P + torch.arange(G * bs, device=dev),  # the generated positions, block-major
-        jidx=j,
-        bstart=torch.where(j == 0, 0, P + (j - 1) * bs),
-        bend=torch.where(j == 0, P, P + j * bs),
+        block_index=j,
+        block_start=torch.where(j == 0, 0, P + (j - 1) * bs),
+        block_end=torch.where(j == 0, P, P + j * bs),
         pos=p,
         pos_block=pos_block,
-        onehot=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]
-        ktable=lowest_k_table(Lb, cfg.branch_topp).to(dev, torch.long),
+        in_block=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]: position p lies in block j
+        lowest_k=lowest_k_table(Lb, cfg.branch_topp).to(dev, torch.long),
         stops=stop_table(cfg.stop, dev),
-        tab_add=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
-        tab_act=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
+        grow_table=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
+        activate_table=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
         seed=torch.tensor(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0, device=dev),  # keyed draws
         **{name: knob(v, dev) for name, v in round_knobs(cfg).items()},
     )
@@ -158,9 +145,9 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
                          f"{[(tuple(t.shape), t.dtype) for t in cache]}")
     zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
     st = dict(
-        x=x, nblk=torch.zeros(NB, dtype=torch.long, device=dev), state=state, complete=complete,
+        x=x, n_blocks=torch.zeros(NB, dtype=torch.long, device=dev), block_state=state, complete=complete,
         eos=torch.zeros(NB, dtype=torch.bool, device=dev), alive=torch.arange(NB, device=dev) == 0,
-        cconf=torch.ones(NB, dtype=torch.float64, device=dev),
+        creation_conf=torch.ones(NB, dtype=torch.float64, device=dev),
         look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
         last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
         cache_k=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[0],
@@ -170,7 +157,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
     for name in ROUND_COUNTERS:
-        st["c_" + name] = zero()
+        st["count_" + name] = zero()
     return st
 
 
@@ -178,33 +165,33 @@ def plan(st: dict, T: dict, geo) -> None:
     """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
     device; writes nblk / complete and the plan tensors + `head` into st (no host read)."""
     G, bs, Lb, NB = geo.G, geo.bs, geo.Lb, geo.NB
-    alive, state = st["alive"], st["state"]
+    alive, state = st["alive"], st["block_state"]
     x = st["x"]
     ismask_all = x == geo.mask_id  # [NB, Lb + 1]; positions past a row's length hold masks too
     mc = F.pad((x.index_select(1, T["gen_pos"]) == geo.mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G+1]
     # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
-    last_mc = mc.gather(1, st["nblk"][:, None]).squeeze(1)
-    grow = alive & (st["nblk"] < G) & ~st["eos"] & T["tab_add"][last_mc]
-    nblk = st["nblk"] + grow
-    exists = T["jidx"][None, :] <= nblk[:, None]  # [NB, G + 1]
+    last_mc = mc.gather(1, st["n_blocks"][:, None]).squeeze(1)
+    grow = alive & (st["n_blocks"] < G) & ~st["eos"] & T["grow_table"][last_mc]
+    nblk = st["n_blocks"] + grow
+    exists = T["block_index"][None, :] <= nblk[:, None]  # [NB, G + 1]
     # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky, per branch)
     complete = st["complete"].clone()
-    complete[:, 1:] |= T["tab_act"][mc[:, :-1]] & exists[:, 1:]
+    complete[:, 1:] |= T["activate_table"][mc[:, :-1]] & exists[:, 1:]
     # 3. done: no mask and no active block
     active = exists & (state == ACTIVE)[None, :]
-    lens = T["P"] + nblk * bs
+    lens = T["prompt_len"] + nblk * bs
     ismask = ismask_all & (T["pos"][None, :] < lens[:, None]) & alive[:, None]
     done = alive & ~ismask.any(1) & ~active.any(1)
     rem = alive & ~done
     # 4. shared-prefix end: the leading run of non-active blocks (a non-active block never holds a mask,
     # so upstream's min over branches is this one run of the shared state row)
     lead = (state != ACTIVE).cumprod(0).sum()
-    spe = _at(T["bend"], lead - 1)
+    spe = _at(T["block_end"], lead - 1)
     # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
     tc = state == TO_CACHE
     has_tc = tc.any()
-    s = torch.where(has_tc, torch.where(tc, T["bstart"], Lb).min(), spe)
-    u = torch.where(has_tc, torch.where(tc, T["bend"], 0).max() - s, 0)
+    s = torch.where(has_tc, torch.where(tc, T["block_start"], Lb).min(), spe)
+    u = torch.where(has_tc, torch.where(tc, T["block_end"], 0).max() - s, 0)
     wl = lens - s
     n = torch.where(rem, wl, 0).max()
     # the layout branch (the anchor if still running, else the first running one): its row length tells
@@ -221,8 +208,9 @@ def plan(st: dict, T: dict, geo) -> None:
         need &= (T["pos"] >= s)[None, :]
     else:
         need = ismask
-    st.update(nblk=nblk, complete=complete, exists=exists, active=active, rem=rem, done=done, ismask=ismask,
-              need=need, lens=lens, wl=wl, tc=tc, spe=spe, lay=lay, s=s, u=u)  # fmt: skip
+    st.update(n_blocks=nblk, complete=complete, exists=exists, active=active, running=rem, done=done,
+              is_mask=ismask, need=need, lens=lens, window_lens=wl, to_cache=tc, shared_end=spe,
+              layout_slot=lay, start=s, commit_len=u)  # fmt: skip
     stop = _stop_in_prefix(x, nA - 1, T, geo)
     st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"], stop]).long()
 
@@ -264,8 +252,8 @@ def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len:
     exchange token statistics between them; the single-process round is exactly their composition."""
     w = window_inputs(st, T, geo, Nb, Rb)
     out, k_win, v_win = model.forward_static(
-        w["tokens"], st["s"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
-        w["win_lens"], w["bids"], geo.mode, w["rows"],
+        w["tokens"], st["start"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
+        w["win_lens"], w["block_ids"], geo.mode, w["rows"],
         attn_backend=geo.attn_backend, output=head_output(geo),
     )  # fmt: skip
     return finish_round(st, T, geo, cfg, w, out, k_win, v_win, head=model.head_weight() if geo.fused_head else None)
@@ -283,52 +271,31 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
     statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
-    Nb = w["i"].shape[0]
+    Nb = w["cols"].shape[0]
     st["round"] = st["round"] + 1
     if geo.fused_head:
-        conf, x0, p, ok, last_raw = fused_head_stats(st, cfg, geo, logits, head)
-        st["nonfinite"] = _first_bad(ok, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
+        fused = fused_head_stats(st, cfg, geo, logits, head)
+        stats = fused.table
+        st["nonfinite"] = first_bad(fused.finite, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
     else:
         # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
         st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
         # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
         table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-        keys = row_keys(st, T, w["rows"], st["s"], Nb, geo.shift, cfg)
-        conf, x0, p = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
-    sel = select_winner(st, T, geo, w, conf)
-    W1 = sel["W"].reshape(1)
-    commit_span(st, st["u"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
+        keys = row_keys(st, T, w["rows"], st["start"], Nb, geo.shift, cfg)
+        stats = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
+    sel = select_winner(st, T, geo, w, stats.conf)
+    W1 = sel["winner"].reshape(1)
+    commit_span(st, st["commit_len"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
-            new_last = last_raw(sel["last_row"])
-            st["last_logit"] = torch.where((st["u"] > 0) & (sel["last_row"] > 0), new_last,
+            new_last = fused.last_raw(sel["last_row"])
+            st["last_logit"] = torch.where((st["commit_len"] > 0) & (sel["last_row"] > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))  # fmt: skip
         else:
             new_last = _at(table, sel["last_row"])
-            st["last_logit"] = torch.where(st["u"] > 0, new_last, st["last_logit"].to(new_last.dtype))
-    return st, apply_winner(st, T, geo, w, sel, conf, x0, p)
-
-
-def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tensor):
-    """The statistics table of a round with the fused head (T = 0, no top-p / top-k: the FastDecoder's rule):
-    `ops.head_confidence` over hidden [Rb, H] x head [V, H] (the entropy pass only for sampling_strategy
-    "neg_entropy"), preceded under the shift by `ops.confidence` of the stale last_logit row (table row 0).
-    Returns (conf, x0, p [table rows], ok [Rb] (each raw row finite), last_raw: table row r (0-d, r >= 1) -> the
-    raw logits row r - 1 [V], one GEMV)."""
-    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
-    entropy = cfg.sampling_strategy == "neg_entropy"
-    hc = ops.head_confidence(hidden, head, suppress, NEG_ENTROPY_EPS, entropy, check=False)
-    pick = {"default": hc.p_max, "margin": hc.margin, "neg_entropy": hc.neg_entropy}[cfg.sampling_strategy]
-    conf, x0, p = pick, hc.token, hc.p_max
-    if geo.shift:
-        c = ops.confidence(st["last_logit"][None, :], suppress, NEG_ENTROPY_EPS, check=False)
-        c_conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
-        conf, x0, p = torch.cat([c_conf, conf]), torch.cat([c.token, x0]), torch.cat([c.p_max, p])
-
-    def last_raw(row: torch.Tensor) -> torch.Tensor:
-        return F.linear(_at(hidden, (row - 1).clamp(min=0))[None, :], head)[0]
-
-    return conf, x0, p, hc.finite, last_raw
+            st["last_logit"] = torch.where(st["commit_len"] > 0, new_last, st["last_logit"].to(new_last.dtype))
+    return st, apply_winner(st, T, geo, w, sel, stats)
 
 
 def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
@@ -338,41 +305,24 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
     need [NB, Nb] (LM-head rows needed), need_flat [NB * Nb], rows [Rb] (needed flat rows first, ascending)."""
     dev = st["x"].device
     Lb, NB = geo.Lb, geo.NB
-    s = st["s"]
-    alive, rem, lens = st["alive"], st["rem"], st["lens"]
+    s = st["start"]
+    alive, rem, lens = st["alive"], st["running"], st["lens"]
     i = torch.arange(Nb, device=dev)
     wpos = s + i
-    wvalid = wpos < T["L"]
+    wvalid = wpos < T["total_len"]
     wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
     if NB > 1:  # LoPA-only counters (one slot: no growth split, max_branches is set at the end)
-        st["c_growth_split"] = st["c_growth_split"] + (rem & (lens != _at(lens, st["lay"]))).any()
-        st["c_max_branches"] = torch.maximum(st["c_max_branches"], rem.sum())
+        st["count_growth_split"] = st["count_growth_split"] + (rem & (lens != _at(lens, st["layout_slot"]))).any()
+        st["count_max_branches"] = torch.maximum(st["count_max_branches"], rem.sum())
     tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
     bids = T["pos_block"].index_select(0, wpos)[None, :].expand(NB, Nb) if geo.mode == "block_causal" else None
-    win_lens = torch.where(alive, st["wl"], Nb)  # dead slots see their whole (ignored) window: no empty row
+    win_lens = torch.where(alive, st["window_lens"], Nb)  # dead slots see their whole (ignored) window: no empty row
     need = st["need"].index_select(1, wpos) & wvalid[None, :]  # [NB, Nb]
     need_flat = need.reshape(-1)
     # the needed rows in ascending flat order, without a host read: a stable sort puts them first
     rows = torch.sort((~need_flat).to(torch.uint8), stable=True).indices[:Rb]
-    return dict(i=i, wpos=wpos, wvalid=wvalid, tokens=tokens, bids=bids, win_lens=win_lens, need=need,
+    return dict(cols=i, win_pos=wpos, win_valid=wvalid, tokens=tokens, block_ids=bids, win_lens=win_lens, need=need,
                 need_flat=need_flat, rows=rows)  # fmt: skip
-
-
-def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0):
-    """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
-    NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
-    any value > every flat row)."""
-    ok = torch.isfinite(logits).all(-1)
-    if is_on(temperature):
-        ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
-    return _first_bad(ok, rows, n_real, none)
-
-
-def _first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
-    """0-d long: rows[r] of the first of the n_real real rows r with ok[r] False, else -1 (`first_nonfinite`)."""
-    real = torch.arange(ok.shape[0], device=ok.device) < n_real
-    bad = real & ~ok
-    return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
 
 
 def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
@@ -382,9 +332,9 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
     last_row (0-d: the table row of the winner's raw row u - 1, the next last_logit under the shift)."""
     dev = conf.device
     NB = geo.NB
-    i = w["i"]
+    i = w["cols"]
     Nb = i.shape[0]
-    rem, lens = st["rem"], st["lens"]
+    rem, lens = st["running"], st["lens"]
     slot = torch.arange(NB, device=dev)
     csum = w["need_flat"].long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
     if geo.shift:
@@ -392,7 +342,7 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
     else:
         sidx = (csum - 1).clamp(min=0)
     c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
-    masked = st["ismask"].index_select(1, w["wpos"]) & w["wvalid"][None, :]
+    masked = st["is_mask"].index_select(1, w["win_pos"]) & w["win_valid"][None, :]
     if NB == 1 and not geo.trace:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
         score = None
         W = torch.zeros((), dtype=torch.long, device=dev)
@@ -400,19 +350,19 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
         # ---- branch scores (every alive slot): mean of the lowest k = max(1, int(m * topp)) confidences over
         # all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
         m = masked.sum(1)
-        kk = T["ktable"][m]
+        kk = T["lowest_k"][m]
         asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
         low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
         future = torch.where(m > 0, low.double(), 1.0)
         alpha = T["alpha"]  # a runtime knob; whether scores blend at all (alpha > 0) is the geometry's
-        score = alpha * st["cconf"] + (1.0 - alpha) * future if geo.blend else future
-        score = torch.where(lens <= st["spe"], 1.0, score)
+        score = alpha * st["creation_conf"] + (1.0 - alpha) * future if geo.blend else future
+        score = torch.where(lens <= st["shared_end"], 1.0, score)
         keyw = torch.where(rem, score, float("-inf"))
         # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
         # host read) cannot index out of range first
         W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
-    last_row = _at(csum.index_select(1, (st["u"] - 1).clamp(min=0).reshape(1))[:, 0], W) if geo.shift else None
-    return dict(W=W, score=score, sidx=sidx, masked=masked, last_row=last_row)
+    last_row = _at(csum.index_select(1, (st["commit_len"] - 1).clamp(min=0).reshape(1))[:, 0], W) if geo.shift else None
+    return dict(winner=W, score=score, stat_row=sidx, masked=masked, last_row=last_row)
 
 
 def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None:
@@ -427,25 +377,26 @@ def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None
     st["cache_len"] = st["cache_len"] + u
 
 
-def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dict:
+def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, stats: TokenStats) -> dict:
     """The D2F fill rule on the winner, its completed blocks, the spawn of the next lookaheads, the block-state
-    transitions and the next plan (writes st); returns the round's trace facts (info)."""
+    transitions and the next plan (writes st); stats: the round's statistics table. Returns the round's trace
+    facts (info: score, winner, accepted, tokens, win_pos, look_pos)."""
     dev = st["x"].device
     G, Lb, NB = geo.G, geo.Lb, geo.NB
     alive, lens = st["alive"], st["lens"]
-    i, wpos = w["i"], w["wpos"]
+    i, wpos = w["cols"], w["win_pos"]
     Nb = i.shape[0]
     slot = torch.arange(NB, device=dev)
-    W, score, sidx, masked = sel["W"], sel["score"], sel["sidx"], sel["masked"]
+    W, score, sidx, masked = sel["winner"], sel["score"], sel["stat_row"], sel["masked"]
     W1 = W.reshape(1)
     single = NB == 1
 
     # ---- the D2F fill rule on the winner only (its own block states and logits)
     sW = sidx.index_select(0, W1)[0]
     mW = masked.index_select(0, W1)[0]
-    cW, tokW, pW = conf[sW], x0[sW], p[sW]  # [Nb]
+    cW, tokW, pW = stats.conf[sW], stats.token[sW], stats.p[sW]  # [Nb]
     actWb = st["active"].index_select(0, W1)[0]  # [G + 1]
-    onehot = T["onehot"].index_select(0, wpos)  # [Nb, G + 1]: window position i lies in block j
+    onehot = T["in_block"].index_select(0, wpos)  # [Nb, G + 1]: window position i lies in block j
     candW = mW & actWb[T["pos_block"].index_select(0, wpos).clamp(max=G)]
     thr = candW & (pW > T["skip_threshold"])  # strict, as upstream (a runtime knob, rounded to pW's float32)
     # fallback: a fully activated active block with masks and no accept fills its most confident mask
@@ -461,17 +412,17 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
     xW = xW.scatter(0, wpos, torch.where(accW, tokW, xW.index_select(0, wpos)))
     eos_hit = accW & (tokW == geo.eos_id) if geo.eos_id is not None else torch.zeros_like(accW)
     eosW = _at(st["eos"], W) | eos_hit.any()
-    st["c_thresh"] = st["c_thresh"] + thr.sum()
-    st["c_fallback"] = st["c_fallback"] + fb.sum()
-    st["c_eos_fills"] = st["c_eos_fills"] + eos_hit.sum()
+    st["count_thresh"] = st["count_thresh"] + thr.sum()
+    st["count_fallback"] = st["count_fallback"] + fb.sum()
+    st["count_eos_fills"] = st["count_eos_fills"] + eos_hit.sum()
     if single:
-        st["c_multi"] = st["c_multi"] + (accW.sum() >= 2).long()
+        st["count_multi"] = st["count_multi"] + (accW.sum() >= 2).long()
     else:
         is_look = W != alive.sum() - 1  # the anchor is the last alive slot
-        st["c_winner_grew"] = st["c_winner_grew"] + (_at(lens, W) != _at(lens, st["lay"])).long()
-        st["c_look_wins"] = st["c_look_wins"] + is_look.long()
+        st["count_winner_grew"] = st["count_winner_grew"] + (_at(lens, W) != _at(lens, st["layout_slot"])).long()
+        st["count_look_wins"] = st["count_look_wins"] + is_look.long()
         # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
-        st["c_multi"] = st["c_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
+        st["count_multi"] = st["count_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
 
     # ---- winner's block table after the fill
     existsW = st["exists"].index_select(0, W1)[0]
@@ -510,7 +461,7 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
     # completed it (base_done), it has no mask, and every lower block is non-active after its own update
     # (upstream's in-order loop = a cumulative AND). A lookahead token always lands on a mask of a block the
     # anchor did NOT complete, so every new branch gets the same table: computed once.
-    stt = torch.where(st["tc"], IN_CACHE, st["state"])
+    stt = torch.where(st["to_cache"], IN_CACHE, st["block_state"])
     act = existsW & (stt == ACTIVE)
     retire = act & base_done
     chain = (~act | retire).long().cumprod(0).bool()
@@ -519,9 +470,9 @@ def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, conf, x0, p) -> dic
     # the trace's per-round facts (read by the host only when a trace is asked for); kept out of `st`,
     # whose shapes must not depend on the bucket
     # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
-    info = dict(score=score, winner=W, acc=accW, tok=tokW, wpos=wpos, look_pos=st["look_pos"].clone())
-    st.update(x=x_new, state=stt, nblk=_at(st["nblk"], W).reshape(1).repeat(NB),
+    info = dict(score=score, winner=W, accepted=accW, tokens=tokW, win_pos=wpos, look_pos=st["look_pos"].clone())
+    st.update(x=x_new, block_state=stt, n_blocks=_at(st["n_blocks"], W).reshape(1).repeat(NB),
               complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
-              cconf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
+              creation_conf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
     plan(st, T, geo)
     return info

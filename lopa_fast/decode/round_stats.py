@@ -1,0 +1,118 @@
+"""The token statistics of a D2F / LoPA round (lopa_fast/decode/round.py): the table its selection reads.
+
+The statistics table has one row per needed LM-head row (in ascending flat window order, slot * Nb + column),
+preceded under Dream's shift by the stale last_logit's row (table row 0). Two ways to fill it: from logits rows
+(`token_stats`: the reference decoders' formula, or the fused `ops.confidence` kernel) or from the final-normed
+hidden rows (`fused_head_stats`: `ops.head_confidence`, the [R, V] logits never exist). Plus the keyed sampler's
+keys of the rows (`row_keys`) and the numerics guard (`first_nonfinite`). Pure functions of device tensors:
+eager, compiled and captured rounds (and lopa_fast.distributed's share of a round) run the same code.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from lopa_fast import keyed, ops
+from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
+from lopa_fast.sampling import token_stats as softmax_token_stats
+
+
+class TokenStats(NamedTuple):
+    """The statistics table: per row the confidence the strategy ranks by (conf fp32: p, the top-2 margin or the
+    negative entropy, by sampling_strategy), the chosen token (int64) and its probability p (fp32)."""
+
+    conf: torch.Tensor
+    token: torch.Tensor
+    p: torch.Tensor
+
+
+class HeadStats(NamedTuple):
+    """What the fused LM head gives a round: the statistics table, finite [Rb] bool (each raw row's logits all
+    finite: the numerics guard) and last_raw: table row r (0-d, r >= 1) -> raw logits row r - 1 [V] (one GEMV:
+    Dream's next last_logit, the only logits row the round materialises)."""
+
+    table: TokenStats
+    finite: torch.Tensor
+    last_raw: Callable[[torch.Tensor], torch.Tensor]
+
+
+def temperature(T: dict, cfg):
+    """The temperature a round computes with: the tables' 0-d knob at T > 0, else 0.0 (greedy: another graph)."""
+    return T["temperature"] if cfg.temperature > 0 else 0.0
+
+
+def token_stats(logits: torch.Tensor, T: dict, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
+    """TokenStats (conf [R] fp32, token [R] int64, p [R] fp32) of logits rows [R, V]; the temperature and top_p
+    values come from the tables T (runtime knobs), whether they apply from cfg (the compile key).
+
+    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity);
+    at T > 0 it draws the token with the keyed sampler (keys [R]: `row_keys`), as the reference does.
+    use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics
+    within ~1e-6 (not bitwise)."""
+    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    top_p = T["top_p"] if cfg.top_p is not None and cfg.top_p < 1 else None
+    if cfg.temperature > 0:
+        if keys is None:
+            raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
+        return TokenStats(*softmax_token_stats(logits, temperature=T["temperature"], top_p=top_p, top_k=cfg.top_k,
+                                               sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
+                                               keys=keys))  # fmt: skip
+    if use_kernel:
+        c = ops.confidence(logits, suppress_token=suppress, check=False)
+        conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
+        return TokenStats(conf, c.token, c.p_max)
+    return TokenStats(*softmax_token_stats(logits, temperature=0.0, top_p=top_p, top_k=cfg.top_k,
+                                           sampling_strategy=cfg.sampling_strategy, suppress_token=suppress))
+
+
+def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg) -> torch.Tensor | None:
+    """The keyed sampler's keys of the stats table rows at T > 0 (None at T = 0): the row predicting absolute
+    position q in round r draws with key (seed, TOKEN, r, 0, q), as the reference decoders key it (no branch
+    field: the Dream-shift row 0, the stale last_logit, is one row shared by every slot). rows [Rb]: the
+    flat window rows (slot * Nb + column) of the raw logits; s: the window start (0-d tensor or int)."""
+    if cfg.temperature == 0:
+        return None
+    pos = s + rows % Nb + (1 if shift else 0)  # the position a raw row predicts
+    if shift:  # table row 0: last_logit predicts the window start
+        pos = torch.cat([(torch.zeros_like(rows[:1]) + s), pos])
+    return keyed.key(T["seed"], keyed.TOKEN, st["round"], 0, pos)
+
+
+def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tensor):
+    """The statistics table of a round with the fused head (T = 0, no top-p / top-k: the FastDecoder's rule):
+    `ops.head_confidence` over hidden [Rb, H] x head [V, H] (the entropy pass only for sampling_strategy
+    "neg_entropy"), preceded under the shift by `ops.confidence` of the stale last_logit row (table row 0).
+    Returns HeadStats: table (TokenStats [table rows]), finite [Rb] (each raw row finite), last_raw."""
+    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    entropy = cfg.sampling_strategy == "neg_entropy"
+    hc = ops.head_confidence(hidden, head, suppress, NEG_ENTROPY_EPS, entropy, check=False)
+    pick = {"default": hc.p_max, "margin": hc.margin, "neg_entropy": hc.neg_entropy}[cfg.sampling_strategy]
+    conf, x0, p = pick, hc.token, hc.p_max
+    if geo.shift:
+        c = ops.confidence(st["last_logit"][None, :], suppress, NEG_ENTROPY_EPS, check=False)
+        c_conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
+        conf, x0, p = torch.cat([c_conf, conf]), torch.cat([c.token, x0]), torch.cat([c.p_max, p])
+
+    def last_raw(row: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.index_select(0, (row - 1).clamp(min=0).reshape(1)), head)[0]
+
+    return HeadStats(TokenStats(conf, x0, p), hc.finite, last_raw)
+
+
+def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0):
+    """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
+    NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
+    any value > every flat row)."""
+    ok = torch.isfinite(logits).all(-1)
+    if is_on(temperature):
+        ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
+    return first_bad(ok, rows, n_real, none)
+
+
+def first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
+    """0-d long: rows[r] of the first of the n_real real rows r with ok[r] False, else -1 (`first_nonfinite`)."""
+    real = torch.arange(ok.shape[0], device=ok.device) < n_real
+    bad = real & ~ok
+    return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
