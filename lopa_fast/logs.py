@@ -1,6 +1,6 @@
 """The library's logging: module loggers (`logging.getLogger(__name__)`) under the "lopa_fast" logger, which
 carries only a NullHandler (lopa_fast/__init__.py): the application decides where records go. The CLI shows
-INFO on stderr (`-q` warnings only, `-v` DEBUG; lopa_fast.cli.log_to_stderr).
+INFO on stderr (`-q` warnings only, `-v` DEBUG; lopa_fast.cli.checks.log_to_stderr).
 
 `step` frames a step that may take long (a torch.compile, a model load) with a line before it
 and one after it with the seconds it took, so that no step stalls silently; `progress` is a tqdm bar over a

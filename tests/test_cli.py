@@ -288,10 +288,10 @@ def test_generate_help_is_built_from_the_knobs(capsys):
     assert "block_size" not in cli.generate_knobs(args, args.knob_names)  # GenerateConfig's 32
     # flag types come from the resolved type hints, not from annotation strings
     hints = typing.get_type_hints(GenerateConfig)
-    assert cli._knob_type(hints["top_k"]) == (int, False) and cli._knob_type(hints["logits_eos_inf"]) == (bool, True)
-    assert cli._knob_type(hints["stop"]) == (cli.token_sequences, False)
+    assert cli.knob_type(hints["top_k"]) == (int, False) and cli.knob_type(hints["logits_eos_inf"]) == (bool, True)
+    assert cli.knob_type(hints["stop"]) == (cli.token_sequences, False)
     with pytest.raises(TypeError, match="no command-line flag type"):
-        cli._knob_type(list[str])
+        cli.knob_type(list[str])
     with pytest.raises(SystemExit) as e:  # a choice outside the tuple: argparse's one line, exit 2
         cli.main(["generate", "--prompt", "x", "--alg", "bogus"])
     err = capsys.readouterr().err

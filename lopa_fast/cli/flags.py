@@ -1,0 +1,174 @@
+"""The decoding knobs as flags: one per GenerateConfig field (typed from the field, with its help and the default
+it runs with), the eval rows as `--preset`s, other libraries' names (lopa_fast.aliases), and the knobs of one call
+read back from the parsed flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from lopa_fast.cli.checks import CLIError, user_errors
+
+
+# ---- generate -------------------------------------------------------------------------------------------
+_OWN_FLAGS = ("strategy", "backend", "compile")  # GenerateConfig fields with their own (common) flag
+
+
+def token_sequences(text: str) -> list[list[int]]:
+    """`--stop 13,198;7` -> [[13, 198], [7]] (token-id sequences separated by ';', ids by ',')."""
+    try:
+        seqs = [[int(t) for t in part.split(",")] for part in text.split(";") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids like 13,198;7") from None
+    if not seqs:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids like 13,198;7")
+    return seqs
+
+
+token_sequences.__name__ = "ids"  # the metavar
+
+
+def knob_type(hint):
+    """(argparse type, is_bool) of a GenerateConfig field from its type (`typing.get_type_hints`): `X | None` is
+    read as X; bool is a --flag / --no-flag pair; the token-id sequences (stop) are read by token_sequences."""
+    args = [hint]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1:
+        (t,) = args
+        if t in (bool, int, float, str):
+            return t, t is bool
+        if typing.get_origin(t) is tuple and typing.get_args(t) == (tuple[int, ...], ...):
+            return token_sequences, False
+    raise TypeError(f"GenerateConfig field type {hint}: no command-line flag type for it "
+                    "(lopa_fast.cli.flags.knob_type)")
+
+
+# the embedded model's own setting: `generate` / `serve` without --model, --preset and --strategy run this eval row
+EMBEDDED_PRESET = "lopa-k4"
+
+
+def preset_knobs(name: str) -> dict:
+    """The knobs `--preset NAME` sets: the eval row's, at the eval's max_new_tokens and temperature 0."""
+    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+
+    return dict(ROWS[name], max_new_tokens=GEN_LEN, temperature=0.0)
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+def knob_help(f: dataclasses.Field, preset: dict | None = None, note: str = "") -> str:
+    """The --help text of a knob flag: the field's own description (GenerateConfig metadata), then the value it
+    runs with when the flag is not given: GenerateConfig's default (for None: what None runs as), or the embedded
+    model's preset value where that differs, saying so. `note` is appended to the description. (%% escaped for
+    argparse.)"""
+    default = f.metadata.get("unset", "unset") if f.default is None else _shown(f.default)
+    if preset is not None and f.name in preset and preset[f.name] != f.default:
+        shown = (f"default: {_shown(preset[f.name])} on the embedded model, its preset {EMBEDDED_PRESET}; "
+                 f"GenerateConfig: {default}")
+    else:
+        shown = f"default: {default}"
+    return f"{f.metadata['help']}{note} ({shown})".replace("%", "%%")
+
+
+VERIFIER_HELP = ("APD's verifier: a causal AR qwen2 model directory whose vocabulary is a prefix of the model's "
+                 "(the embedded model's: lopa_fast/assets/ar-arith); needed by --apd-mixture-weight")
+
+
+def add_other_library_flags(parser: argparse.ArgumentParser, length: bool = True) -> None:
+    """Hugging Face / vLLM names as flags (lopa_fast.aliases): --max-length N (prompt + new tokens; generate only),
+    --do-sample / --no-do-sample (sampling: needs --temperature > 0; greedy: temperature 0), --n 1; the refused names
+    (--typical-p, --num-beams, ...) are parsed, hidden from --help, and refused naming the lopa_fast way."""
+    from lopa_fast import aliases
+
+    grp = parser.add_argument_group("names from Hugging Face / vLLM (docs/decoding.md, 'Knobs from other libraries')")
+    if length:
+        grp.add_argument("--max-length", dest="x_max_length", type=int, default=None, metavar="N",
+                         help="prompt + new tokens (HF): max_new_tokens = N - the prompt's length")
+    grp.add_argument("--do-sample", dest="x_do_sample", action=argparse.BooleanOptionalAction, default=None,
+                     help="HF's do_sample: --do-sample samples (needs --temperature > 0; lopa_fast's default is 0), "
+                          "--no-do-sample is greedy (temperature 0)")
+    grp.add_argument("--n", dest="x_n", type=int, default=None, metavar="N",
+                     help="outputs per prompt: only 1 (vLLM's n)")
+    for name in aliases.REFUSED:
+        grp.add_argument("--" + name.replace("_", "-"), dest="x_" + name, default=None, help=argparse.SUPPRESS)
+
+def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
+    """One flag per GenerateConfig field (`--max-new-tokens`, `--no-use-full-attention`, ...), typed from the
+    field's type (typing.get_type_hints), with its description, choices and the default it runs with from the field
+    (`knob_help`); unset flags stay absent from the namespace (the config's or the preset's default applies).
+    Returns the field names. `hidden`: fields the command refuses (serve: NOT_SERVED), left out of --help; still
+    parsed, so that passing one is refused with the reason instead of "unrecognized arguments"."""
+    from lopa_fast.config import GenerateConfig, knob_choices
+
+    hints = typing.get_type_hints(GenerateConfig)
+    preset = preset_knobs(EMBEDDED_PRESET)
+    names = []
+    grp = parser.add_argument_group(
+        "decoding knobs (lopa_fast.generate; docs/decoding.md)",
+        f"Each default is GenerateConfig's; without --model, --preset and --strategy the embedded model runs its "
+        f"preset {EMBEDDED_PRESET}, whose values are shown where they differ.")
+    for f in dataclasses.fields(GenerateConfig):
+        if f.name in _OWN_FLAGS:
+            continue
+        typ, is_bool = knob_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        note = "; here ids like 13,198;7 for [[13, 198], [7]]" if typ is token_sequences else ""
+        shown = argparse.SUPPRESS if f.name in hidden else knob_help(f, preset, note)
+        if is_bool:
+            grp.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                             help=shown)
+        else:
+            choices = knob_choices(f)
+            grp.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS, choices=choices,
+                             metavar=None if choices else typ.__name__.upper(), help=shown)
+        names.append(f.name)
+    return names
+
+def other_library_flags(args) -> dict:
+    """The flags of other libraries' names: --max-length, --do-sample / --no-do-sample (translated by
+    lopa_fast.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the lopa_fast
+    way."""
+    from lopa_fast import aliases
+
+    out = {}
+    for name in (*aliases.REFUSED, "n", "max_length", "do_sample"):
+        if getattr(args, "x_" + name, None) is not None:
+            out[name] = getattr(args, "x_" + name)
+    for name in out:
+        if name in aliases.REFUSED:
+            raise CLIError(f"--{name.replace('_', '-')} {out[name]}: not a lopa_fast knob: {aliases.REFUSED[name]}")
+    if "n" in out and out.pop("n") != 1:
+        raise CLIError(f"--n {args.x_n}: one output per prompt (--n 1); run the command once per sample (--seed)")
+    return out
+
+def generate_knobs(args, knob_names) -> dict:
+    """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
+    nor --strategy is given), then every flag given."""
+    preset = args.preset
+    if preset is None and args.model is None and args.strategy is None:
+        preset = EMBEDDED_PRESET  # the embedded model's own setting
+    knobs: dict = {}
+    if preset is not None:
+        knobs.update(preset_knobs(preset))
+    if args.strategy is not None:
+        knobs["strategy"] = args.strategy
+    knobs["backend"] = args.backend
+    if args.compile:
+        knobs["compile"] = True
+    knobs.update({k: getattr(args, k) for k in knob_names if hasattr(args, k)})
+    extra = other_library_flags(args)
+    if "max_length" in extra and not hasattr(args, "max_new_tokens"):
+        knobs.pop("max_new_tokens", None)  # --max-length replaces the preset's length
+    if extra.get("do_sample") is True and not hasattr(args, "temperature"):
+        knobs.pop("temperature", None)  # the preset's greedy 0: --do-sample asks for --temperature itself
+    if "do_sample" in extra:
+        from lopa_fast import aliases
+
+        knobs = user_errors(aliases.translate, {**knobs, "do_sample": extra["do_sample"]}, None)
+    if "max_length" in extra:
+        knobs["max_length"] = extra["max_length"]  # translated once the prompt's length is known
+    return knobs
