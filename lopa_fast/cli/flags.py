@@ -51,7 +51,7 @@ EMBEDDED_PRESET = "lopa-k4"
 
 def preset_knobs(name: str) -> dict:
     """The knobs `--preset NAME` sets: the eval row's, at the eval's max_new_tokens and temperature 0."""
-    from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+    from lopa_fast.tasks.eval_rows import GEN_LEN, ROWS
 
     return dict(ROWS[name], max_new_tokens=GEN_LEN, temperature=0.0)
 

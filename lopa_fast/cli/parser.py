@@ -12,8 +12,8 @@ from lopa_fast.cli.flags import EMBEDDED_PRESET, VERIFIER_HELP, add_knob_flags, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.evaluate import (BACKENDS, BLOCK, BLOCK_SIZES, DEMO_TASK, EVAL_ROWS, EVAL_TASKS, GEN_LEN,
-                                          OUT_DIR, ROWS, out_name)
+    from lopa_fast.tasks.eval_rows import (BACKENDS, BLOCK, BLOCK_SIZES, DEMO_TASK, EVAL_ROWS, EVAL_TASKS, GEN_LEN,
+                                           OUT_DIR, ROWS, out_name)
 
     from lopa_fast.config import GenerateConfig, strategy_names
 

@@ -9,7 +9,8 @@ from lopa_fast.cli.checks import CLIError, check_out, user_errors
 
 
 def demo(args) -> int:
-    from lopa_fast.tasks.evaluate import BACKENDS, run_demo
+    from lopa_fast.tasks.eval_rows import BACKENDS
+    from lopa_fast.tasks.evaluate import run_demo
 
     if args.n < 1:
         raise CLIError(f"--n {args.n}; allowed: an int >= 1")
@@ -19,7 +20,8 @@ def demo(args) -> int:
     return 0
 
 def evaluate(args) -> int:
-    from lopa_fast.tasks.evaluate import check_block_size, eval_task, out_path, parse_rows, run_eval
+    from lopa_fast.tasks.eval_rows import check_block_size, eval_task, out_path, parse_rows
+    from lopa_fast.tasks.evaluate import run_eval
 
     task = user_errors(eval_task, args.task)  # before any work (model load, decoding)
     if args.verifier is not None and not os.path.isdir(args.verifier):

@@ -115,6 +115,18 @@ def driver(model, prompt, cfg, cache=None, verifier=None):
     return FastApd(model, prompt, cfg, verifier, cache=cache)
 
 
+# upstream's Pareto presets (R, W, M) for 256 new tokens, plus R = 0.9 at the second preset's (W, M)
+UPSTREAM_PRESETS = {"apd-r0.6": (0.6, 32, 200), "apd-r0.7": (0.7, 16, 100), "apd-r0.9": (0.9, 16, 100)}
+
+
+def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    """The eval's rows: the presets with kv_window W and max_lookahead M scaled by gen_len / 256 (rounded half up:
+    12.5 -> 13); block knobs do not apply."""
+    scaled = lambda v: int(v * gen_len / 256 + 0.5)  # noqa: E731
+    return {name: dict(strategy="apd", apd_mixture_weight=R, kv_window=scaled(W), max_lookahead=scaled(M))
+            for name, (R, W, M) in UPSTREAM_PRESETS.items()}
+
+
 def cache_rows(prompt_len: int, cfg) -> int:
     """The drafter's static cache (kv_window given) or none; the verifier's cache is the request's own."""
     from lopa_fast.decode.apd import cache_rows as rows
@@ -127,4 +139,5 @@ SPEC = register(Strategy(
     reference="lopa_fast.reference.apd:generate", fast="lopa_fast.decode.apd:generate", knobs=KNOBS,
     validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True,
     compile_batches=True, default_sampler="upstream", check_models=check_models, verifier_knob="apd_mixture_weight",
+    eval_rows=eval_rows,
 ))  # fmt: skip

@@ -27,6 +27,17 @@ def cache_rows(prompt_len: int, cfg) -> int:
     return buffer_len(prompt_len, cfg) + 1
 
 
+def eval_knobs(block_size: int) -> dict:
+    """The eval's D2F knobs (the spec's GSM8K row, shared by the LoPA rows): tau_add 0.1, tau_act 0.95, tau_conf 0.9,
+    neg_entropy, full attention (LoPA's default)."""
+    return dict(block_size=block_size, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9,
+                sampling_strategy="neg_entropy", use_full_attention=True)
+
+
+def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    return {"d2f": dict(strategy="d2f", **eval_knobs(block_size))}
+
+
 def driver(model, prompt, cfg, cache=None):
     """The batch scheduler's per-request state machine: the round with one branch."""
     from lopa_fast.decode.engine import FastDecoder
@@ -38,5 +49,5 @@ SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
     validate=check_strict_length, length_unit=block_size, driver=driver, cache_rows=cache_rows, compile=True,
-    compile_batches=True, distributed=True,
+    compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

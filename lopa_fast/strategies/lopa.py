@@ -2,7 +2,7 @@
 branches verified in one forward; branching_factor=1 is plain D2F."""
 from __future__ import annotations
 
-from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length
+from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length, eval_knobs
 from lopa_fast.strategies.registry import Strategy, register
 
 
@@ -10,6 +10,11 @@ def rows(cfg) -> int:
     """Branch slots of one request: the anchor and k lookaheads for k >= 2, else the anchor alone."""
     k = cfg.branching_factor
     return k + 1 if k >= 2 else 1
+
+
+def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    """The eval's rows: k in {2, 4, 8} with D2F's eval knobs, branch_topp 1 and alpha 0 (the spec defaults)."""
+    return {f"lopa-k{k}": dict(strategy="lopa", branching_factor=k, **eval_knobs(block_size)) for k in (2, 4, 8)}
 
 
 def driver(model, prompt, cfg, cache=None):
@@ -23,5 +28,5 @@ SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.reference.lopa:generate", fast="lopa_fast.decode.lopa:generate",
     validate=check_strict_length, length_unit=block_size, rows=rows, driver=driver, cache_rows=cache_rows,
-    compile=True, compile_batches=True, distributed=True,
+    compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -70,6 +70,9 @@ class Strategy:
     verifier_knob: the knob whose value (not None) makes a request use the verifier (apd: apd_mixture_weight); the
                 CLI / server / lm-eval name it when no verifier was given, and pass their verifier only to requests
                 that set it (`uses_verifier`).
+    eval_rows:  its rows in the eval (lopa_fast.tasks.eval_rows; the CLI's --preset for a strategy without a
+                verifier): eval_rows(block_size, gen_len) -> {row name: knobs, "strategy" included} for answers of
+                gen_len new tokens with every block knob at block_size; default: none.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Strategy:
     default_sampler: str = "keyed"
     check_models: Callable | str | None = None
     verifier_knob: str | None = None
+    eval_rows: Callable[[int, int], dict] = lambda block_size, gen_len: {}
     extra: dict = field(default_factory=dict)  # anything else a strategy wants to publish (docs, presets)
 
     def load(self, what: str):

@@ -57,9 +57,14 @@ def length_unit(cfg) -> int:
     return cfg.block_length if cfg.block_length is not None else cfg.block_size
 
 
+def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    """The eval's row: Fast-dLLM's confidence threshold 0.9 (its default), block_length = the block size, no cache."""
+    return {"threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size, threshold=0.9)}
+
+
 SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
-    compile=True, compile_batches=True,
+    compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -91,9 +91,15 @@ def rows(cfg) -> int:
     return 2 if cfg.cfg_scale else 1  # cfg_scale > 0: the conditional and the unconditional row in one forward
 
 
+def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    """The eval's row: one token per forward (steps = gen_len), alg="entropy" (Dream's own evaluation setting;
+    the default alg "origin" reveals positions at random)."""
+    return {"vanilla": dict(strategy="vanilla", block_size=block_size, steps=gen_len, alg="entropy")}
+
+
 SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.reference.vanilla:generate", fast="lopa_fast.decode.vanilla:generate",
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
-    length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True,
+    length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip
