@@ -163,7 +163,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
 
 def plan(st: dict, T: dict, geo) -> None:
     """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
-    device; writes nblk / complete and the plan tensors + `head` into st (no host read)."""
+    device; writes n_blocks / complete and the plan tensors + `head` into st (no host read)."""
     G, bs, Lb, NB = geo.G, geo.bs, geo.Lb, geo.NB
     alive, state = st["alive"], st["block_state"]
     x = st["x"]
@@ -300,8 +300,8 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
 
 def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
     """The forward's inputs for every slot on the bucket (Nb, Rb) and the round's window facts; also bumps the
-    LoPA-only counters that read the plan. Returns i [Nb] (column index), wpos [Nb] (window positions, padding
-    -> the trash column Lb), wvalid [Nb], tokens [NB, Nb], bids [NB, Nb] or None, win_lens [NB],
+    LoPA-only counters that read the plan. Returns cols [Nb] (column index), win_pos [Nb] (window positions,
+    padding -> the trash column Lb), win_valid [Nb], tokens [NB, Nb], block_ids [NB, Nb] or None, win_lens [NB],
     need [NB, Nb] (LM-head rows needed), need_flat [NB * Nb], rows [Rb] (needed flat rows first, ascending)."""
     dev = st["x"].device
     Lb, NB = geo.Lb, geo.NB
@@ -327,8 +327,8 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
 
 def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
     """Branch scores and the winner from the statistics table (conf [1 + R or R, ...]: row 0 the last_logit's
-    under the shift, then the needed rows in ascending flat order). Returns W (0-d long), score [NB] or None
-    (D2F without a trace), sidx [NB, Nb] (the table row predicting each window position), masked [NB, Nb],
+    under the shift, then the needed rows in ascending flat order). Returns winner (0-d long), score [NB] or
+    None (D2F without a trace), stat_row [NB, Nb] (the table row predicting each window position), masked [NB, Nb],
     last_row (0-d: the table row of the winner's raw row u - 1, the next last_logit under the shift)."""
     dev = conf.device
     NB = geo.NB
