@@ -1,9 +1,10 @@
 """The decoding knobs as one validated dataclass (knob names are upstream's).
 
-`GenerateConfig.validate()` checks every knob on its own (no model needed) and raises ValueError /
-TypeError naming the knob, the value and what is allowed. `bind(model)` fills the model-dependent
-defaults (mask / EOS ids, the round cap) and returns a new, fully resolved config; strategies and the
-fast decoder receive only resolved configs.
+`GenerateConfig.validate()` checks every knob that needs no model (the shared ones here, each strategy's own
+through its spec's `validate` hook: lopa_fast/strategies/<name>.py) and raises ValueError / TypeError naming the
+knob, the value and what is allowed. `bind(model)` fills the model-dependent defaults (mask / EOS ids, the round
+cap, the spec's `resolve` hook) and returns a new, fully resolved config (`bind_prompt`: the same for a prompt's
+length, in whole blocks); strategies and the fast decoder receive only resolved configs.
 
 Fields the fast decoder (lopa_fast.decode) needs for d2f / lopa, all resolved by `bind`:
     max_new_tokens, block_size, block_add_threshold (tau_add), decoded_token_threshold (tau_act),
@@ -310,7 +311,7 @@ class GenerateConfig:
         info: requested (the length the output is cut to), decoded (whole blocks), source ("argument",
         "generation_config.json" or "default"), clipped (the reason, when the default was clipped to the room
         left in max_position_embeddings). An explicit max_new_tokens that fits but whose whole-block rounding
-        does not raises KnobError (the position limit check of a plain overflow stays in api.check_prompt).
+        does not raises KnobError (the position limit check of a plain overflow stays in prompts.check_prompt).
         """
         limit = model.config.max_position_embeddings
         room = limit - prompt_len
