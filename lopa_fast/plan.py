@@ -80,7 +80,7 @@ def make(model, input_ids, cfg: GenerateConfig, *, verifier=None, on_round=None,
     """The plan of one prompt (module docstring). check_memory(model, total, cfg, prompt_len): refuses a request
     whose memory estimate exceeds the device's (lopa_fast.api.check_request_memory)."""
     spec = _knobs(cfg, verifier)
-    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory)
+    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory, stacklevel=5)
 
 
 def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_round=None,
@@ -92,9 +92,10 @@ def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_r
         raise ValueError(f"on_round: {len(hooks)} hooks for {len(prompts)} prompts; give one hook or one per prompt")
     spec = _knobs(cfg, verifier)
     n = len(prompts)
-    plans = tuple(_plan(model, p, cfg, spec, verifier, h, None, check_memory, f"prompt {i} of {n}")
-                  for i, (p, h) in enumerate(zip(prompts, hooks)))  # fmt: skip
-    return BatchPlan(plans, batching.batches(cfg, plans))
+    plans = []
+    for i, (p, h) in enumerate(zip(prompts, hooks)):
+        plans.append(_plan(model, p, cfg, spec, verifier, h, None, check_memory, f"prompt {i} of {n}", stacklevel=6))
+    return BatchPlan(tuple(plans), batching.batches(cfg, plans))
 
 
 def _knobs(cfg: GenerateConfig, verifier):
@@ -105,18 +106,21 @@ def _knobs(cfg: GenerateConfig, verifier):
     return spec
 
 
-def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory, label: str | None = None) -> Plan:
+def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory, label: str | None = None,
+          stacklevel: int = 5) -> Plan:
+    """One prompt's Plan under validated knobs. label: names the prompt in its errors (a batch's); stacklevel: of the
+    warnings, so that they point at the caller of generate (5 from here: make, generate_with_config, generate)."""
     with _naming(label):
         ids = prepare_prompt(model, input_ids)
         bound, length, notes = cfg.bind_prompt(model, ids.numel(), spec)  # max_new_tokens: whole blocks decoded
         check_prompt(model, ids, bound)
         check_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel())
     for note in notes:  # knobs set without effect (top_p at temperature 0, ...): HF warns about the same
-        warnings.warn(note, UserWarning, stacklevel=5)
+        warnings.warn(note, UserWarning, stacklevel=stacklevel)
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
     hook = on_round is not None or streamer is not None
-    fn, ran, fallback = resolve_backend(bound, hook=hook, model=model, spec=spec, stacklevel=6)
+    fn, ran, fallback = resolve_backend(bound, hook=hook, model=model, spec=spec, stacklevel=stacklevel + 1)
     with _naming(label):
         check_pair(model, verifier, ids, bound, spec)
     return Plan(model, bound, spec, ids, length, fn, ran, fallback, verifier, on_round, streamer)
