@@ -26,7 +26,7 @@ from lopa_fast.prompts import check_prompt, prepare_prompt
 from lopa_fast.verifiers import check_pair, check_verifier_taken
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: it holds a model and tensors
 class Plan:
     """One request, resolved: what runs, on what, and how the output is cut.
 
@@ -66,7 +66,7 @@ class Plan:
         return kw
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: it holds a model and tensors
 class BatchPlan:
     """A list of prompts under one config: a Plan per prompt (in order) and whether they share forwards (every
     prompt on the fast backend of a strategy whose batch driver covers the config: lopa_fast.batching)."""
