@@ -1,90 +1,41 @@
-"""`lopa_fast.generate`: validate the knobs and the prompt, pick strategy + backend, run, return stats.
+"""`lopa_fast.generate`: the public entry points and the run.
 
 Every strategy implementation, reference or fast, has one signature:
 
     fn(model, prompt_ids: LongTensor [P] (on model.device), cfg: GenerateConfig (bound)) -> GenerateOutput
 
 Each strategy's spec in the registry (lopa_fast.strategies) names both: its reference (lopa_fast.reference.*, the
-oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. All validation happens here, before any
-forward: implementations may assume a bound, valid config and a clean prompt.
+oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. A call resolves its arguments once into a
+validated plan (lopa_fast.plan: knobs, prompt, lengths, memory, backend, verifier pair, batching) before any
+forward, and runs it: implementations may assume a bound, valid config and a clean prompt. The jobs live in their
+own modules: lopa_fast.prompts (the prompt), lopa_fast.backends (which backend runs), lopa_fast.verifiers (the
+second model), lopa_fast.batching (a list of prompts), lopa_fast.streamer (streamer=), lopa_fast.finish (cutting
+the output); their public names are importable from here too.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 
 import torch
 
-from lopa_fast import aliases, strategies, threads
+from lopa_fast import aliases, batching, plan, strategies, threads
+from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
-from lopa_fast.progress import first_stop
-from lopa_fast.errors import KnobError
+from lopa_fast.finish import cut_to_length
 from lopa_fast.output import GenerateOutput
-
-
-def prepare_prompt(model, input_ids) -> torch.Tensor:
-    """Validate the prompt and return it as a LongTensor [P] on model.device.
-
-    Accepts a LongTensor [P] or [1, P] (int64 or int32) on the model's device, or a list of ints.
-    """
-    device = model.device
-    if isinstance(input_ids, (list, tuple)):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
-            raise TypeError("input_ids: a list must hold only ints")
-        big = next((i for i, t in enumerate(input_ids) if not -(2**63) <= t < 2**63), None)
-        if big is not None:  # torch.tensor would overflow without naming the id
-            vocab = model.config.vocab_size
-            raise KnobError(f"input_ids contains token id {input_ids[big]} (at position {big}); allowed: ids in "
-                            f"[0, vocab_size={vocab})", knob="input_ids", value=input_ids[big])  # fmt: skip
-        ids = torch.tensor(list(input_ids), dtype=torch.long, device=device)
-    elif isinstance(input_ids, torch.Tensor):
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids.dtype={input_ids.dtype}; allowed: torch.int64 or torch.int32 token ids")
-        if input_ids.device != device:
-            raise ValueError(
-                f"input_ids.device={input_ids.device} but the model is on {device}; move the ids to the model's device"
-            )
-        ids = input_ids
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(
-                    f"input_ids has batch size {ids.shape[0]} (shape {tuple(ids.shape)}); allowed: batch 1 "
-                    "([P] or [1, P]); for several prompts pass a list of prompts (one output each)"
-                )
-            ids = ids[0]
-        elif ids.dim() != 1:
-            raise ValueError(f"input_ids has shape {tuple(ids.shape)}; allowed: [P] or [1, P]")
-        ids = ids.to(torch.long)
-    else:
-        raise TypeError(f"input_ids: {type(input_ids).__name__}; allowed: a LongTensor [P] / [1, P] or a list of ints")
-    if ids.numel() == 0:
-        raise ValueError("input_ids is empty (P=0); allowed: a prompt of at least one token")
-    return ids.contiguous()
+from lopa_fast.prompts import is_batch, is_text, prepare_prompt, prompt_lens
+from lopa_fast.prompts import check_prompt as _check_prompt_ids
+from lopa_fast.streamer import check_streamer, streamer_hook
+from lopa_fast.verifiers import (check_pair, check_verifier_fits, check_verifier_given,  # noqa: F401  (public here)
+                                 check_verifier_taken)
 
 
 def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
-    """Checks that need both the prompt and the bound config (mask id in prompt, length, id range)."""
-    vocab = model.config.vocab_size
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"input_ids contains token id {bad}; allowed: ids in [0, vocab_size={vocab})")
-    if bool((ids == cfg.mask_token_id).any()):
-        pos = int((ids == cfg.mask_token_id).nonzero()[0, 0])
-        raise ValueError(
-            f"input_ids contains the mask token id {cfg.mask_token_id} (first at position {pos}); "
-            "a prompt must not contain masks"
-        )
-    P = ids.numel()
-    limit = model.config.max_position_embeddings
-    total = P + cfg.max_new_tokens
-    if total > limit:
-        raise ValueError(
-            f"prompt length {P} + max_new_tokens {cfg.max_new_tokens} = {total} exceeds the model's "
-            f"max_position_embeddings={limit}"
-        )
-    check_request_memory(model, total, cfg, P)
+    """Checks that need both the prompt [P] and the bound config (lopa_fast.prompts.check_prompt: id range, mask id
+    in the prompt, length), then the request's memory estimate (`check_request_memory`)."""
+    _check_prompt_ids(model, ids, cfg)
+    check_request_memory(model, ids.numel() + cfg.max_new_tokens, cfg, ids.numel())
 
 
 def _first_param(model):
@@ -145,62 +96,6 @@ def check_request_memory(model, total: int, cfg: GenerateConfig, prompt_len: int
     check_memory(request_bytes(model, total, cfg, prompt_len), device,
                  f"generate(max_new_tokens={cfg.max_new_tokens}, branching_factor={cfg.branching_factor}, "
                  f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip
-
-
-def _takes_hook(fn) -> bool:
-    """Whether a strategy implementation accepts the `on_round=` progress hook."""
-    try:
-        return "on_round" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def resolve_backend(cfg: GenerateConfig, hook: bool = False, model=None):
-    """Return (callable, backend name that runs, fallback note or None) for a validated config.
-
-    "fast" runs the fast decoder or raises (strategy not covered, or a knob it does not cover:
-    lopa_fast.strategies.fast_not_covered, e.g. sampler="upstream" at T > 0); "auto" runs it where it covers the
-    config, else the reference (with a RuntimeWarning when the strategy has a fast path but the knobs do not
-    fit it). hook: an `on_round=` hook is given (a fast
-    implementation that does not accept one counts as not covering the request). model: when given, "auto"
-    runs a model without the static forward (`forward_static`: a duck-typed stand-in) on the reference.
-    """
-    fn, ran, fallback = _resolve_backend(cfg)
-    if ran == "fast" and cfg.backend == "auto" and model is not None and not hasattr(model, "forward_static"):
-        # a duck-typed model without the static forward (test stubs, custom wrappers): not a supported model
-        return strategies.get(cfg.strategy).load("reference"), "reference", "reference (the model has no forward_static)"
-    if hook and ran == "fast" and not _takes_hook(fn):
-        why = "does not take the on_round= progress hook yet"
-        if cfg.backend == "fast":
-            raise ValueError(f"backend='fast' ({cfg.strategy}) {why}. Use backend='reference' (or 'auto')")
-        warnings.warn(f"backend='auto': {cfg.strategy} runs on the reference backend ({why})", RuntimeWarning,
-                      stacklevel=4)  # fmt: skip
-        return strategies.get(cfg.strategy).load("reference"), "reference", f"reference ({why})"
-    return fn, ran, fallback
-
-
-def _resolve_backend(cfg: GenerateConfig):
-    strategy, backend = cfg.strategy, cfg.backend
-    spec = strategies.get(strategy)
-    if backend == "reference":
-        return spec.load("reference"), "reference", None
-    if spec.fast is None:
-        if backend == "fast":
-            covered = ", ".join(n for n in strategies.names() if strategies.get(n).fast is not None) or "none yet"
-            raise ValueError(
-                f"backend='fast' does not cover strategy={strategy!r}; the fast backend covers: {covered}. "
-                "Use backend='reference' or backend='auto' (fast where available, else reference)"
-            )
-        return spec.load("reference"), "reference", None
-    from lopa_fast.strategies import fast_not_covered
-
-    why = fast_not_covered(cfg)
-    if why is None:
-        return spec.load("fast"), "fast", None
-    if backend == "fast":
-        raise ValueError(f"backend='fast' ({strategy}) {why}. Use backend='reference' (or 'auto', which falls back)")
-    warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning, stacklevel=4)
-    return spec.load("reference"), "reference", f"reference ({why})"
 
 
 _POSITIONAL_KNOBS = ("strategy", "backend")  # generate(model, ids, "lopa", "fast", ...) reads naturally
@@ -272,8 +167,8 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     text_stops: list[str] = []
     stop = knobs.get("stop")
     has_text_stop = isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(q, str) for q in stop))
-    if tokenizer is None and (_is_text(input_ids) or has_text_stop):
-        tokenizer = known_tokenizer(model, "a str prompt" if _is_text(input_ids) else "a text stop")
+    if tokenizer is None and (is_text(input_ids) or has_text_stop):
+        tokenizer = known_tokenizer(model, "a str prompt" if is_text(input_ids) else "a text stop")
     if tokenizer is not None:
         from lopa_fast.text import encode_prompt, split_stops
 
@@ -288,7 +183,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
                 knobs["stop"] = seqs
     if aliases.applies(knobs):  # HF / Dream / LLaDA / vLLM names (lopa_fast.aliases)
         need = {"max_length", "attention_mask"} & set(knobs)
-        knobs = aliases.translate(knobs, _prompt_lens(input_ids) if need else None)
+        knobs = aliases.translate(knobs, prompt_lens(input_ids) if need else None)
     known = {p for p in _SIGNATURE.parameters}
     unknown = sorted(set(knobs) - known)
     if unknown:
@@ -311,11 +206,6 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
         for o in out if isinstance(out, list) else [out]:
             o.text = answer_text(o, text_decoder(tokenizer), eos, text_stops)
     return out
-
-
-def _is_text(input_ids) -> bool:
-    return isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and len(input_ids) > 0
-                                          and all(isinstance(p, str) for p in input_ids))
 
 
 def known_tokenizer(model, why: str):
@@ -343,21 +233,6 @@ def known_tokenizer(model, why: str):
 generate.__signature__ = _SIGNATURE
 
 
-def _prompt_lens(input_ids) -> list[int] | None:
-    """The prompt lengths of generate's input_ids (one prompt: one length), for max_length=; None when the input is
-    not a prompt (prepare_prompt names what is wrong with it)."""
-    prompts = list(input_ids) if is_batch(input_ids) else [input_ids]
-    lens = []
-    for p in prompts:
-        if isinstance(p, torch.Tensor):
-            lens.append(int(p.shape[-1]) if p.dim() else 0)
-        elif isinstance(p, (list, tuple)):
-            lens.append(len(p))
-        else:
-            return None
-    return lens
-
-
 def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, on_round=None,
                          engine=None, streamer=None) -> GenerateOutput:
     """`generate` with a prepared GenerateConfig (validated and bound to the model here).
@@ -377,135 +252,31 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
         if streamer is not None:
             raise ValueError("streamer= streams one prompt (as in transformers); got a list of prompts")
         return generate_batch(model, list(input_ids), cfg, verifier, on_round)
-    cfg.validate()  # the one validation of the knobs, before the prompt is touched
-    for note in cfg.sampling_notes():  # HF warns about the same
-        warnings.warn(note, UserWarning, stacklevel=3)
-    spec = strategies.get(cfg.strategy)
-    check_verifier_taken(cfg, verifier)
-    ids = prepare_prompt(model, input_ids)
-    cfg, length = cfg.plan_length(model, ids.numel())  # max_new_tokens -> the whole-block length decoded
-    cfg = cfg.resolve(model)
-    check_prompt(model, ids, cfg)
-    if on_round is not None and not callable(on_round):
-        raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
-    if streamer is not None:
-        on_round, finish = _streamer_hook(streamer, ids, cfg, length["requested"], on_round)
-    fn, ran, fallback = resolve_backend(cfg, hook=on_round is not None, model=model)
-    check_pair(model, verifier, ids, cfg)
-    extra = {"verifier": verifier} if spec.takes_verifier else {}
-    if on_round is not None:
-        extra["on_round"] = on_round
-    with torch.inference_mode(), threads.scoped(model):  # small CPU models: one thread for the call (threads.py)
-        if engine is not None and ran == "fast" and engine.covers(cfg):
-            out = engine.generate(ids, cfg, on_round, verifier)
+    p = plan.make(model, input_ids, cfg, verifier=verifier, on_round=on_round, streamer=streamer,
+                  check_memory=check_request_memory)  # fmt: skip
+    return run_plan(p, engine)
+
+
+def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
+    """Run one resolved request (lopa_fast.plan.Plan) and cut its output: on `engine` (a BatchEngine, the server's)
+    when it covers the request, else the plan's implementation; the streamer driven when the plan has one."""
+    on_round, finish = p.on_round, None
+    if p.streamer is not None:
+        on_round, finish = streamer_hook(p.streamer, p.ids, p.cfg, p.length["requested"], on_round)
+    with torch.inference_mode(), threads.scoped(p.model):  # small CPU models: one thread for the call (threads.py)
+        if engine is not None and p.backend == "fast" and engine.covers(p.cfg):
+            out = engine.generate(p.ids, p.cfg, on_round, p.verifier)
             out.stats["batched"] = True
         else:
-            out = fn(model, ids, cfg, **extra)
-    out.stats.setdefault("strategy", cfg.strategy)
-    out.stats["backend"] = ran
-    if fallback is not None:
-        out.stats["fallback"] = fallback
-    out = cut_to_length(out, length, cfg)
-    if streamer is not None:
+            out = p.fn(p.model, p.ids, p.cfg, **p.extra(on_round))
+    out.stats.setdefault("strategy", p.cfg.strategy)
+    out.stats["backend"] = p.backend
+    if p.fallback is not None:
+        out.stats["fallback"] = p.fallback
+    out = cut_to_length(out, p.length, p.cfg)
+    if finish is not None:
         finish(out)
     return out
-
-
-def check_streamer(streamer) -> None:
-    """streamer= is None or has transformers' TextStreamer protocol (put(ids), end()), else a TypeError."""
-    if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
-        raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
-                        "(transformers' TextStreamer protocol)")  # fmt: skip
-
-
-def _streamer_hook(streamer, ids: torch.Tensor, cfg: GenerateConfig, requested: int, on_round=None):
-    """(per-round hook, finish(out)) driving a TextStreamer-style `streamer` (generate_with_config's docstring). A
-    round puts the finalised prefix's new tokens, up to the requested length, before a stop sequence and holding
-    back the last (longest stop - 1) tokens (a stop they start is not complete yet); finish puts the rest of the
-    returned ids and calls end()."""
-    streamer.put(ids.detach().reshape(1, -1).cpu())
-    hold = max((len(q) for q in cfg.stop or ()), default=1) - 1
-    sent = 0
-
-    def put(new: list[int]) -> None:
-        nonlocal sent
-        if new:
-            streamer.put(torch.tensor(new, dtype=torch.long))
-            sent += len(new)
-
-    def hook(prefix, info):
-        if on_round is not None:
-            on_round(prefix, info)
-        upto = min(len(prefix) - hold, requested)
-        if cfg.stop:
-            at = first_stop(list(prefix), cfg.stop, cfg.mask_token_id)
-            upto = upto if at is None else min(upto, at)
-        if upto > sent:
-            put(list(prefix[sent:upto]))
-
-    def finish(out: GenerateOutput) -> None:
-        put(list(out.generated_ids[sent:]))
-        streamer.end()
-
-    return hook, finish
-
-
-def check_verifier_taken(cfg: GenerateConfig, verifier) -> None:
-    """Refuse verifier= for a strategy that takes none (naming those that do)."""
-    if verifier is not None and not strategies.get(cfg.strategy).takes_verifier:
-        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
-        raise ValueError(f"verifier= applies to {' / '.join(f'strategy={n!r}' for n in takers)} (the AR model that "
-                         f"verifies drafts); strategy={cfg.strategy!r}")  # fmt: skip
-
-
-def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=") -> None:
-    """The surfaces that load a verifier from a path (CLI --verifier, serve --verifier, lm-eval's verifier=): a
-    KnobError naming the knob when `cfg` needs a verifier and none was given (`how`: how to give one there), or
-    naming `verifier` when one was given to a strategy that takes none."""
-    spec = strategies.get(cfg.strategy)
-    if given and not spec.takes_verifier:
-        takers = [n for n in strategies.names() if strategies.get(n).takes_verifier]
-        names = " / ".join(f"strategy={n!r}" for n in takers)
-        raise KnobError(f"a verifier ({how}) applies to {names} (the AR model that verifies drafts); "
-                        f"strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)  # fmt: skip
-    if not given and spec.uses_verifier(cfg):
-        name = spec.verifier_knob
-        raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
-                        "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
-                        f"d2f-arith), or leave {name} unset for the verifier-free baseline of "
-                        f"strategy={cfg.strategy!r}",
-                        knob=name, value=getattr(cfg, name))  # fmt: skip
-
-
-def check_verifier_fits(model, verifier, tokenizer=None, verifier_tokenizer=None) -> None:
-    """A verifier loaded once for many requests (serve --verifier, lm-eval's verifier=): checked against the drafter
-    at start (the check every request's pair passes: its strategy's check_models, with both tokenizers when given)."""
-    name = next(n for n in strategies.names() if strategies.get(n).takes_verifier)
-    spec = strategies.get(name)
-    cfg = GenerateConfig(strategy=name, **({spec.verifier_knob: 0.5} if spec.verifier_knob else {})).validate()
-    cfg = cfg.resolve(model)
-    spec.load("check_models")(model, verifier, cfg, tokenizer=tokenizer, verifier_tokenizer=verifier_tokenizer)
-
-
-def check_pair(model, verifier, ids: torch.Tensor, cfg: GenerateConfig) -> None:
-    """A strategy that takes a verifier: the (model, verifier) pair checked before any forward (its spec's
-    check_models), and the prompt + generation within the verifier's positions. ids: the prompt [P]."""
-    spec = strategies.get(cfg.strategy)
-    if not spec.takes_verifier:
-        return
-    spec.load("check_models")(model, verifier, cfg)
-    if verifier is not None and verifier.config.max_position_embeddings < ids.numel() + cfg.max_new_tokens:
-        raise ValueError(
-            f"prompt length {ids.numel()} + max_new_tokens {cfg.max_new_tokens} exceeds the verifier's "
-            f"max_position_embeddings={verifier.config.max_position_embeddings}"
-        )
-
-
-def is_batch(input_ids) -> bool:
-    """A list / tuple of prompts (tensors or lists of ids) is a batch; a list of ints is one prompt."""
-    return isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and all(
-        isinstance(p, (torch.Tensor, list, tuple)) for p in input_ids
-    )
 
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
@@ -517,84 +288,8 @@ def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_
     another.
     on_round: one hook for all prompts or a list (one
     per prompt). Every prompt is checked before any forward."""
-    hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
-    if len(hooks) != len(prompts):
-        raise ValueError(f"on_round: {len(hooks)} hooks for {len(prompts)} prompts; give one hook or one per prompt")
-    cfg.validate()
-    check_verifier_taken(cfg, verifier)
-    preps = []
-    for i, p in enumerate(prompts):
-        try:
-            ids = prepare_prompt(model, p)
-            c, length = cfg.plan_length(model, ids.numel())
-            c = c.resolve(model)
-            check_prompt(model, ids, c)
-            check_pair(model, verifier, ids, c)
-        except (ValueError, TypeError) as e:  # say which prompt (the error keeps its type and fields)
-            e.args = (f"prompt {i} of {len(prompts)}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
-            raise
-        preps.append((ids, c, length))
-    from lopa_fast.decode.batch import batchable, run_batch
-
-    batched = batchable(cfg) and all(
-        resolve_backend(c, hook=h is not None, model=model)[1] == "fast" for (_, c, _), h in zip(preps, hooks))
-    if not batched:
-        return [generate_with_config(model, p, cfg, verifier, h) for p, h in zip(prompts, hooks)]
-    with torch.inference_mode(), threads.scoped(model):
-        outs = run_batch(model, [ids for ids, _, _ in preps], [c for _, c, _ in preps], on_round=hooks,
-                         verifier=verifier)  # fmt: skip
-    results = []
-    for out, (_, c, length) in zip(outs, preps):
-        out.stats.setdefault("strategy", c.strategy)
-        out.stats["backend"] = "fast"
-        out.stats["batched"] = len(prompts)
-        results.append(cut_to_length(out, length, c))
-    return results
-
-
-def cut_to_length(out: GenerateOutput, length: dict, cfg: GenerateConfig) -> GenerateOutput:
-    """Cut the decoded whole blocks to the requested length and record how the output ended.
-
-    stats: max_new_tokens (the request the output is cut to), decoded_new_tokens (the whole blocks decoded),
-    max_new_tokens_source ("argument" | "generation_config.json" | "default"), max_new_tokens_clipped (the reason,
-    only when a default was clipped to the position limit), finish_reason ("round_cap": the loop stopped at
-    max_rounds, stats["hit_round_cap"]; else "stop": the returned tokens hold an EOS; else "length"; a stop
-    sequence (cfg.stop) in the finalised prefix cuts the output before it: finish_reason "stop" first,
-    stats["stop_sequence_at"] its position). After a cut
-    the token counts (generated_tokens, tokens_until_eos, tpf, tpf_until_eos, tokens_per_second, masks_left)
-    describe the returned tokens, and the trace's `accepted` lists drop the positions past the cut (its entries,
-    one per round / forward, stay); forwards describe the decoding.
-    """
-    n = length["requested"]
-    st = out.stats
-    stop_at = first_stop(out.generated_ids[:n], cfg.stop, cfg.mask_token_id) if cfg.stop else None
-    if stop_at is not None:  # a stop sequence in the finalised prefix: the output ends before it
-        n = stop_at
-        st["stop_sequence_at"] = stop_at
-    if len(out.generated_ids) > n:
-        ids = out.generated_ids = list(out.generated_ids[:n])
-        fw, eos = int(st.get("forwards", 0)), cfg.eos_token_id
-        until = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
-        st["generated_tokens"], st["tokens_until_eos"] = len(ids), until
-        st["tpf"] = len(ids) / fw if fw else 0.0
-        st["tpf_until_eos"] = until / fw if fw else 0.0
-        sec = st.get("seconds", 0.0)
-        st["tokens_per_second"] = len(ids) / sec if sec > 0 else 0.0
-        st["masks_left"] = sum(1 for t in ids if t == cfg.mask_token_id)
-        if out.trace is not None:
-            for entry in out.trace:
-                if "accepted" in entry:
-                    entry["accepted"] = [a for a in entry["accepted"] if int(a[0]) < n]
-    st["max_new_tokens"] = n
-    st["decoded_new_tokens"] = length["decoded"]
-    st["max_new_tokens_source"] = length["source"]
-    if "clipped" in length:
-        st["max_new_tokens_clipped"] = length["clipped"]
-    eos = cfg.eos_token_id
-    if stop_at is not None:
-        st["finish_reason"] = "stop"
-    elif st.get("hit_round_cap"):
-        st["finish_reason"] = "round_cap"
-    else:
-        st["finish_reason"] = "stop" if eos is not None and eos in out.generated_ids else "length"
-    return out
+    batch = plan.make_batch(model, prompts, cfg, verifier=verifier, on_round=on_round,
+                            check_memory=check_request_memory)  # fmt: skip
+    if batch.batched:
+        return batching.run(batch.plans)
+    return [run_plan(p) for p in batch.plans]

@@ -1,9 +1,10 @@
 """The decoding knobs as one validated dataclass (knob names are upstream's).
 
-`GenerateConfig.validate()` checks every knob on its own (no model needed) and raises ValueError /
-TypeError naming the knob, the value and what is allowed. `bind(model)` fills the model-dependent
-defaults (mask / EOS ids, the round cap) and returns a new, fully resolved config; strategies and the
-fast decoder receive only resolved configs.
+`GenerateConfig.validate()` checks every knob that needs no model (the shared ones here, each strategy's own
+through its spec's `validate` hook: lopa_fast/strategies/<name>.py) and raises ValueError / TypeError naming the
+knob, the value and what is allowed. `bind(model)` fills the model-dependent defaults (mask / EOS ids, the round
+cap, the spec's `resolve` hook) and returns a new, fully resolved config (`bind_prompt`: the same for a prompt's
+length, in whole blocks); strategies and the fast decoder receive only resolved configs.
 
 Fields the fast decoder (lopa_fast.decode) needs for d2f / lopa, all resolved by `bind`:
     max_new_tokens, block_size, block_add_threshold (tau_add), decoded_token_threshold (tau_act),
@@ -25,12 +26,12 @@ from lopa_fast.knobs import check_choice as _choice
 from lopa_fast.knobs import check_number as _num
 from lopa_fast.knobs import check_positive_int as _positive_int
 from lopa_fast.knobs import check_prob as _prob
+from lopa_fast.strategies.d2f import SAMPLING_STRATEGIES
 from lopa_fast.strategies.threshold import CACHE_MODES
 from lopa_fast.strategies.vanilla import DREAM_ALGS, REMASKING
 
 MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
-SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 ROUND_CAP_ACTIONS = ("warn", "error")
 SAMPLERS = ("keyed", "upstream")
 
@@ -203,21 +204,18 @@ class GenerateConfig:
     def replace(self, **kw) -> "GenerateConfig":
         return dataclasses.replace(self, **kw)
 
-    def validate(self) -> "GenerateConfig":
-        """Check every knob that needs no model; raise ValueError/TypeError before any work."""
-        spec = strategies.get(self.strategy)  # KnobError naming the registered strategies
+    def validate(self, spec=None) -> "GenerateConfig":
+        """Check every knob that needs no model; raise ValueError/TypeError before any work.
+
+        The shared knobs are checked here, then the strategy's own (its spec's `knobs` and `validate` hook:
+        lopa_fast/strategies/<name>.py). spec: the strategy's spec when the caller has looked it up already (the
+        request plan, lopa_fast.plan), else looked up here (a KnobError naming the registered strategies)."""
+        spec = spec if spec is not None else strategies.get(self.strategy)
         _choice("backend", self.backend, BACKENDS)
         _positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         _bool("strict_length", self.strict_length)
         self._check_stop()
         _positive_int("block_size", self.block_size)
-        for name in ("block_add_threshold", "decoded_token_threshold", "skip_threshold"):
-            _prob(name, getattr(self, name))
-        _choice("sampling_strategy", self.sampling_strategy, SAMPLING_STRATEGIES)
-        _positive_int("branching_factor", self.branching_factor)
-        _prob("branch_topp", self.branch_topp)
-        _prob("selection_conf_alpha", self.selection_conf_alpha)
-        _bool("use_full_attention", self.use_full_attention)
         _num("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}; allowed: >= 0 (0 = greedy)")
@@ -288,31 +286,38 @@ class GenerateConfig:
                 )
 
     # ---- lengths (rounded up to whole blocks before decoding, cut after; docs/decoding.md "Lengths") ----------
-    def length_unit(self) -> int:
+    def length_unit(self, spec=None) -> int:
         """The block the strategy decodes in whole (its spec's `length_unit`: d2f / lopa block_size; threshold
-        block_length, default block_size; vanilla block_length when given; 1 where there are no blocks)."""
-        return strategies.get(self.strategy).length_unit(self)
+        block_length, default block_size; vanilla block_length when given; 1 where there are no blocks).
+        spec: the strategy's spec when the caller holds it (else looked up)."""
+        return (spec if spec is not None else strategies.get(self.strategy)).length_unit(self)
 
-    def decode_length(self, n: int) -> int:
+    def decode_length(self, n: int, spec=None) -> int:
         """The length decoded for a request of `n` new tokens: n rounded up to whole blocks (n itself with
-        strict_length=True, where validate() refuses a non-multiple)."""
-        if self.strict_length:
-            return n
-        u = self.length_unit()
-        return -(-n // u) * u
+        strict_length=True, where validate() refuses a non-multiple; strategies.decode_length)."""
+        return strategies.decode_length(n, self.length_unit(spec), self.strict_length)
 
-    def plan_length(self, model, prompt_len: int) -> tuple["GenerateConfig", dict]:
+    def bind_prompt(self, model, prompt_len: int, spec) -> tuple["GenerateConfig", dict, list[str]]:
+        """Everything the config knows about a request, for a VALIDATED config and a prompt of `prompt_len` tokens,
+        in one call: (the bound config: `plan_length` then `resolve`, max_new_tokens the length decoded;
+        plan_length's length info; `sampling_notes`). spec: the strategy's spec (the request plan looked it up once:
+        lopa_fast.plan)."""
+        planned, length = self.plan_length(model, prompt_len, spec)
+        return planned.resolve(model, spec), length, self.sampling_notes()
+
+    def plan_length(self, model, prompt_len: int, spec=None) -> tuple["GenerateConfig", dict]:
         """(config whose max_new_tokens is the length to DECODE, info) for a prompt of `prompt_len` tokens.
 
         info: requested (the length the output is cut to), decoded (whole blocks), source ("argument",
         "generation_config.json" or "default"), clipped (the reason, when the default was clipped to the room
         left in max_position_embeddings). An explicit max_new_tokens that fits but whose whole-block rounding
-        does not raises KnobError (the position limit check of a plain overflow stays in api.check_prompt).
+        does not raises KnobError (the position limit check of a plain overflow stays in prompts.check_prompt).
         """
         limit = model.config.max_position_embeddings
         room = limit - prompt_len
         info: dict = {}
-        unit = self.length_unit()  # decoding needs whole blocks of it, strict or not
+        spec = spec if spec is not None else strategies.get(self.strategy)
+        unit = self.length_unit(spec)  # decoding needs whole blocks of it, strict or not
         if self.max_new_tokens is None:
             n, source = default_max_new_tokens(model)
             if self.strict_length and n % unit:
@@ -333,7 +338,7 @@ class GenerateConfig:
         else:
             n = self.max_new_tokens
             info["source"] = "argument"
-            d = self.decode_length(n)
+            d = self.decode_length(n, spec)
             if prompt_len + n > limit:
                 raise KnobError(
                     f"prompt length {prompt_len} + max_new_tokens {n} = {prompt_len + n} exceeds the model's "
@@ -344,7 +349,7 @@ class GenerateConfig:
                     f"{prompt_len} + {d} exceeds the model's max_position_embeddings={limit}; pass max_new_tokens <= "
                     f"{max(room // unit * unit, 0)} or a smaller block", knob="max_new_tokens", value=n)  # fmt: skip
         info["requested"] = n
-        info["decoded"] = self.decode_length(n)
+        info["decoded"] = self.decode_length(n, spec)
         return self.replace(max_new_tokens=info["decoded"]), info
 
     # ---------------------------------------------------------------------------------------------
@@ -352,17 +357,19 @@ class GenerateConfig:
         """`validate()` then `resolve(model)`: a new, validated, fully resolved config."""
         return self.validate().resolve(model)
 
-    def resolve(self, model) -> "GenerateConfig":
-        """Resolve the model-dependent defaults of a VALIDATED config (call `validate()` first, or `bind`).
+    def resolve(self, model, spec=None) -> "GenerateConfig":
+        """Resolve the model-dependent defaults of a VALIDATED config (call `validate()` first, or `bind`); spec:
+        the strategy's spec when the caller holds it (else looked up).
 
         mask/eos ids default to the model's; the round cap defaults to 2 * max_new_tokens + 64 (a round
         fills at least one position unless the mask token itself is emitted, so the cap is only hit by
         such a stall); family-specific vanilla knobs are checked against the model's family.
         """
-        if self.max_new_tokens is None or self.decode_length(self.max_new_tokens) != self.max_new_tokens:
+        spec = spec if spec is not None else strategies.get(self.strategy)
+        if self.max_new_tokens is None or self.decode_length(self.max_new_tokens, spec) != self.max_new_tokens:
             # no prompt here (generate plans the length with it): the model's default, in whole blocks
             n = self.max_new_tokens if self.max_new_tokens is not None else default_max_new_tokens(model)[0]
-            self = self.replace(max_new_tokens=self.decode_length(n))
+            self = self.replace(max_new_tokens=self.decode_length(n, spec))
         if not model.config.is_diffusion:  # the real reason first: a causal AR model has no mask token to ask for
             raise ValueError(
                 f"model_type {model.config.model_type!r} (causal AR Qwen2) cannot run diffusion decoding; "
@@ -385,7 +392,6 @@ class GenerateConfig:
         for q in self.stop or ():
             if max(q) >= vocab:
                 raise ValueError(f"stop sequence {list(q)!r} holds id {max(q)}; allowed: ids in [0, vocab_size={vocab})")
-        spec = strategies.get(self.strategy)
         kw: dict = {"mask_token_id": mask, "eos_token_id": eos}
         if self.sampler is None:
             kw["sampler"] = spec.default_sampler

@@ -24,9 +24,7 @@ import queue
 import threading
 import warnings
 
-import torch
-
-from lopa_fast import aliases, api
+from lopa_fast import aliases, api, plan
 from lopa_fast.config import GenerateConfig
 from lopa_fast.progress import first_stop
 from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
@@ -44,18 +42,25 @@ class TextStream:
     GenerateOutput: generated_ids, stats, trace; stats["finish_reason"] "stop" also when a text stop cut the
     text, with stats["stop_text"]), `.prompt_ids` (the encoded prompt, list[int]). Both are None before.
     `on_round(prefix, info)`, if given, runs in the consuming thread for every round, before that round's piece.
+    The request is resolved once, here (lopa_fast.plan: bad input raises before any decoding), and the decoding
+    thread runs that plan.
     """
 
-    def __init__(self, model, ids: torch.Tensor, cfg: GenerateConfig, length: int, decode, text_stops: list[str],
-                 verifier=None, on_round=None, engine=None, streamer=None):  # fmt: skip
-        self._model, self._ids, self._cfg, self._verifier, self._engine = model, ids, cfg, verifier, engine
-        self._streamer = streamer
-        self._length, self._decode, self._text_stops, self._on_round = length, decode, text_stops, on_round
-        self._unit = max(1, cfg.length_unit())
-        self._eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
+    def __init__(self, model, ids, cfg: GenerateConfig, decode, text_stops: list[str], verifier=None, on_round=None,
+                 engine=None, streamer=None):  # fmt: skip
+        self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
+        self._plan = plan.make(model, ids, cfg, verifier=verifier, on_round=self._report, streamer=streamer,
+                               check_memory=api.check_request_memory)  # fmt: skip
+        self._cfg, self._engine = self._plan.cfg, engine
+        self._length = self._plan.length["requested"]
+        self._decode, self._text_stops, self._on_round = decode, text_stops, on_round
+        # the pieces' unit: the requested config's block (LLaDA vanilla without block_length: one token; bound, its
+        # block_length is the whole generation)
+        self._unit = max(1, cfg.length_unit(self._plan.spec))
+        self._eos = self._cfg.eos_token_id
         self._thread: threading.Thread | None = None
-        self.prompt_ids = ids.tolist()
+        self.prompt_ids = self._plan.ids.tolist()
         self.text: str | None = None
         self.result = None
         self._iter = self._pieces()
@@ -81,18 +86,15 @@ class TextStream:
             self._thread.join()
 
     # ---- the worker ------------------------------------------------------------------------------------
-    def _run(self, events: queue.Queue) -> None:
-        def hook(prefix, info):
-            if self._closed.is_set():
-                raise _Closed
-            events.put(("round", prefix, info))
+    def _report(self, prefix, info) -> None:
+        """The plan's progress hook (the decoding thread): the round to the consumer, or stop when it closed."""
+        if self._closed.is_set():
+            raise _Closed
+        self._events.put(("round", prefix, info))
 
+    def _run(self, events: queue.Queue) -> None:
         try:
-            extra = {"verifier": self._verifier} if self._verifier is not None else {}
-            if self._streamer is not None:
-                extra["streamer"] = self._streamer
-            out = api.generate_with_config(self._model, self._ids, self._cfg, on_round=hook, engine=self._engine,
-                                           **extra)  # fmt: skip
+            out = api.run_plan(self._plan, self._engine)
             events.put(("done", out, None))
         except _Closed:
             events.put(("closed", None, None))
@@ -110,7 +112,7 @@ class TextStream:
         return text if hit is not None else held_back(text, self._text_stops)
 
     def _pieces(self):
-        events: queue.Queue = queue.Queue()
+        events = self._events
         self._thread = threading.Thread(target=self._run, args=(events,), name="lopa_fast.stream", daemon=True)
         self._thread.start()
         shown = ""
@@ -177,14 +179,6 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
     if bad:
         raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
-    cfg = GenerateConfig(**knobs, stop=seqs).validate()
-    ids_t = api.prepare_prompt(model, ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # generate warns itself (once, when it runs)
-        planned, length = cfg.plan_length(model, ids_t.numel())
-        bound = planned.resolve(model)
-        api.check_prompt(model, ids_t, bound)
-        api.resolve_backend(bound, hook=True)
     api.check_streamer(streamer)
-    return TextStream(model, ids_t, cfg, length["requested"], text_decoder(tokenizer),
-                      texts, verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip
+    return TextStream(model, ids, GenerateConfig(**knobs, stop=seqs), text_decoder(tokenizer), texts,
+                      verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip

@@ -358,6 +358,28 @@ def test_import_graph_has_no_cycle():
     assert len(graph) > 50  # the walk saw the package
 
 
+def test_the_reference_decoders_import_nothing_of_the_fast_path():
+    """The reference decoders are an independent oracle: no module they reach, directly or through what they import
+    (function-local and importlib imports included, as the cycle walk sees them), is a lopa_fast.decode,
+    lopa_fast.strategies or lopa_fast.ops module (APD's pair checks live in lopa_fast.model_pairs, shared with the
+    spec)."""
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    refs = sorted(m for m in mods if m.startswith("lopa_fast.reference."))
+    assert {"lopa_fast.reference.apd", "lopa_fast.reference.lopa", "lopa_fast.reference.vanilla"} <= set(refs)
+    fast = ("lopa_fast.decode", "lopa_fast.strategies", "lopa_fast.ops")
+    offenders = []
+    for ref in refs:
+        seen, todo = set(), [ref]
+        while todo:
+            for n in graph[todo.pop()] - seen:
+                seen.add(n)
+                todo.append(n)
+        offenders += [f"{ref} -> {m}" for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in fast)]
+    assert "lopa_fast.model_pairs" in _imports("lopa_fast.reference.apd", mods["lopa_fast.reference.apd"], mods)
+    assert not offenders, "\n".join(offenders)
+
+
 def test_no_strategy_name_is_compared_outside_the_strategies():
     """`cfg.strategy == "lopa"` and the like live in lopa_fast/strategies/ (and the reference decoders, each one
     strategy's oracle) only: everything else asks the registry."""

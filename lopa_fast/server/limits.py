@@ -64,8 +64,8 @@ class Limits:
     def check(self, model, cfg, prompt_len: int) -> int:
         """Refuse (ValueError subclasses carrying the field: `LimitError`) a bound config over a cap; return the
         request's memory estimate in bytes."""
-        k = cfg.branching_factor
-        if k is not None and k > self.max_branching_factor:
+        k = cfg.branching_factor  # checked by the strategies that read it (lopa); others leave any value unread
+        if isinstance(k, int) and k > self.max_branching_factor:
             raise LimitError(f"branching_factor={k} is over this server's cap --max-branching-factor="
                              f"{self.max_branching_factor}", "branching_factor")  # fmt: skip
         total = prompt_len + cfg.max_new_tokens

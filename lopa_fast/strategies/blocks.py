@@ -3,6 +3,7 @@ decoded length, block_length and steps, shared by the two strategies that read t
 from __future__ import annotations
 
 from lopa_fast.knobs import check_bool, check_positive_int
+from lopa_fast.strategies.registry import decode_length
 
 
 def check_steps_and_block_length(cfg) -> None:
@@ -27,7 +28,7 @@ def check_blocks(cfg) -> None:
             f"block_length={bl} must divide max_new_tokens={cfg.max_new_tokens} with strict_length=True "
             f"(strategy={cfg.strategy!r} decodes max_new_tokens in blocks of block_length)"
         )
-    n = cfg.decode_length(cfg.max_new_tokens)
+    n = decode_length(cfg.max_new_tokens, bl, cfg.strict_length)  # bl is the strategy's length unit here
     nb = n // bl
     if cfg.steps is not None and cfg.steps % nb:
         raise ValueError(

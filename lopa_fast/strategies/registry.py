@@ -164,17 +164,23 @@ def owners(knob: str) -> list[str]:
     return [s.name for s in _REGISTRY.values() if knob in s.knobs]
 
 
-def fast_not_covered(cfg) -> str | None:
+def decode_length(n: int, unit: int, strict_length: bool) -> int:
+    """The length decoded for a request of `n` new tokens in whole blocks of `unit` (a spec's `length_unit`): n
+    rounded up to a multiple of it, or n itself with strict_length (whose validation refuses a non-multiple)."""
+    return n if strict_length else -(-n // unit) * unit
+
+
+def fast_not_covered(cfg, spec: Strategy | None = None) -> str | None:
     """Why the fast backend cannot run this validated config (a phrase naming the knob), or None.
 
     Random draws run on the keyed sampler (lopa_fast.keyed: a pure function of seed, step and position, so a
     batched step draws what the reference draws); upstream's draw-for-draw order (sampler="upstream") exists
     only on the per-step reference (APD's default, for exactness with upstream at T > 0: pass sampler='keyed'
-    for its fast path)."""
+    for its fast path). spec: the strategy's spec when the caller holds it (else looked up)."""
     from lopa_fast.keyed import needs_draws  # torch: only when a request is checked, never for the CLI's parser
 
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
-        if get(cfg.strategy).default_sampler == "upstream":
+        if (spec if spec is not None else get(cfg.strategy)).default_sampler == "upstream":
             fast = (f"for {cfg.strategy}'s fast path pass sampler='keyed' ({cfg.strategy}'s default at T > 0 is "
                     "upstream's order, for exactness with upstream)")  # fmt: skip
         else:
