@@ -18,9 +18,9 @@ import torch
 
 from lopa_fast import aliases, strategies, threads
 from lopa_fast.config import GenerateConfig
-from lopa_fast.progress import first_stop
 from lopa_fast.errors import KnobError
 from lopa_fast.output import GenerateOutput
+from lopa_fast.progress import first_stop
 
 
 def prepare_prompt(model, input_ids) -> torch.Tensor:
