@@ -19,7 +19,6 @@ import torch
 
 from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
 from lopa_fast import attention_modes, ops
-from lopa_fast.reference import ops as ref
 
 pytestmark = pytest.mark.bench
 

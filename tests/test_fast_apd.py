@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.progress import first_stop
 from lopa_fast.decode import apd as fast_apd
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
+from lopa_fast.progress import first_stop
 from lopa_fast.testing import model_from_spec
 from tests.utils import apd_models, emulated_capture
 

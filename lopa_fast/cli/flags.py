@@ -10,7 +10,6 @@ import typing
 
 from lopa_fast.cli.checks import CLIError, user_errors
 
-
 # ---- generate -------------------------------------------------------------------------------------------
 _OWN_FLAGS = ("strategy", "backend", "compile")  # GenerateConfig fields with their own (common) flag
 

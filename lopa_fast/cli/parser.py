@@ -12,10 +12,19 @@ from lopa_fast.cli.flags import EMBEDDED_PRESET, VERIFIER_HELP, add_knob_flags, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.tasks.eval_rows import (BACKENDS, BLOCK, BLOCK_SIZES, DEMO_TASK, EVAL_ROWS, EVAL_TASKS, GEN_LEN,
-                                           OUT_DIR, ROWS, out_name)
-
     from lopa_fast.config import GenerateConfig, strategy_names
+    from lopa_fast.tasks.eval_rows import (
+        BACKENDS,
+        BLOCK,
+        BLOCK_SIZES,
+        DEMO_TASK,
+        EVAL_ROWS,
+        EVAL_TASKS,
+        GEN_LEN,
+        OUT_DIR,
+        ROWS,
+        out_name,
+    )
 
     STRATEGIES = strategy_names()
     knob = {f.name: f for f in dataclasses.fields(GenerateConfig)}

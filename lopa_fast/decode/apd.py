@@ -46,11 +46,11 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.progress import report_round
 from lopa_fast.decode.shapes import divided, knob, pow2_bucket, quantized_length, scaled, stop_table
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.progress import report_round
 from lopa_fast.sampling import top_k_filter, top_p_filter
 
 HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonfinite_drafter",

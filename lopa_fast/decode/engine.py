@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast.progress import report_round
 from lopa_fast.decode import round as rnd
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.progress import report_round
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64

@@ -23,12 +23,12 @@ import warnings
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.progress import after_step
 from lopa_fast.decode import static_steps, steps
 from lopa_fast.decode.shapes import pow2_bucket as bucket
 from lopa_fast.decode.static_steps import DREAM_CONF, llada_choice
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats
+from lopa_fast.progress import after_step
 from lopa_fast.sampling import token_stats
 
 

@@ -26,8 +26,16 @@ Without `pretrained=` the embedded d2f-arith model runs.
 Modules: elbo.py (the masked-diffusion ELBO estimator and the greedy check: torch only), model.py (`LopaFastLM`, the
 registered model, and its model-arg checks), run.py (`evaluate` / `main`: lm-eval's Python API and command line).
 """
-from lopa_fast.lm_eval.elbo import (MC_BATCH, MC_NUM, draw_masks, elbo_terms, greedy_matches, mask_counts,
-                                    masked_logprobs, mc_loglikelihood)
+from lopa_fast.lm_eval.elbo import (
+    MC_BATCH,
+    MC_NUM,
+    draw_masks,
+    elbo_terms,
+    greedy_matches,
+    mask_counts,
+    masked_logprobs,
+    mc_loglikelihood,
+)
 from lopa_fast.lm_eval.model import LopaFastLM  # registers the `lopa_fast` model with lm-eval
 from lopa_fast.lm_eval.run import evaluate, main, prepare
 

@@ -22,8 +22,17 @@ import torch
 
 from lopa_fast import logs
 from lopa_fast.errors import CheckpointError, MemoryBudgetError
-from lopa_fast.models.checkpoint import (check_against_headers, check_tensors, expected_shapes, head_names, read_config,
-                                         read_headers, read_json, read_tensors, weight_files)
+from lopa_fast.models.checkpoint import (
+    check_against_headers,
+    check_tensors,
+    expected_shapes,
+    head_names,
+    read_config,
+    read_headers,
+    read_json,
+    read_tensors,
+    weight_files,
+)
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.llada import LLaDAModel
 from lopa_fast.models.lora import merge_lora

@@ -9,9 +9,9 @@ import importlib
 
 import torch
 
-from lopa_fast.sampling import HeadConfidence
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
+from lopa_fast.sampling import HeadConfidence
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast.progress import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
+from lopa_fast.progress import first_stop, report_round
 from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, token_stats
 from lopa_fast.reference.d2f import (
     active_ids,

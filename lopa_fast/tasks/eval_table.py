@@ -12,8 +12,18 @@ import platform
 import time
 from pathlib import Path
 
-from lopa_fast.tasks.eval_rows import (APD_ROWS, BLOCK, DEFAULT_TASK, GEN_LEN, STUDENT_ENTROPY_THRESHOLD, TEACHER_RULE_ROW,
-                                       VERIFIER_MODEL, apd_rows, eval_task, task_rows)
+from lopa_fast.tasks.eval_rows import (
+    APD_ROWS,
+    BLOCK,
+    DEFAULT_TASK,
+    GEN_LEN,
+    STUDENT_ENTROPY_THRESHOLD,
+    TEACHER_RULE_ROW,
+    VERIFIER_MODEL,
+    apd_rows,
+    eval_task,
+    task_rows,
+)
 
 # Why LoPA's fewer forwards do not show as less wall time on a CPU: said under the demo's summary and in eval's table
 WHY_WALL_TIME = (

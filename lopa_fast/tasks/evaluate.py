@@ -9,12 +9,31 @@ import time
 from pathlib import Path
 
 from lopa_fast import strategies, tasks
-from lopa_fast.tasks.eval_rows import (APD_ROWS, BACKENDS, BLOCK, DEFAULT_TASK, DEMO_ROWS, DEMO_TASK, GEN_LEN, ROWS,
-                                       STUDENT_ROWS, VERIFIER_MODEL, check_block_size, eval_task, parse_rows, task_rows)
-from lopa_fast.tasks.eval_table import WHY_WALL_TIME, markdown, plot
 
-# reached as lopa_fast.tasks.evaluate.<name> by tests and bench/ (they live in eval_rows.py)
-from lopa_fast.tasks.eval_rows import EVAL_ROWS, EVAL_TASKS, apd_rows, make_rows, out_path  # noqa: E402,F401
+# EVAL_ROWS, EVAL_TASKS, apd_rows, make_rows, out_path: not used here, reached as lopa_fast.tasks.evaluate.<name> by
+# tests and bench/
+from lopa_fast.tasks.eval_rows import (  # noqa: F401
+    APD_ROWS,
+    BACKENDS,
+    BLOCK,
+    DEFAULT_TASK,
+    DEMO_ROWS,
+    DEMO_TASK,
+    EVAL_ROWS,
+    EVAL_TASKS,
+    GEN_LEN,
+    ROWS,
+    STUDENT_ROWS,
+    VERIFIER_MODEL,
+    apd_rows,
+    check_block_size,
+    eval_task,
+    make_rows,
+    out_path,
+    parse_rows,
+    task_rows,
+)
+from lopa_fast.tasks.eval_table import WHY_WALL_TIME, markdown, plot
 
 
 def load_default(model_dir=None, dtype=None, task: str = DEFAULT_TASK):
