@@ -7,7 +7,7 @@ request passes before anything is allocated for it.
     max_batch_rows        branch rows of one batched forward (default 64, at least max_branching_factor + 1): a
                           heavy request shares the forward with lighter ones instead of filling it
     max_body_bytes        the request body (default 1 MiB; more: 413 before the body is parsed)
-    max_request_memory    one request's memory estimate (`lopa_fast.api.request_bytes`; default a quarter of the
+    max_request_memory    one request's memory estimate (`lopa_fast.memory.request_bytes`; default a quarter of the
                           device's memory); above it: 400 naming the knob that drives it
     memory_budget         the estimates of all requests running at once (default half of the device's memory); a
                           request that fits alone waits until the running ones leave it room (never over-commits)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from lopa_fast import api, strategies
+from lopa_fast import memory, strategies
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class Limits:
         """The limits with their model-dependent defaults filled in (max_model_len, the memory caps)."""
         from lopa_fast.models.loading import total_memory
 
-        p = api._first_param(model)
+        p = memory._first_param(model)
         total, _ = total_memory(p.device if p is not None else "cpu")
         limit = model.config.max_position_embeddings
         return dataclasses.replace(
@@ -77,10 +77,10 @@ class Limits:
         if rows > self.max_batch_rows:
             raise LimitError(f"strategy={cfg.strategy!r} with these knobs decodes {rows} rows per forward, over this "
                              f"server's cap --max-batch-rows={self.max_batch_rows}", "branching_factor")  # fmt: skip
-        need = api.request_bytes(model, total, cfg, prompt_len)
+        need = memory.request_bytes(model, total, cfg, prompt_len)
         if self.max_request_memory is not None and need > self.max_request_memory:
             field = "branching_factor" if rows > 1 else "max_tokens"
-            raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.api.request_bytes: "
+            raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.memory.request_bytes: "
                              f"{rows} rows x {total} positions), over this server's per-request cap of "
                              f"{self.max_request_memory / 2**20:.0f} MiB (--max-request-memory); lower {field}",
                              field)  # fmt: skip
