@@ -61,9 +61,10 @@ class Limits:
             memory_budget=max(self.memory_budget or total // 2, self.max_request_memory or total // 4),
         )  # fmt: skip
 
-    def check(self, model, cfg, prompt_len: int) -> int:
+    def check(self, model, cfg, prompt_len: int, verifier=None) -> int:
         """Refuse (ValueError subclasses carrying the field: `LimitError`) a bound config over a cap; return the
-        request's memory estimate in bytes."""
+        request's memory estimate in bytes (verifier: the server's APD verifier, counted for a request that uses
+        it)."""
         k = cfg.branching_factor
         if k is not None and k > self.max_branching_factor:
             raise LimitError(f"branching_factor={k} is over this server's cap --max-branching-factor="
@@ -77,7 +78,7 @@ class Limits:
         if rows > self.max_batch_rows:
             raise LimitError(f"strategy={cfg.strategy!r} with these knobs decodes {rows} rows per forward, over this "
                              f"server's cap --max-batch-rows={self.max_batch_rows}", "branching_factor")  # fmt: skip
-        need = memory.request_bytes(model, total, cfg, prompt_len)
+        need = memory.request_bytes(model, total, cfg, prompt_len, verifier)
         if self.max_request_memory is not None and need > self.max_request_memory:
             field = "branching_factor" if rows > 1 else "max_tokens"
             raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.memory.request_bytes: "
@@ -97,18 +98,28 @@ class LimitError(ValueError):
 
 class MemoryBudget:
     """The running requests' estimates against `budget` bytes: `reserve(n, cancelled)` blocks until `n` fits
-    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`."""
+    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`. `held`:
+    bytes the batch engine holds beyond the running requests' estimates (its KV pools and compiled-batch lanes past
+    the shares the estimates reserve: `BatchEngine(on_held=budget.hold)`), counted as used until it frees them."""
 
     def __init__(self, budget: int | None):
-        self.budget, self.used = budget, 0
+        self.budget, self.used, self.held = budget, 0, 0
         self._cv = threading.Condition()
+
+    def hold(self, n: int) -> None:
+        """The engine's bytes beyond the estimates, now (it reports after every change)."""
+        with self._cv:
+            self.held = n
+            self._cv.notify_all()
 
     def reserve(self, n: int, cancelled=lambda: False) -> bool:
         if self.budget is None:
             return True
         n = min(n, self.budget)  # a request checked against max_request_memory <= budget always fits alone
         with self._cv:
-            while self.used + n > self.budget:
+            # nothing running: the engine holds nothing either (it frees its pools and lanes with their last
+            # request), and a request that fits alone never waits for a stale `held`
+            while self.used and self.used + self.held + n > self.budget:
                 if cancelled():
                     return False
                 self._cv.wait(0.25)
