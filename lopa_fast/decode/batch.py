@@ -322,6 +322,7 @@ class BatchEngine:
         self._on_held = on_held
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
         self.held_bytes = 0
+        self._sizes = None  # the pools' bytes and the lane counts at the last `_release` (`_held_changed`)
         self._cv = threading.Condition()
         self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
         self._schedulers: dict = {}
@@ -435,7 +436,7 @@ class BatchEngine:
         lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
                                                         if k[:1] == ("batch",)))  # fmt: skip
         now = (sum(s.pool.nbytes() for s in self._schedulers.values()), lanes)
-        changed, self._sizes = now != getattr(self, "_sizes", None), now
+        changed, self._sizes = now != self._sizes, now
         return changed
 
     def _release(self) -> None:

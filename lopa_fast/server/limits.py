@@ -9,8 +9,9 @@ request passes before anything is allocated for it.
     max_body_bytes        the request body (default 1 MiB; more: 413 before the body is parsed)
     max_request_memory    one request's memory estimate (`lopa_fast.memory.request_bytes`; default a quarter of the
                           device's memory); above it: 400 naming the knob that drives it
-    memory_budget         the estimates of all requests running at once (default half of the device's memory); a
-                          request that fits alone waits until the running ones leave it room (never over-commits)
+    memory_budget         the estimates of all requests running at once, plus what the batch engine holds beyond
+                          them (`MemoryBudget.held`: its KV pools and compiled-batch lanes; default half of the
+                          device's memory); a request that fits alone waits until the running ones leave it room
     read_timeout_s        seconds to receive a request body (default 30; slower: 408)
 
 `Limits.check(model, cfg, prompt_len)` is the one check (protocol.parse calls it after the config is bound);
