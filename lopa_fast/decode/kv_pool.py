@@ -60,8 +60,8 @@ class KVPool:
         """Make room for a slot of `rows` positions with `slots` slots in use at once (grow if needed: each dimension
         at least doubles, lengths in steps of 64, never past max_len / max_slots, which the caller's caps keep >= the
         request; and, when the doubled pool would exceed `max_bytes`, only to the exact need: `slots` slots of
-        max(slot_len, rows rounded up to 64) positions). Returns True when the tensors were replaced (live views are stale: re-point
-        them with `views`)."""
+        max(slot_len, rows rounded up to 64) positions). Returns True when the tensors were replaced (live views are
+        stale: re-point them with `views`)."""
         S, L = self.slots, self.slot_len
         if rows <= L and slots <= S:
             return False
