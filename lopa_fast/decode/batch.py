@@ -308,11 +308,11 @@ class BatchEngine:
     model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
     False keeps the thread from stepping until `start()` (tests use it to line requests up).
 
-    Memory: a scheduler's KV pool goes with its last request (the scheduler is dropped), and so do the model's
-    compiled-batch lane workspaces no live request uses (`compiled_batch.free_workspaces`; the engine owns the
-    model's batched workspaces). `held_bytes`: what the pools and lanes hold now; on_held(n) (the server's
-    `MemoryBudget.hold`) hears, after every change, the part of it beyond the live requests' shares of their
-    estimates (`lopa_fast.memory.resident_bytes`: a pool slot, two lanes when compiled)."""
+    Memory: a scheduler's KV pool goes with its last request (the scheduler is dropped), and so do the
+    compiled-batch lane workspaces its requests used once no live one uses them (`compiled_batch.free_workspaces`).
+    `held_bytes`: what the pools and lanes hold now; on_held(n) (the server's `MemoryBudget.hold`) hears, after
+    every change, the part of it beyond the live requests' shares of their estimates
+    (`lopa_fast.memory.resident_bytes`: a pool slot, two lanes when compiled)."""
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
                  slot_len: int | None = None, on_held=None):  # fmt: skip
@@ -323,6 +323,8 @@ class BatchEngine:
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
         self.held_bytes = 0
         self._sizes = None  # the pools' bytes and the lane counts at the last `_release` (`_held_changed`)
+        self._workspaces: set = set()  # workspace keys its requests used (it frees only those: a request decoding
+        # outside the engine, e.g. the server's self-check, keeps its own)
         self._cv = threading.Condition()
         self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
         self._schedulers: dict = {}
@@ -413,6 +415,7 @@ class BatchEngine:
                 self.max_live = max(self.max_live, sched.last_batch)
                 if sched.last_batch:
                     self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1
+                self._workspaces.update(sched.workspace_of.values())
                 self.rounds += 1
                 boxes = []
                 for rid in ended:
@@ -446,7 +449,8 @@ class BatchEngine:
         lanes = 0
         if cr is not None:
             live = {w for s in self._schedulers.values() for w in s.workspace_of.values()}
-            compiled_batch.free_workspaces(cr, live)
+            compiled_batch.free_workspaces(cr, live, self._workspaces - live)
+            self._workspaces &= live
             lanes = compiled_batch.lane_bytes(cr)
         self.held_bytes = sum(s.pool.nbytes() for s in self._schedulers.values()) + lanes
         self._held_changed()

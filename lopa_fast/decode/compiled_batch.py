@@ -147,15 +147,18 @@ def _batch_items(lru) -> list:
     return [v for k, v in lru.items() if isinstance(k, tuple) and k and k[0] == "batch"]
 
 
-def free_workspaces(cr, keep) -> None:
+def free_workspaces(cr, keep, only=None) -> None:
     """Free the batched-step workspaces of `cr` whose workspace key (BatchStep.workspace) is not in `keep` (the keys
-    of the live requests): the workspace, the captured graphs over its lanes (a graph is bound to their memory:
-    it captures again when asked) and the lanes of the compiled callables (a compiled one keeps its code and takes
-    new lanes on its next call: `run`). The batch engine calls it as requests leave, so lanes live only while a
-    request uses them (issue 36 finding 7)."""
-    for k in [k for k, ws in cr.workspaces.items() if k[:1] == ("batch",) and k[1] not in keep]:
+    of the live requests; only: None, or the keys that may go): the workspace, the captured graphs over its lanes (a
+    graph is bound to their memory: it captures again when asked) and the lanes of the compiled callables (a
+    compiled one keeps its code and takes new lanes on its next call: `run`). The batch engine calls it as requests
+    leave, so lanes live only while a request uses them (issue 36 finding 7)."""
+    def goes(wkey) -> bool:
+        return wkey not in keep and (only is None or wkey in only)
+
+    for k in [k for k in cr.workspaces if k[:1] == ("batch",) and goes(k[1])]:
         del cr.workspaces[k]
-    for k, e in [(k, e) for k, e in cr.fns.items() if isinstance(e, _Entry) and e.wkey not in keep]:
+    for k, e in [(k, e) for k, e in cr.fns.items() if isinstance(e, _Entry) and goes(e.wkey)]:
         if e.captured:
             del cr.fns[k]
         else:
