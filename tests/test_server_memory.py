@@ -1,10 +1,11 @@
 """Issue 36 finding 7: memory the budget did not see. The compiled-batch lane workspaces (a clone of every lane's
-state, KV included, padded to a power of two) outlived their requests in the model's CompiledRounds LRU; the batch
-engine's KV pool grew by doubling with no length cap and was not counted; APD's verifier had no term in the
-request's estimate. Now the lanes go with their last request (and the captured graphs over them; a compiled graph
-keeps its code and takes new lanes), the pool's doubling stays within the requests' reservations and its slots
-within --max-model-len, what the engine holds beyond the estimates counts against the server's budget
-(`MemoryBudget.held`), and `request_bytes` counts the verifier.
+state, KV included, padded to a power of two) outlived their requests in the model's CompiledRounds LRU, unseen;
+the batch engine's KV pool grew by doubling with no length cap and was not counted; APD's verifier had no term in
+the request's estimate. Now what the engine holds beyond the estimates (pools, lanes: idle ones stay for their
+graphs) counts against the server's budget (`MemoryBudget.held`), a request that would wait for memory first
+frees the idle lanes (and the captured graphs over them; a compiled graph keeps its code and takes new lanes), the
+pool's doubling stays within the requests' reservations and its slots within --max-model-len, and
+`request_bytes` counts the verifier.
 
 Every case measures the tensors held (the lanes' and the pool's bytes), not wall-clock; the end-to-end one runs
 the server in a subprocess under an address-space cap. Full forms (many shapes, a capped subprocess) under -m slow."""
@@ -78,12 +79,12 @@ def _engine_run(engine, prompts, cfg, hook=None) -> list:
     return results
 
 
-def test_lane_workspaces_go_with_their_last_request(captured):
+def test_idle_lanes_are_counted_and_go_when_memory_is_wanted(captured):
     """The engine's compiled batched requests (captured, emulated): while they run their lanes hold about a KV
     cache each (padded to the bucket of 4 for 3 requests), all of it inside what the requests' estimates reserve;
-    when the last one ends, no lane is left and the engine holds nothing (before: the workspaces and the graphs
-    over them stayed in the model's LRU, 4.3x the requests' KV caches, with the budget back to 0). A second batch
-    of the same shapes captures again and equals the first."""
+    after the last one the lanes stay for their graphs, every byte of them reported as held (before: they stayed
+    in the model's LRU, 4.3x the requests' KV caches, unseen, with the budget back to 0), and `reclaim` frees them
+    all. A second batch of the same shapes captures again and equals the first."""
     model = _model()
     CompiledRounds.for_model(model).emulate_graphs = True
     ps = [torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 12, 8)]
@@ -97,16 +98,23 @@ def test_lane_workspaces_go_with_their_last_request(captured):
     engine._on_held = reports.append  # what the server's budget hears (Worker passes on_held=budget.hold)
     first = _engine_run(engine, ps, cfg, hook)
     assert max(seen) > 0 and engine.max_live == 3
-    assert held_lanes(model) == 0  # the subject: nothing left once the last request ended
     share = sum(memory.resident_bytes(model, p.numel() + cfg.max_new_tokens, cfg) for p in ps)
     assert max(seen) <= share  # while they ran: within what the estimates reserve
-    assert engine.held_bytes == 0 and reports[-1] == 0
     assert not engine._schedulers  # the scheduler (and its KV pool) went with its last request
+    kept = held_lanes(model)
+    assert kept > 0 and reports and reports[-1] == engine.held_bytes == kept  # the idle lanes: all counted
+    engine.reclaim()  # what the server's budget asks when a request would wait
+    deadline = time.monotonic() + 30
+    while held_lanes(model) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held_lanes(model) == 0
+    while reports[-1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reports[-1] == engine.held_bytes == 0
     again = _engine_run(batch.BatchEngine(model, start=False), ps, cfg)
     engine.close()
     for a, b in zip(first, again):
         assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]
-    assert held_lanes(model) == 0
 
 
 def test_the_pool_grows_within_the_reservations_and_goes_when_idle():
@@ -143,28 +151,33 @@ def test_the_pool_slots_are_capped_by_the_servers_length_limit(embedded):  # noq
 
 def test_the_budget_waits_for_what_the_engine_holds():
     """`held` (the engine's pools and lanes beyond the estimates) counts as used: a request that fits beside the
-    running ones waits while held bytes fill the budget, and goes once they are freed; with nothing running it
-    never waits for a stale `held`."""
-    budget = MemoryBudget(100)
+    running ones waits while held bytes fill the budget, asking the engine to free its idle lanes (`reclaim`), and
+    goes once they are freed; with nothing running and nothing held it never waits."""
+    asked = []
+    budget = MemoryBudget(100, reclaim=lambda: asked.append(1))
     assert budget.reserve(40)
     budget.hold(50)
     got = []
     t = threading.Thread(target=lambda: got.append(budget.reserve(20)))
     t.start()
     t.join(0.5)
-    assert t.is_alive() and not got  # 40 + 50 + 20 > 100
+    assert t.is_alive() and not got and asked  # 40 + 50 + 20 > 100: the engine was asked for its idle lanes
     budget.hold(0)
     t.join(5)
     assert got == [True] and budget.used == 60
     budget.release(60)
-    budget.hold(95)
-    assert budget.reserve(20)  # nothing running: the engine holds nothing, whatever it last said
+    assert budget.reserve(100)  # nothing running, nothing held: a request that fits alone goes
+    budget.release(100)
+    budget.hold(95)  # nothing running, idle lanes held: the request waits for the engine to free them
+    budget.reclaim = lambda: budget.hold(0)
+    assert budget.reserve(20) and budget.held == 0
 
 
 def test_the_server_reports_held_bytes_and_frees_them(embedded, captured):  # noqa: F811 - the fixture
     """Through the server (serve --compile, captured, emulated): concurrent compiled requests, then nothing running:
-    the reservation, the engine's held bytes and every lane are back to 0 (before: 3 workspaces held 5.4 MiB while
-    the reservation was 0); /metrics shows lopa_fast_memory_held_bytes."""
+    the reservation is 0 and the idle lanes are held bytes the budget counts (/metrics: lopa_fast_memory_held_bytes;
+    before: 3 workspaces held 5.4 MiB, unseen, while the reservation was 0); a request that needs the whole budget
+    frees them before it starts."""
     model, tok = embedded
     CompiledRounds.for_model(model).emulate_graphs = True
     worker = Worker(model, tok)
@@ -180,10 +193,13 @@ def test_the_server_reports_held_bytes_and_frees_them(embedded, captured):  # no
         for t in ts:
             t.join(120)
         assert all(s == 200 for s, _ in out), out
-        assert held_lanes(model) == 0
-        assert worker.memory.used == 0 and worker.memory.held == 0 and worker.engine.held_bytes == 0
+        kept = held_lanes(model)
+        assert kept > 0 and worker.memory.used == 0 and worker.memory.held == worker.engine.held_bytes == kept
         status, text = _call(srv.url + "/metrics")
-        assert status == 200 and "lopa_fast_memory_held_bytes 0.0" in text, text[-2000:]
+        assert status == 200 and f"lopa_fast_memory_held_bytes {float(kept)}" in text, text[-2000:]
+        assert worker.memory.reserve(worker.memory.budget)  # the whole budget: the idle lanes go first
+        assert held_lanes(model) == 0 and worker.memory.held == 0
+        worker.memory.release(worker.memory.budget)
     finally:
         srv.close()
         worker.close()
@@ -245,10 +261,13 @@ for wave in range(__WAVES__):  # pairs of concurrent requests of new shapes: bat
     for t in ts: t.join(120)
     statuses += [o[0] for o in out]
     peak_lanes[0] = max(peak_lanes[0], held_lanes(model))
+kept, held, used = held_lanes(model), getattr(worker.memory, "held", None), worker.memory.used
+assert worker.memory.reserve(worker.memory.budget)  # a request that needs the whole budget: idle lanes go first
 keys = len([k for k in CompiledRounds.for_model(model).workspaces if k[0] == "batch"])
-res = {"statuses": statuses, "lanes": held_lanes(model), "keys": keys, "used": worker.memory.used,
-       "held": getattr(worker.memory, "held", 0), "engine_held": getattr(worker.engine, "held_bytes", 0),
+res = {"statuses": statuses, "kept": kept, "held_kept": held, "lanes": held_lanes(model), "keys": keys,
+       "used": used, "held": getattr(worker.memory, "held", 0),
        "rss_growth_mib": (psutil.Process().memory_info().rss - rss0) / 2**20}
+worker.memory.release(worker.memory.budget)
 srv.close(); worker.close()
 print(json.dumps(res))
 """
@@ -263,10 +282,12 @@ def capped_compiled_server(waves: int, tokens: int) -> dict:
 @pytest.mark.parametrize("waves,tokens", [(3, 8), pytest.param(24, 64, marks=pytest.mark.slow)],
                          ids=["short", "full"])  # fmt: skip
 def test_a_compiling_server_frees_its_lanes_under_a_cap(waves, tokens):
-    """End to end, in a capped subprocess: after every pair of compiled requests of new shapes, nothing is held
-    (before: a workspace per shape stayed, up to the LRU's 64 keys, while the reservation was back to 0)."""
+    """End to end, in a capped subprocess: after pairs of compiled requests of new shapes the idle lanes are all
+    counted as held, and a request that needs the whole budget frees every one (before: a workspace per shape
+    stayed, up to the LRU's 64 keys, unseen, while the reservation was back to 0)."""
     res = capped_compiled_server(waves, tokens)
     print("\ncapped compiling server:", res)
     assert res["statuses"] == [200] * (2 * waves), res
-    assert res["lanes"] == 0 and res["keys"] == 0, res
-    assert res["used"] == res["held"] == res["engine_held"] == 0, res
+    assert res["kept"] > 0 and res["held_kept"] == res["kept"], res
+    assert res["lanes"] == 0 and res["keys"] == 0 and res["held"] == 0, res
+    assert res["used"] == 0, res

@@ -308,11 +308,13 @@ class BatchEngine:
     model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
     False keeps the thread from stepping until `start()` (tests use it to line requests up).
 
-    Memory: a scheduler's KV pool goes with its last request (the scheduler is dropped), and so do the
-    compiled-batch lane workspaces its requests used once no live one uses them (`compiled_batch.free_workspaces`).
-    `held_bytes`: what the pools and lanes hold now; on_held(n) (the server's `MemoryBudget.hold`) hears, after
-    every change, the part of it beyond the live requests' shares of their estimates
-    (`lopa_fast.memory.resident_bytes`: a pool slot, two lanes when compiled)."""
+    Memory: a scheduler's KV pool goes with its last request (the scheduler is dropped). The compiled-batch lane
+    workspaces its requests used stay after them (with the graphs over them: the next request of those shapes
+    replays), counted, until `reclaim()` (the server's budget calls it when a request would wait for memory) frees
+    those no live request uses (`compiled_batch.free_workspaces`). `held_bytes`: what the pools and lanes hold now;
+    on_held(n) (the server's `MemoryBudget.hold`) hears, after every change, the part of it beyond the live
+    requests' shares of their estimates (`lopa_fast.memory.resident_bytes`: a pool slot, two lanes when
+    compiled)."""
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
                  slot_len: int | None = None, on_held=None):  # fmt: skip
@@ -322,9 +324,10 @@ class BatchEngine:
         self._on_held = on_held
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
         self.held_bytes = 0
-        self._sizes = None  # the pools' bytes and the lane counts at the last `_release` (`_held_changed`)
+        self._sizes = None  # the pools' bytes and the lane counts at the last `_account` (`_held_changed`)
         self._workspaces: set = set()  # workspace keys its requests used (it frees only those: a request decoding
         # outside the engine, e.g. the server's self-check, keeps its own)
+        self._reclaim = False  # reclaim() asked: free the idle lanes at the next turn of the engine thread
         self._cv = threading.Condition()
         self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
         self._schedulers: dict = {}
@@ -341,6 +344,13 @@ class BatchEngine:
 
     def start(self) -> None:
         self._go.set()
+
+    def reclaim(self) -> None:
+        """Free, on the engine thread, the lane workspaces no live request uses (any thread may ask; the held bytes
+        are reported again once done)."""
+        with self._cv:
+            self._reclaim = True
+            self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
@@ -380,11 +390,14 @@ class BatchEngine:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._incoming and not self._waiting and not self._closed:
+                while not self._incoming and not self._waiting and not self._closed and not self._reclaim:
                     self._cv.wait()
                 if self._closed and not self._incoming and not self._waiting:
                     return
                 incoming, self._incoming = self._incoming, []
+                reclaim, self._reclaim = self._reclaim, False
+            if reclaim:
+                self._account(free=True)
             for prompt, cfg, on_round, verifier, box in incoming:
                 # one verifier object per scheduler (its round's verifier forward is one); the scheduler holds it,
                 # so its id is not reused while the key lives
@@ -429,12 +442,12 @@ class BatchEngine:
                 if not (sched.queue or sched.live):
                     del self._schedulers[key]  # its last request ended: the pool goes with it (see above)
                 if ended or self._held_changed():  # before the callers hear: the budget sees the freed memory first
-                    self._release()
+                    self._account()
                 for box in boxes:
                     box["event"].set()
 
     def _held_changed(self) -> bool:
-        """Whether the pools or the lanes changed size since the last `_release` (a growth, a new workspace)."""
+        """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""
         cr = compiled_batch.rounds_of(self.model)
         lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
                                                         if k[:1] == ("batch",)))  # fmt: skip
@@ -442,16 +455,17 @@ class BatchEngine:
         changed, self._sizes = now != self._sizes, now
         return changed
 
-    def _release(self) -> None:
-        """Free the lanes no live request uses; count what the pools and lanes hold (`held_bytes`) and report the
-        part beyond the live requests' shares (on_held)."""
+    def _account(self, free: bool = False) -> None:
+        """Count what the pools and lanes hold (`held_bytes`) and report the part beyond the live requests' shares
+        (on_held); free: first free the lanes its requests used that no live request uses (`reclaim`)."""
         cr = compiled_batch.rounds_of(self.model)
         lanes = 0
         if cr is not None:
-            live = {w for s in self._schedulers.values() for w in s.workspace_of.values()}
-            compiled_batch.free_workspaces(cr, live, self._workspaces - live)
-            self._workspaces &= live
-            lanes = compiled_batch.lane_bytes(cr)
+            if free:
+                live = {w for s in self._schedulers.values() for w in s.workspace_of.values()}
+                compiled_batch.free_workspaces(cr, live, self._workspaces - live)
+                self._workspaces &= live
+            lanes = compiled_batch.lane_bytes(cr, self._workspaces)
         self.held_bytes = sum(s.pool.nbytes() for s in self._schedulers.values()) + lanes
         self._held_changed()
         if self._on_held is not None:

@@ -129,13 +129,14 @@ def _tensors(entry_or_ws) -> list:
     return [t for S, T in lanes or () for d in (S, T) for t in d.values()]
 
 
-def lane_bytes(cr) -> int:
-    """Bytes of the batched-step workspaces `cr` (a model's CompiledRounds) holds: every lane tensor of its
-    workspaces and of the callables built over them (an older, smaller workspace lives on in its graphs), each
-    storage counted once."""
+def lane_bytes(cr, keys=None) -> int:
+    """Bytes of the batched-step workspaces `cr` (a model's CompiledRounds) holds (keys: None, or only those of
+    these workspace keys): every lane tensor of its workspaces and of the callables built over them (an older,
+    smaller workspace lives on in its graphs), each storage counted once."""
     seen, n = set(), 0
-    for t in [t for ws in _batch_items(cr.workspaces) for t in _tensors(ws)] + \
-            [t for e in _batch_items(cr.fns) for t in _tensors(e)]:  # fmt: skip
+    wss = [ws for k, ws in cr.workspaces.items() if k[:1] == ("batch",) and (keys is None or k[1] in keys)]
+    entries = [e for e in cr.fns.values() if isinstance(e, _Entry) and (keys is None or e.wkey in keys)]
+    for t in [t for x in wss + entries for t in _tensors(x)]:
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
@@ -143,16 +144,12 @@ def lane_bytes(cr) -> int:
     return n
 
 
-def _batch_items(lru) -> list:
-    return [v for k, v in lru.items() if isinstance(k, tuple) and k and k[0] == "batch"]
-
-
 def free_workspaces(cr, keep, only=None) -> None:
     """Free the batched-step workspaces of `cr` whose workspace key (BatchStep.workspace) is not in `keep` (the keys
     of the live requests; only: None, or the keys that may go): the workspace, the captured graphs over its lanes (a
     graph is bound to their memory: it captures again when asked) and the lanes of the compiled callables (a
-    compiled one keeps its code and takes new lanes on its next call: `run`). The batch engine calls it as requests
-    leave, so lanes live only while a request uses them (issue 36 finding 7)."""
+    compiled one keeps its code and takes new lanes on its next call: `run`). The batch engine calls it when a
+    request waits for memory (`BatchEngine.reclaim`: idle lanes never hold memory a request needs; issue 36)."""
     def goes(wkey) -> bool:
         return wkey not in keep and (only is None or wkey in only)
 

@@ -101,10 +101,12 @@ class MemoryBudget:
     """The running requests' estimates against `budget` bytes: `reserve(n, cancelled)` blocks until `n` fits
     (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`. `held`:
     bytes the batch engine holds beyond the running requests' estimates (its KV pools and compiled-batch lanes past
-    the shares the estimates reserve: `BatchEngine(on_held=budget.hold)`), counted as used until it frees them."""
+    the shares the estimates reserve, idle lanes kept for their graphs: `BatchEngine(on_held=budget.hold)`),
+    counted as used until it frees them; `reclaim()` (the engine's) is asked whenever a request would wait, so idle
+    lanes never keep a request waiting."""
 
-    def __init__(self, budget: int | None):
-        self.budget, self.used, self.held = budget, 0, 0
+    def __init__(self, budget: int | None, reclaim=None):
+        self.budget, self.used, self.held, self.reclaim = budget, 0, 0, reclaim
         self._cv = threading.Condition()
 
     def hold(self, n: int) -> None:
@@ -118,11 +120,13 @@ class MemoryBudget:
             return True
         n = min(n, self.budget)  # a request checked against max_request_memory <= budget always fits alone
         with self._cv:
-            # nothing running: the engine holds nothing either (it frees its pools and lanes with their last
-            # request), and a request that fits alone never waits for a stale `held`
-            while self.used and self.used + self.held + n > self.budget:
+            # a request that fits alone never waits for running ones when none runs; what the engine holds (idle
+            # lanes) it frees when asked (`reclaim`), and hold() wakes this wait
+            while self.used + self.held + n > self.budget and (self.used or self.held):
                 if cancelled():
                     return False
+                if self.held and self.reclaim is not None:
+                    self.reclaim()
                 self._cv.wait(0.25)
             self.used += n
         return True

@@ -156,6 +156,8 @@ class Worker:
         self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs,
                                   slot_len=quantized_length(limits.max_model_len) + 1,
                                   on_held=self.memory.hold) if batch else None  # fmt: skip
+        if self.engine is not None:  # a request that would wait for memory first frees the engine's idle lanes
+            self.memory.reclaim = self.engine.reclaim
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0, "out_of_memory": 0}
         self._health = {"status": "ok", "self_check": "not run"}
         self._defaults: dict = {}
