@@ -1,6 +1,6 @@
 """Resolve once: a request's arguments turned into ONE validated `Plan` before any forward, in one pass.
 
-    make(model, input_ids, cfg, verifier=, on_round=, streamer=, check_memory=) -> Plan
+    make(model, input_ids, cfg, verifier=, on_round=, streamer=) -> Plan
         the strategy's spec looked up (the one lookup by name) -> the knobs validated (GenerateConfig.validate,
         the spec's own checks) -> the prompt prepared (lopa_fast.prompts) -> lengths planned and model defaults
         resolved (GenerateConfig.bind_prompt) -> the prompt checked against them, and the request's memory -> the
@@ -22,6 +22,7 @@ import torch
 from lopa_fast import batching, strategies
 from lopa_fast.backends import resolve_backend
 from lopa_fast.config import GenerateConfig
+from lopa_fast.memory import check_request_memory
 from lopa_fast.prompts import check_prompt, prepare_prompt
 from lopa_fast.verifiers import check_pair, check_verifier_taken
 
@@ -75,16 +76,14 @@ class BatchPlan:
     batched: bool
 
 
-def make(model, input_ids, cfg: GenerateConfig, *, verifier=None, on_round=None, streamer=None,
-         check_memory: Callable) -> Plan:
-    """The plan of one prompt (module docstring). check_memory(model, total, cfg, prompt_len): refuses a request
-    whose memory estimate exceeds the device's (lopa_fast.api.check_request_memory)."""
+def make(model, input_ids, cfg: GenerateConfig, *, verifier=None, on_round=None, streamer=None) -> Plan:
+    """The plan of one prompt (module docstring); a request whose memory estimate exceeds the device's is refused
+    (lopa_fast.memory.check_request_memory)."""
     spec = _knobs(cfg, verifier)
-    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory, stacklevel=5)
+    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, stacklevel=5)
 
 
-def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_round=None,
-               check_memory: Callable) -> BatchPlan:
+def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_round=None) -> BatchPlan:
     """The plans of a list of prompts (any lengths) under one config; on_round: one hook for all prompts or a list
     (one per prompt). Every prompt is checked before any forward."""
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
@@ -94,7 +93,7 @@ def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_r
     n = len(prompts)
     plans = []
     for i, (p, h) in enumerate(zip(prompts, hooks)):
-        plans.append(_plan(model, p, cfg, spec, verifier, h, None, check_memory, f"prompt {i} of {n}", stacklevel=6))
+        plans.append(_plan(model, p, cfg, spec, verifier, h, None, f"prompt {i} of {n}", stacklevel=6))
     return BatchPlan(tuple(plans), batching.batches(cfg, plans))
 
 
@@ -106,7 +105,7 @@ def _knobs(cfg: GenerateConfig, verifier):
     return spec
 
 
-def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memory, label: str | None = None,
+def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, label: str | None = None,
           stacklevel: int = 5) -> Plan:
     """One prompt's Plan under validated knobs. label: names the prompt in its errors (a batch's); stacklevel: of the
     warnings, so that they point at the caller of generate (5 from here: make, generate_with_config, generate)."""
@@ -114,7 +113,7 @@ def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, check_memor
         ids = prepare_prompt(model, input_ids)
         bound, length, notes = cfg.bind_prompt(model, ids.numel(), spec)  # max_new_tokens: whole blocks decoded
         check_prompt(model, ids, bound)
-        check_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel())
+        check_request_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel(), verifier)
     for note in notes:  # knobs set without effect (top_p at temperature 0, ...): HF warns about the same
         warnings.warn(note, UserWarning, stacklevel=stacklevel)
     if on_round is not None and not callable(on_round):

@@ -50,8 +50,7 @@ class TextStream:
                  engine=None, streamer=None):  # fmt: skip
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        self._plan = plan.make(model, ids, cfg, verifier=verifier, on_round=self._report, streamer=streamer,
-                               check_memory=api.check_request_memory)  # fmt: skip
+        self._plan = plan.make(model, ids, cfg, verifier=verifier, on_round=self._report, streamer=streamer)
         self._cfg, self._engine = self._plan.cfg, engine
         self._length = self._plan.length["requested"]
         self._decode, self._text_stops, self._on_round = decode, text_stops, on_round

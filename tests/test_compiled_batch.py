@@ -272,6 +272,18 @@ def test_inductor_batched_step():
         same(a, s)
         assert o.stats["compiled_buckets"] == [("block_topk", 16, 2, "x2")]
         assert a.stats["compiled_graphs"] == 0
+    # its workspace freed (the batch engine frees the lanes no live request uses: issue 36), the compiled callable
+    # keeps its code and runs on new lanes of the same shapes: no new graph, the same tokens
+    from lopa_fast.decode import compiled_batch
+
+    assert compiled_batch.lane_bytes(cr) > 0
+    compiled_batch.free_workspaces(cr, set())
+    assert compiled_batch.lane_bytes(cr) == 0
+    third = gen(model, ps, "vanilla", compile=True, **kw)
+    assert cr.graphs == graphs and compiled_batch.lane_bytes(cr) > 0
+    for t, s in zip(third, solo):
+        same(t, s)
+        assert t.stats["compiled_graphs"] == 0
 
 
 def test_compile_layer_imports_no_strategy():

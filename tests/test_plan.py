@@ -122,19 +122,19 @@ def test_a_batch_is_planned_once_per_prompt(model):
     """generate_batch: the knobs checked once, one Plan per prompt (each bound to its own length), and whether they
     share forwards; a prompt's error names the prompt."""
     cfg = GenerateConfig(strategy="lopa", backend="fast", max_new_tokens=6, block_size=4, branching_factor=2)
-    batch = plan.make_batch(model, [[1, 2, 3], [4, 5]], cfg, check_memory=api.check_request_memory)
+    batch = plan.make_batch(model, [[1, 2, 3], [4, 5]], cfg)
     assert batch.batched and [p.ids.tolist() for p in batch.plans] == [[1, 2, 3], [4, 5]]
     assert all(p.cfg.max_new_tokens == 8 and p.length["requested"] == 6 for p in batch.plans)
     assert all(p.spec is strategies.get("lopa") and p.backend == "fast" for p in batch.plans)
     with pytest.raises(ValueError, match=r"^prompt 1 of 2: input_ids contains the mask token id 63"):
-        plan.make_batch(model, [[1, 2], [3, 63]], cfg, check_memory=api.check_request_memory)
-    ref = plan.make_batch(model, [[1, 2]], cfg.replace(backend="reference"), check_memory=api.check_request_memory)
+        plan.make_batch(model, [[1, 2], [3, 63]], cfg)
+    ref = plan.make_batch(model, [[1, 2]], cfg.replace(backend="reference"))
     assert not ref.batched and ref.plans[0].backend == "reference"
 
 
 def test_the_plan_is_frozen_and_holds_the_run(model):
     cfg = GenerateConfig(strategy="d2f", max_new_tokens=4, block_size=4)
-    p = plan.make(model, [1, 2], cfg, check_memory=api.check_request_memory)
+    p = plan.make(model, [1, 2], cfg)
     assert p.cfg.mask_token_id == 63 and p.cfg.max_rounds == 2 * 4 + 64 and p.ids.tolist() == [1, 2]
     assert p.extra() == {} and p.extra(print) == {"on_round": print}
     with pytest.raises(AttributeError):

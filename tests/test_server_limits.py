@@ -1,5 +1,5 @@
 """Issue 28: a server that one request cannot take down. The per-request caps and the honest memory estimate
-(lopa_fast.server.limits, lopa_fast.api.request_bytes), a body-size limit and a read timeout, parsing off the
+(lopa_fast.server.limits, lopa_fast.memory.request_bytes), a body-size limit and a read timeout, parsing off the
 event loop, every bad body a 4xx naming its field, the API key, and /metrics.
 
 The server runs in process (uvicorn in a thread, loopback, a free port) on the embedded model; the memory
@@ -131,7 +131,7 @@ def test_memory_cap_refuses_before_any_allocation(embedded):
 
 PEAK = r"""
 import json, sys, threading, time, warnings, psutil, torch, lopa_fast
-from lopa_fast import api
+from lopa_fast import memory
 from lopa_fast.assets import model_dir
 from lopa_fast.config import GenerateConfig
 warnings.simplefilter("ignore")
@@ -158,7 +158,7 @@ for k in (300, 1000):
     cfg, _ = GenerateConfig(**{**knobs, "branching_factor": k}).validate().plan_length(model, len(ids))
     cfg = cfg.resolve(model)
     out.append((k, max(top[0], proc.memory_info().rss) - before,
-                api.request_bytes(model, len(ids) + cfg.max_new_tokens, cfg, len(ids))))
+                memory.request_bytes(model, len(ids) + cfg.max_new_tokens, cfg, len(ids))))
 print(json.dumps(out))
 """
 

@@ -73,7 +73,8 @@ def forward_requests(parts, *a, **k):
         more = torch.empty(big)
     return real(parts, *a, **k)
 model.forward_requests = forward_requests
-go = threading.Barrier(8)
+N_BURST, N_AFTER = __BURST__, __AFTER__
+go = threading.Barrier(N_BURST)
 def one(i):
     go.wait()
     req = urllib.request.Request(url, json.dumps({"prompt": PROMPT}).encode(), {"Content-Type": "application/json"})
@@ -82,11 +83,11 @@ def one(i):
             return r.status, None, None
     except urllib.error.HTTPError as e:
         return e.code, e.headers.get("Retry-After"), json.loads(e.read())["error"].get("code")
-out = [None] * 8
-ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(8)]
+out = [None] * N_BURST
+ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(N_BURST)]
 for t in ts: t.start()
 for t in ts: t.join(120)
-after = [_call(url, {"prompt": PROMPT})[0] for _ in range(4)]  # one at a time: each forward alone
+after = [_call(url, {"prompt": PROMPT})[0] for _ in range(N_AFTER)]  # one at a time: each forward alone
 hstatus, health = _call(srv.url + "/health")
 srv.close(); worker.close()
 print(json.dumps({"burst": out, "after": after, "health_status": hstatus, "health": health, "room": room,
@@ -94,15 +95,18 @@ print(json.dumps({"burst": out, "after": after, "health_status": hstatus, "healt
 """
 
 
-def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving():
+@pytest.mark.parametrize("burst,after", [(8, 4), pytest.param(16, 48, marks=pytest.mark.slow)],
+                         ids=["short", "full"])  # fmt: skip
+def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving(burst, after):
     """Finding 1. Before: every request of the failed batch a 500, and the batch's activations kept by the
     exception's frames (in the job threads' locals), so every later request failed for memory too while /health
-    said ok; the default budget sized from RAM alone (11.8 GiB under an 8 GiB cap)."""
-    res = _subprocess(OOM_SCRIPT)
+    said ok; the default budget sized from RAM alone (11.8 GiB under an 8 GiB cap). Full form: the issue's 16
+    co-batched requests, then 48 more."""
+    res = _subprocess(OOM_SCRIPT.replace("__BURST__", str(burst)).replace("__AFTER__", str(after)))
     burst = [tuple(r) for r in res["burst"]]
     assert all(s == 200 or (s == 503 and retry is not None and code == "out_of_memory") for s, retry, code in burst), burst
     assert any(s == 503 for s, _, _ in burst), burst  # the co-batched forward did fail
-    assert res["after"] == [200] * 4, res  # the failed batch's memory came back
+    assert res["after"] == [200] * after, res  # the failed batch's memory came back
     assert res["health_status"] == 200 and res["health"]["status"] == "ok", res["health"]
     assert res["health"]["out_of_memory"] >= 1
     assert res["default_budget"] <= res["room"] // 2 + (1 << 20), res  # the cap, not physical RAM, sizes the budget
@@ -110,21 +114,23 @@ def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving():
 
 # -- finding 2: metric labels from a closed set -----------------------------------------------------------------------
 
-def test_metric_labels_are_a_closed_set(embedded):
+@pytest.mark.parametrize("paths,length", [(40, 4000), pytest.param(300, 8000, marks=pytest.mark.slow)],
+                         ids=["short", "full"])  # fmt: skip
+def test_metric_labels_are_a_closed_set(embedded, paths, length):
     """Finding 2. Before: every 401 was counted under its raw request path as a label (300 random 8,000-character
-    paths: /metrics 24 KB -> 43.5 MB)."""
+    paths: /metrics 24 KB -> 43.5 MB; the full form sends those)."""
     model, tok = embedded
     worker = Worker(model, tok, batch=False, concurrency=1)
     srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY))
     try:
-        for i in range(40):
-            assert _call(srv.url + f"/{i}-" + "x" * 4000, method="GET")[0] == 401
+        for i in range(paths):
+            assert _call(srv.url + f"/{i}-" + "x" * length, method="GET")[0] == 401
         assert _call(srv.url + "/v1/completions", {"prompt": PROMPT})[0] == 401
         status, text = _call(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, method="GET")
         assert status == 200 and len(text) < 32 << 10, len(text)
         labels = set(re.findall(r'endpoint="([^"]*)"', text))
         assert labels <= {"completions", "chat", "models", "metrics", "health", "other"}, labels
-        assert re.search(r'^lopa_fast_requests_total\{endpoint="other",status="401"\} 40\.0$', text, re.M)
+        assert re.search(rf'^lopa_fast_requests_total\{{endpoint="other",status="401"\}} {paths}\.0$', text, re.M)
         assert re.search(r'^lopa_fast_requests_total\{endpoint="completions",status="401"\} 1\.0$', text, re.M)
     finally:
         srv.close()
@@ -151,10 +157,12 @@ def _wait(cond, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("key", [None, KEY], ids=["open", "api-key"])
-def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, key):
+@pytest.mark.parametrize("key,clients", [(None, 1), (KEY, 1), pytest.param(None, 16, marks=pytest.mark.slow)],
+                         ids=["open", "api-key", "storm-full"])  # fmt: skip
+def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, key, clients):
     """Finding 3. Before: FastAPI's @app.middleware("http") (installed even without a key) kept
-    request.is_disconnected() from ever reporting, so 16 abandoned requests ran to completion."""
+    request.is_disconnected() from ever reporting, so 16 abandoned requests ran to completion (the full form:
+    those 16 leave at once)."""
     model, tok = embedded
     _slow_forwards(model, monkeypatch, 0.2)
     worker = Worker(model, tok)
@@ -162,12 +170,16 @@ def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, 
     try:
         body = json.dumps({"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}).encode()
         auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S) as s:
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S) for _ in range(clients)]
+        for s in socks:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
-            _wait(lambda: worker.counts["running"] == 1, "the request never started")
-        # the client is gone: the request stops at a round boundary (polled every 0.25 s), long before its end
-        _wait(lambda: worker.counts["cancelled"] == 1 and worker.counts["running"] == 0, "the request was not cancelled")
+        _wait(lambda: worker.counts["running"] == clients, "the requests never started")
+        for s in socks:
+            s.close()
+        # the clients are gone: the requests stop at a round boundary (polled every 0.25 s), long before their end
+        _wait(lambda: worker.counts["cancelled"] == clients and worker.counts["running"] == 0,
+              "the requests were not cancelled")  # fmt: skip
         assert worker.counts["served"] == 0, worker.counts
     finally:
         srv.close()
@@ -381,18 +393,23 @@ def served_plain(embedded):
 
 # -- finding 6: idle half-sent heads cannot exhaust the connection slots ----------------------------------------------
 
-def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded):
+@pytest.mark.parametrize("max_pending,heads", [(1, 80), pytest.param(64, 300, marks=pytest.mark.slow)],
+                         ids=["short", "full"])  # fmt: skip
+def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded, max_pending, heads):
     """Before: once the connection limit was full of half-sent heads, every request, /health included, was a 503
-    until the head deadline (--read-timeout, 30 s here). Now the oldest idle connections make room."""
+    until the head deadline (--read-timeout, 30 s here). Now the oldest idle connections make room. Full form: the
+    CLI's queue cap (64: a limit of 256 connections) and 300 heads."""
     import uvicorn
 
     from lopa_fast.server import uvicorn_config
 
     model, tok = embedded
-    worker = Worker(model, tok, batch=False, concurrency=1, max_pending=1)  # the connection limit: max(64, 4 x 1)
+    limit = max(64, 4 * max_pending)  # uvicorn_config's connection limit
+    worker = Worker(model, tok, batch=False, concurrency=1, max_pending=max_pending)
     cfg = uvicorn_config(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), host="127.0.0.1",
-                         port=_free_port(), limits=worker.limits, log_level="critical", max_pending=1)  # fmt: skip
-    assert cfg.limit_concurrency == 64 and worker.limits.read_timeout_s == 30
+                         port=_free_port(), limits=worker.limits, log_level="critical",
+                         max_pending=max_pending)  # fmt: skip
+    assert cfg.limit_concurrency == limit and worker.limits.read_timeout_s == 30
     srv = _Server.__new__(_Server)
     srv.port, srv.server = cfg.port, uvicorn.Server(cfg)
     srv.url = f"http://127.0.0.1:{srv.port}"
@@ -401,7 +418,7 @@ def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded):
     _wait(lambda: srv.server.started, "the server did not start")
     socks = []
     try:
-        for _ in range(80):  # more half-sent heads than the limit
+        for _ in range(heads):  # more half-sent heads than the limit
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             socks.append(s)
@@ -409,7 +426,7 @@ def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded):
         assert _call(srv.url + "/health")[0] == 200
         status, body = _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
         assert status == 200, body
-        assert len(srv.server.server_state.connections) <= 64
+        assert len(srv.server.server_state.connections) <= limit
     finally:
         for s in socks:
             s.close()

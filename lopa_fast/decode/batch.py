@@ -43,9 +43,9 @@ from collections import deque
 
 import torch
 
-from lopa_fast import strategies
+from lopa_fast import memory, strategies
 from lopa_fast.decode import compiled_batch
-from lopa_fast.decode.shapes import LENGTH_QUANTUM
+from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import KnobError, drop_frames
@@ -94,6 +94,7 @@ class Scheduler:
         self.failed: dict[int, Exception] = {}  # requests ended by their own error (step's docstring)
         self.pool = KVPool(model)
         self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
+        self.workspace_of: dict = {}  # live request id -> the workspace key of its last compiled batched step
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
@@ -142,8 +143,11 @@ class Scheduler:
             return []
         for _ in take:
             self.queue.popleft()
+        # the pool's doubling stays within the slots its live and admitted requests need (what their estimates
+        # reserve: lopa_fast.memory.request_bytes' cache term); past that it grows to the exact need
+        need = sum(quantized_length(r) for r in [*(self._rows[rid] for rid in self.live), *(t[5] for t in take)])
         grown = self.pool.ensure(max(t[5] for t in take), len(self.pool.used) + len(take), self.slot_len,
-                                 self.max_slots)  # fmt: skip
+                                 self.max_slots, max_bytes=need * self.pool.row_bytes)  # fmt: skip
         if grown:  # the live requests' caches move to the new pool (their rows copied): re-point their views
             for rid, dec in self.live.items():
                 dec.use_cache(*self.pool.views(self.slot_of[rid], self._rows[rid]))
@@ -197,6 +201,7 @@ class Scheduler:
                 eager.append(item)
             else:
                 groups.setdefault(step.key, []).append((item[1], step))
+                self.workspace_of[item[0]] = step.workspace
         with round_scope():
             if eager:
                 self._forwards(eager, [dec.prepare(*b) for _, dec, b in eager])
@@ -249,6 +254,7 @@ class Scheduler:
         """A request leaves the batch: its rows and its pool slot free."""
         self.live.pop(rid, None)
         self._rows.pop(rid, None)
+        self.workspace_of.pop(rid, None)
         slot = self.slot_of.pop(rid, None)
         if slot is not None:
             self.pool.release(slot)
@@ -300,13 +306,28 @@ class BatchEngine:
     stream); the other requests go on.
 
     model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
-    False keeps the thread from stepping until `start()` (tests use it to line requests up)."""
+    False keeps the thread from stepping until `start()` (tests use it to line requests up).
+
+    Memory: a scheduler's KV pool goes with its last request (the scheduler is dropped). The compiled-batch lane
+    workspaces its requests used stay after them (with the graphs over them: the next request of those shapes
+    replays), counted, until `reclaim()` (the server's budget calls it when a request would wait for memory) frees
+    those no live request uses (`compiled_batch.free_workspaces`). `held_bytes`: what the pools and lanes hold now;
+    on_held(n) (the server's `MemoryBudget.hold`) hears, after every change, the part of it beyond the live
+    requests' shares of their estimates (`lopa_fast.memory.resident_bytes`: a pool slot, two lanes when
+    compiled)."""
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
-                 slot_len: int | None = None):  # fmt: skip
+                 slot_len: int | None = None, on_held=None):  # fmt: skip
         import threading
 
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
+        self._on_held = on_held
+        self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
+        self.held_bytes = 0
+        self._sizes = None  # the pools' bytes and the lane counts at the last `_account` (`_held_changed`)
+        self._workspaces: set = set()  # workspace keys its requests used (it frees only those: a request decoding
+        # outside the engine, e.g. the server's self-check, keeps its own)
+        self._reclaim = False  # reclaim() asked: free the idle lanes at the next turn of the engine thread
         self._cv = threading.Condition()
         self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
         self._schedulers: dict = {}
@@ -323,6 +344,13 @@ class BatchEngine:
 
     def start(self) -> None:
         self._go.set()
+
+    def reclaim(self) -> None:
+        """Free, on the engine thread, the lane workspaces no live request uses (any thread may ask; the held bytes
+        are reported again once done)."""
+        with self._cv:
+            self._reclaim = True
+            self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
@@ -362,11 +390,14 @@ class BatchEngine:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._incoming and not self._waiting and not self._closed:
+                while not self._incoming and not self._waiting and not self._closed and not self._reclaim:
                     self._cv.wait()
                 if self._closed and not self._incoming and not self._waiting:
                     return
                 incoming, self._incoming = self._incoming, []
+                reclaim, self._reclaim = self._reclaim, False
+            if reclaim:
+                self._account(free=True)
             for prompt, cfg, on_round, verifier, box in incoming:
                 # one verifier object per scheduler (its round's verifier forward is one); the scheduler holds it,
                 # so its id is not reused while the key lives
@@ -376,7 +407,10 @@ class BatchEngine:
                     sched = self._schedulers[key] = Scheduler(self.model, cfg, self.max_rows, self.max_slots,
                                                               self.slot_len, verifier)  # fmt: skip
                 try:
-                    self._waiting[(key, sched.submit(prompt, on_round, cfg))] = box
+                    rid = sched.submit(prompt, on_round, cfg)
+                    self._waiting[(key, rid)] = box
+                    self._shares[(key, rid)] = memory.resident_bytes(self.model, prompt.numel() + cfg.max_new_tokens,
+                                                                     cfg, verifier)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
                     box["error"] = e
                     box["event"].set()
@@ -394,13 +428,45 @@ class BatchEngine:
                 self.max_live = max(self.max_live, sched.last_batch)
                 if sched.last_batch:
                     self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1
+                self._workspaces.update(sched.workspace_of.values())
                 self.rounds += 1
+                boxes = []
                 for rid in ended:
                     box = self._waiting.pop((key, rid))
+                    self._shares.pop((key, rid), None)
                     if rid in sched.failed:  # its frames' tensors (the batch's activations) go now, not with box
                         box["error"] = drop_frames(sched.failed.pop(rid))
                     else:
                         box["out"] = sched.done.pop(rid)
-                    box["event"].set()
+                    boxes.append(box)
                 if not (sched.queue or sched.live):
                     del self._schedulers[key]  # its last request ended: the pool goes with it (see above)
+                if ended or self._held_changed():  # before the callers hear: the budget sees the freed memory first
+                    self._account()
+                for box in boxes:
+                    box["event"].set()
+
+    def _held_changed(self) -> bool:
+        """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""
+        cr = compiled_batch.rounds_of(self.model)
+        lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
+                                                        if k[:1] == ("batch",)))  # fmt: skip
+        now = (sum(s.pool.nbytes() for s in self._schedulers.values()), lanes)
+        changed, self._sizes = now != self._sizes, now
+        return changed
+
+    def _account(self, free: bool = False) -> None:
+        """Count what the pools and lanes hold (`held_bytes`) and report the part beyond the live requests' shares
+        (on_held); free: first free the lanes its requests used that no live request uses (`reclaim`)."""
+        cr = compiled_batch.rounds_of(self.model)
+        lanes = 0
+        if cr is not None:
+            if free:
+                live = {w for s in self._schedulers.values() for w in s.workspace_of.values()}
+                compiled_batch.free_workspaces(cr, live, self._workspaces - live)
+                self._workspaces &= live
+            lanes = compiled_batch.lane_bytes(cr, self._workspaces)
+        self.held_bytes = sum(s.pool.nbytes() for s in self._schedulers.values()) + lanes
+        self._held_changed()
+        if self._on_held is not None:
+            self._on_held(max(0, self.held_bytes - sum(self._shares.values())))

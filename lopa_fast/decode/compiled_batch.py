@@ -101,6 +101,8 @@ def run(steps: list[BatchStep], model) -> list[tuple[dict, dict]]:
             v.seconds[label] = round(cr.compile_seconds[key], 3)
         _log_done("the batched step " + label, cr.compile_seconds[key], entry.captured)
         return out
+    if entry.lanes is None:  # a compiled callable whose workspace was freed (`free_workspaces`): new lanes
+        entry.lanes, entry.owners = _lanes(cr, first, Bb)
     g0 = _dynamo_graphs()
     out = _call(entry, steps)
     if not entry.captured:
@@ -109,12 +111,55 @@ def run(steps: list[BatchStep], model) -> list[tuple[dict, dict]]:
 
 
 class _Entry:
-    """A key's batched callable: lanes (its workspace's first Bb (state, tables) pairs), replay() -> flat info
-    {"lane.name": tensor}, captured (a CUDA graph, real or emulated) or compiled, and which lane last got which
-    request's tables."""
+    """A key's batched callable: lanes (its workspace's first Bb (state, tables) pairs; None once
+    `free_workspaces` took them from a compiled one), replay() -> flat info {"lane.name": tensor}, captured (a CUDA
+    graph, real or emulated) or compiled, which lane last got which request's tables, and its workspace key."""
 
-    def __init__(self, lanes, replay, captured: bool, owners: list):
-        self.lanes, self.replay, self.captured, self.owners = lanes, replay, captured, owners
+    def __init__(self, lanes, replay, captured: bool, owners: list, wkey=None):
+        self.lanes, self.replay, self.captured, self.owners, self.wkey = lanes, replay, captured, owners, wkey
+
+
+def rounds_of(model):
+    """The model's CompiledRounds, or None when it never compiled (none is made here)."""
+    return compiled._PER_MODEL.get(model)
+
+
+def _tensors(entry_or_ws) -> list:
+    lanes = entry_or_ws.lanes if isinstance(entry_or_ws, _Entry) else entry_or_ws["lanes"]
+    return [t for S, T in lanes or () for d in (S, T) for t in d.values()]
+
+
+def lane_bytes(cr, keys=None) -> int:
+    """Bytes of the batched-step workspaces `cr` (a model's CompiledRounds) holds (keys: None, or only those of
+    these workspace keys): every lane tensor of its workspaces and of the callables built over them (an older,
+    smaller workspace lives on in its graphs), each storage counted once."""
+    seen, n = set(), 0
+    wss = [ws for k, ws in cr.workspaces.items() if k[:1] == ("batch",) and (keys is None or k[1] in keys)]
+    entries = [e for e in cr.fns.values() if isinstance(e, _Entry) and (keys is None or e.wkey in keys)]
+    for t in [t for x in wss + entries for t in _tensors(x)]:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+    return n
+
+
+def free_workspaces(cr, keep, only=None) -> None:
+    """Free the batched-step workspaces of `cr` whose workspace key (BatchStep.workspace) is not in `keep` (the keys
+    of the live requests; only: None, or the keys that may go): the workspace, the captured graphs over its lanes (a
+    graph is bound to their memory: it captures again when asked) and the lanes of the compiled callables (a
+    compiled one keeps its code and takes new lanes on its next call: `run`). The batch engine calls it when a
+    request waits for memory (`BatchEngine.reclaim`: idle lanes never hold memory a request needs; issue 36)."""
+    def goes(wkey) -> bool:
+        return wkey not in keep and (only is None or wkey in only)
+
+    for k in [k for k in cr.workspaces if k[:1] == ("batch",) and goes(k[1])]:
+        del cr.workspaces[k]
+    for k, e in [(k, e) for k, e in cr.fns.items() if isinstance(e, _Entry) and goes(e.wkey)]:
+        if e.captured:
+            del cr.fns[k]
+        else:
+            e.lanes = e.owners = None
 
 
 def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
@@ -193,10 +238,13 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
 
             def replay_fn() -> dict:
                 return body(states, tables)
-        return _Entry(lanes, replay_fn, True, owners)
+        return _Entry(lanes, replay_fn, True, owners, first.workspace)
     log.info(_COMPILING, "the batched step " + label)
     fn = compiled.compile_guarded(unique_code(body, f"{label}_body"), f"the batched step {label}")
-    return _Entry(lanes, lambda: fn(states, tables), False, owners)
+    entry = _Entry(lanes, None, False, owners, first.workspace)
+    # the lanes read at each call: `free_workspaces` may replace them (same shapes: the same compiled graph)
+    entry.replay = lambda: fn([S for S, _ in entry.lanes], [T for _, T in entry.lanes])
+    return entry
 
 
 def _call(entry: _Entry, steps: list[BatchStep]) -> list[tuple[dict, dict]]:

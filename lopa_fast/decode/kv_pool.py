@@ -12,7 +12,9 @@ The pool grows on demand (more slots, longer slots) up to its caps: a new pool, 
 corner, the live requests re-pointed at their slots of it (`ensure` returns True; the caller re-points). The
 size doubles each time, so a batch sees at most about log2(S) + log2(Lp / 64) growths, and none once the pool has
 reached its working size: a static pool in the steady state, with no size to guess up front. Slot and length
-caps (Scheduler's `max_slots`, `slot_len`) bound its memory.
+caps (Scheduler's `max_slots`, `slot_len`: the server's --max-num-seqs and --max-model-len) bound its memory, and
+a doubling that would hold more than the live requests' own slots (`max_bytes`: what their memory estimates
+reserve) grows to the exact need instead.
 """
 from __future__ import annotations
 
@@ -48,10 +50,18 @@ class KVPool:
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
-    def ensure(self, rows: int, slots: int, max_len: int | None = None, max_slots: int | None = None) -> bool:
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one cache position of one slot (K and V, every layer)."""
+        return 2 * self.layers * self.hkv * self.d * torch.empty((), dtype=self.dtype).element_size()
+
+    def ensure(self, rows: int, slots: int, max_len: int | None = None, max_slots: int | None = None,
+               max_bytes: int | None = None) -> bool:  # fmt: skip
         """Make room for a slot of `rows` positions with `slots` slots in use at once (grow if needed: each dimension
         at least doubles, lengths in steps of 64, never past max_len / max_slots, which the caller's caps keep >= the
-        request). Returns True when the tensors were replaced (live views are stale: re-point them with `views`)."""
+        request; and, when the doubled pool would exceed `max_bytes`, only to the exact need: `slots` slots of
+        max(slot_len, rows rounded up to 64) positions). Returns True when the tensors were replaced (live views are
+        stale: re-point them with `views`)."""
         S, L = self.slots, self.slot_len
         if rows <= L and slots <= S:
             return False
@@ -59,6 +69,8 @@ class KVPool:
         L2 = L if rows <= L else max(quantized_length(rows), 2 * L)
         S2 = S2 if max_slots is None else max(slots, min(S2, max_slots))
         L2 = L2 if max_len is None else max(rows, min(L2, max_len))
+        if max_bytes is not None and S2 * L2 * self.row_bytes > max_bytes:  # no doubling past what is reserved
+            S2, L2 = max(S, slots), max(L, quantized_length(rows))
         shape = (self.layers, S2, L2, self.hkv, self.d)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)

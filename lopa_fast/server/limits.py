@@ -7,10 +7,11 @@ request passes before anything is allocated for it.
     max_batch_rows        branch rows of one batched forward (default 64, at least max_branching_factor + 1): a
                           heavy request shares the forward with lighter ones instead of filling it
     max_body_bytes        the request body (default 1 MiB; more: 413 before the body is parsed)
-    max_request_memory    one request's memory estimate (`lopa_fast.api.request_bytes`; default a quarter of the
+    max_request_memory    one request's memory estimate (`lopa_fast.memory.request_bytes`; default a quarter of the
                           device's memory); above it: 400 naming the knob that drives it
-    memory_budget         the estimates of all requests running at once (default half of the device's memory); a
-                          request that fits alone waits until the running ones leave it room (never over-commits)
+    memory_budget         the estimates of all requests running at once, plus what the batch engine holds beyond
+                          them (`MemoryBudget.held`: its KV pools and compiled-batch lanes; default half of the
+                          device's memory); a request that fits alone waits until the running ones leave it room
     read_timeout_s        seconds to receive a request body (default 30; slower: 408)
 
 `Limits.check(model, cfg, prompt_len)` is the one check (protocol.parse calls it after the config is bound);
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from lopa_fast import api, strategies
+from lopa_fast import memory, strategies
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class Limits:
         """The limits with their model-dependent defaults filled in (max_model_len, the memory caps)."""
         from lopa_fast.models.loading import total_memory
 
-        p = api._first_param(model)
+        p = memory._first_param(model)
         total, _ = total_memory(p.device if p is not None else "cpu")
         limit = model.config.max_position_embeddings
         return dataclasses.replace(
@@ -61,9 +62,10 @@ class Limits:
             memory_budget=max(self.memory_budget or total // 2, self.max_request_memory or total // 4),
         )  # fmt: skip
 
-    def check(self, model, cfg, prompt_len: int) -> int:
+    def check(self, model, cfg, prompt_len: int, verifier=None) -> int:
         """Refuse (ValueError subclasses carrying the field: `LimitError`) a bound config over a cap; return the
-        request's memory estimate in bytes."""
+        request's memory estimate in bytes (verifier: the server's APD verifier, counted for a request that uses
+        it)."""
         k = cfg.branching_factor  # checked by the strategies that read it (lopa); others leave any value unread
         if isinstance(k, int) and k > self.max_branching_factor:
             raise LimitError(f"branching_factor={k} is over this server's cap --max-branching-factor="
@@ -77,10 +79,10 @@ class Limits:
         if rows > self.max_batch_rows:
             raise LimitError(f"strategy={cfg.strategy!r} with these knobs decodes {rows} rows per forward, over this "
                              f"server's cap --max-batch-rows={self.max_batch_rows}", "branching_factor")  # fmt: skip
-        need = api.request_bytes(model, total, cfg, prompt_len)
+        need = memory.request_bytes(model, total, cfg, prompt_len, verifier)
         if self.max_request_memory is not None and need > self.max_request_memory:
             field = "branching_factor" if rows > 1 else "max_tokens"
-            raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.api.request_bytes: "
+            raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.memory.request_bytes: "
                              f"{rows} rows x {total} positions), over this server's per-request cap of "
                              f"{self.max_request_memory / 2**20:.0f} MiB (--max-request-memory); lower {field}",
                              field)  # fmt: skip
@@ -97,20 +99,34 @@ class LimitError(ValueError):
 
 class MemoryBudget:
     """The running requests' estimates against `budget` bytes: `reserve(n, cancelled)` blocks until `n` fits
-    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`."""
+    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`. `held`:
+    bytes the batch engine holds beyond the running requests' estimates (its KV pools and compiled-batch lanes past
+    the shares the estimates reserve, idle lanes kept for their graphs: `BatchEngine(on_held=budget.hold)`),
+    counted as used until it frees them; `reclaim()` (the engine's) is asked whenever a request would wait, so idle
+    lanes never keep a request waiting."""
 
-    def __init__(self, budget: int | None):
-        self.budget, self.used = budget, 0
+    def __init__(self, budget: int | None, reclaim=None):
+        self.budget, self.used, self.held, self.reclaim = budget, 0, 0, reclaim
         self._cv = threading.Condition()
+
+    def hold(self, n: int) -> None:
+        """The engine's bytes beyond the estimates, now (it reports after every change)."""
+        with self._cv:
+            self.held = n
+            self._cv.notify_all()
 
     def reserve(self, n: int, cancelled=lambda: False) -> bool:
         if self.budget is None:
             return True
         n = min(n, self.budget)  # a request checked against max_request_memory <= budget always fits alone
         with self._cv:
-            while self.used + n > self.budget:
+            # a request that fits alone never waits for running ones when none runs; what the engine holds (idle
+            # lanes) it frees when asked (`reclaim`), and hold() wakes this wait
+            while self.used + self.held + n > self.budget and (self.used or self.held):
                 if cancelled():
                     return False
+                if self.held and self.reclaim is not None:
+                    self.reclaim()
                 self._cv.wait(0.25)
             self.used += n
         return True

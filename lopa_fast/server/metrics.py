@@ -11,6 +11,8 @@ app, so several apps in one process stay apart):
     lopa_fast_batch_rounds_total, lopa_fast_batch_size_max, lopa_fast_batch_size   the batch engine's shared rounds,
                                                     its largest batch and the histogram of requests per round
     lopa_fast_memory_reserved_bytes / _budget_bytes  running requests' memory estimates against the budget
+    lopa_fast_memory_held_bytes                     what the batch engine's KV pools and compiled-batch lanes hold
+                                                    beyond those estimates (counted against the budget too)
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ class _WorkerCollector:
                                     mem.used)
             yield GaugeMetricFamily("lopa_fast_memory_budget_bytes", "The budget running requests' estimates share.",
                                     mem.budget)
+            yield GaugeMetricFamily("lopa_fast_memory_held_bytes", "KV pools and compiled-batch lanes beyond the "
+                                    "running requests' estimates.", mem.held)  # fmt: skip
 
 
 class Metrics:

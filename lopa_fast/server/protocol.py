@@ -363,7 +363,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         memory = 0
         if limits is not None:
             try:
-                memory = limits.check(model, bound, ids_t.numel())
+                memory = limits.check(model, bound, ids_t.numel(), verifier)
             except LimitError as e:
                 raise RequestError(str(e), _openai_knob_name(e.field, endpoint)) from e
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)

@@ -138,6 +138,7 @@ class Worker:
     def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
                  batch: bool = True, concurrency: int | None = None, limits=None, verifier=None):  # fmt: skip
         from lopa_fast.decode.batch import BatchEngine
+        from lopa_fast.decode.shapes import quantized_length
         from lopa_fast.server.limits import Limits, MemoryBudget
 
         self.model, self.tokenizer = model, tokenizer
@@ -149,8 +150,14 @@ class Worker:
         self._lock = threading.Lock()
         self._solo = threading.Lock()  # requests outside the batch engine run one at a time
         self.memory = MemoryBudget(limits.memory_budget)
-        self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs) \
-            if batch else None
+        # each scheduler's KV pool: at most --max-num-seqs slots of --max-model-len positions (the slot of the
+        # longest request the limits admit); what the pools and lanes hold beyond the running requests' estimates
+        # counts against the budget (`MemoryBudget.hold`)
+        self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs,
+                                  slot_len=quantized_length(limits.max_model_len) + 1,
+                                  on_held=self.memory.hold) if batch else None  # fmt: skip
+        if self.engine is not None:  # a request that would wait for memory first frees the engine's idle lanes
+            self.memory.reclaim = self.engine.reclaim
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0, "out_of_memory": 0}
         self._health = {"status": "ok", "self_check": "not run"}
         self._defaults: dict = {}
