@@ -242,6 +242,7 @@ class GenerateConfig:
         _bool("distributed", self.distributed)
         if self.distributed:
             self._check_distributed(spec)
+        strategies.check_values(self)  # every strategy's shared-field values (a bad value is an error anywhere)
         for knob in strategies.specific_knobs():
             if getattr(self, knob) is not None and knob not in spec.knobs:
                 raise ValueError(

@@ -47,3 +47,17 @@ def test_validate_runs_once_per_call(monkeypatch):
         calls.clear()
         lopa_fast.generate(model, [1, 2, 3], "lopa", backend, block_size=4, max_new_tokens=8, branching_factor=2)
         assert calls == ["lopa"], backend
+
+
+def test_a_bad_value_of_another_strategys_knob_is_refused_whatever_the_strategy():
+    """D2F's / LoPA's knobs have defaults, so every request carries them: their values are checked for every strategy
+    (`Strategy.check_values`), not only where they are read (a vanilla request with skip_threshold=5 is a typo)."""
+    import pytest
+
+    for strategy in ("vanilla", "threshold", "apd", "d2f", "lopa"):
+        with pytest.raises(ValueError, match="skip_threshold=5.0"):
+            GenerateConfig(strategy=strategy, skip_threshold=5.0).validate()
+        with pytest.raises(TypeError, match="branching_factor='x'"):
+            GenerateConfig(strategy=strategy, branching_factor="x").validate()
+        with pytest.raises(ValueError, match="sampling_strategy"):
+            GenerateConfig(strategy=strategy, sampling_strategy="nope").validate()

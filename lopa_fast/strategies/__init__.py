@@ -3,6 +3,7 @@ built-in strategies, one module each (vanilla, threshold, d2f, lopa, apd), regis
 How to add one: docs/architecture.md ("Adding a strategy")."""
 from lopa_fast.strategies.registry import (Strategy, decode_length, fast_not_covered, find, get, names, owners,
                                           register, specific_knobs, unregister)
+from lopa_fast.strategies.registry import check_values
 from lopa_fast.strategies import vanilla, threshold, d2f, lopa, apd  # noqa: E402,F401  (registers the built-ins)
 
-__all__ = ["Strategy", "decode_length", "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]
+__all__ = ["Strategy", "check_values", "decode_length", "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]

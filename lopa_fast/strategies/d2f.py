@@ -10,13 +10,13 @@ SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")  # the round's confid
 THRESHOLDS = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")  # tau_add, tau_act, tau_conf
 
 
-def validate(cfg) -> None:
-    """D2F's round knobs (shared with LoPA): the three thresholds, the confidence, the attention, whole blocks."""
+def check_values(cfg) -> None:
+    """D2F's round knobs (shared with LoPA): the three thresholds, the confidence, the attention (checked for every
+    request: `Strategy.check_values`)."""
     for name in THRESHOLDS:
         check_prob(name, getattr(cfg, name))
     check_choice("sampling_strategy", cfg.sampling_strategy, SAMPLING_STRATEGIES)
     check_bool("use_full_attention", cfg.use_full_attention)
-    check_strict_length(cfg)
 
 
 def check_strict_length(cfg) -> None:
@@ -61,6 +61,7 @@ def driver(model, prompt, cfg, cache=None):
 SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
-    validate=validate, length_unit=block_size, driver=driver, cache_rows=cache_rows, compile=True,
+    validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
+    cache_rows=cache_rows, compile=True,
     compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -3,17 +3,16 @@ branches verified in one forward; branching_factor=1 is plain D2F."""
 from __future__ import annotations
 
 from lopa_fast.knobs import check_positive_int, check_prob
-from lopa_fast.strategies import d2f
-from lopa_fast.strategies.d2f import block_size, cache_rows, eval_knobs
+from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length, eval_knobs
 from lopa_fast.strategies.registry import Strategy, register
 
 
-def validate(cfg) -> None:
-    """LoPA's own knobs (k, the branch score's top-p and alpha), then D2F's round knobs it shares."""
+def check_values(cfg) -> None:
+    """LoPA's own knobs (k, the branch score's top-p and alpha; checked for every request: `Strategy.check_values`;
+    D2F's round knobs it shares are D2F's)."""
     check_positive_int("branching_factor", cfg.branching_factor)
     check_prob("branch_topp", cfg.branch_topp)
     check_prob("selection_conf_alpha", cfg.selection_conf_alpha)
-    d2f.validate(cfg)
 
 
 def rows(cfg) -> int:
@@ -37,6 +36,7 @@ def driver(model, prompt, cfg, cache=None):
 SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.reference.lopa:generate", fast="lopa_fast.decode.lopa:generate",
-    validate=validate, length_unit=block_size, rows=rows, driver=driver, cache_rows=cache_rows,
+    validate=check_strict_length, check_values=check_values, length_unit=block_size, rows=rows, driver=driver,
+    cache_rows=cache_rows,
     compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

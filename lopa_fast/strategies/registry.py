@@ -44,6 +44,9 @@ class Strategy:
                 fn(model, prompt [P], cfg, **extra) -> GenerateOutput; a callable or "module:attribute".
     fast:       the fast decoder (same signature), or None (then backend="fast" refuses the strategy).
     validate:   the strategy's own rules between knobs (no model): validate(cfg) raises naming the knob.
+    check_values: the value checks of the GenerateConfig fields it owns that every request carries (fields with a
+                default, e.g. D2F's thresholds, LoPA's k): run for EVERY request whatever its strategy
+                (`check_values`), so a bad value is an error even where the strategy leaves the knob unread.
     resolve:    the model-dependent defaults of its knobs: resolve(cfg, model) -> cfg (after the shared ones).
     length_unit: the block it decodes in whole: length_unit(cfg) -> int (1: no blocks); max_new_tokens is
                 rounded up to it and the output cut back.
@@ -81,6 +84,7 @@ class Strategy:
     fast: Callable | str | None = None
     knobs: tuple[str, ...] = ()
     validate: Callable[[Any], None] = _no_check
+    check_values: Callable[[Any], None] = _no_check
     resolve: Callable[[Any, Any], Any] = _unchanged
     length_unit: Callable[[Any], int] = _one
     rows: Callable[[Any], int] = _one
@@ -157,6 +161,12 @@ def get(name) -> Strategy:
 def specific_knobs() -> tuple[str, ...]:
     """Every strategy-specific knob of every registered strategy (each once, in registration order)."""
     return tuple(dict.fromkeys(k for s in _REGISTRY.values() for k in s.knobs))
+
+
+def check_values(cfg) -> None:
+    """Every registered strategy's `check_values` on cfg (a knob's value is checked whatever the strategy)."""
+    for spec in _REGISTRY.values():
+        spec.check_values(cfg)
 
 
 def owners(knob: str) -> list[str]:
