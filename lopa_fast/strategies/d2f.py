@@ -1,9 +1,9 @@
 """d2f: Discrete Diffusion Forcing's pipelined block decoding (docs/semantics.md section 2). Its fast path is the
-device-resident round of lopa_fast.decode.engine with one branch; lopa (lopa_fast.strategies.lopa) is the same
-round with lookahead branches."""
+device-resident round of lopa_fast.decode.engine with one branch, stepped by the one loop (`batch.run_solo`); lopa
+(lopa_fast.strategies.lopa) is the same round with lookahead branches."""
 from __future__ import annotations
 
-from lopa_fast.strategies.registry import Strategy, register
+from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 
 def check_strict_length(cfg) -> None:
@@ -27,16 +27,27 @@ def cache_rows(prompt_len: int, cfg) -> int:
     return buffer_len(prompt_len, cfg) + 1
 
 
-def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine: the round with one branch."""
+def round_driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
+    """The device-resident round's driver (lopa_fast.decode.driver) for d2f and lopa: one process
+    (`engine.FastDecoder`), or with distributed=True the round's branch slots over the process group's ranks
+    (`lopa_fast.distributed.driver`: its forward and finish exchange across ranks)."""
+    if cfg.distributed:
+        from lopa_fast.distributed import driver as distributed_driver
+
+        return distributed_driver(model, prompt, cfg, branching_factor, name, cache, branch_stats)
     from lopa_fast.decode.engine import FastDecoder
 
-    return FastDecoder(model, prompt, cfg, 1, "d2f", cache=cache)
+    return FastDecoder(model, prompt, cfg, branching_factor, name, cache=cache, branch_stats=branch_stats)
+
+
+def driver(model, prompt, cfg, cache=None):
+    """The per-request driver of the one loop (lopa_fast.decode.batch): the round with one branch."""
+    return round_driver(model, prompt, cfg, 1, "d2f", cache)
 
 
 SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
-    reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
+    reference="lopa_fast.reference.d2f:generate", fast=SOLO,
     validate=check_strict_length, length_unit=block_size, driver=driver, cache_rows=cache_rows, compile=True,
     compile_batches=True, distributed=True,
 ))  # fmt: skip
