@@ -150,8 +150,9 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
     states, tables = [S for S, _ in lanes], [T for _, T in lanes]
     capture = None
     if cr.captures(first.state[next(iter(first.state))]):
-        # warm-up on scratch copies (kernels compile / autotune), then the capture over the lanes
-        capture = (lambda: body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False),
+        # warm-up on scratch copies (kernels compile / autotune; it returns (state, outputs) as a step does, for
+        # the tests' emulated capture), then the capture over the lanes
+        capture = (lambda: (None, body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False)),
                    lambda: body(states, tables))  # fmt: skip
     fn = cr.build(label, views, body, capture)
     return _Entry(lanes, lambda: fn(states, tables), owners)
