@@ -21,6 +21,7 @@ import torch
 import lopa_fast
 from lopa_fast.contracts import first_stop
 from lopa_fast.decode import apd as fast_apd
+from lopa_fast.decode import apd_step
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
@@ -179,7 +180,7 @@ def test_device_stop_check_equals_first_stop():
                                    stop_lens=tuple(len(q) for q in stops), attn_backend="torch")  # fmt: skip
         T = {"P": torch.tensor(P), "stops": stop_table(stops, "cpu", min_rows=1)}
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
-        assert bool(fast_apd._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
+        assert bool(apd_step._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
 
 
 def test_nonfinite_logits_are_refused(models):

@@ -66,6 +66,7 @@ class Driver(Protocol):
         """Point the request's static cache at (re-pointed) pool slot views [layers, cache_rows, Hkv, D]."""
 
 
+@runtime_checkable
 class CompiledDriver(Driver, Protocol):
     """A driver whose spec says `compile_batches`: its compiled rounds run as batched graphs."""
 
