@@ -1,16 +1,19 @@
-"""Many requests at once: every live request's branch windows in ONE forward per round (per forward of a round).
+"""The one decoding loop (`Scheduler.step`): every live request's branch windows in ONE forward per round (per
+forward of a round). A solo request is a batch of one (`run_solo`, the `fast` entry of every strategy with a
+driver), a list of prompts `run_batch`, the server's requests `BatchEngine`'s; no driver has a loop of its own.
 
-A strategy batches when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
-tables and finish line (the driver: `FastDecoder` for d2f / lopa, `VanillaDriver`, `ThresholdDriver`, `FastApd`,
-driven step by step: `begin` / `next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` /
-`result`); its static prefix cache is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
+A strategy runs here when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
+tables and finish line (the driver, lopa_fast.decode.driver's protocol: `FastDecoder` for d2f / lopa,
+`VanillaDriver`, `ThresholdDriver`, `FastApd`, `DistributedDecoder`, stepped by this loop); its static prefix cache
+is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
 admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
 live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
 bookkeeping (the torch round, lopa_fast/decode/round.py). Attention: on the torch backend (CPU) per request over
 its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
 those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
 every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
-tests/test_kv_pool.py). A finished request leaves the batch (its rows are not computed again).
+tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path).
+A finished request leaves the batch (its rows are not computed again).
 
 Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
 verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
