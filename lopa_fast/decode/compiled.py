@@ -148,11 +148,13 @@ class CompiledRounds:
         return ws
 
     # ------------------------------------------------------------------------------------------------
-    def get_or_build(self, key, bucket: tuple, label: str, views, build: Callable, call: Callable, captured: bool):
+    def get_or_build(self, key, bucket: tuple, label: str, views, build: Callable, call: Callable, captured: bool,
+                     what: str | None = None):
         """call(the callable of `key`): the cached one, or build()'s on the key's first use (then timed, logged and
         its seconds kept under `label`). bucket: the requests' `compiled_buckets` entry (views: their RequestViews);
         graphs Dynamo compiled during the call are counted for them (a recompile inside a bucket would show);
-        captured: the builder captures (a CUDA graph, counted by `build`; DEBUG log unless long)."""
+        captured: the builder captures (a CUDA graph, counted by `build`; DEBUG log unless long); what: its name in
+        the log (default "the step <label>")."""
         views = list(views) or [self._request()]
         for v in views:
             v.buckets.add(bucket)
@@ -169,16 +171,17 @@ class CompiledRounds:
         self.compile_seconds[key] = time.perf_counter() - t0
         for v in views:
             v.seconds[label] = round(self.compile_seconds[key], 3)
-        _log_done("the step " + label, self.compile_seconds[key], captured)
+        _log_done(what or "the step " + label, self.compile_seconds[key], captured)
         return out
 
-    def build(self, label: str, views, step: Callable, capture: tuple | None = None) -> Callable:
+    def build(self, label: str, views, step: Callable, capture: tuple | None = None,
+              what: str | None = None) -> Callable:
         """The one place a step becomes a graph. capture None: torch.compile(step) (`compile_guarded`, with its own
         code object), called as fn(*args). capture (warmup, body): warmup() on a side stream, then body() captured
         as one CUDA graph (`capture`); fn(*args) replays it (the graph reads its workspace, not args) and returns
         body's outputs (graph-owned tensors, rewritten by the next replay). Under compile=None (views[0].fallback)
-        a capture that fails warns and fn = step, run eagerly."""
-        what = "the step " + label
+        a capture that fails warns and fn = step, run eagerly. what: its name in the log and the warning."""
+        what = what or "the step " + label
         if capture is None:
             log.info(_COMPILING, what)
             return compile_guarded(unique_code(step, label), what)
@@ -205,9 +208,9 @@ class CompiledRounds:
         cannot be one graph: lopa_fast.distributed compiles a rank's forward + statistics and, separately, the
         selection + plan, with the collectives between them outside any graph. Counted in stats() (bucket: its
         compiled_buckets entry; label: its compile_seconds name)."""
-        views = [self._request()]
-        return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make()),
-                                 lambda fn: fn(*args), captured=False)  # fmt: skip
+        views, what = [self._request()], "the round part " + label
+        return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make(), what=what),
+                                 lambda fn: fn(*args), captured=False, what=what)  # fmt: skip
 
     @staticmethod
     def capture(warmup, body):
