@@ -1,7 +1,7 @@
 """The one loop's cost for a solo compile=True request (issue 34): its rounds now run as the compiled batch step of
 batch bucket 1, so its state (the KV cache included) is copied into its lane and back every round.
 
-Two parts:
+Parts:
   bytes   the lane copy at Dream-7B shape (bench/shapes.py REAL_SHAPES["dream7b"], bf16): the state of one d2f / lopa
           request (`FastDecoder.st`: mostly the prefix cache [layers, Lb + 1, Hkv, D] for K and V) copied in and
           out (each copy reads and writes it: 4x its bytes of memory traffic per round), as a fraction of the weight
@@ -10,9 +10,13 @@ Two parts:
           after a warm-up request that compiles), and on the new code the part spent in the lane copies
           (compiled_batch._call minus its graph replay). Run it with the old code's tree first on PYTHONPATH to
           compare before / after in alternating processes (the command in bench/results/one_loop.md).
+  eager   the same with compile=False (the solo eager round: now one `forward_requests` of one request).
+  emulated  compile=True on the CUDA-graph path with the capture emulated on the CPU (the graph's body rerun
+          eagerly, no Inductor): before, a solo request ran on its own workspace (no copy per round); now on its
+          lane (copied in and out every round).
 
     python bench/bench_one_loop.py bytes
-    PYTHONPATH=<tree> python bench/bench_one_loop.py time | eager
+    PYTHONPATH=<tree> python bench/bench_one_loop.py time | eager | emulated
 """
 from __future__ import annotations
 
@@ -54,15 +58,23 @@ def bytes_table() -> str:
     return "\n".join(rows)
 
 
-def time_rounds(reps: int = 5, compile: bool = True) -> dict:
+def time_rounds(reps: int = 5, compile: bool = True, emulated: bool = False) -> dict:
     import torch
 
     import lopa_fast
 
     torch.set_num_threads(1)
+    if emulated:  # the CUDA-graph path on the CPU, the "graph" rerun eagerly (tests/utils.emulated_capture)
+        sys.path.insert(0, os.path.dirname(HERE))
+        from lopa_fast.decode.compiled import CompiledRounds
+        from tests.utils import emulated_capture
+
+        CompiledRounds.capture = staticmethod(emulated_capture)
     from lopa_fast.assets import model_dir
 
     model = lopa_fast.load_model(str(model_dir("d2f-arith")))
+    if emulated:
+        CompiledRounds.for_model(model).emulate_graphs = True
     prompt = torch.tensor([2] + [3 + i % 10 for i in range(23)])  # 24 ids of the arithmetic vocabulary
     copy = {"s": 0.0, "calls": 0}
     try:  # the new code: time the lane copies (the call minus its replay)
@@ -94,7 +106,8 @@ def time_rounds(reps: int = 5, compile: bool = True) -> dict:
     from lopa_fast.decode.compiled import CompiledRounds
 
     new_code = not hasattr(CompiledRounds, "step")  # the old solo entry point: gone with the one loop
-    out = {"code": "one loop" if new_code else "before", "compile": compile, "torch": torch.__version__}
+    out = {"code": "one loop" if new_code else "before", "compile": compile, "emulated_capture": emulated,
+           "torch": torch.__version__}
     for name, kw in (("d2f", dict(strategy="d2f")), ("lopa_k2", dict(strategy="lopa", branching_factor=2))):
         # eos_token_id 64: an id the model rarely emits, so a request runs its 6 blocks (rounds, not setup, dominate)
         kw = dict(kw, block_size=8, max_new_tokens=48, skip_threshold=0.9, compile=compile, eos_token_id=64)
@@ -119,5 +132,6 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "bytes"
     if what == "bytes":
         print(bytes_table())
-    else:  # "time" (compile=True) or "eager" (compile=False: the solo eager round, now a batch of one)
-        print(json.dumps(time_rounds(reps=5 if what == "time" else 20, compile=what == "time")))
+    else:  # "time" (compile=True, Inductor), "eager" (compile=False), "emulated" (the CUDA-graph path emulated)
+        print(json.dumps(time_rounds(reps=5 if what == "time" else 20, compile=what != "eager",
+                                     emulated=what == "emulated")))
