@@ -27,8 +27,11 @@ view, updated in place). Lanes past the group's size keep whatever state they la
 whatever the state (as a CUDA capture's warm-up already requires), and their results are never read, so they
 never touch a real request. On CUDA (or `emulate_graphs`) the callable is captured as one CUDA graph over the
 lanes; on CPU it is `torch.compile(fullgraph=True, dynamic=False)` of the same function on the same lane tensors
-(so its guards see the same inputs every call). The graphs and workspaces live in the model's `CompiledRounds`
-LRUs (bounded by MAX_BUCKETS). This module, like compiled.py, knows no strategy.
+(so its guards see the same inputs every call): `CompiledRounds.build`, the one compile / capture site. The graphs
+and workspaces live in the model's `CompiledRounds` LRUs (bounded by MAX_BUCKETS), reached through its public
+interface (`get_or_build`, `build`, `workspace`, `captures`). Every compiled decoding step runs here: a solo
+compile=True request is the group of one (Bb = 1), its state copied into its lane and back each round
+(bench/results/one_loop.md). This module, like compiled.py, knows no strategy.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ bucket 1 (lopa_fast.decode.compiled_batch). A driver is built by its strategy's 
            after_round()                  guard, counters, trace, hook, stop test (outside the scope)
     result()                              -> GenerateOutput
 
-`Driver` below is that contract as one definition (six stages and the two compiled-round members); the optional
-members' defaults live here too (`forwards_of`, `batch_step_of`), so the loop has one place that knows them.
+`Driver` below is that contract as one definition (the stages above and `use_cache`; `CompiledDriver` adds the two
+compiled-round members); the optional members' defaults live here too (`forwards_of`, `batch_step_of`), so the
+loop has one place that knows them.
 """
 from __future__ import annotations
 
