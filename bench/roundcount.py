@@ -331,6 +331,7 @@ def instrument(model, rounds: Rounds, upstream=None):
     loop; restore everything on exit."""
     import torch.nn.functional as F
 
+    import lopa_fast.decode.batch as batch
     import lopa_fast.decode.engine as engine
     import lopa_fast.decode.round as rnd
     import lopa_fast.models.transformer as tr
@@ -367,7 +368,7 @@ def instrument(model, rounds: Rounds, upstream=None):
 
     with contextlib.ExitStack() as es:
         # model: entry / exit, norms, attention core
-        for name in ("forward_static", "forward_window"):
+        for name in ("forward_static", "forward_window", "forward_requests"):  # the one loop: forward_requests
             setattr(model, name, _model_wrapper(rounds)(getattr(model, name)))
             es.callback(delattr, model, name)
         es.enter_context(_patched(testing, "sdpa_forward", _model_wrapper(rounds)))
@@ -379,7 +380,8 @@ def instrument(model, rounds: Rounds, upstream=None):
         # the fast round: statistics; the round scope and the head read
         es.enter_context(_patched(rnd, "token_stats", _stage_wrapper(rounds, "stats")))
         es.enter_context(_patched(rnd, "first_nonfinite", _stage_wrapper(rounds, "stats")))
-        es.enter_context(_patched(engine, "round_scope", lambda fn: fast_round_scope))
+        es.enter_context(_patched(engine, "round_scope", lambda fn: fast_round_scope))  # begin's plan + read
+        es.enter_context(_patched(batch, "round_scope", lambda fn: fast_round_scope))  # the one loop's rounds
         es.enter_context(_patched(engine.FastDecoder, "_read_head", read_head_factory))
         # the reference: one marker per round, statistics
         es.enter_context(_patched(rlopa, "shared_prefix_end", _round_marker(rounds)))

@@ -1,38 +1,12 @@
-"""Branch parallelism across processes (torch.distributed): the branch slots of a D2F / LoPA round split over ranks.
+"""Branch parallelism across processes (torch.distributed): the runtime of a distributed request.
 
 `generate(..., backend="fast", distributed=True)` inside an initialised process group (gloo on CPU, NCCL on
-GPUs: one rank per device, the model on cuda:LOCAL_RANK) decodes ONE request with every rank of the group.
-Every rank holds the whole round state (token rows and block tables: a few KB) and the whole static prefix
-KV cache, and runs the fast round's stages (`lopa_fast.decode.round`: `window_inputs`, the forward,
-`token_stats`, `select_winner`, `commit_span`, `apply_winner`) with one change: the forward covers only its
-share of the round's alive slots, and the token statistics of the needed LM-head rows are exchanged.
-
-Per round (nA alive slots, read from the round head every rank reads anyway):
-
-1. slots: rank r runs slots [lo_r, hi_r) of range(nA), contiguous, split as evenly as possible (the first
-   nA % world ranks get one more); any k, nothing dropped (upstream puts branch i on rank i and drops
-   branches beyond the world size);
-2. ONE all_gather of int32 [7 + 3 * Rmax] per rank: an error flag, the number of real rows, the first
-   non-finite flat row, whether it holds the last_logit row and that row's statistics (3.), then the (conf,
-   p, x0) statistics of its needed rows (conf and p as fp32 bit patterns: exact),
-   Rmax = min(ceil(nA / world) * Nb, Rb) (compiled rounds: ceil(NB / world) slots, a static shape). Never
-   logits: 12 bytes per needed row instead of 2 * V bytes (Dream: 304 KB per row). Every rank then holds
-   the same statistics table as the single-process round (the rows in ascending flat order) and runs
-   `select_winner` / `apply_winner` on it: the same scores, the same winner (first maximum = upstream's tie
-   rule), the same fill, spawn and next plan on every rank, with no further message;
-3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position, table
-   row 0 of every later round) stays on the rank that computed it (the winner's owner; round 1's all-ones row
-   is everyone's, rank 0 sends it). That rank sends the row's statistics in its header every round, drawn at
-   T > 0 with the CURRENT round's key (as the single process does): 12 bytes, never the vocabulary row;
-4. the winner's to-cache span K/V, only when u > 0. Full attention: it is branch-specific, and its owner
-   broadcasts it in ONE collective: [2, layers, u, Hkv, D] (K and V of every layer packed). Block-causal:
-   the span sees only the prefix and itself, so every rank that ran any slot holds the same K/V and
-   nothing moves; a rank with no alive slot (round 1 has one slot; late rounds may have fewer slots than
-   ranks) recomputes the anchor's window (it would be idle anyway) instead of receiving 2 * layers * u *
-   Hkv * D elements;
-5. the round's one host read (`head`) carries the winner and the gathered error flag too, so a round
-   still reads the device once. The span commit is deferred to after that read (the plan of the next round
-   does not read the cache).
+GPUs: one rank per device, the model on cuda:LOCAL_RANK) decodes ONE request with every rank of the group: the
+round's branch slots split over the ranks, the token statistics of the needed LM-head rows exchanged
+(lopa_fast.distributed_round: the round, its messages and its driver). This module is the runtime around it: the
+process group (`check_group`, `init_from_env`), the counted collectives (`Comm`), the request fingerprint every
+rank must share (`weights_fingerprint`) and the driver factory (`driver`: the d2f / lopa spec's driver under
+distributed=True, stepped by the one loop, lopa_fast.decode.batch).
 
 Faults: a rank whose share raises (forward, statistics) still joins the all_gather with its error flag set;
 every rank then raises DistributedError naming the failing rank and its message (one all_gather_object, on
@@ -40,26 +14,8 @@ the error path only). A rank that dies makes its peers' next collective fail or 
 group's timeout bounds the wait (`init_from_env` uses LOPA_FAST_DIST_TIMEOUT_S, default 60 s; a group
 created by the caller keeps the caller's timeout) and the failure is re-raised as DistributedError.
 
-Temperature > 0 (sampler="keyed"): the keyed sampler's noise is a pure function of (seed, round, position)
-with no slot field, so the rank that owns a row draws exactly what the single process draws for it; the
-seed is rank 0's (seed=None draws one per process; it rides on the request-fingerprint all_gather).
-sampler="upstream" (one generator in upstream's draw order) is refused.
-
-compile=True: the collectives and the K/V broadcast (its source rank is the winner's owner, a host value)
-cannot sit inside one graph, and a rank's failure must reach the all_gather as a flag, so each decode round
-is two graphs per bucket, compiled with `CompiledRounds.call` (torch.compile fullgraph, static shapes; the
-same machinery and cache as the single-process compiled round): `compiled_share` (window inputs, this
-rank's share padded to ceil(NB / world) slots, its forward, statistics and message) and `after_exchange`
-(selection, fill, spawn, the next plan); the all_gather, the host read and the span commit run between and
-after them. Round 1 (the prefill) is eager, as on one process. On CUDA this is Inductor too, not a captured
-CUDA graph (a capture owns the whole round state as one static workspace); not run on a GPU here.
-
 Every rank returns the same GenerateOutput (same ids, forwards and counters; its `seconds` are its own);
 stats["distributed"] holds the world size, this rank, the backend and the bytes moved.
-
-NCCL: written (device = cuda:local_rank, the same collectives on device tensors; one host read per round as
-on one GPU) but not run here: the machines at hand have at most one GPU and NCCL refuses two ranks on one
-device. The tests run gloo on CPU.
 """
 from __future__ import annotations
 
@@ -70,19 +26,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lopa_fast.decode import round as rnd
-from lopa_fast.decode import round_stats
-from lopa_fast.decode.engine import FastDecoder
+from lopa_fast.distributed_round import DistributedDecoder, slot_owner, slot_share  # noqa: F401  (re-exported)
 from lopa_fast.errors import DistributedError, KnobError
 
 # the collective timeout of a group started by init_from_env: a dead peer is reported after at most this long
 # (a peer that raises is reported at once, through the error flag of the round's all_gather)
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "LOPA_FAST_DIST_TIMEOUT_S"
-# int32 words before the statistics: error flag, needed rows, first non-finite flat row (or -1), holds the
-# last_logit row, that row's (conf, p, x0) under Dream's shift (zeros without)
-HEADER = 7
-
 
 def check_group() -> None:
     """Refuse (KnobError on knob "distributed") a distributed request without an initialised process group (the
@@ -128,20 +78,6 @@ def init_from_env(device: str | None = None) -> str:
                                    f"{' '.join(str(e).split())[:300]}") from e  # fmt: skip
     return device
 
-
-def slot_share(n: int, world: int, rank: int) -> tuple[int, int]:
-    """[lo, hi): rank's contiguous share of n slots, the first n % world ranks taking one more (empty when
-    rank >= n)."""
-    q, r = divmod(n, world)
-    lo = rank * q + min(rank, r)
-    return lo, lo + q + (rank < r)
-
-
-def slot_owner(slot: int, n: int, world: int) -> int:
-    """The rank whose share of n slots holds `slot`."""
-    return next(r for r in range(world) if slot_share(n, world, r)[0] <= slot < slot_share(n, world, r)[1])
-
-
 class Comm:
     """The collectives of one request on `group`, each counted. Bytes are logical payload traffic: an
     all_gather of c bytes per rank delivers world * (world - 1) * c bytes, a broadcast of b bytes
@@ -181,293 +117,6 @@ class Comm:
         out = [None] * self.world
         self._run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group), round_)
         self.calls["all_gather_object"] += 1
-        return out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """fp32 values as their int32 bit patterns (exact round trip through an int32 message)."""
-    return t.float().contiguous().view(torch.int32)
-
-
-# ----------------------------------------------------------------- the round's stages around the exchange
-# Pure functions of device tensors (no host read; static shapes for fixed arguments): eager rounds call them
-# directly, compile=True compiles `compiled_share` and `after_exchange` once per bucket (CompiledRounds.call).
-def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, prefix_len):
-    """The forward of window slots `slots` [m] on their needed rows (valid [m]: the slots that are this rank's
-    own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V], k_win,
-    v_win [layers, m, Nb, Hkv, D], flat [n_rows]: the rows' flat window rows slot * Nb + column, the real ones
-    first in ascending order, n_real: 0-d, how many are real)."""
-    Nb = w["cols"].shape[0]
-    need = w["need"].index_select(0, slots) & valid[:, None]  # [m, Nb]
-    rows = torch.sort((~need.reshape(-1)).to(torch.uint8), stable=True).indices[:n_rows]
-    bids = None if w["block_ids"] is None else w["block_ids"].index_select(0, slots)
-    logits, k_win, v_win = model.forward_static(
-        w["tokens"].index_select(0, slots), st["start"], st["cache_k"], st["cache_v"], prefix_len,
-        w["win_lens"].index_select(0, slots), bids, geo.mode, rows, attn_backend=geo.attn_backend,
-    )  # fmt: skip
-    flat = slots.index_select(0, rows // Nb) * Nb + rows % Nb
-    return logits, k_win, v_win, flat, need.sum()
-
-
-def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits, flat, n_real):
-    """This rank's int32 message [HEADER + 3 * Rmax]: error flag 0, n_real (its needed rows), the first non-finite
-    flat row of them (or -1), `holder` (bool or 0-d: it holds the last_logit row), the (conf, p, x0) of its
-    last_logit row under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window
-    rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 =
-    last_logit under the shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no
-    slot field), so a rank draws for any slot's row what the single process draws."""
-    dev = st["x"].device
-    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
-    n = logits.shape[0]
-    msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
-    msg[0] = 0
-    msg[1] = n_real
-    t = round_stats.temperature(T, cfg)
-    msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
-    msg[3] = holder
-    if table.shape[0] == 0:
-        return msg
-    # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
-    keys = round_stats.row_keys(st, T, flat if n else flat.new_zeros(1), st["start"], Nb, geo.shift, cfg)
-    keys = None if keys is None else keys[: table.shape[0]]
-    conf, x0, p = round_stats.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
-    k = int(geo.shift)
-    if geo.shift:
-        msg[4], msg[5], msg[6] = _bits(conf[:1])[0], _bits(p[:1])[0], x0[0].to(torch.int32)
-    msg[HEADER : HEADER + n] = _bits(conf[k:])
-    msg[HEADER + Rmax : HEADER + Rmax + n] = _bits(p[k:])
-    msg[HEADER + 2 * Rmax : HEADER + 2 * Rmax + n] = x0[k:].to(torch.int32)
-    return msg
-
-
-def gathered_stats(parts: torch.Tensor, geo, Nb: int, Rmax: int):
-    """parts [world, HEADER + 3 * Rmax] -> (conf, x0, p): the single-process statistics table (the last_logit row
-    of the holding rank first under the shift, then the needed rows in ascending flat order), the first
-    non-finite flat row (or -1), the error flag (0-d); no host read."""
-    world, dev = parts.shape[0], parts.device
-    NB = geo.NB
-    cnt = parts[:, 1].long()
-    nf = parts[:, 2].long()
-    nf = torch.where(nf >= 0, nf, NB * Nb).min()
-    nonfinite = torch.where(nf == NB * Nb, -1, nf)
-    real = (torch.arange(Rmax, device=dev)[None, :] < cnt[:, None]).reshape(-1)
-    order = torch.sort((~real).to(torch.uint8), stable=True).indices  # real rows first, rank order kept
-    body = parts[:, HEADER:].reshape(world, 3, Rmax).transpose(0, 1).reshape(3, -1)
-    conf = body[0].index_select(0, order).contiguous().view(torch.float32)
-    p = body[1].index_select(0, order).contiguous().view(torch.float32)
-    x0 = body[2].index_select(0, order).long()
-    if geo.shift:  # the holder's last_logit statistics: table row 0
-        h = parts[:, 3].argmax().reshape(1)
-        head = parts.index_select(0, h)[0]
-        conf = torch.cat([head[4:5].contiguous().view(torch.float32), conf])
-        p = torch.cat([head[5:6].contiguous().view(torch.float32), p])
-        x0 = torch.cat([head[6:7].long(), x0])
-    return conf, x0, p, nonfinite, parts[:, 0].max()
-
-
-def after_exchange(st: dict, T: dict, geo, w: dict, parts: torch.Tensor, Nb: int, Rmax: int, rank: torch.Tensor):
-    """The round after the all_gather, the same on every rank: selection, fill, spawn, block transitions and
-    the next plan (rnd.select_winner, rnd.apply_winner on the gathered table). Returns (st, info, vals [12]
-    long): the next head [9], the winner, the error flag, and the row of this rank's logits holding the
-    winner's raw row u - 1 (Dream's shift: the next last_logit; meaningful on the winner's owner only).
-    rank: 0-d long (a tensor, so every rank compiles the same graph)."""
-    conf, x0, p, nonfinite, failed = gathered_stats(parts, geo, Nb, Rmax)
-    st["nonfinite"] = nonfinite
-    sel = rnd.select_winner(st, T, geo, w, conf)
-    info = rnd.apply_winner(st, T, geo, w, sel, round_stats.TokenStats(conf, x0, p))
-    if geo.shift:  # table row last_row = needed raw row last_row - 1; this rank's rows follow the lower ranks'
-        lower = torch.arange(parts.shape[0], device=parts.device) < rank
-        loc = sel["last_row"] - 1 - torch.where(lower, parts[:, 1].long(), 0).sum()
-    else:
-        loc = torch.zeros((), dtype=torch.long, device=conf.device)
-    vals = torch.cat([st["head"], sel["winner"].reshape(1), failed.reshape(1).long(), loc.reshape(1)])
-    return st, info, vals
-
-
-def compiled_share(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, world: int, rank, holder):
-    """The rank-local part of a compiled round: window_inputs, the round counter, this rank's share of the
-    alive slots (slot_share on the device: nA is a device value here) padded to the static
-    cap = ceil(NB / world) slots, its forward (prefix attention over the static cache, as a compiled
-    single-process round) and its message. A rank without a slot runs the anchor's window (its K/V is the
-    span's under the block-causal mask; under full attention it is ignored) and sends no row. rank and holder:
-    0-d tensors (every rank compiles the same graph: one Inductor cache entry). Returns (st, (w, msg, logits,
-    k_win, v_win))."""
-    dev = st["x"].device
-    w = rnd.window_inputs(st, T, geo, Nb, Rb)
-    st["round"] = st["round"] + 1  # as finish_round: the keyed sampler's step
-    cap = -(-geo.NB // world)
-    n_rows = min(cap * Nb, Rb)
-    nA = st["alive"].sum()
-    q, r = nA // world, nA % world
-    lo = rank * q + torch.minimum(r, rank)
-    hi = lo + q + (r > rank).long()
-    j = lo + torch.arange(cap, device=dev)
-    slots = torch.where(hi > lo, j.clamp(max=hi - 1), nA - 1)
-    valid = j < hi
-    logits, k_win, v_win, flat, n_real = share_forward(model, st, geo, w, slots, valid, n_rows, st["cache_len"])
-    msg = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real)
-    return st, (w, msg, logits, k_win, v_win)
-
-
-class DistributedDecoder(FastDecoder):
-    """FastDecoder whose rounds run a share of the slots on each rank of `comm` (module docstring)."""
-
-    def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm: Comm, branch_stats: bool = False):
-        super().__init__(model, prompt, cfg, branching_factor, name, branch_stats=branch_stats)
-        self.comm = comm
-        self.holder = 0  # the rank holding the last_logit row (Dream's shift); round 1's is everyone's
-        self._holder_flag = [torch.tensor(v, dtype=torch.int32, device=self.dev) for v in (0, 1)]
-        self._rank_t = torch.tensor(comm.rank, dtype=torch.long, device=self.dev)
-        self._pending = None
-        self._head = None
-        self.kv_rounds = 0  # rounds whose span K/V was broadcast
-        self.max_share = 0  # the most slots this rank ran in one round (its window K/V)
-        self._hook_error: BaseException | None = None  # the progress hook's exception, held until the next gather
-
-    def _read_head(self) -> rnd.Head:
-        if self._pending is None:
-            head = super()._read_head()
-        else:  # read with the winner and the error flag at the end of _step: still one read per round
-            head, self._pending = self._pending, None
-            self.host_reads += 1
-        self._head = head
-        return head
-
-    def _share_eager(self, w: dict, nA: int, u: int, Nb: int, Rb: int, s: int, Rmax: int):
-        """This rank's forward and message on an eager round: (msg, logits, (k_win, v_win, first slot) or None).
-        Exactly its slots (no padding); a rank without a slot runs the anchor's window when a span is cached
-        under the block-causal mask (the span's K/V is the same in every slot) and no forward otherwise."""
-        st, geo, comm, dev = self.st, self.geo, self.comm, self.dev
-        lo, hi = slot_share(nA, comm.world, comm.rank)
-        holder = comm.rank == self.holder
-        own = hi > lo
-        if not own and not (geo.mode == "block_causal" and u > 0):
-            none = st["last_logit"].new_zeros((0, st["last_logit"].shape[0]))
-            flat = torch.zeros(0, dtype=torch.long, device=dev)
-            return rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, none, flat, 0), None, None
-        f_lo, f_hi = (lo, hi) if own else (nA - 1, nA)
-        self.max_share = max(self.max_share, f_hi - f_lo)
-        slots = torch.arange(f_lo, f_hi, device=dev)
-        valid = torch.full((f_hi - f_lo,), own, device=dev)
-        n_rows = min((f_hi - f_lo) * Nb, Rb) if own else 1
-        logits, k_win, v_win, flat, n_real = share_forward(self.model, st, geo, w, slots, valid, n_rows, s)
-        if not own:  # the anchor's window ran for its span K/V only: no row of it is sent
-            logits, flat, n_real = logits[:0], flat[:0], 0
-        msg = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real)
-        return msg, logits, (k_win, v_win, f_lo)
-
-    def _share_compiled(self, nA: int, Nb: int, Rb: int):
-        """This rank's part of a compiled round (compiled_share, one graph per bucket): (w, msg, logits, (k_win,
-        v_win, first slot))."""
-        comm, geo, cfg, model = self.comm, self.geo, self.cfg, self.model
-        key = ("dist-share", comm.world, *self.compiled.key(geo, cfg, Nb, Rb))
-        make = lambda: lambda st, T, rank, holder: compiled_share(model, st, T, geo, cfg, Nb, Rb, comm.world, rank,
-                                                                 holder)  # noqa: E731 fmt: skip
-        holder = self._holder_flag[int(comm.rank == self.holder)]
-        self.st, (w, msg, logits, k_win, v_win) = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:share", make, self.st,
-                                                                     self.tables, self._rank_t, holder)  # fmt: skip
-        self.max_share = -(-geo.NB // comm.world)
-        return w, msg, logits, (k_win, v_win, slot_share(nA, comm.world, comm.rank)[0])
-
-    def _step(self, Nb: int, Rb: int, s: int) -> None:
-        T, geo, comm = self.tables, self.geo, self.comm
-        rnd_no = self._rounds + 1
-        nA, u = self._head.alive, self._head.commit_len
-        self.max_Nb = max(self.max_Nb, Nb)
-        compiled = self.compiled is not None and self._rounds > 0  # round 1 (the prefill) eager, as on one process
-        # message rows per rank: a compiled share is padded to the static ceil(NB / world) slots
-        Rmax = min(-(-(geo.NB if compiled else nA) // comm.world) * Nb, Rb)
-        err, kv, logits, w = None, None, None, None
-        try:
-            if self._hook_error is not None:  # this rank's progress hook raised after the last round: the peers
-                raise self._hook_error  # learn it from this round's gather, as from any error of the round
-            if compiled:
-                w, msg, logits, kv = self._share_compiled(nA, Nb, Rb)
-            else:
-                w = rnd.window_inputs(self.st, T, geo, Nb, Rb)
-                self.st["round"] = self.st["round"] + 1  # as finish_round (the keyed sampler's step)
-                msg, logits, kv = self._share_eager(w, nA, u, Nb, Rb, s, Rmax)
-        except BaseException as e:  # noqa: BLE001 - joins the gather with its flag set, so every rank stops now
-            err = e  # (no peer waits; a KeyboardInterrupt too: re-raised on this rank once the peers know)
-            msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=self.dev)
-            msg[0], msg[2] = 1, -1
-        parts = comm.all_gather(msg, "stats", rnd_no)
-        if err is not None:  # the peers learn it from the gathered flag (after their round's one host read)
-            self._raise_peer_error(err, rnd_no)
-        if compiled:
-            key = ("dist-after", comm.world, Rmax, *self.compiled.key(geo, self.cfg, Nb, Rb))
-            make = lambda: lambda st, T, w, parts, rank: after_exchange(  # noqa: E731
-                st, T, geo, w, parts, Nb, Rmax, rank)  # fmt: skip
-            self.st, self.info, vals = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:after", make, self.st, T, w, parts,
-                                                          self._rank_t)  # fmt: skip
-        else:
-            self.st, self.info, vals = after_exchange(self.st, T, geo, w, parts, Nb, Rmax, self._rank_t)
-        vals = vals.tolist()  # the round's one host read: the next head, the winner, the error flag, a row index
-        self._pending = rnd.Head(*vals[:9])
-        if vals[10]:
-            self._raise_peer_error(err, rnd_no)
-        if u > 0:
-            W = vals[9]
-            self._commit(W, nA, u, kv, rnd_no)
-            if geo.shift:  # the winner's raw row u - 1 is the next last_logit: its owner keeps it (a copy: the
-                # compiled share's outputs are rewritten by its next call)
-                owner = slot_owner(W, nA, comm.world)
-                if comm.rank == owner:
-                    self.st["last_logit"] = logits[vals[11]].clone()
-                else:  # the dtype the owner's row has (a compiled share sees one input dtype on every rank)
-                    self.st["last_logit"] = self.st["last_logit"].to(logits.dtype if logits is not None else
-                                                                      self.st["last_logit"].dtype)  # fmt: skip
-                self.holder = owner
-
-    def _commit(self, W: int, nA: int, u: int, kv, rnd_no: int) -> None:
-        """The winner's span K/V into every rank's cache: broadcast from its owner (full attention, ONE
-        collective, all layers packed), or this rank's own copy (block-causal: identical in every slot)."""
-        st, comm = self.st, self.comm
-        if self.geo.mode == "block_causal":
-            k_win, v_win, _ = kv
-            rnd.commit_span(st, u, k_win[:, 0, :u], v_win[:, 0, :u])
-            return
-        src = slot_owner(W, nA, comm.world)
-        ck = st["cache_k"]
-        if comm.rank == src:
-            k_win, v_win, f_lo = kv
-            buf = torch.stack([k_win[:, W - f_lo, :u], v_win[:, W - f_lo, :u]]).contiguous()
-        else:
-            buf = torch.empty((2, ck.shape[0], u, *ck.shape[2:]), dtype=ck.dtype, device=ck.device)
-        comm.broadcast(buf, src, "kv", rnd_no)
-        self.kv_rounds += 1
-        rnd.commit_span(st, u, buf[0], buf[1])
-
-    def after_round(self) -> None:
-        """The round's counters and the progress hook; an exception of the hook (a cancelled request, a
-        KeyboardInterrupt) is held until the next round's gather, so every rank leaves in the same round (a rank
-        that left alone would meet its peers' round messages with its next request's: a size mismatch, SIGABRT)."""
-        try:
-            super().after_round()
-        except BaseException as e:  # noqa: BLE001 - re-raised after the peers were told (_step / run)
-            self._hook_error = e
-
-    def _raise_peer_error(self, err: BaseException | None, rnd_no: int) -> None:
-        msgs = self.comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}", rnd_no)
-        bad = next(r for r, m in enumerate(msgs) if m is not None)
-        if err is not None and (not isinstance(err, Exception) or err is self._hook_error):
-            raise err  # this rank's own KeyboardInterrupt / hook error: the caller sees its own exception
-        raise DistributedError(f"distributed decoding: rank {bad} of {self.comm.world} failed in round {rnd_no}: "
-                               f"{msgs[bad]}", rank=bad, round=rnd_no) from err  # fmt: skip
-
-    def run(self, on_round=None):
-        out = super().run(on_round)
-        if self._hook_error is not None:  # the hook raised after the last round: no peer waits for this rank
-            raise self._hook_error
-        c = self.comm
-        rounds = max(1, out.stats["forwards"])
-        total = sum(c.bytes.values())
-        kv = self.st["cache_k"]  # this rank's window K/V: its share of the slots, not all NB
-        out.stats["kv_window_bytes"] = kv[:, :1].numel() * kv.element_size() * 2 * self.max_share * self.max_Nb
-        out.stats["distributed"] = {
-            "world_size": c.world, "rank": c.rank, "backend": c.backend, "collectives": dict(c.calls),
-            "bytes": dict(c.bytes), "bytes_per_round": total / rounds, "kv_broadcast_rounds": self.kv_rounds,
-        }  # fmt: skip
         return out
 
 
@@ -522,9 +171,10 @@ def _fingerprint(model, prompt: torch.Tensor, cfg) -> int:
     return zlib.crc32(repr((cfg, prompt.tolist(), geo)).encode(), weights_fingerprint(model))
 
 
-def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_round=None, branch_stats: bool = False):
-    """One request on every rank of the default group (cfg bound and validated; lopa_fast.api checked it).
-    Refuses, on every rank, a request that differs between ranks (config, prompt or model geometry)."""
+def driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
+    """The distributed request's driver (cfg bound and validated; lopa_fast.api checked it): a DistributedDecoder
+    over the default group, stepped by the one loop like any driver (cache: its KV pool slot views). Refuses, on
+    every rank, a request that differs between ranks (config, prompt or model geometry, dtype or weights)."""
     check_group()
     comm = Comm()
     dev = prompt.device
@@ -532,7 +182,7 @@ def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_rou
     if dev.type != want:
         raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
                         knob="distributed", value=True)  # fmt: skip
-    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats)
+    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats, cache=cache)
     # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
     fp = torch.tensor([_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
     seen = comm.all_gather(fp, "setup", 0)
@@ -542,4 +192,4 @@ def run_distributed(model, prompt, cfg, branching_factor: int, name: str, on_rou
                                f"model geometry, dtype or weights: fingerprints {prints}); every rank must call "
                                "generate with the same arguments and the same model")  # fmt: skip
     dec.tables["seed"] = seen[0, 1].clone()
-    return dec.run(on_round)
+    return dec

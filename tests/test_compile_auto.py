@@ -56,7 +56,6 @@ def test_compiled_buckets_are_bounded():
     assert lru.get("a") == 1  # "a" is now the most recent
     lru["c"] = 3
     assert list(lru) == ["a", "c"] and lru.evicted == 1 and lru.get("b") is None
-    model = random_model(tiny_hf_config("dream"), seed=1, sharpen=6)
     cr = CompiledRounds(cap=2)  # a fresh one (not the model's shared one), so this test stands alone
     made = []
 
@@ -72,7 +71,7 @@ def test_compiled_buckets_are_bounded():
 
     with mock.patch.object(torch, "compile", lambda fn, **kw: fn):
         for temp in (0.1, 0.2, 0.3, 0.1):
-            cr.run(("steps", temp), (temp,), f"t{temp}", lambda t=temp: make(t), model, st, {}, None)
+            cr.call(("steps", temp), (temp,), f"t{temp}", lambda t=temp: make(t), st, {})
     assert made == [0.1, 0.2, 0.3, 0.1] and len(cr.fns) == 2 and cr.fns.evicted == 2
 
 
@@ -82,7 +81,6 @@ def test_request_stats_are_per_thread():
     import threading
     import unittest.mock as mock
 
-    model = random_model(tiny_hf_config("dream"), seed=1, sharpen=6)
     cr = CompiledRounds(cap=8)
     st = {"x": torch.zeros(3, dtype=torch.long)}
     barrier, seen = threading.Barrier(2, timeout=30), {}
@@ -92,7 +90,7 @@ def test_request_stats_are_per_thread():
         cr._local.graphs, cr._local.buckets, cr._local.seconds = 0, set(), {}
         barrier.wait()
         for b in buckets:
-            cr.run(("t", b), (b,), f"b{b}", lambda: (lambda s, T: (s, {})), model, st, {}, None)
+            cr.call(("t", b), (b,), f"b{b}", lambda: (lambda s, T: (s, {})), st, {})
         seen[tag] = cr.stats()
 
     with mock.patch.object(torch, "compile", lambda fn, **kw: fn), mock.patch.object(compiled, "_dynamo_graphs",

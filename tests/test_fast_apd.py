@@ -20,6 +20,7 @@ import torch
 
 import lopa_fast
 from lopa_fast.decode import apd as fast_apd
+from lopa_fast.decode import apd_step
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
@@ -179,7 +180,7 @@ def test_device_stop_check_equals_first_stop():
                                    stop_lens=tuple(len(q) for q in stops), attn_backend="torch")  # fmt: skip
         T = {"P": torch.tensor(P), "stops": stop_table(stops, "cpu", min_rows=1)}
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
-        assert bool(fast_apd._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
+        assert bool(apd_step._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
 
 
 def test_nonfinite_logits_are_refused(models):
@@ -263,8 +264,8 @@ def test_compiled_step_is_exact_and_compiles_once(compiled_apd_runs):
         assert comp.stats["host_reads_per_round"] == 1.0
     first, second = compiled_apd_runs[0][1].stats, compiled_apd_runs[1][1].stats
     # the steps after the prefill ran compiled, all in one bucket
-    assert first["forwards"] >= 3 and first["compiled_buckets"] == [(16, 16)], first
-    assert first["compiled_graphs"] == 1 and list(first["compile_seconds"]) == ["16x16"]
+    assert first["forwards"] >= 3 and first["compiled_buckets"] == [(16, 16, "x1")], first  # batch bucket 1
+    assert first["compiled_graphs"] == 1 and list(first["compile_seconds"]) == ["apd_16x16_x1"]
     assert second["compiled_graphs"] == 0 and second["compile_seconds"] == {}  # a replay: nothing recompiled
 
 
@@ -292,13 +293,18 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
         assert stats[0]["compiled_graphs"] >= 1 and len(stats[0]["compiled_buckets"]) >= 1
         assert sum(s["compiled_graphs"] for s in stats[1:]) < sum(len(s["compiled_buckets"]) for s in stats[1:])
         # R is a runtime input (the tables), not a constant: one workspace serves both values
-        assert len([g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]) == 1
+        assert len([k for k in cr.workspaces if is_apd_workspace(k)]) == 1
     finally:
         cr.emulate_graphs = False  # the per-model compiled steps are shared with later tests
-        for key in [k for k in cr.fns if k[0] == "apd"]:
+        for key in [k for k in cr.fns if k[0] == "batch" and k[2][0] == "apd"]:
             del cr.fns[key]
-        for geo in [g for g in cr.workspaces if isinstance(g, fast_apd.ApdGeometry)]:
-            del cr.workspaces[geo]
+        for key in [k for k in cr.workspaces if is_apd_workspace(k)]:
+            del cr.workspaces[key]
+
+
+def is_apd_workspace(key) -> bool:
+    """A compiled batch's workspace of APD steps: ("batch", ("apd", id(verifier), ApdGeometry))."""
+    return key[0] == "batch" and isinstance(key[1][-1], fast_apd.ApdGeometry)
 
 
 @pytest.mark.slow

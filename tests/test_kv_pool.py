@@ -256,9 +256,10 @@ def test_pooled_batch_on_the_device():
 
 
 def test_pooled_apd_batch_tokens_equal_solo_triton(monkeypatch):
-    """APD on the Triton backend (interpreter, one-layer drafter and verifier): every step's drafter forward is ONE
-    pooled call over the KV pool, the verifier's forward one call over the requests' own caches (no pool); tokens,
-    forwards and acceptance counts equal the solo runs'."""
+    """APD on the Triton backend (interpreter, one-layer drafter and verifier): every step's drafter forward of two
+    or more requests is ONE pooled call over the KV pool (a step with one live request left attends over its own
+    slot views, as a solo request does), the verifier's forward one call over the requests' own caches (no pool);
+    tokens, forwards and acceptance counts equal the solo runs'."""
     monkeypatch.setenv("LOPA_FAST_BACKEND", "triton")
     d = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2, num_layers=1), seed=2, sharpen=6)
     q = random_model(tiny_hf_config("qwen2", vocab_size=64, num_kv_heads=2, num_layers=1), seed=3, sharpen=6)
@@ -270,8 +271,10 @@ def test_pooled_apd_batch_tokens_equal_solo_triton(monkeypatch):
     for m, name in ((d, "drafter"), (q, "verifier")):
         real = m.forward_requests
         monkeypatch.setattr(m, "forward_requests", lambda parts, mode, b=None, pool=None, real=real, name=name: (
-            seen.append((name, b, pool is not None)) or real(parts, mode, b, pool=pool)))
+            seen.append((name, b, pool is not None, len(parts) > 1)) or real(parts, mode, b, pool=pool)))
     outs = lopa_fast.generate(d, ps, **kw)
-    assert set(seen) == {("drafter", "triton", True), ("verifier", "triton", False)}
+    assert {("drafter", "triton", True, True), ("verifier", "triton", False, True)} <= set(seen)
+    assert all(pooled == (n == "drafter" and many) for n, _, pooled, many in seen)
+    assert {b for _, b, _, _ in seen} == {"triton"}
     for o, s in zip(outs, solo):
         same(o, s, ("forwards", "dllm_forwards", "verifier_forwards", "acceptance_counts"))

@@ -64,10 +64,14 @@ resource.setrlimit(resource.RLIMIT_AS, (vms + (1 << 30), resource.RLIM_INFINITY)
 room = address_space_room()
 default_budget = Limits().bind(model).memory_budget
 # a batched forward's activations as they are on a big model: 60% of the room each (virtual only, never touched),
-# held in the forward's frame; a forward of several requests needs a second such block and fails in the allocator
+# held in the forward's frame; a forward of several requests needs a second such block and fails in the allocator.
+# Only the batch engine's forwards (its thread): the worker's one-token self-check decodes outside the engine (a
+# solo request, also a forward_requests call since the one loop) and stays as small as the embedded model's
 real = model.forward_requests
 big = int(room * 0.6) // 4
 def forward_requests(parts, *a, **k):
+    if threading.current_thread().name != "lopa_fast.batch_engine":
+        return real(parts, *a, **k)
     activations = torch.empty(big)
     if len(parts) > 1:
         more = torch.empty(big)

@@ -13,7 +13,8 @@ import torch
 import lopa_fast
 from lopa_fast import strategies
 from lopa_fast.errors import KnobError
-from lopa_fast.decode.compiled import CompiledRounds, compile_wanted, unique_code
+from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
+from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests.utils import emulated_capture
@@ -57,9 +58,10 @@ def ltr_fast(model, prompt, cfg, on_round=None):
 
 
 class LtrDriver:
-    """The test strategy's fast path on the package's engine, from this file alone: the batch driver protocol
-    (lopa_fast.decode.batch drives many of them in one forward per step; `run` drives one) and, with compile, its
-    step through the compile layer (CompiledRounds.run: compiled or captured per key, knowing no strategy)."""
+    """The test strategy's fast path on the package's engine, from this file alone: a driver of the one loop
+    (lopa_fast.decode.driver: lopa_fast.decode.batch steps one request or many, sharing one forward per step) and,
+    with compile, its step as a batched step of the compile layer (`batch_step`: a compiled_batch.BatchStep,
+    compiled or captured per key by CompiledRounds, which knows no strategy)."""
 
     mode = "full"
 
@@ -75,6 +77,9 @@ class LtrDriver:
         self.cache = cache or tuple(torch.zeros(c.num_layers, 1, c.num_kv_heads, c.head_dim) for _ in range(2))
         self.stats = {"forwards": 0, "model_calls": 0}
         self.done = False
+        self.compiled = CompiledRounds.for_model(model, cfg) if compile_wanted(cfg, "cpu") else None
+        self.view = self.compiled.view() if self.compiled is not None else None
+        self.st = {"x": self.x, "i": torch.tensor(self.i)}  # the compiled step's state (its own tensors)
 
     def use_cache(self, k, v):
         self.cache = (k, v)
@@ -94,8 +99,32 @@ class LtrDriver:
 
     def finish(self, w, logits, k_win=None, v_win=None):
         self.x[w["i"]] = logits[0].float().argmax()
+        self._count()
+
+    def _count(self):
         self.stats["forwards"] += 1
         self.stats["model_calls"] += 1
+
+    def batch_step(self, i):
+        """compile=True: the step over a state of tensors (x, i), keyed by the length."""
+        if self.compiled is None:
+            return None
+        fa = self.forward_args({"tokens": self.x[None], "rows": torch.tensor([0])})
+        shift = self.shift
+
+        def pre(st, T):
+            return dict(fa, tokens=st["x"][None], rows=(st["i"] - shift).reshape(1)), None
+
+        def post(st, T, ctx, logits, k_win, v_win):
+            x = st["x"].index_put((st["i"].reshape(1),), logits[0].float().argmax().reshape(1))
+            return {"x": x, "i": st["i"] + 1}, {"tok": x[st["i"]]}
+
+        return BatchStep(self.compiled, ("ltr", self.L), (self.L,), f"ltr_{self.L}", ("ltr", self.L), pre, post,
+                         self.mode, self.attn_backend, self.st, {"L": torch.tensor(self.L)}, self.view)
+
+    def take(self, st, info):
+        self.x = st["x"]
+        self._count()
 
     def read_head(self):
         self.last = int(self.x[self.i])  # the step's one host read
@@ -108,57 +137,19 @@ class LtrDriver:
             self.x[self.i :] = self.cfg.eos_token_id
             self.done = True
 
-    def _compiled_step(self, compiled):
-        """One step through the compile layer: the step function over a state of tensors, keyed by the length."""
-        model, fa = self.model, self.forward_args({"tokens": self.x[None], "rows": torch.tensor([0])})
-
-        def make():
-            def step(st, T):
-                rows = (st["i"] - self.shift).reshape(1)
-                logits = model.forward_requests([dict(fa, tokens=st["x"][None], rows=rows)], "full",
-                                                self.attn_backend)[0][0]
-                x = st["x"].index_put((st["i"].reshape(1),), logits[0].float().argmax().reshape(1))
-                return {"x": x, "i": st["i"] + 1}, {"tok": x[st["i"]]}
-
-            return unique_code(step, "ltr_step")
-
-        st = {"x": self.x, "i": torch.tensor(self.i)}
-        st, _ = compiled.run(("ltr", self.L), (self.L,), f"ltr_{self.L}", make, model, st, {}, ("ltr", self.L))
-        self.x = st["x"].clone()
-        self.stats["forwards"] += 1
-        self.stats["model_calls"] += 1
-
-    def run(self, on_round=None):
-        self.begin(on_round)
-        compiled = CompiledRounds.for_model(self.model, self.cfg) if compile_wanted(self.cfg, "cpu") else None
-        while (b := self.next_bucket()) is not None:
-            if compiled is not None:
-                self._compiled_step(compiled)
-            else:
-                w = self.prepare(*b)
-                part = self.forward_args(w)
-                self.finish(w, self.model.forward_requests([part], self.mode, self.attn_backend)[0][0])
-            self.read_head()
-            self.after_round()
-        return self.result(compiled)
-
-    def result(self, compiled=None):
+    def result(self):
         ids = self.x[self.P :].tolist()
-        if compiled is not None:
-            self.stats.update(compiled.stats())
+        if self.compiled is not None:
+            self.stats.update(self.compiled.stats(self.view))
         finalize_stats(self.stats, ids, self.cfg.eos_token_id, self.cfg.mask_token_id, time.perf_counter() - self.t0,
                        steps_plus_one=False)
         return GenerateOutput(ids, self.stats)
 
 
-def ltr_driver_fast(model, prompt, cfg, on_round=None):
-    return LtrDriver(model, prompt, cfg).run(on_round)
-
-
 LTR = strategies.Strategy(name="ltr", summary="left to right, one token per forward (a test strategy)",
                           reference=ltr_reference, fast=ltr_fast)
-# the same strategy on the engine: batch driver, compile layer (registered by the tests that use it)
-LTR_ENGINE = dataclasses.replace(LTR, fast=ltr_driver_fast, driver=LtrDriver, compile=True)
+# the same strategy on the engine: a driver of the one loop, the compile layer (registered by the tests that use it)
+LTR_ENGINE = dataclasses.replace(LTR, fast=strategies.SOLO, driver=LtrDriver, compile=True, compile_batches=True)
 
 
 @pytest.fixture
@@ -192,9 +183,10 @@ def test_registered_strategy_runs_on_both_backends_and_in_a_batch(ltr, model):
 
 
 def test_registered_strategy_batches_and_compiles_on_the_engine(model, monkeypatch):
-    """The test strategy with a batch driver and a compiled step (all in this file): a list of prompts shares one
-    forward per step (equal to solo runs and the reference), and compile=True runs its step through the compile
-    layer (the CUDA-graph path, emulated on the CPU as tests/test_compiled_round.py does) with the same tokens."""
+    """The test strategy with a driver and a compiled step (all in this file): a list of prompts shares one forward
+    per step (equal to solo runs and the reference), and compile=True runs its step through the compile layer (the
+    CUDA-graph path, emulated on the CPU as tests/test_compiled_round.py does) with the same tokens, solo and
+    batched."""
     strategies.register(LTR_ENGINE)
     try:
         ps = [[5, 9, 2, 7], [3, 4], [8, 1, 6]]
@@ -210,9 +202,14 @@ def test_registered_strategy_batches_and_compiles_on_the_engine(model, monkeypat
         again = lopa_fast.generate(model, ps[0], "ltr", "fast", max_new_tokens=6, compile=True)
         assert first.generated_ids == again.generated_ids == ref[0].generated_ids
         assert first.stats["compiled_graphs"] == 1 and again.stats["compiled_graphs"] == 0  # captured once, replayed
-        for key in [k for k in cr.fns if k[0] == "ltr"]:
+        assert first.stats["compiled_buckets"] == [(10, "x1")]  # a solo request: batch bucket 1
+        both = lopa_fast.generate(model, ps, "ltr", "fast", max_new_tokens=6, compile=True)
+        assert [o.generated_ids for o in both] == [r.generated_ids for r in ref]
+        assert all(o.stats["batched"] == 3 for o in both)
+        for key in [k for k in cr.fns if k[0] == "batch" and k[2][0] == "ltr"]:
             del cr.fns[key]
-        cr.workspaces.pop(("ltr", 10), None)
+        for key in [k for k in cr.workspaces if k[0] == "batch" and k[1][0] == "ltr"]:
+            del cr.workspaces[key]
     finally:
         strategies.unregister("ltr")
 

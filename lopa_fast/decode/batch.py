@@ -1,16 +1,19 @@
-"""Many requests at once: every live request's branch windows in ONE forward per round (per forward of a round).
+"""The one decoding loop (`Scheduler.step`): every live request's branch windows in ONE forward per round (per
+forward of a round). A solo request is a batch of one (`run_solo`, the `fast` entry of every strategy with a
+driver), a list of prompts `run_batch`, the server's requests `BatchEngine`'s; no driver has a loop of its own.
 
-A strategy batches when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
-tables and finish line (the driver: `FastDecoder` for d2f / lopa, `VanillaDriver`, `ThresholdDriver`, `FastApd`,
-driven step by step: `begin` / `next_bucket` / `prepare` / `forward_args` / `finish` / `read_head` / `after_round` /
-`result`); its static prefix cache is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
+A strategy runs here when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
+tables and finish line (the driver, lopa_fast.decode.driver's protocol: `FastDecoder` for d2f / lopa,
+`VanillaDriver`, `ThresholdDriver`, `FastApd`, `DistributedDecoder`, stepped by this loop); its static prefix cache
+is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
 admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
 live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
 bookkeeping (the torch round, lopa_fast/decode/round.py). Attention: on the torch backend (CPU) per request over
 its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
 those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
 every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
-tests/test_kv_pool.py). A finished request leaves the batch (its rows are not computed again).
+tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path).
+A finished request leaves the batch (its rows are not computed again).
 
 Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
 verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
@@ -45,6 +48,7 @@ import torch
 
 from lopa_fast import memory, strategies
 from lopa_fast.decode import compiled_batch
+from lopa_fast.decode.driver import batch_step_of, forwards_of
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
@@ -195,8 +199,7 @@ class Scheduler:
         # None: an eager step), grouped by key: one batched graph each (compiled_batch)
         eager, groups = [], {}
         for item in plan:
-            own = getattr(item[1], "batch_step", None)
-            step = own(*item[2]) if own is not None else None
+            step = batch_step_of(item[1], item[2])
             if step is None:
                 eager.append(item)
             else:
@@ -229,17 +232,14 @@ class Scheduler:
         after its last. "model" is anything with `forward_requests` (e.g. a stand-in for a forward the model does
         not batch itself), grouped by equality. The KV pool holds the scheduler's model's caches; another model's
         forward (the verifier's) attends over each request's own cache (no pool)."""
-        seqs = []
-        for (_, dec, _), w in zip(plan, ws):
-            own = getattr(dec, "forwards", None)
-            seqs.append((own(w) if own is not None else None) or ((self.model, dec.mode, dec.attn_backend),))
+        seqs = [forwards_of(dec, w, self.model) for (_, dec, _), w in zip(plan, ws)]
         for f in range(max(len(q) for q in seqs)):
             groups: dict = {}
             for i, seq in enumerate(seqs):
                 if f < len(seq):
                     groups.setdefault(seq[f], []).append(i)
             for (model, mode, backend), idx in groups.items():
-                pooled = model is self.model
+                pooled = model is self.model and len(idx) > 1  # one request: its own slot views, as solo
                 parts = [plan[i][1].forward_args(ws[i]) for i in idx]
                 if pooled:
                     parts = [dict(p, slot=self.slot_of[plan[i][0]]) for p, i in zip(parts, idx)]
@@ -285,10 +285,6 @@ def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_
     `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list);
     verifier: the strategy's second model, if it takes one (`Scheduler`)."""
     hooks = on_round if on_round is not None else [None] * len(prompts)
-    spec = strategies.get(cfgs[0].strategy)
-    if len(prompts) == 1:  # nothing to share: the solo round (no per-request split of the forward)
-        extra = {"verifier": verifier} if spec.takes_verifier else {}
-        return [spec.load("driver")(model, prompts[0], cfgs[0], **extra).run(hooks[0])]
     sched = Scheduler(model, cfgs[0], max_rows, verifier=verifier)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
@@ -296,6 +292,20 @@ def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_
         if i in sched.failed:
             raise sched.failed[i]
     return [done[i] for i in ids]
+
+
+def run_solo(model, prompt, cfg, verifier=None, on_round=None) -> GenerateOutput:
+    """The fast path of every strategy whose spec gives a driver (the spec's `fast`): one request as a batch of
+    one, stepped by the one loop (`Scheduler.step`; its KV pool slot is its cache; compile=True: the compiled batch
+    step of batch bucket 1). prompt: LongTensor [P] on model.device; cfg: bound and covered (lopa_fast.api checked
+    it, and the pair of models for a strategy that takes a verifier); on_round: the progress hook. Raises the
+    request's own error as its round found it."""
+    sched = Scheduler(model, cfg, verifier=verifier)
+    rid = sched.submit(prompt, on_round)
+    sched.run()
+    if rid in sched.failed:
+        raise sched.failed[rid]
+    return sched.done[rid]
 
 
 class BatchEngine:

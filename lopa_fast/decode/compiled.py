@@ -1,23 +1,21 @@
-"""Compiled rounds: `generate(..., compile=True)` compiles each bucket's round once and replays it.
+"""The compile layer: a step function compiled or captured once per key, then replayed. It knows no strategy.
 
-A bucket is (the request's Geometry, Nb window columns, Rb LM-head rows, the statistics knobs that change the
-graph: `key`; float knobs are runtime inputs in the round's tables, never keys); its round
-(`lopa_fast.decode.round.round_step`: forward + selection + commit + spawn + the next plan) is
+A key is hashable (a step's geometry, bucket and the knobs that change its graph: the caller decides; float knobs
+are runtime inputs in the step's tables, never keys). A step becomes a graph in one place (`CompiledRounds.build`):
 
-* on CUDA: captured as one `torch.cuda.CUDAGraph` over a static workspace (the round state tensors,
-  allocated once per model and Geometry and reused by every later request of the same shapes); a replay
-  updates the workspace in place. Capturing needs no compiler, so a 28-layer model costs one eager round
-  per bucket instead of minutes of `torch.compile`.
-* on CPU: `torch.compile(fullgraph=True, dynamic=False)` of the same function (Inductor); shapes are
-  static per bucket, so every bucket compiles exactly once.
+* on CUDA (or under the tests' emulated capture, `emulate_graphs`): captured as one `torch.cuda.CUDAGraph` over
+  static tensors the caller owns (a workspace: `CompiledRounds.workspace`); a replay rewrites them in place.
+  Capturing needs no compiler, so a 28-layer model costs one eager step per key instead of minutes of
+  `torch.compile`. Under compile=None (auto) a capture that fails runs the step eagerly with a warning.
+* otherwise: `torch.compile(fullgraph=True, dynamic=False)` (`compile_guarded`, the one torch.compile call: it
+  survives a corrupt Inductor cache); shapes are static per key, so every key compiles exactly once.
 
-Callables are cached per model (weakly) and bucket: a second `generate` with the same shapes compiles
-nothing. A workspace serves one request at a time (a batch's requests use compiled_batch's lanes instead). `stats()` reports graphs compiled / captured, the buckets used, and compile seconds per bucket.
-The prefill round (window = prompt + first block, a bucket per prompt length) always runs eagerly.
-The same machinery (`_run`) serves the APD step (`apd_step`) and the vanilla / threshold steps (`steps_step`:
-lopa_fast.decode.static_steps, buckets (kind, *sizes), every step compiled, no prefill).
-Batched steps (many requests' steps of one key as one graph per batch-size bucket) use the same LRUs, counters and
-`capture`: lopa_fast.decode.compiled_batch.
+Callables and workspaces are cached per model (weakly: `CompiledRounds.for_model`) in LRUs of at most MAX_BUCKETS
+(`get_or_build`: a second `generate` with the same shapes compiles nothing); `stats()` reports per request the
+graphs compiled / captured, the buckets used and the compile seconds per bucket.
+Users: lopa_fast.decode.compiled_batch (every compiled decoding step: a batch of requests whose steps share a key
+as one graph per batch-size bucket; a solo request is batch bucket 1) and lopa_fast.distributed (`call`: a round
+split into graphs around its collectives).
 Warm-up: run one `generate(..., compile=True)` with the shapes you will serve (docs/fast_decoder.md).
 """
 from __future__ import annotations
@@ -30,10 +28,10 @@ import time
 import types
 import warnings
 import weakref
+from typing import Callable
 
 import torch
 
-from lopa_fast.decode import round as rnd
 from lopa_fast.logs import LONG_S
 
 log = logging.getLogger(__name__)
@@ -90,13 +88,17 @@ class RequestView:
 
 
 class CompiledRounds:
-    """The compiled / captured rounds of one model, keyed by bucket (at most MAX_BUCKETS, least recently used out)."""
+    """The compiled / captured steps of one model, keyed (at most MAX_BUCKETS, least recently used out). Public
+    interface: `for_model` / `view` / `stats` (per-request statistics), `get_or_build` (a key's callable, built
+    on its first use and counted), `build` (a step as a graph: the one compile / capture site), `workspace` (the
+    static tensors a captured graph reads), `captures` (whether steps on a tensor's device are captured), `call`
+    (a compiled part of a round: lopa_fast.distributed)."""
 
     def __init__(self, cap: int = MAX_BUCKETS):
-        self.fns = LRU(cap)  # bucket key -> callable(st, T) -> (st, info)
+        self.fns = LRU(cap)  # key -> its callable (whatever the builder made)
         self.emulate_graphs = False  # tests: take the CUDA-graph path on CPU (with `capture` emulated)
-        self.workspaces = LRU(cap)  # (geo) -> static state dict (CUDA graphs; a graph keeps its own alive)
-        self.compile_seconds = LRU(cap)  # bucket key -> seconds of its first (compiling) call
+        self.workspaces = LRU(cap)  # workspace key -> the static tensors of captured graphs (a graph keeps its own)
+        self.compile_seconds = LRU(cap)  # key -> seconds of its first (compiling) call
         self.graphs = 0  # graphs compiled (CPU) or captured (CUDA) so far for this model
         # the current request's view, per thread (requests on several threads share this object): fallback (its
         # compile=None: a failed capture runs the step eagerly), graphs, buckets used, seconds of buckets compiled
@@ -111,11 +113,11 @@ class CompiledRounds:
 
     def view(self) -> "RequestView":
         """The current request's view (`for_model` just made it): a batch's request keeps it to be counted in
-        (`run_batch`, `stats(view)`), since one engine thread runs many requests."""
+        (`stats(view)`), since one engine thread runs many requests."""
         return self._request()
 
-    def _count(self, n: int, views=None) -> None:
-        """n graphs compiled / captured for this thread's request (or for each of `views`) and the model's total.
+    def count(self, n: int, views=None) -> None:
+        """n graphs compiled / captured for each of `views` (default: this thread's request) and the model's total.
         Dynamo's counter is process-wide, so a compile on another thread at the same moment would be counted here
         too."""
         self.graphs += n
@@ -132,117 +134,83 @@ class CompiledRounds:
         cr._local.view = RequestView(cfg is not None and cfg.compile is None)
         return cr
 
+    def captures(self, t: torch.Tensor) -> bool:
+        """Whether steps over tensors like `t` are captured as CUDA graphs (t on CUDA, or `emulate_graphs`) rather
+        than torch.compile'd."""
+        return t.is_cuda or self.emulate_graphs
+
+    def workspace(self, key, fits: Callable, make: Callable):
+        """The static tensors stored under `key` (a captured graph reads and rewrites them): the stored ones when
+        fits(them), else make()'s, stored (graphs captured over the old ones keep those alive)."""
+        ws = self.workspaces.get(key)
+        if ws is None or not fits(ws):
+            ws = self.workspaces[key] = make()
+        return ws
+
     # ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def key(geo, cfg, Nb: int, Rb: int) -> tuple:
-        """A D2F / LoPA round's compile key: the geometry, the bucket and what of the statistics knobs changes the
-        graph: the confidence, top_k (a shape), the mask suppression, and whether T > 0 / a top-p filter applies.
-        Their float values are runtime inputs (the tables, lopa_fast.decode.round.round_knobs), not keys."""
-        stats_knobs = (cfg.sampling_strategy, cfg.top_p is not None and cfg.top_p < 1, cfg.top_k,
-                       cfg.suppress_mask_token, cfg.temperature > 0)  # fmt: skip
-        return (geo, stats_knobs, Nb, Rb)
-
-    def step(self, model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int) -> dict:
-        """Run one D2F / LoPA round of bucket (Nb, Rb) with the compiled / captured callable (`run` with the round
-        of lopa_fast.decode.round bound to the bucket); returns (state, info)."""
-        return self.run(self.key(geo, cfg, Nb, Rb), (Nb, Rb), f"{Nb}x{Rb}", lambda: _bound_step(model, geo, cfg, Nb, Rb),
-                        model, st, T, geo)
-
-    def run(self, key: tuple, bucket: tuple, label: str, make, model, st: dict, T: dict, geo) -> tuple[dict, dict]:
-        """One step of any strategy with the compiled / captured callable of `key` (hashable: the step's geometry
-        and bucket; the caller's step function decides what it computes, this layer knows no strategy). `make()`
-        returns the step, step(st, T) -> (st, info) with its own code object (`unique_code`); it is captured over
-        geo's workspace (CUDA, or emulate_graphs) or torch.compile'd (CPU) on the key's first call, then replayed.
-        Counted in stats() (bucket: compiled_buckets' entry; label: compile_seconds' name). The APD step
-        (lopa_fast.decode.apd), the vanilla / threshold steps (lopa_fast.decode.static_steps) run through it."""
-        self._request().buckets.add(bucket)
+    def get_or_build(self, key, bucket: tuple, label: str, views, build: Callable, call: Callable, captured: bool,
+                     what: str | None = None):
+        """call(the callable of `key`): the cached one, or build()'s on the key's first use (then timed, logged and
+        its seconds kept under `label`). bucket: the requests' `compiled_buckets` entry (views: their RequestViews);
+        graphs Dynamo compiled during the call are counted for them (a recompile inside a bucket would show);
+        captured: the builder captures (a CUDA graph, counted by `build`; DEBUG log unless long); what: its name in
+        the log (default "the step <label>")."""
+        views = list(views) or [self._request()]
+        for v in views:
+            v.buckets.add(bucket)
         fn = self.fns.get(key)
-        if fn is None:
-            what = "the step " + label
-            captured = st["x"].is_cuda or self.emulate_graphs
-            t0, g0 = time.perf_counter(), _dynamo_graphs()
-            step = make()
-            if captured:
-                log.debug("capturing %s (a CUDA graph)...", what)
-                try:
-                    fn = self._capture(model, st, T, geo, step)
-                    self._count(1)
-                except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this bucket runs its step eagerly
-                    if not self._request().fallback:
-                        raise
-                    warnings.warn(f"compile (auto): capturing {what} failed ({type(e).__name__}: {e}); this bucket "
-                                  "runs eagerly (pass compile=True to make it an error)", RuntimeWarning,
-                                  stacklevel=2)  # fmt: skip
-                    fn = step
-                self.fns[key] = fn
-                out = fn(st, T)
-            else:
-                log.info(_COMPILING, what)
-                fn = self.fns[key] = compile_guarded(step, what)
-                out = fn(st, T)
-                self._count(_dynamo_graphs() - g0)
-            self.compile_seconds[key] = time.perf_counter() - t0
-            self._request().seconds[label] = round(self.compile_seconds[key], 3)
-            _log_done(what, self.compile_seconds[key], captured)
+        g0 = _dynamo_graphs()
+        if fn is not None:
+            out = call(fn)
+            self.count(_dynamo_graphs() - g0, views)
             return out
-        g0 = _dynamo_graphs()
-        out = fn(st, T)
-        self._count(_dynamo_graphs() - g0)  # a recompile inside a bucket would show here
+        t0 = time.perf_counter()
+        fn = self.fns[key] = build()
+        out = call(fn)
+        self.count(_dynamo_graphs() - g0, views)
+        self.compile_seconds[key] = time.perf_counter() - t0
+        for v in views:
+            v.seconds[label] = round(self.compile_seconds[key], 3)
+        _log_done(what or "the step " + label, self.compile_seconds[key], captured)
         return out
 
-    def call(self, key: tuple, bucket: tuple[int, int], label: str, make, *args):
+    def build(self, label: str, views, step: Callable, capture: tuple | None = None,
+              what: str | None = None) -> Callable:
+        """The one place a step becomes a graph. capture None: torch.compile(step) (`compile_guarded`, with its own
+        code object), called as fn(*args). capture (warmup, body): warmup() on a side stream, then body() captured
+        as one CUDA graph (`capture`); fn(*args) replays it (the graph reads its workspace, not args) and returns
+        body's outputs (graph-owned tensors, rewritten by the next replay). Under compile=None (views[0].fallback)
+        a capture that fails warns and fn = step, run eagerly. what: its name in the log and the warning."""
+        what = what or "the step " + label
+        if capture is None:
+            log.info(_COMPILING, what)
+            return compile_guarded(unique_code(step, label), what)
+        log.debug("capturing %s (a CUDA graph)...", what)
+        try:
+            replay, outputs = self.capture(*capture)
+        except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this key runs its step eagerly
+            if not views[0].fallback:
+                raise
+            warnings.warn(f"compile (auto): capturing {what} failed ({type(e).__name__}: {e}); it runs eagerly "
+                          "(pass compile=True to make it an error)", RuntimeWarning, stacklevel=4)  # fmt: skip
+            return step
+        self.count(1, views)
+
+        def replayed(*args):
+            replay()
+            return outputs
+
+        return replayed
+
+    def call(self, key: tuple, bucket: tuple, label: str, make: Callable, *args):
         """`make()` (a function of tensors and dicts of tensors with static shapes per key) compiled once per key
-        with torch.compile(fullgraph=True, dynamic=False), on any device, and run on args. The machinery of
-        `step` for a round split into parts that cannot be one graph: lopa_fast.distributed compiles a rank's
-        forward + statistics and, separately, the selection + plan, with the collectives between them outside
-        any graph. Counted in stats() as `step`'s graphs (bucket: (Nb, Rb); label: its compile_seconds name)."""
-        self._request().buckets.add(bucket)
-        fn = self.fns.get(key)
-        g0 = _dynamo_graphs()
-        if fn is None:
-            log.info(_COMPILING, f"the round part {label}")
-            fn = self.fns[key] = compile_guarded(own_code(make(), f"{label}_{next(_CODE_IDS)}"),
-                                                 f"the round part {label}")  # fmt: skip
-            t0 = time.perf_counter()
-            out = fn(*args)
-            self.compile_seconds[key] = time.perf_counter() - t0
-            self._request().seconds[label] = round(self.compile_seconds[key], 3)
-            _log_done(f"the round part {label}", self.compile_seconds[key], captured=False)
-        else:
-            out = fn(*args)
-        self._count(_dynamo_graphs() - g0)  # a recompile inside a bucket would show here
-        return out
-
-    # ------------------------------------------------------------------------------------------------
-    def _capture(self, model, st: dict, T: dict, geo, step):
-        """Capture `step(st, T) -> (st, info)` (one bucket's round or step) as a CUDA graph over the geometry's
-        static workspace."""
-        ws = self.workspaces.get(geo)
-        if ws is None or ws["state"].keys() != st.keys():
-            ws = self.workspaces[geo] = {"state": {k: v.clone() for k, v in st.items()},
-                                         "tables": {k: v.clone() for k, v in T.items()}}  # fmt: skip
-        S, TS = ws["state"], ws["tables"]
-
-        def body() -> dict:  # one round on the workspace, written back into it; returns the trace facts
-            out, info = step(dict(S), TS)
-            for k, v in out.items():
-                if v is not S[k]:  # the cache is updated in place
-                    S[k].copy_(v)
-            return info
-
-        # warm-up on scratch copies (kernels compile / autotune, cuBLAS initialises), then the capture
-        graph_replay, info = self.capture(lambda: step({k: v.clone() for k, v in S.items()}, TS), body)
-
-        def replay(cur: dict, tables: dict) -> tuple[dict, dict]:
-            if cur is not S:  # a new request (or the eager prefill round): load its state into the workspace
-                for k, v in cur.items():
-                    S[k].copy_(v)
-                for k, v in tables.items():
-                    TS[k].copy_(v)
-            graph_replay()
-            return S, info  # info: graph-owned outputs, rewritten by the next replay
-
-        return replay
+        (`build`: torch.compile on any device, never captured) and run on args. For a round split into parts that
+        cannot be one graph: lopa_fast.distributed compiles a rank's forward + statistics and, separately, the
+        selection + plan, with the collectives between them outside any graph. Counted in stats() (bucket: its
+        compiled_buckets entry; label: its compile_seconds name)."""
+        views, what = [self._request()], "the round part " + label
+        return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make(), what=what),
+                                 lambda fn: fn(*args), captured=False, what=what)  # fmt: skip
 
     @staticmethod
     def capture(warmup, body):
@@ -268,6 +236,11 @@ class CompiledRounds:
             "compiled_buckets": sorted(view.buckets),
             "compile_seconds": dict(view.seconds),
         }
+
+
+def rounds_of(model) -> "CompiledRounds | None":
+    """The model's CompiledRounds, or None when it never compiled (none is made here)."""
+    return _PER_MODEL.get(model)
 
 
 def compile_wanted(cfg, device) -> bool:
@@ -362,7 +335,8 @@ def _log_done(what: str, seconds: float, captured: bool) -> None:
 
 def own_code(fn, name: str):
     """fn as a function with its OWN code object named `name` (the same closure): Dynamo keeps compiled graphs per
-    code object, so each bucket's function gets one (see _bound_step)."""
+    code object (and refuses more than `recompile_limit` = 8 per object), so one shared closure would turn every
+    new bucket into a "recompile" of the same code and scan all the other buckets' guards on each call."""
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
@@ -370,16 +344,3 @@ def own_code(fn, name: str):
 def unique_code(fn, name: str):
     """`own_code` under `name` plus a process-unique number (each bucket's step: its own code object)."""
     return own_code(fn, f"{name}_{next(_CODE_IDS)}")
-
-
-def _bound_step(model, geo, cfg, Nb: int, Rb: int):
-    """round_step with the bucket's constants bound, as a function with its OWN code object: Dynamo keeps
-    its compiled graphs per code object (and refuses more than `recompile_limit` = 8 per object), so one
-    shared closure would turn every new bucket into a "recompile" of the same code and scan all the other
-    buckets' guards on each call."""
-
-    def step(st: dict, T: dict) -> tuple[dict, dict]:
-        return rnd.round_step(model, st, T, geo, cfg, Nb, Rb)
-
-    code = step.__code__.replace(co_name=f"round_step_{Nb}x{Rb}_{next(_CODE_IDS)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)

@@ -27,20 +27,20 @@ view, updated in place). Lanes past the group's size keep whatever state they la
 whatever the state (as a CUDA capture's warm-up already requires), and their results are never read, so they
 never touch a real request. On CUDA (or `emulate_graphs`) the callable is captured as one CUDA graph over the
 lanes; on CPU it is `torch.compile(fullgraph=True, dynamic=False)` of the same function on the same lane tensors
-(so its guards see the same inputs every call). The graphs and workspaces live in the model's `CompiledRounds`
-LRUs (bounded by MAX_BUCKETS). This module, like compiled.py, knows no strategy.
+(so its guards see the same inputs every call): `CompiledRounds.build`, the one compile / capture site. The graphs
+and workspaces live in the model's `CompiledRounds` LRUs (bounded by MAX_BUCKETS), reached through its public
+interface (`get_or_build`, `build`, `workspace`, `captures`). Every compiled decoding step runs here: a solo
+compile=True request is the group of one (Bb = 1), its state copied into its lane and back each round
+(bench/results/one_loop.md). This module, like compiled.py, knows no strategy.
 """
 from __future__ import annotations
 
-import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from lopa_fast.decode import compiled
-from lopa_fast.decode.compiled import _COMPILING, _dynamo_graphs, _log_done, log, unique_code
 from lopa_fast.decode.shapes import pow2_bucket
 
 
@@ -80,34 +80,19 @@ def run(steps: list[BatchStep], model) -> list[tuple[dict, dict]]:
     state dict, its values updated in place; its info: graph-owned tensors under a capture, rewritten by the next
     replay of this key)."""
     first = steps[0]
-    cr, n = first.rounds, len(steps)
-    Bb = batch_bucket(n)
-    key = ("batch", Bb, first.key)
-    bucket = (*first.bucket, f"x{Bb}")
+    cr, Bb = first.rounds, batch_bucket(len(steps))
     label = f"{first.label}_x{Bb}"
     views = [s.view for s in steps]
-    for v in views:
-        v.buckets.add(bucket)
-    entry = cr.fns.get(key)
-    if entry is None:
-        t0, g0 = time.perf_counter(), _dynamo_graphs()
-        entry = _build(cr, first, model, Bb, label, views)
-        cr.fns[key] = entry
-        out = _call(entry, steps)
-        if not entry.captured:
-            cr._count(_dynamo_graphs() - g0, views)
-        cr.compile_seconds[key] = time.perf_counter() - t0
-        for v in views:
-            v.seconds[label] = round(cr.compile_seconds[key], 3)
-        _log_done("the batched step " + label, cr.compile_seconds[key], entry.captured)
-        return out
-    if entry.lanes is None:  # a compiled callable whose workspace was freed (`free_workspaces`): new lanes
-        entry.lanes, entry.owners = _lanes(cr, first, Bb)
-    g0 = _dynamo_graphs()
-    out = _call(entry, steps)
-    if not entry.captured:
-        cr._count(_dynamo_graphs() - g0, views)  # a recompile inside a bucket would show here
-    return out
+    captured = cr.captures(first.state[next(iter(first.state))])
+
+    def call(entry: "_Entry"):
+        if entry.lanes is None:  # a compiled callable whose workspace was freed (`free_workspaces`): new lanes
+            entry.lanes, entry.owners = _lanes(cr, first, Bb)
+        return _call(entry, steps)
+
+    return cr.get_or_build(("batch", Bb, first.key), (*first.bucket, f"x{Bb}"), label, views,
+                           lambda: _build(cr, first, model, Bb, label, views, captured), call,
+                           captured=captured)  # fmt: skip
 
 
 class _Entry:
@@ -121,7 +106,7 @@ class _Entry:
 
 def rounds_of(model):
     """The model's CompiledRounds, or None when it never compiled (none is made here)."""
-    return compiled._PER_MODEL.get(model)
+    return compiled.rounds_of(model)
 
 
 def _tensors(entry_or_ws) -> list:
@@ -165,21 +150,23 @@ def free_workspaces(cr, keep, only=None) -> None:
 def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
     """The workspace of first.workspace with at least Bb lanes (a new one, from clones of this request's state and
     tables, when there is none, it is smaller or its state has other fields); returns (lanes, table owners)."""
-    wkey = ("batch", first.workspace)
-    ws = cr.workspaces.get(wkey)
-    if ws is None or len(ws["lanes"]) < Bb or ws["lanes"][0][0].keys() != first.state.keys():
+
+    def fits(ws) -> bool:
+        return len(ws["lanes"]) >= Bb and ws["lanes"][0][0].keys() == first.state.keys()
+
+    def make() -> dict:
         lanes = [({k: v.clone() for k, v in first.state.items()}, {k: v.clone() for k, v in first.tables.items()})
                  for _ in range(Bb)]  # fmt: skip
-        # graphs captured over an older (smaller) workspace keep theirs alive; later keys use this one
-        ws = cr.workspaces[wkey] = {"lanes": lanes, "owners": [None] * Bb}
+        return {"lanes": lanes, "owners": [None] * Bb}
+
+    ws = cr.workspace(("batch", first.workspace), fits, make)
     return ws["lanes"][:Bb], ws["owners"]
 
 
 def _batched_step(model, first: BatchStep, Bb: int, label: str):
     """step(states, tables) -> [(state, info)] for Bb lanes: every lane's `pre`, then per forward ONE
     `forward_requests` over the lanes' parts (per-request attention: no pool) followed by every lane's next stage
-    (a `mids` entry, the last one `post`); with its own code object (Dynamo keeps compiled graphs per code
-    object)."""
+    (a `mids` entry, the last one `post`)."""
     fwds = first.forwards or ((model, first.mode, first.attn_backend),)
     stages = (*first.mids, first.post)
     if len(stages) != len(fwds):
@@ -194,10 +181,12 @@ def _batched_step(model, first: BatchStep, Bb: int, label: str):
             outs = [stage(st, T, ctx, *o) for st, T, (_, ctx), o in zip(states, tables, outs, res)]
         return outs  # (state, info) per lane
 
-    return unique_code(batched_step, label)
+    return batched_step
 
 
-def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
+def _build(cr, first: BatchStep, model, Bb: int, label: str, views, captured: bool) -> _Entry:
+    """The key's entry: its lanes and the batched step over them as one graph (`CompiledRounds.build`: captured on
+    CUDA / emulate_graphs, else torch.compile'd over the same lane tensors, so its guards see the same inputs)."""
     lanes, owners = _lanes(cr, first, Bb)
     step = _batched_step(model, first, Bb, label)
 
@@ -214,35 +203,16 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views) -> _Entry:
         return flat
 
     states, tables = [S for S, _ in lanes], [T for _, T in lanes]
-    captured = first.state[next(iter(first.state))].is_cuda or cr.emulate_graphs
+    capture = None
     if captured:
-        log.debug("capturing the batched step %s (a CUDA graph)...", label)
-        try:
-            # warm-up on scratch copies (kernels compile / autotune), then the capture over the lanes
-            def warmup():
-                return None, body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False)
-
-            replay, flat = cr.capture(warmup, lambda: body(states, tables))
-            cr._count(1, views)
-            graph_replay = replay
-
-            def replay_fn() -> dict:
-                graph_replay()
-                return flat
-        except Exception as e:  # noqa: BLE001 - compile=None (auto) only: this key runs eagerly
-            if not first.view.fallback:
-                raise
-            warnings.warn(f"compile (auto): capturing the batched step {label} failed ({type(e).__name__}: {e}); "
-                          "it runs eagerly (pass compile=True to make it an error)", RuntimeWarning,
-                          stacklevel=3)  # fmt: skip
-
-            def replay_fn() -> dict:
-                return body(states, tables)
-        return _Entry(lanes, replay_fn, True, owners, first.workspace)
-    log.info(_COMPILING, "the batched step " + label)
-    fn = compiled.compile_guarded(unique_code(body, f"{label}_body"), f"the batched step {label}")
-    entry = _Entry(lanes, None, False, owners, first.workspace)
-    # the lanes read at each call: `free_workspaces` may replace them (same shapes: the same compiled graph)
+        # warm-up on scratch copies (kernels compile / autotune; it returns (state, outputs) as a step does, for
+        # the tests' emulated capture), then the capture over the lanes
+        capture = (lambda: (None, body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False)),
+                   lambda: body(states, tables))  # fmt: skip
+    fn = cr.build(label, views, body, capture)
+    entry = _Entry(lanes, None, captured, owners, first.workspace)
+    # the lanes read at each call: `free_workspaces` may replace a compiled entry's (same shapes: the same compiled
+    # graph); a captured graph reads the lanes it was captured over and ignores its arguments
     entry.replay = lambda: fn([S for S, _ in entry.lanes], [T for _, T in entry.lanes])
     return entry
 

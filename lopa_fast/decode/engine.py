@@ -9,7 +9,9 @@ device tensors: the layout is documented there); this module is its driver:
   weight view (`model.fused_layers()`), and, with `compile=True`, the model's `CompiledRounds`;
 * per round: ONE host read of the plan's 9-int head (done, alive slots, window start s, cached span u,
   window length n, LM-head rows R, ragged, the non-finite guard, the stop-sequence flag) -> the bucket (Nb, Rb) -> the round
-  (eager, or the bucket's compiled / captured graph), which also plans the next round;
+  (eager: `prepare` / `forward_args` / `finish` around the scheduler's shared forward; compiled: `batch_step`, the
+  bucket's batched graph), which also plans the next round. The loop is lopa_fast.decode.batch's (solo: a batch
+  of one), the protocol lopa_fast.decode.driver's;
 * at the end: the output slot, the counters, stats (host reads, memory, compile stats), the trace.
 
 The static KV cache holds the committed prefix once; branches never copy it. Under full attention the
@@ -91,13 +93,23 @@ def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
     return Nb, Rb
 
 
+def round_key(geo: Geometry, cfg, Nb: int, Rb: int) -> tuple:
+    """A D2F / LoPA round's compile key: the geometry, the bucket and what of the statistics knobs changes the graph:
+    the confidence, top_k (a shape), the mask suppression, and whether T > 0 / a top-p filter applies. Their float
+    values are runtime inputs (the tables, lopa_fast.decode.round.round_knobs), not keys."""
+    stats_knobs = (cfg.sampling_strategy, cfg.top_p is not None and cfg.top_p < 1, cfg.top_k,
+                   cfg.suppress_mask_token, cfg.temperature > 0)  # fmt: skip
+    return (geo, stats_knobs, Nb, Rb)
+
+
 class FastDecoder:
     """One request of D2F (k = 1) or LoPA (k >= 2) decoding with all branches batched.
 
     model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound GenerateConfig; cache: None (the
     request allocates its own static cache) or (k, v) views [num_layers, buffer_len(P, cfg) + 1, Hkv, D] of a
     batch's KV pool slot (lopa_fast.decode.kv_pool), zeroed, which the request's commits write in place.
-    `run()` returns a GenerateOutput equal (tokens, forwards) to the reference backend's.
+    A driver (lopa_fast.decode.driver) stepped by lopa_fast.decode.batch's one loop; its `result()` equals (tokens,
+    forwards) the reference backend's.
     """
 
     def __init__(self, model, prompt: torch.Tensor, cfg, branching_factor: int, name: str, cache=None,
@@ -133,7 +145,7 @@ class FastDecoder:
         self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
-        if compile_wanted(cfg, dev):  # alone: `_step`; in a batch (a pool slot): `batch_step`
+        if compile_wanted(cfg, dev):  # its rounds after the prefill: `batch_step` (compiled_batch)
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.cview = self.compiled.view()
 
@@ -153,14 +165,6 @@ class FastDecoder:
     def _read_head(self) -> rnd.Head:
         self.host_reads += 1
         return rnd.Head(*self.st["head"].tolist())  # the round's one device-to-host read
-
-    def _step(self, Nb: int, Rb: int, s: int) -> None:
-        if self.compiled is not None and self._rounds > 0:
-            self.st, self.info = self.compiled.step(self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb)
-        else:  # eager (and the prefill round, whose bucket depends on the prompt length)
-            self.st, self.info = rnd.round_step(
-                self.model, self.st, self.tables, self.geo, self.cfg, Nb, Rb, prefix_len=s
-            )
 
     # ---- a compiled / captured round in a batch (lopa_fast.decode.compiled_batch: one graph per bucket and batch size)
     def batch_step(self, Nb: int, Rb: int, s: int):
@@ -186,7 +190,7 @@ class FastDecoder:
         def post(st: dict, T: dict, w: dict, logits, k_win, v_win):
             return rnd.finish_round(st, T, geo, cfg, w, logits, k_win, v_win, head=head)
 
-        return BatchStep(self.compiled, self.compiled.key(geo, cfg, Nb, Rb), (Nb, Rb), f"round_{Nb}x{Rb}", geo, pre,
+        return BatchStep(self.compiled, round_key(geo, cfg, Nb, Rb), (Nb, Rb), f"round_{Nb}x{Rb}", geo, pre,
                          post, geo.mode, geo.attn_backend, self.st, self.tables, self.cview)  # fmt: skip
 
     def take(self, st: dict, info: dict) -> None:
@@ -242,7 +246,7 @@ class FastDecoder:
         value = "NaN/inf" if t == 0 else f"NaN/inf, or overflow at temperature {t}"
         raise NonFiniteLogitsError(strategy=self.name, round=round_, position=pos, value=value)
 
-    # ---- the request as a small state machine: run() drives one request, lopa_fast.decode.batch drives many
+    # ---- the request as a driver (lopa_fast.decode.driver): lopa_fast.decode.batch's one loop steps it
     def begin(self, on_round=None) -> None:
         """Start the clock, plan round 1 and read its head (the request's first host read). on_round: the
         progress hook (lopa_fast.progress.report_round), called after every round with the anchor row (the
@@ -299,17 +303,6 @@ class FastDecoder:
             self.host_reads += 1
             row = self.st["x"][max(head.alive, 1) - 1, self.P : self.P + geo.G * geo.bs]
             report_round(self.on_round, row, geo.mask_id, geo.G * geo.bs, stats["forwards"])
-
-    def run(self, on_round=None) -> GenerateOutput:
-        """Decode the request (see `begin` for on_round)."""
-        self.begin(on_round)
-        while (b := self.next_bucket()) is not None:
-            Nb, Rb, s = b
-            with round_scope():
-                self._step(Nb, Rb, s)
-                self.read_head()
-            self.after_round()
-        return self.result()
 
     def result(self) -> GenerateOutput:
         """Stop the clock; the output slot, its tokens, the counters and stats, the trace."""

@@ -1,10 +1,10 @@
 """d2f: Discrete Diffusion Forcing's pipelined block decoding (docs/semantics.md section 2). Its fast path is the
-device-resident round of lopa_fast.decode.engine with one branch; lopa (lopa_fast.strategies.lopa) is the same
-round with lookahead branches."""
+device-resident round of lopa_fast.decode.engine with one branch, stepped by the one loop (`batch.run_solo`); lopa
+(lopa_fast.strategies.lopa) is the same round with lookahead branches."""
 from __future__ import annotations
 
 from lopa_fast.knobs import check_bool, check_choice, check_prob
-from lopa_fast.strategies.registry import Strategy, register
+from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")  # the round's confidence (lopa_fast.sampling's too)
 THRESHOLDS = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")  # tau_add, tau_act, tau_conf
@@ -51,17 +51,27 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
     return {"d2f": dict(strategy="d2f", **eval_knobs(block_size))}
 
 
-def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine: the round with one branch."""
+def round_driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
+    """The device-resident round's driver (lopa_fast.decode.driver) for d2f and lopa: one process
+    (`engine.FastDecoder`), or with distributed=True the round's branch slots over the process group's ranks
+    (`lopa_fast.distributed.driver`: its forward and finish exchange across ranks)."""
+    if cfg.distributed:
+        from lopa_fast.distributed import driver as distributed_driver
+
+        return distributed_driver(model, prompt, cfg, branching_factor, name, cache, branch_stats)
     from lopa_fast.decode.engine import FastDecoder
 
-    return FastDecoder(model, prompt, cfg, 1, "d2f", cache=cache)
+    return FastDecoder(model, prompt, cfg, branching_factor, name, cache=cache, branch_stats=branch_stats)
+
+
+def driver(model, prompt, cfg, cache=None):
+    """The per-request driver of the one loop (lopa_fast.decode.batch): the round with one branch."""
+    return round_driver(model, prompt, cfg, 1, "d2f", cache)
 
 
 SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
-    reference="lopa_fast.reference.d2f:generate", fast="lopa_fast.decode.d2f:generate",
+    reference="lopa_fast.reference.d2f:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
-    cache_rows=cache_rows, compile=True,
-    compile_batches=True, distributed=True, eval_rows=eval_rows,
+    cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

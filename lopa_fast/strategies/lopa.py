@@ -3,8 +3,8 @@ branches verified in one forward; branching_factor=1 is plain D2F."""
 from __future__ import annotations
 
 from lopa_fast.knobs import check_positive_int, check_prob
-from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length, eval_knobs
-from lopa_fast.strategies.registry import Strategy, register
+from lopa_fast.strategies.d2f import block_size, cache_rows, check_strict_length, eval_knobs, round_driver
+from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 
 def check_values(cfg) -> None:
@@ -27,16 +27,14 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 
 def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine: the round with k + 1 branches (branch statistics on)."""
-    from lopa_fast.decode.engine import FastDecoder
-
-    return FastDecoder(model, prompt, cfg, cfg.branching_factor, "lopa", cache=cache, branch_stats=True)
+    """The per-request driver of the one loop (lopa_fast.decode.batch): the round with k + 1 branches (branch
+    statistics on)."""
+    return round_driver(model, prompt, cfg, cfg.branching_factor, "lopa", cache, branch_stats=True)
 
 
 SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
-    reference="lopa_fast.reference.lopa:generate", fast="lopa_fast.decode.lopa:generate",
+    reference="lopa_fast.reference.lopa:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, rows=rows, driver=driver,
-    cache_rows=cache_rows,
-    compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
+    cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip

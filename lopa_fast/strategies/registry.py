@@ -20,6 +20,11 @@ from typing import Any, Callable
 from lopa_fast.errors import KnobError
 
 
+# the fast path of every strategy with a `driver`: one request as a batch of one through the one loop
+# (lopa_fast.decode.batch.run_solo: fn(model, prompt, cfg, verifier=None, on_round=None))
+SOLO = "lopa_fast.decode.batch:run_solo"
+
+
 def _no_check(cfg) -> None:
     return None
 
@@ -42,7 +47,8 @@ class Strategy:
                 set, is refused naming its owners).
     reference:  the readable per-branch decoder (the semantics oracle):
                 fn(model, prompt [P], cfg, **extra) -> GenerateOutput; a callable or "module:attribute".
-    fast:       the fast decoder (same signature), or None (then backend="fast" refuses the strategy).
+    fast:       the fast decoder (same signature), or None (then backend="fast" refuses the strategy); SOLO
+                (`lopa_fast.decode.batch.run_solo`) for a strategy with a `driver`: its request as a batch of one.
     validate:   the strategy's own rules between knobs (no model): validate(cfg) raises naming the knob.
     check_values: the value checks of the GenerateConfig fields it owns that every request carries (fields with a
                 default, e.g. D2F's thresholds, LoPA's k): run for EVERY request whatever its strategy
@@ -51,12 +57,11 @@ class Strategy:
     length_unit: the block it decodes in whole: length_unit(cfg) -> int (1: no blocks); max_new_tokens is
                 rounded up to it and the output cut back.
     rows:       branch slots (forward rows) of one request: rows(cfg) -> int (LoPA: k + 1).
-    driver:     the fast backend's per-request state machine for the batch scheduler (lopa_fast.decode.batch):
+    driver:     the fast backend's per-request driver for the one loop (lopa_fast.decode.batch.Scheduler):
                 driver(model, prompt, cfg, cache=None, **extra) (extra: verifier= for a strategy that takes one)
-                -> an object with begin / next_bucket / prepare / forward_args / finish / read_head / after_round /
-                result, and mode / attn_backend / use_cache(k, v), and, when a round runs several forwards (APD:
-                drafter, then verifier) or another forward than the model's, `forwards(w)`: ((model, mask, attn
-                backend), ...) in order); None: requests of this strategy are decoded one after another.
+                -> a lopa_fast.decode.driver.Driver (the protocol: begin / next_bucket / prepare / forward_args /
+                finish / read_head / after_round / result / use_cache, optional forwards / batch_step / take);
+                None: requests of this strategy are decoded one after another by its own `fast`.
     cache_rows: the rows of static KV cache one request needs in the batch's pool: cache_rows(prompt_len, cfg)
                 (1: a cache-free driver).
     batches:    batches(cfg): whether the driver's steps of this config can share a forward (default: all; a
@@ -64,7 +69,8 @@ class Strategy:
     compile:    compile=True is implemented on its fast path.
     compile_batches: its driver runs compiled / captured batched steps (`batch_step(*bucket)` -> a
                 lopa_fast.decode.compiled_batch.BatchStep or None for an eager step, `take(state, info)`), so that
-                compile=True requests share a forward too (default: no, such requests run one at a time).
+                compile=True requests share a forward too (default: no, such requests run one at a time, each a
+                batch of one).
     distributed: distributed=True (the round's branch slots over the ranks) is implemented.
     default_sampler: the `sampler` when None: "keyed" (the fast path's) or "upstream" (one generator in
                 upstream's draw order, reference only; APD's, for exactness with upstream).

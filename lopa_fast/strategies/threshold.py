@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lopa_fast.knobs import check_choice, check_number, check_prob
 from lopa_fast.strategies import blocks
-from lopa_fast.strategies.registry import Strategy, register
+from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
 RULES = ("threshold", "factor", "entropy_threshold")  # exactly one of them
@@ -64,7 +64,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
-    reference="lopa_fast.reference.threshold:generate", fast="lopa_fast.decode.threshold:generate",
+    reference="lopa_fast.reference.threshold:generate", fast=SOLO,
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
     compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -8,7 +8,7 @@ import warnings
 from lopa_fast.errors import KnobError
 from lopa_fast.knobs import check_choice, check_number
 from lopa_fast.strategies import blocks
-from lopa_fast.strategies.registry import Strategy, register
+from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 LLADA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
 DREAM_KNOBS = ("steps", "alg", "alg_temp", "eps")
@@ -99,7 +99,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
-    reference="lopa_fast.reference.vanilla:generate", fast="lopa_fast.decode.vanilla:generate",
+    reference="lopa_fast.reference.vanilla:generate", fast=SOLO,
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
     length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip
