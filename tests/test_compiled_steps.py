@@ -1,6 +1,7 @@
-"""compile=True for the fast vanilla and threshold decoders (their step functions, lopa_fast.decode.{vanilla,
-threshold}_step, at bucket sizes through CompiledRounds.run): token- and forward-exact with compile=False and the reference (fp32, CPU), one host
-read per step, and a second request of the same shapes compiles nothing.
+"""compile=True for the fast vanilla and threshold decoders (their step functions,
+lopa_fast.decode.{vanilla,threshold}_step, at bucket sizes through CompiledRounds.run): token- and forward-exact
+with compile=False and the reference (fp32, CPU), one host read per step, and a second request of the same shapes
+compiles nothing.
 
 Three parts: (1) the CUDA-graph path (static workspace per StepGeometry, state loaded into it, caches written in
 place, graph-owned logits) with the capture emulated on CPU, over a grid of every step kind (threshold: every

@@ -25,7 +25,7 @@ class FusedForwards:
     def forward_static(
         self,
         tokens: torch.Tensor,
-        start: torch.Tensor,
+        start: torch.Tensor | int,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
         cache_len: torch.Tensor | int,
@@ -38,7 +38,7 @@ class FusedForwards:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A window forward whose shapes depend only on the bucket, never on a per-round value.
 
-        tokens [B, n] at positions start + arange(n) (start: 0-d long tensor); the committed prefix is
+        tokens [B, n] at positions start + arange(n) (start: 0-d long tensor, or an int); the committed prefix is
         cache_k/v [num_layers, Lc, Hkv, D] rows [0, cache_len) (cache_len: 0-d long tensor, or an int when
         the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid
         window lengths; block_ids [B, n] for block_causal; rows [R] flat row indices that get the LM head.

@@ -313,8 +313,9 @@ class DecoderLM(FusedForwards, nn.Module):
         """Embedding + every decoder layer for tokens [B, n] at positions [n]; returns h [B, n, H].
 
         attend(layer, q [B, n, Hq, D], k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (keys post-RoPE) is where the
-        callers differ (cache-free, in-place, append window, static round). rope: (cos, sin) [n, D] given instead
-        of positions (several requests' windows packed in one row, each table computed at its own positions)."""
+        callers differ (forward_window's cache-free / in-place / append modes, forward_dual's packed requests).
+        rope: (cos, sin) [n, D] given instead of positions (several requests' windows packed in one row, each
+        table computed at its own positions)."""
         cfg = self.config
         B, n = tokens.shape
         cos, sin = self.rope_tables(positions) if rope is None else rope
