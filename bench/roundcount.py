@@ -334,6 +334,7 @@ def instrument(model, rounds: Rounds, upstream=None):
     import lopa_fast.decode.batch as batch
     import lopa_fast.decode.engine as engine
     import lopa_fast.decode.round as rnd
+    import lopa_fast.models.static_forward as sf
     import lopa_fast.models.transformer as tr
     import lopa_fast.ops as ops
     import lopa_fast.reference.d2f as rd2f
@@ -374,7 +375,7 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(testing, "sdpa_forward", _model_wrapper(rounds)))
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
-        es.enter_context(_patched(tr, "branch_attention_torch", _stage_wrapper(rounds, "attn_core")))
+        es.enter_context(_patched(sf, "branch_attention_torch", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(ops, "branch_attention", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))
         # the fast round: statistics; the round scope and the head read

@@ -151,7 +151,7 @@ def sdpa_forward(model, input_ids: torch.Tensor, past_layers: list, start: int, 
 
     cfg = model.config
     n = input_ids.shape[1]
-    cos, sin = model._rope(torch.arange(start, start + n))
+    cos, sin = model.rope_tables(torch.arange(start, start + n))
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = F.embedding(input_ids, model.embed_weight())
     layers = []

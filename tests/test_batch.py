@@ -256,23 +256,22 @@ def test_batched_threshold_equals_solo(model, llada, family, kw):
         same(o, lopa_fast.generate(m, p, "threshold", "reference", **kw), THRESHOLD_STATS[:2])
 
 
-def test_dual_cache_steps_share_one_forward(llada, monkeypatch):
+def test_dual_cache_steps_share_one_forward(llada):
     """Threshold's dual cache: a round's dual steps (the window's K/V written into each request's cache in place,
-    then attention over the whole cache) run as ONE packed forward (steps.DualForward), beside the refresh steps'
-    shared forward when the requests are in different phases; tokens and forwards equal the solo runs'."""
-    from lopa_fast.decode import steps
-
+    then attention over the whole cache) run as ONE packed forward (steps.DualForward: `model.forward_dual`), beside
+    the refresh steps' shared forward when the requests are in different phases; tokens and forwards equal the solo
+    runs'."""
     ps = prompts((5, 9, 14), seed=2)
     kw = dict(block_length=4, threshold=0.6, cache="dual", max_new_tokens=16)
     solo = [lopa_fast.generate(llada, p, "threshold", "fast", **kw) for p in ps]
     calls = {"dual": [], "model": []}
-    real = steps.dual_forwards
-    monkeypatch.setattr(steps, "dual_forwards", lambda m, parts: calls["dual"].append(len(parts)) or real(m, parts))
+    real = llada.forward_dual
+    llada.forward_dual = lambda parts: calls["dual"].append(len(parts)) or real(parts)
     counting(llada, calls["model"])
     try:
         outs = lopa_fast.generate(llada, ps, "threshold", "fast", **kw)
     finally:
-        del llada.forward_requests
+        del llada.forward_requests, llada.forward_dual
     for o, s in zip(outs, solo):
         assert o.stats["batched"] == 3
         same(o, s, THRESHOLD_STATS)

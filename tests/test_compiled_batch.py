@@ -294,8 +294,8 @@ def test_compile_layer_imports_no_strategy():
 
     decode = pathlib.Path(lopa_fast.__file__).parent / "decode"
     strategy_modules = {"lopa_fast.strategies", "lopa_fast.reference"} | {
-        f"lopa_fast.decode.{m}" for m in ("vanilla", "threshold", "engine", "d2f", "lopa", "apd", "static_steps",
-                                         "steps", "batch")}  # fmt: skip
+        f"lopa_fast.decode.{m}" for m in ("vanilla", "threshold", "engine", "d2f", "lopa", "apd", "vanilla_step",
+                                         "threshold_step", "steps", "batch")}  # fmt: skip
     for name in ("compiled.py", "compiled_batch.py"):
         tree = ast.parse((decode / name).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

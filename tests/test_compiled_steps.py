@@ -1,6 +1,7 @@
-"""compile=True for the fast vanilla and threshold decoders (lopa_fast.decode.static_steps through
-CompiledRounds.steps_step): token- and forward-exact with compile=False and the reference (fp32, CPU), one host
-read per step, and a second request of the same shapes compiles nothing.
+"""compile=True for the fast vanilla and threshold decoders (their step functions,
+lopa_fast.decode.{vanilla,threshold}_step, at bucket sizes through the compiled batch step, a solo request being
+bucket 1): token- and forward-exact with compile=False and the reference (fp32, CPU), one host read per step, and a second request of the same shapes
+compiles nothing.
 
 Three parts: (1) the CUDA-graph path (static workspace per StepGeometry, state loaded into it, caches written in
 place, graph-owned logits) with the capture emulated on CPU, over a grid of every step kind (threshold: every
@@ -17,7 +18,7 @@ import pytest
 
 import lopa_fast
 from lopa_fast.decode.compiled import CompiledRounds
-from lopa_fast.decode.static_steps import StepGeometry
+from lopa_fast.decode.steps import StepGeometry
 from tests.utils import emulated_capture, step_models
 
 PROMPTS = ([3, 4, 5, 6], [9, 4, 5, 1], [7, 2, 8, 30])  # one length: a geometry's later requests replay
@@ -195,17 +196,17 @@ def test_every_index_in_range_on_a_finished_state(models):
     out-of-range index is an assert, here an IndexError)."""
     import torch
 
-    from lopa_fast.decode import static_steps
+    from lopa_fast.decode import steps, threshold_step, vanilla_step
 
     for name, strategy, kw in EMULATED:
         m = models[name]
         P = 4
         cfg = lopa_fast.GenerateConfig(strategy=strategy, **{"seed": 11, **kw}).bind(m)
         L = P + cfg.max_new_tokens
-        geo = static_steps.geometry(m, cfg, L)
+        geo = steps.geometry(m, cfg, L)
         x = torch.arange(L) % 50  # no mask left
         ts = torch.linspace(1, cfg.eps, cfg.steps + 1) if geo.alg is not None else None
-        st, T = static_steps.init(m, x, P, geo, 11, ts, static_steps.step_knobs(cfg))
+        st, T = steps.init(m, x, P, geo, 11, ts, steps.step_knobs(cfg))
         st["fm"].fill_(L)
         st["i"].fill_(geo.n_steps)
         st["s"].fill_(L - geo.B)
@@ -216,5 +217,6 @@ def test_every_index_in_range_on_a_finished_state(models):
             kinds = [("full", (16,)), ("refresh", (16,)), ("refresh_first", (1,)), ("prefix", (16,)), ("dual", ())]
             kinds = [k for k in kinds if (k[0] == "full") == (geo.cache is None)]
         for kind, sizes in kinds:
-            out, _ = static_steps.step(m, {k: v.clone() for k, v in st.items()}, T, geo, kind, sizes)
+            step = vanilla_step.step if strategy == "vanilla" else threshold_step.step
+            out, _ = step(m, {k: v.clone() for k, v in st.items()}, T, geo, kind, sizes)
             assert out["head"][2] == L or kind in ("block_topk", "timestep"), (kind, name)  # still no mask

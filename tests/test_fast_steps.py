@@ -198,6 +198,11 @@ def test_select_equals_the_reference_rule_on_random_rows():
 
 
 def test_raw_rows_follow_the_dream_shift():
-    assert steps.raw_rows(5, 9, 5, True, "cpu").tolist() == [0, 0, 1, 2]  # the window's first row keeps its own
-    assert steps.raw_rows(5, 9, 0, True, "cpu").tolist() == [4, 5, 6, 7]
-    assert steps.raw_rows(5, 9, 5, False, "cpu").tolist() == [0, 1, 2, 3]
+    def raw(lo, hi, win_start, shift):  # the raw rows of positions [lo, hi) of a window starting at win_start
+        pos, valid, r = steps.rows(torch.tensor(lo), hi, hi - lo, 64, shift, win_start=win_start)
+        assert pos.tolist() == list(range(lo, hi)) and bool(valid.all())
+        return r.tolist()
+
+    assert raw(5, 9, 5, True) == [0, 0, 1, 2]  # the window's first row keeps its own
+    assert raw(5, 9, 0, True) == [4, 5, 6, 7]
+    assert raw(5, 9, 5, False) == [0, 1, 2, 3]

@@ -19,9 +19,8 @@ from lopa_fast.testing import random_model, tiny_hf_config
 from tests.utils import apd_models, emulated_capture
 
 BUILT_IN = ("vanilla", "threshold", "d2f", "lopa", "apd")
-# drivers whose dead `run()` loop the lead deletes at merge (another helper owns their files): the one loop never
-# calls it (patched to raise below)
-RUN_PENDING_DELETION = ("VanillaDriver", "ThresholdDriver")
+# drivers allowed a `run()` of their own: none (the one loop is Scheduler.step)
+RUN_PENDING_DELETION = ()
 
 
 @pytest.fixture(scope="module")

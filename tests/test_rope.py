@@ -40,7 +40,7 @@ def test_reference_twin_is_the_model_formula(dtype, fp32):
     D, theta = 16, 1e6
     model = SimpleNamespace(config=SimpleNamespace(head_dim=D, rope_theta=theta), rope_in_fp32=fp32)
     positions = torch.arange(1000, 1009)
-    cos, sin = transformer.DecoderLM._rope(model, positions)
+    cos, sin = transformer.DecoderLM.rope_tables(model, positions)
     c2, s2 = ops.rope_cos_sin(positions, D, theta)
     assert torch.equal(cos, c2) and torch.equal(sin, s2)
     q, k = _qk(2, 9, 3, 1, D, dtype)

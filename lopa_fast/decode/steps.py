@@ -1,24 +1,53 @@
-"""Shared machinery of the fast vanilla and threshold decoders: the forwards over a static KV cache, the
-device-side numerics guard, the one host read per step, the commit rules as tensor ops.
+"""The shared machinery of the fast vanilla and threshold steps: their state, their forwards, the numerics guard
+and the one host read per step, and how a step runs (eager, compiled / captured, in a compiled batch).
 
 The block loop of vanilla / threshold decoding is host-driven by nature (block boundaries, step counts and
-caches are Python constants of the request), so the fast decoders keep the loop in Python and move the
-*step* to the device: candidates, token statistics, the commit rule and the counters are tensors, and each
-step ends in ONE host read of a small head (the first non-finite row, the first mask, whether the block
-is full). The reference decoders (lopa_fast.reference.{vanilla,threshold}) read the state several times per
-step (`int(cand.sum())`, `.tolist()` of sorted confidences, `bool(...)` checks).
+caches are Python constants of the request), so the drivers (lopa_fast.decode.{vanilla,threshold}) keep the loop
+in Python and move the *step* to the device. Each strategy has ONE step function
+(lopa_fast.decode.{vanilla,threshold}_step: `parts` / `step`): candidates, token statistics, the commit rule and
+the counters are tensor ops on a state of device tensors, and each step ends in a small `head` the host reads
+ONCE. Every per-step value is a 0-d device tensor of the state and every shape is a size the driver passes, so
+the same function runs eagerly at the step's exact sizes and, under compile=True, compiled (CPU: torch.compile
+fullgraph) or captured (CUDA graph) at bucket sizes (`batch_step`, through the one loop), as the D2F / LoPA round does:
 
-Forwards (`StepForward`), all over ONE static cache buffer [num_layers, L, Hkv, D] allocated per request:
-  full(tokens [B, L], rows)       cache-free forward of the whole sequence (`model.forward_static`, the fused
-                                  layer); rows: flat row indices that get the LM head
-  refresh(x [L], rows, keep)      the same, and its keys / values of positions [0, keep) become the cache
-                                  (Fast-dLLM's refresh: keep = block start for "prefix", L for "dual")
-  prefix(win [n], s, rows)        window x[s:s+n] over the cached prefix [0, s) (append mode, nothing stored)
-  dual(win [n], s, rows)          window x[s:s+n] whose K/V overwrite cache rows [s, s+n) in place, attending
-                                  to the whole cache [0, L) (Fast-dLLM's dual cache: the model's in-place
-                                  mode, the plain layer with the cache write inside the layer loop)
+  kind             forward (`forward`: model.forward_static unless noted)                sizes
+  "full"           x [L] (cfg_scale > 0: [2, L]) with no cache; LM head on Rb rows from   (Rb,)
+                   the first mask fm (rows past the block end e are padding)
+  "refresh"        the same forward, its K/V of all L positions become the cache (a      (Rb,)
+                   "prefix" step reads only the rows < s); LLaDA threshold
+  "refresh_first"  the refresh with the one row predicting the block start s (Dream)   (1,)
+  "prefix"         window x[s : s + Nb] over the cached prefix [0, s); columns past L  (Nb,)
+                   are padding (masked keys, unread rows)
+  "dual"           window x[s : s + B] whose K/V overwrite cache rows [s, s + B) in      ()
+                   place, attending to the whole cache (model.forward_dual)
+  "block_topk"     vanilla LLaDA: "full" + the top-k commit, k = the schedule's count   (Rb, k)
+  "timestep"       vanilla Dream: "full" over rows [min(fm, L - 1), L) + its commit,    (Rb, n)
+                   n = the step's transfer count
+
+Eager, the sizes are exact (Rb = the candidates' rows, Nb = L - s) and the window start is also given as a host
+int (`s=`), so a prefix step slices exactly the cached rows [0, s) (the reference's sums); compiled, Rb and Nb
+are `shapes.pow2_bucket`s (powers of two >= 16) and the prefix is the static buffer with rows >= s masked.
+k and n stay sizes (host ints) because the commit is `torch.topk` over the full-length confidence row, as in
+the reference: its choice among exactly tied confidences (common: saturated probabilities of 1.0, LLaDA's
+blocked EOS at -1) is the implementation's, so only the same call on the same vector is exact. LLaDA's schedule
+has at most two counts; Dream's counts vary with the step (a bucket each; a CUDA capture costs one eager step).
+
+Every index is in range whatever the state (positions clamped to L - 1, writes of padding to the trash slot):
+a CUDA capture's warm-up runs on the workspace's last state, possibly a finished request's.
+Padding: rows of positions outside [lo, hi) are `valid = False`: never candidates, never committed (their
+writes go to a trash slot L of an [L + 1] scratch row), never read by the numerics guard. The host reads
+the step's `head` [4] = (first non-finite read row or -1, block full, first mask, masks left) ONCE per step;
+the logits are returned (graph-owned under CUDA graphs) only for the error message.
+
+State (`init`, per request; the CUDA workspace of CompiledRounds per StepGeometry):
+  x [L] long; fwd (forwards so far: the keyed sampler's step), i (Dream's step index), fm, s, e 0-d long;
+  transferred, multi, noop 0-d long counters; head [4] long; ck, cv [layers, L or 1, Hkv, D] the cache.
+Tables T: P (prompt length), seed (the keyed sampler's, as int64 bits), ts (Dream's timesteps, float32), and the
+float knobs (`step_knobs`: temperature, top_p, threshold, factor, entropy_threshold, cfg_scale, alg_temp) as 0-d
+float64 runtime inputs: a step's graph serves every value; only whether a knob is on is in the StepGeometry.
+The host writes s and e in place (`fill_`) at each block start: a kernel launch, not a host read.
 Row helpers map aligned positions to raw rows: with Dream's shift (upstream's `cat(l[:1], l[:-1])` over a
-window), aligned row i is raw row i - 1, except the window's first row, which keeps its own.
+window), aligned row i is raw row i - 1, except the window's first row, which keeps its own (`rows`).
 """
 from __future__ import annotations
 
@@ -26,121 +55,180 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from lopa_fast import ops
+from lopa_fast import keyed
+from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
-from lopa_fast.models.transformer import rms_norm
 from lopa_fast.sampling import is_on
 
-
-class StepForward:
-    """The forwards of one request of L positions (see the module docstring). model: DecoderLM."""
-
-    def __init__(self, model, L: int, cache: bool):
-        from lopa_fast.ops import _backend
-
-        self.model = model
-        c = model.config
-        dev = model.device
-        self.L = L
-        shape = (c.num_layers, L if cache else 1, c.num_kv_heads, c.head_dim)
-        self.cache_k = torch.zeros(shape, dtype=model.dtype, device=dev)
-        self.cache_v = torch.zeros(shape, dtype=model.dtype, device=dev)
-        self.backend = _backend.resolve("branch_attention", None, dev)
-        self.zero = torch.zeros((), dtype=torch.long, device=dev)
-        model.fused_layers()  # the merged-weight view, built or checked once per request
-
-    def _static(self, tokens: torch.Tensor, start: int, prefix: int, rows: torch.Tensor):
-        B, n = tokens.shape
-        win_lens = torch.full((B,), n, dtype=torch.long, device=tokens.device)
-        return self.model.forward_static(tokens, self.zero + start, self.cache_k, self.cache_v, prefix, win_lens,
-                                         None, "full", rows, attn_backend=self.backend)  # fmt: skip
-
-    def full(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Cache-free forward of tokens [B, L]; raw logits [R, V] of the flat rows [R]."""
-        return self._static(tokens, 0, 0, rows)[0]
-
-    def refresh(self, x: torch.Tensor, rows: torch.Tensor, keep: int) -> torch.Tensor:
-        """Cache-free forward of x [L]; K/V of positions [0, keep) become the cache; raw logits [R, V]."""
-        logits, k, v = self._static(x[None], 0, 0, rows)
-        self.cache_k[:, :keep] = k[:, 0, :keep]
-        self.cache_v[:, :keep] = v[:, 0, :keep]
-        return logits
-
-    def prefix(self, win: torch.Tensor, s: int, rows: torch.Tensor) -> torch.Tensor:
-        """Window win [n] at positions s.. over the cached prefix [0, s); raw logits [R, V]."""
-        return self._static(win[None], s, s, rows)[0]
-
-    def dual(self, win: torch.Tensor, s: int, rows: torch.Tensor) -> torch.Tensor:
-        """Window win [n] at positions s.., its K/V written over cache rows [s, s + n) in place, attending to the
-        whole cache [0, L) (`forward_window`'s in-place mode on the request's buffer); raw logits [R, V]."""
-        part = dict(tokens=win[None], start=s, cache_k=self.cache_k, cache_v=self.cache_v, prefix_len=self.L, rows=rows)
-        return dual_forwards(self.model, [part])[0]
+HEAD = ("bad", "full", "first_mask", "masks_left")
+# the threshold strategy's rules (GenerateConfig's names), in `threshold_step.select_by_rule`'s order of precedence
+RULES = ("factor", "entropy_threshold", "threshold")
+KNOBS = ("temperature", "top_p", *RULES, "cfg_scale", "alg_temp")  # float knobs: runtime inputs (tables)
+LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
 
-def dual_forwards(model, parts: list[dict]) -> list[torch.Tensor]:
-    """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer.
+@dataclass(frozen=True)
+class StepGeometry:
+    """Every Python constant a step of one request reads (it keys the compiled callables and the CUDA
+    workspace: two requests share a step's graph iff their geometries are equal). Float knobs are not constants:
+    the geometry says whether each is on, its value is a runtime input in the tables (`step_knobs`)."""
 
-    parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
-    compiled / captured batched step, lopa_fast.decode.compiled_batch: then the rows are written with index_copy_
-    and nothing is checked on the host; its part also names the attention backend, attn_backend), cache_k / cache_v
-    [num_layers,
-    L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V overwrite its rows [start_r, start_r + n_r)
-    in place before the window's queries attend to the whole cache [0, prefix_len_r)), rows [R_r] (the raw rows
-    that get the LM head). Every op but attention is row-wise over the packed rows, the RoPE table is computed per
-    request at its own positions, and attention runs per request in the shapes of its solo step, so a request's
-    logits are those of running it alone (StepForward.dual is this with one part). Returns raw logits [R_r, V]."""
-    dev = parts[0]["tokens"].device
-    ns = [p["tokens"].shape[1] for p in parts]
-    offs = [sum(ns[:r]) for r in range(len(ns))]
-    tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
-    static = [torch.is_tensor(p["start"]) for p in parts]
-    pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
-           for p, n, st in zip(parts, ns, static)]  # fmt: skip
-    ropes = [model._rope(q) for q in pos]
-    rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
-    no_window = torch.zeros(1, dtype=torch.long, device=dev)
+    strategy: str  # "vanilla" | "threshold"
+    stats_in_float64: bool  # the model family's token statistics (ModelConfig.stats_in_float64)
+    shift: bool  # Dream's logits shift
+    L: int  # prompt + generation
+    B: int  # block length (threshold, LLaDA vanilla; 0 for Dream vanilla)
+    mask_id: int
+    sampling: bool  # temperature > 0 (the value: T["temperature"])
+    nucleus: bool  # a top-p filter (top_p < 1; the value: T["top_p"])
+    top_k: int | None
+    suppress_mask: bool
+    attn_backend: str
+    cache: str | None = None
+    rule: str | None = None  # the threshold rule set ("threshold" | "factor" | "entropy_threshold"; its value: T)
+    guidance: bool = False  # LLaDA's cfg_scale > 0 (the value: T["cfg_scale"])
+    remasking: str | None = None
+    eos_inf: int | None = None  # logits_eos_inf: this id's logits -> -inf (None: off)
+    blocked: tuple = ()  # confidence_eos_eot_inf: ids committed last (confidence -1)
+    alg: str | None = None
+    race: bool = False  # Dream's alg_temp > 0: a keyed draw without replacement (the value: T["alg_temp"])
+    n_steps: int = 0  # Dream vanilla's steps
 
-    def attend(i, q, k, v):
-        outs = []
-        for p, off, n, st, dst in zip(parts, offs, ns, static, pos):
-            sl, s = slice(off, off + n), p["start"]
-            ck, cv = p["cache_k"][i], p["cache_v"][i]
-            if st:  # a device start: no host int to slice with
-                ck.index_copy_(0, dst, k[0, sl])
-                cv.index_copy_(0, dst, v[0, sl])
-            else:
-                ck[s : s + n] = k[0, sl]
-                cv[s : s + n] = v[0, sl]
-            outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window, None,
-                                             "full", check=not st, backend=p.get("attn_backend")))  # fmt: skip
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
-    h = model._layers(tokens, None, attend, rope=rope)[0]
-    h = h.index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-    h = rms_norm(h, model.final_norm_weight(), model.config.rms_norm_eps)
-    logits = F.linear(h, model.head_weight())
-    return list(logits.split([p["rows"].shape[0] for p in parts]))
+def geometry(model, cfg, L: int) -> StepGeometry:
+    """The StepGeometry of a bound, covered vanilla / threshold config on `model` for L positions."""
+    from lopa_fast.ops import _backend
+
+    # the knobs tell the step apart (each is one strategy's own, validated so): a resolved Dream vanilla config has
+    # `alg`, LLaDA vanilla has `remasking`, threshold has `cache` / one of its three rules
+    dream_vanilla = cfg.alg is not None
+    blocked = []
+    if cfg.confidence_eos_eot_inf:  # LLaDA vanilla's knob
+        blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+        if model.config.vocab_size > LLADA_EOT_ID:
+            blocked.append(LLADA_EOT_ID)
+    return StepGeometry(
+        strategy=cfg.strategy, stats_in_float64=model.config.stats_in_float64, shift=bool(model.logits_shift), L=L,
+        B=0 if dream_vanilla else int(cfg.block_length), mask_id=cfg.mask_token_id,
+        sampling=cfg.temperature > 0, nucleus=cfg.top_p is not None and cfg.top_p < 1, top_k=cfg.top_k,
+        suppress_mask=bool(cfg.suppress_mask_token),
+        attn_backend=_backend.resolve("branch_attention", None, model.device),
+        cache=cfg.cache, rule=next((r for r in RULES if getattr(cfg, r, None) is not None), None),
+        guidance=(cfg.cfg_scale or 0.0) > 0, remasking=cfg.remasking,
+        eos_inf=cfg.eos_token_id if cfg.logits_eos_inf else None,
+        blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
+        race=dream_vanilla and bool(cfg.alg_temp), n_steps=int(cfg.steps) if dream_vanilla else 0,
+    )  # fmt: skip
+
+
+def step_knobs(cfg) -> dict[str, float | None]:
+    """A request's float knobs, the tables' runtime inputs of its steps (None: off; `init` stores 0.0)."""
+    return {name: getattr(cfg, name, None) for name in KNOBS}
+
+
+def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch.Tensor | None = None,
+         knobs: dict | None = None, cache=None):
+    """(state, tables) of a request whose canvas is x [L] (prompt + masks); seed: the keyed sampler's (resolved);
+    ts: Dream's timesteps [steps + 1] float32 on x's device (None elsewhere); knobs: `step_knobs(cfg)` (None: all
+    off); cache: None (its own zero cache) or (k, v) views [layers, L or 1, Hkv, D] it uses in its place (a batch's
+    KV pool slot). Builds (or checks) the model's merged-weight view once, outside any graph."""
+    dev = x.device
+    c = model.config
+    z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
+    rows = geo.L if geo.cache is not None else 1  # no cache: one unused row (a batch's pool slot keeps its shape)
+    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
+    if cache is None:
+        cache = tuple(torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(2))
+    elif any(tuple(t.shape) != shape for t in cache):
+        raise ValueError(f"steps.init: cache views must be {shape}, got {[tuple(t.shape) for t in cache]}")
+    model.fused_layers()
+    st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
+          "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),
+          "ck": cache[0], "cv": cache[1]}  # fmt: skip
+    T = {"P": z(P), "seed": z(keyed._s64(int(seed) % (1 << 64))),
+         "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}  # fmt: skip
+    T.update({name: knob((knobs or {}).get(name), dev) for name in KNOBS})
+    return st, T
+
+
+# ---- the forwards (static shapes; positions, and in a compiled step prefix lengths, are device tensors) ---------
+# A step's forward is described by its arguments (a `model.forward_requests` part: tokens, start, cache_k, cache_v,
+# prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): alone it runs as `forward`, in a
+# batch as one request's part of the shared forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch).
+def forward(model, a: dict, geo: StepGeometry, kind: str) -> tuple:
+    """A step's solo forward: (raw logits [R, V], window keys and values [layers, B, n, Hkv, D]; None, None for a
+    "dual" step, whose K/V are already in the cache)."""
+    if kind == "dual":
+        return model.forward_dual([a])[0], None, None
+    return model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
+                                None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
+
+
+def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows) -> dict:
+    """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows."""
+    return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=prefix_len,
+                win_lens=win_lens, bids=None, rows=rows)  # fmt: skip
+
+
+def full_args(st: dict, tokens: torch.Tensor, rows: torch.Tensor) -> dict:
+    """The cache-free forward of tokens [Bt, L] (full, refresh, vanilla): its arguments."""
+    Bt, n = tokens.shape
+    zero = torch.zeros((), dtype=torch.long, device=tokens.device)
+    return args(st, tokens, zero, 0, torch.full((Bt,), n, dtype=torch.long, device=tokens.device), rows)
 
 
 @dataclass(frozen=True)
 class DualForward:
-    """`dual_forwards` as a `forward_requests` for the batch scheduler (lopa_fast.decode.batch groups a round's
+    """`model.forward_dual` as a `forward_requests` for the batch scheduler (lopa_fast.decode.batch groups a round's
     forwards by (this, mask, backend): equal for every request of one model). Returns (logits, None, None) per
     request: the window's K/V are already in each request's cache."""
 
     model: Any
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend=None, pool=None) -> list[tuple]:
-        return [(logits, None, None) for logits in dual_forwards(self.model, parts)]
+        return [(logits, None, None) for logits in self.model.forward_dual(parts)]
 
 
-def raw_rows(lo: int, hi: int, win_start: int, shift: bool, device) -> torch.Tensor:
-    """Raw window rows [hi - lo] whose (aligned) logits predict positions [lo, hi) of a window starting at
-    win_start: position q reads raw row q - win_start - 1 under Dream's shift (row 0 keeps its own)."""
-    r = torch.arange(lo - win_start, hi - win_start, device=device)
-    return (r - 1).clamp(min=0) if shift else r
+# ---- helpers -------------------------------------------------------------------------------------------------
+def rows(lo: torch.Tensor, hi, n: int, L: int, shift: bool, win_start=0):
+    """(positions [n] = lo + arange(n), valid [n] = position < hi, raw rows [n] in range) for 0-d lo: the positions
+    [lo, hi) and the raw window rows whose aligned logits predict them (Dream's shift: position q reads raw row
+    q - win_start - 1, the window's first row its own)."""
+    pos = lo + torch.arange(n, device=lo.device)
+    r = pos - win_start
+    raw = (r - 1).clamp(min=0) if shift else r
+    return pos, pos < hi, raw.clamp(max=L - 1)
+
+
+def scatter(base: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """base [L] with values [n] written at pos [n] where write [n] (the others go to a trash slot L)."""
+    L = base.numel()
+    ext = torch.cat([base, base[:1]])
+    return ext.index_copy(0, torch.where(write, pos, L), values.to(base.dtype))[:L]
+
+
+def keys(T: dict, stream: int, fwd: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The keyed sampler's keys [n] of a step's rows at positions pos [n] (fwd: the step's forward count)."""
+    return keyed.key(T["seed"], stream, fwd, 0, pos)
+
+
+def temperature(geo: StepGeometry, T: dict):
+    """The temperature a step computes with: the tables' knob when it samples, else 0.0 (greedy: another graph)."""
+    return T["temperature"] if geo.sampling else 0.0
+
+
+def finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tensor) -> tuple[dict, dict]:
+    """The end of every step: the new canvas, the first mask, the head the host reads once."""
+    dev = x.device
+    fm = first_mask(x, geo.mask_id)
+    full = torch.zeros((), dtype=torch.bool, device=dev)
+    if geo.B:
+        blk = (st["s"] + torch.arange(geo.B, device=dev)).clamp(max=geo.L - 1)
+        full = ~(x.index_select(0, blk) == geo.mask_id).any()
+    st.update(x=x, fm=fm)
+    st["head"] = torch.stack([bad, full.long(), fm, (x == geo.mask_id).sum()]).long()
+    return st, {"logits": logits}
 
 
 def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature) -> torch.Tensor:
@@ -170,52 +258,20 @@ def first_mask(x: torch.Tensor, mask_id: int) -> torch.Tensor:
     return torch.where(m.any(), m.long().argmax(), x.numel())
 
 
-def rank_desc(key: torch.Tensor) -> torch.Tensor:
-    """rank [n] long of each entry in a descending stable sort of key [n] (0 = the largest; exact ties: the
-    lower index first)."""
-    order = torch.sort(key, descending=True, stable=True).indices
-    return torch.empty_like(order).scatter_(0, order, torch.arange(key.numel(), device=key.device))
+# ---- running a step: compiled / captured alone, or in a compiled batch ----------------------------------------
+def _label(kind: str, sizes: tuple) -> str:
+    return kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
 
 
-def read_head(*fields: torch.Tensor) -> list[int]:
-    """The step's one device-to-host read: 0-d integer tensors -> ints."""
-    return torch.stack([f.reshape(()).long() for f in fields]).tolist()
 
+def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts):
+    """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
+    sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes)` ->
+    (pre, post). A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
+    the layer loop)."""
+    from lopa_fast.decode.compiled_batch import BatchStep
 
-def threshold_select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> torch.Tensor:
-    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read).
-
-    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
-    adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
-    conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
-    `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
-    every candidate when there is none or b is the last rank (upstream's edge case), in float64.
-    cfg: a GenerateConfig (its three rule knobs; `select_by_rule` takes them as values)."""
-    return select_by_rule(conf, ent, cand, cfg.factor, cfg.entropy_threshold, cfg.threshold)
-
-
-def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
-                   threshold=None) -> torch.Tensor:
-    """`threshold_select` with the rule knobs as values: floats, or 0-d float64 tensors (a compiled step's runtime
-    inputs, lopa_fast.decode.static_steps); the formulas round a tensor exactly as they round a float."""
-    any_c = cand.any()
-    idx = torch.arange(cand.numel(), device=cand.device)
-    if factor is not None:
-        c = torch.where(cand, conf, float("-inf"))
-        rank = rank_desc(c)
-        desc = torch.sort(c, descending=True, stable=True).values.double()
-        n = cand.sum()
-        # (idx + 2).reciprocal() * f: what `f / tensor` computes for a Python float f (Tensor.__rtruediv__), written
-        # out so that a tensor f (a true division otherwise) rounds the same
-        th = torch.where(idx == 0, -1.0, 1 - (idx + 2).double().reciprocal() * factor)
-        viol = (desc < th) & (idx < n)
-        b = torch.where(viol.any(), viol.long().argmax(), n)
-        count = torch.where(b < n - 1, b, n)
-        return cand & (rank < count)
-    if entropy_threshold is not None:
-        first = idx == torch.where(cand, ent, float("inf")).argmin()
-        keep = cand & ~(ent > entropy_threshold)
-    else:
-        first = idx == torch.where(cand, conf, float("-inf")).argmax()
-        keep = cand & ~(conf < threshold)
-    return (keep | (first & cand)) & any_c
+    pre, post = parts(geo, kind, sizes)
+    fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
+    return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),
+                     pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)  # fmt: skip

@@ -10,11 +10,12 @@ at T = 0 and, with the keyed sampler, for every random ordering and T > 0):
   `origin` reveals each mask with probability 1 - s/t, the others commit int(n_mask * (1 - s/t)) highest-
   confidence masks (or a keyed draw without replacement from softmax(conf / alg_temp)).
 
-What changes is how: candidates, statistics, the top-k and the counters stay on the device, the LM head runs
-only on the rows from the first mask to the candidates' end (`steps.raw_rows`), the forward is the fused
-static one, and the only host read of a step is the head (the first non-finite row, the first mask).
-compile=True runs each step as one compiled / captured callable instead (lopa_fast.decode.static_steps: the
-same numerics on static shapes, through CompiledRounds.steps_step), with the same one host read.
+What changes is how: the step is ONE function of device tensors (lopa_fast.decode.vanilla_step, on the state of
+lopa_fast.decode.steps): candidates, statistics, the top-k and the counters stay on the device, the LM head runs
+only on the rows from the first mask to the candidates' end, the forward is the fused static one, and the only
+host read of a step is its head (the first non-finite row, the first mask, the masks left). This driver runs it
+eagerly at the step's exact sizes, or with compile=True as one compiled / captured callable per bucket (through
+lopa_fast.decode.compiled_batch: a solo request is batch bucket 1 of the one loop), with the same one host read.
 """
 from __future__ import annotations
 
@@ -22,14 +23,11 @@ import warnings
 
 import torch
 
-from lopa_fast import keyed
-from lopa_fast.decode import static_steps, steps
+from lopa_fast.progress import after_step
+from lopa_fast.decode import steps, vanilla_step
 from lopa_fast.decode.shapes import pow2_bucket as bucket
-from lopa_fast.decode.static_steps import DREAM_CONF, llada_choice
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats
-from lopa_fast.progress import after_step
-from lopa_fast.sampling import token_stats
 
 
 def transfer_schedule(n_masks: int, n_steps: int) -> list[int]:
@@ -48,14 +46,16 @@ def dream_count(n_mask: int, ts: torch.Tensor, i: int, n_steps: int) -> int:
 
 
 class VanillaDriver:
-    """One vanilla request: x [L] on the device, the forwards, the host counters and the trace, as the batch
-    scheduler's state machine (lopa_fast.decode.batch: begin / next_bucket / prepare / forward_args / finish /
-    read_head / after_round / result; many requests' steps share one `model.forward_requests`); `run()` drives it
-    alone (eager through the same stages, or compile=True through CompiledRounds). A step's "bucket" is its plan
-    (lo: the first row's position, e: the candidates' end, i: the step within the block / the schedule).
+    """One vanilla request: its step state on the device (lopa_fast.decode.steps: the canvas, the counters, the
+    unused cache row), the forwards, the host counters and the trace, as the batch scheduler's state machine
+    (lopa_fast.decode.batch: begin / next_bucket / prepare / forward_args / finish / read_head / after_round /
+    result; many requests' steps share one `model.forward_requests`); `run()` drives it alone (eager through the
+    same stages, or compile=True through CompiledRounds). A step's "bucket" is its plan (lo: the first row's
+    position, e: the candidates' end, i: the step within the block / the schedule).
 
     model: DecoderLM; prompt: LongTensor [P] on model.device; cfg: a bound vanilla GenerateConfig; cache: a batch's
-    pool slot views (unused: vanilla forwards are cache-free; its one row keeps the pool's bookkeeping uniform)."""
+    pool slot views [layers, 1, Hkv, D] (unused: vanilla forwards are cache-free; its one row keeps the pool's
+    bookkeeping uniform)."""
 
     mode = "full"  # the forward's attention: full over prompt + the whole region
 
@@ -64,22 +64,18 @@ class VanillaDriver:
         self.dev = prompt.device
         self.P, G = prompt.numel(), cfg.max_new_tokens
         self.mask_id = cfg.mask_token_id
-        self.x = torch.cat([prompt, prompt.new_full((G,), self.mask_id)])
-        self.L = self.x.numel()
-        self.fw = steps.StepForward(model, self.L, cache=False)
-        if cache is not None:
-            self.use_cache(*cache)
-        self.attn_backend = self.fw.backend
+        self.L = self.P + G
+        self.geo = steps.geometry(model, cfg, self.L)
+        self.attn_backend = self.geo.attn_backend
         self.noise = request_noise(cfg, self.dev)
         self.stats = {"forwards": 0, "model_calls": 0, "host_reads": 0}
-        self.transferred = torch.zeros((), dtype=torch.long, device=self.dev)
         self.trace = [] if cfg.return_trace else None
         self.fm = self.P  # the first mask position, read with each step's head
         self.n_mask = G  # the number of masks, read with each step's head (Dream's transfer count needs it)
-        self.geo = static_steps.geometry(model, cfg, self.L)
         self.block_topk = model.config.vanilla_commit == "block_topk"  # LLaDA's sampler, else Dream's "timestep"
         self.step_index = 0  # steps run (LLaDA: block * steps_per_block + i)
         self.stopped = False
+        ts = None
         if self.block_topk:
             self.nb = (self.L - self.P) // cfg.block_length
             self.spb = cfg.steps // self.nb
@@ -87,30 +83,26 @@ class VanillaDriver:
             self.n_steps = self.nb * self.spb
         else:
             self.n_steps = cfg.steps
-            self.timesteps = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)  # float32, as upstream
-            self.ts = self.timesteps.cpu()  # one read per request: the transfer counts are host ints (topk's k)
-            self.allpos = torch.arange(self.L, device=self.dev)
-        # compile=True: every step through CompiledRounds (lopa_fast.decode.static_steps), alone or in a batch
+            ts = torch.linspace(1, cfg.eps, cfg.steps + 1, device=self.dev)  # float32, as upstream
+            self.ts = ts.cpu()  # one read per request: the transfer counts are host ints (topk's k)
+        x = torch.cat([prompt, prompt.new_full((G,), self.mask_id)])
+        self.st, self.T = steps.init(model, x, self.P, self.geo, self.noise.seed, ts, steps.step_knobs(cfg), cache)
+        # compile=True: every step through CompiledRounds, alone or in a batch
         self.compiled = self.cview = None
         from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 
         if compile_wanted(cfg, self.dev):
             self.compiled = CompiledRounds.for_model(model, cfg)
             self.cview = self.compiled.view()
-            ts = None if self.block_topk else self.timesteps
-            self.st, self.T = static_steps.init(model, self.x, self.P, self.geo, self.noise.seed, ts,
-                                                static_steps.step_knobs(cfg))
+
+    @property
+    def x(self) -> torch.Tensor:
+        """The canvas [L] (prompt + generation): the step state's."""
+        return self.st["x"]
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's (unused) cache rows: a batch's pool slot views (re-pointed when the pool grows)."""
-        self.fw.cache_k, self.fw.cache_v = cache_k, cache_v
-
-    def keys(self, stream: int, pos: torch.Tensor) -> torch.Tensor:
-        return self.noise.keys(stream, self.stats["forwards"], 0, pos)
-
-    def count(self) -> None:
-        self.stats["forwards"] += 1
-        self.stats["model_calls"] += 1
+        self.st["ck"], self.st["cv"] = cache_k, cache_v
 
     # ---- the state machine ------------------------------------------------------------------------------
     def begin(self, on_round=None) -> None:
@@ -124,186 +116,76 @@ class VanillaDriver:
         if self.block_topk:
             b, i = divmod(self.step_index, self.spb)
             e = self.P + (b + 1) * self.cfg.block_length
-            if self.compiled is not None and i == 0:
-                self.st["e"].fill_(e)  # in place (the CUDA workspace): a kernel launch, no host read
+            if i == 0:
+                self.st["e"].fill_(e)  # in place (a CUDA workspace): a kernel launch, no host read
             return self.fm, e, i  # candidates: the masks in [fm, e)
         return min(self.fm, self.L - 1), self.L, self.step_index  # no mask left: one row no rule reads
 
-    def prepare(self, lo: int, e: int, i: int) -> dict:
-        """The step's forward inputs: tokens [NB, L] (NB 2 with LLaDA's cfg_scale: the prompt-masked
-        unconditional row beside the conditional one) and the flat rows [R] that get the LM head."""
-        x, L = self.x, self.L
+    def _kind(self, lo: int, e: int, i: int) -> tuple[str, tuple]:
+        """The step's kind and sizes (lopa_fast.decode.steps): exact rows eagerly, a row bucket when compiled."""
+        size = (lambda n: n) if self.compiled is None else bucket
         if self.block_topk:
-            rows = torch.arange(lo, e, device=self.dev)
-            if self.cfg.cfg_scale > 0:
-                un_x = x.clone()
-                un_x[: self.P] = self.mask_id
-                return dict(lo=lo, e=e, i=i, tokens=torch.stack([x, un_x]), rows=torch.cat([rows, rows + L]))
-            return dict(lo=lo, e=e, i=i, tokens=x[None], rows=rows)
-        return dict(lo=lo, e=e, i=i, tokens=x[None], rows=steps.raw_rows(lo, L, 0, True, self.dev))
+            return "block_topk", (size(max(e - lo, 1)), self.schedule[i])
+        n = dream_count(self.n_mask, self.ts, i, self.n_steps) if self.cfg.alg != "origin" else 0
+        return "timestep", (size(self.L - lo), n)
+
+    def prepare(self, lo: int, e: int, i: int) -> dict:
+        """The step's forward inputs (`part`: tokens [NB, L], NB 2 with LLaDA's cfg_scale: the prompt-masked
+        unconditional row beside the conditional one; rows [R] that get the LM head) and what its `finish` needs."""
+        kind, sizes = self._kind(lo, e, i)
+        pre, post = vanilla_step.parts(self.geo, kind, sizes)
+        part, ctx = pre(self.st, self.T)
+        self._before = self.x.clone() if self.trace is not None else None
+        return dict(lo=lo, kind=kind, part=part, ctx=ctx, post=post)
 
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (the arguments of its solo cache-free forward)."""
-        NB = w["tokens"].shape[0]
-        return dict(tokens=w["tokens"], start=0, cache_k=self.fw.cache_k, cache_v=self.fw.cache_v, prefix_len=0,
-                    win_lens=torch.full((NB,), self.L, dtype=torch.long, device=self.dev), bids=None,
-                    rows=w["rows"])  # fmt: skip
+        return w["part"]
 
     def finish(self, w: dict, logits: torch.Tensor, k_win=None, v_win=None) -> None:
         """The step after its forward (raw logits [R, V] of the rows): statistics, the commit, the counters."""
-        self.count()
-        self._before = self.x.clone() if self.trace is not None else None
         self._lo = w["lo"]
-        if self.block_topk:
-            self._llada(w, logits)
-        else:
-            self._dream(w, logits)
-
-    def _llada(self, w: dict, logits: torch.Tensor) -> None:
-        cfg, x, L, dev = self.cfg, self.x, self.L, self.dev
-        lo, e, i = w["lo"], w["e"], w["i"]
-        if cfg.cfg_scale > 0:  # conditional and unconditional (prompt masked) rows of one forward
-            cond, un = logits[: e - lo], logits[e - lo :]
-            logits = un + (cfg.cfg_scale + 1) * (cond - un)
-        rows = w["rows"][: e - lo]
-        cand = x[lo:e] == self.mask_id
-        self._bad = steps.first_bad_row(logits, cand, cfg.temperature)  # before the deliberate -inf below
-        self._logits = logits
-        x0, x0_p = llada_choice(logits, self.geo, cfg.temperature,
-                                self.keys(keyed.TOKEN, rows) if cfg.temperature > 0 else None,
-                                self.keys(keyed.REMASK, rows) if cfg.remasking == "random" else None)
-        # full-length rows, so torch.topk sees the reference's vector (its order among exact ties)
-        conf = torch.full((L,), float("-inf"), dtype=x0_p.dtype, device=dev)
-        conf[lo:e] = torch.where(cand, x0_p, float("-inf"))
-        sel = torch.topk(conf, self.schedule[i]).indices
-        x[sel] = torch.cat([x[:lo], x0, x[e:]])[sel]
-        self.transferred += self.schedule[i]
-
-    def _dream(self, w: dict, logits: torch.Tensor) -> None:
-        cfg, x, L, dev, mask_id = self.cfg, self.x, self.L, self.dev, self.mask_id
-        lo, i, n_steps = w["lo"], w["i"], self.n_steps
-        pos = self.allpos[lo:]
-        cand = x[lo:] == mask_id
-        self._bad = steps.first_bad_row(logits, cand, cfg.temperature)
-        self._logits = logits
-        kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                  suppress_token=mask_id if cfg.suppress_mask_token else None)  # fmt: skip
-        keys = self.keys(keyed.TOKEN, pos) if cfg.temperature > 0 else None
-        t, s = self.timesteps[i], self.timesteps[i + 1]
-        if cfg.alg == "origin":
-            p_transfer = 1 - s / t if i < n_steps - 1 else 1
-            reveal = cand & (keyed.uniform(self.keys(keyed.REVEAL, pos)) < p_transfer)
-            _, tok, _ = token_stats(logits, **kw, keys=keys)
-            x[lo:] = torch.where(reveal, tok, x[lo:])
-            self.transferred += reveal.sum()
-            return
-        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[cfg.alg], **kw, keys=keys)
-        n = dream_count(self.n_mask, self.ts, i, n_steps)
-        full_conf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
-        full_conf[lo:] = torch.where(cand, conf.to(logits.dtype), float("-inf"))
-        if n > 0:
-            x0_full = torch.cat([torch.full((lo,), mask_id, dtype=x.dtype, device=dev),
-                                 torch.where(cand, x0, mask_id)])  # fmt: skip
-            if cfg.alg_temp is None or cfg.alg_temp == 0:
-                sel = torch.topk(full_conf, n).indices
-                x[sel] = x0_full[sel]
-            else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
-                race = keyed.top_n_race(torch.softmax(full_conf / cfg.alg_temp, -1), n,
-                                        self.keys(keyed.ORDER, self.allpos))  # fmt: skip
-                x.copy_(torch.where(race, x0_full, x))
-        self.transferred += n
+        self.st, self._info = w["post"](self.st, self.T, w["ctx"], logits, k_win, v_win)
 
     def read_head(self) -> None:
-        """The step's one host read: the guard, the first mask and the masks left (a compiled batch step's:
-        `after_round`, with the rest of its bookkeeping)."""
-        if self.compiled is not None:
-            self._b = self._read_compiled_head()
-            return
+        """The step's one host read (its head): the guard, the first mask and the masks left."""
         self.stats["host_reads"] += 1
-        self._head = steps.read_head(self._bad, steps.first_mask(self.x, self.mask_id),
-                                     (self.x == self.mask_id).sum())  # fmt: skip
-        _, self.fm, self.n_mask = self._head
+        self._b, _, self.fm, self.n_mask = self.st["head"].tolist()
 
     def after_round(self) -> None:
-        """The guard's refusal, the trace entry and the hook (with a stop check) of the step just run."""
-        if self.compiled is not None:
-            self._compiled_after(self._info, *self._pending, self._b)
-            return
+        """The counters, the guard's refusal, the trace entry and the hook (with a stop check) of the step just
+        run."""
+        self.stats["forwards"] += 1
+        self.stats["model_calls"] += 1
         self.step_index += 1
-        if self._head[0] >= 0:
-            steps.refuse(self._logits[self._head[0]], self._lo + self._head[0], self.stats["forwards"], "vanilla",
+        if self._b >= 0:
+            steps.refuse(self._info["logits"][self._b], self._lo + self._b, self.stats["forwards"], "vanilla",
                          self.cfg.temperature)  # fmt: skip
-        self._record(self._before)
-
-    def _record(self, before) -> None:
         if self.trace is not None:
-            x, P = self.x, self.P
+            x, P, before = self.x, self.P, self._before
             pos = ((before == self.mask_id) & (x != self.mask_id)).nonzero(as_tuple=True)[0]
             self.trace.append({"round": self.stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos]})
         if after_step(self.x[self.P :], self.cfg, self.stats, self.on_round):
             self.stopped = True
 
-    def _kind(self, lo: int, e: int, i: int) -> tuple[str, tuple]:
-        """compile=True: the step's kind and bucket sizes (lopa_fast.decode.static_steps)."""
-        if self.block_topk:
-            return "block_topk", (bucket(max(e - lo, 1)), self.schedule[i])
-        n = dream_count(self.n_mask, self.ts, i, self.n_steps) if self.cfg.alg != "origin" else 0
-        return "timestep", (bucket(self.L - lo), n)
-
-    def compiled_step(self, lo: int, e: int, i: int) -> None:
-        """compile=True: the step as one compiled / captured callable (forward, statistics, commit, counters,
-        head), then the one host read, the guard, the trace and the hook."""
-        before = self.x.clone() if self.trace is not None else None
-        self.st, info = static_steps.run_compiled(self.compiled, self.model, self.st, self.T, self.geo,
-                                                  *self._kind(lo, e, i))  # fmt: skip
-        self._compiled_after(info, lo, before, self._read_compiled_head())
-
     def batch_step(self, lo: int, e: int, i: int):
         """compile=True in a batch: the step as a compiled batch's BatchStep (lopa_fast.decode.compiled_batch)."""
         if self.compiled is None:
             return None
-        self._pending = (lo, self.x.clone() if self.trace is not None else None)
-        return static_steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo,
-                                       *self._kind(lo, e, i))  # fmt: skip
+        self._before = self.x.clone() if self.trace is not None else None
+        self._lo = lo
+        return steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo,
+                                *self._kind(lo, e, i), vanilla_step.parts)  # fmt: skip
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""
         self.st, self._info = st, info
 
-    def _read_compiled_head(self) -> int:
-        """A compiled step's one host read (its head): the first non-finite row (or -1); sets the first mask and the
-        masks left."""
-        self.stats["host_reads"] += 1
-        b, _, self.fm, self.n_mask = self.st["head"].tolist()
-        return b
-
-    def _compiled_after(self, info: dict, lo: int, before, b: int) -> None:
-        """After a compiled step and its host read: the counters, the guard, the trace and the hook."""
-        self.x = self.st["x"]
-        self.count()
-        self.step_index += 1
-        if b >= 0:
-            steps.refuse(info["logits"][b], lo + b, self.stats["forwards"], "vanilla", self.cfg.temperature)
-        self._record(before)
-
-    def run(self, on_round=None) -> GenerateOutput:
-        """Decode the request alone: every step through the stages above (or compiled), then the result."""
-        self.begin(on_round)
-        while (b := self.next_bucket()) is not None:
-            if self.compiled is not None:
-                self.compiled_step(*b)
-                continue
-            w = self.prepare(*b)
-            self.finish(w, self.fw.full(w["tokens"], w["rows"]))
-            self.read_head()
-            self.after_round()
-        return self.result()
-
     def result(self) -> GenerateOutput:
         """Stop the clock; the tokens, the counters and stats, the trace."""
         self.clock.__exit__(None, None, None)
         cfg, stats = self.cfg, self.stats
-        stats["transferred"] = int(self.transferred if self.compiled is None else self.st["transferred"])
+        stats["transferred"] = int(self.st["transferred"])
         if self.compiled is not None:
             stats.update(self.compiled.stats(self.cview))
         stats["host_reads_per_step"] = stats["host_reads"] / max(1, stats["forwards"])
@@ -315,9 +197,3 @@ class VanillaDriver:
                 f"{cfg.mask_token_id} after steps={cfg.steps} (the model predicted the mask token, or alg='origin' "
                 "left them); see stats['masks_left'], or pass suppress_mask_token=True", RuntimeWarning, stacklevel=4)
         return GenerateOutput(ids, stats, self.trace)
-
-
-def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
-    """Vanilla decoding on the fast backend. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig
-    (covered: lopa_fast.strategies.fast_not_covered); on_round: the progress hook."""
-    return VanillaDriver(model, prompt, cfg).run(on_round)

@@ -7,8 +7,10 @@ merging and saving are plain state-dict operations) and in small numeric convent
   dtype before rotating (as HF Qwen2 does); q/k/v have biases.
 - LLaDA: RoPE applied in fp32 and cast back (`rope_full_precision`); no biases.
 
-The one entry point decoders use is `DecoderLM.forward_window` (see its docstring); `model(input_ids)`
-is the cache-free forward under the family's own attention.
+Forwards: `model(input_ids)` is the cache-free forward under the family's own attention; `forward_window` is
+the plain layer over a `KVCache` (the reference decoders'); `forward_dual` is Fast-dLLM's dual-cache step (the
+plain layer, a window's K/V written into the cache in place before attending to it); the fast path's fused
+forwards (`forward_static`, `forward_requests`) live in static_forward.py (mixed in).
 """
 from __future__ import annotations
 
@@ -19,11 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lopa_fast import ops
-from lopa_fast.attention_modes import window_key_mask
-from lopa_fast.ops import _backend as ops_backend
-from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.kv_cache import KVCache
+from lopa_fast.models.static_forward import FusedForwards
 
 MASK_MODES = ("full", "block_causal", "causal")
 
@@ -87,7 +87,7 @@ def _merge_as_views(params: list[torch.Tensor]) -> torch.Tensor:
     return merged
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(FusedForwards, nn.Module):
     """Base class; subclasses define the parameters under HF names and `layer(i)` / `embed` / `head`."""
 
     config: ModelConfig
@@ -162,8 +162,9 @@ class DecoderLM(nn.Module):
         return out
 
     # ---- RoPE -----------------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, D] in fp32 for int positions [n] (computed per call: n is a window, D small)."""
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables cos, sin [n, D] in fp32 for int positions [n] (computed per call: n is a window, D
+        small)."""
         cfg = self.config
         d = cfg.head_dim
         inv_freq = 1.0 / (
@@ -312,11 +313,12 @@ class DecoderLM(nn.Module):
         """Embedding + every decoder layer for tokens [B, n] at positions [n]; returns h [B, n, H].
 
         attend(layer, q [B, n, Hq, D], k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (keys post-RoPE) is where the
-        callers differ (cache-free, in-place, append window, static round). rope: (cos, sin) [n, D] given instead
-        of positions (several requests' windows packed in one row, each table computed at its own positions)."""
+        callers differ (forward_window's cache-free / in-place / append modes, forward_dual's packed requests).
+        rope: (cos, sin) [n, D] given instead of positions (several requests' windows packed in one row, each
+        table computed at its own positions)."""
         cfg = self.config
         B, n = tokens.shape
-        cos, sin = self._rope(positions) if rope is None else rope
+        cos, sin = self.rope_tables(positions) if rope is None else rope
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(tokens, self.embed_weight())
         for i in range(cfg.num_layers):
@@ -332,244 +334,47 @@ class DecoderLM(nn.Module):
             h = h + w.down(F.silu(w.gate(x)) * w.up(x))
         return h
 
-    def forward_static(
-        self,
-        tokens: torch.Tensor,
-        start: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
-        cache_len: torch.Tensor | int,
-        win_lens: torch.Tensor,
-        block_ids: torch.Tensor | None,
-        mask: str,
-        rows: torch.Tensor,
-        attn_backend: str | None = None,
-        output: str = "logits",
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A window forward whose shapes depend only on the bucket, never on a per-round value.
+    def forward_dual(self, parts: list[dict]) -> list[torch.Tensor]:
+        """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer (the
+        in-place mode of `forward_window`, on each request's own static buffer).
 
-        tokens [B, n] at positions start + arange(n) (start: 0-d long tensor); the committed prefix is
-        cache_k/v [num_layers, Lc, Hkv, D] rows [0, cache_len) (cache_len: 0-d long tensor, or an int when
-        the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid
-        window lengths; block_ids [B, n] for block_causal; rows [R] flat row indices that get the LM head.
-        No host read, no input check (callers validate once per request), so the call can be captured as a
-        CUDA graph or compiled with fullgraph=True.
-        The fused layer (the fast path's, while `forward_window` keeps the plain readable one): q/k/v and
-        gate/up as one GEMM each over merged weights (`fused_layers`), RoPE on q and k in one pass, the
-        rms_norm / rope / silu_mul ops (Triton on CUDA; on CPU their torch backends, bitwise the plain
-        layer's formulas), and attention masks built once per forward instead of once per layer.
-        output: "logits" (the raw logits [R, V]) or "hidden" (the final-normed rows [R, H], for a caller that
-        applies the head itself: the fused `ops.head_confidence`, which never materialises [R, V]).
-        Returns (raw logits [R, V] (or the hidden rows), window keys and values [num_layers, B, n, Hkv, D],
-        post-RoPE).
-        """
-        cfg = self.config
-        B, n = tokens.shape
-        dev = tokens.device
-        b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)  # layer ops
-        eps = cfg.rms_norm_eps
-        positions = start + torch.arange(n, device=dev)
-        cos, sin = self._rope(positions)
-        if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
-            vis = window_key_mask(n, win_lens, block_ids, mask, B, dev)
-            prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
-        h = F.embedding(tokens, self.embed_weight())
+        parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
+        compiled / captured step: then the rows are written with index_copy_ and nothing is checked on the host),
+        cache_k / cache_v [num_layers, L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V
+        overwrite its rows [start_r, start_r + n_r) in place before the window's queries attend to the whole cache
+        [0, prefix_len_r)), prefix_len (an int), rows [R_r] (the raw rows that get the LM head), attn_backend
+        (optional: the attention backend). Every op but attention is row-wise over the packed rows, the RoPE table
+        is computed per request at its own positions, and attention runs per request in the shapes of its solo
+        step, so a request's logits are those of running it alone. Returns raw logits [R_r, V] per request."""
+        dev = parts[0]["tokens"].device
+        ns = [p["tokens"].shape[1] for p in parts]
+        offs = [sum(ns[:r]) for r in range(len(ns))]
+        tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
+        static = [torch.is_tensor(p["start"]) for p in parts]
+        pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
+               for p, n, st in zip(parts, ns, static)]  # fmt: skip
+        ropes = [self.rope_tables(q) for q in pos]
+        rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
+        no_window = torch.zeros(1, dtype=torch.long, device=dev)
 
         def attend(i, q, k, v):
-            if b == "torch":
-                return branch_attention_torch(q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok)
-            return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
-                                        check=False, backend=b)  # fmt: skip
-
-        h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
-        h = h.reshape(B * n, -1).index_select(0, rows)
-        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
-        return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
-
-    def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend) -> tuple:
-        """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
-        GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
-        k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
-        gate/up GEMM, SwiGLU, down. Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE)."""
-        cfg = self.config
-        B, n = h.shape[:2]
-        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        # the view built (or checked) by the caller at the request start; per call, only layer 0's pointer is
-        # re-checked (weights are replaced all together, e.g. by .to()), and nothing under torch.compile
-        layers = getattr(self, "_fused", None)
-        if not torch.compiler.is_compiling() and (
-            layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr()
-        ):
-            layers = self.fused_layers()
-        ks, vs = [], []
-        for i, w in enumerate(layers):
-            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
-            qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
-            q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
-                            check=False, backend=lb)  # fmt: skip
-            v = qkv[:, :, Hq + Hkv :]
-            ks.append(k)
-            vs.append(v)
-            attn = attend(i, q, k, v)
-            h = h + w.o(attn.reshape(B, n, Hq * D))
-            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
-            gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
-        return h, torch.stack(ks), torch.stack(vs)
-
-    def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
-                         pool: tuple | None = None) -> list[tuple]:
-        """`forward_static` for several requests in ONE batched forward (lopa_fast.decode.batch): every
-        request's window rows are packed into one row batch, so each layer's projections, norms and MLP run once
-        for all requests and over real rows only (no padding to the widest window), and RoPE tables are computed
-        per request at its own positions. Attention takes one of two paths:
-
-        * per request (the torch backend, i.e. CPU; and any call without a pool): over its own prefix cache and its
-          own window, in the same shapes as when it runs alone, so its sums are bitwise the solo ones (the CPU
-          batch is token-, forward- and stats-exact with solo runs: tests/test_batch.py). B launches per layer.
-        * pooled (triton / cuda with `pool`): ONE `ops.branch_attention(..., cache_index=...)` per layer for every
-          request's windows over the KV pool (lopa_fast.decode.kv_pool): one launch per layer instead of B (a GPU
-          round of small windows is launch-bound). Windows are padded to the widest Nb for this call only
-          (win_lens masks the padding keys; padding queries are dropped). Each row's prefix is split as in a
-          B = 1 call (the kernels' pooled contract), so a request's result does not depend on its neighbours; it
-          equals the per-request path up to float summation order in the window part (logits within the kernels'
-          tolerance, tokens equal on the parity grid: tests/test_kv_pool.py).
-
-        parts[r]: dict(tokens [NB_r, Nb_r], start (int or 0-d long tensor, the window start), cache_k / cache_v
-        [num_layers, Lc_r, Hkv, D], prefix_len (committed rows: an int, or a 0-d long tensor in a compiled /
-        captured batched step, lopa_fast.decode.compiled_batch: no host read), win_lens [NB_r], bids [NB_r, Nb_r] or
-        None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head), and with a pool: slot (int, the
-        request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
-        D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
-        A part may carry output="hidden" (default "logits"): its rows come back final-normed [Rb_r, H], without the
-        head (the fused head path of lopa_fast.decode.round); the other parts' rows still share ONE head GEMM.
-        Returns per request (raw logits [Rb_r, V] (or hidden rows), window keys and values [num_layers, NB_r, Nb_r,
-        Hkv, D])."""
-        cfg = self.config
-        Hq, D = cfg.num_heads, cfg.head_dim
-        dev = parts[0]["tokens"].device
-        b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)
-        eps = cfg.rms_norm_eps
-        shapes = [tuple(p["tokens"].shape) for p in parts]  # (NB_r, Nb_r)
-        offs, o = [], 0
-        for NBr, Nbr in shapes:
-            offs.append(o)
-            o += NBr * Nbr
-        T = o  # packed rows: request r's rows [offs[r], offs[r] + NB_r * Nb_r), slot-major as its flat rows
-        tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
-        # RoPE tables per request at its own positions and window length (the solo call's values), per row
-        cos_rows, sin_rows = [], []
-        for p, (NBr, Nbr) in zip(parts, shapes):
-            c, s_ = self._rope(p["start"] + torch.arange(Nbr, device=dev))
-            cos_rows.append(c.repeat(NBr, 1))
-            sin_rows.append(s_.repeat(NBr, 1))
-        cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
-        h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
-        if pool is not None and b != "torch":
-            attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
-        else:
-            masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
-                     for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
-            # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
-            # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
-            prefix_ok = [prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev)
-                         if b == "torch" and torch.is_tensor(p["prefix_len"]) else None for p in parts]  # fmt: skip
-
-            def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
-                outs = []
-                for p, off, (NBr, Nbr), vis, ok in zip(parts, offs, shapes, masks, prefix_ok):
-                    sl = slice(off, off + NBr * Nbr)
-                    qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
-                    kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
-                    if b == "torch":
-                        a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                   vis, ok)  # fmt: skip
-                    else:
-                        a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                 p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
-                    outs.append(a.reshape(NBr * Nbr, Hq, D))
-                return torch.cat(outs)[None]
-
-        h, K, V = self._fused_stack(h, cos, sin, lb, attend)  # K, V: [layers, 1, T, Hkv, D]
-        # the LM-head rows of every request: its flat rows, offset to its packed block
-        hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-        hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
-        hidden = [p.get("output", "logits") == "hidden" for p in parts]
-        spans, r0 = [], 0
-        for p in parts:
-            spans.append((r0, r0 + p["rows"].shape[0]))
-            r0 = spans[-1][1]
-        if not any(hidden):
-            logits = F.linear(hs, self.head_weight())
-            heads = [logits[a:b] for a, b in spans]
-        else:  # the logits parts' rows in one GEMM, the hidden parts' rows as they are
-            want = [i for i, hid in enumerate(hidden) if not hid]
-            logits = F.linear(torch.cat([hs[slice(*spans[i])] for i in want]), self.head_weight()) if want else None
-            heads, q = [], 0
-            for (a, b), hid in zip(spans, hidden):
-                if hid:
-                    heads.append(hs[a:b])
+            outs = []
+            for p, off, n, st, dst in zip(parts, offs, ns, static, pos):
+                sl, s = slice(off, off + n), p["start"]
+                ck, cv = p["cache_k"][i], p["cache_v"][i]
+                if st:  # a device start: no host int to slice with
+                    ck.index_copy_(0, dst, k[0, sl])
+                    cv.index_copy_(0, dst, v[0, sl])
                 else:
-                    heads.append(logits[q : q + b - a])
-                    q += b - a
-        out = []
-        for head, off, (NBr, Nbr) in zip(heads, offs, shapes):
-            kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]
-            out.append((head, kv[0], kv[1]))
-        return out
+                    ck[s : s + n] = k[0, sl]
+                    cv[s : s + n] = v[0, sl]
+                outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window,
+                                                 None, "full", check=not st,
+                                                 backend=p.get("attn_backend")))  # fmt: skip
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
-
-# padding block id of the pooled call's padding queries: they see every valid key of their row (their output is
-# dropped; a query that saw no key at all would be a 0/0 row, harmless but noisy under a NaN checker)
-_PAD_BLOCK = 1 << 30
-
-
-def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, pool: tuple, Hq: int, D: int, dev):
-    """The pooled path of `DecoderLM.forward_requests`: attend(layer, q [1, T, Hq, D], k, v [1, T, Hkv, D]) ->
-    o [1, T, Hq, D] as ONE pooled `ops.branch_attention` call over the pool (k, v [layers, S, Lp, Hkv, D]).
-
-    The call's batch is every request's branch rows (B = sum NB_r) at the widest window nmax = max Nb_r: with equal
-    windows the packed rows are that batch already (a view); otherwise one index_copy_ per tensor scatters the packed
-    rows into a zero [B * nmax] buffer and one index_select gathers the real rows back. The per-call tables (slot
-    per row, prefix length per slot, window lengths, block ids) are built once per forward, not per layer, with one
-    host-to-device copy (a GPU round of small windows is launch- and sync-bound: every copy counts)."""
-    k_pool, v_pool = pool
-    S = k_pool.shape[1]
-    B = sum(NBr for NBr, _ in shapes)
-    nmax = max(Nbr for _, Nbr in shapes)
-    lens = [0] * S
-    slot_rows, dest, r0 = [], [], 0
-    for p, (NBr, Nbr) in zip(parts, shapes):
-        lens[p["slot"]] = int(p["prefix_len"])
-        slot_rows += [p["slot"]] * NBr
-        for a in range(NBr):  # packed row -> its row of the padded [B * nmax] batch
-            base = (r0 + a) * nmax
-            dest += range(base, base + Nbr)
-        r0 += NBr
-    padded = any(Nbr != nmax for _, Nbr in shapes)
-    # one host-to-device copy per forward: [S] prefix lengths (unused slots 0, never indexed), [B] slot per row,
-    # then (padded windows only) [T] the packed rows' places in the padded batch
-    table = torch.tensor(lens + slot_rows + (dest if padded else []), dtype=torch.long, device=dev)
-    cache_len, cache_index = table[:S], table[S : S + B]
-    dest = table[S + B :] if padded else None
-    win_lens = torch.cat([p["win_lens"].reshape(-1).long() for p in parts])  # [B]
-    bids = None
-    if mode == "block_causal":
-        bids = torch.cat([torch.nn.functional.pad(p["bids"].long(), (0, nmax - Nbr), value=_PAD_BLOCK)
-                          for p, (_, Nbr) in zip(parts, shapes)])  # fmt: skip
-
-    def pad(t):  # [1, T, H, D] -> [B, nmax, H, D]
-        if dest is None:
-            return t.reshape(B, nmax, t.shape[2], D)
-        return t.new_zeros(B * nmax, t.shape[2], D).index_copy_(0, dest, t[0]).view(B, nmax, t.shape[2], D)
-
-    def attend(i, q, k, v):
-        o = ops.branch_attention(pad(q), k_pool[i], v_pool[i], cache_len, pad(k), pad(v), win_lens, bids, mode,
-                                 check=False, backend=b, cache_index=cache_index)  # fmt: skip
-        o = o.reshape(B * nmax, Hq, D)
-        return (o if dest is None else o.index_select(0, dest))[None]
-
-    return attend
+        h = self._layers(tokens, None, attend, rope=rope)[0]
+        h = h.index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
+        h = rms_norm(h, self.final_norm_weight(), self.config.rms_norm_eps)
+        logits = F.linear(h, self.head_weight())
+        return list(logits.split([p["rows"].shape[0] for p in parts]))

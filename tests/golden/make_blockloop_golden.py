@@ -80,8 +80,8 @@ def dense_forward(m, ids, past=None, replace=None, layout="bhld"):
             qpos0 = K.shape[1] - n
         new.append((from_std(K), from_std(V)))
         Lk = K.shape[1]
-        ck, sk = m._rope(torch.arange(Lk))
-        cq, sq = m._rope(torch.arange(qpos0, qpos0 + n))
+        ck, sk = m.rope_tables(torch.arange(Lk))
+        cq, sq = m.rope_tables(torch.arange(qpos0, qpos0 + n))
         qr = m._apply_rope(q, cq, sq).transpose(1, 2)
         kr = m._apply_rope(K, ck, sk).transpose(1, 2).repeat_interleave(Hq // Hkv, 1)
         vr = V.transpose(1, 2).repeat_interleave(Hq // Hkv, 1)
