@@ -284,6 +284,8 @@ def _stage_wrapper(rounds: Rounds, stage: str):
 def _model_wrapper(rounds: Rounds):
     def factory(fn):
         def wrapped(*a, **k):
+            if rounds.norms is not None:  # inside a model call already (forward_requests of one request is its
+                return fn(*a, **k)  # forward_static): one model call, counted once
             rounds.model_enter()
             try:
                 return fn(*a, **k)

@@ -136,7 +136,12 @@ class FusedForwards:
         A part may carry output="hidden" (default "logits"): its rows come back final-normed [Rb_r, H], without the
         head (the fused head path of lopa_fast.decode.round); the other parts' rows still share ONE head GEMM.
         Returns per request (raw logits [Rb_r, V] (or hidden rows), window keys and values [num_layers, NB_r, Nb_r,
-        Hkv, D])."""
+        Hkv, D]). One request without a pool (a solo round, a group of one) is its `forward_static` call."""
+        if len(parts) == 1 and pool is None:  # one request: its solo forward (the same shapes and sums, without
+            p = parts[0]  # packing: a solo request's eager round was ~8 % slower through the packed path on CPU)
+            return [self.forward_static(p["tokens"], p["start"], p["cache_k"], p["cache_v"], p["prefix_len"],
+                                        p["win_lens"], p["bids"], mode, p["rows"], attn_backend=attn_backend,
+                                        output=p.get("output", "logits"))]  # fmt: skip
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
