@@ -334,13 +334,13 @@ def instrument(model, rounds: Rounds, upstream=None):
     import torch.nn.functional as F
 
     import lopa_fast.decode.batch as batch
-    import lopa_fast.decode.engine as engine
-    import lopa_fast.decode.round as rnd
+    import lopa_fast.strategies.lopa.driver as driver
+    import lopa_fast.strategies.lopa.round as rnd
     import lopa_fast.models.static_forward as sf
     import lopa_fast.models.transformer as tr
     import lopa_fast.ops as ops
-    import lopa_fast.reference.d2f as rd2f
-    import lopa_fast.reference.lopa as rlopa
+    import lopa_fast.strategies.lopa.reference_d2f as rd2f
+    import lopa_fast.strategies.lopa.reference_lopa as rlopa
     import lopa_fast.testing as testing
 
     @contextlib.contextmanager
@@ -383,13 +383,13 @@ def instrument(model, rounds: Rounds, upstream=None):
         # the fast round: statistics; the round scope and the head read
         es.enter_context(_patched(rnd, "token_stats", _stage_wrapper(rounds, "stats")))
         es.enter_context(_patched(rnd, "first_nonfinite", _stage_wrapper(rounds, "stats")))
-        es.enter_context(_patched(engine, "round_scope", lambda fn: fast_round_scope))  # begin's plan + read
+        es.enter_context(_patched(driver, "round_scope", lambda fn: fast_round_scope))  # begin's plan + read
         es.enter_context(_patched(batch, "round_scope", lambda fn: fast_round_scope))  # the one loop's rounds
-        es.enter_context(_patched(engine.FastDecoder, "_read_head", read_head_factory))
+        es.enter_context(_patched(driver.FastDecoder, "_read_head", read_head_factory))
         # the reference: one marker per round, statistics
         es.enter_context(_patched(rlopa, "shared_prefix_end", _round_marker(rounds)))
         es.enter_context(_patched(rd2f, "update_activation", _round_marker(rounds)))  # once per D2F round
-        for mod in (engine, rd2f, rlopa):  # the round cap: what follows is the request's tail, not a round
+        for mod in (driver, rd2f, rlopa):  # the round cap: what follows is the request's tail, not a round
             es.enter_context(_patched(mod, "round_cap_hit", _tail_marker(rounds)))
         for mod in (rd2f, rlopa):
             es.enter_context(_patched(mod, "token_stats", _stage_wrapper(rounds, "stats")))

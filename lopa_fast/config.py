@@ -1,7 +1,7 @@
 """The decoding knobs as one validated dataclass (knob names are upstream's).
 
 `GenerateConfig.validate()` checks every knob that needs no model (the shared ones here, each strategy's own
-through its spec's `validate` hook: lopa_fast/strategies/<name>.py) and raises ValueError / TypeError naming the
+through its spec's `validate` hook: lopa_fast/strategies/<folder>/spec.py) and raises ValueError / TypeError naming the
 knob, the value and what is allowed. `bind(model)` fills the model-dependent defaults (mask / EOS ids, the round
 cap, the spec's `resolve` hook) and returns a new, fully resolved config (`bind_prompt`: the same for a prompt's
 length, in whole blocks); strategies and the fast decoder receive only resolved configs.
@@ -26,9 +26,9 @@ from lopa_fast.knobs import check_choice as _choice
 from lopa_fast.knobs import check_number as _num
 from lopa_fast.knobs import check_positive_int as _positive_int
 from lopa_fast.knobs import check_prob as _prob
-from lopa_fast.strategies.d2f import SAMPLING_STRATEGIES
-from lopa_fast.strategies.threshold import CACHE_MODES
-from lopa_fast.strategies.vanilla import DREAM_ALGS, REMASKING
+from lopa_fast.strategies.lopa.spec import SAMPLING_STRATEGIES
+from lopa_fast.strategies.threshold.spec import CACHE_MODES
+from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
 
 MAX_STOP_SEQUENCES, MAX_STOP_LENGTH = 16, 32  # checked on the device every round: a bounded static loop
 BACKENDS = ("reference", "fast", "auto")
@@ -208,7 +208,7 @@ class GenerateConfig:
         """Check every knob that needs no model; raise ValueError/TypeError before any work.
 
         The shared knobs are checked here, then the strategy's own (its spec's `knobs` and `validate` hook:
-        lopa_fast/strategies/<name>.py). spec: the strategy's spec when the caller has looked it up already (the
+        lopa_fast/strategies/<folder>/spec.py). spec: the strategy's spec when the caller has looked it up already (the
         request plan, lopa_fast.plan), else looked up here (a KnobError naming the registered strategies)."""
         spec = spec if spec is not None else strategies.get(self.strategy)
         _choice("backend", self.backend, BACKENDS)

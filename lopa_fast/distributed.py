@@ -3,7 +3,7 @@
 `generate(..., backend="fast", distributed=True)` inside an initialised process group (gloo on CPU, NCCL on
 GPUs: one rank per device, the model on cuda:LOCAL_RANK) decodes ONE request with every rank of the group: the
 round's branch slots split over the ranks, the token statistics of the needed LM-head rows exchanged
-(lopa_fast.distributed_round: the round, its messages and its driver). This module is the runtime around it: the
+(lopa_fast.strategies.lopa.distributed: the round, its messages and its driver). This module is the runtime around it: the
 process group (`check_group`, `init_from_env`), the counted collectives (`Comm`), the request fingerprint every
 rank must share (`weights_fingerprint`) and the driver factory (`driver`: the d2f / lopa spec's driver under
 distributed=True, stepped by the one loop, lopa_fast.decode.batch).
@@ -26,7 +26,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lopa_fast.distributed_round import DistributedDecoder, slot_owner, slot_share  # noqa: F401  (re-exported)
+from lopa_fast.strategies.lopa.distributed import DistributedDecoder, slot_owner, slot_share  # noqa: F401  (re-exported)
 from lopa_fast.errors import DistributedError, KnobError
 
 # the collective timeout of a group started by init_from_env: a dead peer is reported after at most this long

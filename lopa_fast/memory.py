@@ -24,7 +24,7 @@ def _dims(model) -> tuple:
 def cache_bytes(model, total: int) -> int:
     """The static K/V cache of a request of `total` positions, every layer, in the weights' dtype, as big as its
     batch KV-pool slot (lopa_fast.decode.kv_pool): its buffer rounded up to the length quantum plus the trash row
-    (lopa_fast.decode.round), rounded up to the quantum again (slot lengths are multiples of it)."""
+    (lopa_fast.strategies.lopa.round), rounded up to the quantum again (slot lengths are multiples of it)."""
     from lopa_fast.decode.shapes import quantized_length
 
     e, n_layers, n_kv, d = _dims(model)[:4]

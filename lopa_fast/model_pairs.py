@@ -1,5 +1,5 @@
 """Checks of a (drafter, verifier) model pair, before any forward: APD's (strategy="apd"). The strategy's spec
-(lopa_fast.strategies.apd: `check_models`) and its reference decoder (lopa_fast.reference.apd) both run them, so the
+(lopa_fast.strategies.apd: `check_models`) and its reference decoder (lopa_fast.strategies.apd.reference) both run them, so the
 oracle takes them from here and imports nothing of the fast side. No torch, no lopa_fast import: models and configs
 are read by attribute."""
 from __future__ import annotations

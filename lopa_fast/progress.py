@@ -29,7 +29,7 @@ def stop_reached(generated, cfg) -> bool:
 
     The per-step stop check of the host-driven loops (vanilla, threshold, apd): one host read of the row per
     step, only when stop sequences are given. Device-driven loops check on the device instead
-    (decode/round.py `_stop_in_prefix`) and read the flag with their step's one host read."""
+    (strategies/lopa/round.py `_stop_in_prefix`) and read the flag with their step's one host read."""
     if not cfg.stop:
         return False
     ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)

@@ -252,8 +252,8 @@ def test_generate_help_is_built_from_the_knobs(capsys):
 
     from lopa_fast import config
     from lopa_fast.config import GenerateConfig, knob_choices
-    from lopa_fast.strategies.threshold import CACHE_MODES
-    from lopa_fast.strategies.vanilla import DREAM_ALGS, REMASKING
+    from lopa_fast.strategies.threshold.spec import CACHE_MODES
+    from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
 
     fields = dataclasses.fields(GenerateConfig)
     for f in fields:

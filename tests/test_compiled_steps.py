@@ -196,7 +196,9 @@ def test_every_index_in_range_on_a_finished_state(models):
     out-of-range index is an assert, here an IndexError)."""
     import torch
 
-    from lopa_fast.decode import steps, threshold_step, vanilla_step
+    from lopa_fast.decode import steps
+    from lopa_fast.strategies.threshold import step as threshold_step
+    from lopa_fast.strategies.vanilla import step as vanilla_step
 
     for name, strategy, kw in EMULATED:
         m = models[name]

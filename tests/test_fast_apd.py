@@ -1,4 +1,4 @@
-"""Parity gate of the fast APD path (lopa_fast/decode/apd.py): token for token, step for step (dLLM and verifier
+"""Parity gate of the fast APD path (lopa_fast/strategies/apd/driver.py): token for token, step for step (dLLM and verifier
 forwards, acceptance counts) equal to backend="reference", fp32 on CPU.
 
 The reference is token-exact with upstream's `apd_sample` on the committed goldens (tests/test_reference_apd.py);
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.decode import apd as fast_apd
-from lopa_fast.decode import apd_step
+from lopa_fast.strategies.apd import driver as fast_apd
+from lopa_fast.strategies.apd import step as apd_step
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError

@@ -162,7 +162,7 @@ def test_progress_hook_sees_the_reference_prefixes(models):
 
 
 def test_select_rules_on_hand_worked_rows():
-    from lopa_fast.decode.threshold import select
+    from lopa_fast.strategies.threshold.driver import select
 
     cfg = lopa_fast.GenerateConfig(strategy="threshold", threshold=0.5)
     conf = torch.tensor([0.2, 0.7, 0.9, 0.5, 0.6], dtype=torch.float64)
@@ -181,8 +181,8 @@ def test_select_rules_on_hand_worked_rows():
 
 
 def test_select_equals_the_reference_rule_on_random_rows():
-    from lopa_fast.decode.threshold import select
-    from lopa_fast.reference.threshold import select as reference_select
+    from lopa_fast.strategies.threshold.driver import select
+    from lopa_fast.strategies.threshold.reference import select as reference_select
 
     g = torch.Generator().manual_seed(0)
     for rule, val in THRESHOLD_RULES + (("factor", 0.3), ("factor", 6.0)):

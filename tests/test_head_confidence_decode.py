@@ -1,4 +1,4 @@
-"""The fused LM head in the D2F / LoPA rounds (`ops.head_confidence`, engine.fused_head_wanted): on CPU it is
+"""The fused LM head in the D2F / LoPA rounds (`ops.head_confidence`, strategies/lopa/driver.fused_head_wanted): on CPU it is
 opt-in ($LOPA_FAST_FUSED_HEAD=1); with it on, the fast decoder stays token- and forward-equal to the reference
 decoders on the tiny-model parity grid (solo, batched, graph-workspace emulation), the numerics guard still
 names the round and position of a non-finite row, and the knobs that need whole rows (T > 0, top-p / top-k,
@@ -13,7 +13,7 @@ import torch
 import lopa_fast
 from lopa_fast import ops
 from lopa_fast.config import GenerateConfig
-from lopa_fast.decode.engine import FUSED_HEAD_ENV, fused_head_wanted
+from lopa_fast.strategies.lopa.driver import FUSED_HEAD_ENV, fused_head_wanted
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests import test_fast_parity as parity
 from tests.utils import emulated_capture
@@ -82,7 +82,7 @@ def test_fused_head_batched_equals_reference(model, fused, k, full):
 def test_forward_requests_mixes_hidden_and_logits_parts(model):
     """A batch whose parts ask for different outputs: logits rows equal the all-logits call's, hidden rows the
     rows the head would read (head(hidden) == those logits)."""
-    from lopa_fast.decode.engine import FastDecoder
+    from lopa_fast.strategies.lopa.driver import FastDecoder
 
     cfg = GenerateConfig(strategy="lopa", branching_factor=2, block_size=4, max_new_tokens=8).bind(model)
     parts = []

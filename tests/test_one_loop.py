@@ -72,11 +72,11 @@ def loop_counter(monkeypatch):
 
 
 def _driver_classes() -> list:
-    from lopa_fast.decode.apd import FastApd
-    from lopa_fast.decode.engine import FastDecoder
-    from lopa_fast.decode.threshold import ThresholdDriver
-    from lopa_fast.decode.vanilla import VanillaDriver
-    from lopa_fast.distributed_round import DistributedDecoder
+    from lopa_fast.strategies.apd.driver import FastApd
+    from lopa_fast.strategies.lopa.driver import FastDecoder
+    from lopa_fast.strategies.threshold.driver import ThresholdDriver
+    from lopa_fast.strategies.vanilla.driver import VanillaDriver
+    from lopa_fast.strategies.lopa.distributed import DistributedDecoder
 
     return [FastDecoder, FastApd, DistributedDecoder, VanillaDriver, ThresholdDriver]
 
@@ -90,8 +90,8 @@ def test_the_drivers_have_no_loop_and_conform():
     for name in BUILT_IN:
         spec = strategies.get(name)
         assert spec.fast == strategies.SOLO and spec.load("fast") is batch.run_solo, name
-    import lopa_fast.decode.apd as apd
-    import lopa_fast.decode.engine as engine
+    import lopa_fast.strategies.apd.driver as apd
+    import lopa_fast.strategies.lopa.driver as engine
 
     assert not hasattr(apd, "generate") and not hasattr(engine.FastDecoder, "_step")
 

@@ -1,4 +1,4 @@
-"""The reference APD decoder (lopa_fast/reference/apd.py) against the UPSTREAM `apd_sample`, plus its rules.
+"""The reference APD decoder (lopa_fast/strategies/apd/reference.py) against the UPSTREAM `apd_sample`, plus its rules.
 
 tests/golden/apd_upstream.json was produced by `python tests/golden/make_apd_golden.py <apd checkout>`, which
 runs danielmisrael/apd's own `DreamGenerationMixin.apd_sample` (a555561) on seeded tiny Dream + Qwen2 models
@@ -16,7 +16,7 @@ import torch
 
 import lopa_fast
 from lopa_fast.config import GenerateConfig
-from lopa_fast.reference import apd
+from lopa_fast.strategies.apd import reference as apd
 from lopa_fast.testing import model_from_spec, random_model, tiny_hf_config, weights_fingerprint
 
 HERE = os.path.dirname(__file__)

@@ -10,7 +10,7 @@ import torch
 from test_reference_common import StubModel
 
 import lopa_fast
-from lopa_fast.reference.d2f import anchor_fill, new_block
+from lopa_fast.strategies.lopa.reference_d2f import anchor_fill, new_block
 
 KW = dict(block_add_threshold=0.5, decoded_token_threshold=0.75, skip_threshold=0.9, sampling_strategy="default")
 

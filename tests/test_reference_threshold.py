@@ -10,7 +10,7 @@ import torch
 from test_reference_common import StubModel
 
 import lopa_fast
-from lopa_fast.reference.threshold import factor_count, select
+from lopa_fast.strategies.threshold.reference import factor_count, select
 from lopa_fast.testing import random_model, tiny_hf_config
 
 MASK = 7

@@ -7,7 +7,7 @@ import torch
 from test_reference_common import StubModel
 
 import lopa_fast
-from lopa_fast.reference.vanilla import transfer_schedule
+from lopa_fast.strategies.vanilla.reference import transfer_schedule
 from lopa_fast.testing import random_model, tiny_hf_config
 
 MASK, EOS = 7, 6

@@ -355,33 +355,102 @@ def test_import_graph_has_no_cycle():
     assert len(graph) > 50  # the walk saw the package
 
 
+def _module_level_imports(name: str, path: pathlib.Path, mods: dict) -> set[str]:
+    """The lopa_fast modules `name` imports when it is imported: its imports outside function bodies (a function's
+    imports run when it is called)."""
+    found, todo = set(), list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= _imports(name, _OneStatement(node), mods)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+class _OneStatement:
+    """One import statement in the shape `_imports` reads (a path whose text is that statement)."""
+
+    def __init__(self, node):
+        self.name, self._text = "statement.py", ast.unparse(node)
+
+    def read_text(self):
+        return self._text
+
+
+def _is_oracle(m: str) -> bool:
+    return m.startswith("lopa_fast.reference.") or (m.startswith("lopa_fast.strategies.")
+                                                    and m.rpartition(".")[2].startswith("reference"))  # fmt: skip
+
+
+def _is_spec(m: str) -> bool:
+    """The strategy definitions both backends read: the registry, the package and folder __init__s, spec.py, blocks.py
+    (importing a strategy folder's reference imports the strategies package, which registers every spec)."""
+    return m in ("lopa_fast.strategies", "lopa_fast.strategies.registry", "lopa_fast.strategies.blocks") or (
+        m.startswith("lopa_fast.strategies.") and (m.count(".") == 2 or m.endswith(".spec")))
+
+
 def test_the_reference_decoders_import_nothing_of_the_fast_path():
-    """The reference decoders are an independent oracle: no module they reach, directly or through what they import
-    (function-local and importlib imports included, as the cycle walk sees them), is a lopa_fast.decode,
-    lopa_fast.strategies or lopa_fast.ops module (APD's pair checks live in lopa_fast.model_pairs, shared with the
-    spec)."""
+    """The reference decoders are an independent oracle. The oracle is lopa_fast/reference/ (the shared helpers and
+    the op references) and each strategy folder's reference*.py. No module an oracle module reaches, directly or
+    through what it imports (function-local and importlib imports included, as the cycle walk sees them; importing
+    a module imports its parent packages), is a lopa_fast.decode, lopa_fast.ops or lopa_fast.kernels module or a
+    strategy folder's fast part (driver.py, step.py, round.py, ...). A strategy's spec (its knobs and checks, read by
+    both backends) may be reached: from it the walk follows the imports that run on import only, since a spec loads
+    its fast driver inside the function the fast backend calls (APD's pair checks: lopa_fast.model_pairs)."""
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
-    refs = sorted(m for m in mods if m.startswith("lopa_fast.reference."))
-    assert {"lopa_fast.reference.apd", "lopa_fast.reference.lopa", "lopa_fast.reference.vanilla"} <= set(refs)
-    fast = ("lopa_fast.decode", "lopa_fast.strategies", "lopa_fast.ops")
+    refs = sorted(m for m in mods if _is_oracle(m))
+    assert {"lopa_fast.strategies.apd.reference", "lopa_fast.strategies.lopa.reference_lopa",
+            "lopa_fast.strategies.lopa.reference_d2f", "lopa_fast.strategies.threshold.reference",
+            "lopa_fast.strategies.vanilla.reference", "lopa_fast.reference.ops"} <= set(refs)  # fmt: skip
+
+    def edges(m: str) -> set[str]:
+        parents = {m.rsplit(".", i)[0] for i in range(1, m.count("."))} - {"lopa_fast"}
+        own = _module_level_imports(m, mods[m], mods) if _is_spec(m) else graph[m]
+        return (own | parents) & mods.keys()
+
+    def fast(m: str) -> bool:
+        return m.startswith(("lopa_fast.decode", "lopa_fast.ops", "lopa_fast.kernels")) or (
+            m.startswith("lopa_fast.strategies.") and not _is_spec(m) and not _is_oracle(m))
+
     offenders = []
     for ref in refs:
         seen, todo = set(), [ref]
         while todo:
-            for n in graph[todo.pop()] - seen:
+            for n in edges(todo.pop()) - seen:
                 seen.add(n)
                 todo.append(n)
-        offenders += [f"{ref} -> {m}" for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in fast)]
-    assert "lopa_fast.model_pairs" in _imports("lopa_fast.reference.apd", mods["lopa_fast.reference.apd"], mods)
+        offenders += [f"{ref} -> {m}" for m in sorted(seen) if fast(m)]
+    assert "lopa_fast.model_pairs" in graph["lopa_fast.strategies.apd.reference"]
+    assert fast("lopa_fast.strategies.lopa.driver") and fast("lopa_fast.strategies.vanilla.step")
     assert not offenders, "\n".join(offenders)
+
+
+def test_importing_the_oracle_loads_nothing_of_the_fast_path():
+    """The same rule, run: a fresh interpreter imports every reference decoder and lopa_fast.reference.ops, and no
+    fast-path module (decode, ops, kernels, a strategy's driver / step / round) is loaded."""
+    code = ("import sys, lopa_fast.strategies as s\n"
+            "import lopa_fast.reference.ops, lopa_fast.reference.common\n"
+            "for n in s.names(): s.get(n).load('reference')\n"
+            "bad = [m for m in sys.modules if m.startswith(('lopa_fast.decode', 'lopa_fast.ops', 'lopa_fast.kernels'))"
+            " or (m.startswith('lopa_fast.strategies.') and m.rpartition('.')[2] in"
+            " ('driver', 'step', 'round', 'round_stats', 'distributed'))]\n"
+            "print(sorted(bad)); assert not bad\n")  # fmt: skip
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_no_strategy_name_is_compared_outside_the_strategies():
     """`cfg.strategy == "lopa"` and the like live in lopa_fast/strategies/ (and the reference decoders, each one
     strategy's oracle) only: everything else asks the registry."""
     names = set(strategies.names())
-    allowed = (PACKAGE / "strategies", PACKAGE / "reference")
+    allowed = (PACKAGE / "strategies", PACKAGE / "reference")  # each strategy's folder, the oracle's shared parts
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if any(a in path.parents for a in allowed):

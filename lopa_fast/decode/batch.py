@@ -8,7 +8,7 @@ tables and finish line (the driver, lopa_fast.decode.driver's protocol: `FastDec
 is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
 admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
 live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
-bookkeeping (the torch round, lopa_fast/decode/round.py). Attention: on the torch backend (CPU) per request over
+bookkeeping (the torch round, lopa_fast/strategies/lopa/round.py). Attention: on the torch backend (CPU) per request over
 its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
 those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
 every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:

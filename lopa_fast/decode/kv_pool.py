@@ -3,7 +3,7 @@ slot of the same two tensors, so one pooled attention call per layer can read ev
 
 Layout: k, v [num_layers, S, Lp, Hkv, D] (one layer's pool `k[i]` is the contiguous [S, Lp, Hkv, D] that
 `ops.branch_attention(..., cache_index=...)` takes). A request with buffer length Lb (its round's static cache is
-[num_layers, Lb + 1, Hkv, D], row Lb its trash row: lopa_fast.decode.round) gets slot s at admission and decodes on
+[num_layers, Lb + 1, Hkv, D], row Lb its trash row: lopa_fast.strategies.lopa.round) gets slot s at admission and decodes on
 the views `k[:, s, :Lb + 1]` / `v[:, s, :Lb + 1]`: each layer's part of a view is contiguous and has the strides of a
 request's own cache, so the per-request torch attention (CPU) sums exactly as the solo round does, and its commits
 (index_copy_ / narrow().copy_, in place) land in the pool. A finished request's slot goes back to the free list.

@@ -134,7 +134,7 @@ class FusedForwards:
         request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
         D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
         A part may carry output="hidden" (default "logits"): its rows come back final-normed [Rb_r, H], without the
-        head (the fused head path of lopa_fast.decode.round); the other parts' rows still share ONE head GEMM.
+        head (the fused head path of lopa_fast.strategies.lopa.round); the other parts' rows still share ONE head GEMM.
         Returns per request (raw logits [Rb_r, V] (or hidden rows), window keys and values [num_layers, NB_r, Nb_r,
         Hkv, D]). One request without a pool (a solo round, a group of one) is its `forward_static` call."""
         if len(parts) == 1 and pool is None:  # one request: its solo forward (the same shapes and sums, without

@@ -2,7 +2,7 @@
 
 Everything that differs between strategies is a field of the spec, so `GenerateConfig`, `lopa_fast.generate`,
 the batch scheduler, the server, the distributed runtime and the eval ask the registry instead of comparing
-strategy names (the built-in specs live in `lopa_fast/strategies/<name>.py`; a strategy registered from outside
+strategy names (the built-in specs live in `lopa_fast/strategies/<folder>/spec.py`; a strategy registered from outside
 the package, e.g. by a test, runs through the same paths):
 
     from lopa_fast.strategies import Strategy, register

@@ -1,7 +1,7 @@
 """The eval's rows and tasks: which strategies and knobs `python -m lopa_fast eval` runs (and `generate --preset`
 names), on which task and models, and where the table goes. Light (no torch): the CLI's parser reads it.
 
-Rows (decoding knobs, from the strategy specs: `Strategy.eval_rows` in lopa_fast/strategies/<name>.py, plus the
+Rows (decoding knobs, from the strategy specs: `Strategy.eval_rows` in lopa_fast/strategies/<folder>/spec.py, plus the
 student's rows below; temperature 0 everywhere, max_new_tokens = GEN_LEN = 32, block size 8 by default, i.e. the
 spec's GSM8K settings with the block scaled from 32 to this task's answers of at most 27 tokens + EOS;
 `block_size` (any divisor of 32, e.g. the spec's 32) applies to every row's block knobs):

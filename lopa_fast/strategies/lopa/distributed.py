@@ -2,7 +2,7 @@
 
 A distributed request (`generate(..., backend="fast", distributed=True)`) is decoded by every rank of the group.
 Every rank holds the whole round state (token rows and block tables: a few KB) and the whole static prefix
-KV cache, and runs the fast round's stages (`lopa_fast.decode.round`: `window_inputs`, the forward,
+KV cache, and runs the fast round's stages (`lopa_fast.strategies.lopa.round`: `window_inputs`, the forward,
 `token_stats`, `select_winner`, `commit_span`, `apply_winner`) with one change: the forward covers only its
 share of the round's alive slots, and the token statistics of the needed LM-head rows are exchanged.
 
@@ -62,9 +62,9 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.decode import round as rnd
-from lopa_fast.decode import round_stats
-from lopa_fast.decode.engine import FastDecoder, round_key
+from lopa_fast.strategies.lopa import round as rnd
+from lopa_fast.strategies.lopa import round_stats
+from lopa_fast.strategies.lopa.driver import FastDecoder, round_key
 from lopa_fast.errors import DistributedError
 
 # int32 words before the statistics: error flag, needed rows, first non-finite flat row (or -1), holds the

@@ -43,7 +43,7 @@ def resolve(cfg, model):
 def driver(model, prompt, cfg, cache=None):
     """The batch scheduler's per-request state machine (every cache mode: a dual step's in-place forward is shared
     through steps.DualForward)."""
-    from lopa_fast.decode.threshold import ThresholdDriver
+    from lopa_fast.strategies.threshold.driver import ThresholdDriver
 
     return ThresholdDriver(model, prompt, cfg, cache=cache)
 
@@ -64,7 +64,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
-    reference="lopa_fast.reference.threshold:generate", fast=SOLO,
+    reference="lopa_fast.strategies.threshold.reference:generate", fast=SOLO,
     knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
     compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

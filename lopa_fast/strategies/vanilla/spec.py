@@ -82,7 +82,7 @@ def length_unit(cfg) -> int:
 
 def driver(model, prompt, cfg, cache=None):
     """The batch scheduler's per-request state machine (cache-free steps share one forward)."""
-    from lopa_fast.decode.vanilla import VanillaDriver
+    from lopa_fast.strategies.vanilla.driver import VanillaDriver
 
     return VanillaDriver(model, prompt, cfg, cache=cache)
 
@@ -99,7 +99,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
-    reference="lopa_fast.reference.vanilla:generate", fast=SOLO,
+    reference="lopa_fast.strategies.vanilla.reference:generate", fast=SOLO,
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
     length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -1,9 +1,11 @@
-"""d2f: Discrete Diffusion Forcing's pipelined block decoding (docs/semantics.md section 2). Its fast path is the
-device-resident round of lopa_fast.decode.engine with one branch, stepped by the one loop (`batch.run_solo`); lopa
-(lopa_fast.strategies.lopa) is the same round with lookahead branches."""
+"""The D2F round family's specs: d2f, Discrete Diffusion Forcing's pipelined block decoding (docs/semantics.md
+section 2), and lopa, Lookahead Parallel Decoding (section 3): D2F's round with an anchor and k lookahead branches
+verified in one forward (branching_factor=1 is plain D2F). Both run the device-resident round of this folder
+(driver.py, round.py) stepped by the one loop (`batch.run_solo`); their oracles are reference_d2f.py and
+reference_lopa.py."""
 from __future__ import annotations
 
-from lopa_fast.knobs import check_bool, check_choice, check_prob
+from lopa_fast.knobs import check_bool, check_choice, check_positive_int, check_prob
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")  # the round's confidence (lopa_fast.sampling's too)
@@ -35,7 +37,7 @@ def block_size(cfg) -> int:
 
 def cache_rows(prompt_len: int, cfg) -> int:
     """The request's static cache: its buffer (prompt + generated blocks, rounded up) + the trash row."""
-    from lopa_fast.decode.engine import buffer_len
+    from lopa_fast.strategies.lopa.driver import buffer_len
 
     return buffer_len(prompt_len, cfg) + 1
 
@@ -53,13 +55,13 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 def round_driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
     """The device-resident round's driver (lopa_fast.decode.driver) for d2f and lopa: one process
-    (`engine.FastDecoder`), or with distributed=True the round's branch slots over the process group's ranks
+    (`driver.FastDecoder`), or with distributed=True the round's branch slots over the process group's ranks
     (`lopa_fast.distributed.driver`: its forward and finish exchange across ranks)."""
     if cfg.distributed:
         from lopa_fast.distributed import driver as distributed_driver
 
         return distributed_driver(model, prompt, cfg, branching_factor, name, cache, branch_stats)
-    from lopa_fast.decode.engine import FastDecoder
+    from lopa_fast.strategies.lopa.driver import FastDecoder
 
     return FastDecoder(model, prompt, cfg, branching_factor, name, cache=cache, branch_stats=branch_stats)
 
@@ -69,9 +71,46 @@ def driver(model, prompt, cfg, cache=None):
     return round_driver(model, prompt, cfg, 1, "d2f", cache)
 
 
-SPEC = register(Strategy(
+D2F_SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
-    reference="lopa_fast.reference.d2f:generate", fast=SOLO,
+    reference="lopa_fast.strategies.lopa.reference_d2f:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
     cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
+))  # fmt: skip
+
+
+# ---- lopa: the same round with k lookahead branches ----------------------------------------------------------
+
+
+def check_lopa_values(cfg) -> None:
+    """LoPA's own knobs (k, the branch score's top-p and alpha; checked for every request: `Strategy.check_values`;
+    D2F's round knobs it shares are D2F's)."""
+    check_positive_int("branching_factor", cfg.branching_factor)
+    check_prob("branch_topp", cfg.branch_topp)
+    check_prob("selection_conf_alpha", cfg.selection_conf_alpha)
+
+
+def lopa_rows(cfg) -> int:
+    """Branch slots of one request: the anchor and k lookaheads for k >= 2, else the anchor alone."""
+    k = cfg.branching_factor
+    return k + 1 if k >= 2 else 1
+
+
+def lopa_eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
+    """The eval's rows: k in {2, 4, 8} with D2F's eval knobs, branch_topp 1 and alpha 0 (the spec defaults)."""
+    return {f"lopa-k{k}": dict(strategy="lopa", branching_factor=k, **eval_knobs(block_size)) for k in (2, 4, 8)}
+
+
+def lopa_driver(model, prompt, cfg, cache=None):
+    """The per-request driver of the one loop (lopa_fast.decode.batch): the round with k + 1 branches (branch
+    statistics on)."""
+    return round_driver(model, prompt, cfg, cfg.branching_factor, "lopa", cache, branch_stats=True)
+
+
+LOPA_SPEC = register(Strategy(
+    name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
+    reference="lopa_fast.strategies.lopa.reference_lopa:generate", fast=SOLO,
+    validate=check_strict_length, check_values=check_lopa_values, length_unit=block_size, rows=lopa_rows,
+    driver=lopa_driver, cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True,
+    eval_rows=lopa_eval_rows,
 ))  # fmt: skip

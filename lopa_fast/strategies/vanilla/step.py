@@ -1,5 +1,5 @@
 """The vanilla step (LLaDA's `generate`, Dream's `diffusion_generate`): ONE function of the step state
-(lopa_fast.decode.steps), run eagerly at exact sizes by the driver (lopa_fast.decode.vanilla) and compiled /
+(lopa_fast.decode.steps), run eagerly at exact sizes by the driver (lopa_fast.strategies.vanilla.driver) and compiled /
 captured at bucket sizes.
 
 "block_topk" (LLaDA): the cache-free forward (cfg_scale > 0: the conditional and the prompt-masked unconditional

@@ -1,6 +1,6 @@
 """The fast threshold decoder (Fast-dLLM v1 / dParallel): the step on the device, one host read per step.
 
-Semantics are exactly `lopa_fast.reference.threshold` (docs/semantics.md sections 4.2-4.4 and 5; token- and
+Semantics are exactly `lopa_fast.strategies.threshold.reference` (docs/semantics.md sections 4.2-4.4 and 5; token- and
 forward-exact at T = 0 and, with the keyed sampler, at T > 0): blocks of `block_length` left to right, per
 step the masked positions of the block (cache=None: every mask before the block end) are candidates and one
 rule commits (rank 1 always): `threshold` (conf >= tau), `factor` (the first rank k with c(k) < 1 - f/(k+1),
@@ -9,7 +9,7 @@ start, then the block and every later position over the cached prefix), "dual" (
 position; later steps forward only the block, overwriting its K/V in place). Dream refresh steps commit the
 block's first token unconditionally; `count_noop_forward` keeps the old loop's extra forward.
 
-What changes is how: the step is ONE function of device tensors (lopa_fast.decode.threshold_step, on the state
+What changes is how: the step is ONE function of device tensors (lopa_fast.strategies.threshold.step, on the state
 of lopa_fast.decode.steps): the commit rule is tensor ops on the device (`select`), the candidates never leave it,
 the LM head runs only on the rows a step reads (the candidates' rows), the forwards are the fused static-cache
 ones (`model.forward_static`; dual steps `model.forward_dual`, writing the block's K/V in place), and the step's
@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.progress import after_step
-from lopa_fast.decode import steps, threshold_step
+from lopa_fast.decode import steps
+from lopa_fast.strategies.threshold import step as threshold_step
 from lopa_fast.decode.shapes import pow2_bucket as bucket
-from lopa_fast.decode.threshold_step import threshold_select as select  # noqa: F401  (the step's rule)
+from lopa_fast.strategies.threshold.step import threshold_select as select  # noqa: F401  (the step's rule)
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 

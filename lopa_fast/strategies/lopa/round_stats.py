@@ -1,4 +1,4 @@
-"""The token statistics of a D2F / LoPA round (lopa_fast/decode/round.py): the table its selection reads.
+"""The token statistics of a D2F / LoPA round (lopa_fast/strategies/lopa/round.py): the table its selection reads.
 
 The statistics table has one row per needed LM-head row (in ascending flat window order, slot * Nb + column),
 preceded under Dream's shift by the stale last_logit's row (table row 0). Two ways to fill it: from logits rows

@@ -48,7 +48,7 @@ def resolve(cfg, model):
 def driver(model, prompt, cfg, cache=None, verifier=None):
     """The batch scheduler's per-request state machine: a step of two forwards (the drafter's, then the
     verifier's over the drafts), each shared by the batch's requests (one verifier object for all of them)."""
-    from lopa_fast.decode.apd import FastApd
+    from lopa_fast.strategies.apd.driver import FastApd
 
     return FastApd(model, prompt, cfg, verifier, cache=cache)
 
@@ -67,14 +67,14 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 
 def cache_rows(prompt_len: int, cfg) -> int:
     """The drafter's static cache (kv_window given) or none; the verifier's cache is the request's own."""
-    from lopa_fast.decode.apd import cache_rows as rows
+    from lopa_fast.strategies.apd.driver import cache_rows as rows
 
     return rows(prompt_len, cfg)
 
 
 SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
-    reference="lopa_fast.reference.apd:generate", fast=SOLO, knobs=KNOBS,
+    reference="lopa_fast.strategies.apd.reference:generate", fast=SOLO, knobs=KNOBS,
     validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True,
     compile_batches=True, default_sampler="upstream", check_models=check_models, verifier_knob="apd_mixture_weight",
     eval_rows=eval_rows,

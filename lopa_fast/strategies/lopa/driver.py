@@ -1,7 +1,7 @@
 """The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
 
 Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (docs/semantics.md sections 2-3); this
-module only changes *how* a round is computed. The round itself is `lopa_fast.decode.round` (fixed-shape
+module only changes *how* a round is computed. The round itself is `lopa_fast.strategies.lopa.round` (fixed-shape
 device tensors: the layout is documented there); this module is its driver:
 
 * per request: the Geometry (the Python constants a compiled round bakes in; the prompt length is not
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast.decode import round as rnd
+from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -96,7 +96,7 @@ def bucket(n: int, R: int, geo: Geometry) -> tuple[int, int]:
 def round_key(geo: Geometry, cfg, Nb: int, Rb: int) -> tuple:
     """A D2F / LoPA round's compile key: the geometry, the bucket and what of the statistics knobs changes the graph:
     the confidence, top_k (a shape), the mask suppression, and whether T > 0 / a top-p filter applies. Their float
-    values are runtime inputs (the tables, lopa_fast.decode.round.round_knobs), not keys."""
+    values are runtime inputs (the tables, lopa_fast.strategies.lopa.round.round_knobs), not keys."""
     stats_knobs = (cfg.sampling_strategy, cfg.top_p is not None and cfg.top_p < 1, cfg.top_k,
                    cfg.suppress_mask_token, cfg.temperature > 0)  # fmt: skip
     return (geo, stats_knobs, Nb, Rb)

@@ -1,7 +1,7 @@
 """The fast vanilla decoder (LLaDA low-confidence / random remasking, Dream's samplers): the step on the device,
 one host read per step.
 
-Semantics are exactly `lopa_fast.reference.vanilla` (docs/semantics.md section 4.1; token- and forward-exact
+Semantics are exactly `lopa_fast.strategies.vanilla.reference` (docs/semantics.md section 4.1; token- and forward-exact
 at T = 0 and, with the keyed sampler, for every random ordering and T > 0):
 - LLaDA: semi-autoregressive blocks, `steps // num_blocks` steps per block with the transfer schedule, per
   step one cache-free forward (cfg_scale > 0: the conditional and the prompt-masked unconditional rows in
@@ -10,7 +10,7 @@ at T = 0 and, with the keyed sampler, for every random ordering and T > 0):
   `origin` reveals each mask with probability 1 - s/t, the others commit int(n_mask * (1 - s/t)) highest-
   confidence masks (or a keyed draw without replacement from softmax(conf / alg_temp)).
 
-What changes is how: the step is ONE function of device tensors (lopa_fast.decode.vanilla_step, on the state of
+What changes is how: the step is ONE function of device tensors (lopa_fast.strategies.vanilla.step, on the state of
 lopa_fast.decode.steps): candidates, statistics, the top-k and the counters stay on the device, the LM head runs
 only on the rows from the first mask to the candidates' end, the forward is the fused static one, and the only
 host read of a step is its head (the first non-finite row, the first mask, the masks left). This driver runs it
@@ -24,7 +24,8 @@ import warnings
 import torch
 
 from lopa_fast.progress import after_step
-from lopa_fast.decode import steps, vanilla_step
+from lopa_fast.decode import steps
+from lopa_fast.strategies.vanilla import step as vanilla_step
 from lopa_fast.decode.shapes import pow2_bucket as bucket
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats

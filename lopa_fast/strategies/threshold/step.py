@@ -1,5 +1,5 @@
 """The threshold step (Fast-dLLM v1 / dParallel): ONE function of the step state (lopa_fast.decode.steps), run
-eagerly at exact sizes by the driver (lopa_fast.decode.threshold) and compiled / captured at bucket sizes.
+eagerly at exact sizes by the driver (lopa_fast.strategies.threshold.driver) and compiled / captured at bucket sizes.
 
 A step of `kind` (steps' table: full | refresh | refresh_first | prefix | dual) forwards its window, computes the
 token statistics of its rows (`sampling.threshold_stats`, the reference's formula), commits by the rule

@@ -1,6 +1,6 @@
 """One D2F / LoPA round as a function of fixed-shape device tensors (no host read, no value-dependent shape).
 
-The fast decoder (lopa_fast.decode.engine) keeps a request's round state in a dict of tensors whose shapes
+The fast decoder (lopa_fast.strategies.lopa.driver) keeps a request's round state in a dict of tensors whose shapes
 are fixed for the request (`init_state`), and runs each round as `round_step(...)` on a *bucket*
 (Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
 branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
@@ -9,7 +9,7 @@ cache, window width n, LM-head rows R), ending in the 9-int `head` the driver re
 to pick the next bucket and to stop. Every per-round scalar (the window start, the commit length, the prefix
 length, the winner, the alive count) stays a device tensor, so the same step can run eagerly, under
 `torch.compile(fullgraph=True)` or be captured once as a CUDA graph and replayed. The token statistics live in
-lopa_fast/decode/round_stats.py.
+lopa_fast/strategies/lopa/round_stats.py.
 
 Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
 buffer length Lb >= L (L rounded up, so prompts of nearby lengths share compiled rounds: P and L are
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import keyed
-from lopa_fast.decode.round_stats import (
+from lopa_fast.strategies.lopa.round_stats import (
     TokenStats,
     first_bad,
     first_nonfinite,
@@ -71,7 +71,7 @@ class Head(NamedTuple):
 
 
 # the round's counters: one 0-d device tensor each in the round state, read once at the end of a request into
-# the stats (lopa_fast.decode.engine)
+# the stats (lopa_fast.strategies.lopa.driver)
 ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
                   "max_branches")  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The fast APD driver (lopa_fast.decode.driver): one APD / leftright request stepped by the one loop
 (lopa_fast.decode.batch), ONE host read per step.
 
-The step itself is lopa_fast.decode.apd_step (its stages around the drafter's and the verifier's forwards, the
+The step itself is lopa_fast.strategies.apd.step (its stages around the drafter's and the verifier's forwards, the
 state layout and the 11-int head); this module holds the request: its geometry, tables and state, the eager step
 in stages around the scheduler's shared forwards (`prepare` / `forwards` / `forward_args` / `finish`), the compiled
 step as a batch step (`batch_step`, compile=True after the prefill), the counters, errors, trace and result.
@@ -13,7 +13,7 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.progress import report_round
-from lopa_fast.decode.apd_step import (  # noqa: F401  (ApdGeometry, HEAD_FIELDS, next_window: re-exported)
+from lopa_fast.strategies.apd.step import (  # noqa: F401  (ApdGeometry, HEAD_FIELDS, next_window: re-exported)
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
@@ -166,7 +166,7 @@ class FastApd:
 
     def finish(self, w: dict, logits, k_win, v_win) -> None:
         """After one of the step's forwards (this request's logits and window K/V): the drafter's -> the draft (and
-        the verifier's inputs); the step's last forward -> the acceptance and the commit (apd_step's stages)."""
+        the verifier's inputs); the step's last forward -> the acceptance and the commit (step.py's stages)."""
         geo = self.geo
         if w["phase"] == 0:
             drafted(self.st, self.tables, geo, w, logits, k_win, v_win)

@@ -8,7 +8,7 @@ winner's logits are reused for the anchor fill and for spawning the next round's
 costs one (batched, conceptually) forward.
 
 Branch convention (upstream's Dream repository): branching_factor=1 spawns no lookahead and is exactly
-plain D2F (reference/d2f.py); branching_factor=k >= 2 spawns k lookaheads, so a round verifies k+1
+plain D2F (reference_d2f.py); branching_factor=k >= 2 spawns k lookaheads, so a round verifies k+1
 sequences (anchor + k). LoPA-Dist's Branch Parallel code instead verifies branching_factor sequences
 (k-1 lookaheads); pass branching_factor=k-1 here to get its count.
 
@@ -24,7 +24,7 @@ import torch
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.progress import first_stop, report_round
 from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, token_stats
-from lopa_fast.reference.d2f import (
+from lopa_fast.strategies.lopa.reference_d2f import (
     active_ids,
     anchor_fill,
     copy_blocks,
