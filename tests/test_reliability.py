@@ -47,6 +47,9 @@ def test_error_types_are_exported_and_keep_their_builtin_bases():
     assert issubclass(CheckpointError, ValueError) and issubclass(ConfigError, CheckpointError)
     assert issubclass(RoundCapError, RuntimeError) and issubclass(NonFiniteLogitsError, RuntimeError)
     assert issubclass(KnobError, ValueError) and issubclass(MemoryBudgetError, ValueError)
+    import lopa_fast.config  # a submodule is an attribute of its package once imported (the test alone: not yet)
+    import lopa_fast.models
+
     assert lopa_fast.config.RoundCapError is RoundCapError and lopa_fast.models.CheckpointError is CheckpointError
     e = NonFiniteLogitsError(strategy="lopa", round=3, position=7, value=float("nan"))
     assert (e.strategy, e.round, e.position) == ("lopa", 3, 7) and "round 3" in str(e) and "position 7" in str(e)
