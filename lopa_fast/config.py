@@ -298,11 +298,15 @@ class GenerateConfig:
         strict_length=True, where validate() refuses a non-multiple; strategies.decode_length)."""
         return strategies.decode_length(n, self.length_unit(spec), self.strict_length)
 
-    def bind_prompt(self, model, prompt_len: int, spec) -> tuple["GenerateConfig", dict, list[str]]:
-        """Everything the config knows about a request, for a VALIDATED config and a prompt of `prompt_len` tokens,
-        in one call: (the bound config: `plan_length` then `resolve`, max_new_tokens the length decoded;
+    def bind_prompt(self, model, prompt_len: int, spec,
+                    validate: bool = True) -> tuple["GenerateConfig", dict, list[str]]:
+        """Everything the config knows about a request with a prompt of `prompt_len` tokens, in one call: the knobs
+        validated (`validate`; validate=False: the caller validated this config already, e.g. once for a batch's
+        prompts), then (the bound config: `plan_length` then `resolve`, max_new_tokens the length decoded;
         plan_length's length info; `sampling_notes`). spec: the strategy's spec (the request plan looked it up once:
         lopa_fast.plan)."""
+        if validate:
+            self.validate(spec)
         planned, length = self.plan_length(model, prompt_len, spec)
         return planned.resolve(model, spec), length, self.sampling_notes()
 

@@ -1,11 +1,13 @@
 """Resolve once: a request's arguments turned into ONE validated `Plan` before any forward, in one pass.
 
     make(model, input_ids, cfg, verifier=, on_round=, streamer=) -> Plan
-        the strategy's spec looked up (the one lookup by name) -> the knobs validated (GenerateConfig.validate,
-        the spec's own checks) -> the prompt prepared (lopa_fast.prompts) -> lengths planned and model defaults
-        resolved (GenerateConfig.bind_prompt) -> the prompt checked against them, and the request's memory -> the
-        backend chosen (lopa_fast.backends) -> the (model, verifier) pair checked (lopa_fast.verifiers)
-    make_batch(model, prompts, cfg, ...) -> BatchPlan: the knobs once, one Plan per prompt, whether they batch
+        the strategy's spec looked up (the one lookup by name) -> a verifier refused where the strategy takes none ->
+        the prompt prepared (lopa_fast.prompts: a LongTensor [P]) -> ONE call into the config
+        (GenerateConfig.bind_prompt): the knobs validated (the shared ones, the spec's own checks), lengths planned,
+        model defaults resolved -> the prompt checked against them, and the request's memory -> the backend chosen
+        (lopa_fast.backends) -> the (model, verifier) pair checked (lopa_fast.verifiers)
+    make_batch(model, prompts, cfg, ...) -> BatchPlan: the knobs validated once, before any prompt is touched (a bad
+        knob is named before prompt 3's error), then one Plan per prompt, whether they batch
 
 Everything after (lopa_fast.api's run, lopa_fast.batching) reads the plan: no lookup of the spec by name, no
 re-validation. Errors name the value and what is allowed; in a batch, a prompt's errors say which prompt.
@@ -79,8 +81,8 @@ class BatchPlan:
 def make(model, input_ids, cfg: GenerateConfig, *, verifier=None, on_round=None, streamer=None) -> Plan:
     """The plan of one prompt (module docstring); a request whose memory estimate exceeds the device's is refused
     (lopa_fast.memory.check_request_memory)."""
-    spec = _knobs(cfg, verifier)
-    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, stacklevel=5)
+    spec = _spec(cfg, verifier)
+    return _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, stacklevel=5, validate=True)
 
 
 def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_round=None) -> BatchPlan:
@@ -89,7 +91,8 @@ def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_r
     hooks = list(on_round) if isinstance(on_round, (list, tuple)) else [on_round] * len(prompts)
     if len(hooks) != len(prompts):
         raise ValueError(f"on_round: {len(hooks)} hooks for {len(prompts)} prompts; give one hook or one per prompt")
-    spec = _knobs(cfg, verifier)
+    spec = _spec(cfg, verifier)
+    cfg.validate(spec)  # once for every prompt, before any is touched
     n = len(prompts)
     plans = []
     for i, (p, h) in enumerate(zip(prompts, hooks)):
@@ -97,21 +100,22 @@ def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_r
     return BatchPlan(tuple(plans), batching.batches(cfg, plans))
 
 
-def _knobs(cfg: GenerateConfig, verifier):
-    """The spec (the one lookup by name) and the knobs checked on their own, before any prompt is touched."""
+def _spec(cfg: GenerateConfig, verifier):
+    """The spec (the one lookup by name); a verifier= for a strategy that takes none refused."""
     spec = strategies.get(cfg.strategy)  # a KnobError naming the registered strategies
-    cfg.validate(spec)
     check_verifier_taken(cfg, verifier, spec)
     return spec
 
 
 def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, label: str | None = None,
-          stacklevel: int = 5) -> Plan:
-    """One prompt's Plan under validated knobs. label: names the prompt in its errors (a batch's); stacklevel: of the
-    warnings, so that they point at the caller of generate (5 from here: make, generate_with_config, generate)."""
+          stacklevel: int = 5, validate: bool = False) -> Plan:
+    """One prompt's Plan. validate: the knobs are checked here (one request; a batch's were checked once before).
+    label: names the prompt in its errors (a batch's); stacklevel: of the warnings, so that they point at the caller
+    of generate (5 from here: make, generate_with_config, generate)."""
     with _naming(label):
         ids = prepare_prompt(model, input_ids)
-        bound, length, notes = cfg.bind_prompt(model, ids.numel(), spec)  # max_new_tokens: whole blocks decoded
+        # max_new_tokens: whole blocks decoded
+        bound, length, notes = cfg.bind_prompt(model, ids.numel(), spec, validate=validate)
         check_prompt(model, ids, bound)
         check_request_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel(), verifier)
     for note in notes:  # knobs set without effect (top_p at temperature 0, ...): HF warns about the same

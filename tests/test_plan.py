@@ -10,10 +10,10 @@ The walk is traced with sys.setprofile on a tiny random model, from the call up 
   api.py function from a frame of another file, the test's own call aside).
 * lookups of a strategy's spec by name: calls of `lopa_fast.strategies.registry.get`.
 
-Expected (the smallest honest numbers): api.py entered once; config.py entered twice from generate_with_config
-(`validate`: the knobs alone, before the prompt is touched, so a bad knob is named before a bad prompt; then
-`bind_prompt`: lengths, model defaults and notes for the prepared prompt) and three times from generate (which
-first builds the GenerateConfig from its keyword knobs). One lookup of the spec by the plan, plus the one the
+Expected (the smallest honest numbers): api.py entered once; config.py entered once from generate_with_config
+(`bind_prompt`: the knobs validated, then lengths, model defaults and notes for the prepared prompt) and twice from
+generate (which first builds the GenerateConfig from its keyword knobs). A list of prompts validates the knobs once
+before any prompt is touched, then binds each prompt. One lookup of the spec by the plan, plus the one the
 memory estimate (`request_bytes`) makes for itself (it takes no spec: its own module, issue 36).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ FORWARDS = {"forward_window", "forward_static", "forward_requests", "forward"}
 # the memory estimate's functions (lopa_fast.memory; re-exported by api.py): their calls are not callbacks
 MEMORY = {"request_bytes", "check_request_memory", "_first_param"}
 # the spec lookups by name before the first forward, per backend (callers of registry.get)
-LOOKUPS = {"reference": ["_knobs", "request_bytes"], "fast": ["_knobs", "request_bytes", "__init__"]}
+LOOKUPS = {"reference": ["_spec", "request_bytes"], "fast": ["_spec", "request_bytes", "__init__"]}
 KNOBS = {"lopa": dict(branching_factor=2), "d2f": {}, "threshold": dict(threshold=0.9), "vanilla": dict(steps=8),
          "apd": dict(kv_window=2, max_lookahead=4)}  # fmt: skip
 
@@ -109,7 +109,7 @@ def test_the_walk_of_cfg_enters_api_and_config_once_each(model, strategy, backen
         cfg = GenerateConfig(strategy=strategy, backend=backend, **kw)
         entries, callbacks, lookups, reached = _walk(lambda: api.generate_with_config(model, prompt, cfg))
         assert reached, "the walk reached no model forward: it lost its subject"
-        assert entries == {"api": 1, "config": 2}, entries  # validate, then bind_prompt
+        assert entries == {"api": 1, "config": 1}, entries  # bind_prompt (validate inside it)
         assert callbacks == [], callbacks
         # the plan's one lookup; the memory estimate's own; on the fast backend the one loop's Scheduler (also the
         # entry of run_batch and the server's BatchEngine, which hold a config, not a plan) looks its spec up once
@@ -117,7 +117,7 @@ def test_the_walk_of_cfg_enters_api_and_config_once_each(model, strategy, backen
 
         entries, callbacks, lookups, reached = _walk(lambda: lopa_fast.generate(model, prompt, strategy, backend, **kw))
     assert reached
-    assert entries == {"api": 1, "config": 3}, entries  # GenerateConfig(**knobs), validate, bind_prompt
+    assert entries == {"api": 1, "config": 2}, entries  # GenerateConfig(**knobs), bind_prompt
     assert callbacks == [], callbacks
     assert lookups == LOOKUPS[backend], lookups
 
