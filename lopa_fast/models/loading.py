@@ -98,17 +98,10 @@ def total_memory(device="cpu") -> tuple[int, int]:
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         return int(total), int(free)
-    try:
-        import psutil
+    import psutil
 
-        vm = psutil.virtual_memory()
-        total, avail = int(vm.total), int(vm.available)
-    except (ImportError, OSError, RuntimeError):  # no psutil: the page counts POSIX gives
-        try:
-            page = os.sysconf("SC_PAGE_SIZE")
-            total, avail = page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return 1 << 62, 1 << 62
+    vm = psutil.virtual_memory()
+    total, avail = int(vm.total), int(vm.available)
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
@@ -142,17 +135,9 @@ def address_space_room() -> int | None:
         return None
     if soft == resource.RLIM_INFINITY or soft <= 0:
         return None
-    try:
-        import psutil
+    import psutil
 
-        vms = psutil.Process().memory_info().vms
-    except (ImportError, OSError, RuntimeError):
-        try:
-            with open("/proc/self/statm") as f:
-                vms = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return None
-    return max(0, int(soft) - int(vms))
+    return max(0, int(soft) - int(psutil.Process().memory_info().vms))
 
 
 def check_memory(needed: int, device, what: str) -> None:

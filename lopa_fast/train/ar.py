@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lopa_fast import tasks
 from lopa_fast.train import run
+from lopa_fast.train.d2f import build, prepare
 from lopa_fast.train.d2f import hf_config as _dream_config
-from lopa_fast.train.d2f import init_model, load_grown, lr_at
 from lopa_fast.train.data import make_batch
 
 DEFAULTS = dict(
@@ -73,54 +72,34 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
     """Train and save to `out` (HF layout + tokenizer + training_log.txt). Returns a summary dict."""
     a = run.options(DEFAULTS, overrides)
     tasks.check_task(a["task"])
-    torch.set_num_threads(a["threads"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = run.load_state(out, a) if resume else None
-    rl = run.RunLog(out, log, append=bool(a["init_from"]) or resume)
+    out, state, rl, tok_mod, tok = prepare(out, a, log, resume)
     emit = rl.emit
-    tok_mod = tasks.TOKENIZERS[a["task"]]
-    tok = tok_mod.build_tokenizer()
     dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0)
-    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"],
-                    a["max_positions"])
-    if 40 + a["gen_len"] > a["max_positions"]:  # prompts are <= 32 tokens with bos (docs/tasks.md)
-        raise ValueError(f"train: max_positions={a['max_positions']} < 40 (prompt) + gen_len={a['gen_len']}")
-    model = init_model(cfg, a["seed"])
-    grown = None  # the tensors --init-from grew (its header line names them)
-    if a["init_from"] and state is None:
-        import lopa_fast
-
-        grown = load_grown(model, lopa_fast.load_model(a["init_from"], dtype=torch.float32))
-        model.requires_grad_(True).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    start, ema, first, acc, spent = run.begin(state, model, opt, out, emit, "ar", a, grown, cfg["vocab_size"],
-                                               n_params)  # fmt: skip
+    cfg, model, opt, n_params, (start, ema, first, acc, spent) = build(hf_config, tok, a, state, out, emit, "ar")
     t0 = time.time() - spent
 
     def checkpoint(next_step: int) -> None:
         run.checkpoint(out, a, model, opt, next_step, ema, first, acc, t0)
 
-    last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+    last_step = run.last_step(a)
     for step in range(start, last_step):
         problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step)
         batch = make_batch(problems, tok, a["gen_len"])
-        lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
+        lr = run.lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         v = run.optimizer_step(model, opt, loss_on(model, batch), lr)
         first = v if first is None else first
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         last = step == last_step - 1
         if step % 50 == 0 or last:
             emit(f"step {step:5d} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
+        when = run.due(a, step, last)
+        if when == "eval":
             model.eval()
             acc = greedy_accuracy(model, dev, tok, a["gen_len"])
             model.train()
             emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) t {time.time() - t0:7.1f}s")
             run.save(model, cfg, out, "lopa_fast.train.ar", a, tok_mod.save_tokenizer)
-            checkpoint(step + 1)
-        elif a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0:
+        if when:
             checkpoint(step + 1)
     summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
                "final_loss_ema": None if ema is None else round(ema, 4),

@@ -35,7 +35,6 @@ or any other strategy. Dev monitoring: accuracy and forwards per answer of that 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -213,14 +212,6 @@ def decode_eval(model, tok, problems, gen_len: int, entropy_threshold: float, bl
     return correct / len(problems), forwards / len(problems)
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
-    """Linear warmup, then cosine to min_frac * lr."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    x = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * x)))
-
-
 def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model=None,
           trajectories: Trajectories | None = None, **overrides) -> dict:
     """Distil the teacher (`teacher` directory, or an already loaded `teacher_model`, trained in place) into a
@@ -304,12 +295,12 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
                                  seconds=time.time() - t0, first=first, torch_rng=torch.get_rng_state()))
 
     last = dict(acc=None, fw=None, h=None)
-    last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]  # stop early, same schedule
+    last_step = run.last_step(a)
     for step in range(start, last_step):
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
         index = torch.randint(traj.kept, (a["batch"],), generator=g).tolist()
         ids, plens, lens = batch_of(traj, index)
-        lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
+        lr = run.lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         loss, parts = certainty_forcing_loss(model, ids, plens, lens, g, a["lam"], a["temperature"], a["mask_t"],
                                              a["views"], a["view_block"])
         v = run.optimizer_step(model, opt, loss, lr)
@@ -318,7 +309,8 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
             ce2, h2 = parts["ce'"], parts["h'"]
             emit(f"step {step:5d} loss {v:.4f} ce {parts['ce']:.4f} ce' {ce2:.4f} h {parts['h']:.4f} h' {h2:.4f} "
                  f"lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or done:
+        when = run.due(a, step, done)
+        if when == "eval":
             model.eval()
             last["h"] = masked_entropy(model, *val)
             last["acc"], last["fw"] = decode_eval(model, tok, dev, a["gen_len"], a["entropy_threshold"],
@@ -328,8 +320,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
                  f"forwards/answer {last['fw']:.1f} (n={len(dev)}, entropy threshold {a['entropy_threshold']}, "
                  f"block {a['eval_block']}) t {time.time() - t0:7.1f}s")
             run.save(model, cfg, out, "lopa_fast.train.certainty_forcing", a, tok_mod.save_tokenizer)
-            checkpoint(step + 1)
-        elif a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0:
+        if when:
             checkpoint(step + 1)
     summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
                "trajectories": f"{traj.kept}/{traj.total}", "masked_entropy_before": round(first, 4),

@@ -287,11 +287,40 @@ def policy_pool(model, a: dict, tok, step: int) -> tuple[list, torch.Tensor]:
     return problems, orders
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+def prepare(out, a: dict, log, resume: bool) -> tuple:
+    """The d2f and ar recipes' start: threads, the output directory, the resumed state (`resume`), the training log
+    (a continued run, --init-from or --resume, appends to it) and the task tokenizer. Returns (out Path, state or
+    None, run.RunLog, tokenizer module, tokenizer)."""
+    torch.set_num_threads(a["threads"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = run.load_state(out, a) if resume else None
+    rl = run.RunLog(out, log, append=bool(a["init_from"]) or resume)
+    tok_mod = tasks.TOKENIZERS[a["task"]]
+    return out, state, rl, tok_mod, tok_mod.build_tokenizer()
+
+
+def build(config_of, tok, a: dict, state, out: Path, emit, recipe: str) -> tuple:
+    """The d2f and ar recipes' model: the config.json (`config_of`: this module's or train.ar's hf_config), the
+    seeded model (grown from --init-from on a fresh run, `load_grown`), its AdamW optimiser, then run.begin (the
+    resumed state restored, or the header logged). Returns (cfg, model, opt, n_params, run.begin's counters)."""
+    cfg = config_of(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"],
+                    a["max_positions"])
+    longest_prompt = 40  # both tasks' prompts are <= 32 tokens with bos (docs/tasks.md); 8 to spare
+    if longest_prompt + a["gen_len"] > a["max_positions"]:
+        raise ValueError(f"train: max_positions={a['max_positions']} < {longest_prompt} (prompt) + gen_len="
+                         f"{a['gen_len']}")
+    model = init_model(cfg, a["seed"])
+    grown = None  # the tensors --init-from grew (its header line names them)
+    if a["init_from"] and state is None:
+        import lopa_fast
+
+        grown = load_grown(model, lopa_fast.load_model(a["init_from"], dtype=torch.float32))
+        model.requires_grad_(True).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
+    counters = run.begin(state, model, opt, out, emit, recipe, a, grown, cfg["vocab_size"], n_params)
+    return cfg, model, opt, n_params, counters
 
 
 def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) -> dict:
@@ -318,34 +347,12 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         raise ValueError(f"train: ckpt_every={a['ckpt_every']}; expected >= 0 (0: only at evals and the end)")
     from lopa_fast.train.greedy import accuracy
 
-    torch.set_num_threads(a["threads"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = run.load_state(out, a) if resume else None
-    # a continued run (init_from = a previous output, or a resumed one) appends to that run's log
-    rl = run.RunLog(out, log, append=bool(a["init_from"]) or resume)
+    out, state, rl, tok_mod, tok = prepare(out, a, log, resume)
     emit = rl.emit
-    tok_mod = tasks.TOKENIZERS[a["task"]]
-    tok = tok_mod.build_tokenizer()
     # the dev problems (and a check of the task/variant pair) before any work
     dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0, variant=a["variant"])
-    cfg = hf_config(tok.get_vocab_size(), a["hidden"], a["layers"], a["heads"], a["kv_heads"], a["intermediate"],
-                    a["max_positions"])
-    longest_prompt = 40  # both tasks' prompts are <= 32 tokens with bos (docs/tasks.md); 8 to spare
-    if longest_prompt + a["gen_len"] > a["max_positions"]:
-        raise ValueError(f"train: max_positions={a['max_positions']} < {longest_prompt} (prompt) + gen_len="
-                         f"{a['gen_len']}")
-    model = init_model(cfg, a["seed"])
-    grown = None  # the tensors --init-from grew (its header line names them)
-    if a["init_from"] and state is None:
-        import lopa_fast
-
-        grown = load_grown(model, lopa_fast.load_model(a["init_from"], dtype=torch.float32))
-        model.requires_grad_(True).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.98), weight_decay=a["weight_decay"])
-    start, ema, first_loss, dev_acc, spent = run.begin(state, model, opt, out, emit, "d2f", a, grown, cfg["vocab_size"],
-                                               n_params)  # fmt: skip
+    cfg, model, opt, n_params, (start, ema, first_loss, dev_acc, spent) = build(hf_config, tok, a, state, out, emit,
+                                                                                "d2f")
     t0 = time.time() - spent
 
     # "full_policy": (problems, their visiting orders, epoch), rebuilt every policy_every steps from the weights at the
@@ -360,7 +367,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         extra = None if pool is None else {"policy_orders": pool[1], "policy_epoch": pool[2]}
         run.checkpoint(out, a, model, opt, next_step, ema, first_loss, dev_acc, t0, extra)
 
-    last_step = a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+    last_step = run.last_step(a)
     for step in range(start, last_step):
         mode = SCHEDULES[a["schedule"]][step % len(SCHEDULES[a["schedule"]])]
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
@@ -378,7 +385,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
             problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step,
                                            variant=a["variant"])
         batch = make_batch(problems, tok, a["gen_len"])
-        lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
+        lr = run.lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         loss = loss_on(model, batch, mode, a["block_size"], a["gen_len"], g, order,
                        problems if a["soft_targets"] else None)
         v = run.optimizer_step(model, opt, loss, lr)
@@ -387,15 +394,15 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         last = step == last_step - 1
         if step % 50 == 0 or last:
             emit(f"step {step:5d} mode {mode:12s} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
+        when = run.due(a, step, last)
+        if when == "eval":
             model.eval()
             dev_acc, texts = accuracy(model, dev, tok, a["gen_len"])
             model.train()
             emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
                  f"t {time.time() - t0:7.1f}s sample: {tasks.join_digits(texts[0])!r}")
             run.save(model, cfg, out, "lopa_fast.train.d2f", a, tok_mod.save_tokenizer)
-            checkpoint(step + 1)
-        elif a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0:
+        if when:
             checkpoint(step + 1)
     summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
                "final_loss_ema": None if ema is None else round(ema, 4),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,27 @@ def options(defaults: dict, overrides: dict) -> dict:
     if unknown:
         raise ValueError(f"train: unknown options {sorted(unknown)}; allowed: {sorted(defaults)}")
     return {**defaults, **overrides}
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
+    """Linear warmup, then cosine to min_frac * lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def last_step(a: dict) -> int:
+    """The step a run ends before: `stop_at` ends it early on the same schedule."""
+    return a["stop_at"] if 0 < a["stop_at"] < a["steps"] else a["steps"]
+
+
+def due(a: dict, step: int, last: bool) -> str | None:
+    """What follows `step`: "eval" (every `eval_every` steps and after the last; a checkpoint follows it),
+    "checkpoint" (every `ckpt_every` steps) or None."""
+    if (a["eval_every"] and (step + 1) % a["eval_every"] == 0) or last:
+        return "eval"
+    return "checkpoint" if a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0 else None
 
 
 class RunLog:
