@@ -52,7 +52,7 @@ class ModelConfig:
 
     `kind` is one of "dream" (Dream / DiffuCoder / D2F-*: bidirectional, shifted logits),
     "qwen2" (Qwen2.5 causal AR: causal, shifted) and "llada" (bidirectional, unshifted). Only lopa_fast.models
-    reads it: everything a decoder needs of the family is a property below (`Family`).
+    reads it: everything a decoder needs of the family is an attribute set from its `Family` row.
     """
 
     kind: str
@@ -75,44 +75,11 @@ class ModelConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
 
-    @property
-    def family(self) -> Family:
-        return FAMILIES[self.kind]
-
-    @property
-    def attention(self) -> str:
-        """Default attention pattern of the family: "full" or "causal"."""
-        return self.family.attention
-
-    @property
-    def logits_shift(self) -> bool:
-        """True when the raw logit at position j predicts token j+1 (Dream family, Qwen2 AR)."""
-        return self.family.logits_shift
-
-    @property
-    def is_diffusion(self) -> bool:
-        """A masked-diffusion LM (Dream / D2F / DiffuCoder / LLaDA): it can run diffusion decoding."""
-        return self.family.is_diffusion
-
-    @property
-    def causal_verifier(self) -> bool:
-        """A causal AR LM (Qwen2.5): usable as APD's verifier."""
-        return self.family.causal_verifier
-
-    @property
-    def stats_in_float64(self) -> bool:
-        """LLaDA's token statistics (Gumbel-max in float64, float64 confidence); else Dream's sampler."""
-        return self.family.stats_in_float64
-
-    @property
-    def refresh_commits_first(self) -> bool:
-        """A cached threshold refresh commits the block's first token unconditionally (Dream)."""
-        return self.family.refresh_commits_first
-
-    @property
-    def vanilla_commit(self) -> str | None:
-        """The family's vanilla sampler: "block_topk" (LLaDA), "timestep" (Dream), None (not a dLLM)."""
-        return self.family.vanilla_commit
+    def __post_init__(self) -> None:
+        # the family's facts (`Family`'s fields: attention, logits_shift, is_diffusion, ...) as plain attributes of
+        # the config, so a decoder reads `config.attention` and never the family's name
+        for name in Family.__dataclass_fields__:
+            setattr(self, name, getattr(FAMILIES[self.kind], name))
 
 
 _MISSING = object()
@@ -134,9 +101,7 @@ def _int(cfg: dict, key: str, source: str, default=_MISSING, *, lo: int = 1, hi:
         raise ConfigError(f"{source}: missing required key {key!r}", file=source, key=key)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(source, key, value, f"an int in [{lo}, {hi})")
-    if not lo <= value < hi:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
         _fail(source, key, value, f"an int in [{lo}, {hi})")
     return value
 
@@ -160,26 +125,12 @@ def _flag(cfg: dict, key: str, source: str, default: bool) -> bool:
     return value
 
 
-def _first_id(value):
-    if isinstance(value, (list, tuple)):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
 def _id_list(value) -> list[int]:
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
-
-
-def _require(cfg: dict, key: str, source: str):
-    if key not in cfg:
-        from lopa_fast.errors import ConfigError
-
-        raise ConfigError(f"{source}: missing required key {key!r}", file=source, key=key)
-    return cfg[key]
 
 
 def _check_ids(mc: "ModelConfig", source: str) -> None:
@@ -291,9 +242,10 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
             isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         ):
             _fail(source, name, value, f"an int id in [0, vocab_size={mc.vocab_size}) (or a list of them)")
+        ids = _id_list(value)
         if name == "eos_token_id":
-            mc.eos_token_ids = _id_list(value)
-        setattr(mc, name, _first_id(value))
+            mc.eos_token_ids = ids
+        setattr(mc, name, ids[0] if ids else None)
     _check_ids(mc, source)
     return mc
 
