@@ -403,9 +403,6 @@ class GenerateConfig:
         kw["max_rounds"] = self.max_rounds if self.max_rounds is not None else 2 * self.max_new_tokens + 64
         return spec.resolve(self.replace(**kw), model)  # the strategy's own model-dependent defaults
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 LopaConfig = GenerateConfig  # the name docs/architecture.md uses
 

@@ -11,6 +11,12 @@ def _first_param(model):
     return next(iter(params()), None) if callable(params) else None
 
 
+def device_of(model):
+    """The device of the model's weights (the CPU for a model without parameters)."""
+    p = _first_param(model)
+    return p.device if p is not None else "cpu"
+
+
 def _dims(model) -> tuple:
     """(element bytes of the weights, layers, kv heads, head dim, hidden, heads, intermediate, vocab) of a model."""
     c = model.config
@@ -66,8 +72,7 @@ def compiles(model, cfg: GenerateConfig) -> bool:
     """Whether a request of this bound config runs compiled / captured steps (lopa_fast.decode.compiled)."""
     from lopa_fast.decode.compiled import compile_wanted
 
-    p = _first_param(model)
-    return cfg.backend != "reference" and compile_wanted(cfg, p.device if p is not None else "cpu")
+    return cfg.backend != "reference" and compile_wanted(cfg, device_of(model))
 
 
 def resident_bytes(model, total: int, cfg: GenerateConfig, verifier=None) -> int:
@@ -119,8 +124,6 @@ def check_request_memory(model, total: int, cfg: GenerateConfig, prompt_len: int
     included) exceeds the device's memory."""
     from lopa_fast.models.loading import check_memory
 
-    p = _first_param(model)
-    device = p.device if p is not None else "cpu"
-    check_memory(request_bytes(model, total, cfg, prompt_len, verifier), device,
+    check_memory(request_bytes(model, total, cfg, prompt_len, verifier), device_of(model),
                  f"generate(max_new_tokens={cfg.max_new_tokens}, branching_factor={cfg.branching_factor}, "
                  f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip

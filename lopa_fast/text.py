@@ -81,19 +81,28 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> lis
     check_text_prompt(text)
     missing = unknown_words(tokenizer, text)
     if missing:
-        msg = (f"{len(missing)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
-               + ", ".join(repr(w) for w in missing))  # fmt: skip
-        (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(msg)
+        (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(unknown_note(tokenizer, missing))
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise KnobError("chat=True: the model's tokenizer has no chat template (tokenizer_config.json "
                             "'chat_template' or chat_template.jinja)", knob="chat", value=True)  # fmt: skip
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)  # fmt: skip
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
+
+
+def unknown_note(tokenizer, words: list[str]) -> str:
+    """The warning about `words` the tokenizer does not know (`unknown_words`), naming them."""
+    return (f"{len(words)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
+            + ", ".join(repr(w) for w in words))  # fmt: skip
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` ({role, content} dicts) under the tokenizer's chat template, with the generation
+    prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def split_stops(tokenizer, stop) -> tuple[list[list[int]] | None, list[str]]:

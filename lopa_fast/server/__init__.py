@@ -84,7 +84,7 @@ def _header_timeout_protocol(seconds: float):
             self._head_timer = self.loop.call_later(seconds, self._head_timeout)
 
         def _head_timeout(self) -> None:
-            if self.conn.their_state == h11.IDLE and not self.transport.is_closing():
+            if self._idle():
                 self.transport.close()  # no (new) request head within the deadline
 
         def connection_made(self, transport) -> None:

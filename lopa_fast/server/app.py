@@ -103,6 +103,11 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
+def _event(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
 def usage(done: Finished, eos_token_id) -> dict:
     """OpenAI usage plus the decoding's forwards and TPF. completion_tokens: the tokens the model produced before
     its first EOS (a text stop cuts the text, not this count); tpf: stats["tpf"] (every returned position over
@@ -285,20 +290,18 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     async def _sse(handle, endpoint: str, head: dict, disconnected, notes: dict, include_usage: bool, t0: float):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
-        def chunk(delta_text: str | None, reason=None, extra=None) -> str:
+        def chunk(delta_text: str | None, reason=None, extra=None, delta=None) -> str:
             if endpoint == "chat":
-                delta = {} if delta_text is None else {"content": delta_text}
+                delta = delta or ({} if delta_text is None else {"content": delta_text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
-            return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **(extra or {})}) + "\n\n"
+            return _event({**head, "object": obj, "choices": [choice], **(extra or {})})
 
         finished = False
         try:
             if endpoint == "chat":
-                yield "data: " + json.dumps({**head, "object": obj, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}]}) + "\n\n"  # fmt: skip
+                yield chunk(None, delta={"role": "assistant", "content": ""})
             async for kind, value in handle.events(disconnected=disconnected):
                 if kind == "cancelled":
                     return
@@ -310,12 +313,11 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                     reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
                     yield chunk(None, reason, {"usage": usage(value, eos), "stats": _jsonable(st), **notes})
                     if include_usage:  # OpenAI's usage-only chunk: no choices
-                        yield "data: " + json.dumps({**head, "object": obj, "choices": [],
-                                                     "usage": usage(value, eos)}) + "\n\n"  # fmt: skip
+                        yield _event({**head, "object": obj, "choices": [], "usage": usage(value, eos)})
                 elif kind == "error":  # headers are sent: the error travels as an event
                     err = _run_error(value)
                     metrics.request(endpoint, err.status, time.perf_counter() - t0)
-                    yield "data: " + json.dumps(err.body()) + "\n\n"
+                    yield _event(err.body())
             finished = True
             yield "data: [DONE]\n\n"
         finally:  # the client disconnected (the response task is cancelled) or the stream ended

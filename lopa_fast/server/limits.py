@@ -53,8 +53,7 @@ class Limits:
         """The limits with their model-dependent defaults filled in (max_model_len, the memory caps)."""
         from lopa_fast.models.loading import total_memory
 
-        p = memory._first_param(model)
-        total, _ = total_memory(p.device if p is not None else "cpu")
+        total, _ = total_memory(memory.device_of(model))
         limit = model.config.max_position_embeddings
         return dataclasses.replace(
             self, max_model_len=min(self.max_model_len or limit, limit),

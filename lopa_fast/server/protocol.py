@@ -37,7 +37,8 @@ from lopa_fast.config import GenerateConfig
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
-from lopa_fast.text import check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops, unknown_words
+from lopa_fast.text import (chat_ids, check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops,
+                            unknown_note, unknown_words)
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
@@ -278,14 +279,10 @@ def _chat_ids(tokenizer, messages, warn, max_len: int) -> list[int]:
     _check_text_length(sum(len(m["content"]) for m in clean), max_len, tokenizer, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the model's tokenizer has no chat template; use /v1/completions", "messages")
-    missing = [w for m in clean for w in unknown_words(tokenizer, m["content"])]
+    missing = list(dict.fromkeys(w for m in clean for w in unknown_words(tokenizer, m["content"])))
     if missing:
-        warn(f"{len(missing)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
-             + ", ".join(repr(w) for w in dict.fromkeys(missing)))  # fmt: skip
-    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
-        ids = ids["input_ids"]
-    return list(ids)
+        warn(unknown_note(tokenizer, missing))
+    return chat_ids(tokenizer, clean)
 
 
 def _completion_ids(tokenizer, prompt, warn, max_len: int) -> list[int]:

@@ -53,10 +53,6 @@ class EvalTask:
     verifier: str  # the causal verifier of the APD rows
     student: str | None = None  # the dParallel student of the dparallel-* rows (None: the task has no such rows)
 
-    @property
-    def block_sizes(self) -> tuple[int, ...]:
-        return tuple(b for b in range(1, self.gen_len + 1) if self.gen_len % b == 0)
-
 
 # arith-var: the longest solution is 96 tokens incl. EOS (docs/tasks.md); 96 = 12 blocks of 8, as the model was trained
 EVAL_TASKS = {

@@ -98,12 +98,6 @@ def progress_bar(label: str, total: int, enabled: bool = True):
                 dynamic_ncols=True)
 
 
-def _compiles(backend: str, knobs: dict) -> bool:
-    """compile=True applies to every row the fast backend runs (every strategy since issue 18); the reference
-    backend runs eagerly."""
-    return backend != "reference"
-
-
 def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
     """Why `verifier` cannot verify this drafter with an APD row's knobs (None: the pair fits), checked once
     before the row runs (e.g. `eval --model` on a drafter whose vocabulary ar-arith's is not a prefix of)."""
@@ -121,8 +115,8 @@ def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_n
 
 def run_row(model, tok, problems, row: str, backend: str = "auto", progress: bool = True,
             block_size: int = BLOCK, compile: bool = False, verifier=None, task: str = DEFAULT_TASK) -> dict:
-    """Decode every problem with one row of `task` at `block_size` (APD rows: with `verifier`). Returns the row's
-    numbers (or status "unavailable")."""
+    """Decode every problem with one row of `task` at `block_size` (APD rows: with `verifier`; compile: on the fast
+    backend only, the reference runs eagerly). Returns the row's numbers (or status "unavailable")."""
     import torch
 
     import lopa_fast
@@ -142,7 +136,7 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         try:
             out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
-                                     compile=compile and _compiles(backend, knobs), **knobs, **extra)
+                                     compile=compile and backend != "reference", **knobs, **extra)
         except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
             reason = _unavailable(exc)
             if reason is None:
@@ -302,8 +296,7 @@ def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compi
         for row in DEMO_ROWS:
             try:
                 out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
-                                         return_trace=True, compile=compile and _compiles(backend, ROWS[row]),
-                                         **ROWS[row])
+                                         return_trace=True, compile=compile and backend != "reference", **ROWS[row])
             except Exception as exc:  # noqa: BLE001
                 reason = _unavailable(exc)
                 if reason is None:

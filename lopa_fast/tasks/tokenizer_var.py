@@ -18,7 +18,6 @@ from pathlib import Path
 from lopa_fast.tasks import tokenizer as base
 
 EOS_ID, MASK_ID, BOS_ID, UNK_ID = base.EOS_ID, base.MASK_ID, base.BOS_ID, base.UNK_ID
-BASE_VOCAB_SIZE = len(base.vocab())
 
 
 # The words `arith-var` adds to the `arith` vocabulary (ids 65, 66, ...), frozen: a new phrasing's new words go at
@@ -34,15 +33,10 @@ VAR_WORDS = (
 )
 
 
-def var_words() -> list[str]:
-    """The words `arith-var` adds to the `arith` vocabulary, in id order."""
-    return list(VAR_WORDS)
-
-
 def vocab() -> dict[str, int]:
-    """token -> id: `tokenizer.vocab()` unchanged, then `var_words()`."""
+    """token -> id: `tokenizer.vocab()` unchanged, then `VAR_WORDS`."""
     v = dict(base.vocab())
-    for w in var_words():
+    for w in VAR_WORDS:
         v[w] = len(v)
     return v
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lopa_fast import tasks
 from lopa_fast.train import run
 from lopa_fast.train.d2f import build, prepare
-from lopa_fast.train.d2f import hf_config as _dream_config
+from lopa_fast.train.d2f import hf_config as d2f_config
 from lopa_fast.train.data import make_batch
 
 DEFAULTS = dict(
@@ -35,10 +35,7 @@ DEFAULTS = dict(
 def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
               max_positions: int = 128) -> dict:
     """config.json of the AR drafter (Qwen2ForCausalLM layout, no mask token)."""
-    cfg = _dream_config(vocab_size, hidden, layers, heads, kv_heads, intermediate, max_positions)
-    cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
-    cfg.pop("mask_token_id")
-    return cfg
+    return d2f_config(vocab_size, hidden, layers, heads, kv_heads, intermediate, max_positions, kind="qwen2")
 
 
 def loss_on(model, batch) -> torch.Tensor:

@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from lopa_fast import tasks
 from lopa_fast.models.config import parse_config
 from lopa_fast.models.loading import build_model
+from lopa_fast.models.tiny import tiny_hf_config
 from lopa_fast.train import run
 from lopa_fast.train.data import block_ids_for, make_batch
 
@@ -109,29 +110,14 @@ DEFAULTS = dict(
     task="arith", max_positions=128, ckpt_every=100, soft_targets=0, policy_pool=64, policy_every=50,
 )
 def hf_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-              max_positions: int = 128) -> dict:
-    """The config.json of the model (Dream model_type, Qwen2 layout, the task tokenizer's special ids)."""
-    return {
-        "model_type": "Dream",
-        "architectures": ["DreamModel"],
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "max_position_embeddings": max_positions,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-        "mask_token_id": tasks.MASK_ID,
-        "eos_token_id": tasks.EOS_ID,
-        "pad_token_id": tasks.EOS_ID,
-        "bos_token_id": tasks.BOS_ID,
-    }
+              max_positions: int = 128, kind: str = "dream") -> dict:
+    """The config.json of a recipe's model: models.tiny's layout of `kind` (Dream; "qwen2": the AR drafter, no mask
+    token) with the task tokenizer's special ids."""
+    cfg = tiny_hf_config(kind, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                         max_position_embeddings=max_positions, mask_token_id=tasks.MASK_ID,
+                         eos_token_id=tasks.EOS_ID, bos_token_id=tasks.BOS_ID)
+    return {**cfg, "torch_dtype": "float32"}
 
 
 def init_model(cfg: dict, seed: int):
