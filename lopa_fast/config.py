@@ -36,11 +36,6 @@ ROUND_CAP_ACTIONS = ("warn", "error")
 SAMPLERS = ("keyed", "upstream")
 
 
-def strategy_names() -> tuple[str, ...]:
-    """The `strategy=` values: every registered strategy (lopa_fast.strategies)."""
-    return strategies.names()
-
-
 def knob(default, help: str, *, choices=None, unset: str | None = None):
     """A GenerateConfig field: its default and, as field metadata, what the CLI's --help and the docs show.
 
@@ -70,7 +65,7 @@ class GenerateConfig:
     """Every knob of `lopa_fast.generate` (see its docstring and docs/decoding.md). Each field carries its one-line
     description, its choices and what None runs as in its metadata (`knob`): the CLI's --help is built from them."""
 
-    strategy: str = knob("lopa", 'the decoding strategy (docs/decoding.md "Strategies")', choices=strategy_names)
+    strategy: str = knob("lopa", 'the decoding strategy (docs/decoding.md "Strategies")', choices=strategies.names)
     # auto: the fast backend wherever it covers the request (lopa_fast.strategies.fast_not_covered)
     backend: str = knob("auto", "auto: the fast decoder wherever it covers the request, else the reference (the "
                         "per-step oracle)", choices=BACKENDS)

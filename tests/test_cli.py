@@ -250,7 +250,7 @@ def test_generate_help_is_built_from_the_knobs(capsys):
     import dataclasses
     import typing
 
-    from lopa_fast import config
+    from lopa_fast import config, strategies
     from lopa_fast.config import GenerateConfig, knob_choices
     from lopa_fast.strategies.threshold.spec import CACHE_MODES
     from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
@@ -271,7 +271,7 @@ def test_generate_help_is_built_from_the_knobs(capsys):
     assert actions["cache"].choices == tuple(c for c in CACHE_MODES if c is not None)
     assert actions["sampling_strategy"].choices == config.SAMPLING_STRATEGIES
     assert actions["sampler"].choices == config.SAMPLERS
-    assert tuple(actions["strategy"].choices) == config.strategy_names()
+    assert tuple(actions["strategy"].choices) == strategies.names()
     text = " ".join(g.format_help().split())
     assert "(default model's)" not in text and text.count("(default: the model's)") == 2  # mask / eos ids only
     assert ("--block-size INT tokens per block (d2f / lopa; threshold's block_length when that is unset) (default: 8 "

@@ -12,7 +12,8 @@ from lopa_fast.cli.flags import EMBEDDED_PRESET, VERIFIER_HELP, add_knob_flags, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lopa_fast.config import GenerateConfig, strategy_names
+    from lopa_fast import strategies
+    from lopa_fast.config import GenerateConfig
     from lopa_fast.tasks.eval_rows import (
         BACKENDS,
         BLOCK,
@@ -26,8 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
         out_name,
     )
 
-    STRATEGIES = strategy_names()
     knob = {f.name: f for f in dataclasses.fields(GenerateConfig)}
+
+    def model_flags(p, preset_as: str) -> None:  # generate's and serve's --strategy, --preset, --dtype, --device
+        p.add_argument("--strategy", default=None, choices=strategies.names(), help=knob_help(knob["strategy"]))
+        p.add_argument("--preset", default=None, choices=list(ROWS),
+                       help=f"an eval row's knobs{preset_as} (the embedded model: {EMBEDDED_PRESET} unless --strategy "
+                            "is given)")
+        p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                       help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
+        p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
 
     from lopa_fast.server.served import NOT_SERVED
 
@@ -95,12 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", default=None, help="UTF-8 file holding the prompt (neither: read stdin)")
     g.add_argument("--lora", default=None, help="PEFT LoRA adapter directory, merged at load (e.g. D2F's)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--strategy", default=None, choices=STRATEGIES, help=knob_help(knob["strategy"]))
-    g.add_argument("--preset", default=None, choices=list(ROWS),
-                   help=f"an eval row's knobs (the embedded model: {EMBEDDED_PRESET} unless --strategy is given)")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
+    model_flags(g, "")
     g.add_argument("--stop-text", action="append", default=None, type=text_stop, metavar="TEXT",
                    help="a text stop (repeatable; escapes \\n \\t \\\\): its tokenisation ends decoding early "
                         "and the text is cut at its first occurrence (--stop takes token ids)")
@@ -155,13 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                      help="at SIGTERM / SIGINT, seconds in-flight requests may finish in (default 30; then they are "
                           "cancelled; a second signal ends the wait at once)")
-    v.add_argument("--strategy", default=None, choices=STRATEGIES, help=knob_help(knob["strategy"]))
-    v.add_argument("--preset", default=None, choices=list(ROWS),
-                   help=f"an eval row's knobs as defaults (the embedded model: {EMBEDDED_PRESET} unless --strategy "
-                        "is given)")
-    v.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weights dtype (default bfloat16 on CUDA, float32 on CPU)")
-    v.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default cuda when available)")
+    model_flags(v, " as defaults")
     v.add_argument("--verifier", default=None, metavar="DIR",
                    help=VERIFIER_HELP + "; one for the server, checked against the model at start, used by the "
                                         "requests that set apd_mixture_weight")

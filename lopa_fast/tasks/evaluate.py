@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from lopa_fast import strategies, tasks
+from lopa_fast.assets import ASSETS_DIR
+from lopa_fast.assets import model_dir as asset_dir
 
 # EVAL_ROWS, EVAL_TASKS, apd_rows, make_rows, out_path: not used here, reached as lopa_fast.tasks.evaluate.<name> by
 # tests and bench/
@@ -41,31 +43,19 @@ def load_default(model_dir=None, dtype=None, task: str = DEFAULT_TASK):
     import torch
 
     import lopa_fast
-    from lopa_fast.assets import model_dir as _embedded
 
-    dtype = torch.float32 if dtype is None else dtype
-
-    path = Path(model_dir) if model_dir is not None else _embedded(eval_task(task).model)
-    return lopa_fast.load_model(path, dtype=dtype), lopa_fast.load_tokenizer(path), path
+    path = Path(model_dir) if model_dir is not None else asset_dir(eval_task(task).model)
+    return lopa_fast.load_model(path, dtype=dtype or torch.float32), lopa_fast.load_tokenizer(path), path
 
 
 def load_verifier(dtype=None, name: str = VERIFIER_MODEL):
     """A shipped APD verifier (default `ar-arith`, a causal qwen2 model with d2f-arith's tokenizer), loaded like
     `load_default` loads the drafter (dtype default float32)."""
-    import torch
-
-    import lopa_fast
-    from lopa_fast.assets import model_dir as _embedded
-
-    dtype = torch.float32 if dtype is None else dtype
-
-    return lopa_fast.load_model(_embedded(name), dtype=dtype)
+    return load_default(asset_dir(name), dtype)[0]
 
 
 def shipped(name: str) -> bool:
     """Whether lopa_fast/assets/<name> holds a model."""
-    from lopa_fast.assets import ASSETS_DIR
-
     return (ASSETS_DIR / name / "config.json").is_file()
 
 
@@ -81,13 +71,20 @@ def answer_text(tok, ids: list[int]) -> str:
     return tok.decode(ids[:cut], skip_special_tokens=True)  # the tokenizer's decoder joins digits
 
 
-def _unavailable(exc: BaseException) -> str | None:
-    """The reason a strategy cannot run in this checkout, or None if `exc` is a real failure."""
-    if isinstance(exc, (ModuleNotFoundError, NotImplementedError)):
-        return f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, ValueError) and "does not cover strategy" in str(exc):
-        return str(exc)
-    return None
+def _decode(model, ids, knobs: dict, backend: str, gen_len: int, compile: bool, **extra):
+    """(generate's output, None) of one problem at temperature 0 (compile: on the fast backend only, the reference
+    runs eagerly), or (None, the reason) when the strategy cannot run in this checkout; a real failure raises."""
+    import lopa_fast
+
+    try:
+        return lopa_fast.generate(model, ids, backend=backend, max_new_tokens=gen_len, temperature=0.0,
+                                  compile=compile and backend != "reference", **knobs, **extra), None
+    except (ModuleNotFoundError, NotImplementedError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    except ValueError as exc:
+        if "does not cover strategy" not in str(exc):
+            raise
+        return None, str(exc)
 
 
 def progress_bar(label: str, total: int, enabled: bool = True):
@@ -119,8 +116,6 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
     backend only, the reference runs eagerly). Returns the row's numbers (or status "unavailable")."""
     import torch
 
-    import lopa_fast
-
     t = eval_task(task)
     knobs = task_rows(task, block_size)[row]
     is_apd = strategies.get(knobs["strategy"]).takes_verifier  # APD's rows run with the shipped verifier
@@ -134,13 +129,8 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
     bar = progress_bar(row, len(problems), progress)
     for i, p in enumerate(problems):
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
-        try:
-            out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
-                                     compile=compile and backend != "reference", **knobs, **extra)
-        except Exception as exc:  # noqa: BLE001 - classified right below; real failures re-raise
-            reason = _unavailable(exc)
-            if reason is None:
-                raise
+        out, reason = _decode(model, ids, knobs, backend, t.gen_len, compile, **extra)
+        if out is None:
             bar.close()
             return {"row": row, "status": "unavailable", "reason": reason}
         st = out.stats
@@ -212,7 +202,7 @@ def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, mo
         verifier = load_verifier(name=t.verifier) if apd and shipped(t.verifier) else None
     student, student_path = None, None
     if any(r in STUDENT_ROWS for r in rows) and (student_dir is not None or shipped(t.student)):
-        student, _, student_path = load_default(student_dir or _asset_path(t.student), task=task)
+        student, _, student_path = load_default(student_dir or asset_dir(t.student), task=task)
     results = []
     for r in rows:
         if r in STUDENT_ROWS and student is None:
@@ -238,12 +228,6 @@ def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, mo
         log(f"wrote {out}" + ("" if note else f" and {out.with_suffix('.png')}"))
     log(md)
     return results
-
-
-def _asset_path(name: str) -> Path:
-    from lopa_fast.assets import model_dir as _embedded
-
-    return _embedded(name)
 
 
 # ---- demo -----------------------------------------------------------------------------------------
@@ -273,8 +257,6 @@ def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compi
     order and stats, then the two rows' forwards and accuracy side by side."""
     import torch
 
-    import lopa_fast
-
     t = eval_task(task)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
@@ -294,13 +276,8 @@ def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compi
         log(f"   expected: #### {p.answer}")
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long)
         for row in DEMO_ROWS:
-            try:
-                out = lopa_fast.generate(model, ids, backend=backend, max_new_tokens=t.gen_len, temperature=0.0,
-                                         return_trace=True, compile=compile and backend != "reference", **ROWS[row])
-            except Exception as exc:  # noqa: BLE001
-                reason = _unavailable(exc)
-                if reason is None:
-                    raise
+            out, reason = _decode(model, ids, ROWS[row], backend, t.gen_len, compile, return_trace=True)
+            if out is None:
                 log(f"   {row:8s} unavailable ({reason})")
                 records.append({"row": row, "status": "unavailable"})
                 continue
