@@ -23,13 +23,12 @@ from lopa_fast import aliases, batching, plan, strategies, threads
 from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
 from lopa_fast.finish import cut_to_length
-from lopa_fast.memory import check_request_memory, request_bytes  # noqa: F401  (public here: the server's estimate)
+from lopa_fast.memory import check_request_memory
 from lopa_fast.output import GenerateOutput
 from lopa_fast.prompts import is_batch, is_text, prepare_prompt, prompt_lens
 from lopa_fast.prompts import check_prompt as _check_prompt_ids
 from lopa_fast.streamer import check_streamer, streamer_hook
-from lopa_fast.verifiers import (check_pair, check_verifier_fits, check_verifier_given,  # noqa: F401  (public here)
-                                 check_verifier_taken)
+from lopa_fast.verifiers import check_pair, check_verifier_fits, check_verifier_given  # noqa: F401  (public here)
 
 
 def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
@@ -221,13 +220,8 @@ def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone. A strategy with a batch driver (vanilla, threshold, d2f, lopa, apd) on the fast
-    backend runs every live request's windows in ONE forward per round / step (apd: one drafter forward, then one
-    verifier forward; lopa_fast.decode.batch; with compile=True one compiled / captured batched step per step key:
-    lopa_fast.decode.compiled_batch); the reference backend and distributed=True decode the prompts one after
-    another.
-    on_round: one hook for all prompts or a list (one
-    per prompt). Every prompt is checked before any forward."""
+    decoding that prompt alone (which requests share forwards: lopa_fast.batching). on_round: one hook for all
+    prompts or a list (one per prompt). Every prompt is checked before any forward."""
     batch = plan.make_batch(model, prompts, cfg, verifier=verifier, on_round=on_round)
     if batch.batched:
         return batching.run(batch.plans)

@@ -1,16 +1,5 @@
-"""Text in, text out: the pieces every text entry point shares (`lopa_fast.stream`, the CLI, the lm-eval model).
-
-- `encode_prompt`: a text prompt -> token ids (the tokenizer's own specials, or its chat template); an empty or
-  whitespace-only prompt is a KnobError (knob "prompt"); words the tokenizer maps to its unknown token are warned
-  about by name (`unknown_words`), never silently mapped.
-- `split_stops`: `stop=` of a text entry point: strings are TEXT stops, lists of ints token-id stops. A text stop
-  is used twice: its tokenisation (`add_special_tokens=False`) joins the token-id stops, so decoding ends early
-  when the model emits exactly those tokens (the one stop mechanism of `generate`), and the decoded text is cut
-  at the string's first occurrence (`answer_text`), so a stop string the model produced with other tokens (e.g.
-  merged into a longer token) still ends the text, though decoding then ran on.
-- `answer_text`: the text of a GenerateOutput: the generated ids before the first EOS, decoded without special
-  tokens, cut before the first text stop.
-"""
+"""Text in, text out: the pieces every text entry point shares (`lopa_fast.stream`, the CLI, the lm-eval model, the
+server): prompts encoded (`encode_prompt`), stops split (`split_stops`), outputs decoded (`answer_text`)."""
 from __future__ import annotations
 
 import re
@@ -108,7 +97,11 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 def split_stops(tokenizer, stop) -> tuple[list[list[int]] | None, list[str]]:
     """(token-id stop sequences for generate's `stop=`, text stop strings) from a text entry point's `stop=`:
     a list whose str items are text stops and whose list-of-int items are token-id stops (None: no stops).
-    A text stop's tokenisation joins the token-id stops unless it holds the unknown token."""
+
+    A text stop is used twice: its tokenisation (`add_special_tokens=False`, unless it holds the unknown token)
+    joins the token-id stops, so decoding ends early when the model emits exactly those tokens (the one stop
+    mechanism of `generate`), and the decoded text is cut at the string's first occurrence (`answer_text`), so a
+    stop string the model produced with other tokens (e.g. merged into a longer token) still ends the text."""
     if stop is None:
         return None, []
     if isinstance(stop, str):

@@ -62,6 +62,7 @@ class Problem:
     c: int
     d: int
     name: str
+    pron: str
     item: str
     container: str
     prompt: str
@@ -131,7 +132,7 @@ def render(template: str, a: int, b: int, c: int, d: int, name: str, pron: str, 
     steps = worked(a, b, c, d, b * c)
     r = steps[-1][3]
     solution = " ".join(_eq(*st) for st in steps) + f" #### {r}"
-    return Problem(template, a, b, c, d, name, item, container, prompt, solution, r)
+    return Problem(template, a, b, c, d, name, pron, item, container, prompt, solution, r)
 
 
 def generate(split: str, n: int, seed: int = 0, variant: str = DEFAULT_VARIANT) -> list[Problem]:

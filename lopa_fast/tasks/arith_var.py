@@ -124,26 +124,10 @@ class Choice:
 
 
 @dataclass(frozen=True)
-class VarProblem:
-    """One arith-var problem: parameters, prompt (as arith's), one rendered solution, its choice, the answer."""
+class VarProblem(arith.Problem):
+    """One arith-var problem: arith's fields (the prompt is arith's; the solution one rendering) and its choice."""
 
-    template: str
-    a: int
-    b: int
-    c: int
-    d: int
-    name: str
-    pron: str
-    item: str
-    container: str
-    prompt: str
-    solution: str
-    answer: int
     choice: Choice
-
-    @property
-    def numbers(self) -> tuple[int, int, int, int]:
-        return (self.a, self.b, self.c, self.d)
 
 
 def _fields(a, b, c, d, name, pron, item, container) -> dict:
