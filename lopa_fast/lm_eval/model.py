@@ -234,8 +234,7 @@ class LopaFastLM(TemplateLM):
                 unknown.update(dict.fromkeys(self._unknown(text)))
             res = self._score(context, continuation, greedy=True)
             out.append(res)
-            if hasattr(self, "cache_hook"):
-                self.cache_hook.add_partial("loglikelihood", pair, res)
+            self.cache_hook.add_partial("loglikelihood", pair, res)
         self._warn_unknown(list(unknown), "request")
         return out
 
@@ -257,8 +256,7 @@ class LopaFastLM(TemplateLM):
                                                 max_seq_len=self.max_length - 1, context_len=1)  # fmt: skip
             total = sum(self._score(*make_disjoint_window(w), greedy=False)[0] for w in windows)
             out.append(total)
-            if hasattr(self, "cache_hook"):
-                self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return out
 
     def _unknown(self, text: str) -> list[str]:
@@ -320,8 +318,7 @@ class LopaFastLM(TemplateLM):
                 "backend": st["backend"],
             })  # fmt: skip
             out_texts.append(text)
-            if hasattr(self, "cache_hook"):
-                self.cache_hook.add_partial("generate_until", req.args, text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out_texts
 
     def summary(self) -> dict:

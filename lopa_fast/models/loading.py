@@ -185,15 +185,7 @@ def load_model(
     emb_name, head_name = head_names(cfg)
     untie = cfg.tie_word_embeddings and head_name in headers
     if untie:  # a separate head next to a tied embedding: loaded (untied) unless it is an exact copy
-        from safetensors import safe_open
-
-        if tensors is None:
-            pair = {}
-            for n in (emb_name, head_name):
-                with safe_open(str(files[n]), framework="pt") as sf:
-                    pair[n] = sf.get_tensor(n)
-        else:
-            pair = tensors
+        pair = tensors if tensors is not None else read_tensors(path, kind, {n: files[n] for n in (emb_name, head_name)})
         if tuple(pair[head_name].shape) == tuple(pair[emb_name].shape) and torch.equal(pair[head_name], pair[emb_name]):
             untie = False
             headers = {k: v for k, v in headers.items() if k != head_name}

@@ -22,7 +22,7 @@ import torch
 
 from lopa_fast import tasks
 from lopa_fast.train.data import make_batch
-from lopa_fast.train.greedy import fill_observed
+from lopa_fast.train.greedy import greedy_fill
 
 GEN_LEN = {"arith": 32, "arith-var": 96}
 
@@ -43,7 +43,7 @@ def certainty_curve(model, problems, tok, gen_len: int, threshold: float = 0.9, 
     model.eval()
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        out = fill_observed(model, make_batch(chunk, tok, gen_len), gen_len, alg, observe)
+        out = greedy_fill(model, make_batch(chunk, tok, gen_len), gen_len, alg, observe=observe)
         for p, row in zip(chunk, out.tolist()):
             correct += int(tasks.extract_answer(tok.decode(row, skip_special_tokens=True)) == p.answer)
     n = max(1, len(problems))

@@ -18,16 +18,17 @@ ALGS = ("max_prob", "entropy", "left_to_right")
 
 
 @torch.no_grad()
-def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def greedy_fill(model, batch: Batch, gen_len: int, alg: str = "max_prob", given: torch.Tensor | None = None,
+                observe=None) -> torch.Tensor:
     """Decode the generation regions of `batch` -> generated ids [B, gen_len] (mask-free).
 
     Dream alignment: the raw logit at position j - 1 predicts token j. alg: which masked position a forward
     fills, "max_prob" (highest max-probability), "entropy" (lowest entropy), "left_to_right" (the leftmost);
     ties go to the leftmost. given: optional bool [B, gen_len], positions that start with their clean token from
-    `batch` instead of a mask (train.diagnose gives the true EOS tail this way).
+    `batch` instead of a mask (train.diagnose gives the true EOS tail this way). observe: `_fill`'s hook
+    (train.certainty reads the confidences of the still-masked positions from it).
     """
-    return _fill(model, batch, gen_len, alg, given, teacher_forced=False, who="greedy_fill")[0]
+    return _fill(model, batch, gen_len, alg, given, teacher_forced=False, who="greedy_fill", observe=observe)[0]
 
 
 def _fill(model, batch: Batch, gen_len: int, alg: str, given: torch.Tensor | None, teacher_forced: bool,
@@ -92,10 +93,3 @@ def fill_orders(model, batch: Batch, gen_len: int, alg: str = "entropy") -> torc
     region offsets in visiting order. gen_len forwards. `train.d2f`'s "full_policy" view cuts these orders to
     train on the states this decoder visits."""
     return _fill(model, batch, gen_len, alg, None, teacher_forced=True, who="fill_orders")[1]
-
-
-@torch.no_grad()
-def fill_observed(model, batch: Batch, gen_len: int, alg: str, observe) -> torch.Tensor:
-    """greedy_fill with `observe(step, prob_max [B, gen_len], still [B, gen_len])` called after every forward
-    (train.certainty reads the confidences of the still-masked positions from it)."""
-    return _fill(model, batch, gen_len, alg, None, teacher_forced=False, who="fill_observed", observe=observe)[0]
