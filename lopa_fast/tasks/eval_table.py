@@ -146,33 +146,30 @@ def plot(results: list[dict], path: Path, gen_len: int = GEN_LEN, verifier: str 
     fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 3.8), squeeze=False, layout="constrained")
     if apd:
         _plot_apd(axes[0, -1], apd, apd_rows(gen_len), verifier)
-    if not pts:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return None
-    x = [k for k, _ in pts]
-    tpf = [r["tpf"] for _, r in pts]
-    acc = [100 * r["accuracy"] for _, r in pts]
-    ax = axes[0, 0]
-    ax.plot(x, tpf, "o-", label="TPF")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(k) for k in x])
-    ax.set_xlabel("branching factor k (1 = D2F)")
-    ax.set_ylabel("tokens per forward")
-    if spts:
-        ax.plot([k for k, _ in spts], [r["tpf"] for _, r in spts], "D", color="tab:purple",
-                label="TPF, dParallel student")
-    # both axes from 0: a tie (arith: every k at ~8 tokens per forward) reads as a flat line, not as noise on a
-    # 7.6-8.4 axis; the values are printed at the points, so small differences stay readable
-    ax.set_ylim(0, 1.2 * max(tpf + [r["tpf"] for _, r in spts]))
-    for k, v in zip(x, tpf):
-        ax.annotate(f"{v:.2f}", (k, v), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
-    ax2 = ax.twinx()
-    ax2.plot(x, acc, "s--", color="tab:red", label="accuracy")
-    ax2.set_ylabel("exact match (%)")
-    ax2.set_ylim(0, 105)
-    ax.set_title("D2F / LoPA", fontsize=9)
-    _legend_below(ax, ax2)
+    if pts:
+        x = [k for k, _ in pts]
+        tpf = [r["tpf"] for _, r in pts]
+        acc = [100 * r["accuracy"] for _, r in pts]
+        ax = axes[0, 0]
+        ax.plot(x, tpf, "o-", label="TPF")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(k) for k in x])
+        ax.set_xlabel("branching factor k (1 = D2F)")
+        ax.set_ylabel("tokens per forward")
+        if spts:
+            ax.plot([k for k, _ in spts], [r["tpf"] for _, r in spts], "D", color="tab:purple",
+                    label="TPF, dParallel student")
+        # both axes from 0: a tie (arith: every k at ~8 tokens per forward) reads as a flat line, not as noise on a
+        # 7.6-8.4 axis; the values are printed at the points, so small differences stay readable
+        ax.set_ylim(0, 1.2 * max(tpf + [r["tpf"] for _, r in spts]))
+        for k, v in zip(x, tpf):
+            ax.annotate(f"{v:.2f}", (k, v), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        ax2 = ax.twinx()
+        ax2.plot(x, acc, "s--", color="tab:red", label="accuracy")
+        ax2.set_ylabel("exact match (%)")
+        ax2.set_ylim(0, 105)
+        ax.set_title("D2F / LoPA", fontsize=9)
+        _legend_below(ax, ax2)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
