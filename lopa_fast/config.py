@@ -66,12 +66,8 @@ class GenerateConfig:
     description, its choices and what None runs as in its metadata (`knob`): the CLI's --help is built from them."""
 
     strategy: str = knob("lopa", 'the decoding strategy (docs/decoding.md "Strategies")', choices=strategies.names)
-    # auto: the fast backend wherever it covers the request (lopa_fast.strategies.fast_not_covered)
     backend: str = knob("auto", "auto: the fast decoder wherever it covers the request, else the reference (the "
                         "per-step oracle)", choices=BACKENDS)
-    # None: the model's generation_config.json `max_new_tokens` (else DEFAULT_MAX_NEW_TOKENS), clipped to the room
-    # left in max_position_embeddings. A length that is not a whole number of blocks is decoded in whole blocks
-    # and the output cut to it (stats["finish_reason"]); strict_length=True refuses such a length instead.
     max_new_tokens: int | None = knob(None, "new tokens to return (decoded in whole blocks, the output cut to it)",
                                       unset="the model's generation_config.json max_new_tokens (else 512), clipped "
                                             "to its max_position_embeddings")
@@ -105,9 +101,7 @@ class GenerateConfig:
     eos_token_id: int | None = knob(None, "the end-of-sequence token id", unset="the model's")
     seed: int | None = knob(None, "seed of the random draws (T > 0, random remasking / reveal orders)",
                             unset="drawn from torch's global generator")
-    # the random draws (T > 0; vanilla's random remasking / origin reveal / alg_temp): "keyed" = a pure function
-    # of (seed, step, branch, position), the same tokens on both backends, CPU or GPU; "upstream" = upstream's
-    # draw order from one torch.Generator (reference backend only). None: "keyed" (apd: "upstream")
+    # the draws at T > 0 and vanilla's random remasking / origin reveal / alg_temp; keyed: also per branch, CPU or GPU
     sampler: str | None = knob(None, "the random draws: keyed (a function of seed, step and position; both backends "
                                      "agree) or upstream's draw order (reference backend only)",
                                choices=SAMPLERS, unset="keyed (apd: upstream)")
@@ -118,23 +112,19 @@ class GenerateConfig:
     on_round_cap: str = knob("warn", "at max_rounds: warn and return (finish_reason round_cap), or raise "
                                      "RoundCapError", choices=ROUND_CAP_ACTIONS)
     suppress_mask_token: bool = knob(False, "never emit the mask token (upstream does not suppress it)")
-    # the fast backend: compile each round bucket once (CUDA graphs on GPU, torch.compile on CPU) and replay.
     # None (auto): capture on CUDA (a round's capture costs about a second and removes hundreds of launches; a
     # failed capture falls back to the eager step with a warning), eager on CPU (Inductor compiles take minutes);
     # batched requests run one compiled / captured step per batch-size bucket (lopa_fast.decode.compiled_batch)
     compile: bool | None = knob(None, "compile each round / step bucket once and replay it (CUDA graphs on GPU, "
                                       "torch.compile on CPU)", unset="capture on CUDA, eager on CPU")
-    # the fast backend (d2f / lopa, T = 0): split each round's branch slots over the ranks of the initialised
-    # torch.distributed process group (lopa_fast.distributed; docs/distributed.md); every rank returns the result
+    # T = 0 on the fast backend; every rank returns the result (lopa_fast.distributed)
     distributed: bool = knob(False, "split each d2f / lopa round's branches over the ranks of the initialised "
                                     "torch.distributed group (docs/distributed.md)")
-    # stop sequences (token ids; every strategy): decoding ends once one lies in the finalised prefix (the tokens
-    # before the first mask); the output is cut before it. A list of lists is accepted (stored as tuples).
+    # every strategy; the finalised prefix: the tokens before the first mask
     stop: tuple[tuple[int, ...], ...] | None = knob(
         None, "token-id stop sequences: decoding ends once one is in the finalised prefix, the output cut before it",
         unset="none")
-    # vanilla (LLaDA: steps, block_length, remasking, cfg_scale, logits_eos_inf, confidence_eos_eot_inf;
-    #          Dream: steps, alg, alg_temp, eps) and threshold (Fast-dLLM / dParallel)
+    # vanilla (LLaDA / Dream) and threshold (Fast-dLLM / dParallel)
     steps: int | None = knob(None, "vanilla: denoising steps; threshold: only checked to divide into the blocks",
                              unset="max_new_tokens (vanilla), the number of blocks (threshold)")
     block_length: int | None = knob(None, "semi-autoregressive block length (LLaDA vanilla, threshold)",
@@ -160,9 +150,7 @@ class GenerateConfig:
     cache: str | None = knob(None, "threshold: Fast-dLLM's KV cache", choices=CACHE_MODES, unset="no cache")
     count_noop_forward: bool | None = knob(None, "threshold: run and count the cached forward after a refresh that "
                                                  "filled the block (upstream's loop)", unset="off")
-    # apd (docs/decoding.md "APD"): apd_mixture_weight R in [0, 1] (None: the verifier-free leftright baseline),
-    # kv_window W >= 0 (None: no dLLM cache), max_lookahead M >= 1 (None: the whole canvas), tokens_per_step K
-    # (leftright only; None: 1), and the opt-in fixes of upstream quirks Q1 / Q2 / Q3 (None or False: upstream)
+    # apd (docs/decoding.md "APD"; the quirk fixes: None or False is upstream)
     apd_mixture_weight: float | None = knob(None, "apd: R, the dLLM's weight in the target R * l_D + (1 - R) * l_AR "
                                                   "(needs verifier=)", unset="the verifier-free leftright baseline")
     kv_window: int | None = knob(None, "apd: W, committed positions recomputed each step (the dLLM's KV cache)",
