@@ -73,19 +73,9 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     backend:    "auto" (the default: the fast backend wherever it covers the request, else the reference with
                 a RuntimeWarning naming the knob, e.g. sampler="upstream" at T > 0) | "fast" (raises where it
                 does not cover) | "reference" (per-branch Python, the semantics oracle).
-    Every other knob is keyword-only, with the defaults of `lopa_fast.GenerateConfig` (the one place they
-    are written; `inspect.signature(generate)` shows them). D2F/LoPA knobs keep upstream names
-    (block_size, block_add_threshold, decoded_token_threshold, skip_threshold, sampling_strategy,
-    branching_factor, branch_topp, selection_conf_alpha, use_full_attention). branching_factor=1 is plain
-    D2F; k >= 2 verifies k+1 sequences per round.
-    max_rounds / on_round_cap: the loop cap (default 2 * max_new_tokens + 64) and what happens when it is
-    hit ("warn": stats["hit_round_cap"] = True + RuntimeWarning; "error": RoundCapError).
-    suppress_mask_token: exclude the mask id from predictions (upstream does not; default False).
-    Strategy-specific knobs (None = the strategy's default): vanilla (LLaDA: steps, block_length, remasking,
-    cfg_scale, logits_eos_inf, confidence_eos_eot_inf; Dream: steps, alg, alg_temp, eps) and threshold
-    (block_length, steps, exactly one of threshold / factor / entropy_threshold, cache None|"prefix"|"dual",
-    count_noop_forward); apd (apd_mixture_weight, kv_window, max_lookahead, tokens_per_step,
-    single_temperature, coupled_gumbel, exact_prev_logits).
+    Every other knob is keyword-only, with the defaults and one-line descriptions of `lopa_fast.GenerateConfig`'s
+    fields (the one place they are written; `inspect.signature(generate)` shows them; D2F / LoPA knobs keep
+    upstream names; a strategy-specific knob left None runs as the strategy's default).
     verifier:   strategy="apd" only: the causal AR qwen2 model that verifies the drafts (its vocabulary a
                 prefix of the drafter's); None with apd_mixture_weight=None runs the leftright baseline.
     stop:       token-id sequences (every strategy): decoding ends once one lies in the finalised prefix (the

@@ -37,7 +37,6 @@ VARIANTS = {
 }
 DEFAULT_VARIANT = "v2"
 MAX_SOLUTION_TOKENS = {"v1": 33, "v2": 28}  # longest solution incl. the final EOS, in tokens (tested)
-A_RANGE, B_RANGE, C_RANGE, D_RANGE = (VARIANTS[DEFAULT_VARIANT][k] for k in "abcd")
 TEST_PERCENT = 10  # share of (a, b, c, d) tuples held out for the test split
 DEV_PERCENT = 5  # a further share held out for monitoring during training (never trained on)
 

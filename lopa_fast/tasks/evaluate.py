@@ -36,6 +36,7 @@ from lopa_fast.tasks.eval_rows import (  # noqa: F401
     task_rows,
 )
 from lopa_fast.tasks.eval_table import WHY_WALL_TIME, markdown, plot
+from lopa_fast.text import answer_ids
 
 
 def load_default(model_dir=None, dtype=None, task: str = DEFAULT_TASK):
@@ -65,10 +66,8 @@ def prompt_ids(tok, problem) -> list[int]:
 
 
 def answer_text(tok, ids: list[int]) -> str:
-    """Generated ids -> readable text up to the first EOS (digits joined)."""
-    eos = tok.eos_token_id
-    cut = ids.index(eos) if eos in ids else len(ids)
-    return tok.decode(ids[:cut], skip_special_tokens=True)  # the tokenizer's decoder joins digits
+    """Generated ids -> readable text up to the first EOS (the tokenizer's decoder joins digits)."""
+    return tok.decode(answer_ids(ids, tok.eos_token_id), skip_special_tokens=True)
 
 
 def _decode(model, ids, knobs: dict, backend: str, gen_len: int, compile: bool, **extra):
@@ -85,14 +84,6 @@ def _decode(model, ids, knobs: dict, backend: str, gen_len: int, compile: bool, 
         if "does not cover strategy" not in str(exc):
             raise
         return None, str(exc)
-
-
-def progress_bar(label: str, total: int, enabled: bool = True):
-    """A tqdm progress bar on stderr (disabled when `enabled` is False)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=f"{label:>9s}", disable=not enabled, file=sys.stderr, leave=True,
-                dynamic_ncols=True)
 
 
 def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
@@ -126,7 +117,10 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
     dllm_fw = verifier_fw = steps = accepted = full_steps = 0
     seconds = 0.0
     ran = None
-    bar = progress_bar(row, len(problems), progress)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(problems), desc=f"{row:>9s}", disable=not progress, file=sys.stderr, leave=True,
+               dynamic_ncols=True)
     for i, p in enumerate(problems):
         ids = torch.tensor(prompt_ids(tok, p), dtype=torch.long, device=model.device)
         out, reason = _decode(model, ids, knobs, backend, t.gen_len, compile, **extra)
