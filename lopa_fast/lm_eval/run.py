@@ -77,7 +77,8 @@ def evaluate(model, tasks, *, output_path: str | None = None, log_samples: bool 
             path = _results_dir(tracker) / f"lopa_fast_stats_{tracker.date_id}.json"
             path.write_text(json.dumps(dict(summary, requests=lm.records), indent=2))
             print(f"lopa_fast: wrote {path}")
-    _finish(loggers)
+    for lg in loggers:
+        (lg.finish if hasattr(lg, "finish") else lg.run.finish)()  # TrackioLogger.finish; W&B: its run's
     return results
 
 
@@ -99,11 +100,6 @@ def _log_results(loggers: list, results: dict, samples) -> None:
                 lg.log_eval_samples(samples)
         except Exception as e:  # noqa: BLE001
             logging.getLogger(__name__).info("lopa_fast: logging to %s failed: %s", type(lg).__name__, e)
-
-
-def _finish(loggers: list) -> None:
-    for lg in loggers:
-        (lg.finish if hasattr(lg, "finish") else lg.run.finish)()  # TrackioLogger.finish; W&B: its run's
 
 
 def _run(args) -> int:

@@ -142,14 +142,6 @@ def _check_ids(mc: "ModelConfig", source: str) -> None:
             _fail(source, name, v, f"an id in [0, vocab_size={mc.vocab_size})")
 
 
-def _check_consistency(mc: "ModelConfig", source: str, keys: dict) -> None:
-    """Heads divide the hidden size (when head_dim is derived), kv heads divide heads, head_dim even (RoPE)."""
-    if mc.num_heads % mc.num_kv_heads:
-        _fail(source, keys["kv"], mc.num_kv_heads, f"a divisor of {keys['heads']}={mc.num_heads}")
-    if mc.head_dim % 2:
-        _fail(source, keys["head_dim"], mc.head_dim, "an even head dimension (RoPE rotates pairs)")
-
-
 def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "config.json") -> ModelConfig:
     """Build a ModelConfig from the dicts of config.json and (optional) generation_config.json.
 
@@ -227,10 +219,12 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
     else:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}", file=source)
 
-    llada = mc.kind == "llada"
-    _check_consistency(mc, source, {"kv": "n_kv_heads" if llada else "num_key_value_heads",
-                                    "heads": "n_heads" if llada else "num_attention_heads",
-                                    "head_dim": "d_model" if llada else "head_dim"})  # fmt: skip
+    llada = mc.kind == "llada"  # kv heads divide heads (heads divide hidden: _derived_head_dim)
+    if mc.num_heads % mc.num_kv_heads:
+        _fail(source, "n_kv_heads" if llada else "num_key_value_heads", mc.num_kv_heads,
+              f"a divisor of {'n_heads' if llada else 'num_attention_heads'}={mc.num_heads}")
+    if mc.head_dim % 2:
+        _fail(source, "d_model" if llada else "head_dim", mc.head_dim, "an even head dimension (RoPE rotates pairs)")
     defaults = {"llada": {"mask_token_id": 126336, "eos_token_id": 126081, "pad_token_id": 126081}}.get(mc.kind, {})
     for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
         value = cfg.get(name)

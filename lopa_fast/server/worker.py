@@ -216,12 +216,12 @@ class Worker:
             if bad is not None:
                 reason = f"the weight {bad} holds NaN or inf"
         if reason is None:
-            knobs = {k: v for k, v in self._defaults.items() if k not in ("max_new_tokens",)}
+            knobs = {**self._defaults, "max_new_tokens": 1}
             bos = getattr(self.model.config, "bos_token_id", None)
             try:
                 with warnings.catch_warnings(), torch.inference_mode():
                     warnings.simplefilter("ignore")
-                    lopa_fast.generate(self.model, [bos if bos is not None else 1], **{**knobs, "max_new_tokens": 1},
+                    lopa_fast.generate(self.model, [bos if bos is not None else 1], **knobs,
                                        verifier=self._verifier_for(knobs))  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the verdict, not a crash
                 reason = f"a one-token request failed: {type(e).__name__}: {e}"

@@ -103,10 +103,6 @@ def all_tuples(split: str, variant: str = DEFAULT_VARIANT) -> list[tuple[int, in
     return out
 
 
-def _eq(x: int, op: str, y: int, z: int) -> str:
-    return f"{x} {op} {y} = {z} ."
-
-
 # template -> (prompt format, the worked steps (x, op, y, x op y) from a, b, c, d and m = b * c)
 _FORMS = {
     "buy": ("{name} has {a} {item} . {pron} buys {b} {container} with {c} {item} in each . "
@@ -130,7 +126,7 @@ def render(template: str, a: int, b: int, c: int, d: int, name: str, pron: str, 
                         pron_low=pron.lower())
     steps = worked(a, b, c, d, b * c)
     r = steps[-1][3]
-    solution = " ".join(_eq(*st) for st in steps) + f" #### {r}"
+    solution = " ".join(f"{x} {op} {y} = {z} ." for x, op, y, z in steps) + f" #### {r}"
     return Problem(template, a, b, c, d, name, pron, item, container, prompt, solution, r)
 
 

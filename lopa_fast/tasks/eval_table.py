@@ -34,14 +34,6 @@ WHY_WALL_TIME = (
 )
 
 
-def markdown_table(rows: list[list], header: list[str]) -> str:
-    """A GitHub-flavoured markdown table (tabulate); cells are written as given (no re-parsing of numbers, so a
-    formatted "7.90" stays "7.90")."""
-    from tabulate import tabulate
-
-    return tabulate(rows, header, tablefmt="github", disable_numparse=True)
-
-
 def markdown(results: list[dict], *, command: str, model_path, n_params: int, backend: str, n: int,
              block_size: int = BLOCK, task: str = DEFAULT_TASK, student_path=None) -> str:
     import torch
@@ -81,7 +73,9 @@ def markdown(results: list[dict], *, command: str, model_path, n_params: int, ba
         elif apd_rows:
             cells += [f"{r['forwards_per_answer']:.1f}", "-", "-", "-"]
         table.append(cells)
-    lines.append(markdown_table(table, header))
+    from tabulate import tabulate
+
+    lines.append(tabulate(table, header, tablefmt="github", disable_numparse=True))  # cells as given: "7.90" stays
     lines += ["", f"Knobs (temperature 0, max_new_tokens {t.gen_len}, block size {block_size}):", ""]
     for r in results:
         why = f" (unavailable: {r['reason']})" if r["status"] != "ok" else ""
