@@ -1,13 +1,5 @@
 """The embedded task: seeded GSM8K-like arithmetic word problems, its tokenizer and batching helpers."""
-from lopa_fast.tasks.arith import (
-    Problem,
-    all_tuples,
-    extract_answer,
-    generate,
-    join_digits,
-    render,
-    split_of,
-)
+from lopa_fast.tasks.arith import all_tuples, extract_answer, generate, join_digits
 from lopa_fast.tasks.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -39,7 +31,7 @@ def generate_task(task: str, split: str, n: int, seed: int = 0, variant: str = a
     return arith_var.generate(split, n, seed=seed)
 
 __all__ = [
-    "BOS_ID", "EOS_ID", "MASK_ID", "Problem", "all_tuples", "build_tokenizer", "encode_problem", "extract_answer",
-    "generate", "join_digits", "render", "save_tokenizer", "split_of", "vocab",
+    "BOS_ID", "EOS_ID", "MASK_ID", "all_tuples", "build_tokenizer", "encode_problem", "extract_answer", "generate",
+    "join_digits", "save_tokenizer", "vocab",
     "TASKS", "TOKENIZERS", "arith_var", "check_task", "generate_task", "tokenizer_var",
 ]

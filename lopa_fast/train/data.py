@@ -26,7 +26,7 @@ class Batch:
 
 
 def make_batch(problems, tok, gen_len: int) -> Batch:
-    """Encode `problems` (list of tasks.Problem) with `tok` (a tokenizers.Tokenizer)."""
+    """Encode `problems` (list of tasks.arith.Problem) with `tok` (a tokenizers.Tokenizer)."""
     rows, plens = [], []
     for p in problems:
         prompt, target = tasks.encode_problem(tok, p, gen_len)
