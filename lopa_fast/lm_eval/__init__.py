@@ -27,8 +27,6 @@ Modules: elbo.py (the masked-diffusion ELBO estimator and the greedy check: torc
 registered model, and its model-arg checks), run.py (`evaluate` / `main`: lm-eval's Python API and command line).
 """
 from lopa_fast.lm_eval.elbo import (
-    MC_BATCH,
-    MC_NUM,
     draw_masks,
     elbo_terms,
     greedy_matches,
@@ -39,5 +37,5 @@ from lopa_fast.lm_eval.elbo import (
 from lopa_fast.lm_eval.model import LopaFastLM  # registers the `lopa_fast` model with lm-eval
 from lopa_fast.lm_eval.run import evaluate, main, prepare
 
-__all__ = ["LopaFastLM", "MC_BATCH", "MC_NUM", "draw_masks", "elbo_terms", "evaluate", "greedy_matches", "main",
-           "mask_counts", "masked_logprobs", "mc_loglikelihood", "prepare"]
+__all__ = ["LopaFastLM", "draw_masks", "elbo_terms", "evaluate", "greedy_matches", "main", "mask_counts",
+           "masked_logprobs", "mc_loglikelihood", "prepare"]

@@ -20,8 +20,7 @@ if typing.TYPE_CHECKING:
 
 # the public names, imported on first use (PEP 562): `python -m lopa_fast --help` reads the served knobs
 # (lopa_fast.server.served) without importing FastAPI, pydantic and torch (~4 s)
-_LAZY = {"create_app": "app", "Limits": "limits", "RequestError": "protocol", "model_sampling_defaults": "protocol",
-         "parse": "protocol", "Handle": "worker", "Job": "worker", "Worker": "worker"}
+_LAZY = {"create_app": "app", "Limits": "limits", "model_sampling_defaults": "protocol", "parse": "protocol"}
 
 
 def __getattr__(name: str):
@@ -181,5 +180,4 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
         worker.close(timeout=drain_timeout_s)
 
 
-__all__ = ["Handle", "Job", "Limits", "RequestError", "Worker", "check_address", "check_auth", "create_app",
-           "model_sampling_defaults", "parse", "serve"]  # fmt: skip
+__all__ = ["Limits", "check_address", "check_auth", "create_app", "model_sampling_defaults", "parse", "serve"]
