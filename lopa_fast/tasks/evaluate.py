@@ -187,13 +187,9 @@ def run_eval(n: int = 100, strategies="all", backend: str = "auto", out=None, mo
     rows = parse_rows(strategies, task)
     model, tok, path = load_default(model_dir, task=task)
     problems = tasks.generate_task(task, "test", n, seed=0)
-    apd = any(r in APD_ROWS for r in rows)
-    if verifier_dir is not None:
-        import lopa_fast
-
-        verifier = lopa_fast.load_model(verifier_dir, dtype=model.dtype) if apd else None
-    else:
-        verifier = load_verifier(name=t.verifier) if apd and shipped(t.verifier) else None
+    verifier = None
+    if any(r in APD_ROWS for r in rows) and (verifier_dir is not None or shipped(t.verifier)):
+        verifier = load_default(verifier_dir or asset_dir(t.verifier), model.dtype)[0]
     student, student_path = None, None
     if any(r in STUDENT_ROWS for r in rows) and (student_dir is not None or shipped(t.student)):
         student, _, student_path = load_default(student_dir or asset_dir(t.student), task=task)

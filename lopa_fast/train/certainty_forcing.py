@@ -330,7 +330,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
 
 
 def main(argv=None) -> None:
-    run.main("lopa_fast.train.certainty_forcing", __doc__, DEFAULTS, train, argv, resumable=True)
+    run.main("lopa_fast.train.certainty_forcing", __doc__, DEFAULTS, train, argv)
 
 
 if __name__ == "__main__":

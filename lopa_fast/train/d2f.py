@@ -397,7 +397,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
 
 
 def main(argv=None) -> None:
-    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv, resumable=True)
+    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from lopa_fast import tasks
 from lopa_fast.models import save_checkpoint
 
 
@@ -73,11 +72,10 @@ def optimizer_step(model, opt, loss: torch.Tensor, lr: float) -> float:
     return float(loss.detach())
 
 
-def save(model, cfg: dict, out: Path, recipe: str, args: dict, save_tokenizer=None) -> None:
-    """HF layout (config.json, model.safetensors), the task tokenizer (`save_tokenizer(out)`, default `arith`'s)
-    and train_args.json."""
+def save(model, cfg: dict, out: Path, recipe: str, args: dict, save_tokenizer) -> None:
+    """HF layout (config.json, model.safetensors), the task tokenizer (`save_tokenizer(out)`) and train_args.json."""
     save_checkpoint(model, out, cfg)
-    (save_tokenizer or tasks.save_tokenizer)(out)
+    save_tokenizer(out)
     with open(out / "train_args.json", "w") as f:
         json.dump({"recipe": recipe, **args}, f, indent=2, sort_keys=True)
 
@@ -151,14 +149,12 @@ class ResumeError(ValueError):
     one line and exits with status 2."""
 
 
-def main(recipe: str, doc: str, defaults: dict, train, argv=None, resumable: bool = False) -> None:
-    """`python -m <recipe> --out DIR [--option value ...]`, one flag per default (and `--resume` when the
-    recipe is resumable)."""
+def main(recipe: str, doc: str, defaults: dict, train, argv=None) -> None:
+    """`python -m <recipe> --out DIR [--resume] [--option value ...]`, one flag per default."""
     ap = argparse.ArgumentParser(prog=f"python -m {recipe}", description=doc.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model directory")
-    if resumable:
-        ap.add_argument("--resume", action="store_true",
-                        help=f"continue from OUT/{RESUME_FILE} (same options; the log is appended)")
+    ap.add_argument("--resume", action="store_true",
+                    help=f"continue from OUT/{RESUME_FILE} (same options; the log is appended)")
     for k, v in defaults.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     ns = vars(ap.parse_args(argv))
