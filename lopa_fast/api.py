@@ -114,8 +114,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     if aliases.applies(knobs):  # HF / Dream / LLaDA / vLLM names (lopa_fast.aliases)
         need = {"max_length", "attention_mask"} & set(knobs)
         knobs = aliases.translate(knobs, prompt_lens(input_ids) if need else None)
-    known = {p for p in _SIGNATURE.parameters}
-    unknown = sorted(set(knobs) - known)
+    unknown = sorted(set(knobs) - set(_SIGNATURE.parameters))
     if unknown:
         raise TypeError(
             f"generate() got unknown keyword argument(s) {unknown}; strategy-specific knobs are: "

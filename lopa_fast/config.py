@@ -395,19 +395,16 @@ DEFAULT_MAX_NEW_TOKENS = 512  # max_new_tokens=None when the model's generation_
 def default_max_new_tokens(model) -> tuple[int, str]:
     """(max_new_tokens, source) for `max_new_tokens=None`: `max_new_tokens` of the generation_config.json in the
     model's directory (`model.name_or_path`, set by load_model) when it has one, else DEFAULT_MAX_NEW_TOKENS."""
-    import json
     from pathlib import Path
 
     from lopa_fast.errors import ConfigError
+    from lopa_fast.models.checkpoint import read_json
 
     where = getattr(model, "name_or_path", None)
     f = Path(where) / "generation_config.json" if where else None
     if f is None or not f.is_file():
         return DEFAULT_MAX_NEW_TOKENS, "default"
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{f}: unreadable ({e})", file=f) from None
+    data = read_json(f)  # ConfigError naming the file when it is not JSON
     n = data.get("max_new_tokens") if isinstance(data, dict) else None
     if n is None:
         return DEFAULT_MAX_NEW_TOKENS, "default"

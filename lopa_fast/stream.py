@@ -27,6 +27,7 @@ import warnings
 from lopa_fast import aliases, api, plan
 from lopa_fast.config import GenerateConfig
 from lopa_fast.progress import first_stop
+from lopa_fast.prompts import prompt_lens
 from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
     text_decoder  # fmt: skip
 
@@ -171,8 +172,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
     seqs, texts = split_stops(tokenizer, stop)
     streamer = knobs.pop("streamer", None)
-    knobs = aliases.translate(knobs, [len(ids) if isinstance(ids, (list, tuple)) else int(ids.shape[-1])]
-                              if {"max_length", "attention_mask"} & set(knobs) else None)  # other libraries' names
+    knobs = aliases.translate(knobs, prompt_lens(ids) if {"max_length", "attention_mask"} & set(knobs) else None)
     if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
         seqs = [*(seqs or []), *knobs.pop("stop")]
     bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})

@@ -88,17 +88,7 @@ def fill_order_png(trace: list[dict], path, *, tokens: list[str] | None = None, 
     return path
 
 
-def png_size(path) -> tuple[int, int]:
-    """(width, height) of a PNG file, from its IHDR chunk."""
-    import struct
-
-    head = Path(path).read_bytes()[:24]
-    if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
-        raise ValueError(f"{path}: not a PNG file")
-    return struct.unpack(">II", head[16:24])
-
-
-__all__ = ["fill_order_png", "fill_order_text", "fill_rounds", "png_size"]
+__all__ = ["fill_order_png", "fill_order_text", "fill_rounds"]
 
 
 class StepView:

@@ -127,7 +127,7 @@ def test_a_second_process_builds_nothing(tmp_path):
 
 
 def test_eval_plot_is_matplotlib_png(tmp_path):
-    from lopa_fast.viz import png_size
+    from tests.utils import png_size
 
     path = tmp_path / "c.png"
     rows = [{"row": r, "status": "ok", "tpf": t, "accuracy": 0.9} for r, t in (("d2f", 6.0), ("lopa-k2", 6.5))]
@@ -352,7 +352,7 @@ def test_unknown_words_are_reported(capsys):
 def test_generate_png_writes_the_fill_order_heatmap(tmp_path, capsys):
     import json
 
-    from lopa_fast.viz import png_size
+    from tests.utils import png_size
 
     png = tmp_path / "out" / "fill.png"
     r = _cli("--prompt", PROMPT + " Answer :", "--max-new-tokens", "13", "--json", "--png", str(png),

@@ -5,7 +5,8 @@ import torch
 import lopa_fast
 from lopa_fast import tasks
 from lopa_fast.tasks.evaluate import ROWS, load_default, prompt_ids
-from lopa_fast.viz import fill_order_png, fill_order_text, fill_rounds, png_size
+from lopa_fast.viz import fill_order_png, fill_order_text, fill_rounds
+from tests.utils import png_size
 
 
 @pytest.fixture(scope="module")

@@ -202,3 +202,14 @@ def emulated_capture(warmup, body):
                 outputs[k].copy_(v)
 
     return replay, outputs
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) of a PNG file, from its IHDR chunk."""
+    import struct
+    from pathlib import Path
+
+    head = Path(path).read_bytes()[:24]
+    if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        raise ValueError(f"{path}: not a PNG file")
+    return struct.unpack(">II", head[16:24])
