@@ -56,8 +56,7 @@ def test_a_recipe_command_line_exits_2_on_a_bad_resume_file(tmp_path, capsys):
         run.load_state(tmp_path, {"lr": lr})
 
     with pytest.raises(SystemExit) as e:
-        run.main("lopa_fast.train.fake", "fake recipe", {"lr": 0.1}, train, ["--out", str(tmp_path), "--resume"],
-                 resumable=True)  # fmt: skip
+        run.main("lopa_fast.train.fake", "fake recipe", {"lr": 0.1}, train, ["--out", str(tmp_path), "--resume"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "resume.pt is not a readable training state" in err

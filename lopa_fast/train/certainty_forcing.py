@@ -138,14 +138,11 @@ def semiar_masks(prompt_lens: torch.Tensor, lens: torch.Tensor, n: int, g: torch
     R = lens - prompt_lens
     jb = (torch.rand(B, generator=g) * (R // block + 1)).long().clamp(max=R // block) * block  # [B] j * block
     lo = prompt_lens + jb
-    last = lo + block >= lens
-    hi = torch.where(last, lens, lo + block)  # [B] end of the active segment
+    hi = torch.minimum(lo + block, lens)  # [B] end of the active segment
+    mask, comp = complementary_masks(lo, hi, n, g, t)  # the active segment [lo, hi)
     pos = torch.arange(n)[None, :]
-    active = (pos >= lo[:, None]) & (pos < hi[:, None])
     suffix = (pos >= hi[:, None]) & (pos < lens[:, None])
-    p = (1 - MASK_EPS) * t + MASK_EPS
-    draw = torch.rand(B, n, generator=g) < p
-    return (draw & active) | suffix, (~draw & active) | suffix
+    return mask | suffix, comp | suffix
 
 
 def view_terms(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, temperature: float = 0.5):
