@@ -135,11 +135,11 @@ def other_library_flags(args) -> dict:
 
     out = {}
     for name in (*aliases.REFUSED, "n", "max_length", "do_sample"):
-        if getattr(args, "x_" + name, None) is not None:
-            out[name] = getattr(args, "x_" + name)
-    for name in out:
-        if name in aliases.REFUSED:
-            raise CLIError(f"--{name.replace('_', '-')} {out[name]}: not a lopa_fast knob: {aliases.REFUSED[name]}")
+        value = getattr(args, "x_" + name, None)
+        if value is not None and name in aliases.REFUSED:
+            raise CLIError(f"--{name.replace('_', '-')} {value}: not a lopa_fast knob: {aliases.REFUSED[name]}")
+        if value is not None:
+            out[name] = value
     if "n" in out and out.pop("n") != 1:
         raise CLIError(f"--n {args.x_n}: one output per prompt (--n 1); run the command once per sample (--seed)")
     return out

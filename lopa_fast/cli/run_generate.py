@@ -126,12 +126,11 @@ def generate_one(args, text: str, knobs: dict) -> int:
             warnings.filterwarnings("ignore", message=r".* has no effect at temperature=0")  # printed above
             out = api.generate_with_config(model, ids_t, cfg, verifier=verifier)
         answer = answer_text(out, decode, eos, texts)
-    gen = out.generated_ids
     st = out.stats
     if cfg.distributed and torch.distributed.get_rank() != 0:  # every rank holds the result; rank 0 prints it
         return 0
     if args.json:
-        obj = {"text": answer, "generated_ids": gen, "stats": st}
+        obj = {"text": answer, "generated_ids": out.generated_ids, "stats": st}
         if want_trace and out.trace is not None:
             obj["trace"] = out.trace
         print(json.dumps(obj, default=str))

@@ -268,14 +268,13 @@ def _chat_ids(tokenizer, messages, warn, max_len: int) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: expected text", "messages")
+        check_unicode(content, f"messages[{i}].content")
         if set(m) - {"role", "content", "name"}:
             extra = sorted(set(m) - {"role", "content", "name"})
             raise RequestError(f"messages[{i}]: fields {extra} are not served", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if not clean[-1]["content"].strip():
         raise RequestError("messages: the last message is empty (or only whitespace)", "messages")
-    for i, m in enumerate(clean):
-        check_unicode(m["content"], f"messages[{i}].content")
     _check_text_length(sum(len(m["content"]) for m in clean), max_len, tokenizer, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the model's tokenizer has no chat template; use /v1/completions", "messages")
