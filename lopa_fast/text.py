@@ -127,13 +127,12 @@ def split_stops(tokenizer, stop) -> tuple[list[list[int]] | None, list[str]]:
 
 
 def cut_at_text_stop(text: str, stops) -> tuple[str, str | None]:
-    """(text before the earliest text stop, that stop or None)."""
-    best = None
-    for s in stops or ():
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return (text, None) if best is None else (text[: best[0]], best[1])
+    """(text before the earliest text stop, that stop or None; at one position the first listed)."""
+    found = [(i, s) for s in stops or () if (i := text.find(s)) >= 0]
+    if not found:
+        return text, None
+    i, s = min(found, key=lambda f: f[0])  # min keeps the first of equal keys
+    return text[:i], s
 
 
 def held_back(text: str, stops) -> str:

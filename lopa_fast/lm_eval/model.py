@@ -322,9 +322,11 @@ class LopaFastLM(TemplateLM):
         return out_texts
 
     def summary(self) -> dict:
-        """What the result dict records for this model: the model args (defaults included) and the totals."""
+        """What the result dict records for this model: the model args (defaults included; the loglikelihood
+        estimator's settings too: an ELBO estimate depends on them) and the totals."""
         args = {"path": self.path, **({"verifier": self.verifier_path} if self.verifier_path else {}), **self.knobs,
-                **self.estimator()}
+                "mc_num": self.mc_num, "mc_batch_size": self.mc_batch_size, "seed": self.seed,
+                "check_greedy": self.check_greedy}  # fmt: skip
         return {"model_args": args, "total": self.totals()}
 
     def get_model_info(self) -> dict:
@@ -339,11 +341,6 @@ class LopaFastLM(TemplateLM):
         if isinstance(results, dict) and results.get("lopa_fast") is None:
             results["lopa_fast"] = summary
         return {"lopa_fast": summary}
-
-    def estimator(self) -> dict:
-        """The loglikelihood estimator's settings (recorded with the results: an ELBO estimate depends on them)."""
-        return {"mc_num": self.mc_num, "mc_batch_size": self.mc_batch_size, "seed": self.seed,
-                "check_greedy": self.check_greedy}  # fmt: skip
 
     def totals(self) -> dict:
         """Tokens, forwards and TPF over every generate_until request so far (TPF = all generated tokens / all

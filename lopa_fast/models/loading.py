@@ -11,6 +11,7 @@ LoRA adapters: lopa_fast/models/lora.py.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -249,9 +250,7 @@ def save_checkpoint(model: DecoderLM, path: str | os.PathLike, config: dict, sha
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     # the fast path's merged q/k/v and gate/up tensors make those parameters views of one storage, which
     # safetensors refuses to write as separate tensors: give each such view its own copy (only those)
-    seen: dict[int, int] = {}
-    for v in state.values():
-        seen[v.untyped_storage().data_ptr()] = seen.get(v.untyped_storage().data_ptr(), 0) + 1
+    seen = collections.Counter(v.untyped_storage().data_ptr() for v in state.values())
     state = {k: v.clone() if seen[v.untyped_storage().data_ptr()] > 1 else v for k, v in state.items()}
     with open(path / "config.json", "w") as f:
         json.dump(config, f, indent=2)

@@ -19,6 +19,7 @@ and deterministic (Python's `random.Random(seed)`; no global state).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
@@ -166,13 +167,9 @@ def draw_problems(rng: random.Random, split: str, variant, n: int):
         yield template, a, b, c, d, name, pron, item, container
 
 
-_CACHE: dict[tuple, list] = {}
-
-
+@functools.cache
 def _tuples_cached(split: str, variant: str) -> list[tuple[int, int, int, int]]:
-    if (split, variant) not in _CACHE:
-        _CACHE[split, variant] = all_tuples(split, variant)
-    return _CACHE[split, variant]
+    return all_tuples(split, variant)
 
 
 _ANSWER_RE = re.compile(r"####\s*(-?[\d ]+)")
