@@ -23,7 +23,7 @@ if not (KERNEL_DIR / "common.cuh").exists():  # installed (non-editable): lopa_f
 
     KERNEL_DIR = Path(_k.__file__).resolve().parent / "cuda"
 
-HEADERS = ("common.cuh",)
+HEADERS = ("common.cuh", "vocab_stats.cuh")
 
 
 def kernel_source(op: str) -> tuple[str, dict[str, str]]:
