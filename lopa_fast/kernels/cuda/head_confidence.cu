@@ -33,12 +33,7 @@ struct State : vocab::Stats {
   int bad;  // non-finite raw logits seen
 };
 
-LOPA_INLINE State identity() {
-  State st;
-  static_cast<vocab::Stats&>(st) = vocab::identity();
-  st.bad = 0;
-  return st;
-}
+LOPA_INLINE State identity() { return {vocab::identity(), 0}; }
 
 // One logit at a time (a thread owns one column per tile), so the sum of exp is rescaled per element.
 LOPA_INLINE void push(State& st, float x, int j) {
@@ -51,12 +46,7 @@ LOPA_INLINE void push(State& st, float x, int j) {
   }
 }
 
-LOPA_INLINE State merge(const State& a, const State& b) {
-  State r;
-  static_cast<vocab::Stats&>(r) = vocab::merge(a, b);
-  r.bad = a.bad + b.bad;
-  return r;
-}
+LOPA_INLINE State merge(const State& a, const State& b) { return {vocab::merge(a, b), a.bad + b.bad}; }
 
 LOPA_INLINE bool finite(float x) { return fabsf(x) <= 3.402823466e38f; }  // false for NaN and +-inf
 

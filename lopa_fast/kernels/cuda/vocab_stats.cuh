@@ -13,7 +13,8 @@ struct Stats {
   float t1, t2;  // top-1 and top-2 values (multiset)
   int i1;        // index of top-1 (lowest on ties)
 };
-constexpr int kWords = 5;  // floats per Stats in a split workspace: m, s, t1, t2, i1 (int bits)
+constexpr int kWords = LOPA_VOCAB_WS_WORDS;  // floats per Stats in a split workspace: m, s, t1, t2, i1 (int bits)
+static_assert(kWords == 5, "store / load below move exactly the five fields of Stats");
 
 LOPA_INLINE Stats identity() {
   Stats st;
