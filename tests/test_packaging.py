@@ -60,8 +60,9 @@ def wheel_env(tmp_path_factory):
 
 def test_wheel_ships_kernel_sources_and_assets(wheel_env):
     _, installed, _, _ = wheel_env
-    want = {f"kernels/cuda/{p.name}" for p in (REPO / "kernels" / "cuda").iterdir() if p.suffix in (".cu", ".cuh")}
-    want |= {f"kernels/triton/{p.name}" for p in (REPO / "kernels" / "triton").glob("*.py")}
+    kernels = REPO / "lopa_fast" / "kernels"
+    want = {f"kernels/cuda/{p.name}" for p in (kernels / "cuda").iterdir() if p.suffix in (".cu", ".cuh", ".md")}
+    want |= {f"kernels/triton/{p.name}" for p in (kernels / "triton").glob("*.py")}
     assets = REPO / "lopa_fast" / "assets"
     want |= {str(p.relative_to(REPO / "lopa_fast")) for p in assets.rglob("*")
              if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}

@@ -1,4 +1,4 @@
-"""Compile-time constants of kernels/cuda/*.cu, defined here once.
+"""Compile-time constants of lopa_fast/kernels/cuda/*.cu, defined here once.
 
 The .cu sources read every tile size and code below as a preprocessor define (`defines()`, passed as -D flags
 to NVRTC, nvcc and the host emulation's g++), and the launch maths (lopa_fast.ops.cuda.launch) reads the same
@@ -28,6 +28,9 @@ CONF_THREADS = 256
 # head_confidence: threads per CTA (one vocabulary column each per tile) and hidden rows per CTA
 # (HC_ROWS * 32 == HC_THREADS: the staged hidden tile is one element per thread)
 HC_THREADS, HC_ROWS = 256, 8
+# confidence / head_confidence split workspaces: floats per (row, split) state (vocab_stats.cuh `Stats`: m, s, t1, t2,
+# i1); head_confidence appends one more (the split's non-finite count)
+VOCAB_WS_WORDS = 5
 
 
 def defines() -> dict[str, int]:
@@ -42,6 +45,7 @@ def defines() -> dict[str, int]:
         "LOPA_CONF_THREADS": CONF_THREADS,
         "LOPA_HC_THREADS": HC_THREADS,
         "LOPA_HC_ROWS": HC_ROWS,
+        "LOPA_VOCAB_WS_WORDS": VOCAB_WS_WORDS,
     }
 
 

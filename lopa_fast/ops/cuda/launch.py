@@ -26,6 +26,7 @@ from lopa_fast.ops.cuda.constants import (
     MMA_KEYS,
     MMA_ROWS,
     MMA_THREADS,
+    VOCAB_WS_WORDS,
 )
 
 Launch = Callable[[str, tuple, tuple, int, list], None]
@@ -173,7 +174,7 @@ def run_confidence(launch: Launch, logits, suppress_token, eps, num_sms=None):
                 P(token), *[P(s) for s in stats]])  # fmt: skip
         return (token, *stats)
     p_max, margin, neg_entropy, lse = stats
-    ws_state = torch.empty((N, S, 5), dtype=torch.float32, device=dev)
+    ws_state = torch.empty((N, S, VOCAB_WS_WORDS), dtype=torch.float32, device=dev)
     ws_ent = torch.empty((N, S), dtype=torch.float32, device=dev)
     head = [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", chunk), ("i", sup)]
     launch(f"confidence_split_stats_{tname}", (N, S, 1), block, 0, [*head, ("i", vec), P(ws_state)])
@@ -212,7 +213,7 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
     P = _ptr
     sup = -1 if suppress_token is None else int(suppress_token)
     S, chunk = head_confidence_splits(R, V, num_sms)
-    ws_state = torch.empty((R, S, 6), dtype=torch.float32, device=dev)
+    ws_state = torch.empty((R, S, VOCAB_WS_WORDS + 1), dtype=torch.float32, device=dev)  # + non-finite count
     grid = (math.ceil(R / HC_ROWS), S, 1)
     block = (HC_THREADS, 1, 1)
     head = [P(hidden), ("q", hidden.stride(0)), P(weight), ("q", weight.stride(0)), ("i", R), ("i", V), ("i", H),

@@ -18,7 +18,7 @@
 //   entropy   (entropy only) the same tiles recomputed (the same logits, bit for bit): sum p log(p + eps) with
 //             the final lse -> ws_ent [R, S]
 //   finalize  per row: neg_entropy = the splits' sums in order
-#include "common.cuh"
+#include "vocab_stats.cuh"
 
 namespace lopa {
 namespace hc {
@@ -26,35 +26,18 @@ namespace hc {
 constexpr int kThreads = LOPA_HC_THREADS;
 constexpr int kRows = LOPA_HC_ROWS;
 constexpr int kK = 32;  // hidden elements per shared-memory step
-constexpr int kNoIndex = 0x7fffffff;
 static_assert(kRows * kK == kThreads, "one hidden-tile element per thread");
+constexpr int kWsWords = vocab::kWords + 1;  // a split's Stats, then its non-finite count (int bits)
 
-struct State {
-  float m, s;    // running max and sum of exp(x - m)
-  float t1, t2;  // top-1 and top-2 values (multiset)
-  int i1;        // index of top-1 (lowest on ties)
-  int bad;       // non-finite raw logits seen
+struct State : vocab::Stats {
+  int bad;  // non-finite raw logits seen
 };
 
-LOPA_INLINE State identity() {
-  State st;
-  st.m = LOPA_NEG_INF;
-  st.s = 0.f;
-  st.t1 = LOPA_NEG_INF;
-  st.t2 = LOPA_NEG_INF;
-  st.i1 = kNoIndex;
-  st.bad = 0;
-  return st;
-}
+LOPA_INLINE State identity() { return {vocab::identity(), 0}; }
 
+// One logit at a time (a thread owns one column per tile), so the sum of exp is rescaled per element.
 LOPA_INLINE void push(State& st, float x, int j) {
-  if (x > st.t1 || (x == st.t1 && j < st.i1)) {
-    st.t2 = st.t1;
-    st.t1 = x;
-    st.i1 = j;
-  } else if (x > st.t2) {
-    st.t2 = x;
-  }
+  vocab::push_top2(st, x, j);
   if (x > st.m) {
     st.s = (st.m == LOPA_NEG_INF ? 0.f : st.s * expf(st.m - x)) + 1.f;
     st.m = x;
@@ -63,23 +46,27 @@ LOPA_INLINE void push(State& st, float x, int j) {
   }
 }
 
-LOPA_INLINE State merge(const State& a, const State& b) {
-  State r;
-  r.m = fmaxf(a.m, b.m);
-  r.s = r.m == LOPA_NEG_INF ? 0.f
-                            : (a.m == LOPA_NEG_INF ? 0.f : a.s * expf(a.m - r.m)) +
-                                  (b.m == LOPA_NEG_INF ? 0.f : b.s * expf(b.m - r.m));
-  const bool b_first = b.t1 > a.t1 || (b.t1 == a.t1 && b.i1 < a.i1);
-  const State& hi = b_first ? b : a;
-  const State& lo = b_first ? a : b;
-  r.t1 = hi.t1;
-  r.i1 = hi.i1;
-  r.t2 = fmaxf(hi.t2, lo.t1);
-  r.bad = a.bad + b.bad;
-  return r;
-}
+LOPA_INLINE State merge(const State& a, const State& b) { return {vocab::merge(a, b), a.bad + b.bad}; }
 
 LOPA_INLINE bool finite(float x) { return fabsf(x) <= 3.402823466e38f; }  // false for NaN and +-inf
+
+// out[r] = the CTA's kThreads values v[r] (one per thread) folded by op in a shared-memory tree: a fixed order,
+// so deterministic. red: kThreads scratch. Every thread of the CTA must call it (barriers).
+template <typename S, typename Op>
+LOPA_INLINE void tree_rows(S* red, S* out, const S* v, Op op) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    red[tid] = v[r];
+    __syncthreads();
+    for (int o = kThreads / 2; o > 0; o >>= 1) {
+      if (tid < o) red[tid] = op(red[tid], red[tid + o]);
+      __syncthreads();
+    }
+    if (tid == 0) out[r] = red[0];
+    __syncthreads();
+  }
+}
 
 // The logits of rows [row0, row0 + kRows) x column c0 + threadIdx.x, in fp32 after rounding to T (columns past
 // `end` and rows past R read zeros). Every thread of the CTA must call it (barriers).
@@ -138,27 +125,12 @@ LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __rest
       }
     }
   }
-  // the CTA's kThreads states of each row merged by a shared-memory tree (fixed order: deterministic)
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    red[tid] = st[r];
-    __syncthreads();
-    for (int o = kThreads / 2; o > 0; o >>= 1) {
-      if (tid < o) red[tid] = merge(red[tid], red[tid + o]);
-      __syncthreads();
-    }
-    if (tid == 0) row_state[r] = red[0];
-    __syncthreads();
-  }
+  tree_rows(red, row_state, st, merge);
   if (tid < kRows && row0 + tid < R) {
     const State m = row_state[tid];
-    float* o = ws_state + ((long long)(row0 + tid) * S + split) * 6;
-    o[0] = m.m;
-    o[1] = m.s;
-    o[2] = m.t1;
-    o[3] = m.t2;
-    o[4] = __int_as_float(m.i1);
-    o[5] = __int_as_float(m.bad);
+    float* o = ws_state + ((long long)(row0 + tid) * S + split) * kWsWords;
+    vocab::store(o, m);
+    o[vocab::kWords] = __int_as_float(m.bad);
   }
 }
 
@@ -167,25 +139,15 @@ LOPA_INLINE void merge_splits(const float* __restrict__ ws_state, int R, int S, 
                               unsigned char* __restrict__ fin) {
   const int row = blockIdx.x * kThreads + threadIdx.x;
   if (row >= R) return;
-  State st = identity();
+  vocab::Stats st = vocab::identity();
+  int bad = 0;
   for (int s2 = 0; s2 < S; ++s2) {
-    const float* p = ws_state + ((long long)row * S + s2) * 6;
-    State q;
-    q.m = p[0];
-    q.s = p[1];
-    q.t1 = p[2];
-    q.t2 = p[3];
-    q.i1 = __float_as_int(p[4]);
-    q.bad = __float_as_int(p[5]);
-    st = merge(st, q);
+    const float* p = ws_state + ((long long)row * S + s2) * kWsWords;
+    st = vocab::merge(st, vocab::load(p));
+    bad += __float_as_int(p[vocab::kWords]);
   }
-  const float l = (st.m == LOPA_NEG_INF ? 0.f : st.m) + logf(st.s);
-  const float p1 = expf(st.t1 - l), p2 = expf(st.t2 - l);
-  token[row] = st.i1 == kNoIndex ? 0 : st.i1;
-  p_max[row] = p1;
-  margin[row] = p1 - p2;
-  lse[row] = l;
-  fin[row] = st.bad == 0 ? 1 : 0;
+  vocab::write_row(st, row, token, p_max, margin, lse);
+  fin[row] = bad == 0 ? 1 : 0;
 }
 
 template <typename T>
@@ -217,26 +179,14 @@ LOPA_INLINE void entropy(const T* __restrict__ hid, long long ldh, const T* __re
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {  // a shared-memory tree per row, as in `stats`
-    red[tid] = acc[r];
-    __syncthreads();
-    for (int o = kThreads / 2; o > 0; o >>= 1) {
-      if (tid < o) red[tid] += red[tid + o];
-      __syncthreads();
-    }
-    if (tid == 0) row_acc[r] = red[0];
-    __syncthreads();
-  }
+  tree_rows(red, row_acc, acc, [](float a, float b) { return a + b; });
   if (tid < kRows && row0 + tid < R) ws_ent[(long long)(row0 + tid) * S + split] = row_acc[tid];
 }
 
 LOPA_INLINE void finalize(const float* __restrict__ ws_ent, int R, int S, float* __restrict__ neg_entropy) {
   const int row = blockIdx.x * kThreads + threadIdx.x;
   if (row >= R) return;
-  float a = 0.f;
-  for (int s2 = 0; s2 < S; ++s2) a += ws_ent[(long long)row * S + s2];
-  neg_entropy[row] = a;
+  neg_entropy[row] = vocab::sum_splits(ws_ent + (long long)row * S, S);
 }
 
 }  // namespace hc

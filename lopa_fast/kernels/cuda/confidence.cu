@@ -11,40 +11,14 @@
 //   pass 1: online max / sum-exp, top-1 (value, index) and top-2 value; block merge -> lse, p_max, margin
 //   pass 2: sum_v p_v * log(p_v + eps) with the final lse (exact upstream formula, eps inside the log).
 // Bytes: 2 * N * V * sizeof(T) read (pass 2 mostly from L2: 132 rows in flight x 304 KB at V=152k bf16).
-#include "common.cuh"
+#include "vocab_stats.cuh"
 
 namespace lopa {
 namespace conf {
 
 constexpr int kThreads = LOPA_CONF_THREADS;
 constexpr int kWarps = kThreads / 32;
-constexpr int kNoIndex = 0x7fffffff;
-
-struct State {
-  float m, s;   // running max and sum of exp(x - m)
-  float t1, t2;  // top-1 and top-2 values (multiset)
-  int i1;       // index of top-1 (lowest on ties)
-};
-
-LOPA_INLINE State identity() {
-  State st;
-  st.m = LOPA_NEG_INF;
-  st.s = 0.f;
-  st.t1 = LOPA_NEG_INF;
-  st.t2 = LOPA_NEG_INF;
-  st.i1 = kNoIndex;
-  return st;
-}
-
-LOPA_INLINE void push(State& st, float x, int j) {
-  if (x > st.t1 || (x == st.t1 && j < st.i1)) {
-    st.t2 = st.t1;
-    st.t1 = x;
-    st.i1 = j;
-  } else if (x > st.t2) {
-    st.t2 = x;
-  }
-}
+using State = vocab::Stats;
 
 LOPA_INLINE void add_exp(State& st, const float* x, int cnt) {
   float cm = LOPA_NEG_INF;
@@ -55,21 +29,6 @@ LOPA_INLINE void add_exp(State& st, const float* x, int cnt) {
   }
   if (st.m == LOPA_NEG_INF) return;  // everything so far is -inf: contributes 0
   for (int e = 0; e < cnt; ++e) st.s += expf(x[e] - st.m);
-}
-
-LOPA_INLINE State merge(const State& a, const State& b) {
-  State r;
-  r.m = fmaxf(a.m, b.m);
-  r.s = r.m == LOPA_NEG_INF ? 0.f
-                            : (a.m == LOPA_NEG_INF ? 0.f : a.s * expf(a.m - r.m)) +
-                                  (b.m == LOPA_NEG_INF ? 0.f : b.s * expf(b.m - r.m));
-  const bool b_first = b.t1 > a.t1 || (b.t1 == a.t1 && b.i1 < a.i1);
-  const State& hi = b_first ? b : a;
-  const State& lo = b_first ? a : b;
-  r.t1 = hi.t1;
-  r.i1 = hi.i1;
-  r.t2 = fmaxf(hi.t2, lo.t1);
-  return r;
 }
 
 LOPA_INLINE State shfl_xor(const State& a, int o) {
@@ -89,27 +48,27 @@ LOPA_INLINE State scan_stats(const T* __restrict__ x, int begin, int end, int su
   __shared__ State warp_state[kWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int v_vec = vec ? begin + ((end - begin) / E) * E : begin;  // vectorised head; scalar tail
-  State st = identity();
+  State st = vocab::identity();
   for (int c = begin + tid * E; c < v_vec; c += kThreads * E) {
     float f[E];
     load_vec(x + c, f);
     if (suppress >= c && suppress < c + E) f[suppress - c] = LOPA_NEG_INF;
 #pragma unroll
-    for (int e = 0; e < E; ++e) push(st, f[e], c + e);
+    for (int e = 0; e < E; ++e) vocab::push_top2(st, f[e], c + e);
     add_exp(st, f, E);
   }
   for (int j = v_vec + tid; j < end; j += kThreads) {
     float f = j == suppress ? LOPA_NEG_INF : to_float(x[j]);
-    push(st, f, j);
+    vocab::push_top2(st, f, j);
     add_exp(st, &f, 1);
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
+  for (int o = 16; o > 0; o >>= 1) st = vocab::merge(st, shfl_xor(st, o));
   if (lane == 0) warp_state[warp] = st;
   __syncthreads();
-  st = lane < kWarps ? warp_state[lane] : identity();
+  st = lane < kWarps ? warp_state[lane] : vocab::identity();
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_xor(st, o));
+  for (int o = 16; o > 0; o >>= 1) st = vocab::merge(st, shfl_xor(st, o));
   __syncthreads();  // warp_state may be reused by the caller's next scan
   return st;
 }
@@ -145,15 +104,6 @@ LOPA_INLINE float scan_entropy(const T* __restrict__ x, int begin, int end, int 
   return acc;
 }
 
-LOPA_INLINE void write_stats(const State& st, int row, long long* token, float* p_max, float* margin, float* lse) {
-  const float l = st.m + logf(st.s);
-  const float p1 = expf(st.t1 - l), p2 = expf(st.t2 - l);
-  token[row] = st.i1 == kNoIndex ? 0 : st.i1;
-  p_max[row] = p1;
-  margin[row] = p1 - p2;
-  lse[row] = l;
-}
-
 // One CTA per row: both passes over the whole row (enough rows to fill the GPU).
 template <typename T>
 LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, int N, int V, int suppress, float eps,
@@ -163,9 +113,8 @@ LOPA_INLINE void row_stats(const T* __restrict__ logits, long long row_stride, i
   if (row >= N) return;
   const T* x = logits + (long long)row * row_stride;
   const State st = scan_stats(x, 0, V, suppress, vec);
-  const float l = st.m + logf(st.s);
-  if (threadIdx.x == 0) write_stats(st, row, token, p_max, margin, lse);
-  const float acc = scan_entropy(x, 0, V, suppress, vec, l, eps);
+  if (threadIdx.x == 0) vocab::write_row(st, row, token, p_max, margin, lse);
+  const float acc = scan_entropy(x, 0, V, suppress, vec, vocab::lse_of(st), eps);
   if (threadIdx.x == 0) neg_entropy[row] = acc;
 }
 
@@ -182,14 +131,7 @@ LOPA_INLINE void split_stats(const T* __restrict__ logits, long long row_stride,
   if (row >= N) return;
   const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
   const State st = scan_stats(logits + (long long)row * row_stride, begin, end, suppress, vec);
-  if (threadIdx.x == 0) {
-    float* w = ws_state + ((long long)row * S + split) * 5;
-    w[0] = st.m;
-    w[1] = st.s;
-    w[2] = st.t1;
-    w[3] = st.t2;
-    w[4] = __int_as_float(st.i1);
-  }
+  if (threadIdx.x == 0) vocab::store(ws_state + ((long long)row * S + split) * vocab::kWords, st);
 }
 
 template <typename T>
@@ -201,19 +143,11 @@ LOPA_INLINE void split_entropy(const T* __restrict__ logits, long long row_strid
   const int row = blockIdx.x, split = blockIdx.y, S = gridDim.y;
   if (row >= N) return;
   if (threadIdx.x == 0) {
-    State st = identity();
-    for (int s2 = 0; s2 < S; ++s2) {
-      const float* w = ws_state + ((long long)row * S + s2) * 5;
-      State p;
-      p.m = w[0];
-      p.s = w[1];
-      p.t1 = w[2];
-      p.t2 = w[3];
-      p.i1 = __float_as_int(w[4]);
-      st = merge(st, p);
-    }
-    row_lse = st.m + logf(st.s);
-    if (split == 0) write_stats(st, row, token, p_max, margin, lse);
+    State st = vocab::identity();
+    for (int s2 = 0; s2 < S; ++s2)
+      st = vocab::merge(st, vocab::load(ws_state + ((long long)row * S + s2) * vocab::kWords));
+    row_lse = vocab::lse_of(st);
+    if (split == 0) vocab::write_row(st, row, token, p_max, margin, lse);
   }
   __syncthreads();
   const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
@@ -224,11 +158,7 @@ LOPA_INLINE void split_entropy(const T* __restrict__ logits, long long row_strid
 LOPA_INLINE void split_finalize(const float* __restrict__ ws_ent, int N, int S, float* __restrict__ neg_entropy) {
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= N) return;
-  if (lane == 0) {
-    float acc = 0.f;
-    for (int s2 = 0; s2 < S; ++s2) acc += ws_ent[(long long)row * S + s2];
-    neg_entropy[row] = acc;
-  }
+  if (lane == 0) neg_entropy[row] = vocab::sum_splits(ws_ent + (long long)row * S, S);
 }
 
 }  // namespace conf

@@ -17,32 +17,23 @@ import torch
 import triton
 import triton.language as tl
 
+from lopa_fast.kernels.triton import _vocab_stats as vs
 from lopa_fast.kernels.triton._common import is_interpreter
 
 
 @triton.jit
 def _chunk_stats(base, lo, hi, suppress, HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Online max / earliest arg-max / second max (multiset) / sum exp over logits[lo:hi] of one row."""
+    """The online state (m1, i1, m2, s; _vocab_stats) over logits[lo:hi] of one row."""
     offs = tl.arange(0, BLOCK_V)
-    neg_inf = float("-inf")
-    m1 = tl.full((), neg_inf, tl.float32)  # running max
-    m2 = tl.full((), neg_inf, tl.float32)  # running second max (multiset: an exact tie gives m2 == m1)
-    i1 = lo  # any index is fine while m1 = -inf: a split with all -inf never wins the merge
-    s = tl.full((), 0.0, tl.float32)  # sum exp(x - m1)
+    m1 = tl.full((), float("-inf"), tl.float32)
+    m2 = tl.full((), float("-inf"), tl.float32)
+    i1 = lo
+    s = tl.full((), 0.0, tl.float32)
     for v0 in range(lo, hi, BLOCK_V):
         idx = v0 + offs
-        x = tl.load(base + idx, mask=idx < hi, other=neg_inf).to(tl.float32)
-        if HAS_SUPPRESS:
-            x = tl.where(idx == suppress, neg_inf, x)
-        cmax = tl.max(x, axis=0)
-        cidx = tl.min(tl.where(x == cmax, idx, 2147483647), axis=0)  # earliest arg-max in the chunk
-        c2 = tl.max(tl.where(idx == cidx, neg_inf, x), axis=0)
-        m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
-        i1 = tl.where(cmax > m1, cidx, i1)  # strict: an equal later max keeps the earlier index
-        m_new = tl.maximum(m1, cmax)
-        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: avoid inf - inf
-        s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-        m1 = m_new
+        x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
+        x = vs.suppress_ids(x, idx, suppress, HAS_SUPPRESS)
+        m1, i1, m2, s = vs.fold_tile(m1, i1, m2, s, x, idx, 0)
     return m1, i1, m2, s
 
 
@@ -54,10 +45,8 @@ def _chunk_entropy(base, lo, hi, lse, suppress, eps, HAS_SUPPRESS: tl.constexpr,
     for v0 in range(lo, hi, BLOCK_V):
         idx = v0 + offs
         x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
-        if HAS_SUPPRESS:
-            x = tl.where(idx == suppress, float("-inf"), x)
-        p = tl.exp(x - lse)
-        ent += tl.sum(tl.where(idx < hi, p * tl.log(p + eps), 0.0), axis=0)
+        x = vs.suppress_ids(x, idx, suppress, HAS_SUPPRESS)
+        ent += vs.entropy_tile(x, lse, idx < hi, eps, 0)
     return ent
 
 
@@ -73,13 +62,9 @@ def _confidence_kernel(
     base = x_ptr + row * stride_x
     m1, i1, m2, s = _chunk_stats(base, 0, V, suppress, HAS_SUPPRESS, BLOCK_V)
     lse = m1 + tl.log(s)
-    p_max = tl.exp(m1 - lse)
     ent = _chunk_entropy(base, 0, V, lse, suppress, eps, HAS_SUPPRESS, BLOCK_V)
-    tl.store(tok_ptr + row, i1.to(tl.int64))
-    tl.store(pmax_ptr + row, p_max)
-    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
+    vs.store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr)
     tl.store(negent_ptr + row, ent)
-    tl.store(lse_ptr + row, lse)
 
 
 @triton.jit
@@ -101,27 +86,6 @@ def _conf_partial_kernel(
 
 
 @triton.jit
-def _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S: tl.constexpr):
-    """Merge the per-split partials of one row: (max, earliest arg-max, second max, lse)."""
-    os_ = tl.arange(0, BLOCK_S)
-    ok = os_ < S
-    base = row * S
-    pm1 = tl.load(pm1_ptr + base + os_, mask=ok, other=float("-inf"))
-    pm2 = tl.load(pm2_ptr + base + os_, mask=ok, other=float("-inf"))
-    ps = tl.load(ps_ptr + base + os_, mask=ok, other=0.0)
-    pi1 = tl.load(pi1_ptr + base + os_, mask=ok, other=0)
-    m1 = tl.max(pm1, axis=0)
-    first = tl.min(tl.where(ok & (pm1 == m1), os_, BLOCK_S), axis=0)  # splits are in index order
-    i1 = tl.sum(tl.where(os_ == first, pi1, 0), axis=0)
-    # second max of the multiset: every other split's max and every split's own second max
-    m2 = tl.maximum(tl.max(pm2, axis=0), tl.max(tl.where(os_ == first, float("-inf"), pm1), axis=0))
-    m_safe = tl.where(m1 == float("-inf"), 0.0, m1)
-    z = tl.sum(ps * tl.exp(pm1 - m_safe), axis=0)
-    lse = m_safe + tl.log(z)
-    return m1, i1, m2, lse
-
-
-@triton.jit
 def _conf_entropy_kernel(
     x_ptr, stride_x, pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pent_ptr, V, split, suppress, eps,
     HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -129,7 +93,7 @@ def _conf_entropy_kernel(
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     S = tl.num_programs(1)
-    _, _, _, lse = _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
+    _, _, _, lse = vs.merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
     lo = sp * split
     hi = tl.minimum(lo + split, V)
     ent = _chunk_entropy(x_ptr + row * stride_x, lo, hi, lse, suppress, eps, HAS_SUPPRESS, BLOCK_V)
@@ -142,15 +106,11 @@ def _conf_finalize_kernel(
     BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    m1, i1, m2, lse = _merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
+    m1, i1, m2, lse = vs.merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
     os_ = tl.arange(0, BLOCK_S)
     ent = tl.sum(tl.load(pent_ptr + row * S + os_, mask=os_ < S, other=0.0), axis=0)  # fixed order
-    p_max = tl.exp(m1 - lse)
-    tl.store(tok_ptr + row, i1.to(tl.int64))
-    tl.store(pmax_ptr + row, p_max)
-    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
+    vs.store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr)
     tl.store(negent_ptr + row, ent)
-    tl.store(lse_ptr + row, lse)
 
 
 def block_v_for(V: int) -> int:
@@ -182,7 +142,7 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
     BLOCK_V = block_v_for(V)
     if is_interpreter():
         BLOCK_V = min(BLOCK_V, 1024)
-    S = num_splits_for(N, V, BLOCK_V) if num_splits is None else max(1, min(int(num_splits), triton.cdiv(V, BLOCK_V)))
+    S, split, BLOCK_S = vs.split_layout(V, BLOCK_V, num_splits_for(N, V, BLOCK_V) if num_splits is None else num_splits)
     sup = -1 if suppress_token is None else int(suppress_token)
     has_sup = suppress_token is not None
     if S == 1:
@@ -191,9 +151,6 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
             HAS_SUPPRESS=has_sup, BLOCK_V=BLOCK_V, num_warps=8,
         )
         return (tok, *outs)
-    split = triton.cdiv(triton.cdiv(V, S), BLOCK_V) * BLOCK_V
-    S = triton.cdiv(V, split)
-    BLOCK_S = max(2, triton.next_power_of_2(S))
     pm1, pm2, ps, pent = (torch.empty(N, S, dtype=torch.float32, device=dev) for _ in range(4))
     pi1 = torch.empty(N, S, dtype=torch.int32, device=dev)
     _conf_partial_kernel[(N, S)](

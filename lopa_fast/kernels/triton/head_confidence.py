@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lopa_fast.kernels.triton import _vocab_stats as vs
 from lopa_fast.kernels.triton._common import is_interpreter
 
 
@@ -50,9 +51,8 @@ def _hc_stats_kernel(
     lo = sp * split
     hi = tl.minimum(lo + split, V)
     offs_v = tl.arange(0, BLOCK_V)
-    neg_inf = float("-inf")
-    m1 = tl.full((BLOCK_R,), neg_inf, tl.float32)
-    m2 = tl.full((BLOCK_R,), neg_inf, tl.float32)
+    m1 = tl.full((BLOCK_R,), float("-inf"), tl.float32)  # the online state of _vocab_stats, per row
+    m2 = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     i1 = tl.full((BLOCK_R,), 0, tl.int32) + lo
     s = tl.zeros((BLOCK_R,), tl.float32)
     bad = tl.zeros((BLOCK_R,), tl.int32)
@@ -63,18 +63,8 @@ def _hc_stats_kernel(
                          BLOCK_R, BLOCK_V, BLOCK_H)
         nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # on the raw logits, before the suppression
         bad += tl.sum(tl.where(nonfinite & cmask[None, :], 1, 0), axis=1)
-        x = tl.where(cmask[None, :], x, neg_inf)
-        if HAS_SUPPRESS:
-            x = tl.where(cols[None, :] == suppress, neg_inf, x)
-        cmax = tl.max(x, axis=1)
-        cidx = tl.min(tl.where(x == cmax[:, None], cols[None, :], 2147483647), axis=1)  # first arg-max
-        c2 = tl.max(tl.where(cols[None, :] == cidx[:, None], neg_inf, x), axis=1)
-        m2 = tl.maximum(tl.minimum(m1, cmax), tl.maximum(m2, c2))
-        i1 = tl.where(cmax > m1, cidx, i1)  # strict: an equal later max keeps the earlier index
-        m_new = tl.maximum(m1, cmax)
-        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
-        s = s * tl.exp(m1 - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
-        m1 = m_new
+        x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
+        m1, i1, m2, s = vs.fold_tile(m1, i1, m2, s, x, cols[None, :], 1)
     o = rows64 * S + sp
     tl.store(pm1_ptr + o, m1, mask=rmask)
     tl.store(pi1_ptr + o, i1, mask=rmask)
@@ -89,26 +79,10 @@ def _hc_merge_kernel(
     BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    m1, i1, m2, lse = vs.merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
     os_ = tl.arange(0, BLOCK_S)
-    ok = os_ < S
-    base = row * S
-    pm1 = tl.load(pm1_ptr + base + os_, mask=ok, other=float("-inf"))
-    pm2 = tl.load(pm2_ptr + base + os_, mask=ok, other=float("-inf"))
-    ps = tl.load(ps_ptr + base + os_, mask=ok, other=0.0)
-    pi1 = tl.load(pi1_ptr + base + os_, mask=ok, other=0)
-    pfin = tl.load(pfin_ptr + base + os_, mask=ok, other=1)
-    m1 = tl.max(pm1, axis=0)
-    first = tl.min(tl.where(ok & (pm1 == m1), os_, BLOCK_S), axis=0)  # splits are in vocabulary order
-    i1 = tl.sum(tl.where(os_ == first, pi1, 0), axis=0)
-    m2 = tl.maximum(tl.max(pm2, axis=0), tl.max(tl.where(os_ == first, float("-inf"), pm1), axis=0))
-    m_safe = tl.where(m1 == float("-inf"), 0.0, m1)
-    z = tl.sum(ps * tl.exp(pm1 - m_safe), axis=0)
-    lse = m_safe + tl.log(z)
-    p_max = tl.exp(m1 - lse)
-    tl.store(tok_ptr + row, i1.to(tl.int64))
-    tl.store(pmax_ptr + row, p_max)
-    tl.store(margin_ptr + row, p_max - tl.exp(m2 - lse))
-    tl.store(lse_ptr + row, lse)
+    pfin = tl.load(pfin_ptr + row * S + os_, mask=os_ < S, other=1)
+    vs.store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr)
     tl.store(fin_ptr + row, (tl.min(pfin, axis=0) == 1).to(tl.int8))
 
 
@@ -133,11 +107,8 @@ def _hc_entropy_kernel(
         cmask = cols < hi
         x = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols.to(tl.int64), cmask, H, stride_h, stride_w,
                          BLOCK_R, BLOCK_V, BLOCK_H)
-        x = tl.where(cmask[None, :], x, float("-inf"))
-        if HAS_SUPPRESS:
-            x = tl.where(cols[None, :] == suppress, float("-inf"), x)
-        p = tl.exp(x - lse[:, None])
-        ent += tl.sum(tl.where(cmask[None, :], p * tl.log(p + eps), 0.0), axis=1)
+        x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
+        ent += vs.entropy_tile(x, lse, cmask[None, :], eps, 1)
     tl.store(pent_ptr + rows64 * S + sp, ent, mask=rmask)
 
 
@@ -175,10 +146,7 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     if R == 0:
         return tok, p_max, margin, neg_entropy, lse, finite
     BR, BV, BH = tiles or tiles_for(R, V, H)
-    S = num_splits_for(R, V, BR, BV) if num_splits is None else max(1, min(int(num_splits), triton.cdiv(V, BV)))
-    split = triton.cdiv(triton.cdiv(V, S), BV) * BV
-    S = triton.cdiv(V, split)
-    BLOCK_S = max(2, triton.next_power_of_2(S))
+    S, split, BLOCK_S = vs.split_layout(V, BV, num_splits_for(R, V, BR, BV) if num_splits is None else num_splits)
     pm1, pm2, ps = (torch.empty(R, S, dtype=torch.float32, device=dev) for _ in range(3))
     pi1, pfin = (torch.empty(R, S, dtype=torch.int32, device=dev) for _ in range(2))
     sup = -1 if suppress_token is None else int(suppress_token)
