@@ -202,3 +202,16 @@ def emulated_capture(warmup, body):
                 outputs[k].copy_(v)
 
     return replay, outputs
+
+
+def run_step(parts, model, st: dict, T: dict, geo, kind: str, sizes: tuple):
+    """One vanilla / threshold step alone: `parts(geo, kind, sizes)` (the strategy step module's) around its solo
+    forward. Returns (state, {"logits": raw logits [R, V]}). A "dual" step's forward is `model.forward_dual` (its
+    window's K/V written into the cache in place), every other kind's `model.forward_static`."""
+    pre, post = parts(geo, kind, sizes)
+    a, ctx = pre(st, T)
+    if kind == "dual":
+        return post(st, T, ctx, model.forward_dual([a])[0], None, None)
+    out = model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
+                               None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
+    return post(st, T, ctx, *out)

@@ -2,15 +2,15 @@
 and the one host read per step, and how a step runs (eager, compiled / captured, in a compiled batch).
 
 The block loop of vanilla / threshold decoding is host-driven by nature (block boundaries, step counts and
-caches are Python constants of the request), so the drivers (lopa_fast.decode.{vanilla,threshold}) keep the loop
-in Python and move the *step* to the device. Each strategy has ONE step function
-(lopa_fast.decode.{vanilla,threshold}_step: `parts` / `step`): candidates, token statistics, the commit rule and
+caches are Python constants of the request), so the drivers (lopa_fast.strategies.{vanilla,threshold}.driver)
+keep the loop in Python and move the *step* to the device. Each strategy has ONE step function
+(lopa_fast.strategies.{vanilla,threshold}.step: `parts`): candidates, token statistics, the commit rule and
 the counters are tensor ops on a state of device tensors, and each step ends in a small `head` the host reads
 ONCE. Every per-step value is a 0-d device tensor of the state and every shape is a size the driver passes, so
 the same function runs eagerly at the step's exact sizes and, under compile=True, compiled (CPU: torch.compile
 fullgraph) or captured (CUDA graph) at bucket sizes (`batch_step`, through the one loop), as the D2F / LoPA round does:
 
-  kind             forward (`forward`: model.forward_static unless noted)                sizes
+  kind             forward (model.forward_static unless noted)                            sizes
   "full"           x [L] (cfg_scale > 0: [2, L]) with no cache; LM head on Rb rows from   (Rb,)
                    the first mask fm (rows past the block end e are padding)
   "refresh"        the same forward, its K/V of all L positions become the cache (a      (Rb,)
@@ -154,17 +154,8 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
 
 # ---- the forwards (static shapes; positions, and in a compiled step prefix lengths, are device tensors) ---------
 # A step's forward is described by its arguments (a `model.forward_requests` part: tokens, start, cache_k, cache_v,
-# prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): alone it runs as `forward`, in a
-# batch as one request's part of the shared forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch).
-def forward(model, a: dict, geo: StepGeometry, kind: str) -> tuple:
-    """A step's solo forward: (raw logits [R, V], window keys and values [layers, B, n, Hkv, D]; None, None for a
-    "dual" step, whose K/V are already in the cache)."""
-    if kind == "dual":
-        return model.forward_dual([a])[0], None, None
-    return model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
-                                None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
-
-
+# prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): one request's part of the shared
+# forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch; a solo request is a batch of one).
 def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows) -> dict:
     """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows."""
     return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=prefix_len,

@@ -1,14 +1,18 @@
 """One D2F / LoPA round as a function of fixed-shape device tensors (no host read, no value-dependent shape).
 
 The fast decoder (lopa_fast.strategies.lopa.driver) keeps a request's round state in a dict of tensors whose shapes
-are fixed for the request (`init_state`), and runs each round as `round_step(...)` on a *bucket*
-(Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
-branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
-and then the plan of the NEXT round (grow, activation, termination, window start, the span it commits to the
-cache, window width n, LM-head rows R), ending in the 9-int `head` the driver reads once per round (as a `Head`)
-to pick the next bucket and to stop. Every per-round scalar (the window start, the commit length, the prefix
-length, the winner, the alive count) stays a device tensor, so the same step can run eagerly, under
-`torch.compile(fullgraph=True)` or be captured once as a CUDA graph and replayed. The token statistics live in
+are fixed for the request (`init_state`), and runs each round on a *bucket* (Nb window columns >= n, Rb LM-head
+rows >= R) in stages around its forward: `window_inputs`, the forward over all branch slots (its prefix length the
+window start as a host int eagerly, so attention slices exactly the reference's keys; the device `cache_len` when
+compiled / captured, rows past it masked: equal up to float summation order), then `finish_round`: token
+statistics, branch scores and the winner (`select_winner`), the winner's K/V commit (`commit_span`), the fill
+rule, the lookahead spawn and the block-state transitions (`apply_winner`), and then the plan of the NEXT round
+(grow, activation, termination, window start, the span it commits to the cache, window width n, LM-head rows R),
+ending in the 9-int `head` the driver reads once per round (as a `Head`) to pick the next bucket and to stop. The
+stages are separate so that a batch shares the forward and lopa_fast.strategies.lopa.distributed runs it on a
+share of the slots. Every per-round scalar (the window start, the commit length, the prefix length, the winner,
+the alive count) stays a device tensor, so the same round can run eagerly, under `torch.compile(fullgraph=True)`
+or be captured once as a CUDA graph and replayed. The token statistics live in
 lopa_fast/strategies/lopa/round_stats.py.
 
 Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
@@ -234,31 +238,6 @@ def _stop_in_prefix(x: torch.Tensor, anchor: torch.Tensor, T: dict, geo) -> torc
     return hit
 
 
-def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int | None = None) -> dict:
-    """One round on the bucket (Nb window columns >= n, Rb LM-head rows >= R) followed by the next plan.
-
-    prefix_len: the committed prefix length as a host int when the caller knows it (the eager path: it
-    equals the window start s of the head it just read), so attention slices exactly the reference's
-    keys (bitwise equal sums); None (compiled / captured) attends over the static buffer with rows
-    >= st["cache_len"] masked (equal up to float summation order: tokens stay exact, the parity grid says).
-
-    Reads and replaces the tensors of `st`; returns (st, info), where info holds this round's trace facts
-    (score, winner, accepted mask, tokens, window positions, lookahead positions). Nothing needs a host
-    read except `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
-    masked keys and never masked positions, extra LM-head rows are computed and never read.
-
-    The stages (`window_inputs`, the forward, `token_stats`, `select_winner`, the commit, `apply_winner`) are
-    separate functions so that lopa_fast.distributed can run the forward on a share of the slots and
-    exchange token statistics between them; the single-process round is exactly their composition."""
-    w = window_inputs(st, T, geo, Nb, Rb)
-    out, k_win, v_win = model.forward_static(
-        w["tokens"], st["start"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
-        w["win_lens"], w["block_ids"], geo.mode, w["rows"],
-        attn_backend=geo.attn_backend, output=head_output(geo),
-    )  # fmt: skip
-    return finish_round(st, T, geo, cfg, w, out, k_win, v_win, head=model.head_weight() if geo.fused_head else None)
-
-
 def head_output(geo) -> str:
     """What the round's forward returns: "hidden" (the final-normed rows; the round applies the fused
     `ops.head_confidence`) when geo.fused_head, else "logits"."""
@@ -268,7 +247,8 @@ def head_output(geo) -> str:
 def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:
     """Everything of the round after its forward (logits [Rb, V] of the rows w["rows"], window K/V [layers, NB,
     Nb, Hkv, D]): token statistics, scores and the winner, the commit, the fill, the spawn and the next plan.
-    Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests.
+    Bucket padding never changes a value: window columns past a branch's length are masked keys and never masked
+    positions, extra LM-head rows are computed and never read. Nothing needs a host read except `st["head"]`.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
     statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
     Nb = w["cols"].shape[0]

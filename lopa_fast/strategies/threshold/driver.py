@@ -25,7 +25,6 @@ from lopa_fast.progress import after_step
 from lopa_fast.decode import steps
 from lopa_fast.strategies.threshold import step as threshold_step
 from lopa_fast.decode.shapes import pow2_bucket as bucket
-from lopa_fast.strategies.threshold.step import threshold_select as select  # noqa: F401  (the step's rule)
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 

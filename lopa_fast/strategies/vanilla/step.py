@@ -6,8 +6,7 @@ captured at bucket sizes.
 rows in one forward of 2) on rows [fm, e), `llada_choice`, and the top-k commit of the schedule's count k over the
 full-length confidence row. "timestep" (Dream): the forward on rows [min(fm, L - 1), L), then `origin`'s keyed
 reveal with probability 1 - s/t, or the top-n (or, with alg_temp, a keyed draw without replacement) of its
-confidence, n = the step's transfer count. `parts` splits a step around its forward (a batch shares the forward);
-`step` is pre -> `steps.forward` -> post.
+confidence, n = the step's transfer count. `parts` splits a step around its forward (a batch shares the forward).
 """
 from __future__ import annotations
 
@@ -30,14 +29,6 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
         return (lambda st, T: llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: llada_post(st, T, geo, sizes, c,
                                                                                                *o))  # fmt: skip
     return (lambda st, T: dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o))
-
-
-def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
-    """One vanilla step: (state, {"logits": raw logits [R, V]}); reads and replaces the tensors of st; no host
-    read."""
-    pre, post = parts(geo, kind, sizes)
-    a, ctx = pre(st, T)
-    return post(st, T, ctx, *steps.forward(model, a, geo, kind))
 
 
 def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_keys, remask_keys) -> tuple:
