@@ -251,6 +251,15 @@ def compile_wanted(cfg, device) -> bool:
     return bool(cfg.compile)
 
 
+def compiled_for(model, cfg, device) -> tuple["CompiledRounds | None", "RequestView | None"]:
+    """A request's (the model's CompiledRounds, the request's view) when it compiles (`compile_wanted`), else
+    (None, None): what every driver keeps to run its compiled steps and report their statistics."""
+    if not compile_wanted(cfg, device):
+        return None, None
+    cr = CompiledRounds.for_model(model, cfg)
+    return cr, cr.view()
+
+
 # what dlopen says of a cached Inductor artifact a killed build left behind (a 0-byte or cut *.so)
 _CORRUPT_ARTIFACT = ("file too short", "invalid ELF header", "ELF load command", "not a dynamic executable")
 
