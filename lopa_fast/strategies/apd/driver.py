@@ -13,9 +13,10 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.progress import report_round
-from lopa_fast.strategies.apd.step import (  # noqa: F401  (ApdGeometry, HEAD_FIELDS, next_window: re-exported)
+from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
+from lopa_fast.decode.compiled import compiled_for
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -79,12 +80,7 @@ class FastApd:
             self.st["prev"] = torch.zeros(verifier.config.vocab_size, dtype=verifier.dtype, device=dev)
             verifier.fused_layers()
         self.host_reads = 0
-        self.compiled = self.cview = None
-        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
-
-        if compile_wanted(cfg, dev):  # the steps after the prefill: `batch_step` (compiled_batch)
-            self.compiled = CompiledRounds.for_model(drafter, cfg)
-            self.cview = self.compiled.view()
+        self.compiled, self.cview = compiled_for(drafter, cfg, dev)  # the steps after the prefill: `batch_step`
 
     @property
     def attn_backend(self) -> str:
@@ -285,5 +281,3 @@ def _cache(prefix: str, model, rows: int) -> dict:
     z = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
     return {prefix + "k": z(), prefix + "v": z()}
 
-
-__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "cache_rows", "next_window"]

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast.decode.compiled import compiled_for
 from lopa_fast.strategies.lopa import round as rnd
-from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
+from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 from lopa_fast.progress import report_round
@@ -80,7 +81,7 @@ class Geometry:
 
 
 def buffer_len(P: int, cfg) -> int:
-    """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to LENGTH_QUANTUM); its static
+    """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to shapes.LENGTH_QUANTUM); its static
     cache has Lb + 1 rows (row Lb: the trash row of masked commits)."""
     return quantized_length(P + (cfg.max_new_tokens // cfg.block_size) * cfg.block_size)
 
@@ -142,12 +143,7 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
-        self.compiled = self.cview = None
-        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
-
-        if compile_wanted(cfg, dev):  # its rounds after the prefill: `batch_step` (compiled_batch)
-            self.compiled = CompiledRounds.for_model(model, cfg)
-            self.cview = self.compiled.view()
+        self.compiled, self.cview = compiled_for(model, cfg, dev)  # its rounds after the prefill: `batch_step`
 
     @property
     def mode(self) -> str:

@@ -80,13 +80,6 @@ def length_unit(cfg) -> int:
     return cfg.block_length if cfg.block_length is not None else 1
 
 
-def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine (cache-free steps share one forward)."""
-    from lopa_fast.strategies.vanilla.driver import VanillaDriver
-
-    return VanillaDriver(model, prompt, cfg, cache=cache)
-
-
 def rows(cfg) -> int:
     return 2 if cfg.cfg_scale else 1  # cfg_scale > 0: the conditional and the unconditional row in one forward
 
@@ -101,5 +94,6 @@ SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.strategies.vanilla.reference:generate", fast=SOLO,
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
-    length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True, eval_rows=eval_rows,
+    length_unit=length_unit, rows=rows, driver="lopa_fast.strategies.vanilla.driver:VanillaDriver", compile=True,
+    compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip
