@@ -48,6 +48,7 @@ import torch
 
 from lopa_fast import memory, strategies
 from lopa_fast.decode import compiled_batch
+from lopa_fast.decode.compiled import rounds_of
 from lopa_fast.decode.driver import batch_step_of, forwards_of
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
@@ -100,15 +101,11 @@ class Scheduler:
         self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
         self.workspace_of: dict = {}  # live request id -> the workspace key of its last compiled batched step
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
+        self.rows_per_request = self.spec.rows(cfg)  # branch slots (forward rows) of one request (LoPA: k + 1)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
         self.last_groups = 0  # forwards of the last step (the eager one, one per compiled step key)
         self._next_id = 0
-
-    @property
-    def rows_per_request(self) -> int:
-        """Branch slots (forward rows) of one request (the spec's `rows`: k + 1 for LoPA k >= 2, else 1)."""
-        return self.spec.rows(self.cfg)
 
     def submit(self, prompt, on_round=None, cfg=None) -> int:
         """Queue a prompt (LongTensor [P] on the model's device; cfg: its bound config when it differs from
@@ -458,7 +455,7 @@ class BatchEngine:
 
     def _held_changed(self) -> bool:
         """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""
-        cr = compiled_batch.rounds_of(self.model)
+        cr = rounds_of(self.model)
         lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
                                                         if k[:1] == ("batch",)))  # fmt: skip
         now = (sum(s.pool.nbytes() for s in self._schedulers.values()), lanes)
@@ -468,7 +465,7 @@ class BatchEngine:
     def _account(self, free: bool = False) -> None:
         """Count what the pools and lanes hold (`held_bytes`) and report the part beyond the live requests' shares
         (on_held); free: first free the lanes its requests used that no live request uses (`reclaim`)."""
-        cr = compiled_batch.rounds_of(self.model)
+        cr = rounds_of(self.model)
         lanes = 0
         if cr is not None:
             if free:

@@ -159,19 +159,20 @@ class CompiledRounds:
         for v in views:
             v.buckets.add(bucket)
         fn = self.fns.get(key)
-        g0 = _dynamo_graphs()
-        if fn is not None:
-            out = call(fn)
-            self.count(_dynamo_graphs() - g0, views)
-            return out
-        t0 = time.perf_counter()
-        fn = self.fns[key] = build()
+        first = fn is None
+        g0, t0 = _dynamo_graphs(), time.perf_counter()
+        if first:
+            fn = self.fns[key] = build()
         out = call(fn)
         self.count(_dynamo_graphs() - g0, views)
-        self.compile_seconds[key] = time.perf_counter() - t0
-        for v in views:
-            v.seconds[label] = round(self.compile_seconds[key], 3)
-        _log_done(what or "the step " + label, self.compile_seconds[key], captured)
+        if first:
+            seconds = self.compile_seconds[key] = time.perf_counter() - t0
+            for v in views:
+                v.seconds[label] = round(seconds, 3)
+            # a compile at INFO; a capture (one eager round) at DEBUG unless it took LONG_S or more
+            level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
+            log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what or "the step " + label,
+                    seconds)  # fmt: skip
         return out
 
     def build(self, label: str, views, step: Callable, capture: tuple | None = None,
@@ -336,20 +337,11 @@ def compile_guarded(fn, what: str):
     return call
 
 
-def _log_done(what: str, seconds: float, captured: bool) -> None:
-    """The after-line of a compile (INFO) or a capture (DEBUG unless it took LONG_S or more)."""
-    level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
-    log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what, seconds)
-
-
-def own_code(fn, name: str):
-    """fn as a function with its OWN code object named `name` (the same closure): Dynamo keeps compiled graphs per
-    code object (and refuses more than `recompile_limit` = 8 per object), so one shared closure would turn every
-    new bucket into a "recompile" of the same code and scan all the other buckets' guards on each call."""
+def unique_code(fn, name: str):
+    """fn as a function with its OWN code object (the same closure), named `name` plus a process-unique number:
+    Dynamo keeps compiled graphs per code object (and refuses more than `recompile_limit` = 8 per object), so one
+    shared closure would turn every new bucket into a "recompile" of the same code and scan all the other buckets'
+    guards on each call."""
+    name = f"{name}_{next(_CODE_IDS)}"
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-
-
-def unique_code(fn, name: str):
-    """`own_code` under `name` plus a process-unique number (each bucket's step: its own code object)."""
-    return own_code(fn, f"{name}_{next(_CODE_IDS)}")

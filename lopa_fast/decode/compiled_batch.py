@@ -40,7 +40,6 @@ from typing import Any, Callable
 
 import torch
 
-from lopa_fast.decode import compiled
 from lopa_fast.decode.shapes import pow2_bucket
 
 
@@ -102,11 +101,6 @@ class _Entry:
 
     def __init__(self, lanes, replay, captured: bool, owners: list, wkey=None):
         self.lanes, self.replay, self.captured, self.owners, self.wkey = lanes, replay, captured, owners, wkey
-
-
-def rounds_of(model):
-    """The model's CompiledRounds, or None when it never compiled (none is made here)."""
-    return compiled.rounds_of(model)
 
 
 def _tensors(entry_or_ws) -> list:

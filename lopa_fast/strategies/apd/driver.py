@@ -81,10 +81,7 @@ class FastApd:
             verifier.fused_layers()
         self.host_reads = 0
         self.compiled, self.cview = compiled_for(drafter, cfg, dev)  # the steps after the prefill: `batch_step`
-
-    @property
-    def attn_backend(self) -> str:
-        return self.geo.attn_backend
+        self.attn_backend = self.geo.attn_backend
 
     def forwards(self, w: dict) -> tuple:
         """The forwards of the step `w` (`prepare`'s), in order, as (model, attention mask, attention backend): the
@@ -111,13 +108,9 @@ class FastApd:
         geo, drafter, verifier, b = self.geo, self.drafter, self.verifier, self.geo.attn_backend
         Nb, Db = pow2_bucket(right - left), pow2_bucket(right - curr)
 
-        def part(f: dict, k, v) -> dict:
-            return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
-                        win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
-
         def pre(st: dict, T: dict):
             a = draft_inputs(st, geo, Nb, Db, False, None)
-            return part(a, st["dk"], st["dv"]), a
+            return _part(a, st["dk"], st["dv"]), a
 
         if not geo.verify:  # leftright: the drafter's forward only
 
@@ -130,7 +123,7 @@ class FastApd:
 
             def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):
                 drafted(st, T, geo, a, l_d, k_win, v_win)
-                return part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
+                return _part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
 
             def post(st: dict, T: dict, a: dict, l_v, k_win, v_win):
                 verified(st, T, geo, a, False, l_v, k_win, v_win)
@@ -156,9 +149,7 @@ class FastApd:
         """This request's part of the coming forward's `forward_requests` (the arguments of the solo step's
         `forward_static`): the drafter's (phase 0), then the verifier's (phase 1, after `finish` of the drafter)."""
         st = self.st
-        f, k, v = (w, st["dk"], st["dv"]) if w["phase"] == 0 else (w["verify"], st["vk"], st["vv"])
-        return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
-                    win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
+        return _part(w, st["dk"], st["dv"]) if w["phase"] == 0 else _part(w["verify"], st["vk"], st["vv"])
 
     def finish(self, w: dict, logits, k_win, v_win) -> None:
         """After one of the step's forwards (this request's logits and window K/V): the drafter's -> the draft (and
@@ -173,13 +164,10 @@ class FastApd:
             verified(self.st, self.tables, geo, w, w["first"], logits, k_win, v_win)
         self.st, self.info = commit(self.st, self.tables, geo, w)
 
-    def _read_head(self) -> list[int]:
-        self.host_reads += 1
-        return self.st["head"].tolist()  # the step's one device-to-host read
-
     def read_head(self) -> None:
         """The step's one host read (inside the caller's round_scope)."""
-        self.head = dict(zip(HEAD_FIELDS, self._read_head()))
+        self.host_reads += 1
+        self.head = dict(zip(HEAD_FIELDS, self.st["head"].tolist()))
 
     def _refuse(self, head: dict, step: int) -> None:
         """The reference's errors, in its order, for the step just run (before any of its tokens is returned)."""
@@ -272,6 +260,13 @@ class FastApd:
             stats.update(self.compiled.stats(self.cview))
         finalize_stats(stats, ids, cfg.eos_token_id, cfg.mask_token_id, self.clock.seconds, steps_plus_one=False)
         return GenerateOutput(ids, stats, self.trace)
+
+
+def _part(f: dict, cache_k, cache_v) -> dict:
+    """A forward's `forward_requests` part from its inputs f (step.py's draft_inputs / verify_inputs) over the
+    model's cache (cache_k / cache_v: the drafter's or the verifier's)."""
+    return dict(tokens=f["tokens"], start=f["start"], cache_k=cache_k, cache_v=cache_v, prefix_len=f["prefix_len"],
+                win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
 
 
 def _cache(prefix: str, model, rows: int) -> dict:

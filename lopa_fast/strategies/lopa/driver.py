@@ -144,15 +144,7 @@ class FastDecoder:
         self.host_reads = 0
         self.max_Nb = 0
         self.compiled, self.cview = compiled_for(model, cfg, dev)  # its rounds after the prefill: `batch_step`
-
-    @property
-    def mode(self) -> str:
-        """The forward's attention mask ("full" | "block_causal"), for the batch scheduler's shared forward."""
-        return self.geo.mode
-
-    @property
-    def attn_backend(self) -> str:
-        return self.geo.attn_backend
+        self.mode, self.attn_backend = self.geo.mode, self.geo.attn_backend  # the shared forward's (the scheduler's)
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -177,9 +169,7 @@ class FastDecoder:
 
         def pre(st: dict, T: dict):
             w = rnd.window_inputs(st, T, geo, Nb, Rb)
-            return dict(tokens=w["tokens"], start=st["start"], cache_k=st["cache_k"], cache_v=st["cache_v"],
-                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
-                        output=rnd.head_output(geo)), w
+            return rnd.forward_part(st, geo, w, st["start"], st["cache_len"]), w
 
         head = self._head()
 
@@ -202,9 +192,7 @@ class FastDecoder:
 
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (the arguments of its solo `forward_static`)."""
-        return dict(tokens=w["tokens"], start=w["start"], cache_k=self.st["cache_k"], cache_v=self.st["cache_v"],
-                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
-                    output=rnd.head_output(self.geo))  # fmt: skip
+        return rnd.forward_part(self.st, self.geo, w, w["start"], w["start"])
 
     def _head(self):
         """The LM-head weight the fused head statistics read (None without geo.fused_head)."""

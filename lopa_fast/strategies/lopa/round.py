@@ -238,10 +238,14 @@ def _stop_in_prefix(x: torch.Tensor, anchor: torch.Tensor, T: dict, geo) -> torc
     return hit
 
 
-def head_output(geo) -> str:
-    """What the round's forward returns: "hidden" (the final-normed rows; the round applies the fused
-    `ops.head_confidence`) when geo.fused_head, else "logits"."""
-    return "hidden" if geo.fused_head else "logits"
+def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
+    """The round's part of `model.forward_requests` on `window_inputs`' w: every slot's window over the static
+    cache; start / prefix_len: the window start as a host int eagerly (attention then slices exactly the committed
+    rows), st["start"] / st["cache_len"] when compiled. With geo.fused_head the forward returns the final-normed
+    rows (output="hidden": `finish_round` applies the fused `ops.head_confidence`), else the logits."""
+    return dict(tokens=w["tokens"], start=start, cache_k=st["cache_k"], cache_v=st["cache_v"], prefix_len=prefix_len,
+                win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
+                output="hidden" if geo.fused_head else "logits")  # fmt: skip
 
 
 def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:

@@ -1,22 +1,11 @@
 """The fast threshold decoder (Fast-dLLM v1 / dParallel): the step on the device, one host read per step.
 
-Semantics are exactly `lopa_fast.strategies.threshold.reference` (docs/semantics.md sections 4.2-4.4 and 5; token- and
-forward-exact at T = 0 and, with the keyed sampler, at T > 0): blocks of `block_length` left to right, per
-step the masked positions of the block (cache=None: every mask before the block end) are candidates and one
-rule commits (rank 1 always): `threshold` (conf >= tau), `factor` (the first rank k with c(k) < 1 - f/(k+1),
-upstream's edge cases), `entropy_threshold` (H <= h). Caches: None, "prefix" (refresh forward at each block
-start, then the block and every later position over the cached prefix), "dual" (refresh caches every
-position; later steps forward only the block, overwriting its K/V in place). Dream refresh steps commit the
-block's first token unconditionally; `count_noop_forward` keeps the old loop's extra forward.
-
-What changes is how: the step is ONE function of device tensors (lopa_fast.strategies.threshold.step, on the state
-of lopa_fast.decode.steps): the commit rule is tensor ops on the device (`select`), the candidates never leave it,
-the LM head runs only on the rows a step reads (the candidates' rows), the forwards are the fused static-cache
-ones (`model.forward_static`; dual steps `model.forward_dual`, writing the block's K/V in place), and the step's
-one host read is its head (first non-finite row, block full, first mask). This driver (on
-lopa_fast.decode.step_driver's `StepDriver`) runs it eagerly at the step's exact sizes, or with compile=True as one
-compiled / captured callable per bucket (through lopa_fast.decode.compiled_batch: a solo request is batch bucket 1
-of the one loop), with the same one host read.
+Semantics are exactly `lopa_fast.strategies.threshold.reference`'s (its docstring; docs/semantics.md sections
+4.2-4.4 and 5): token- and forward-exact at T = 0 and, with the keyed sampler, at T > 0. The step is
+lopa_fast.strategies.threshold.step (the commit rule as tensor ops on the device, the LM head only on the
+candidates' rows; dual steps through `model.forward_dual`, writing the block's K/V in place); this module is its
+block machine (refresh, cache and full steps per block; `count_noop_forward`'s extra forward) on
+lopa_fast.decode.step_driver's `StepDriver`.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """The fast vanilla decoder (LLaDA low-confidence / random remasking, Dream's samplers): the step on the device,
 one host read per step.
 
-Semantics are exactly `lopa_fast.strategies.vanilla.reference` (docs/semantics.md section 4.1; token- and forward-exact
-at T = 0 and, with the keyed sampler, for every random ordering and T > 0):
-- LLaDA: semi-autoregressive blocks, `steps // num_blocks` steps per block with the transfer schedule, per
-  step one cache-free forward (cfg_scale > 0: the conditional and the prompt-masked unconditional rows in
-  ONE batched forward), commit the top-k candidates by confidence (softmax(logits)[x0] or a keyed uniform).
-- Dream: `steps` steps over the whole generation on timesteps linspace(1, eps, steps + 1) (float32):
-  `origin` reveals each mask with probability 1 - s/t, the others commit int(n_mask * (1 - s/t)) highest-
-  confidence masks (or a keyed draw without replacement from softmax(conf / alg_temp)).
-
-What changes is how: the step is ONE function of device tensors (lopa_fast.strategies.vanilla.step, on the state of
-lopa_fast.decode.steps): candidates, statistics, the top-k and the counters stay on the device, the LM head runs
-only on the rows from the first mask to the candidates' end, the forward is the fused static one, and the only
-host read of a step is its head (the first non-finite row, the first mask, the masks left). This driver (on
-lopa_fast.decode.step_driver's `StepDriver`) runs it eagerly at the step's exact sizes, or with compile=True as one
-compiled / captured callable per bucket (through lopa_fast.decode.compiled_batch: a solo request is batch bucket 1
-of the one loop), with the same one host read.
+Semantics are exactly `lopa_fast.strategies.vanilla.reference`'s (its docstring; docs/semantics.md section 4.1):
+token- and forward-exact at T = 0 and, with the keyed sampler, for every random ordering and T > 0. The step is
+lopa_fast.strategies.vanilla.step (candidates, statistics, the top-k and the counters on the device; the LM head
+only on the rows from the first mask to the candidates' end); this module is its step plan (LLaDA's blocks and
+transfer schedule, Dream's timesteps and transfer counts) on lopa_fast.decode.step_driver's `StepDriver`.
 """
 from __future__ import annotations
 
