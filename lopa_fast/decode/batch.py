@@ -15,13 +15,8 @@ every request (equal to the per-request path within float tolerance, tokens equa
 tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path).
 A finished request leaves the batch (its rows are not computed again).
 
-Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
-verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
-scheduler runs forward f of every live request as one `forward_requests` per (model, mask, backend), each request's
-`finish` after each of its forwards (the driver moves on to its next forward's inputs), `read_head` after its last
-(`Scheduler._forwards`). The pool holds the scheduler's model's caches; another model (the verifier, one object
-per scheduler) attends over each request's own cache. A driver without `forwards` (or whose `forwards(w)` is None)
-runs one forward of the scheduler's model, as before.
+Multi-forward rounds (APD: the drafter's window, then the verifier over the drafts; a driver's `forwards(w)`) and
+in-place forwards (threshold's dual step) run as described at `Scheduler._forwards`.
 
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
@@ -29,15 +24,10 @@ of branch slots) stay within `max_rows` and the live requests within `max_slots`
 running request's tokens (each request's computation is independent of its neighbours).
 
 Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
-`compile_batches` (vanilla, threshold, d2f, lopa, apd): each round the scheduler asks every live
-driver for its step as a `BatchStep` (`batch_step`; None: an eager step, e.g. d2f / lopa / apd's prefill), groups
-the compiled ones by their step key (geometry, bucket, statistics knobs) and runs each group as ONE compiled /
-captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two batch-size bucket with inert lanes,
-one graph per (key, batch bucket), reused across rounds and requests; APD's two forwards both inside it); the eager
-ones share their forwards as above.
-So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
-lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
-token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
+`compile_batches`: each round the scheduler asks every live driver for its step as a `BatchStep` (`batch_step`;
+None: an eager step, e.g. a prefill), groups the compiled ones by their step key and runs each group as ONE
+compiled / captured batched step (lopa_fast.decode.compiled_batch); the eager ones share their forwards as above.
+Each request stays token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
