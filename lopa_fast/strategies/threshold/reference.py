@@ -40,7 +40,7 @@ from lopa_fast.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
 from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noise, record_step, round_cap_hit
-from lopa_fast.sampling import ENTROPY_EPS, threshold_stats  # noqa: F401
+from lopa_fast.sampling import threshold_stats
 
 
 def factor_count(sorted_conf: list[float], factor: float) -> int:
