@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from lopa_fast import keyed
+from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.sampling import is_on
@@ -134,14 +135,9 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
     off); cache: None (its own zero cache) or (k, v) views [layers, L or 1, Hkv, D] it uses in its place (a batch's
     KV pool slot). Builds (or checks) the model's merged-weight view once, outside any graph."""
     dev = x.device
-    c = model.config
     z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
-    rows = geo.L if geo.cache is not None else 1  # no cache: one unused row (a batch's pool slot keeps its shape)
-    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
-    if cache is None:
-        cache = tuple(torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(2))
-    elif any(tuple(t.shape) != shape for t in cache):
-        raise ValueError(f"steps.init: cache views must be {shape}, got {[tuple(t.shape) for t in cache]}")
+    # no cache: one unused row (a batch's pool slot keeps its shape)
+    cache = request_cache(model, geo.L if geo.cache is not None else 1, cache)
     model.fused_layers()
     st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
           "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),

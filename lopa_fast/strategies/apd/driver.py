@@ -17,6 +17,7 @@ from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
 from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -70,13 +71,10 @@ class FastApd:
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
-        if cache is None:
-            self.st.update(_cache("d", drafter, cache_rows(P, cfg)))
-        else:
-            self.use_cache(*cache)
+        self.use_cache(*request_cache(drafter, cache_rows(P, cfg), cache))
         drafter.fused_layers()  # the merged-weight views, built or checked once per request (outside any graph)
         if R is not None:
-            self.st.update(_cache("v", verifier, Lb + 1))
+            self.st["vk"], self.st["vv"] = request_cache(verifier, Lb + 1)
             self.st["prev"] = torch.zeros(verifier.config.vocab_size, dtype=verifier.dtype, device=dev)
             verifier.fused_layers()
         self.host_reads = 0
@@ -267,12 +265,3 @@ def _part(f: dict, cache_k, cache_v) -> dict:
     model's cache (cache_k / cache_v: the drafter's or the verifier's)."""
     return dict(tokens=f["tokens"], start=f["start"], cache_k=cache_k, cache_v=cache_v, prefix_len=f["prefix_len"],
                 win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
-
-
-def _cache(prefix: str, model, rows: int) -> dict:
-    """A static K/V buffer pair {prefix}k / {prefix}v [layers, rows, Hkv, D] for one model."""
-    c = model.config
-    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
-    z = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
-    return {prefix + "k": z(), prefix + "v": z()}
-

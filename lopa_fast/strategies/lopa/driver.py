@@ -30,6 +30,7 @@ from lopa_fast.decode.compiled import compiled_for
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
+from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 from lopa_fast.progress import report_round
 
@@ -222,8 +223,6 @@ class FastDecoder:
 
     def _refuse_nonfinite(self, flat_row: int, round_: int) -> None:
         """Raise NonFiniteLogitsError for window row `flat_row` (slot * Nb + column) of round `round_`."""
-        from lopa_fast.errors import NonFiniteLogitsError
-
         s, Nb = self._last_window
         pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
         t = self.cfg.temperature  # at T > 0 the guard also refuses finite logits that 1 / T overflows

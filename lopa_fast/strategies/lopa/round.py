@@ -53,6 +53,7 @@ from lopa_fast.strategies.lopa.round_stats import (
     temperature,
     token_stats,
 )
+from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, stop_table
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
@@ -143,10 +144,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
     state[0] = TO_CACHE
     complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
     complete[:, 0] = True
-    kv = (cfg.num_layers, Lb + 1, cfg.num_kv_heads, cfg.head_dim)
-    if cache is not None and any(tuple(t.shape) != kv or t.dtype != model.dtype for t in cache):
-        raise ValueError(f"init_state: cache views must be {kv} {model.dtype}, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")
+    cache_k, cache_v = request_cache(model, Lb + 1, cache)
     zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
     st = dict(
         x=x, n_blocks=torch.zeros(NB, dtype=torch.long, device=dev), block_state=state, complete=complete,
@@ -154,9 +152,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         creation_conf=torch.ones(NB, dtype=torch.float64, device=dev),
         look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
         last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
-        cache_k=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[0],
-        cache_v=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[1],
-        cache_len=zero(),
+        cache_k=cache_k, cache_v=cache_v, cache_len=zero(),
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
