@@ -15,12 +15,7 @@ import torch
 
 from lopa_fast.decode.step_driver import StepDriver
 from lopa_fast.strategies.vanilla import step as vanilla_step
-
-
-def transfer_schedule(n_masks: int, n_steps: int) -> list[int]:
-    """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S."""
-    base, rem = divmod(n_masks, n_steps)
-    return [base + (1 if i < rem else 0) for i in range(n_steps)]
+from lopa_fast.strategies.vanilla.spec import transfer_schedule
 
 
 def dream_count(n_mask: int, ts: torch.Tensor, i: int, n_steps: int) -> int:

@@ -14,6 +14,15 @@ LLADA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_in
 DREAM_KNOBS = ("steps", "alg", "alg_temp", "eps")
 REMASKING = ("low_confidence", "random")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+# the confidence (lopa_fast.sampling's sampling_strategy) each Dream alg but "origin" ranks its masks by
+DREAM_CONFIDENCE = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+
+
+def transfer_schedule(n_masks: int, n_steps: int) -> list[int]:
+    """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S (the reference
+    and the fast driver both read it)."""
+    base, rem = divmod(n_masks, n_steps)
+    return [base + (1 if i < rem else 0) for i in range(n_steps)]
 
 
 def validate(cfg) -> None:

@@ -17,8 +17,7 @@ from lopa_fast.decode import steps
 from lopa_fast.decode.shapes import divided, scaled
 from lopa_fast.decode.steps import StepGeometry
 from lopa_fast.sampling import gumbel_argmax, token_stats
-
-DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE
 
 
 def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
@@ -120,7 +119,7 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
         x = steps.scatter(x, pos_c, reveal, tok)
         st["transferred"] = st["transferred"] + reveal.sum()
     else:
-        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[geo.alg], **kw, keys=keys)
+        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONFIDENCE[geo.alg], **kw, keys=keys)
         minus_inf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
         full_conf = steps.scatter(minus_inf, pos_c, valid, torch.where(cand, conf.to(logits.dtype), float("-inf")))
         if n > 0:
