@@ -21,11 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lopa_fast import ops
+from lopa_fast.attention_modes import ATTENTION_MODES
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.kv_cache import KVCache
 from lopa_fast.models.static_forward import FusedForwards
-
-MASK_MODES = ("full", "block_causal", "causal")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -248,8 +247,8 @@ class DecoderLM(FusedForwards, nn.Module):
             raise TypeError(f"forward_window: tokens.dtype={tokens.dtype}; expected an integer tensor")
         B, n = tokens.shape
         mask = mask or self.attention
-        if mask not in MASK_MODES:
-            raise ValueError(f"forward_window: mask={mask!r}; allowed: {MASK_MODES}")
+        if mask not in ATTENTION_MODES:
+            raise ValueError(f"forward_window: mask={mask!r}; allowed: {ATTENTION_MODES}")
         if mask == "block_causal" and block_ids is None:
             raise ValueError("forward_window: mask='block_causal' needs block_ids [B, n]")
         if output not in ("logits", "hidden"):
