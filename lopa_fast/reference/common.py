@@ -21,10 +21,7 @@ def shift_logits(raw: torch.Tensor, last_logit: torch.Tensor | None) -> torch.Te
     """
     out = torch.empty_like(raw)
     out[1:] = raw[:-1]
-    if last_logit is not None:
-        out[0] = last_logit
-    else:
-        out[0] = 1.0
+    out[0] = last_logit if last_logit is not None else 1.0
     return out
 
 
@@ -65,11 +62,6 @@ def check_finite(rows: torch.Tensor, positions, cfg, round_: int, strategy: str 
     r = int((~ok).nonzero()[0, 0]) if ok.dim() else 0
     row = x[r] if x.dim() > 1 else x
     bad = row[~torch.isfinite(row)]
-    value = float(bad[0]) if bad.numel() else float(row.abs().max())
-    if isinstance(positions, int):
-        pos = positions + r
-    else:
-        pos = int(positions[r])
-    if bad.numel() == 0:
-        value = f"{value} / temperature {cfg.temperature}"
+    value = float(bad[0]) if bad.numel() else f"{float(row.abs().max())} / temperature {cfg.temperature}"
+    pos = positions + r if isinstance(positions, int) else int(positions[r])
     raise NonFiniteLogitsError(strategy=strategy or getattr(cfg, "strategy", "?"), round=round_, position=pos, value=value)

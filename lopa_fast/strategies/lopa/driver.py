@@ -1,23 +1,14 @@
 """The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
 
-Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (docs/semantics.md sections 2-3); this
-module only changes *how* a round is computed. The round itself is `lopa_fast.strategies.lopa.round` (fixed-shape
-device tensors: the layout is documented there); this module is its driver:
-
-* per request: the Geometry (the Python constants a compiled round bakes in; the prompt length is not
-  one of them), the device tables and the state (`round.init_tables`, `round.init_state`), the merged
-  weight view (`model.fused_layers()`), and, with `compile=True`, the model's `CompiledRounds`;
-* per round: ONE host read of the plan's 9-int head (done, alive slots, window start s, cached span u,
-  window length n, LM-head rows R, ragged, the non-finite guard, the stop-sequence flag) -> the bucket (Nb, Rb) -> the round
-  (eager: `prepare` / `forward_args` / `finish` around the scheduler's shared forward; compiled: `batch_step`, the
-  bucket's batched graph), which also plans the next round. The loop is lopa_fast.decode.batch's (solo: a batch
-  of one), the protocol lopa_fast.decode.driver's;
-* at the end: the output slot, the counters, stats (host reads, memory, compile stats), the trace.
-
-The static KV cache holds the committed prefix once; branches never copy it. Under full attention the
-to-cache span's K/V is branch-specific and only the winner's is committed (Commit-Winner-Cache); under
-the block-causal mask the span only sees the prefix and itself, so every branch computes the same K/V
-and committing the winner's is the same as committing anyone's.
+Semantics are exactly those of the reference decoders (reference_d2f.py / reference_lopa.py; docs/semantics.md
+sections 2-3); this module only changes *how* a round is computed. The round itself is
+`lopa_fast.strategies.lopa.round` (fixed-shape device tensors: the layout and the stages are documented there);
+this module is its driver (lopa_fast.decode.driver's protocol, stepped by lopa_fast.decode.batch's one loop):
+per request the Geometry (the Python constants a compiled round bakes in; the prompt length is not one of them),
+the device tables and state, and with compile=True the model's `CompiledRounds`; per round ONE host read of the
+plan's `Head` -> the bucket (Nb, Rb) -> the round (eager: `prepare` / `forward_args` / `finish` around the
+scheduler's shared forward; compiled: `batch_step`, the bucket's batched graph); at the end the output slot, the
+counters, stats (host reads, memory, compile stats) and the trace.
 """
 from __future__ import annotations
 
@@ -129,7 +120,6 @@ class FastDecoder:
             and cfg.top_p is None and cfg.top_k is None
         )  # fmt: skip
         self.P = P
-        self.L = P + (cfg.max_new_tokens // bs) * bs  # the request's total length (prompt + generated blocks)
         Lb = buffer_len(P, cfg)
         self.geo = Geometry(
             bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),

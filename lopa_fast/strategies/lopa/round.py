@@ -317,10 +317,7 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
     rem, lens = st["running"], st["lens"]
     slot = torch.arange(NB, device=dev)
     csum = w["need_flat"].long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
-    if geo.shift:
-        sidx = F.pad(csum[:, :-1], (1, 0))
-    else:
-        sidx = (csum - 1).clamp(min=0)
+    sidx = F.pad(csum[:, :-1], (1, 0)) if geo.shift else (csum - 1).clamp(min=0)
     c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
     masked = st["is_mask"].index_select(1, w["win_pos"]) & w["win_valid"][None, :]
     if NB == 1 and not geo.trace:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
