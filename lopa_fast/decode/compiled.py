@@ -104,24 +104,21 @@ class CompiledRounds:
         # compile=None: a failed capture runs the step eagerly), graphs, buckets used, seconds of buckets compiled
         self._local = threading.local()
 
-    def _request(self) -> "RequestView":
-        """This thread's current request view (an empty one before the thread's first `for_model`)."""
+    def view(self) -> "RequestView":
+        """This thread's current request view (`for_model` just made it; an empty one before the thread's first
+        `for_model`): a batch's request keeps it to be counted in (`stats(view)`), since one engine thread runs many
+        requests."""
         view = getattr(self._local, "view", None)
         if view is None:
             view = self._local.view = RequestView(False)
         return view
-
-    def view(self) -> "RequestView":
-        """The current request's view (`for_model` just made it): a batch's request keeps it to be counted in
-        (`stats(view)`), since one engine thread runs many requests."""
-        return self._request()
 
     def count(self, n: int, views=None) -> None:
         """n graphs compiled / captured for each of `views` (default: this thread's request) and the model's total.
         Dynamo's counter is process-wide, so a compile on another thread at the same moment would be counted here
         too."""
         self.graphs += n
-        for view in views or (self._request(),):
+        for view in views or (self.view(),):
             view.graphs += n
 
     @classmethod
@@ -155,7 +152,7 @@ class CompiledRounds:
         graphs Dynamo compiled during the call are counted for them (a recompile inside a bucket would show);
         captured: the builder captures (a CUDA graph, counted by `build`; DEBUG log unless long); what: its name in
         the log (default "the step <label>")."""
-        views = list(views) or [self._request()]
+        views = list(views) or [self.view()]
         for v in views:
             v.buckets.add(bucket)
         fn = self.fns.get(key)
@@ -209,7 +206,7 @@ class CompiledRounds:
         cannot be one graph: lopa_fast.distributed compiles a rank's forward + statistics and, separately, the
         selection + plan, with the collectives between them outside any graph. Counted in stats() (bucket: its
         compiled_buckets entry; label: its compile_seconds name)."""
-        views, what = [self._request()], "the round part " + label
+        views, what = [self.view()], "the round part " + label
         return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make(), what=what),
                                  lambda fn: fn(*args), captured=False, what=what)  # fmt: skip
 
@@ -231,7 +228,7 @@ class CompiledRounds:
     def stats(self, view: "RequestView | None" = None) -> dict:
         """Per-request view (this thread's current one, or `view`): graphs built during this request, the buckets it
         used, and the seconds of each bucket it compiled (empty on a warm cache)."""
-        view = view or self._request()
+        view = view or self.view()
         return {
             "compiled_graphs": view.graphs,
             "compiled_buckets": sorted(view.buckets),

@@ -103,34 +103,28 @@ class FastApd:
         if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
             self.st = {k: v if k in ("dk", "dv") else v.clone() for k, v in self.st.items()}  # own them (not the
             self._owned = True  # pool slot's drafter cache)
-        geo, drafter, verifier, b = self.geo, self.drafter, self.verifier, self.geo.attn_backend
+        geo, verifier = self.geo, self.verifier
         Nb, Db = pow2_bucket(right - left), pow2_bucket(right - curr)
 
         def pre(st: dict, T: dict):
             a = draft_inputs(st, geo, Nb, Db, False, None)
             return _part(a, st["dk"], st["dv"]), a
 
-        if not geo.verify:  # leftright: the drafter's forward only
+        def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):  # between the drafter's and the verifier's forward
+            drafted(st, T, geo, a, l_d, k_win, v_win)
+            return _part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
 
-            def post(st: dict, T: dict, a: dict, l_d, k_win, v_win):
-                drafted(st, T, geo, a, l_d, k_win, v_win)
-                return commit(st, T, geo, a)
+        def post(st: dict, T: dict, a: dict, logits, k_win, v_win):  # after the last forward (leftright: the drafter's)
+            if geo.verify:
+                verified(st, T, geo, a, False, logits, k_win, v_win)
+            else:
+                drafted(st, T, geo, a, logits, k_win, v_win)
+            return commit(st, T, geo, a)
 
-            mids, fwds = (), ((drafter, "full", b),)
-        else:
-
-            def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):
-                drafted(st, T, geo, a, l_d, k_win, v_win)
-                return _part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
-
-            def post(st: dict, T: dict, a: dict, l_v, k_win, v_win):
-                verified(st, T, geo, a, False, l_v, k_win, v_win)
-                return commit(st, T, geo, a)
-
-            mids, fwds = (mid,), ((drafter, "full", b), (verifier, "causal", b))
         key = ("apd", id(verifier), geo, Nb, Db)  # as alone: the verifier is bound into the callable
         return BatchStep(self.compiled, key, (Nb, Db), f"apd_{Nb}x{Db}", ("apd", id(verifier), geo), pre, post,
-                         "full", b, self.st, self.tables, self.cview, forwards=fwds, mids=mids)  # fmt: skip
+                         "full", geo.attn_backend, self.st, self.tables, self.cview, forwards=self.forwards(None),
+                         mids=(mid,) if geo.verify else ())  # fmt: skip
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result for this request (its state, {"x0"}); then `read_head`."""
