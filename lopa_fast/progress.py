@@ -44,7 +44,7 @@ def after_step(generated, cfg, stats: dict, on_round=None) -> bool:
     masks included); stats["forwards"] counts the step. Returns True (and sets stats["stopped"]) when a stop
     sequence lies in the finalised prefix: the loop ends, the API cuts the output before it. One host read of
     the row when either is asked for, none otherwise (device-driven loops check on the device instead,
-    strategies/lopa/round.py `_stop_in_prefix`, and read the flag with their round's one host read)."""
+    decode/shapes.py `stop_in_prefix`, and read the flag with their round's one host read)."""
     if on_round is None and not cfg.stop:
         return False
     ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)

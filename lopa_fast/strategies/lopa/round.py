@@ -54,7 +54,7 @@ from lopa_fast.strategies.lopa.round_stats import (
     token_stats,
 )
 from lopa_fast.decode.kv_pool import request_cache
-from lopa_fast.decode.shapes import knob, stop_table
+from lopa_fast.decode.shapes import knob, stop_in_prefix, stop_table
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 
@@ -211,27 +211,10 @@ def plan(st: dict, T: dict, geo) -> None:
     st.update(n_blocks=nblk, complete=complete, exists=exists, active=active, running=rem, done=done,
               is_mask=ismask, need=need, lens=lens, window_lens=wl, to_cache=tc, shared_end=spe,
               layout_slot=lay, start=s, commit_len=u)  # fmt: skip
-    stop = _stop_in_prefix(x, nA - 1, T, geo)
+    # a stop sequence in the anchor's finalised prefix (its generated tokens before its first mask)
+    anchor_gen = x.index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
+    stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id)
     st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"], stop]).long()
-
-
-def _stop_in_prefix(x: torch.Tensor, anchor: torch.Tensor, T: dict, geo) -> torch.Tensor:
-    """0-d bool: a stop sequence (T["stops"] rows, lengths geo.stop_lens) lies in the anchor row's finalised
-    prefix, the generated tokens before its first mask. A static loop over the (few, short) sequences."""
-    if not geo.stop_lens:
-        return torch.zeros((), dtype=torch.bool, device=x.device)
-    gen = x.index_select(0, anchor.reshape(1))[0].index_select(0, T["gen_pos"])  # [G * bs]
-    nG = gen.shape[0]
-    masks = gen == geo.mask_id
-    first_mask = torch.where(masks.any(), masks.long().argmax(), nG)  # argmax: the first True
-    hit = torch.zeros((), dtype=torch.bool, device=x.device)
-    for j, ln in enumerate(geo.stop_lens):
-        if ln > nG:
-            continue
-        match = (gen.unfold(0, ln, 1) == T["stops"][j, :ln][None, :]).all(1)  # [nG - ln + 1]
-        ends_before = torch.arange(nG - ln + 1, device=x.device) + ln <= first_mask
-        hit = hit | (match & ends_before).any()
-    return hit
 
 
 def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
