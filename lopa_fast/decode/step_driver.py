@@ -5,7 +5,8 @@ lopa_fast.decode.steps' state, driven by the one loop (lopa_fast.decode.batch; t
 eager step in stages around the scheduler's shared forward (`prepare` / `forward_args` / `finish`), the compiled
 step as a batch step (`batch_step` / `take`), the step's one host read (its head), the numerics guard's refusal,
 the trace's accepted tokens, the progress hook and stop check, and the result. A strategy's driver adds its step
-plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None)`), `next_bucket` and `_plan`.
+plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None)`), `next_bucket` and `_plan` (its bucket
+-> (kind, sizes, w)).
 """
 from __future__ import annotations
 
@@ -60,13 +61,9 @@ class StepDriver:
         """The request's cache rows: a batch's pool slot views (re-pointed when the pool grows)."""
         self.st["ck"], self.st["cv"] = cache_k, cache_v
 
-    def _plan(self, *bucket) -> tuple[str, tuple, dict]:
-        """The step's (kind, sizes, w) from its bucket; w holds lo (the first row's position: the guard's) and what
-        the subclass's trace entry needs."""
-        raise NotImplementedError
-
     def _planned(self, *bucket) -> tuple[str, tuple, dict]:
-        """`_plan`, kept for the step's after_round (and, with a trace, the canvas before the step)."""
+        """The subclass's `_plan(*bucket)` -> the step's (kind, sizes, w; w["lo"]: the first row's position, the
+        guard's), kept for the step's after_round (and, with a trace, the canvas before the step)."""
         kind, sizes, self._w = self._plan(*bucket)
         self._before = self.x.clone() if self.trace is not None else None
         return kind, sizes, self._w

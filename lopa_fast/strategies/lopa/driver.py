@@ -195,7 +195,7 @@ class FastDecoder:
         self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
                                               head=self._head())  # fmt: skip
 
-    def _trace_entry(self, head: rnd.Head) -> dict:
+    def _trace_entry(self, head: rnd.Head, round_: int) -> dict:
         info, P = self.info, self.P
         nA = head.alive
         W = int(info["winner"])
@@ -205,7 +205,7 @@ class FastDecoder:
         if look[W] is not None:
             acc.append([look[W], int(self.st["x"][0, look[W] + P])])
         return {
-            "round": None, "window_start": head.start - P, "cached": head.commit_len,
+            "round": round_, "window_start": head.start - P, "cached": head.commit_len,
             "branches": [{"score": float(info["score"][b]), "lookahead": look[b], "window_len": wl}
                          for b, wl in enumerate(self._wl[:nA])],
             "winner": W, "accepted": sorted(acc),
@@ -270,8 +270,7 @@ class FastDecoder:
         stats["model_calls"] += 1
         self.ragged_rounds += bool(self._prev_head.ragged)
         if self.trace is not None:
-            self.trace.append(self._trace_entry(self._prev_head))
-            self.trace[-1]["round"] = stats["forwards"]
+            self.trace.append(self._trace_entry(self._prev_head, stats["forwards"]))
         if self.on_round is not None:  # the anchor is the last alive slot of the next round's plan
             self.host_reads += 1
             row = self.st["x"][max(head.alive, 1) - 1, self.P : self.P + geo.G * geo.bs]
