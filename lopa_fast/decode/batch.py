@@ -32,6 +32,7 @@ Each request stays token- and forward-exact with its solo eager run (tests/test_
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
@@ -315,8 +316,6 @@ class BatchEngine:
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
                  slot_len: int | None = None, on_held=None):  # fmt: skip
-        import threading
-
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         self._on_held = on_held
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
@@ -366,8 +365,6 @@ class BatchEngine:
         """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`; verifier: the
         strategy's second model, checked by the caller) in the running batch; blocks until it finishes. Raises
         the request's own exception."""
-        import threading
-
         box = {"event": threading.Event()}
         with self._cv:
             if self._closed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 import types
@@ -290,8 +291,6 @@ def purge_corrupt_artifacts(root: str | None = None) -> list[str]:
     """Delete the shared objects under Inductor's cache (or `root`) that cannot be loaded because they are cut
     short: empty, or shorter than an ELF header (64 bytes). Returns their paths. (A process killed while Inductor
     linked leaves a 0-byte *.so, and every later compile of that graph fails with "file too short": issue 36.)"""
-    import os
-
     root = root or inductor_cache_dir()
     removed = []
     if root is None or not os.path.isdir(root):

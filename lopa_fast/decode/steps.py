@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from lopa_fast import keyed
+from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
@@ -250,14 +251,11 @@ def _label(kind: str, sizes: tuple) -> str:
     return kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
 
 
-
 def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts):
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
     sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes)` ->
     (pre, post). A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
     the layer loop)."""
-    from lopa_fast.decode.compiled_batch import BatchStep
-
     pre, post = parts(geo, kind, sizes)
     fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),

@@ -17,6 +17,7 @@ from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
 from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
 from lopa_fast.errors import NonFiniteLogitsError
@@ -98,8 +99,6 @@ class FastApd:
         the group), or None when it runs eagerly (compile off, or the prefill step: as alone)."""
         if self.compiled is None or first:
             return None
-        from lopa_fast.decode.compiled_batch import BatchStep
-
         if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
             self.st = {k: v if k in ("dk", "dv") else v.clone() for k, v in self.st.items()}  # own them (not the
             self._owned = True  # pool slot's drafter cache)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
@@ -151,8 +152,6 @@ class FastDecoder:
         prefill round, whose bucket depends on the prompt length: as alone)."""
         if self.compiled is None or self._rounds == 0:
             return None
-        from lopa_fast.decode.compiled_batch import BatchStep
-
         if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
             self.st = {k: v if k in ("cache_k", "cache_v") else v.clone() for k, v in self.st.items()}  # own them
             self._owned = True
