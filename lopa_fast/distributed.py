@@ -8,14 +8,9 @@ process group (`check_group`, `init_from_env`), the counted collectives (`Comm`)
 rank must share (`weights_fingerprint`) and the driver factory (`driver`: the d2f / lopa spec's driver under
 distributed=True, stepped by the one loop, lopa_fast.decode.batch).
 
-Faults: a rank whose share raises (forward, statistics) still joins the all_gather with its error flag set;
-every rank then raises DistributedError naming the failing rank and its message (one all_gather_object, on
-the error path only). A rank that dies makes its peers' next collective fail or time out: the process
-group's timeout bounds the wait (`init_from_env` uses LOPA_FAST_DIST_TIMEOUT_S, default 60 s; a group
-created by the caller keeps the caller's timeout) and the failure is re-raised as DistributedError.
-
-Every rank returns the same GenerateOutput (same ids, forwards and counters; its `seconds` are its own);
-stats["distributed"] holds the world size, this rank, the backend and the bytes moved.
+Faults (every one a DistributedError on every rank; a dead peer's wait bounded by the group's timeout:
+LOPA_FAST_DIST_TIMEOUT_S under `init_from_env`) and what each rank returns (the same GenerateOutput, plus
+stats["distributed"]): docs/distributed.md.
 """
 from __future__ import annotations
 

@@ -72,12 +72,7 @@ def finalize_stats(
     """
     fw = int(stats.get("forwards", 0))
     n = len(generated_ids)
-    until = n
-    if eos_token_id is not None:
-        for i, t in enumerate(generated_ids):
-            if t == eos_token_id:
-                until = i + 1
-                break
+    until = generated_ids.index(eos_token_id) + 1 if eos_token_id is not None and eos_token_id in generated_ids else n
     stats["generated_tokens"] = n
     stats["tokens_until_eos"] = until
     stats["tpf"] = n / fw if fw else 0.0

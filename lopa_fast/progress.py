@@ -23,19 +23,6 @@ def first_stop(ids: list[int], stops, mask_token_id: int | None = None) -> int |
     return best
 
 
-def stop_reached(generated, cfg) -> bool:
-    """Whether a stop sequence of `cfg.stop` lies in the finalised prefix of `generated` (the generated
-    positions, LongTensor [G] or list[int], masks included); False when cfg.stop is None.
-
-    The per-step stop check of the host-driven loops (vanilla, threshold, apd): one host read of the row per
-    step, only when stop sequences are given. Device-driven loops check on the device instead
-    (strategies/lopa/round.py `_stop_in_prefix`) and read the flag with their step's one host read."""
-    if not cfg.stop:
-        return False
-    ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)
-    return first_stop(ids, cfg.stop, cfg.mask_token_id) is not None
-
-
 def report_round(on_round, canvas, mask_id: int, total: int, forwards: int) -> None:
     """Call a progress hook `on_round(prefix, info)` after a round / step (lopa_fast.generate's `on_round=`).
 
@@ -56,13 +43,14 @@ def after_step(generated, cfg, stats: dict, on_round=None) -> bool:
     stop check, when cfg.stop is set. generated: the generated positions (LongTensor [max_new_tokens] or list,
     masks included); stats["forwards"] counts the step. Returns True (and sets stats["stopped"]) when a stop
     sequence lies in the finalised prefix: the loop ends, the API cuts the output before it. One host read of
-    the row when either is asked for, none otherwise."""
+    the row when either is asked for, none otherwise (device-driven loops check on the device instead,
+    decode/shapes.py `stop_in_prefix`, and read the flag with their round's one host read)."""
     if on_round is None and not cfg.stop:
         return False
     ids = generated.tolist() if isinstance(generated, torch.Tensor) else list(generated)
     if on_round is not None:
         report_round(on_round, ids, cfg.mask_token_id, cfg.max_new_tokens, stats["forwards"])
-    if stop_reached(ids, cfg):
+    if cfg.stop and first_stop(ids, cfg.stop, cfg.mask_token_id) is not None:
         stats["stopped"] = True
         return True
     return False

@@ -158,7 +158,7 @@ def threshold_stats(
     T > 0), conf = float64 softmax[x0] (Fast-dLLM).
     Else (Dream family): Dream's sampler (`token_stats`: temperature, top-p, top-k, fp32 softmax), conf = p(x0) in
     float32 (upstream compares the fp32 tensor with tau, which rounds to fp32).
-    Used by lopa_fast.strategies.threshold.reference and lopa_fast.strategies.threshold.driver alike."""
+    Used by lopa_fast.strategies.threshold.reference and lopa_fast.strategies.threshold.step alike."""
     if suppress_token is not None:
         logits = logits.clone()
         logits[:, suppress_token] = float("-inf")

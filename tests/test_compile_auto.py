@@ -86,7 +86,7 @@ def test_request_stats_are_per_thread():
     barrier, seen = threading.Barrier(2, timeout=30), {}
 
     def request(tag, buckets):
-        cr._request()  # this thread's view
+        cr.view()  # this thread's view
         cr._local.graphs, cr._local.buckets, cr._local.seconds = 0, set(), {}
         barrier.wait()
         for b in buckets:

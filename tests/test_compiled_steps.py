@@ -19,7 +19,7 @@ import pytest
 import lopa_fast
 from lopa_fast.decode.compiled import CompiledRounds
 from lopa_fast.decode.steps import StepGeometry
-from tests.utils import emulated_capture, step_models
+from tests.utils import emulated_capture, run_step, step_models
 
 PROMPTS = ([3, 4, 5, 6], [9, 4, 5, 1], [7, 2, 8, 30])  # one length: a geometry's later requests replay
 
@@ -219,6 +219,6 @@ def test_every_index_in_range_on_a_finished_state(models):
             kinds = [("full", (16,)), ("refresh", (16,)), ("refresh_first", (1,)), ("prefix", (16,)), ("dual", ())]
             kinds = [k for k in kinds if (k[0] == "full") == (geo.cache is None)]
         for kind, sizes in kinds:
-            step = vanilla_step.step if strategy == "vanilla" else threshold_step.step
-            out, _ = step(m, {k: v.clone() for k, v in st.items()}, T, geo, kind, sizes)
+            parts = vanilla_step.parts if strategy == "vanilla" else threshold_step.parts
+            out, _ = run_step(parts, m, {k: v.clone() for k, v in st.items()}, T, geo, kind, sizes)
             assert out["head"][2] == L or kind in ("block_topk", "timestep"), (kind, name)  # still no mask

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.strategies.apd import driver as fast_apd
-from lopa_fast.strategies.apd import step as apd_step
+from lopa_fast.strategies.apd.step import ApdGeometry
 from lopa_fast.decode import count_host_syncs
-from lopa_fast.decode.shapes import stop_table
+from lopa_fast.decode.shapes import stop_in_prefix, stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
 from lopa_fast.progress import first_stop
 from lopa_fast.testing import model_from_spec
@@ -175,12 +174,11 @@ def test_device_stop_check_equals_first_stop():
         x[Lb] = 1  # the trash column is never read
         stops = [torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
                  for _ in range(2)]  # fmt: skip
-        geo = fast_apd.ApdGeometry(Lb=Lb, W=None, M=None, verify=False, K=1, V_ar=0, mask_id=mask, eos_id=None,
-                                   exact_prev=False, suppress_mask=False, nucleus=False, top_k=None,
-                                   stop_lens=tuple(len(q) for q in stops), attn_backend="torch")  # fmt: skip
-        T = {"P": torch.tensor(P), "stops": stop_table(stops, "cpu", min_rows=1)}
+        lens = tuple(len(q) for q in stops)
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
-        assert bool(apd_step._stop_hit(x, T, geo)) == want, (trial, x.tolist(), P, stops)
+        # as the APD step checks its committed prefix (commit): the canvas x[:Lb] from the prompt end on
+        got = stop_in_prefix(x[:Lb], stop_table(stops, "cpu", min_rows=1), lens, mask, first=torch.tensor(P))
+        assert bool(got) == want, (trial, x.tolist(), P, stops)
 
 
 def test_nonfinite_logits_are_refused(models):
@@ -304,7 +302,7 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
 
 def is_apd_workspace(key) -> bool:
     """A compiled batch's workspace of APD steps: ("batch", ("apd", id(verifier), ApdGeometry))."""
-    return key[0] == "batch" and isinstance(key[1][-1], fast_apd.ApdGeometry)
+    return key[0] == "batch" and isinstance(key[1][-1], ApdGeometry)
 
 
 @pytest.mark.slow

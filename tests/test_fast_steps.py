@@ -161,8 +161,14 @@ def test_progress_hook_sees_the_reference_prefixes(models):
     assert seen["fast"] == seen["reference"] and seen["fast"]
 
 
+def select(conf, ent, cand, cfg):
+    """The fast step's commit rule on a threshold config's rule knobs."""
+    from lopa_fast.strategies.threshold.step import select_by_rule
+
+    return select_by_rule(conf, ent, cand, cfg.factor, cfg.entropy_threshold, cfg.threshold)
+
+
 def test_select_rules_on_hand_worked_rows():
-    from lopa_fast.strategies.threshold.driver import select
 
     cfg = lopa_fast.GenerateConfig(strategy="threshold", threshold=0.5)
     conf = torch.tensor([0.2, 0.7, 0.9, 0.5, 0.6], dtype=torch.float64)
@@ -181,7 +187,6 @@ def test_select_rules_on_hand_worked_rows():
 
 
 def test_select_equals_the_reference_rule_on_random_rows():
-    from lopa_fast.strategies.threshold.driver import select
     from lopa_fast.strategies.threshold.reference import select as reference_select
 
     g = torch.Generator().manual_seed(0)

@@ -213,3 +213,16 @@ def png_size(path) -> tuple[int, int]:
     if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
         raise ValueError(f"{path}: not a PNG file")
     return struct.unpack(">II", head[16:24])
+
+
+def run_step(parts, model, st: dict, T: dict, geo, kind: str, sizes: tuple):
+    """One vanilla / threshold step alone: `parts(geo, kind, sizes)` (the strategy step module's) around its solo
+    forward. Returns (state, {"logits": raw logits [R, V]}). A "dual" step's forward is `model.forward_dual` (its
+    window's K/V written into the cache in place), every other kind's `model.forward_static`."""
+    pre, post = parts(geo, kind, sizes)
+    a, ctx = pre(st, T)
+    if kind == "dual":
+        return post(st, T, ctx, model.forward_dual([a])[0], None, None)
+    out = model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
+                               None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
+    return post(st, T, ctx, *out)

@@ -15,13 +15,8 @@ every request (equal to the per-request path within float tolerance, tokens equa
 tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path).
 A finished request leaves the batch (its rows are not computed again).
 
-Multi-forward rounds: a driver whose round runs several dependent forwards (APD: the drafter's window, then the
-verifier over the drafts) lists them in `forwards(w)` ((model, mask, attention backend) per forward, in order). The
-scheduler runs forward f of every live request as one `forward_requests` per (model, mask, backend), each request's
-`finish` after each of its forwards (the driver moves on to its next forward's inputs), `read_head` after its last
-(`Scheduler._forwards`). The pool holds the scheduler's model's caches; another model (the verifier, one object
-per scheduler) attends over each request's own cache. A driver without `forwards` (or whose `forwards(w)` is None)
-runs one forward of the scheduler's model, as before.
+Multi-forward rounds (APD: the drafter's window, then the verifier over the drafts; a driver's `forwards(w)`) and
+in-place forwards (threshold's dual step) run as described at `Scheduler._forwards`.
 
 `Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
 never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
@@ -29,25 +24,22 @@ of branch slots) stay within `max_rows` and the live requests within `max_slots`
 running request's tokens (each request's computation is independent of its neighbours).
 
 Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
-`compile_batches` (vanilla, threshold, d2f, lopa, apd): each round the scheduler asks every live
-driver for its step as a `BatchStep` (`batch_step`; None: an eager step, e.g. d2f / lopa / apd's prefill), groups
-the compiled ones by their step key (geometry, bucket, statistics knobs) and runs each group as ONE compiled /
-captured batched step (lopa_fast.decode.compiled_batch: padded to a power-of-two batch-size bucket with inert lanes,
-one graph per (key, batch bucket), reused across rounds and requests; APD's two forwards both inside it); the eager
-ones share their forwards as above.
-So a round runs one forward per group: requests in different buckets (or, for vanilla / threshold, of different
-lengths: their step geometry is the exact length) share the scheduler step but not a graph. Each request stays
-token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
+`compile_batches`: each round the scheduler asks every live driver for its step as a `BatchStep` (`batch_step`;
+None: an eager step, e.g. a prefill), groups the compiled ones by their step key and runs each group as ONE
+compiled / captured batched step (lopa_fast.decode.compiled_batch); the eager ones share their forwards as above.
+Each request stays token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
 `BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
 
 from lopa_fast import memory, strategies
 from lopa_fast.decode import compiled_batch
+from lopa_fast.decode.compiled import rounds_of
 from lopa_fast.decode.driver import batch_step_of, forwards_of
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
@@ -100,15 +92,11 @@ class Scheduler:
         self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
         self.workspace_of: dict = {}  # live request id -> the workspace key of its last compiled batched step
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
+        self.rows_per_request = self.spec.rows(cfg)  # branch slots (forward rows) of one request (LoPA: k + 1)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
         self.last_groups = 0  # forwards of the last step (the eager one, one per compiled step key)
         self._next_id = 0
-
-    @property
-    def rows_per_request(self) -> int:
-        """Branch slots (forward rows) of one request (the spec's `rows`: k + 1 for LoPA k >= 2, else 1)."""
-        return self.spec.rows(self.cfg)
 
     def submit(self, prompt, on_round=None, cfg=None) -> int:
         """Queue a prompt (LongTensor [P] on the model's device; cfg: its bound config when it differs from
@@ -328,8 +316,6 @@ class BatchEngine:
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
                  slot_len: int | None = None, on_held=None):  # fmt: skip
-        import threading
-
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         self._on_held = on_held
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
@@ -379,8 +365,6 @@ class BatchEngine:
         """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`; verifier: the
         strategy's second model, checked by the caller) in the running batch; blocks until it finishes. Raises
         the request's own exception."""
-        import threading
-
         box = {"event": threading.Event()}
         with self._cv:
             if self._closed:
@@ -458,7 +442,7 @@ class BatchEngine:
 
     def _held_changed(self) -> bool:
         """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""
-        cr = compiled_batch.rounds_of(self.model)
+        cr = rounds_of(self.model)
         lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
                                                         if k[:1] == ("batch",)))  # fmt: skip
         now = (sum(s.pool.nbytes() for s in self._schedulers.values()), lanes)
@@ -468,7 +452,7 @@ class BatchEngine:
     def _account(self, free: bool = False) -> None:
         """Count what the pools and lanes hold (`held_bytes`) and report the part beyond the live requests' shares
         (on_held); free: first free the lanes its requests used that no live request uses (`reclaim`)."""
-        cr = compiled_batch.rounds_of(self.model)
+        cr = rounds_of(self.model)
         lanes = 0
         if cr is not None:
             if free:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 import types
@@ -104,24 +105,21 @@ class CompiledRounds:
         # compile=None: a failed capture runs the step eagerly), graphs, buckets used, seconds of buckets compiled
         self._local = threading.local()
 
-    def _request(self) -> "RequestView":
-        """This thread's current request view (an empty one before the thread's first `for_model`)."""
+    def view(self) -> "RequestView":
+        """This thread's current request view (`for_model` just made it; an empty one before the thread's first
+        `for_model`): a batch's request keeps it to be counted in (`stats(view)`), since one engine thread runs many
+        requests."""
         view = getattr(self._local, "view", None)
         if view is None:
             view = self._local.view = RequestView(False)
         return view
-
-    def view(self) -> "RequestView":
-        """The current request's view (`for_model` just made it): a batch's request keeps it to be counted in
-        (`stats(view)`), since one engine thread runs many requests."""
-        return self._request()
 
     def count(self, n: int, views=None) -> None:
         """n graphs compiled / captured for each of `views` (default: this thread's request) and the model's total.
         Dynamo's counter is process-wide, so a compile on another thread at the same moment would be counted here
         too."""
         self.graphs += n
-        for view in views or (self._request(),):
+        for view in views or (self.view(),):
             view.graphs += n
 
     @classmethod
@@ -155,23 +153,24 @@ class CompiledRounds:
         graphs Dynamo compiled during the call are counted for them (a recompile inside a bucket would show);
         captured: the builder captures (a CUDA graph, counted by `build`; DEBUG log unless long); what: its name in
         the log (default "the step <label>")."""
-        views = list(views) or [self._request()]
+        views = list(views) or [self.view()]
         for v in views:
             v.buckets.add(bucket)
         fn = self.fns.get(key)
-        g0 = _dynamo_graphs()
-        if fn is not None:
-            out = call(fn)
-            self.count(_dynamo_graphs() - g0, views)
-            return out
-        t0 = time.perf_counter()
-        fn = self.fns[key] = build()
+        first = fn is None
+        g0, t0 = _dynamo_graphs(), time.perf_counter()
+        if first:
+            fn = self.fns[key] = build()
         out = call(fn)
         self.count(_dynamo_graphs() - g0, views)
-        self.compile_seconds[key] = time.perf_counter() - t0
-        for v in views:
-            v.seconds[label] = round(self.compile_seconds[key], 3)
-        _log_done(what or "the step " + label, self.compile_seconds[key], captured)
+        if first:
+            seconds = self.compile_seconds[key] = time.perf_counter() - t0
+            for v in views:
+                v.seconds[label] = round(seconds, 3)
+            # a compile at INFO; a capture (one eager round) at DEBUG unless it took LONG_S or more
+            level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
+            log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what or "the step " + label,
+                    seconds)  # fmt: skip
         return out
 
     def build(self, label: str, views, step: Callable, capture: tuple | None = None,
@@ -208,7 +207,7 @@ class CompiledRounds:
         cannot be one graph: lopa_fast.distributed compiles a rank's forward + statistics and, separately, the
         selection + plan, with the collectives between them outside any graph. Counted in stats() (bucket: its
         compiled_buckets entry; label: its compile_seconds name)."""
-        views, what = [self._request()], "the round part " + label
+        views, what = [self.view()], "the round part " + label
         return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make(), what=what),
                                  lambda fn: fn(*args), captured=False, what=what)  # fmt: skip
 
@@ -230,7 +229,7 @@ class CompiledRounds:
     def stats(self, view: "RequestView | None" = None) -> dict:
         """Per-request view (this thread's current one, or `view`): graphs built during this request, the buckets it
         used, and the seconds of each bucket it compiled (empty on a warm cache)."""
-        view = view or self._request()
+        view = view or self.view()
         return {
             "compiled_graphs": view.graphs,
             "compiled_buckets": sorted(view.buckets),
@@ -249,6 +248,15 @@ def compile_wanted(cfg, device) -> bool:
     if cfg.compile is None:
         return torch.device(device).type == "cuda" and not cfg.distributed
     return bool(cfg.compile)
+
+
+def compiled_for(model, cfg, device) -> tuple["CompiledRounds | None", "RequestView | None"]:
+    """A request's (the model's CompiledRounds, the request's view) when it compiles (`compile_wanted`), else
+    (None, None): what every driver keeps to run its compiled steps and report their statistics."""
+    if not compile_wanted(cfg, device):
+        return None, None
+    cr = CompiledRounds.for_model(model, cfg)
+    return cr, cr.view()
 
 
 # what dlopen says of a cached Inductor artifact a killed build left behind (a 0-byte or cut *.so)
@@ -283,8 +291,6 @@ def purge_corrupt_artifacts(root: str | None = None) -> list[str]:
     """Delete the shared objects under Inductor's cache (or `root`) that cannot be loaded because they are cut
     short: empty, or shorter than an ELF header (64 bytes). Returns their paths. (A process killed while Inductor
     linked leaves a 0-byte *.so, and every later compile of that graph fails with "file too short": issue 36.)"""
-    import os
-
     root = root or inductor_cache_dir()
     removed = []
     if root is None or not os.path.isdir(root):
@@ -327,20 +333,11 @@ def compile_guarded(fn, what: str):
     return call
 
 
-def _log_done(what: str, seconds: float, captured: bool) -> None:
-    """The after-line of a compile (INFO) or a capture (DEBUG unless it took LONG_S or more)."""
-    level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
-    log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what, seconds)
-
-
-def own_code(fn, name: str):
-    """fn as a function with its OWN code object named `name` (the same closure): Dynamo keeps compiled graphs per
-    code object (and refuses more than `recompile_limit` = 8 per object), so one shared closure would turn every
-    new bucket into a "recompile" of the same code and scan all the other buckets' guards on each call."""
+def unique_code(fn, name: str):
+    """fn as a function with its OWN code object (the same closure), named `name` plus a process-unique number:
+    Dynamo keeps compiled graphs per code object (and refuses more than `recompile_limit` = 8 per object), so one
+    shared closure would turn every new bucket into a "recompile" of the same code and scan all the other buckets'
+    guards on each call."""
+    name = f"{name}_{next(_CODE_IDS)}"
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-
-
-def unique_code(fn, name: str):
-    """`own_code` under `name` plus a process-unique number (each bucket's step: its own code object)."""
-    return own_code(fn, f"{name}_{next(_CODE_IDS)}")

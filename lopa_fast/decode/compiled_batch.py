@@ -40,7 +40,6 @@ from typing import Any, Callable
 
 import torch
 
-from lopa_fast.decode import compiled
 from lopa_fast.decode.shapes import pow2_bucket
 
 
@@ -104,11 +103,6 @@ class _Entry:
         self.lanes, self.replay, self.captured, self.owners, self.wkey = lanes, replay, captured, owners, wkey
 
 
-def rounds_of(model):
-    """The model's CompiledRounds, or None when it never compiled (none is made here)."""
-    return compiled.rounds_of(model)
-
-
 def _tensors(entry_or_ws) -> list:
     lanes = entry_or_ws.lanes if isinstance(entry_or_ws, _Entry) else entry_or_ws["lanes"]
     return [t for S, T in lanes or () for d in (S, T) for t in d.values()]
@@ -163,7 +157,7 @@ def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
     return ws["lanes"][:Bb], ws["owners"]
 
 
-def _batched_step(model, first: BatchStep, Bb: int, label: str):
+def _batched_step(model, first: BatchStep):
     """step(states, tables) -> [(state, info)] for Bb lanes: every lane's `pre`, then per forward ONE
     `forward_requests` over the lanes' parts (per-request attention: no pool) followed by every lane's next stage
     (a `mids` entry, the last one `post`)."""
@@ -188,7 +182,7 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views, captured: bo
     """The key's entry: its lanes and the batched step over them as one graph (`CompiledRounds.build`: captured on
     CUDA / emulate_graphs, else torch.compile'd over the same lane tensors, so its guards see the same inputs)."""
     lanes, owners = _lanes(cr, first, Bb)
-    step = _batched_step(model, first, Bb, label)
+    step = _batched_step(model, first)
 
     def body(states: list, tables: list, write: bool = True) -> dict:  # the step on the lanes, written back
         outs = step([dict(S) for S in states], tables)  # into them (write); returns the flat info

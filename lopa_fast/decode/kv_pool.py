@@ -106,3 +106,16 @@ class KVPool:
     def views(self, slot: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's cache views k, v [num_layers, rows, Hkv, D] of slot `slot` (writes land in the pool)."""
         return self.k[:, slot, :rows], self.v[:, slot, :rows]
+
+
+def request_cache(model, rows: int, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's static cache (k, v) [num_layers, rows, Hkv, D] in the model's dtype: `cache` (its KV pool slot
+    views, zeroed), checked, or zeros of its own when None."""
+    c = model.config
+    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
+    if cache is None:
+        return tuple(torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(2))
+    if any(tuple(t.shape) != shape or t.dtype != model.dtype for t in cache):
+        raise ValueError(f"request cache: views must be {shape} {model.dtype}, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")  # fmt: skip
+    return tuple(cache)

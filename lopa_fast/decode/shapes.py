@@ -1,5 +1,5 @@
 """Shape policy shared by every fast decoder: how lengths and window sizes are rounded so that requests and steps
-of nearby sizes share compiled / captured graphs and pool slots, and the padded stop-sequence table.
+of nearby sizes share compiled / captured graphs and pool slots; the padded stop-sequence table and its check.
 
 One place for each number: LENGTH_QUANTUM (buffer lengths, KV pool slot growth), MIN_BUCKET (a compiled step's
 smallest row / column bucket)."""
@@ -39,15 +39,32 @@ def stop_table(stop, dev, min_rows: int = 0) -> torch.Tensor:
     return t.to(dev)
 
 
-def knob(value: float | None, dev, off: float = 0.0) -> torch.Tensor:
-    """A float knob as a 0-d float64 tensor on `dev` (`off` when the knob is None): a runtime input of a compiled /
+def stop_in_prefix(row: torch.Tensor, stops: torch.Tensor, stop_lens: tuple, mask_id: int, first=None):
+    """0-d bool: a stop sequence (the `stop_table` rows `stops`, lengths `stop_lens`) lies in row [n] before its
+    first mask (the finalised prefix), starting at `first` or later (0-d; None: anywhere). A static loop over the
+    (few, short) sequences: no host read."""
+    n, dev = row.shape[0], row.device
+    masks = row == mask_id
+    end = torch.where(masks.any(), masks.long().argmax(), n)  # argmax: the first True
+    hit = torch.zeros((), dtype=torch.bool, device=dev)
+    for j, ln in enumerate(stop_lens):
+        if ln > n:
+            continue
+        start = torch.arange(n - ln + 1, device=dev)
+        match = (row.unfold(0, ln, 1) == stops[j, :ln][None, :]).all(1) & (start + ln <= end)
+        hit = hit | (match if first is None else match & (start >= first)).any()
+    return hit
+
+
+def knob(value: float | None, dev) -> torch.Tensor:
+    """A float knob as a 0-d float64 tensor on `dev` (0.0 when the knob is None): a runtime input of a compiled /
     captured step, read from its tables, so requests that differ only in the value share one graph (issue 28:
     every temperature, top_p or threshold compiled a graph of its own). Only whether a knob is on (T > 0, a top-p
     filter, which threshold rule) changes a graph; that stays in the step's geometry (its compile key).
     float64 as a Python float: an op with a 0-d tensor rounds it to the other operand's dtype as it rounds a Python
     scalar (write the knob as the right operand: `t * k`, never `k * t`, and `t.reciprocal() * k` for `k / t`, as
     Python's reflected operators do; `lopa_fast.keyed.knob_pow` for `t ** k`)."""
-    return torch.tensor(off if value is None else float(value), dtype=torch.float64, device=dev)
+    return torch.tensor(0.0 if value is None else float(value), dtype=torch.float64, device=dev)
 
 
 def scaled(t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

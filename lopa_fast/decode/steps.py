@@ -2,15 +2,15 @@
 and the one host read per step, and how a step runs (eager, compiled / captured, in a compiled batch).
 
 The block loop of vanilla / threshold decoding is host-driven by nature (block boundaries, step counts and
-caches are Python constants of the request), so the drivers (lopa_fast.decode.{vanilla,threshold}) keep the loop
-in Python and move the *step* to the device. Each strategy has ONE step function
-(lopa_fast.decode.{vanilla,threshold}_step: `parts` / `step`): candidates, token statistics, the commit rule and
+caches are Python constants of the request), so the drivers (lopa_fast.strategies.{vanilla,threshold}.driver)
+keep the loop in Python and move the *step* to the device. Each strategy has ONE step function
+(lopa_fast.strategies.{vanilla,threshold}.step: `parts`): candidates, token statistics, the commit rule and
 the counters are tensor ops on a state of device tensors, and each step ends in a small `head` the host reads
 ONCE. Every per-step value is a 0-d device tensor of the state and every shape is a size the driver passes, so
 the same function runs eagerly at the step's exact sizes and, under compile=True, compiled (CPU: torch.compile
 fullgraph) or captured (CUDA graph) at bucket sizes (`batch_step`, through the one loop), as the D2F / LoPA round does:
 
-  kind             forward (`forward`: model.forward_static unless noted)                sizes
+  kind             forward (model.forward_static unless noted)                            sizes
   "full"           x [L] (cfg_scale > 0: [2, L]) with no cache; LM head on Rb rows from   (Rb,)
                    the first mask fm (rows past the block end e are padding)
   "refresh"        the same forward, its K/V of all L positions become the cache (a      (Rb,)
@@ -57,6 +57,8 @@ from typing import Any
 import torch
 
 from lopa_fast import keyed
+from lopa_fast.decode.compiled_batch import BatchStep
+from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.sampling import is_on
@@ -134,14 +136,9 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
     off); cache: None (its own zero cache) or (k, v) views [layers, L or 1, Hkv, D] it uses in its place (a batch's
     KV pool slot). Builds (or checks) the model's merged-weight view once, outside any graph."""
     dev = x.device
-    c = model.config
     z = lambda v=0: torch.full((), v, dtype=torch.long, device=dev)  # noqa: E731
-    rows = geo.L if geo.cache is not None else 1  # no cache: one unused row (a batch's pool slot keeps its shape)
-    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
-    if cache is None:
-        cache = tuple(torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(2))
-    elif any(tuple(t.shape) != shape for t in cache):
-        raise ValueError(f"steps.init: cache views must be {shape}, got {[tuple(t.shape) for t in cache]}")
+    # no cache: one unused row (a batch's pool slot keeps its shape)
+    cache = request_cache(model, geo.L if geo.cache is not None else 1, cache)
     model.fused_layers()
     st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
           "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),
@@ -154,17 +151,8 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
 
 # ---- the forwards (static shapes; positions, and in a compiled step prefix lengths, are device tensors) ---------
 # A step's forward is described by its arguments (a `model.forward_requests` part: tokens, start, cache_k, cache_v,
-# prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): alone it runs as `forward`, in a
-# batch as one request's part of the shared forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch).
-def forward(model, a: dict, geo: StepGeometry, kind: str) -> tuple:
-    """A step's solo forward: (raw logits [R, V], window keys and values [layers, B, n, Hkv, D]; None, None for a
-    "dual" step, whose K/V are already in the cache)."""
-    if kind == "dual":
-        return model.forward_dual([a])[0], None, None
-    return model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
-                                None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
-
-
+# prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): one request's part of the shared
+# forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch; a solo request is a batch of one).
 def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows) -> dict:
     """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows."""
     return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=prefix_len,
@@ -263,14 +251,11 @@ def _label(kind: str, sizes: tuple) -> str:
     return kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
 
 
-
 def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts):
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
     sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes)` ->
     (pre, post). A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
     the layer loop)."""
-    from lopa_fast.decode.compiled_batch import BatchStep
-
     pre, post = parts(geo, kind, sizes)
     fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),

@@ -63,10 +63,6 @@ class KVCache:
             self.win_v[layer, : self.win_batch, : self.win_len],
         )
 
-    def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full static buffers [max_len, Hkv, D] of one layer (valid rows: [0, length))."""
-        return self.k[layer], self.v[layer]
-
     # ---- commits --------------------------------------------------------------------------------
     def commit_window(self, branch, u: int) -> None:
         """Append the first `u` positions of window `branch` to the committed prefix.

@@ -193,23 +193,14 @@ class FusedForwards:
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
         hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
         hidden = [p.get("output", "logits") == "hidden" for p in parts]
-        spans, r0 = [], 0
-        for p in parts:
-            spans.append((r0, r0 + p["rows"].shape[0]))
-            r0 = spans[-1][1]
-        if not any(hidden):
-            logits = F.linear(hs, self.head_weight())
-            heads = [logits[a:b] for a, b in spans]
-        else:  # the logits parts' rows in one GEMM, the hidden parts' rows as they are
-            want = [i for i, hid in enumerate(hidden) if not hid]
-            logits = F.linear(torch.cat([hs[slice(*spans[i])] for i in want]), self.head_weight()) if want else None
-            heads, q = [], 0
-            for (a, b), hid in zip(spans, hidden):
-                if hid:
-                    heads.append(hs[a:b])
-                else:
-                    heads.append(logits[q : q + b - a])
-                    q += b - a
+        rows = hs.split([p["rows"].shape[0] for p in parts])  # per request
+        # the logits parts' rows in ONE head GEMM (all of hs when no part asks for hidden rows), the hidden parts'
+        # rows as they are
+        want = [r for r, hid in zip(rows, hidden) if not hid]
+        if want:
+            logits = F.linear(hs if len(want) == len(rows) else torch.cat(want), self.head_weight())
+            logits = iter(logits.split([r.shape[0] for r in want]))
+        heads = [r if hid else next(logits) for r, hid in zip(rows, hidden)]
         out = []
         for head, off, (NBr, Nbr) in zip(heads, offs, shapes):
             kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]

@@ -21,11 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lopa_fast import ops
+from lopa_fast.attention_modes import ATTENTION_MODES
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.kv_cache import KVCache
 from lopa_fast.models.static_forward import FusedForwards
-
-MASK_MODES = ("full", "block_causal", "causal")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,7 +215,6 @@ class DecoderLM(FusedForwards, nn.Module):
         block_ids: torch.Tensor | None = None,
         win_lens: torch.Tensor | None = None,
         commit: int = 0,
-        commit_branch=0,
         rows: torch.Tensor | None = None,
         output: str = "logits",
     ) -> torch.Tensor:
@@ -233,9 +231,8 @@ class DecoderLM(FusedForwards, nn.Module):
                    default: the family's attention. block_causal needs block_ids [B, n] (int, the block
                    index of each window position; query i sees key j iff block_ids[j] <= block_ids[i]).
         win_lens:  LongTensor [B] valid lengths of ragged windows (keys beyond are masked), or None.
-        commit:    u > 0 appends the first u window positions of branch `commit_branch` (int or 0-d
-                   tensor) to the cache after the forward. The decoder may instead call
-                   `cache.commit_window(branch, u)` itself once it knows the winner.
+        commit:    u > 0 appends the first u window positions of branch 0 to the cache after the forward. The
+                   decoder may instead call `cache.commit_window(branch, u)` itself once it knows the winner.
         rows:      LongTensor [R] of flat row indices into the B*n window rows: compute the output only
                    for these rows (the LM head on the rows a round needs). None = all rows.
         output:    "logits" (raw, unshifted; [B, n, V] or [R, V]) or "hidden" (final-normed hidden states,
@@ -250,8 +247,8 @@ class DecoderLM(FusedForwards, nn.Module):
             raise TypeError(f"forward_window: tokens.dtype={tokens.dtype}; expected an integer tensor")
         B, n = tokens.shape
         mask = mask or self.attention
-        if mask not in MASK_MODES:
-            raise ValueError(f"forward_window: mask={mask!r}; allowed: {MASK_MODES}")
+        if mask not in ATTENTION_MODES:
+            raise ValueError(f"forward_window: mask={mask!r}; allowed: {ATTENTION_MODES}")
         if mask == "block_causal" and block_ids is None:
             raise ValueError("forward_window: mask='block_causal' needs block_ids [B, n]")
         if output not in ("logits", "hidden"):
@@ -304,7 +301,7 @@ class DecoderLM(FusedForwards, nn.Module):
             h = h.reshape(B * n, -1).index_select(0, rows)
         h = rms_norm(h, self.final_norm_weight(), cfg.rms_norm_eps)
         if commit:
-            cache.commit_window(commit_branch, commit)
+            cache.commit_window(0, commit)
         if output == "hidden":
             return h
         return F.linear(h, self.head_weight())

@@ -1,13 +1,15 @@
-"""Shared pieces of the reference decoders: logit shift, seeded generators, trace records.
+"""Shared pieces of the reference decoders: logit shift, the draws' keys, trace records, the numerics guard.
 
 Token statistics live in `lopa_fast.sampling` (shared with the fast path), the clock and the round-cap
-rule in `lopa_fast.output`; they are re-exported here for the reference decoders.
+rule in `lopa_fast.output`, the request's noise (`request_noise`: KeyedNoise under sampler="keyed", upstream's
+torch.Generator / None under sampler="upstream") in `lopa_fast.keyed`; they are re-exported here for the reference
+decoders.
 """
 from __future__ import annotations
 
 import torch
 
-from lopa_fast.keyed import TOKEN, KeyedNoise, request_noise
+from lopa_fast.keyed import TOKEN, KeyedNoise, request_noise  # noqa: F401  (request_noise: re-exported)
 from lopa_fast.output import Clock, round_cap_hit  # noqa: F401  (re-exported)
 from lopa_fast.sampling import token_stats, top_k_filter, top_p_filter  # noqa: F401
 
@@ -19,26 +21,8 @@ def shift_logits(raw: torch.Tensor, last_logit: torch.Tensor | None) -> torch.Te
     """
     out = torch.empty_like(raw)
     out[1:] = raw[:-1]
-    if last_logit is not None:
-        out[0] = last_logit
-    else:
-        out[0] = 1.0
+    out[0] = last_logit if last_logit is not None else 1.0
     return out
-
-
-def make_generator(cfg, device) -> torch.Generator | None:
-    """A seeded generator when cfg.seed is set (T > 0 sampling, random remasking), else None (global RNG)."""
-    if cfg.seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(int(cfg.seed))
-    return g
-
-
-def make_noise(cfg, device):
-    """The request's noise: lopa_fast.keyed.KeyedNoise (sampler="keyed") or upstream's torch.Generator / None
-    (sampler="upstream"); see lopa_fast.keyed.request_noise."""
-    return request_noise(cfg, device)
 
 
 def draw_kw(noise, cfg, stream: int, step: int, branch: int, pos) -> dict:
@@ -78,11 +62,6 @@ def check_finite(rows: torch.Tensor, positions, cfg, round_: int, strategy: str 
     r = int((~ok).nonzero()[0, 0]) if ok.dim() else 0
     row = x[r] if x.dim() > 1 else x
     bad = row[~torch.isfinite(row)]
-    value = float(bad[0]) if bad.numel() else float(row.abs().max())
-    if isinstance(positions, int):
-        pos = positions + r
-    else:
-        pos = int(positions[r])
-    if bad.numel() == 0:
-        value = f"{value} / temperature {cfg.temperature}"
+    value = float(bad[0]) if bad.numel() else f"{float(row.abs().max())} / temperature {cfg.temperature}"
+    pos = positions + r if isinstance(positions, int) else int(positions[r])
     raise NonFiniteLogitsError(strategy=strategy or getattr(cfg, "strategy", "?"), round=round_, position=pos, value=value)

@@ -25,18 +25,6 @@ from lopa_fast.errors import KnobError
 SOLO = "lopa_fast.decode.batch:run_solo"
 
 
-def _no_check(cfg) -> None:
-    return None
-
-
-def _unchanged(cfg, model):
-    return cfg
-
-
-def _one(cfg) -> int:
-    return 1
-
-
 @dataclass(frozen=True)
 class Strategy:
     """What lopa_fast knows about one strategy.
@@ -89,11 +77,11 @@ class Strategy:
     reference: Callable | str
     fast: Callable | str | None = None
     knobs: tuple[str, ...] = ()
-    validate: Callable[[Any], None] = _no_check
-    check_values: Callable[[Any], None] = _no_check
-    resolve: Callable[[Any, Any], Any] = _unchanged
-    length_unit: Callable[[Any], int] = _one
-    rows: Callable[[Any], int] = _one
+    validate: Callable[[Any], None] = lambda cfg: None
+    check_values: Callable[[Any], None] = lambda cfg: None
+    resolve: Callable[[Any, Any], Any] = lambda cfg, model: cfg
+    length_unit: Callable[[Any], int] = lambda cfg: 1
+    rows: Callable[[Any], int] = lambda cfg: 1
     driver: Callable | str | None = None
     cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
     batches: Callable[[Any], bool] = lambda cfg: True

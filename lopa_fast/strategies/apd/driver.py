@@ -13,9 +13,12 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.progress import report_round
-from lopa_fast.strategies.apd.step import (  # noqa: F401  (ApdGeometry, HEAD_FIELDS, next_window: re-exported)
+from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
+from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.compiled_batch import BatchStep
+from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
@@ -69,26 +72,15 @@ class FastApd:
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
-        if cache is None:
-            self.st.update(_cache("d", drafter, cache_rows(P, cfg)))
-        else:
-            self.use_cache(*cache)
+        self.use_cache(*request_cache(drafter, cache_rows(P, cfg), cache))
         drafter.fused_layers()  # the merged-weight views, built or checked once per request (outside any graph)
         if R is not None:
-            self.st.update(_cache("v", verifier, Lb + 1))
+            self.st["vk"], self.st["vv"] = request_cache(verifier, Lb + 1)
             self.st["prev"] = torch.zeros(verifier.config.vocab_size, dtype=verifier.dtype, device=dev)
             verifier.fused_layers()
         self.host_reads = 0
-        self.compiled = self.cview = None
-        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
-
-        if compile_wanted(cfg, dev):  # the steps after the prefill: `batch_step` (compiled_batch)
-            self.compiled = CompiledRounds.for_model(drafter, cfg)
-            self.cview = self.compiled.view()
-
-    @property
-    def attn_backend(self) -> str:
-        return self.geo.attn_backend
+        self.compiled, self.cview = compiled_for(drafter, cfg, dev)  # the steps after the prefill: `batch_step`
+        self.attn_backend = self.geo.attn_backend
 
     def forwards(self, w: dict) -> tuple:
         """The forwards of the step `w` (`prepare`'s), in order, as (model, attention mask, attention backend): the
@@ -107,43 +99,31 @@ class FastApd:
         the group), or None when it runs eagerly (compile off, or the prefill step: as alone)."""
         if self.compiled is None or first:
             return None
-        from lopa_fast.decode.compiled_batch import BatchStep
-
         if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
             self.st = {k: v if k in ("dk", "dv") else v.clone() for k, v in self.st.items()}  # own them (not the
             self._owned = True  # pool slot's drafter cache)
-        geo, drafter, verifier, b = self.geo, self.drafter, self.verifier, self.geo.attn_backend
+        geo, verifier = self.geo, self.verifier
         Nb, Db = pow2_bucket(right - left), pow2_bucket(right - curr)
-
-        def part(f: dict, k, v) -> dict:
-            return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
-                        win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
 
         def pre(st: dict, T: dict):
             a = draft_inputs(st, geo, Nb, Db, False, None)
-            return part(a, st["dk"], st["dv"]), a
+            return _part(a, st["dk"], st["dv"]), a
 
-        if not geo.verify:  # leftright: the drafter's forward only
+        def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):  # between the drafter's and the verifier's forward
+            drafted(st, T, geo, a, l_d, k_win, v_win)
+            return _part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
 
-            def post(st: dict, T: dict, a: dict, l_d, k_win, v_win):
-                drafted(st, T, geo, a, l_d, k_win, v_win)
-                return commit(st, T, geo, a)
+        def post(st: dict, T: dict, a: dict, logits, k_win, v_win):  # after the last forward (leftright: the drafter's)
+            if geo.verify:
+                verified(st, T, geo, a, False, logits, k_win, v_win)
+            else:
+                drafted(st, T, geo, a, logits, k_win, v_win)
+            return commit(st, T, geo, a)
 
-            mids, fwds = (), ((drafter, "full", b),)
-        else:
-
-            def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):
-                drafted(st, T, geo, a, l_d, k_win, v_win)
-                return part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
-
-            def post(st: dict, T: dict, a: dict, l_v, k_win, v_win):
-                verified(st, T, geo, a, False, l_v, k_win, v_win)
-                return commit(st, T, geo, a)
-
-            mids, fwds = (mid,), ((drafter, "full", b), (verifier, "causal", b))
         key = ("apd", id(verifier), geo, Nb, Db)  # as alone: the verifier is bound into the callable
         return BatchStep(self.compiled, key, (Nb, Db), f"apd_{Nb}x{Db}", ("apd", id(verifier), geo), pre, post,
-                         "full", b, self.st, self.tables, self.cview, forwards=fwds, mids=mids)  # fmt: skip
+                         "full", geo.attn_backend, self.st, self.tables, self.cview, forwards=self.forwards(None),
+                         mids=(mid,) if geo.verify else ())  # fmt: skip
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result for this request (its state, {"x0"}); then `read_head`."""
@@ -160,9 +140,7 @@ class FastApd:
         """This request's part of the coming forward's `forward_requests` (the arguments of the solo step's
         `forward_static`): the drafter's (phase 0), then the verifier's (phase 1, after `finish` of the drafter)."""
         st = self.st
-        f, k, v = (w, st["dk"], st["dv"]) if w["phase"] == 0 else (w["verify"], st["vk"], st["vv"])
-        return dict(tokens=f["tokens"], start=f["start"], cache_k=k, cache_v=v, prefix_len=f["prefix_len"],
-                    win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
+        return _part(w, st["dk"], st["dv"]) if w["phase"] == 0 else _part(w["verify"], st["vk"], st["vv"])
 
     def finish(self, w: dict, logits, k_win, v_win) -> None:
         """After one of the step's forwards (this request's logits and window K/V): the drafter's -> the draft (and
@@ -177,13 +155,10 @@ class FastApd:
             verified(self.st, self.tables, geo, w, w["first"], logits, k_win, v_win)
         self.st, self.info = commit(self.st, self.tables, geo, w)
 
-    def _read_head(self) -> list[int]:
-        self.host_reads += 1
-        return self.st["head"].tolist()  # the step's one device-to-host read
-
     def read_head(self) -> None:
         """The step's one host read (inside the caller's round_scope)."""
-        self.head = dict(zip(HEAD_FIELDS, self._read_head()))
+        self.host_reads += 1
+        self.head = dict(zip(HEAD_FIELDS, self.st["head"].tolist()))
 
     def _refuse(self, head: dict, step: int) -> None:
         """The reference's errors, in its order, for the step just run (before any of its tokens is returned)."""
@@ -278,12 +253,8 @@ class FastApd:
         return GenerateOutput(ids, stats, self.trace)
 
 
-def _cache(prefix: str, model, rows: int) -> dict:
-    """A static K/V buffer pair {prefix}k / {prefix}v [layers, rows, Hkv, D] for one model."""
-    c = model.config
-    shape = (c.num_layers, rows, c.num_kv_heads, c.head_dim)
-    z = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
-    return {prefix + "k": z(), prefix + "v": z()}
-
-
-__all__ = ["ApdGeometry", "FastApd", "HEAD_FIELDS", "cache_rows", "next_window"]
+def _part(f: dict, cache_k, cache_v) -> dict:
+    """A forward's `forward_requests` part from its inputs f (step.py's draft_inputs / verify_inputs) over the
+    model's cache (cache_k / cache_v: the drafter's or the verifier's)."""
+    return dict(tokens=f["tokens"], start=f["start"], cache_k=cache_k, cache_v=cache_v, prefix_len=f["prefix_len"],
+                win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip

@@ -37,7 +37,7 @@ from lopa_fast import keyed
 from lopa_fast.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.model_pairs import check_apd_pair as check_models  # noqa: F401  (shared with the spec)
-from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, top_k_filter, top_p_filter
+from lopa_fast.reference.common import Clock, check_finite, request_noise, round_cap_hit, top_k_filter, top_p_filter
 
 # the verifier's logits are never divided by the temperature (the target is the mixture's raw argmax, quirk Q2):
 # its numerics guard checks finiteness only
@@ -120,7 +120,7 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
     R, W, M = cfg.apd_mixture_weight, cfg.kv_window, cfg.max_lookahead
     K = cfg.tokens_per_step if cfg.tokens_per_step is not None else 1
-    gen = make_noise(cfg, prompt.device)  # keyed: KeyedNoise; upstream: a torch.Generator or None
+    gen = request_noise(cfg, prompt.device)  # keyed: KeyedNoise; upstream: a torch.Generator or None
     x = torch.cat([prompt, prompt.new_full((cfg.max_new_tokens,), mask_id)])
     dcache = model.new_cache(L) if W is not None else None
     vcache = verifier.new_cache(L) if verifier is not None else None

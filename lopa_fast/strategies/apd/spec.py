@@ -45,14 +45,6 @@ def resolve(cfg, model):
     return cfg.replace(**{name: bool(getattr(cfg, name)) for name in FIXES})
 
 
-def driver(model, prompt, cfg, cache=None, verifier=None):
-    """The batch scheduler's per-request state machine: a step of two forwards (the drafter's, then the
-    verifier's over the drafts), each shared by the batch's requests (one verifier object for all of them)."""
-    from lopa_fast.strategies.apd.driver import FastApd
-
-    return FastApd(model, prompt, cfg, verifier, cache=cache)
-
-
 # upstream's Pareto presets (R, W, M) for 256 new tokens, plus R = 0.9 at the second preset's (W, M)
 UPSTREAM_PRESETS = {"apd-r0.6": (0.6, 32, 200), "apd-r0.7": (0.7, 16, 100), "apd-r0.9": (0.9, 16, 100)}
 
@@ -75,7 +67,7 @@ def cache_rows(prompt_len: int, cfg) -> int:
 SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
     reference="lopa_fast.strategies.apd.reference:generate", fast=SOLO, knobs=KNOBS,
-    validate=validate, resolve=resolve, driver=driver, cache_rows=cache_rows, compile=True,
-    compile_batches=True, default_sampler="upstream", check_models=check_models, verifier_knob="apd_mixture_weight",
-    eval_rows=eval_rows,
+    validate=validate, resolve=resolve, driver="lopa_fast.strategies.apd.driver:FastApd", cache_rows=cache_rows,
+    compile=True, compile_batches=True, default_sampler="upstream", check_models=check_models,
+    verifier_knob="apd_mixture_weight", eval_rows=eval_rows,
 ))  # fmt: skip

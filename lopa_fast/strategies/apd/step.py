@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.decode.shapes import divided, scaled
+from lopa_fast.decode.shapes import divided, scaled, stop_in_prefix
 from lopa_fast.sampling import top_k_filter, top_p_filter
 
 
@@ -89,25 +89,6 @@ def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool)
     right = min(curr + geo.M, L) if geo.M is not None else L
     left = 0 if (geo.W is None or first) else max(curr - geo.W - accepted + 1, 0)
     return left, right
-
-
-def _stop_hit(x: torch.Tensor, T: dict, geo: ApdGeometry) -> torch.Tensor:
-    """0-d bool: a stop sequence lies in the committed prefix x[P : first mask) (the prompt holds no mask, so the
-    first mask of the whole row ends it). One static loop over the few, short sequences."""
-    dev = x.device
-    if not geo.stop_lens:
-        return torch.zeros((), dtype=torch.bool, device=dev)
-    row = x[: geo.Lb]
-    masks = row == geo.mask_id
-    end = torch.where(masks.any(), masks.long().argmax(), geo.Lb)
-    hit = torch.zeros((), dtype=torch.bool, device=dev)
-    for j, ln in enumerate(geo.stop_lens):
-        if ln > geo.Lb:
-            continue
-        start = torch.arange(geo.Lb - ln + 1, device=dev)
-        match = (row.unfold(0, ln, 1) == T["stops"][j, :ln][None, :]).all(1)
-        hit = hit | (match & (start >= T["P"]) & (start + ln <= end)).any()
-    return hit
 
 
 def _first_bad(logits: torch.Tensor, read: torch.Tensor, curr: torch.Tensor) -> torch.Tensor:
@@ -249,7 +230,7 @@ def commit(st: dict, T: dict, geo: ApdGeometry, a: dict) -> tuple[dict, dict]:
     curr = curr + accepted
     eos = (x[:Lb] == geo.eos_id).any() if geo.eos_id is not None else torch.zeros((), dtype=torch.bool, device=dev)
     done = (curr >= T["L"]) | eos
-    stop = _stop_hit(x, T, geo)
+    stop = stop_in_prefix(x[:Lb], T["stops"], geo.stop_lens, geo.mask_id, first=T["P"])  # the committed prefix
     right = torch.minimum(curr + geo.M, T["L"]) if geo.M is not None else T["L"]
     left = (curr - geo.W - accepted + 1).clamp(min=0) if geo.W is not None else zero
     st.update(x=x, curr=curr, left=left, right=right)

@@ -1,62 +1,25 @@
 """Branch parallelism's round (lopa_fast.distributed): the branch slots of a D2F / LoPA round split over ranks.
 
 A distributed request (`generate(..., backend="fast", distributed=True)`) is decoded by every rank of the group.
-Every rank holds the whole round state (token rows and block tables: a few KB) and the whole static prefix
-KV cache, and runs the fast round's stages (`lopa_fast.strategies.lopa.round`: `window_inputs`, the forward,
-`token_stats`, `select_winner`, `commit_span`, `apply_winner`) with one change: the forward covers only its
-share of the round's alive slots, and the token statistics of the needed LM-head rows are exchanged.
-
-Per round (nA alive slots, read from the round head every rank reads anyway):
-
-1. slots: rank r runs slots [lo_r, hi_r) of range(nA), contiguous, split as evenly as possible (the first
-   nA % world ranks get one more); any k, nothing dropped (upstream puts branch i on rank i and drops
-   branches beyond the world size);
-2. ONE all_gather of int32 [7 + 3 * Rmax] per rank: an error flag, the number of real rows, the first
-   non-finite flat row, whether it holds the last_logit row and that row's statistics (3.), then the (conf,
-   p, x0) statistics of its needed rows (conf and p as fp32 bit patterns: exact),
-   Rmax = min(ceil(nA / world) * Nb, Rb) (compiled rounds: ceil(NB / world) slots, a static shape). Never
-   logits: 12 bytes per needed row instead of 2 * V bytes (Dream: 304 KB per row). Every rank then holds
-   the same statistics table as the single-process round (the rows in ascending flat order) and runs
-   `select_winner` / `apply_winner` on it: the same scores, the same winner (first maximum = upstream's tie
-   rule), the same fill, spawn and next plan on every rank, with no further message;
-3. `last_logit` (Dream's shift: the winner's raw row u - 1 predicts the next window's first position, table
-   row 0 of every later round) stays on the rank that computed it (the winner's owner; round 1's all-ones row
-   is everyone's, rank 0 sends it). That rank sends the row's statistics in its header every round, drawn at
-   T > 0 with the CURRENT round's key (as the single process does): 12 bytes, never the vocabulary row;
-4. the winner's to-cache span K/V, only when u > 0. Full attention: it is branch-specific, and its owner
-   broadcasts it in ONE collective: [2, layers, u, Hkv, D] (K and V of every layer packed). Block-causal:
-   the span sees only the prefix and itself, so every rank that ran any slot holds the same K/V and
-   nothing moves; a rank with no alive slot (round 1 has one slot; late rounds may have fewer slots than
-   ranks) recomputes the anchor's window (it would be idle anyway) instead of receiving 2 * layers * u *
-   Hkv * D elements;
-5. the round's one host read (`head`) carries the winner and the gathered error flag too, so a round
-   still reads the device once. The span commit is deferred to after that read (the plan of the next round
-   does not read the cache).
-
-Faults (the error flag of the all_gather, DistributedError naming the failing rank): lopa_fast.distributed.
-
-Temperature > 0 (sampler="keyed"): the keyed sampler's noise is a pure function of (seed, round, position)
-with no slot field, so the rank that owns a row draws exactly what the single process draws for it; the
-seed is rank 0's (seed=None draws one per process; it rides on the request-fingerprint all_gather).
-sampler="upstream" (one generator in upstream's draw order) is refused.
+Every rank holds the whole round state and the whole static prefix KV cache and runs the fast round's stages
+(lopa_fast.strategies.lopa.round) with one change: the forward covers only its share of the round's alive slots
+(`slot_share`: contiguous, the first nA % world ranks one more; any k, nothing dropped), and the token statistics
+of the needed LM-head rows are exchanged in ONE all_gather per round (`rank_message` / `gathered_stats`: never
+logits), after which every rank selects, fills, spawns and plans on the same table (`after_exchange`). Dream's
+`last_logit` row stays with the winner's owner (it sends that row's statistics in its header); the winner's span
+K/V is broadcast by its owner under full attention, and nothing moves under the block-causal mask (`_commit`).
+The round's one host read carries the winner and the gathered error flag. Each step, the message layout, the
+keyed sampler at T > 0, compile=True and its costs: docs/distributed.md. Faults (the error flag of the
+all_gather, DistributedError naming the failing rank): lopa_fast.distributed.
 
 The round is a driver of the one loop (lopa_fast.decode.driver; `DistributedDecoder`, a FastDecoder): the scheduler
 (lopa_fast.decode.batch, a batch of one: distributed requests never share a forward) runs its eager round, whose one
 "forward" is `_Exchange`: this rank's share, the all_gather, the selection and the span commit (`_round`); its
 `finish` has nothing left to do, and `read_head` reads the head the exchange left (still one read per round).
-
-compile=True: the collectives and the K/V broadcast (its source rank is the winner's owner, a host value)
-cannot sit inside one graph, and a rank's failure must reach the all_gather as a flag, so each decode round
-is two graphs per bucket, compiled with `CompiledRounds.call` (torch.compile fullgraph, static shapes; the
-same machinery and cache as the single-process compiled round): `compiled_share` (window inputs, this
-rank's share padded to ceil(NB / world) slots, its forward, statistics and message) and `after_exchange`
-(selection, fill, spawn, the next plan); the all_gather, the host read and the span commit run between and
-after them. Round 1 (the prefill) is eager, as on one process. On CUDA this is Inductor too, not a captured
-CUDA graph (a capture owns the whole round state as one static workspace); not run on a GPU here.
-
-NCCL: written (device = cuda:local_rank, the same collectives on device tensors; one host read per round as
-on one GPU) but not run here: the machines at hand have at most one GPU and NCCL refuses two ranks on one
-device. The tests run gloo on CPU.
+compile=True: each decode round is two graphs per bucket around the collectives (`compiled_share`,
+`after_exchange`: `CompiledRounds.call`, torch.compile also on CUDA, never captured); round 1 (the prefill) is eager.
+NCCL: written (device = cuda:local_rank) but not run here (at most one GPU; NCCL refuses two ranks on one device);
+the tests run gloo on CPU.
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """The fast D2F / LoPA decoder: every branch of a round in ONE batched forward, round state on the device.
 
-Semantics are exactly those of `lopa_fast.reference.{d2f,lopa}` (docs/semantics.md sections 2-3); this
-module only changes *how* a round is computed. The round itself is `lopa_fast.strategies.lopa.round` (fixed-shape
-device tensors: the layout is documented there); this module is its driver:
-
-* per request: the Geometry (the Python constants a compiled round bakes in; the prompt length is not
-  one of them), the device tables and the state (`round.init_tables`, `round.init_state`), the merged
-  weight view (`model.fused_layers()`), and, with `compile=True`, the model's `CompiledRounds`;
-* per round: ONE host read of the plan's 9-int head (done, alive slots, window start s, cached span u,
-  window length n, LM-head rows R, ragged, the non-finite guard, the stop-sequence flag) -> the bucket (Nb, Rb) -> the round
-  (eager: `prepare` / `forward_args` / `finish` around the scheduler's shared forward; compiled: `batch_step`, the
-  bucket's batched graph), which also plans the next round. The loop is lopa_fast.decode.batch's (solo: a batch
-  of one), the protocol lopa_fast.decode.driver's;
-* at the end: the output slot, the counters, stats (host reads, memory, compile stats), the trace.
-
-The static KV cache holds the committed prefix once; branches never copy it. Under full attention the
-to-cache span's K/V is branch-specific and only the winner's is committed (Commit-Winner-Cache); under
-the block-causal mask the span only sees the prefix and itself, so every branch computes the same K/V
-and committing the winner's is the same as committing anyone's.
+Semantics are exactly those of the reference decoders (reference_d2f.py / reference_lopa.py; docs/semantics.md
+sections 2-3); this module only changes *how* a round is computed. The round itself is
+`lopa_fast.strategies.lopa.round` (fixed-shape device tensors: the layout and the stages are documented there);
+this module is its driver (lopa_fast.decode.driver's protocol, stepped by lopa_fast.decode.batch's one loop):
+per request the Geometry (the Python constants a compiled round bakes in; the prompt length is not one of them),
+the device tables and state, and with compile=True the model's `CompiledRounds`; per round ONE host read of the
+plan's `Head` -> the bucket (Nb, Rb) -> the round (eager: `prepare` / `forward_args` / `finish` around the
+scheduler's shared forward; compiled: `batch_step`, the bucket's batched graph); at the end the output slot, the
+counters, stats (host reads, memory, compile stats) and the trace.
 """
 from __future__ import annotations
 
@@ -26,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.strategies.lopa import round as rnd
-from lopa_fast.decode.shapes import LENGTH_QUANTUM, pow2_bucket, quantized_length  # noqa: F401  (re-exported)
+from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
+from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
 from lopa_fast.progress import report_round
 
@@ -80,7 +74,7 @@ class Geometry:
 
 
 def buffer_len(P: int, cfg) -> int:
-    """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to LENGTH_QUANTUM); its static
+    """Lb: a request's buffer length (prompt P + its generated blocks, rounded up to shapes.LENGTH_QUANTUM); its static
     cache has Lb + 1 rows (row Lb: the trash row of masked commits)."""
     return quantized_length(P + (cfg.max_new_tokens // cfg.block_size) * cfg.block_size)
 
@@ -127,7 +121,6 @@ class FastDecoder:
             and cfg.top_p is None and cfg.top_k is None
         )  # fmt: skip
         self.P = P
-        self.L = P + (cfg.max_new_tokens // bs) * bs  # the request's total length (prompt + generated blocks)
         Lb = buffer_len(P, cfg)
         self.geo = Geometry(
             bs=bs, G=G, Lb=Lb, NB=n_look + 1, n_look=n_look, shift=bool(model.logits_shift),
@@ -142,21 +135,8 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
-        self.compiled = self.cview = None
-        from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
-
-        if compile_wanted(cfg, dev):  # its rounds after the prefill: `batch_step` (compiled_batch)
-            self.compiled = CompiledRounds.for_model(model, cfg)
-            self.cview = self.compiled.view()
-
-    @property
-    def mode(self) -> str:
-        """The forward's attention mask ("full" | "block_causal"), for the batch scheduler's shared forward."""
-        return self.geo.mode
-
-    @property
-    def attn_backend(self) -> str:
-        return self.geo.attn_backend
+        self.compiled, self.cview = compiled_for(model, cfg, dev)  # its rounds after the prefill: `batch_step`
+        self.mode, self.attn_backend = self.geo.mode, self.geo.attn_backend  # the shared forward's (the scheduler's)
 
     def use_cache(self, cache_k, cache_v) -> None:
         """The request's static cache: a batch's pool slot views (re-pointed when the pool grows)."""
@@ -172,8 +152,6 @@ class FastDecoder:
         prefill round, whose bucket depends on the prompt length: as alone)."""
         if self.compiled is None or self._rounds == 0:
             return None
-        from lopa_fast.decode.compiled_batch import BatchStep
-
         if not getattr(self, "_owned", False):  # the batch copies lane results into these tensors from now on:
             self.st = {k: v if k in ("cache_k", "cache_v") else v.clone() for k, v in self.st.items()}  # own them
             self._owned = True
@@ -181,9 +159,7 @@ class FastDecoder:
 
         def pre(st: dict, T: dict):
             w = rnd.window_inputs(st, T, geo, Nb, Rb)
-            return dict(tokens=w["tokens"], start=st["start"], cache_k=st["cache_k"], cache_v=st["cache_v"],
-                        prefix_len=st["cache_len"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
-                        output=rnd.head_output(geo)), w
+            return rnd.forward_part(st, geo, w, st["start"], st["cache_len"]), w
 
         head = self._head()
 
@@ -206,9 +182,7 @@ class FastDecoder:
 
     def forward_args(self, w: dict) -> dict:
         """This request's part of `model.forward_requests` (the arguments of its solo `forward_static`)."""
-        return dict(tokens=w["tokens"], start=w["start"], cache_k=self.st["cache_k"], cache_v=self.st["cache_v"],
-                    prefix_len=w["start"], win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
-                    output=rnd.head_output(self.geo))  # fmt: skip
+        return rnd.forward_part(self.st, self.geo, w, w["start"], w["start"])
 
     def _head(self):
         """The LM-head weight the fused head statistics read (None without geo.fused_head)."""
@@ -220,7 +194,7 @@ class FastDecoder:
         self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
                                               head=self._head())  # fmt: skip
 
-    def _trace_entry(self, head: rnd.Head) -> dict:
+    def _trace_entry(self, head: rnd.Head, round_: int) -> dict:
         info, P = self.info, self.P
         nA = head.alive
         W = int(info["winner"])
@@ -230,7 +204,7 @@ class FastDecoder:
         if look[W] is not None:
             acc.append([look[W], int(self.st["x"][0, look[W] + P])])
         return {
-            "round": None, "window_start": head.start - P, "cached": head.commit_len,
+            "round": round_, "window_start": head.start - P, "cached": head.commit_len,
             "branches": [{"score": float(info["score"][b]), "lookahead": look[b], "window_len": wl}
                          for b, wl in enumerate(self._wl[:nA])],
             "winner": W, "accepted": sorted(acc),
@@ -238,8 +212,6 @@ class FastDecoder:
 
     def _refuse_nonfinite(self, flat_row: int, round_: int) -> None:
         """Raise NonFiniteLogitsError for window row `flat_row` (slot * Nb + column) of round `round_`."""
-        from lopa_fast.errors import NonFiniteLogitsError
-
         s, Nb = self._last_window
         pos = s + flat_row % Nb + (1 if self.geo.shift else 0)  # the position that row predicts
         t = self.cfg.temperature  # at T > 0 the guard also refuses finite logits that 1 / T overflows
@@ -297,8 +269,7 @@ class FastDecoder:
         stats["model_calls"] += 1
         self.ragged_rounds += bool(self._prev_head.ragged)
         if self.trace is not None:
-            self.trace.append(self._trace_entry(self._prev_head))
-            self.trace[-1]["round"] = stats["forwards"]
+            self.trace.append(self._trace_entry(self._prev_head, stats["forwards"]))
         if self.on_round is not None:  # the anchor is the last alive slot of the next round's plan
             self.host_reads += 1
             row = self.st["x"][max(head.alive, 1) - 1, self.P : self.P + geo.G * geo.bs]

@@ -17,7 +17,7 @@ import torch
 from lopa_fast.progress import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
-from lopa_fast.reference.common import (Clock, check_finite, draw_kw, make_noise, round_cap_hit, shift_logits,
+from lopa_fast.reference.common import (Clock, check_finite, draw_kw, request_noise, round_cap_hit, shift_logits,
                                         token_stats)
 
 
@@ -86,7 +86,7 @@ def predictions(model, raw: torch.Tensor, last_logit: torch.Tensor | None) -> to
 
 def stats_kw(cfg, generator, step: int = 0, pos=None) -> dict:
     """token_stats keywords of a D2F/LoPA run: the sampling knobs, the confidence and the mask suppression.
-    generator: the request's noise (reference.common.make_noise); with the keyed sampler the draw of a row
+    generator: the request's noise (reference.common.request_noise); with the keyed sampler the draw of a row
     predicting absolute position q in round `step` is keyed by (step, q) only, the same for every branch
     (common random numbers: the fast round's Dream-shift row is shared by all branches, so a branch-free key
     is what both backends can draw identically; docs/decoding.md "Sampling")."""
@@ -180,7 +180,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     on_round: the progress hook (lopa_fast.progress.report_round), called after every round."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id
-    gen = make_noise(cfg, prompt.device)
+    gen = request_noise(cfg, prompt.device)
     cache = model.new_cache(P + cfg.max_new_tokens)
     x = prompt.clone()
     blocks = [new_block(0, P, prompt=True)]

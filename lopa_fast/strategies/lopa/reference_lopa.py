@@ -23,7 +23,7 @@ import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.progress import first_stop, report_round
-from lopa_fast.reference.common import Clock, check_finite, make_noise, round_cap_hit, token_stats
+from lopa_fast.reference.common import Clock, check_finite, request_noise, round_cap_hit, token_stats
 from lopa_fast.strategies.lopa.reference_d2f import (
     active_ids,
     anchor_fill,
@@ -143,7 +143,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     sequence, the next round's anchor)."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id
-    gen = make_noise(cfg, prompt.device)
+    gen = request_noise(cfg, prompt.device)
     cache = model.new_cache(P + cfg.max_new_tokens)
     candidates = [Branch(prompt.clone(), [new_block(0, P, prompt=True)], is_base=True, rank=0)]
     last_logit = None

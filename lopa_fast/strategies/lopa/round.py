@@ -1,14 +1,18 @@
 """One D2F / LoPA round as a function of fixed-shape device tensors (no host read, no value-dependent shape).
 
 The fast decoder (lopa_fast.strategies.lopa.driver) keeps a request's round state in a dict of tensors whose shapes
-are fixed for the request (`init_state`), and runs each round as `round_step(...)` on a *bucket*
-(Nb window columns, Rb LM-head rows): the forward over all branch slots, token statistics, the fill rule,
-branch scores and the winner, the winner's K/V commit, the lookahead spawn, the block-state transitions,
-and then the plan of the NEXT round (grow, activation, termination, window start, the span it commits to the
-cache, window width n, LM-head rows R), ending in the 9-int `head` the driver reads once per round (as a `Head`)
-to pick the next bucket and to stop. Every per-round scalar (the window start, the commit length, the prefix
-length, the winner, the alive count) stays a device tensor, so the same step can run eagerly, under
-`torch.compile(fullgraph=True)` or be captured once as a CUDA graph and replayed. The token statistics live in
+are fixed for the request (`init_state`), and runs each round on a *bucket* (Nb window columns >= n, Rb LM-head
+rows >= R) in stages around its forward: `window_inputs`, the forward over all branch slots (its prefix length the
+window start as a host int eagerly, so attention slices exactly the reference's keys; the device `cache_len` when
+compiled / captured, rows past it masked: equal up to float summation order), then `finish_round`: token
+statistics, branch scores and the winner (`select_winner`), the winner's K/V commit (`commit_span`), the fill
+rule, the lookahead spawn and the block-state transitions (`apply_winner`), and then the plan of the NEXT round
+(grow, activation, termination, window start, the span it commits to the cache, window width n, LM-head rows R),
+ending in the 9-int `head` the driver reads once per round (as a `Head`) to pick the next bucket and to stop. The
+stages are separate so that a batch shares the forward and lopa_fast.strategies.lopa.distributed runs it on a
+share of the slots. Every per-round scalar (the window start, the commit length, the prefix length, the winner,
+the alive count) stays a device tensor, so the same round can run eagerly, under `torch.compile(fullgraph=True)`
+or be captured once as a CUDA graph and replayed. The token statistics live in
 lopa_fast/strategies/lopa/round_stats.py.
 
 Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
@@ -49,7 +53,8 @@ from lopa_fast.strategies.lopa.round_stats import (
     temperature,
     token_stats,
 )
-from lopa_fast.decode.shapes import knob, stop_table
+from lopa_fast.decode.kv_pool import request_cache
+from lopa_fast.decode.shapes import knob, stop_in_prefix, stop_table
 
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
 
@@ -139,10 +144,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
     state[0] = TO_CACHE
     complete = torch.zeros(NB, G + 1, dtype=torch.bool, device=dev)
     complete[:, 0] = True
-    kv = (cfg.num_layers, Lb + 1, cfg.num_kv_heads, cfg.head_dim)
-    if cache is not None and any(tuple(t.shape) != kv or t.dtype != model.dtype for t in cache):
-        raise ValueError(f"init_state: cache views must be {kv} {model.dtype}, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")
+    cache_k, cache_v = request_cache(model, Lb + 1, cache)
     zero = lambda: torch.zeros((), dtype=torch.long, device=dev)  # noqa: E731
     st = dict(
         x=x, n_blocks=torch.zeros(NB, dtype=torch.long, device=dev), block_state=state, complete=complete,
@@ -150,9 +152,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         creation_conf=torch.ones(NB, dtype=torch.float64, device=dev),
         look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
         last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
-        cache_k=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[0],
-        cache_v=torch.zeros(kv, dtype=model.dtype, device=dev) if cache is None else cache[1],
-        cache_len=zero(),
+        cache_k=cache_k, cache_v=cache_v, cache_len=zero(),
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
@@ -211,64 +211,27 @@ def plan(st: dict, T: dict, geo) -> None:
     st.update(n_blocks=nblk, complete=complete, exists=exists, active=active, running=rem, done=done,
               is_mask=ismask, need=need, lens=lens, window_lens=wl, to_cache=tc, shared_end=spe,
               layout_slot=lay, start=s, commit_len=u)  # fmt: skip
-    stop = _stop_in_prefix(x, nA - 1, T, geo)
+    # a stop sequence in the anchor's finalised prefix (its generated tokens before its first mask)
+    anchor_gen = x.index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
+    stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id)
     st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"], stop]).long()
 
 
-def _stop_in_prefix(x: torch.Tensor, anchor: torch.Tensor, T: dict, geo) -> torch.Tensor:
-    """0-d bool: a stop sequence (T["stops"] rows, lengths geo.stop_lens) lies in the anchor row's finalised
-    prefix, the generated tokens before its first mask. A static loop over the (few, short) sequences."""
-    if not geo.stop_lens:
-        return torch.zeros((), dtype=torch.bool, device=x.device)
-    gen = x.index_select(0, anchor.reshape(1))[0].index_select(0, T["gen_pos"])  # [G * bs]
-    nG = gen.shape[0]
-    masks = gen == geo.mask_id
-    first_mask = torch.where(masks.any(), masks.long().argmax(), nG)  # argmax: the first True
-    hit = torch.zeros((), dtype=torch.bool, device=x.device)
-    for j, ln in enumerate(geo.stop_lens):
-        if ln > nG:
-            continue
-        match = (gen.unfold(0, ln, 1) == T["stops"][j, :ln][None, :]).all(1)  # [nG - ln + 1]
-        ends_before = torch.arange(nG - ln + 1, device=x.device) + ln <= first_mask
-        hit = hit | (match & ends_before).any()
-    return hit
-
-
-def round_step(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, prefix_len: int | None = None) -> dict:
-    """One round on the bucket (Nb window columns >= n, Rb LM-head rows >= R) followed by the next plan.
-
-    prefix_len: the committed prefix length as a host int when the caller knows it (the eager path: it
-    equals the window start s of the head it just read), so attention slices exactly the reference's
-    keys (bitwise equal sums); None (compiled / captured) attends over the static buffer with rows
-    >= st["cache_len"] masked (equal up to float summation order: tokens stay exact, the parity grid says).
-
-    Reads and replaces the tensors of `st`; returns (st, info), where info holds this round's trace facts
-    (score, winner, accepted mask, tokens, window positions, lookahead positions). Nothing needs a host
-    read except `st["head"]`. Bucket padding never changes a value: window columns past a branch's length are
-    masked keys and never masked positions, extra LM-head rows are computed and never read.
-
-    The stages (`window_inputs`, the forward, `token_stats`, `select_winner`, the commit, `apply_winner`) are
-    separate functions so that lopa_fast.distributed can run the forward on a share of the slots and
-    exchange token statistics between them; the single-process round is exactly their composition."""
-    w = window_inputs(st, T, geo, Nb, Rb)
-    out, k_win, v_win = model.forward_static(
-        w["tokens"], st["start"], st["cache_k"], st["cache_v"], st["cache_len"] if prefix_len is None else prefix_len,
-        w["win_lens"], w["block_ids"], geo.mode, w["rows"],
-        attn_backend=geo.attn_backend, output=head_output(geo),
-    )  # fmt: skip
-    return finish_round(st, T, geo, cfg, w, out, k_win, v_win, head=model.head_weight() if geo.fused_head else None)
-
-
-def head_output(geo) -> str:
-    """What the round's forward returns: "hidden" (the final-normed rows; the round applies the fused
-    `ops.head_confidence`) when geo.fused_head, else "logits"."""
-    return "hidden" if geo.fused_head else "logits"
+def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
+    """The round's part of `model.forward_requests` on `window_inputs`' w: every slot's window over the static
+    cache; start / prefix_len: the window start as a host int eagerly (attention then slices exactly the committed
+    rows), st["start"] / st["cache_len"] when compiled. With geo.fused_head the forward returns the final-normed
+    rows (output="hidden": `finish_round` applies the fused `ops.head_confidence`), else the logits."""
+    return dict(tokens=w["tokens"], start=start, cache_k=st["cache_k"], cache_v=st["cache_v"], prefix_len=prefix_len,
+                win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
+                output="hidden" if geo.fused_head else "logits")  # fmt: skip
 
 
 def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:
     """Everything of the round after its forward (logits [Rb, V] of the rows w["rows"], window K/V [layers, NB,
     Nb, Hkv, D]): token statistics, scores and the winner, the commit, the fill, the spawn and the next plan.
-    Separate from `round_step` so that lopa_fast.decode.batch can run one forward for many requests.
+    Bucket padding never changes a value: window columns past a branch's length are masked keys and never masked
+    positions, extra LM-head rows are computed and never read. Nothing needs a host read except `st["head"]`.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
     statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
     Nb = w["cols"].shape[0]
@@ -337,10 +300,7 @@ def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
     rem, lens = st["running"], st["lens"]
     slot = torch.arange(NB, device=dev)
     csum = w["need_flat"].long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
-    if geo.shift:
-        sidx = F.pad(csum[:, :-1], (1, 0))
-    else:
-        sidx = (csum - 1).clamp(min=0)
+    sidx = F.pad(csum[:, :-1], (1, 0)) if geo.shift else (csum - 1).clamp(min=0)
     c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
     masked = st["is_mask"].index_select(1, w["win_pos"]) & w["win_valid"][None, :]
     if NB == 1 and not geo.trace:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score

@@ -39,8 +39,8 @@ import torch
 from lopa_fast.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
-from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, round_cap_hit
-from lopa_fast.sampling import ENTROPY_EPS, threshold_stats  # noqa: F401
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noise, record_step, round_cap_hit
+from lopa_fast.sampling import threshold_stats
 
 
 def factor_count(sorted_conf: list[float], factor: float) -> int:
@@ -97,7 +97,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     in the finalised prefix ends decoding after the forward that completed it."""
     P, G, B = prompt.numel(), cfg.max_new_tokens, cfg.block_length
     mask_id = cfg.mask_token_id
-    gen = make_noise(cfg, prompt.device)
+    gen = request_noise(cfg, prompt.device)
     x = torch.cat([prompt, prompt.new_full((G,), mask_id)])
     L = x.numel()
     cache = model.new_cache(L) if cfg.cache is not None else None

@@ -40,14 +40,6 @@ def resolve(cfg, model):
     return out
 
 
-def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine (every cache mode: a dual step's in-place forward is shared
-    through steps.DualForward)."""
-    from lopa_fast.strategies.threshold.driver import ThresholdDriver
-
-    return ThresholdDriver(model, prompt, cfg, cache=cache)
-
-
 def cache_rows(prompt_len: int, cfg) -> int:
     """The cache of every position (cache "prefix" / "dual") or none."""
     return prompt_len + cfg.max_new_tokens if cfg.cache is not None else 1
@@ -65,6 +57,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.strategies.threshold.reference:generate", fast=SOLO,
-    knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit, driver=driver, cache_rows=cache_rows,
+    knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit,
+    driver="lopa_fast.strategies.threshold.driver:ThresholdDriver", cache_rows=cache_rows,
     compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -3,9 +3,9 @@ eagerly at exact sizes by the driver (lopa_fast.strategies.threshold.driver) and
 
 A step of `kind` (steps' table: full | refresh | refresh_first | prefix | dual) forwards its window, computes the
 token statistics of its rows (`sampling.threshold_stats`, the reference's formula), commits by the rule
-(`threshold_select`: rank 1 plus the threshold / factor / entropy rule, as tensor ops; a Dream refresh commits the
+(`select_by_rule`: rank 1 plus the threshold / factor / entropy rule, as tensor ops; a Dream refresh commits the
 block's first token unconditionally), counts multi-token and no-op steps, and ends in the head. `parts` splits it
-around its forward (a batch shares the forward); `step` is pre -> `steps.forward` -> post.
+around its forward (a batch shares the forward).
 """
 from __future__ import annotations
 
@@ -24,13 +24,6 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
     window written with slices), or None (compiled: st["s"], a device value)."""
     return ((lambda st, T: pre(st, T, geo, kind, sizes, s)),
             (lambda st, T, ctx, *out: post(st, T, geo, kind, ctx, *out)))  # fmt: skip
-
-
-def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
-    """One threshold step: (state, {"logits": raw logits [R, V]}); reads and replaces the tensors of st; no host
-    read."""
-    a, ctx = pre(st, T, geo, kind, sizes, s)
-    return post(st, T, geo, kind, ctx, *steps.forward(model, a, geo, kind))
 
 
 def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None) -> tuple[dict, dict]:
@@ -94,22 +87,17 @@ def rank_desc(key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(key.numel(), device=key.device))
 
 
-def threshold_select(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, cfg) -> torch.Tensor:
-    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read).
+def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
+                   threshold=None) -> torch.Tensor:
+    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read); the rule
+    knobs (one of them not None) are floats, or 0-d float64 tensors (the step's runtime inputs, the tables): the
+    formulas round a tensor exactly as they round a float.
 
     Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
     adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
     conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
     `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
-    every candidate when there is none or b is the last rank (upstream's edge case), in float64.
-    cfg: a GenerateConfig (its three rule knobs; `select_by_rule` takes them as values)."""
-    return select_by_rule(conf, ent, cand, cfg.factor, cfg.entropy_threshold, cfg.threshold)
-
-
-def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
-                   threshold=None) -> torch.Tensor:
-    """`threshold_select` with the rule knobs as values: floats, or 0-d float64 tensors (the step's runtime inputs,
-    the tables); the formulas round a tensor exactly as they round a float."""
+    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
     any_c = cand.any()
     idx = torch.arange(cand.numel(), device=cand.device)
     if factor is not None:

@@ -30,16 +30,11 @@ import torch
 from lopa_fast.progress import after_step
 from lopa_fast import keyed
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.reference.common import Clock, check_finite, draw_kw, make_noise, record_step, token_stats
-from lopa_fast.sampling import gumbel_argmax  # noqa: F401  (LLaDA's sampler; re-exported here)
+from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noise, record_step, token_stats
+from lopa_fast.sampling import gumbel_argmax
+from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE, transfer_schedule
 
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
-
-
-def transfer_schedule(n_masks: int, steps: int) -> list[int]:
-    """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S."""
-    base, rem = divmod(n_masks, steps)
-    return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
 def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +140,7 @@ def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
             if after_step(x[P:], cfg, stats, on_round):
                 break
             continue
-        strategy = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}[cfg.alg]
-        conf, x0, _ = token_stats(mask_logits, sampling_strategy=strategy, **kw,
+        conf, x0, _ = token_stats(mask_logits, sampling_strategy=DREAM_CONFIDENCE[cfg.alg], **kw,
                                   **draw_kw(gen, cfg, keyed.TOKEN, step, 0, mpos))
         num_mask = mask_index.sum() / 1  # float32 tensor (upstream: mask_index.sum() / batch)
         n = int(num_mask * (1 - s / t)) if i < steps - 1 else int(num_mask)
@@ -174,7 +168,7 @@ def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
     progress hook (lopa_fast.progress.report_round), called after every step."""
-    gen = make_noise(cfg, prompt.device)
+    gen = request_noise(cfg, prompt.device)
     stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
     trace = [] if cfg.return_trace else None
     with Clock(prompt.device) as clock:

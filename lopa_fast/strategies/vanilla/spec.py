@@ -14,6 +14,15 @@ LLADA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_in
 DREAM_KNOBS = ("steps", "alg", "alg_temp", "eps")
 REMASKING = ("low_confidence", "random")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+# the confidence (lopa_fast.sampling's sampling_strategy) each Dream alg but "origin" ranks its masks by
+DREAM_CONFIDENCE = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+
+
+def transfer_schedule(n_masks: int, n_steps: int) -> list[int]:
+    """LLaDA `get_num_transfer_tokens` for one block: floor(n/S) per step, +1 for the first n mod S (the reference
+    and the fast driver both read it)."""
+    base, rem = divmod(n_masks, n_steps)
+    return [base + (1 if i < rem else 0) for i in range(n_steps)]
 
 
 def validate(cfg) -> None:
@@ -80,13 +89,6 @@ def length_unit(cfg) -> int:
     return cfg.block_length if cfg.block_length is not None else 1
 
 
-def driver(model, prompt, cfg, cache=None):
-    """The batch scheduler's per-request state machine (cache-free steps share one forward)."""
-    from lopa_fast.strategies.vanilla.driver import VanillaDriver
-
-    return VanillaDriver(model, prompt, cfg, cache=cache)
-
-
 def rows(cfg) -> int:
     return 2 if cfg.cfg_scale else 1  # cfg_scale > 0: the conditional and the unconditional row in one forward
 
@@ -101,5 +103,6 @@ SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.strategies.vanilla.reference:generate", fast=SOLO,
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
-    length_unit=length_unit, rows=rows, driver=driver, compile=True, compile_batches=True, eval_rows=eval_rows,
+    length_unit=length_unit, rows=rows, driver="lopa_fast.strategies.vanilla.driver:VanillaDriver", compile=True,
+    compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

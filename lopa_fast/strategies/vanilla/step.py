@@ -6,8 +6,7 @@ captured at bucket sizes.
 rows in one forward of 2) on rows [fm, e), `llada_choice`, and the top-k commit of the schedule's count k over the
 full-length confidence row. "timestep" (Dream): the forward on rows [min(fm, L - 1), L), then `origin`'s keyed
 reveal with probability 1 - s/t, or the top-n (or, with alg_temp, a keyed draw without replacement) of its
-confidence, n = the step's transfer count. `parts` splits a step around its forward (a batch shares the forward);
-`step` is pre -> `steps.forward` -> post.
+confidence, n = the step's transfer count. `parts` splits a step around its forward (a batch shares the forward).
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from lopa_fast.decode import steps
 from lopa_fast.decode.shapes import divided, scaled
 from lopa_fast.decode.steps import StepGeometry
 from lopa_fast.sampling import gumbel_argmax, token_stats
-
-DREAM_CONF = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
+from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE
 
 
 def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
@@ -30,14 +28,6 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
         return (lambda st, T: llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: llada_post(st, T, geo, sizes, c,
                                                                                                *o))  # fmt: skip
     return (lambda st, T: dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o))
-
-
-def step(model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
-    """One vanilla step: (state, {"logits": raw logits [R, V]}); reads and replaces the tensors of st; no host
-    read."""
-    pre, post = parts(geo, kind, sizes)
-    a, ctx = pre(st, T)
-    return post(st, T, ctx, *steps.forward(model, a, geo, kind))
 
 
 def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_keys, remask_keys) -> tuple:
@@ -129,7 +119,7 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
         x = steps.scatter(x, pos_c, reveal, tok)
         st["transferred"] = st["transferred"] + reveal.sum()
     else:
-        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONF[geo.alg], **kw, keys=keys)
+        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONFIDENCE[geo.alg], **kw, keys=keys)
         minus_inf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
         full_conf = steps.scatter(minus_inf, pos_c, valid, torch.where(cand, conf.to(logits.dtype), float("-inf")))
         if n > 0:
