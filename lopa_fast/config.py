@@ -26,7 +26,7 @@ from lopa_fast.knobs import check_choice as _choice
 from lopa_fast.knobs import check_number as _num
 from lopa_fast.knobs import check_positive_int as _positive_int
 from lopa_fast.knobs import check_prob as _prob
-from lopa_fast.strategies.lopa.spec import SAMPLING_STRATEGIES
+from lopa_fast.knobs import SAMPLING_STRATEGIES
 from lopa_fast.strategies.threshold.spec import CACHE_MODES
 from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
 

@@ -8,6 +8,9 @@ import math
 from lopa_fast.errors import KnobError
 
 INT_KNOB_LIMIT = 2**31  # every int knob is below it (device tables index with int32); seeds: below 2**63
+# the confidence formulas of lopa_fast.sampling.token_stats (d2f / lopa's sampling_strategy knob); here, torch-free,
+# so that the strategy spec and GenerateConfig (imported by the CLI's --help) read the same tuple as sampling.py
+SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 
 
 def check_number(name, value, *, allow_none=False, integer=False, limit=INT_KNOB_LIMIT):

@@ -24,10 +24,10 @@ from collections import namedtuple
 import torch
 
 from lopa_fast import keyed
+from lopa_fast.knobs import SAMPLING_STRATEGIES
 
 NEG_ENTROPY_EPS = 1e-10
 ENTROPY_EPS = 1e-12  # Fast-dLLM / dParallel's entropy (float64, nats)
-SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")
 
 # ops.confidence: the token statistics of logits rows [R, V], each field [R] (every backend returns these fields)
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])

@@ -5,10 +5,9 @@ verified in one forward (branching_factor=1 is plain D2F). Both run the device-r
 reference_lopa.py."""
 from __future__ import annotations
 
-from lopa_fast.knobs import check_bool, check_choice, check_positive_int, check_prob
+from lopa_fast.knobs import SAMPLING_STRATEGIES, check_bool, check_choice, check_positive_int, check_prob
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
-SAMPLING_STRATEGIES = ("default", "margin", "neg_entropy")  # the round's confidence (lopa_fast.sampling's too)
 THRESHOLDS = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")  # tau_add, tau_act, tau_conf
 
 
