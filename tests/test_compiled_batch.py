@@ -257,9 +257,11 @@ def test_batchable_and_engine_cover_compiled_requests(models, captured):
 
 def test_inductor_batched_step():
     """torch.compile (Inductor, CPU) of one batched step: two vanilla LLaDA requests in one graph (bucket x2) equal to
-    solo eager; the second batch compiles nothing. CI's one batched Inductor compile (tens of seconds)."""
+    solo eager; the second batch compiles nothing. CI's one batched Inductor compile (tens of seconds), and CI's one
+    real-Inductor vanilla step: at T > 0, so the keyed sampler's draws run compiled in the default run too (the solo
+    vanilla compile of tests/test_compiled_steps.py, its T > 0 twin at bucket 1, is `-m slow`)."""
     model = random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6)
-    kw = dict(G16, block_length=16, steps=8)  # one block, two tokens per step: one graph
+    kw = dict(G16, block_length=16, steps=8, temperature=0.5)  # one block, two tokens per step: one graph
     ps = [[3, 4, 5, 6], [9, 4, 5, 1]]
     solo = [gen(model, p, "vanilla", **kw) for p in ps]
     cr = CompiledRounds.for_model(model)

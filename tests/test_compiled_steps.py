@@ -7,7 +7,8 @@ Three parts: (1) the CUDA-graph path (static workspace per StepGeometry, state l
 place, graph-owned logits) with the capture emulated on CPU, over a grid of every step kind (threshold: every
 rule x cache None / prefix / dual, both families; vanilla: LLaDA cfg_scale / random remasking / EOS knobs, Dream
 algs / alg_temp; T = 0 and the keyed sampler at T > 0): cheap, no compiler; (2) real Inductor compiles
-(torch.compile fullgraph) of a handful of configs on the tiny LLaDA model, about one graph each, in CI;
+(torch.compile fullgraph) on the tiny LLaDA model, one graph each: threshold in CI, vanilla under `-m slow` (CI's
+real vanilla compile is the batched one of tests/test_compiled_batch.py);
 (3) `-m slow`: the compile grid over every step kind on both families.
 """
 from __future__ import annotations
@@ -148,26 +149,24 @@ def test_captured_error_and_stop(models, emulated_graphs):
 # 16 new tokens on the tiny LLaDA model: every step's rows fit the smallest bucket (16), so each config compiles
 # ONE graph (vanilla: block_length 16, 8 steps, k = 2 every step; keyed at T > 0); the later prompts replay it.
 # About 25 s of Inductor each on a loaded 2-core machine (cfg_scale's batch of 2 took ~70 s: the slow grid).
+# The default run keeps threshold's solo compile (the only real-Inductor threshold step in CI); vanilla's solo
+# compile is `-m slow`: CI's real-Inductor vanilla step is tests/test_compiled_batch.py test_inductor_batched_step
+# (the same step function, LLaDA model and block / steps, T > 0 keyed, at batch bucket 2), and the solo batch bucket 1 is
+# compiled for real by threshold here and by d2f / lopa / apd (tests/test_compiled_round.py, test_fast_apd.py).
 COMPILED_CI = [
-    ("llada", "threshold", dict(G16, block_length=8, threshold=0.5)),
-    ("llada", "vanilla", dict(G16, block_length=16, steps=8, **T(0.5))),
+    pytest.param(("llada", "threshold", dict(G16, block_length=8, threshold=0.5)), id="threshold"),
+    pytest.param(("llada", "vanilla", dict(G16, block_length=16, steps=8, **T(0.5))), id="vanilla",
+                 marks=pytest.mark.slow),  # fmt: skip
 ]
 
 
-@pytest.fixture(scope="module")
-def compiled_ci_runs(models):
-    runs = {}
-    for case in COMPILED_CI:
-        name, strategy, kw = case
-        m = models[name]
-        runs[case[1]] = [(run(m, strategy, kw, p, backend="reference"), run(m, strategy, kw, p, backend="fast"),
-                          run(m, strategy, kw, p, backend="fast", compile=True)) for p in PROMPTS[:2]]  # fmt: skip
-    return runs
-
-
-@pytest.mark.parametrize("case", COMPILED_CI, ids=lambda c: c[1])
-def test_compiled_steps_are_exact_and_compile_once(compiled_ci_runs, case):
-    runs = compiled_ci_runs[case[1]]
+@pytest.mark.parametrize("case", COMPILED_CI)
+def test_compiled_steps_are_exact_and_compile_once(models, case):
+    """Each case compiles in its own test (no shared fixture), so a deselected case compiles nothing."""
+    name, strategy, kw = case
+    m = models[name]
+    runs = [(run(m, strategy, kw, p, backend="reference"), run(m, strategy, kw, p, backend="fast"),
+             run(m, strategy, kw, p, backend="fast", compile=True)) for p in PROMPTS[:2]]  # fmt: skip
     for ref, eager, comp in runs:
         check(ref, eager, comp, case)
     first, second = runs[0][2].stats, runs[1][2].stats

@@ -246,6 +246,8 @@ COMPILE_KW = dict(strategy="apd", apd_mixture_weight=0.7, kv_window=2, max_looka
 
 @pytest.fixture(scope="session")
 def compiled_apd_runs():
+    """CI's only real-Inductor APD step (solo, the drafter's and the verifier's forwards in one graph): it stays in
+    the default run; the compile grid below is `-m slow`."""
     spec = json.load(open(os.path.join(HERE, "golden", "apd_upstream.json")))["models"]
     d, q = (model_from_spec(spec[k]["hf"], spec[k]["random"]) for k in PAIRS["a"])
     runs = []
