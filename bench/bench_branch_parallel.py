@@ -56,7 +56,7 @@ def configs() -> list[dict]:
 
 def upstream_bytes(trace: list, W: int, V: int, layers: int, Hkv: int, D: int, elem: int) -> tuple[float, float]:
     """(logits bytes, K/V bytes) of upstream's exchange for the traced rounds, all ranks together."""
-    from lopa_fast.distributed import slot_share
+    from lopa_fast.strategies.lopa.distributed import slot_share
 
     logits = kv = 0
     for e in trace:

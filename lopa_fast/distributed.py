@@ -3,10 +3,10 @@
 `generate(..., backend="fast", distributed=True)` inside an initialised process group (gloo on CPU, NCCL on
 GPUs: one rank per device, the model on cuda:LOCAL_RANK) decodes ONE request with every rank of the group: the
 round's branch slots split over the ranks, the token statistics of the needed LM-head rows exchanged
-(lopa_fast.strategies.lopa.distributed: the round, its messages and its driver). This module is the runtime around it: the
-process group (`check_group`, `init_from_env`), the counted collectives (`Comm`), the request fingerprint every
-rank must share (`weights_fingerprint`) and the driver factory (`driver`: the d2f / lopa spec's driver under
-distributed=True, stepped by the one loop, lopa_fast.decode.batch).
+(lopa_fast.strategies.lopa.distributed: the round, its messages and its driver factory `driver`). This module is the
+runtime around it, and imports no strategy: the process group (`check_group`, `init_from_env`), the counted
+collectives (`Comm`) and the request fingerprint every rank must share (`weights_fingerprint`,
+`request_fingerprint`).
 
 Faults (every one a DistributedError on every rank; a dead peer's wait bounded by the group's timeout:
 LOPA_FAST_DIST_TIMEOUT_S under `init_from_env`) and what each rank returns (the same GenerateOutput, plus
@@ -21,7 +21,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from lopa_fast.strategies.lopa.distributed import DistributedDecoder, slot_owner, slot_share  # noqa: F401  (re-exported)
 from lopa_fast.errors import DistributedError, KnobError
 
 # the collective timeout of a group started by init_from_env: a dead peer is reported after at most this long
@@ -158,33 +157,9 @@ def weights_fingerprint(model) -> int:
     return crc
 
 
-def _fingerprint(model, prompt: torch.Tensor, cfg) -> int:
+def request_fingerprint(model, prompt: torch.Tensor, cfg) -> int:
     """A crc32 of the request (config, prompt ids, model geometry, dtype, weights: `weights_fingerprint`): every
     rank must decode the same one."""
     c = model.config
     geo = (c.vocab_size, c.num_layers, c.num_kv_heads, c.head_dim, str(model.dtype))
     return zlib.crc32(repr((cfg, prompt.tolist(), geo)).encode(), weights_fingerprint(model))
-
-
-def driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
-    """The distributed request's driver (cfg bound and validated; lopa_fast.api checked it): a DistributedDecoder
-    over the default group, stepped by the one loop like any driver (cache: its KV pool slot views). Refuses, on
-    every rank, a request that differs between ranks (config, prompt or model geometry, dtype or weights)."""
-    check_group()
-    comm = Comm()
-    dev = prompt.device
-    want = "cuda" if comm.backend == "nccl" else "cpu"
-    if dev.type != want:
-        raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
-                        knob="distributed", value=True)  # fmt: skip
-    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats, cache=cache)
-    # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
-    fp = torch.tensor([_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
-    seen = comm.all_gather(fp, "setup", 0)
-    prints = seen[:, 0].tolist()
-    if len(set(prints)) > 1:
-        raise DistributedError(f"distributed decoding: the ranks were given different requests (config / prompt / "
-                               f"model geometry, dtype or weights: fingerprints {prints}); every rank must call "
-                               "generate with the same arguments and the same model")  # fmt: skip
-    dec.tables["seed"] = seen[0, 1].clone()
-    return dec

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lopa_fast
-from lopa_fast.distributed import slot_owner, slot_share
+from lopa_fast.strategies.lopa.distributed import slot_owner, slot_share
 from lopa_fast.errors import DistributedError, KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
 

@@ -28,7 +28,8 @@ import torch
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.strategies.lopa import round_stats
 from lopa_fast.strategies.lopa.driver import FastDecoder, round_key
-from lopa_fast.errors import DistributedError
+from lopa_fast.distributed import Comm, check_group, request_fingerprint
+from lopa_fast.errors import DistributedError, KnobError
 
 # int32 words before the statistics: error flag, needed rows, first non-finite flat row (or -1), holds the
 # last_logit row, that row's (conf, p, x0) under Dream's shift (zeros without)
@@ -372,3 +373,27 @@ class DistributedDecoder(FastDecoder):
             "bytes": dict(c.bytes), "bytes_per_round": total / rounds, "kv_broadcast_rounds": self.kv_rounds,
         }  # fmt: skip
         return out
+
+
+def driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
+    """The distributed request's driver (cfg bound and validated; lopa_fast.api checked it): a DistributedDecoder
+    over the default group, stepped by the one loop like any driver (cache: its KV pool slot views). Refuses, on
+    every rank, a request that differs between ranks (config, prompt or model geometry, dtype or weights)."""
+    check_group()
+    comm = Comm()
+    dev = prompt.device
+    want = "cuda" if comm.backend == "nccl" else "cpu"
+    if dev.type != want:
+        raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
+                        knob="distributed", value=True)  # fmt: skip
+    dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats, cache=cache)
+    # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
+    fp = torch.tensor([request_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
+    seen = comm.all_gather(fp, "setup", 0)
+    prints = seen[:, 0].tolist()
+    if len(set(prints)) > 1:
+        raise DistributedError(f"distributed decoding: the ranks were given different requests (config / prompt / "
+                               f"model geometry, dtype or weights: fingerprints {prints}); every rank must call "
+                               "generate with the same arguments and the same model")  # fmt: skip
+    dec.tables["seed"] = seen[0, 1].clone()
+    return dec

@@ -55,9 +55,9 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 def round_driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, branch_stats: bool = False):
     """The device-resident round's driver (lopa_fast.decode.driver) for d2f and lopa: one process
     (`driver.FastDecoder`), or with distributed=True the round's branch slots over the process group's ranks
-    (`lopa_fast.distributed.driver`: its forward and finish exchange across ranks)."""
+    (`strategies/lopa/distributed.driver`: its forward and finish exchange across ranks)."""
     if cfg.distributed:
-        from lopa_fast.distributed import driver as distributed_driver
+        from lopa_fast.strategies.lopa.distributed import driver as distributed_driver
 
         return distributed_driver(model, prompt, cfg, branching_factor, name, cache, branch_stats)
     from lopa_fast.strategies.lopa.driver import FastDecoder
