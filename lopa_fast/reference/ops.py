@@ -6,8 +6,10 @@ Every op here has the same signature as its public op in `lopa_fast.ops`; these 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from lopa_fast.attention_modes import window_key_mask
 from lopa_fast.sampling import Confidence, HeadConfidence, softmax_stats
@@ -271,3 +273,297 @@ def rope(
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's elementwise part: silu(gate) * up in the input dtype (gate, up [..., F])."""
     return torch.nn.functional.silu(gate) * up
+
+# ------------------------------------------------------------------------------------- the round's selection
+# `select_round`: everything of a D2F / LoPA round after its token statistics (lopa_fast/strategies/lopa/round.py
+# is the fast path that calls it; docs/fast_decoder.md "select_round"). The torch code below IS the op's oracle:
+# the C++ (csrc/select_round_cpu.cpp), Triton and CUDA kernels reproduce its every output bit for bit.
+
+ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2  # block states (shared by every slot of a request)
+# the round's counters, in the order of the `counts` [8] long tensor of the round state
+ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
+                  "max_branches")  # fmt: skip
+
+
+class RoundPlan(NamedTuple):
+    """The plan of a coming round (`plan_round`): n_blocks [NB] long (after growth), complete [NB, G + 1] bool,
+    exists / active [NB, G + 1] bool, running / done [NB] bool, is_mask / need [NB, Lb + 1] bool, lens /
+    window_lens [NB] long, to_cache [G + 1] bool, shared_end / layout_slot / start / commit_len 0-d long, and
+    head [7] long: (every alive slot done, alive count nA, start s, commit_len u, window width n, LM-head rows R,
+    ragged)."""
+
+    n_blocks: torch.Tensor
+    complete: torch.Tensor
+    exists: torch.Tensor
+    active: torch.Tensor
+    running: torch.Tensor
+    done: torch.Tensor
+    is_mask: torch.Tensor
+    need: torch.Tensor
+    lens: torch.Tensor
+    window_lens: torch.Tensor
+    to_cache: torch.Tensor
+    shared_end: torch.Tensor
+    layout_slot: torch.Tensor
+    start: torch.Tensor
+    commit_len: torch.Tensor
+    head: torch.Tensor
+
+
+class SelectRound(NamedTuple):
+    """What `select_round` returns: the round's decision (winner 0-d long; score [NB] float64, the branch scores
+    (zeros when not scored: one slot without a trace); last_row 0-d long, the statistics-table row of the winner's
+    raw row u - 1 (Dream's next last_logit; 0 without the shift); accepted [Nb] bool and tokens [Nb] long, the
+    winner's fills and its chosen token per window column), the next state (x [NB, Lb + 1], eos / alive [NB] bool,
+    creation_conf [NB] float64, look_pos [NB] long, block_state [G + 1] long, counts [8] long) and the next
+    round's plan (the `RoundPlan` fields)."""
+
+    winner: torch.Tensor
+    score: torch.Tensor
+    last_row: torch.Tensor
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+    x: torch.Tensor
+    eos: torch.Tensor
+    alive: torch.Tensor
+    creation_conf: torch.Tensor
+    look_pos: torch.Tensor
+    block_state: torch.Tensor
+    counts: torch.Tensor
+    n_blocks: torch.Tensor
+    complete: torch.Tensor
+    exists: torch.Tensor
+    active: torch.Tensor
+    running: torch.Tensor
+    done: torch.Tensor
+    is_mask: torch.Tensor
+    need: torch.Tensor
+    lens: torch.Tensor
+    window_lens: torch.Tensor
+    to_cache: torch.Tensor
+    shared_end: torch.Tensor
+    layout_slot: torch.Tensor
+    start: torch.Tensor
+    commit_len: torch.Tensor
+    head: torch.Tensor
+
+
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """t[i] for a 0-d device index without a host read (indexing with a 0-d tensor would call .item())."""
+    return t.index_select(0, i.reshape(1)).squeeze(0)
+
+
+def plan_round(x, n_blocks, block_state, complete, eos, alive, prompt_len, gen_pos, block_start, block_end,
+               grow_table, activate_table, *, bs: int, mask_id: int, shift: bool) -> RoundPlan:
+    """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round (no host read).
+
+    x [NB, Lb + 1] long (column Lb: the trash column), n_blocks [NB] long, block_state [G + 1] long, complete
+    [NB, G + 1] bool, eos / alive [NB] bool; tables: prompt_len 0-d long, gen_pos [G * bs] long (the generated
+    positions), block_start / block_end [G + 1] long (block 0 = the prompt), grow_table / activate_table [bs + 1]
+    bool (the decoded-fraction tests by mask count: upstream's Python float maths, tabulated)."""
+    NB, Lb1 = x.shape
+    G = block_state.shape[0] - 1
+    Lb = Lb1 - 1
+    dev = x.device
+    state = block_state
+    ismask_all = x == mask_id  # [NB, Lb + 1]; positions past a row's length hold masks too
+    mc = F.pad((x.index_select(1, gen_pos) == mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G + 1]
+    # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
+    last_mc = mc.gather(1, n_blocks[:, None]).squeeze(1)
+    grow = alive & (n_blocks < G) & ~eos & grow_table[last_mc]
+    nblk = n_blocks + grow
+    exists = torch.arange(G + 1, device=dev)[None, :] <= nblk[:, None]  # [NB, G + 1]
+    # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky, per branch)
+    complete = complete.clone()
+    complete[:, 1:] |= activate_table[mc[:, :-1]] & exists[:, 1:]
+    # 3. done: no mask and no active block
+    active = exists & (state == ACTIVE)[None, :]
+    lens = prompt_len + nblk * bs
+    pos = torch.arange(Lb1, device=dev)
+    ismask = ismask_all & (pos[None, :] < lens[:, None]) & alive[:, None]
+    done = alive & ~ismask.any(1) & ~active.any(1)
+    rem = alive & ~done
+    # 4. shared-prefix end: the leading run of non-active blocks (a non-active block never holds a mask,
+    # so upstream's min over branches is this one run of the shared state row)
+    lead = (state != ACTIVE).cumprod(0).sum()
+    spe = _at(block_end, lead - 1)
+    # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
+    tc = state == TO_CACHE
+    has_tc = tc.any()
+    s = torch.where(has_tc, torch.where(tc, block_start, Lb).min(), spe)
+    u = torch.where(has_tc, torch.where(tc, block_end, 0).max() - s, 0)
+    wl = lens - s
+    n = torch.where(rem, wl, 0).max()
+    # the layout branch (the anchor if still running, else the first running one): its row length tells
+    # branch-specific growth apart (counters only)
+    nA = alive.sum()
+    first_rem = torch.where(rem, torch.arange(NB, device=dev), NB - 1).min()
+    lay = torch.where(_at(rem, nA - 1), nA - 1, first_rem)
+    ragged = (torch.where(alive, wl, n) != n).any()
+    # LM-head rows: raw row q is needed iff it predicts a masked position (q+1 with the Dream shift, q
+    # without), or q = s+u-1, the last cached position (its logit becomes last_logit); q >= s.
+    if shift:
+        last = (pos == s + u - 1) & (u > 0)
+        need = (F.pad(ismask[:, 1:], (0, 1)) | last[None, :]) & alive[:, None]
+        need &= (pos >= s)[None, :]
+    else:
+        need = ismask
+    head = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged]).long()
+    return RoundPlan(nblk, complete, exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u, head)
+
+
+def select_round(
+    conf, token, p,
+    x, n_blocks, block_state, complete, eos, alive, creation_conf, look_pos, counts,
+    exists, active, running, is_mask, lens, to_cache, shared_end, layout_slot, commit_len,
+    win_pos, win_valid, need_flat,
+    prompt_len, gen_pos, block_start, block_end, pos_block, in_block, lowest_k, grow_table, activate_table,
+    skip_threshold, alpha,
+    *, bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool, score_all: bool,
+) -> SelectRound:  # fmt: skip
+    """One D2F / LoPA round's selection and bookkeeping after its token statistics, as ONE op: the branch scores
+    and the winner, the D2F fill on the winner, the lookahead spawn, the block-state transitions, the counters and
+    the plan of the next round (`plan_round`). No host read; every shape is fixed by the request and the bucket.
+
+    Statistics table (S rows: row 0 the stale last_logit's under the shift, then the needed window rows in
+    ascending flat order): conf [S] float32 (the confidence ranked by), token [S] long (the chosen token), p [S]
+    float32 (its probability).
+    Round state (NB slots: lookaheads first in rank order, the anchor last among the alive; Lb + 1 row positions,
+    the last a trash column; G + 1 blocks, block 0 the prompt): x [NB, Lb + 1] long, n_blocks [NB] long,
+    block_state [G + 1] long (ACTIVE / TO_CACHE / IN_CACHE), complete [NB, G + 1] bool, eos / alive [NB] bool,
+    creation_conf [NB] float64, look_pos [NB] long, counts [8] long (ROUND_COUNTERS).
+    This round's plan (`plan_round`'s): exists / active [NB, G + 1] bool, running [NB] bool, is_mask [NB, Lb + 1]
+    bool, lens [NB] long, to_cache [G + 1] bool, shared_end / layout_slot / commit_len 0-d long.
+    Window (Nb columns from the start): win_pos [Nb] long (padding -> Lb), win_valid [Nb] bool, need_flat
+    [NB * Nb] bool (LM-head rows needed, slot-major).
+    Tables: prompt_len 0-d long, gen_pos [G * bs], block_start / block_end [G + 1], pos_block [Lb + 1] long,
+    in_block [Lb + 1, G + 1] bool, lowest_k [Lb + 1] long (k(c) = max(1, int(c * branch_topp))), grow_table /
+    activate_table [bs + 1] bool, skip_threshold / alpha 0-d float64.
+    Statics: bs, mask_id, eos_id (-1: none), n_look (lookaheads spawned: NB - 1 for LoPA, 0 for D2F), shift (Dream's
+    logit shift), blend (scores blend creation_conf by alpha), score_all (score every slot even when NB = 1: a
+    trace asks for scores).
+
+    Arithmetic (what the kernels reproduce): a branch score is the mean of its lowest k confidences, summed in
+    float64 (exact for the grid's values; rounded once to float32), divided by k in float32, then widened:
+    alpha * creation_conf + (1 - alpha) * future in float64; the winner is the first maximum over running slots
+    (NaN scores: the last slot, refused by the driver's numerics guard); the threshold test is p > skip_threshold
+    in float32; the fallback picks the first most confident candidate per fully activated block; the spawn ranks
+    the remaining candidates by conf descending, stable (NaN first, as torch.sort)."""
+    NB, Lb1 = x.shape
+    Lb = Lb1 - 1
+    G = block_state.shape[0] - 1
+    Nb = win_pos.shape[0]
+    dev = x.device
+    i = torch.arange(Nb, device=dev)
+    slot = torch.arange(NB, device=dev)
+
+    # ---- select: the table row predicting each window position, the scores, the winner
+    csum = need_flat.long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
+    sidx = F.pad(csum[:, :-1], (1, 0)) if shift else (csum - 1).clamp(min=0)
+    c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
+    masked = is_mask.index_select(1, win_pos) & win_valid[None, :]
+    if NB == 1 and not score_all:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
+        score = torch.zeros(NB, dtype=torch.float64, device=dev)
+        W = torch.zeros((), dtype=torch.long, device=dev)
+    else:
+        # mean of the lowest k = max(1, int(m * topp)) confidences over all its masks (all >= spe); 1.0 with
+        # none; 1.0 outright with nothing past spe
+        m = masked.sum(1)
+        kk = lowest_k[m]
+        asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
+        low = torch.where(i[None, :] < kk[:, None], asc.double(), 0.0).sum(1).float() / kk
+        future = torch.where(m > 0, low.double(), 1.0)
+        score = alpha * creation_conf + (1.0 - alpha) * future if blend else future
+        score = torch.where(lens <= shared_end, 1.0, score)
+        keyw = torch.where(running, score, float("-inf"))
+        # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
+        # host read) cannot index out of range first
+        W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
+    if shift:
+        last_row = _at(csum.index_select(1, (commit_len - 1).clamp(min=0).reshape(1))[:, 0], W)
+    else:
+        last_row = torch.zeros((), dtype=torch.long, device=dev)
+    W1 = W.reshape(1)
+
+    # ---- the D2F fill rule on the winner only (its own block states and logits)
+    sW = sidx.index_select(0, W1)[0]
+    mW = masked.index_select(0, W1)[0]
+    cW, tokW, pW = conf[sW], token[sW], p[sW]  # [Nb]
+    actWb = active.index_select(0, W1)[0]  # [G + 1]
+    onehot = in_block.index_select(0, win_pos)  # [Nb, G + 1]: window position i lies in block j
+    candW = mW & actWb[pos_block.index_select(0, win_pos).clamp(max=G)]
+    thr = candW & (pW > skip_threshold)  # strict, as upstream (a runtime knob, rounded to pW's float32)
+    # fallback: a fully activated active block with masks and no accept fills its most confident mask
+    # (first index on exact ties)
+    cand_b = candW[:, None] & onehot
+    key = torch.where(cand_b, cW[:, None], float("-inf"))
+    best = key.max(0).values
+    firstpos = torch.where(cand_b & (key == best), i[:, None], Nb).min(0).values  # [G + 1]
+    need_fb = complete.index_select(0, W1)[0] & actWb & cand_b.any(0) & ~(thr[:, None] & onehot).any(0)
+    fb = ((firstpos[None, :] == i[:, None]) & need_fb[None, :]).any(1)
+    accW = thr | fb
+    xW = x.index_select(0, W1)[0]
+    xW = xW.scatter(0, win_pos, torch.where(accW, tokW, xW.index_select(0, win_pos)))
+    eos_hit = accW & (tokW == eos_id) if eos_id >= 0 else torch.zeros_like(accW)
+    eosW = _at(eos, W) | eos_hit.any()
+    nA = alive.sum()
+    if NB == 1:
+        multi = (accW.sum() >= 2).long()
+        look_win = grew = torch.zeros((), dtype=torch.long, device=dev)
+    else:
+        is_look = (W != nA - 1).long()  # the anchor is the last alive slot
+        grew = (_at(lens, W) != _at(lens, layout_slot)).long()
+        look_win = is_look
+        # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
+        multi = ((accW.sum() + is_look) >= 2).long()
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    counts = counts + torch.stack([thr.sum(), fb.sum(), eos_hit.sum(), multi, look_win, zero, grew, zero])
+
+    # ---- winner's block table after the fill
+    existsW = exists.index_select(0, W1)[0]
+    mcW = F.pad((xW.index_select(0, gen_pos) == mask_id).view(G, bs).sum(-1), (1, 0))
+    base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
+
+    # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
+    x_new = xW.repeat(NB, 1)  # repeat, not expand().clone(): fresh strides, so eager and compiled rounds hand over identically strided state (a stride-0 dim would recompile)
+    eos_new = eosW.reshape(1).repeat(NB)
+    cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
+    new_look = torch.full((NB,), -1, dtype=torch.long, device=dev)
+    if n_look > 0:
+        rest = candW & ~accW
+        keyl = torch.where(rest, cW, float("-inf"))
+        order = torch.sort(keyl, descending=True, stable=True).indices[:n_look]
+        valid = rest[order]
+        if Nb < n_look:  # fewer window positions than lookaheads (static: known per bucket)
+            order = F.pad(order, (0, n_look - Nb))
+            valid = F.pad(valid, (0, n_look - Nb))
+        n_valid = valid.sum()
+        lpos = win_pos[order]
+        ltok = tokW[order]
+        # flat index slot * (Lb + 1) + pos; an invalid slot rewrites its own token
+        flat = slot[:n_look] * (Lb + 1) + lpos
+        x_flat = x_new.view(-1)
+        x_new = x_flat.scatter(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat))).view(NB, Lb + 1)
+        cconf_new = torch.cat([torch.where(valid, cW[order].double(), 1.0), cconf_new[n_look:]])
+        if eos_id >= 0:
+            eos_new = eos_new | F.pad(valid & (ltok == eos_id), (0, NB - n_look))
+        new_look = torch.cat([torch.where(valid, lpos, -1), new_look[n_look:]])
+    else:
+        n_valid = torch.zeros((), dtype=torch.long, device=dev)
+
+    # ---- new block tables: cached span -> in_cache; a block becomes to_cache only if the anchor rule
+    # completed it (base_done), it has no mask, and every lower block is non-active after its own update
+    # (upstream's in-order loop = a cumulative AND). A lookahead token always lands on a mask of a block the
+    # anchor did NOT complete, so every new branch gets the same table: computed once.
+    stt = torch.where(to_cache, IN_CACHE, block_state)
+    act = existsW & (stt == ACTIVE)
+    retire = act & base_done
+    chain = (~act | retire).long().cumprod(0).bool()
+    stt = torch.where(retire & chain, TO_CACHE, stt)
+    alive_new = slot <= n_valid
+    nblk = _at(n_blocks, W).reshape(1).repeat(NB)
+    complete_new = complete.index_select(0, W1).repeat(NB, 1)
+    pl = plan_round(x_new, nblk, stt, complete_new, eos_new, alive_new, prompt_len, gen_pos, block_start, block_end,
+                    grow_table, activate_table, bs=bs, mask_id=mask_id, shift=shift)  # fmt: skip
+    return SelectRound(W, score, last_row, accW, tokW, x_new, eos_new, alive_new, cconf_new, new_look, stt, counts,
+                       *pl)  # fmt: skip

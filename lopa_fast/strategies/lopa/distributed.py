@@ -132,20 +132,19 @@ def gathered_stats(parts: torch.Tensor, geo, Nb: int, Rmax: int):
 
 def after_exchange(st: dict, T: dict, geo, w: dict, parts: torch.Tensor, Nb: int, Rmax: int, rank: torch.Tensor):
     """The round after the all_gather, the same on every rank: selection, fill, spawn, block transitions and
-    the next plan (rnd.select_winner, rnd.apply_winner on the gathered table). Returns (st, info, vals [12]
+    the next plan (rnd.select_apply: ops.select_round on the gathered table). Returns (st, info, vals [12]
     long): the next head [9], the winner, the error flag, and the row of this rank's logits holding the
     winner's raw row u - 1 (Dream's shift: the next last_logit; meaningful on the winner's owner only).
     rank: 0-d long (a tensor, so every rank compiles the same graph)."""
     conf, x0, p, nonfinite, failed = gathered_stats(parts, geo, Nb, Rmax)
     st["nonfinite"] = nonfinite
-    sel = rnd.select_winner(st, T, geo, w, conf)
-    info = rnd.apply_winner(st, T, geo, w, sel, round_stats.TokenStats(conf, x0, p))
+    W, last_row, info = rnd.select_apply(st, T, geo, w, round_stats.TokenStats(conf, x0, p))
     if geo.shift:  # table row last_row = needed raw row last_row - 1; this rank's rows follow the lower ranks'
         lower = torch.arange(parts.shape[0], device=parts.device) < rank
-        loc = sel["last_row"] - 1 - torch.where(lower, parts[:, 1].long(), 0).sum()
+        loc = last_row - 1 - torch.where(lower, parts[:, 1].long(), 0).sum()
     else:
         loc = torch.zeros((), dtype=torch.long, device=conf.device)
-    vals = torch.cat([st["head"], sel["winner"].reshape(1), failed.reshape(1).long(), loc.reshape(1)])
+    vals = torch.cat([st["head"], W.reshape(1), failed.reshape(1).long(), loc.reshape(1)])
     return st, info, vals
 
 

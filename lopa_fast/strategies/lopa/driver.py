@@ -294,7 +294,7 @@ class FastDecoder:
             out_slot = int(st["layout_slot"])  # the cap: the running anchor (else the first running branch)
         length = self.P + int(st["n_blocks"][out_slot]) * geo.bs
         ids = st["x"][out_slot, self.P : length].tolist()
-        c = {name: int(st["count_" + name]) for name in rnd.ROUND_COUNTERS}
+        c = dict(zip(rnd.ROUND_COUNTERS, st["counts"].tolist()))
         stats.update(
             accepted_by_threshold=c["thresh"], fallback_fills=c["fallback"], eos_fills=c["eos_fills"],
             multi_token_rounds=c["multi"], eos_detected=bool(st["eos"][out_slot]),

@@ -53,10 +53,11 @@ from lopa_fast.strategies.lopa.round_stats import (
     temperature,
     token_stats,
 )
+from lopa_fast import ops
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, stop_in_prefix, stop_table
-
-ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2
+from lopa_fast.reference import ops as ref_ops
+from lopa_fast.reference.ops import ROUND_COUNTERS, TO_CACHE  # noqa: F401 (ROUND_COUNTERS: the driver's)
 
 
 class Head(NamedTuple):
@@ -73,12 +74,6 @@ class Head(NamedTuple):
     # round read, or -1 (the numerics guard rides on the round's one host read: the driver raises before any
     # token of that round is returned)
     stop: int  # a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
-
-
-# the round's counters: one 0-d device tensor each in the round state, read once at the end of a request into
-# the stats (lopa_fast.strategies.lopa.driver)
-ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
-                  "max_branches")  # fmt: skip
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -156,65 +151,28 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
     )  # fmt: skip
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
-    for name in ROUND_COUNTERS:
-        st["count_" + name] = zero()
+    st["counts"] = torch.zeros(len(ROUND_COUNTERS), dtype=torch.long, device=dev)
     return st
 
 
 def plan(st: dict, T: dict, geo) -> None:
     """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
-    device; writes n_blocks / complete and the plan tensors + `head` into st (no host read)."""
-    G, bs, Lb, NB = geo.G, geo.bs, geo.Lb, geo.NB
-    alive, state = st["alive"], st["block_state"]
-    x = st["x"]
-    ismask_all = x == geo.mask_id  # [NB, Lb + 1]; positions past a row's length hold masks too
-    mc = F.pad((x.index_select(1, T["gen_pos"]) == geo.mask_id).view(NB, G, bs).sum(-1), (1, 0))  # [NB, G+1]
-    # 1. grow: the last block's decoded fraction >= tau_add (lookup table, exact Python float maths)
-    last_mc = mc.gather(1, st["n_blocks"][:, None]).squeeze(1)
-    grow = alive & (st["n_blocks"] < G) & ~st["eos"] & T["grow_table"][last_mc]
-    nblk = st["n_blocks"] + grow
-    exists = T["block_index"][None, :] <= nblk[:, None]  # [NB, G + 1]
-    # 2. activation: block j >= tau_act decoded -> block j+1 fully activated (sticky, per branch)
-    complete = st["complete"].clone()
-    complete[:, 1:] |= T["activate_table"][mc[:, :-1]] & exists[:, 1:]
-    # 3. done: no mask and no active block
-    active = exists & (state == ACTIVE)[None, :]
-    lens = T["prompt_len"] + nblk * bs
-    ismask = ismask_all & (T["pos"][None, :] < lens[:, None]) & alive[:, None]
-    done = alive & ~ismask.any(1) & ~active.any(1)
-    rem = alive & ~done
-    # 4. shared-prefix end: the leading run of non-active blocks (a non-active block never holds a mask,
-    # so upstream's min over branches is this one run of the shared state row)
-    lead = (state != ACTIVE).cumprod(0).sum()
-    spe = _at(T["block_end"], lead - 1)
-    # 5. the to-cache span: to_cache blocks (all end <= spe), contiguous from the cache end
-    tc = state == TO_CACHE
-    has_tc = tc.any()
-    s = torch.where(has_tc, torch.where(tc, T["block_start"], Lb).min(), spe)
-    u = torch.where(has_tc, torch.where(tc, T["block_end"], 0).max() - s, 0)
-    wl = lens - s
-    n = torch.where(rem, wl, 0).max()
-    # the layout branch (the anchor if still running, else the first running one): its row length tells
-    # branch-specific growth apart (counters only)
-    nA = alive.sum()
-    first_rem = torch.where(rem, torch.arange(NB, device=x.device), NB - 1).min()
-    lay = torch.where(_at(rem, nA - 1), nA - 1, first_rem)
-    ragged = (torch.where(alive, wl, n) != n).any()
-    # LM-head rows: raw row q is needed iff it predicts a masked position (q+1 with the Dream shift, q
-    # without), or q = s+u-1, the last cached position (its logit becomes last_logit); q >= s.
-    if geo.shift:
-        last = (T["pos"] == s + u - 1) & (u > 0)
-        need = (F.pad(ismask[:, 1:], (0, 1)) | last[None, :]) & alive[:, None]
-        need &= (T["pos"] >= s)[None, :]
-    else:
-        need = ismask
-    st.update(n_blocks=nblk, complete=complete, exists=exists, active=active, running=rem, done=done,
-              is_mask=ismask, need=need, lens=lens, window_lens=wl, to_cache=tc, shared_end=spe,
-              layout_slot=lay, start=s, commit_len=u)  # fmt: skip
-    # a stop sequence in the anchor's finalised prefix (its generated tokens before its first mask)
-    anchor_gen = x.index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
+    device (`reference.ops.plan_round`, the plan part of `select_round`: round 1's plan, before any selection);
+    writes n_blocks / complete and the plan tensors + `head` into st (no host read)."""
+    pl = ref_ops.plan_round(st["x"], st["n_blocks"], st["block_state"], st["complete"], st["eos"], st["alive"],
+                            T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["grow_table"],
+                            T["activate_table"], bs=geo.bs, mask_id=geo.mask_id, shift=geo.shift)  # fmt: skip
+    st.update(pl._asdict())
+    _finish_head(st, T, geo)
+
+
+def _finish_head(st: dict, T: dict, geo) -> None:
+    """st["head"] [9]: the plan's 7 fields, the numerics guard's row and the stop check (a stop sequence in the
+    anchor's finalised prefix: its generated tokens before its first mask)."""
+    nA = st["head"][1]
+    anchor_gen = st["x"].index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
     stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id)
-    st["head"] = torch.stack([~rem.any(), nA, s, u, n, need.sum(), ragged, st["nonfinite"], stop]).long()
+    st["head"] = torch.cat([st["head"][:7], st["nonfinite"].reshape(1), stop.reshape(1).long()])
 
 
 def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
@@ -247,18 +205,19 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
         keys = row_keys(st, T, w["rows"], st["start"], Nb, geo.shift, cfg)
         stats = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
-    sel = select_winner(st, T, geo, w, stats.conf)
-    W1 = sel["winner"].reshape(1)
-    commit_span(st, st["commit_len"], k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
+    u = st["commit_len"]  # this round's span (select_apply moves st on to the next plan)
+    W, last_row, info = select_apply(st, T, geo, w, stats)
+    W1 = W.reshape(1)
+    commit_span(st, u, k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
-            new_last = fused.last_raw(sel["last_row"])
-            st["last_logit"] = torch.where((st["commit_len"] > 0) & (sel["last_row"] > 0), new_last,
+            new_last = fused.last_raw(last_row)
+            st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))  # fmt: skip
         else:
-            new_last = _at(table, sel["last_row"])
-            st["last_logit"] = torch.where(st["commit_len"] > 0, new_last, st["last_logit"].to(new_last.dtype))
-    return st, apply_winner(st, T, geo, w, sel, stats)
+            new_last = _at(table, last_row)
+            st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
+    return st, info
 
 
 def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
@@ -275,8 +234,9 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
     wvalid = wpos < T["total_len"]
     wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
     if NB > 1:  # LoPA-only counters (one slot: no growth split, max_branches is set at the end)
-        st["count_growth_split"] = st["count_growth_split"] + (rem & (lens != _at(lens, st["layout_slot"]))).any()
-        st["count_max_branches"] = torch.maximum(st["count_max_branches"], rem.sum())
+        split = (rem & (lens != _at(lens, st["layout_slot"]))).any().long()
+        st["counts"] = torch.cat([st["counts"][:5], st["counts"][5:6] + split, st["counts"][6:7],
+                                  torch.maximum(st["counts"][7:], rem.sum().reshape(1))])  # fmt: skip
     tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
     bids = T["pos_block"].index_select(0, wpos)[None, :].expand(NB, Nb) if geo.mode == "block_causal" else None
     win_lens = torch.where(alive, st["window_lens"], Nb)  # dead slots see their whole (ignored) window: no empty row
@@ -288,41 +248,33 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
                 need_flat=need_flat, rows=rows)  # fmt: skip
 
 
-def select_winner(st: dict, T: dict, geo, w: dict, conf: torch.Tensor) -> dict:
-    """Branch scores and the winner from the statistics table (conf [1 + R or R, ...]: row 0 the last_logit's
-    under the shift, then the needed rows in ascending flat order). Returns winner (0-d long), score [NB] or
-    None (D2F without a trace), stat_row [NB, Nb] (the table row predicting each window position), masked [NB, Nb],
-    last_row (0-d: the table row of the winner's raw row u - 1, the next last_logit under the shift)."""
-    dev = conf.device
-    NB = geo.NB
-    i = w["cols"]
-    Nb = i.shape[0]
-    rem, lens = st["running"], st["lens"]
-    slot = torch.arange(NB, device=dev)
-    csum = w["need_flat"].long().cumsum(0).view(NB, Nb)  # 1-based rank of each needed raw row
-    sidx = F.pad(csum[:, :-1], (1, 0)) if geo.shift else (csum - 1).clamp(min=0)
-    c_w = conf[sidx]  # [NB, Nb]: the confidence predicting window position i, per slot
-    masked = st["is_mask"].index_select(1, w["win_pos"]) & w["win_valid"][None, :]
-    if NB == 1 and not geo.trace:  # D2F (k = 1): one slot, the winner is slot 0 and there is nothing to score
-        score = None
-        W = torch.zeros((), dtype=torch.long, device=dev)
-    else:
-        # ---- branch scores (every alive slot): mean of the lowest k = max(1, int(m * topp)) confidences over
-        # all its masks (all >= spe); 1.0 with none; 1.0 outright with nothing past spe
-        m = masked.sum(1)
-        kk = T["lowest_k"][m]
-        asc = torch.sort(torch.where(masked, c_w, float("inf")), dim=1).values
-        low = torch.where(i[None, :] < kk[:, None], asc, 0.0).sum(1) / kk
-        future = torch.where(m > 0, low.double(), 1.0)
-        alpha = T["alpha"]  # a runtime knob; whether scores blend at all (alpha > 0) is the geometry's
-        score = alpha * st["creation_conf"] + (1.0 - alpha) * future if geo.blend else future
-        score = torch.where(lens <= st["shared_end"], 1.0, score)
-        keyw = torch.where(rem, score, float("-inf"))
-        # first max = upstream's tie order; clamped so NaN scores (a broken round the driver refuses after its
-        # host read) cannot index out of range first
-        W = torch.where(keyw == keyw.max(), slot, NB).min().clamp(max=NB - 1)
-    last_row = _at(csum.index_select(1, (st["commit_len"] - 1).clamp(min=0).reshape(1))[:, 0], W) if geo.shift else None
-    return dict(winner=W, score=score, stat_row=sidx, masked=masked, last_row=last_row)
+def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The round's selection and bookkeeping after its statistics table (`ops.select_round`, one op: scores and the
+    winner, the fill, the spawn, the block transitions, the counters and the next plan; writes st). Returns
+    (winner 0-d, last_row 0-d: the table row of the winner's raw row u - 1 under the shift, info: the round's
+    trace facts score, winner, accepted, tokens, win_pos, look_pos)."""
+    r = ops.select_round(
+        stats.conf, stats.token, stats.p,
+        st["x"], st["n_blocks"], st["block_state"], st["complete"], st["eos"], st["alive"], st["creation_conf"],
+        st["look_pos"], st["counts"], st["exists"], st["active"], st["running"], st["is_mask"], st["lens"],
+        st["to_cache"], st["shared_end"], st["layout_slot"], st["commit_len"],
+        w["win_pos"], w["win_valid"], w["need_flat"],
+        T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["pos_block"], T["in_block"], T["lowest_k"],
+        T["grow_table"], T["activate_table"], T["skip_threshold"], T["alpha"],
+        bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
+        shift=geo.shift, blend=geo.blend, score_all=geo.trace, check=False,
+    )  # fmt: skip
+    # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
+    info = dict(score=r.score, winner=r.winner, accepted=r.accepted, tokens=r.tokens, win_pos=w["win_pos"],
+                look_pos=st["look_pos"].clone())  # fmt: skip
+    st.update({k: getattr(r, k) for k in _STATE_OUT})
+    _finish_head(st, T, geo)
+    return r.winner, r.last_row, info
+
+
+# the op's outputs that are round state (the rest are the round's decision)
+_STATE_OUT = tuple(f for f in ref_ops.SelectRound._fields if f not in ("winner", "score", "last_row", "accepted",
+                                                                         "tokens"))  # fmt: skip
 
 
 def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None:
@@ -335,104 +287,3 @@ def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None
     st["cache_k"].index_copy_(1, dst, k_span)
     st["cache_v"].index_copy_(1, dst, v_span)
     st["cache_len"] = st["cache_len"] + u
-
-
-def apply_winner(st: dict, T: dict, geo, w: dict, sel: dict, stats: TokenStats) -> dict:
-    """The D2F fill rule on the winner, its completed blocks, the spawn of the next lookaheads, the block-state
-    transitions and the next plan (writes st); stats: the round's statistics table. Returns the round's trace
-    facts (info: score, winner, accepted, tokens, win_pos, look_pos)."""
-    dev = st["x"].device
-    G, Lb, NB = geo.G, geo.Lb, geo.NB
-    alive, lens = st["alive"], st["lens"]
-    i, wpos = w["cols"], w["win_pos"]
-    Nb = i.shape[0]
-    slot = torch.arange(NB, device=dev)
-    W, score, sidx, masked = sel["winner"], sel["score"], sel["stat_row"], sel["masked"]
-    W1 = W.reshape(1)
-    single = NB == 1
-
-    # ---- the D2F fill rule on the winner only (its own block states and logits)
-    sW = sidx.index_select(0, W1)[0]
-    mW = masked.index_select(0, W1)[0]
-    cW, tokW, pW = stats.conf[sW], stats.token[sW], stats.p[sW]  # [Nb]
-    actWb = st["active"].index_select(0, W1)[0]  # [G + 1]
-    onehot = T["in_block"].index_select(0, wpos)  # [Nb, G + 1]: window position i lies in block j
-    candW = mW & actWb[T["pos_block"].index_select(0, wpos).clamp(max=G)]
-    thr = candW & (pW > T["skip_threshold"])  # strict, as upstream (a runtime knob, rounded to pW's float32)
-    # fallback: a fully activated active block with masks and no accept fills its most confident mask
-    # (first index on exact ties)
-    cand_b = candW[:, None] & onehot
-    key = torch.where(cand_b, cW[:, None], float("-inf"))
-    best = key.max(0).values
-    firstpos = torch.where(cand_b & (key == best), i[:, None], Nb).min(0).values  # [G + 1]
-    need_fb = st["complete"].index_select(0, W1)[0] & actWb & cand_b.any(0) & ~(thr[:, None] & onehot).any(0)
-    fb = ((firstpos[None, :] == i[:, None]) & need_fb[None, :]).any(1)
-    accW = thr | fb
-    xW = st["x"].index_select(0, W1)[0]
-    xW = xW.scatter(0, wpos, torch.where(accW, tokW, xW.index_select(0, wpos)))
-    eos_hit = accW & (tokW == geo.eos_id) if geo.eos_id is not None else torch.zeros_like(accW)
-    eosW = _at(st["eos"], W) | eos_hit.any()
-    st["count_thresh"] = st["count_thresh"] + thr.sum()
-    st["count_fallback"] = st["count_fallback"] + fb.sum()
-    st["count_eos_fills"] = st["count_eos_fills"] + eos_hit.sum()
-    if single:
-        st["count_multi"] = st["count_multi"] + (accW.sum() >= 2).long()
-    else:
-        is_look = W != alive.sum() - 1  # the anchor is the last alive slot
-        st["count_winner_grew"] = st["count_winner_grew"] + (_at(lens, W) != _at(lens, st["layout_slot"])).long()
-        st["count_look_wins"] = st["count_look_wins"] + is_look.long()
-        # tokens accepted this round: the anchor-rule fills plus the winning lookahead's token
-        st["count_multi"] = st["count_multi"] + ((accW.sum() + is_look.long()) >= 2).long()
-
-    # ---- winner's block table after the fill
-    existsW = st["exists"].index_select(0, W1)[0]
-    mcW = F.pad((xW.index_select(0, T["gen_pos"]) == geo.mask_id).view(G, geo.bs).sum(-1), (1, 0))
-    base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
-
-    # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
-    x_new = xW.repeat(NB, 1)  # repeat, not expand().clone(): fresh strides, so eager and compiled rounds hand over identically strided state (a stride-0 dim would recompile)
-    eos_new = eosW.reshape(1).repeat(NB)
-    cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
-    look_pos = torch.full((NB,), -1, dtype=torch.long, device=dev)
-    n_look = geo.n_look
-    if n_look > 0:
-        rest = candW & ~accW
-        keyl = torch.where(rest, cW, float("-inf"))
-        order = torch.sort(keyl, descending=True, stable=True).indices[:n_look]
-        valid = rest[order]
-        if Nb < n_look:  # fewer window positions than lookaheads (static: known per bucket)
-            order = F.pad(order, (0, n_look - Nb))
-            valid = F.pad(valid, (0, n_look - Nb))
-        n_valid = valid.sum()
-        lpos = wpos[order]
-        ltok = tokW[order]
-        # flat index slot * (Lb + 1) + pos; an invalid slot rewrites its own token
-        flat = slot[:n_look] * (Lb + 1) + lpos
-        x_flat = x_new.view(-1)
-        x_new = x_flat.scatter(0, flat, torch.where(valid, ltok, x_flat.gather(0, flat))).view(NB, Lb + 1)
-        cconf_new = torch.cat([torch.where(valid, cW[order].double(), 1.0), cconf_new[n_look:]])
-        if geo.eos_id is not None:
-            eos_new = eos_new | F.pad(valid & (ltok == geo.eos_id), (0, NB - n_look))
-        look_pos = torch.cat([torch.where(valid, lpos, -1), look_pos[n_look:]])
-    else:
-        n_valid = torch.zeros((), dtype=torch.long, device=dev)
-
-    # ---- new block tables: cached span -> in_cache; a block becomes to_cache only if the anchor rule
-    # completed it (base_done), it has no mask, and every lower block is non-active after its own update
-    # (upstream's in-order loop = a cumulative AND). A lookahead token always lands on a mask of a block the
-    # anchor did NOT complete, so every new branch gets the same table: computed once.
-    stt = torch.where(st["to_cache"], IN_CACHE, st["block_state"])
-    act = existsW & (stt == ACTIVE)
-    retire = act & base_done
-    chain = (~act | retire).long().cumprod(0).bool()
-    stt = torch.where(retire & chain, TO_CACHE, stt)
-
-    # the trace's per-round facts (read by the host only when a trace is asked for); kept out of `st`,
-    # whose shapes must not depend on the bucket
-    # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
-    info = dict(score=score, winner=W, accepted=accW, tokens=tokW, win_pos=wpos, look_pos=st["look_pos"].clone())
-    st.update(x=x_new, block_state=stt, n_blocks=_at(st["n_blocks"], W).reshape(1).repeat(NB),
-              complete=st["complete"].index_select(0, W1).repeat(NB, 1), eos=eos_new,
-              creation_conf=cconf_new, alive=slot <= n_valid, look_pos=look_pos)  # fmt: skip
-    plan(st, T, geo)
-    return info

@@ -1,0 +1,80 @@
+"""`select_round`: a D2F / LoPA round's selection and bookkeeping after its token statistics, as one op.
+See reference.ops.select_round (the oracle, and the `torch` backend) for every argument's shape and meaning.
+
+Backends: `cpp` (csrc/select_round_cpu.cpp in the extension `lopa_fast._C`, built at install: the default on CPU
+tensors when it is present), `torch` (the reference's vectorised ops: what compile / capture trace when no kernel
+takes the op), `triton` and `cuda` when their kernels load. Every backend returns the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.ops import _backend
+from lopa_fast.reference import ops as ref
+from lopa_fast.reference.ops import SelectRound
+
+_STATE = ("x", "n_blocks", "block_state", "complete", "eos", "alive", "creation_conf", "look_pos", "counts",
+          "exists", "active", "running", "is_mask", "lens", "to_cache", "shared_end", "layout_slot", "commit_len")
+_WINDOW = ("win_pos", "win_valid", "need_flat")
+_TABLES = ("prompt_len", "gen_pos", "block_start", "block_end", "pos_block", "in_block", "lowest_k", "grow_table",
+           "activate_table", "skip_threshold", "alpha")
+_NAMES = ("conf", "token", "p") + _STATE + _WINDOW + _TABLES
+
+
+def _expected(NB: int, Lb1: int, G1: int, Nb: int, bs: int, S: int) -> dict:
+    """name -> (shape, dtype) of every tensor argument."""
+    L, B, F64 = torch.long, torch.bool, torch.float64
+    return dict(
+        conf=((S,), torch.float32), token=((S,), L), p=((S,), torch.float32),
+        x=((NB, Lb1), L), n_blocks=((NB,), L), block_state=((G1,), L), complete=((NB, G1), B), eos=((NB,), B),
+        alive=((NB,), B), creation_conf=((NB,), F64), look_pos=((NB,), L), counts=((len(ref.ROUND_COUNTERS),), L),
+        exists=((NB, G1), B), active=((NB, G1), B), running=((NB,), B), is_mask=((NB, Lb1), B), lens=((NB,), L),
+        to_cache=((G1,), B), shared_end=((), L), layout_slot=((), L), commit_len=((), L),
+        win_pos=((Nb,), L), win_valid=((Nb,), B), need_flat=((NB * Nb,), B),
+        prompt_len=((), L), gen_pos=(((G1 - 1) * bs,), L), block_start=((G1,), L), block_end=((G1,), L),
+        pos_block=((Lb1,), L), in_block=((Lb1, G1), B), lowest_k=((Lb1,), L), grow_table=((bs + 1,), B),
+        activate_table=((bs + 1,), B), skip_threshold=((), F64), alpha=((), F64),
+    )  # fmt: skip
+
+
+def _check(args: tuple, bs: int, mask_id: int, eos_id: int, n_look: int) -> None:
+    if len(args) != len(_NAMES):
+        raise ValueError(f"select_round: {len(args)} tensor arguments; expected {len(_NAMES)}: {', '.join(_NAMES)}")
+    named = dict(zip(_NAMES, args))
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"select_round: {name} must be a tensor, got {type(t).__name__}")
+    x = named["x"]
+    if x.dim() != 2:
+        raise ValueError(f"select_round: x must be [NB, Lb + 1], got {tuple(x.shape)}")
+    NB, Lb1 = x.shape
+    G1 = named["block_state"].numel()
+    Nb = named["win_pos"].numel()
+    S = named["conf"].numel()
+    if not isinstance(bs, int) or bs < 1 or (G1 - 1) * bs >= Lb1:
+        raise ValueError(f"select_round: bs={bs!r} with G={G1 - 1} blocks does not fit x's {Lb1} positions")
+    if not isinstance(n_look, int) or not (n_look == 0 or n_look == NB - 1):
+        raise ValueError(f"select_round: n_look={n_look!r}; allowed: 0 or NB - 1 = {NB - 1}")
+    if not isinstance(mask_id, int) or mask_id < 0 or not isinstance(eos_id, int) or eos_id < -1:
+        raise ValueError(f"select_round: mask_id={mask_id!r} must be >= 0, eos_id={eos_id!r} >= -1 (-1: none)")
+    for name, (shape, dtype) in _expected(NB, Lb1, G1, Nb, bs, S).items():
+        t = named[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"select_round: {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}")
+        if t.device != x.device:
+            raise ValueError(f"select_round: {name} is on {t.device}, x on {x.device}")
+
+
+def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
+                 score_all: bool, check: bool = True, backend: str | None = None) -> SelectRound:
+    """The round's decision, next state and next plan (reference.ops.select_round's positional tensor arguments
+    and keywords). backend: None (auto: `cpp` on CPU tensors when lopa_fast._C is built, the kernels on CUDA) |
+    "cpp" | "triton" | "cuda" | "torch"."""
+    if check:
+        _check(args, bs, mask_id, eos_id, n_look)
+    kw = dict(bs=bs, mask_id=mask_id, eos_id=eos_id, n_look=n_look, shift=bool(shift), blend=bool(blend),
+              score_all=bool(score_all))  # fmt: skip
+    b = _backend.resolve("select_round", backend, args[3].device)
+    if b == "torch":
+        return ref.select_round(*args, **kw)
+    raise ValueError(f"select_round: backend {b!r} has no kernel yet")
