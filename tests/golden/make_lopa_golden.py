@@ -109,9 +109,13 @@ def import_upstream(checkout: str):
         def __init__(self, *a, **k):
             pass
 
-    stub("accelerate", Accelerator=_Any, InitProcessGroupKwargs=_Any)
-    stub("datasets", Dataset=_Any)
-    stub("peft", PeftConfig=_Any, PeftModel=_Any)
+    # stubbed only where not installed (transformers >= 5 imports the real accelerate's dispatch_model)
+    for name, attrs in (("accelerate", dict(Accelerator=_Any, InitProcessGroupKwargs=_Any)),
+                        ("datasets", dict(Dataset=_Any)), ("peft", dict(PeftConfig=_Any, PeftModel=_Any))):
+        try:
+            __import__(name)
+        except ImportError:
+            stub(name, **attrs)
     stub("lm_eval")
     stub("lm_eval.utils")
     sys.modules["lm_eval"].utils = sys.modules["lm_eval.utils"]
