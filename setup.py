@@ -1,14 +1,46 @@
 """Build for lopa_fast.
 
-The pure-Python package always installs (tests/test_packaging.py builds the wheel and runs the demo from it),
-kernels included: lopa_fast/kernels (Triton modules, and the CUDA sources as package data).
-No CUDA is compiled here: CUDA kernels are compiled at first use on a GPU machine (NVRTC via CuPy),
-because a torch-header CUDA build costs minutes of scarce GPU time (docs/toolchain.md section 5).
+The package installs with its kernels (lopa_fast/kernels: Triton modules, and the CUDA sources as package data)
+and, when a C++ compiler works, the extension `lopa_fast._C` (csrc/*.cpp, pybind11, no torch headers: ~10 s with
+g++ -O2), built here and only here: nothing is compiled per process. Without a compiler (or pybind11) the build of
+the extension fails softly: the package installs pure-Python, says so once here, and the ops fall back to their
+torch backends (lopa_fast.ops._backend.cpp_available; one log line at first use).
+CUDA kernels are compiled at first use on a GPU machine (NVRTC via CuPy): docs/toolchain.md section 5.
 """
-from setuptools import find_namespace_packages, setup
+import glob
+import os
+import sys
+
+from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext
 
 # namespace discovery: a subpackage without __init__.py (lopa_fast/reference today) must still ship
 packages = find_namespace_packages(include=["lopa_fast", "lopa_fast.*"], exclude=["lopa_fast.assets.*", "*.__pycache__"])
+
+
+def extensions() -> list:
+    try:
+        import pybind11
+    except ImportError:
+        sys.stderr.write("lopa_fast: pybind11 is not installed; lopa_fast._C (the C++ CPU ops) is not built\n")
+        return []
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # -ffp-contract=off: no fused multiply-add, so the C++ ops round exactly as the torch reference does
+    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+    return [Extension("lopa_fast._C", sources, include_dirs=[pybind11.get_include(), "csrc"], language="c++",
+                      extra_compile_args=flags)]
+
+
+class OptionalBuildExt(build_ext):
+    """Build lopa_fast._C if a compiler works; otherwise install pure-Python and say so once."""
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001 - any compiler / linker failure means "no extension", not "no package"
+            sys.stderr.write(f"lopa_fast: building {ext.name} failed ({e}); installing without it: the C++ CPU ops "
+                             "fall back to their torch backends (same results, slower)\n")
+
 
 setup(
     packages=packages,
@@ -17,4 +49,6 @@ setup(
         "lopa_fast.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/README.md"],
     },
     include_package_data=True,
+    ext_modules=extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -521,7 +521,7 @@ def test_bad_backend_environment_names_the_variable(monkeypatch):
     r = subprocess.run([sys.executable, "-m", "lopa_fast", "generate", "--prompt", "x"], capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "LOPA_FAST_BACKEND": "garbage"})
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert "environment variable LOPA_FAST_BACKEND='garbage'; allowed: auto, cuda, triton, torch" in r.stderr
+    assert "environment variable LOPA_FAST_BACKEND='garbage'; allowed: auto, cuda, triton, cpp, torch" in r.stderr
     monkeypatch.setenv("LOPA_FAST_BACKEND", "garbage")  # the library path names it too
     with pytest.raises(ValueError, match="LOPA_FAST_BACKEND='garbage'"):
         ops.confidence(torch.randn(2, 5))

@@ -1,7 +1,8 @@
-"""Backend selection for the public ops: cuda | triton | torch.
+"""Backend selection for the public ops: cuda | triton | cpp | torch.
 
-`backend=None` (auto): on CUDA tensors the first available of AUTO_ORDER, else the vectorised `torch`
-backend (what the CPU fast path runs). An explicit backend is honoured or refused with a ValueError:
+`backend=None` (auto): on CUDA tensors the first available of AUTO_ORDER; on CPU tensors `cpp` for the ops the
+extension lopa_fast._C carries (CPP_OPS; built at install from csrc/, absent without a compiler), else the
+vectorised `torch` backend (what the CPU fast path runs). An explicit backend is honoured or refused with a ValueError:
 `triton` also runs on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1, the tests).
 
 The CUDA hook: the package `lopa_fast.ops.cuda` exposing `available(op: str) -> bool`,
@@ -12,13 +13,17 @@ imported, `cuda` is simply unavailable. An explicit `backend="cuda"` runs the CU
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 import os
 
 import torch
 
 from lopa_fast.kernels.triton._common import is_interpreter as triton_interpreter  # noqa: F401 (re-exported)
 
-BACKENDS = ("cuda", "triton", "torch")
+BACKENDS = ("cuda", "triton", "cpp", "torch")
+# the ops lopa_fast._C implements on CPU tensors (csrc/)
+CPP_OPS = ("select_round",)
 # Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.
 AUTO_ORDER = ("triton", "cuda")
 
@@ -46,10 +51,34 @@ def cuda_module():
         return None
 
 
+_cpp: object = None  # lopa_fast._C once imported; False when it is not built (said once, in the log)
+
+
+def cpp_module():
+    """lopa_fast._C (the C++ CPU ops, built at install), or None when this install has none: logged once per
+    process, naming why (setup.py printed the compiler's failure at install)."""
+    global _cpp
+    if _cpp is None:
+        try:
+            _cpp = importlib.import_module("lopa_fast._C")
+        except ImportError as e:
+            logging.getLogger("lopa_fast").info(
+                "lopa_fast._C is not built (%s): the C++ CPU ops (%s) run on their torch backends (same results, "
+                "slower); reinstall with a C++ compiler and pybind11 to build it", e, ", ".join(CPP_OPS))
+            _cpp = False
+    return _cpp or None
+
+
 def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> str | None:
     """None if `backend` can run `op` on `device` (with the public op's `args`, when given), else the reason."""
     if backend == "torch":
         return None
+    if backend == "cpp":
+        if op not in CPP_OPS:
+            return f"lopa_fast._C has no C++ kernel for {op}"
+        if device.type != "cpu":
+            return f"tensors are on {device}"
+        return None if cpp_module() is not None else "lopa_fast._C is not built"
     if backend == "triton":
         if not triton_available():
             return "triton does not import"
@@ -67,7 +96,17 @@ def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> st
     return None
 
 
-ENV = "LOPA_FAST_BACKEND"  # overrides an op's auto backend (tests, debugging): auto | cuda | triton | torch
+ENV = "LOPA_FAST_BACKEND"  # overrides an op's auto backend (tests, debugging): auto | cuda | triton | cpp | torch
+
+
+def _has_family(op: str, backend: str) -> bool:
+    """Whether `op` has a kernel of that family at all (the environment's backend applies to the ops that have
+    one; e.g. LOPA_FAST_BACKEND=cpp moves select_round to C++ and leaves rms_norm on its auto choice)."""
+    if backend == "cpp":
+        return op in CPP_OPS
+    if backend == "triton":
+        return importlib.util.find_spec(f"lopa_fast.kernels.triton.{op}") is not None
+    return True
 
 
 def env_backend() -> str:
@@ -85,11 +124,13 @@ def resolve(op: str, backend: str | None, device: torch.device, args: tuple = ()
     asked = f"backend={backend!r}"  # who asked for it, named in the errors
     if backend is None or backend == "auto":
         backend = env_backend()
-        if backend == "auto":
+        if backend == "auto" or not _has_family(op, backend):
             if device.type == "cuda":
                 for b in AUTO_ORDER:
                     if _usable(op, b, device, args) is None:
                         return b
+            elif op in CPP_OPS and _usable(op, "cpp", device) is None:
+                return "cpp"
             return "torch"
         asked = f"{ENV}={backend!r}"
     if backend not in BACKENDS:

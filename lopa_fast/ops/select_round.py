@@ -7,6 +7,8 @@ takes the op), `triton` and `cuda` when their kernels load. Every backend return
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lopa_fast.ops import _backend
@@ -77,4 +79,64 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
     b = _backend.resolve("select_round", backend, args[3].device)
     if b == "torch":
         return ref.select_round(*args, **kw)
+    if b == "cpp":  # eagerly the kernel itself (the custom op's dispatch costs more than the kernel on tiny rounds)
+        out = torch.ops.lopa_fast.cpp_select_round(list(args), **kw) if torch.compiler.is_compiling() else \
+            _run_cpp(list(args), **kw)
+        return SelectRound(*out)
     raise ValueError(f"select_round: backend {b!r} has no kernel yet")
+
+
+# ------------------------------------------------------------------------------ the C++ kernel as a torch custom op
+def _shapes(args) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of each `SelectRound` field, in order."""
+    x = args[3]
+    NB, Lb1 = x.shape
+    G1 = args[5].shape[0]
+    Nb = args[21].shape[0]
+    L, B, F64 = torch.long, torch.bool, torch.float64
+    return [((), L), ((NB,), F64), ((), L), ((Nb,), B), ((Nb,), L),  # winner, score, last_row, accepted, tokens
+            ((NB, Lb1), L), ((NB,), B), ((NB,), B), ((NB,), F64), ((NB,), L), ((G1,), L), ((8,), L),
+            ((NB,), L), ((NB, G1), B), ((NB, G1), B), ((NB, G1), B), ((NB,), B), ((NB,), B), ((NB, Lb1), B),
+            ((NB, Lb1), B), ((NB,), L), ((NB,), L), ((G1,), B), ((), L), ((), L), ((), L), ((), L),
+            ((7,), L)]  # fmt: skip
+
+
+def _outputs(args, split: bool = True) -> list[torch.Tensor]:
+    """Fresh output tensors of a select_round call (the `SelectRound` fields, in order). split: one buffer per
+    dtype, split into the fields (3 allocations instead of 28: on a tiny CPU round the allocations cost more than
+    the kernel; eager only, since a custom op's outputs may not alias one another)."""
+    shapes = _shapes(args)
+    dev = args[3].device
+    if not split:
+        return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in shapes]
+    out: list = [None] * len(shapes)
+    for dtype in (torch.long, torch.bool, torch.float64):
+        idx = [k for k, (_, dt) in enumerate(shapes) if dt == dtype]
+        sizes = [math.prod(shapes[k][0]) for k in idx]
+        parts = torch.empty(sum(sizes), dtype=dtype, device=dev).split(sizes)
+        for k, t in zip(idx, parts):
+            out[k] = t.view(shapes[k][0]) if len(shapes[k][0]) != 1 else t
+    return out
+
+
+def _run_cpp(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
+             score_all: bool, split: bool = True) -> list[torch.Tensor]:
+    """The C++ kernel on fresh outputs (lopa_fast._C.select_round_cpu takes the data pointers)."""
+    out = _outputs(args, split)
+    x = args[3]
+    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
+    dims = [x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0], bs, mask_id, eos_id, n_look, int(shift),
+            int(blend), int(score_all)]  # fmt: skip
+    _backend.cpp_module().select_round_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
+    return out
+
+
+@torch.library.custom_op("lopa_fast::cpp_select_round", mutates_args=())
+def _cpp_op(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
+            score_all: bool) -> list[torch.Tensor]:
+    return _run_cpp(args, bs, mask_id, eos_id, n_look, shift, blend, score_all, split=False)
+
+
+@_cpp_op.register_fake
+def _(args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
+    return _outputs(args, split=False)

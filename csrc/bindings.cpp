@@ -1,0 +1,105 @@
+// lopa_fast._C: the package's compiled CPU ops, bound with pybind11 (no torch headers: arguments are the data
+// pointers of tensors the Python wrappers in lopa_fast/ops have checked, passed as integers). Adding an op: its
+// source in csrc/, its declaration in a header, one m.def line below (setup.py compiles every csrc/*.cpp).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "select_round.h"
+
+namespace py = pybind11;
+using lopa_fast::RoundDims;
+
+namespace {
+
+template <typename T>
+T* ptr(const std::vector<uintptr_t>& p, size_t i) {
+  return reinterpret_cast<T*>(p.at(i));
+}
+
+// ptrs: the 35 inputs then the 28 outputs of reference.ops.select_round, in its order; dims: NB, Lb1, G1, Nb, bs,
+// mask_id, eos_id, n_look, shift, blend, score_all
+void select_round(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
+  if (p.size() != 63 || dims.size() != 11) throw std::invalid_argument("select_round_cpu: 63 pointers, 11 dims");
+  RoundDims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
+              dims[8] != 0, dims[9] != 0, dims[10] != 0};
+  size_t k = 0;
+  lopa_fast::RoundIn in;
+  in.conf = ptr<const float>(p, k++);
+  in.token = ptr<const int64_t>(p, k++);
+  in.p = ptr<const float>(p, k++);
+  in.x = ptr<const int64_t>(p, k++);
+  in.n_blocks = ptr<const int64_t>(p, k++);
+  in.block_state = ptr<const int64_t>(p, k++);
+  in.complete = ptr<const bool>(p, k++);
+  in.eos = ptr<const bool>(p, k++);
+  in.alive = ptr<const bool>(p, k++);
+  in.creation_conf = ptr<const double>(p, k++);
+  in.look_pos = ptr<const int64_t>(p, k++);
+  in.counts = ptr<const int64_t>(p, k++);
+  in.exists = ptr<const bool>(p, k++);
+  in.active = ptr<const bool>(p, k++);
+  in.running = ptr<const bool>(p, k++);
+  in.is_mask = ptr<const bool>(p, k++);
+  in.lens = ptr<const int64_t>(p, k++);
+  in.to_cache = ptr<const bool>(p, k++);
+  in.shared_end = ptr<const int64_t>(p, k++);
+  in.layout_slot = ptr<const int64_t>(p, k++);
+  in.commit_len = ptr<const int64_t>(p, k++);
+  in.win_pos = ptr<const int64_t>(p, k++);
+  in.win_valid = ptr<const bool>(p, k++);
+  in.need_flat = ptr<const bool>(p, k++);
+  in.prompt_len = ptr<const int64_t>(p, k++);
+  in.gen_pos = ptr<const int64_t>(p, k++);
+  in.block_start = ptr<const int64_t>(p, k++);
+  in.block_end = ptr<const int64_t>(p, k++);
+  in.pos_block = ptr<const int64_t>(p, k++);
+  in.in_block = ptr<const bool>(p, k++);
+  in.lowest_k = ptr<const int64_t>(p, k++);
+  in.grow_table = ptr<const bool>(p, k++);
+  in.activate_table = ptr<const bool>(p, k++);
+  in.skip_threshold = ptr<const double>(p, k++);
+  in.alpha = ptr<const double>(p, k++);
+  lopa_fast::RoundOut out;
+  out.winner = ptr<int64_t>(p, k++);
+  out.score = ptr<double>(p, k++);
+  out.last_row = ptr<int64_t>(p, k++);
+  out.accepted = ptr<bool>(p, k++);
+  out.tokens = ptr<int64_t>(p, k++);
+  out.x = ptr<int64_t>(p, k++);
+  out.eos = ptr<bool>(p, k++);
+  out.alive = ptr<bool>(p, k++);
+  out.creation_conf = ptr<double>(p, k++);
+  out.look_pos = ptr<int64_t>(p, k++);
+  out.block_state = ptr<int64_t>(p, k++);
+  out.counts = ptr<int64_t>(p, k++);
+  out.plan.n_blocks = ptr<int64_t>(p, k++);
+  out.plan.complete = ptr<bool>(p, k++);
+  out.plan.exists = ptr<bool>(p, k++);
+  out.plan.active = ptr<bool>(p, k++);
+  out.plan.running = ptr<bool>(p, k++);
+  out.plan.done = ptr<bool>(p, k++);
+  out.plan.is_mask = ptr<bool>(p, k++);
+  out.plan.need = ptr<bool>(p, k++);
+  out.plan.lens = ptr<int64_t>(p, k++);
+  out.plan.window_lens = ptr<int64_t>(p, k++);
+  out.plan.to_cache = ptr<bool>(p, k++);
+  out.plan.shared_end = ptr<int64_t>(p, k++);
+  out.plan.layout_slot = ptr<int64_t>(p, k++);
+  out.plan.start = ptr<int64_t>(p, k++);
+  out.plan.commit_len = ptr<int64_t>(p, k++);
+  out.plan.head = ptr<int64_t>(p, k++);
+  py::gil_scoped_release nogil;  // a server's other threads run while a round is selected
+  lopa_fast::select_round_cpu(d, in, out);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round";
+  m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
+        "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
+}
