@@ -121,6 +121,8 @@ def env_backend() -> str:
 def resolve(op: str, backend: str | None, device: torch.device, args: tuple = ()) -> str:
     """The backend to run `op` with for tensors on `device`; `args` (the public op's arguments) let a kernel
     backend refuse shapes it has no kernel for (auto then moves on; an explicit backend raises)."""
+    if backend == "torch":  # always usable (the layer loop asks ~10 times a forward: no work for it)
+        return backend
     asked = f"backend={backend!r}"  # who asked for it, named in the errors
     if backend is None or backend == "auto":
         backend = env_backend()

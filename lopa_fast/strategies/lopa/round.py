@@ -169,10 +169,13 @@ def plan(st: dict, T: dict, geo) -> None:
 def _finish_head(st: dict, T: dict, geo) -> None:
     """st["head"] [9]: the plan's 7 fields, the numerics guard's row and the stop check (a stop sequence in the
     anchor's finalised prefix: its generated tokens before its first mask)."""
-    nA = st["head"][1]
-    anchor_gen = st["x"].index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
-    stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id)
-    st["head"] = torch.cat([st["head"][:7], st["nonfinite"].reshape(1), stop.reshape(1).long()])
+    if geo.stop_lens:
+        nA = st["head"][1]
+        anchor_gen = st["x"].index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
+        stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id).reshape(1).long()
+    else:  # no stop sequences: nothing to look for (8 ops a round saved)
+        stop = torch.zeros(1, dtype=torch.long, device=st["x"].device)
+    st["head"] = torch.cat([st["head"][:7], st["nonfinite"].reshape(1), stop])
 
 
 def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
