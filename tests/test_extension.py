@@ -1,0 +1,57 @@
+"""lopa_fast._C, the C++ CPU ops built at install (setup.py, csrc/): present in the environment the tests run in (CI
+installs the package with the README's command, which builds it), loaded from the package, chosen by auto on CPU,
+and never built by a process (the build is setup.py's alone)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import lopa_fast
+from lopa_fast.ops import _backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_extension_is_built_and_loaded_from_the_package():
+    """A missing extension here means the install step failed to build it: fail, do not fall back silently."""
+    mod = _backend.cpp_module()
+    assert mod is not None, "lopa_fast._C is not built: the README's install command should have built it"
+    assert Path(mod.__file__).resolve().parent == Path(lopa_fast.__file__).resolve().parent
+    assert hasattr(mod, "select_round_cpu")
+
+
+def test_auto_picks_cpp_on_cpu_for_its_ops_only():
+    cpu = torch.device("cpu")
+    assert _backend.resolve("select_round", None, cpu) == "cpp"
+    assert _backend.resolve("rms_norm", None, cpu) == "torch"  # no C++ kernel: its torch backend
+
+
+def test_the_environment_backend_applies_to_the_ops_that_have_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(_backend.ENV, "cpp")
+    assert _backend.resolve("select_round", None, cpu) == "cpp"
+    assert _backend.resolve("rms_norm", None, cpu) == "torch"
+    monkeypatch.setenv(_backend.ENV, "torch")
+    assert _backend.resolve("select_round", None, cpu) == "torch"
+
+
+def test_no_compiler_is_run_by_a_process():
+    """Importing the package and running a LoPA round (the C++ op) starts no compiler: the extension is loaded."""
+    code = ("import subprocess, torch, lopa_fast\n"
+            "from lopa_fast.testing import random_model, tiny_hf_config\n"
+            "seen = []\n"
+            "real = subprocess.Popen.__init__\n"
+            "def spy(self, args, *a, **k):\n"
+            "    seen.append(args)\n"
+            "    return real(self, args, *a, **k)\n"
+            "subprocess.Popen.__init__ = spy\n"
+            "m = random_model(tiny_hf_config('dream', vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)\n"
+            "lopa_fast.generate(m, torch.tensor([5, 9, 2]), 'lopa', backend='fast', branching_factor=2,\n"
+            "                   max_new_tokens=8, block_size=4)\n"
+            "print('SPAWNED', seen)\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
