@@ -1,0 +1,151 @@
+"""`ops.select_round` (a D2F / LoPA round's selection and bookkeeping as one op): every backend the CPU runs returns
+the reference's (reference.ops.select_round, the torch backend) outputs bit for bit, on inputs recorded from real
+rounds of the parity grid's tiny models and on those inputs perturbed (tied, NaN, infinite confidences; random
+knobs); the public op names a bad argument; and the parity grid stays token-exact on the torch backend too (the C++
+kernel is the CPU default: tests/test_fast_parity.py runs the grid on it)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast import ops
+from lopa_fast.reference.ops import SelectRound
+from tests import test_fast_parity as parity
+
+# the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
+BACKENDS = ["cpp"]
+N_CASES = 24  # parity-grid cases recorded (every k, both attention modes, every model)
+MAX_CALLS = 6  # rounds kept per case
+
+
+def _record(cases) -> list[tuple[tuple, dict]]:
+    calls = []
+    real = ops.select_round
+
+    def spy(*args, **kw):
+        if len(calls) < len(cases) * MAX_CALLS and spy.n < MAX_CALLS:
+            calls.append((tuple(a.clone() for a in args), {k: v for k, v in kw.items() if k not in ("check",
+                                                                                                   "backend")}))
+            spy.n += 1
+        return real(*args, **kw)
+
+    models = parity.build_models()
+    eos_ids = {id(m): parity.frequent_token(m) for m in models.values()}
+    lopa_fast.ops.select_round = spy
+    try:
+        for case in cases:
+            spy.n = 0
+            case = dict(case, return_trace=random.Random(case["prompt_seed"]).random() < 0.3)
+            parity.run_case(models, eos_ids, case)
+    finally:
+        lopa_fast.ops.select_round = real
+    return calls
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    torch.set_num_threads(1)
+    cases = parity.ci_subset()[:N_CASES]
+    assert {c["branching_factor"] for c in cases} == set(parity.KS)
+    assert {c["model"] for c in cases} == set(parity.MODELS)
+    calls = _record(cases)
+    kinds = {(kw["n_look"] > 0, kw["shift"], kw["blend"], kw["score_all"]) for _, kw in calls}
+    assert len(calls) > 50 and {k[0] for k in kinds} == {True, False} and {k[1] for k in kinds} == {True, False}
+    return calls
+
+
+def _same(a: SelectRound, b: SelectRound) -> list[str]:
+    """Names of the fields that differ (bitwise; NaN equals NaN)."""
+    bad = []
+    for name, x, y in zip(SelectRound._fields, a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            bad.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+        elif x.is_floating_point():
+            if not torch.equal(x.view(torch.int64), y.view(torch.int64)) and not torch.equal(
+                    torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)):  # fmt: skip
+                bad.append(name)
+        elif not torch.equal(x, y):
+            bad.append(name)
+    return bad
+
+
+def _check(args, kw, backend):
+    ref = ops.select_round(*args, **kw, backend="torch")
+    got = ops.select_round(*args, **kw, backend=backend)
+    bad = _same(ref, got)
+    assert not bad, f"{backend}: {bad} differ (statics {kw})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recorded_rounds_are_bitwise_the_reference(recorded, backend):
+    for args, kw in recorded:
+        _check(args, kw, backend)
+
+
+def _perturb(args, kw, rng: random.Random):
+    """The recorded round with a new statistics table (tied, NaN, infinite or random confidences and
+    probabilities, random tokens) and new float knobs: any input the op can be given must agree."""
+    args = list(args)
+    S = args[0].numel()
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    mode = rng.choice(("ties", "random", "special"))
+    if mode == "ties":  # few distinct values: ties in the scores, the fallback and the spawn order
+        conf = torch.tensor([0.25, 0.5, 0.5, 0.75, 1.0])[torch.randint(0, 5, (S,), generator=g)]
+    elif mode == "random":
+        conf = torch.rand(S, generator=g) * rng.choice((1.0, -3.0))
+    else:
+        conf = torch.rand(S, generator=g)
+        conf[torch.randint(0, S, (max(1, S // 4),), generator=g)] = rng.choice(
+            (float("nan"), float("inf"), float("-inf")))
+    args[0] = conf.float()
+    args[1] = torch.randint(0, 64, (S,), generator=g)
+    taus = (0.0, 0.3, 0.5, 0.9, 0.99)  # p drawn partly from the thresholds: p == tau (float32) must not accept
+    p = torch.rand(S, generator=g)
+    hit = torch.rand(S, generator=g) < 0.5
+    args[2] = torch.where(hit, torch.tensor(taus)[torch.randint(0, len(taus), (S,), generator=g)], p).float()
+    args[-2] = torch.tensor(rng.choice(taus), dtype=torch.float64)  # skip_threshold
+    args[-1] = torch.tensor(rng.choice((0.0, 0.3, 1.0)), dtype=torch.float64)  # alpha
+    kw = dict(kw, blend=rng.random() < 0.5, score_all=kw["score_all"] or rng.random() < 0.3)
+    return tuple(args), kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_perturbed_rounds_are_bitwise_the_reference(recorded, backend):
+    rng = random.Random(0)
+    for args, kw in recorded:
+        for _ in range(3):
+            _check(*_perturb(args, kw, rng), backend)
+
+
+def test_bad_arguments_are_named(recorded):
+    args, kw = recorded[0]
+    bad = list(args)
+    bad[0] = args[0].double()
+    with pytest.raises(ValueError, match=r"select_round: conf is torch.float64"):
+        ops.select_round(*bad, **kw)
+    bad = list(args)
+    bad[4] = args[4][:-1] if args[4].numel() > 1 else args[4].repeat(2)
+    with pytest.raises(ValueError, match=r"select_round: n_blocks"):
+        ops.select_round(*bad, **kw)
+    with pytest.raises(ValueError, match=r"select_round: \d+ tensor arguments"):
+        ops.select_round(*args[:-1], **kw)
+    with pytest.raises(ValueError, match=r"n_look=7"):
+        ops.select_round(*args, **dict(kw, n_look=7))
+    with pytest.raises(ValueError, match=r"backend='nope'"):
+        ops.select_round(*args, **kw, backend="nope")
+
+
+def test_parity_grid_on_the_torch_backend(monkeypatch):
+    """The CI subset's first cases with select_round on its torch backend (the path compile and capture trace where
+    no kernel takes the op); the full grid under -m slow."""
+    monkeypatch.setenv("LOPA_FAST_BACKEND", "torch")
+    parity.check_cases(parity.ci_subset()[:30])
+
+
+@pytest.mark.slow
+def test_parity_grid_full_on_the_torch_backend(monkeypatch):
+    monkeypatch.setenv("LOPA_FAST_BACKEND", "torch")
+    parity.assert_coverage(parity.check_cases(parity.full_product()))
