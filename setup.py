@@ -1,6 +1,7 @@
 """Build for lopa_fast.
 
-The package installs with its kernels (lopa_fast/kernels: Triton modules, and the CUDA sources as package data)
+The package installs with its kernels (kernels/ at the repository root, installed as lopa_fast.kernels: Triton
+modules, and the CUDA sources as package data)
 and, when a C++ compiler works, the extension `lopa_fast._C` (csrc/*.cpp, pybind11, no torch headers: ~10 s with
 g++ -O2), built here and only here: nothing is compiled per process. Without a compiler (or pybind11) the build of
 the extension fails softly: the package installs pure-Python, says so once here, and the ops fall back to their
@@ -16,6 +17,12 @@ from setuptools.command.build_ext import build_ext
 
 # namespace discovery: a subpackage without __init__.py (lopa_fast/reference today) must still ship
 packages = find_namespace_packages(include=["lopa_fast", "lopa_fast.*"], exclude=["lopa_fast.assets.*", "*.__pycache__"])
+# the kernels live at the repository root (kernels/triton, kernels/cuda: the design card's layout) and install as
+# lopa_fast.kernels.triton / lopa_fast.kernels.cuda under lopa_fast/kernels/__init__.py. kernels/ has no __init__.py
+# on purpose: from the repository root it is only a namespace portion, which loses to Hugging Face's regular
+# `kernels` package (transformers >= 5.25 imports it), so it never shadows it.
+packages += ["lopa_fast.kernels.triton", "lopa_fast.kernels.cuda"]
+package_dir = {"lopa_fast.kernels.triton": "kernels/triton", "lopa_fast.kernels.cuda": "kernels/cuda"}
 
 
 def extensions() -> list:
@@ -44,9 +51,10 @@ class OptionalBuildExt(build_ext):
 
 setup(
     packages=packages,
+    package_dir=package_dir,
     package_data={
         "lopa_fast": ["assets/**/*"],
-        "lopa_fast.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/README.md"],
+        "lopa_fast.kernels.cuda": ["*.cu", "*.cuh", "README.md"],
     },
     include_package_data=True,
     ext_modules=extensions(),

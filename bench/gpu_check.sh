@@ -33,14 +33,14 @@ step projection 10 python bench/projection_check.py --out "$OUT"
 step parity_compiled 50 python bench/bench_round_captured.py --stage parity --out "$OUT"
 step batch 65 python bench/bench_round_captured.py --stage batch --out "$OUT"
 
-# --- CUDA kernels (lopa_fast/kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks,
+# --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks,
 # then benchmarks
 step cuda_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
   tests/test_cuda_graph_capture.py tests/test_cuda_compile.py tests/test_cuda_loader.py -q -k "cuda or nvrtc or nvcc"
 step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-group-by=param:shape \
   --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench_cuda.json"
 
-# --- Triton kernels (lopa_fast/kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs
+# --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs
 # torch/SDPA/Flex
 step triton_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
   tests/test_triton_compile.py -q

@@ -268,7 +268,7 @@ def test_benchmark_baselines_compute_the_same_attention(provider):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CUDA kernels (lopa_fast/kernels/cuda/branch_attention.cu): the exact source on CPU through the host emulation (index
+# CUDA kernels (kernels/cuda/branch_attention.cu): the exact source on CPU through the host emulation (index
 # arithmetic, strides, masks, the prefix split + LSE combine, fp16/bf16 conversions; tiny shapes: every CUDA
 # thread is a std::thread, ~1 s per call on 2 cores), then on a GPU (`gpu`).
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

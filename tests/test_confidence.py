@@ -166,7 +166,7 @@ def test_reference_confidence_is_token_stats(strategy, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CUDA kernel (lopa_fast/kernels/cuda/confidence.cu): host emulation on CPU, then a GPU (`gpu`).
+# CUDA kernel (kernels/cuda/confidence.cu): host emulation on CPU, then a GPU (`gpu`).
 
 
 def emu_vs_reference(cuda_emu, x, suppress=None):

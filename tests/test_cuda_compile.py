@@ -1,7 +1,7 @@
 """CUDA kernels compile for sm_90 without a GPU.
 
 1. nvcc: `nvcc -arch=sm_90 -cubin -Xptxas -v --Werror all-warnings -Xptxas -warn-spills` on every .cu of
-   lopa_fast/kernels/cuda (any warning or register spill fails); skipped when nvcc is absent.
+   kernels/cuda (any warning or register spill fails); skipped when nvcc is absent.
 2. NVRTC: the exact source text, headers and options the runtime loader (lopa_fast.ops.cuda.source) compiles
    with, through the same function; skipped when cupy + nvidia-cuda-nvrtc are not installed.
 
@@ -90,7 +90,7 @@ def write_resources(path: Path) -> None:
         "# CUDA kernel resources (sm_90, ptxas)",
         "",
         f"Command: `nvcc {' '.join(NVCC_FLAGS)} <-D defines of lopa_fast.ops.cuda.constants> "
-        f"-I lopa_fast/kernels/cuda <file>.cu` ({nvcc_version}).",
+        f"-I kernels/cuda <file>.cu` ({nvcc_version}).",
         "Written by `python tests/test_cuda_compile.py`. Threads per CTA: branch_attention partial/combine 128,",
         "confidence 256. smem = static shared memory; branch_attention_(pooled_)partial also take dynamic shared memory",
         "(column `dyn smem`, from lopa_fast.ops.launch.attention_smem_bytes).",

@@ -55,3 +55,25 @@ def test_no_compiler_is_run_by_a_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
+
+
+def test_root_kernels_folder_never_shadows_hugging_faces_kernels():
+    """From the repository root (cwd and sys.path[0]), `import kernels` is Hugging Face's package (transformers >= 5.25
+    imports it), not the root kernels/ folder, which has no __init__.py; lopa_fast.kernels still finds its kernels."""
+    code = ("import sys, importlib.util\n"
+            "assert sys.path[0] == '', sys.path[0]\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "import lopa_fast.kernels.triton.rms_norm as t, lopa_fast.kernels as k\n"
+            "print(spec.origin if spec else None, t.__file__, k.CUDA_DIR)\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    origin, triton_file, cuda_dir = r.stdout.split()
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    if origin != "None":  # Hugging Face's kernels is installed (transformers >= 5.25 pulls it): it must win
+        assert Path(origin).resolve().parent != ROOT / "kernels", origin
+    assert Path(triton_file).resolve().parent == ROOT / "kernels" / "triton"
+    assert (Path(cuda_dir) / "branch_attention.cu").is_file()
+    if origin != "None":
+        r = subprocess.run([sys.executable, "-c", "import transformers.integrations.hub_kernels as h; print('ok')"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

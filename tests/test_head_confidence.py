@@ -183,7 +183,7 @@ def test_triton_custom_op_opcheck_and_fullgraph_compile():
 
 
 # ---------------------------------------------------------------------------------------------- CUDA (host emulation)
-# lopa_fast/kernels/cuda/head_confidence.cu run on CPU (lopa_fast.ops.cuda.emulation, 4 "SMs": the split path at
+# kernels/cuda/head_confidence.cu run on CPU (lopa_fast.ops.cuda.emulation, 4 "SMs": the split path at
 # small V); its sm_90 compile (nvcc, NVRTC) is tests/test_cuda_compile.py.
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cuda_emu_matches_unfused(cuda_emu, dt):

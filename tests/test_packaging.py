@@ -60,9 +60,10 @@ def wheel_env(tmp_path_factory):
 
 def test_wheel_ships_kernel_sources_and_assets(wheel_env):
     _, installed, _, _ = wheel_env
-    kernels = REPO / "lopa_fast" / "kernels"
+    kernels = REPO / "kernels"  # the repository root folder, installed as lopa_fast/kernels
     want = {f"kernels/cuda/{p.name}" for p in (kernels / "cuda").iterdir() if p.suffix in (".cu", ".cuh", ".md")}
     want |= {f"kernels/triton/{p.name}" for p in (kernels / "triton").glob("*.py")}
+    want.add("kernels/__init__.py")  # the package module (lopa_fast/kernels/__init__.py)
     assets = REPO / "lopa_fast" / "assets"
     want |= {str(p.relative_to(REPO / "lopa_fast")) for p in assets.rglob("*")
              if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}

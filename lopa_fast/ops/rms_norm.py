@@ -89,7 +89,7 @@ def add_rms_norm(
 
 # ------------------------------------------------------------------------------ torch custom ops (Triton)
 def _triton(name):
-    # both launchers live in lopa_fast/kernels/triton/rms_norm.py (imported on first use: triton is optional)
+    # both launchers live in kernels/triton/rms_norm.py (imported on first use: triton is optional)
     return getattr(importlib.import_module("lopa_fast.kernels.triton.rms_norm"), name)
 
 

@@ -1,4 +1,4 @@
-"""CUDA kernels of `lopa_fast/kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on
+"""CUDA kernels of `kernels/cuda/*.cu`: compiled at first use with NVRTC (through CuPy), launched on
 torch tensors.
 
 The hook of lopa_fast.ops._backend: `available(op)`, `unsupported(op, *args)` and one function per op with the
@@ -15,7 +15,7 @@ Modules, one job each:
   launch       grids, splits, shared memory, workspaces, argument packing (shared by GPU and emulation)
   device       the CuPy launcher on torch's current stream
   custom_ops   the GPU entry points as torch custom ops (torch.compile / CUDA graphs see opaque ops)
-  emulation    the same .cu run on CPU through lopa_fast/kernels/cuda/host_emu.cuh (tests only)
+  emulation    the same .cu run on CPU through kernels/cuda/host_emu.cuh (tests only)
 """
 from __future__ import annotations
 

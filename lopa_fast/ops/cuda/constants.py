@@ -1,4 +1,4 @@
-"""Compile-time constants of lopa_fast/kernels/cuda/*.cu, defined here once.
+"""Compile-time constants of kernels/cuda/*.cu, defined here once.
 
 The .cu sources read every tile size and code below as a preprocessor define (`defines()`, passed as -D flags
 to NVRTC, nvcc and the host emulation's g++), and the launch maths (lopa_fast.ops.cuda.launch) reads the same

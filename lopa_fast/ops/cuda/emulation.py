@@ -1,6 +1,6 @@
 """Host emulation of the CUDA kernels, for tests on machines without a GPU.
 
-The exact .cu source is compiled by the host C++ compiler against lopa_fast/kernels/cuda/host_emu.cuh (one std::thread
+The exact .cu source is compiled by the host C++ compiler against kernels/cuda/host_emu.cuh (one std::thread
 per CUDA thread, warp shuffles and mma fragments exchanged between barriers, misaligned vector accesses
 counted) into a shared library, cached on disk by source hash, and driven through the same launch code as the
 GPU (lopa_fast.ops.cuda.launch). It checks index arithmetic, masks and reductions; it is slow.

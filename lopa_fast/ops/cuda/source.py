@@ -1,4 +1,4 @@
-"""lopa_fast/kernels/cuda/*.cu sources, their NVRTC compile and the on-disk cubin cache.
+"""kernels/cuda/*.cu sources, their NVRTC compile and the on-disk cubin cache.
 
 On the first call of an op its .cu is compiled by NVRTC (through CuPy) for the device's sm_XY with the
 defines of lopa_fast.ops.cuda.constants, and the cubin is cached under $LOPA_FAST_CACHE_DIR/cuda (default
@@ -12,18 +12,20 @@ import logging
 import os
 from pathlib import Path
 
+from lopa_fast.kernels import CUDA_DIR
+
 from lopa_fast.cache import cache_dir
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, define_flags
 
 log = logging.getLogger("lopa_fast.ops.cuda")
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"  # lopa_fast/kernels/cuda (package data)
+KERNEL_DIR = CUDA_DIR  # kernels/cuda at the repository root, lopa_fast/kernels/cuda in a wheel
 
 HEADERS = ("common.cuh", "vocab_stats.cuh")
 
 
 def kernel_source(op: str) -> tuple[str, dict[str, str]]:
-    """(source text of lopa_fast/kernels/cuda/<op>.cu, {header name: text}) exactly as NVRTC receives them."""
+    """(source text of kernels/cuda/<op>.cu, {header name: text}) exactly as NVRTC receives them."""
     if op not in OPS:
         raise ValueError(f"kernel_source: op={op!r}; allowed: {OPS}")
     src = (KERNEL_DIR / f"{op}.cu").read_text()
@@ -60,7 +62,7 @@ def nvrtc():
 
 
 def compile_cubin(op: str, arch: int) -> bytes:
-    """Compile lopa_fast/kernels/cuda/<op>.cu with NVRTC for sm_<arch>; needs cupy + the NVRTC library, no device.
+    """Compile kernels/cuda/<op>.cu with NVRTC for sm_<arch>; needs cupy + the NVRTC library, no device.
     Raises RuntimeError with NVRTC's log on a compile error."""
     lib = nvrtc()
     src, headers = kernel_source(op)
