@@ -59,6 +59,34 @@ ACCEPTED = ("attention_mask", "pad_token_id", "use_cache", "n")
 NAMES = frozenset(ALIASES) | frozenset(REFUSED) | frozenset(ACCEPTED)
 
 
+# names that are no knob here, with the lopa_fast name they mean (the unknown-keyword error suggests it)
+SUGGEST = {
+    "max_tokens": "max_new_tokens",  # OpenAI / vLLM (the server's body takes max_tokens itself)
+    "max_gen_toks": "max_new_tokens",  # lm-eval's gen_kwargs
+    "stop_sequences": "stop",
+    "stop_token_ids": "stop (token-id sequences: stop=[[id], ...])",
+    "temp": "temperature",
+    "block_len": "block_size",
+    "num_steps": "steps",
+    "diffusion_steps": "steps",
+    "k": "branching_factor",
+}
+
+
+def unknown_knobs_error(fn: str, unknown: list[str], known) -> TypeError:
+    """The TypeError of `fn` given keyword arguments it does not take, each with the lopa_fast name it probably means
+    (SUGGEST, else the closest knob name by difflib), e.g. "max_tokens (did you mean max_new_tokens?)"."""
+    import difflib
+
+    known = sorted(known)
+    named = []
+    for name in unknown:
+        guess = SUGGEST.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+        named.append(f"{name} (did you mean {guess}?)" if guess else name)
+    return TypeError(f"{fn}() got unknown keyword argument(s): {', '.join(named)}; inspect.signature("
+                     "lopa_fast.generate) lists every knob (docs/decoding.md)")
+
+
 def applies(knobs: dict) -> bool:
     """Whether `translate` has work on `knobs` (a name of another library, or a list eos_token_id)."""
     return bool(NAMES & set(knobs)) or isinstance(knobs.get("eos_token_id"), (list, tuple))

@@ -24,6 +24,7 @@ from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the 
 from lopa_fast.config import GenerateConfig
 from lopa_fast.finish import cut_to_length
 from lopa_fast.memory import check_request_memory
+from lopa_fast.model_defaults import with_model_knobs
 from lopa_fast.output import GenerateOutput
 from lopa_fast.prompts import is_batch, is_text, prepare_prompt, prompt_lens
 from lopa_fast.prompts import check_prompt as _check_prompt_ids
@@ -116,14 +117,12 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
         knobs = aliases.translate(knobs, prompt_lens(input_ids) if need else None)
     unknown = sorted(set(knobs) - set(_SIGNATURE.parameters))
     if unknown:
-        raise TypeError(
-            f"generate() got unknown keyword argument(s) {unknown}; strategy-specific knobs are: "
-            f"{', '.join(strategies.specific_knobs())}; see inspect.signature(lopa_fast.generate) for all knobs"
-        )
+        raise aliases.unknown_knobs_error("generate", unknown, set(_SIGNATURE.parameters) - {"model", "input_ids"})
     bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
+    kw = with_model_knobs(model, kw)  # the model's own knobs where none is given (lopa_fast.model_defaults)
     if streamer is not None:
         extra["streamer"] = streamer
     out = generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)

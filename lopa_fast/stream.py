@@ -26,6 +26,7 @@ import warnings
 
 from lopa_fast import aliases, api, plan
 from lopa_fast.config import GenerateConfig
+from lopa_fast.model_defaults import with_model_knobs
 from lopa_fast.progress import first_stop
 from lopa_fast.prompts import prompt_lens
 from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
@@ -175,9 +176,11 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     knobs = aliases.translate(knobs, prompt_lens(ids) if {"max_length", "attention_mask"} & set(knobs) else None)
     if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
         seqs = [*(seqs or []), *knobs.pop("stop")]
-    bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
+    names = {f.name for f in dataclasses.fields(GenerateConfig)}
+    bad = sorted(set(knobs) - names)
     if bad:
-        raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
+        raise aliases.unknown_knobs_error("stream", bad, names)
+    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (lopa_fast.model_defaults)
     api.check_streamer(streamer)
     return TextStream(model, ids, GenerateConfig(**knobs, stop=seqs), text_decoder(tokenizer), texts,
                       verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip

@@ -127,7 +127,6 @@ BAD = [
     ("threshold", dict(factor=-1.0), ValueError, "factor=-1.0"),
     ("threshold", dict(threshold=0.9, factor=1.0), ValueError, "exactly one of"),
     ("threshold", dict(threshold=0.9, entropy_threshold=0.5), ValueError, "exactly one of"),
-    ("threshold", {}, ValueError, "none of threshold="),
     ("threshold", dict(threshold=0.9, cache="full"), ValueError, "cache='full'"),
     ("threshold", dict(threshold=0.9, block_length=3, strict_length=True), ValueError, "block_length=3 must divide"),
     ("threshold", dict(threshold=0.9, block_length=2, steps=3), ValueError, "steps=3 must be a multiple"),

@@ -178,6 +178,10 @@ class LopaFastLM(TemplateLM):
             raise KnobError(f"--apply_chat_template: the tokenizer of {self.path} has no chat template",
                             knob="apply_chat_template", value=True)  # fmt: skip
         self.chat_applied = True  # the templated text holds the special tokens: encode it without adding more
+        if add_generation_prompt:  # a context ending with the template's own "Answer :" gets it once
+            from lopa_fast.text import without_generation_prompt
+
+            chat_history = without_generation_prompt(self.tok, chat_history)
         return self.tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     # ---- loglikelihood requests ----------------------------------------------------------------------------

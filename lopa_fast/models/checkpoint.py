@@ -121,7 +121,12 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
 def read_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"load_model: {path} is not a directory (expected an HF-format model directory)")
+        hub = (not path.is_absolute() and len(path.parts) == 2 and not str(path).startswith(".")
+               and not path.parent.exists())  # "org/name": a Hugging Face hub id, not a local path
+        raise CheckpointError(f"load_model: {path} is not a directory (expected an HF-format model directory)"
+                              + ("; it looks like a Hugging Face hub id, and lopa_fast does not fetch hub ids: "
+                                 f"download it first (huggingface-cli download {path} --local-dir DIR) and pass DIR"
+                                 if hub else ""))
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"load_model: {cfg_file} is missing")

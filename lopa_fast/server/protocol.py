@@ -316,6 +316,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     _refuse_unsupported(body, endpoint)
     knobs, extra_stops = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
+    if knobs.get("strategy", defaults.get("strategy")) != defaults.get("strategy"):  # another strategy than the
+        # server's: the model's own knobs for it under the body's (lopa_fast.model_defaults; issue 42, finding 2)
+        from lopa_fast.model_defaults import merge, model_knobs
+
+        own = model_knobs(getattr(model, "name_or_path", None), knobs["strategy"])
+        merged = merge({**defaults, **own}, knobs) if own else merged
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
     cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
                   endpoint=endpoint)  # fmt: skip

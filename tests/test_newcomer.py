@@ -1,0 +1,141 @@
+"""Issue 42, a newcomer's first hour: each numbered finding, as a new user meets it on the embedded model (each test
+failed on main 33fa3f2). The README recipes themselves run in tests/test_readme.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast import cli, tasks
+from lopa_fast.assets import model_dir
+
+TOM = ("Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now "
+       "? Answer :")  # 7 + 4 * 6 - 5 = 26
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return lopa_fast.load_model(model_dir()), lopa_fast.load_tokenizer(model_dir())
+
+
+def _cli_json(capsys, *argv) -> dict:
+    assert cli.main(["generate", "-q", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# ---- 1. the chat template's "Answer :" is said once ----------------------------------------------------------------
+def test_chat_prompt_ending_with_the_templates_answer_cue_is_not_doubled(embedded, capsys):
+    from lopa_fast.text import encode_prompt
+
+    _, tok = embedded
+    with_cue, without = encode_prompt(tok, TOM, chat=True), encode_prompt(tok, TOM[: -len(" Answer :")], chat=True)
+    assert with_cue == without
+    assert tok.decode(with_cue, skip_special_tokens=True).count("Answer") == 1
+    out = _cli_json(capsys, "--chat", "--prompt", TOM)
+    assert "#### ####" not in out["text"] and tasks.extract_answer(out["text"]) == 26, out["text"]
+
+
+def test_lm_eval_chat_template_says_the_cue_once(embedded):
+    from lopa_fast.lm_eval.model import LopaFastLM
+
+    lm = LopaFastLM()
+    text = lm.apply_chat_template([{"role": "user", "content": TOM}])
+    assert text.count("Answer :") == 1, text
+
+
+# ---- 2. --strategy X keeps the embedded model's own knobs ------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["threshold", "d2f", "lopa"])
+def test_strategy_flag_on_the_embedded_model_keeps_its_knobs(capsys, strategy):
+    out = _cli_json(capsys, "--strategy", strategy, "--prompt", TOM)
+    st = out["stats"]
+    assert tasks.extract_answer(out["text"]) == 26, out["text"]
+    assert st["max_new_tokens"] == 32 and st["forwards"] > 1, st  # the eval row's length, block 8 (not 1 forward)
+
+
+def test_python_api_on_the_embedded_model_uses_its_knobs(embedded):
+    model, tok = embedded
+    ids = tok(TOM)["input_ids"]
+    for strategy in ("threshold", "d2f", "lopa"):
+        out = lopa_fast.generate(model, ids, strategy=strategy)
+        assert tasks.extract_answer(tok.decode(out.generated_ids, skip_special_tokens=True)) == 26, strategy
+        assert out.stats["max_new_tokens"] == 32 and out.stats["forwards"] > 1, (strategy, out.stats)
+    # a knob the user gives wins, and the defaults tied to it follow it (block_length follows block_size)
+    out = lopa_fast.generate(model, ids, strategy="threshold", block_size=4, max_new_tokens=16)
+    assert out.stats["max_new_tokens"] == 16 and out.stats["forwards"] >= 4
+
+
+def test_model_knobs_of_a_model_that_is_not_embedded_are_none(tmp_path):
+    from lopa_fast.model_defaults import model_knobs
+
+    assert model_knobs(tmp_path, "lopa") == {} and model_knobs(None, "lopa") == {}
+    assert model_knobs(model_dir("dparallel-arith-var"), "threshold")["entropy_threshold"] == 0.45
+    assert model_knobs(model_dir("d2f-arith-var"), "lopa")["max_new_tokens"] == 96
+
+
+# ---- 3. threshold without a rule runs Fast-dLLM's default 0.9 --------------------------------------------------------
+def test_threshold_without_a_rule_runs_fast_dllms_default(embedded):
+    model, tok = embedded
+    ids = tok(TOM)["input_ids"]
+    knobs = dict(strategy="threshold", max_new_tokens=32, block_size=8, block_length=8)
+    for backend in ("reference", "fast"):
+        default = lopa_fast.generate(model, ids, backend=backend, **knobs)
+        explicit = lopa_fast.generate(model, ids, backend=backend, threshold=0.9, **knobs)
+        assert default.generated_ids == explicit.generated_ids and default.stats["forwards"] == explicit.stats[
+            "forwards"]
+    from lopa_fast.config import GenerateConfig
+
+    assert GenerateConfig(strategy="threshold").bind(model).threshold == 0.9
+    assert GenerateConfig(strategy="threshold", factor=1.0).bind(model).threshold is None
+
+
+def test_server_threshold_request_without_a_rule_runs_the_default(embedded):
+    from lopa_fast.server.protocol import parse
+
+    model, tok = embedded
+    req = parse({"prompt": TOM, "strategy": "threshold"}, "completions", model, tok, cli.preset_knobs("lopa-k4"))
+    cfg = lopa_fast.GenerateConfig(**req.knobs).bind(model)
+    assert cfg.threshold == 0.9 and cfg.block_length == 8 and cfg.max_new_tokens == 32
+    req = parse({"prompt": TOM, "strategy": "vanilla"}, "completions", model, tok, cli.preset_knobs("lopa-k4"))
+    assert req.knobs["alg"] == "entropy" and req.knobs["steps"] == 32  # the model's vanilla row
+
+
+# ---- 8. the smalls ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,guess", [("max_tokens", "max_new_tokens"), ("max_new_token", "max_new_tokens"),
+                                        ("branching_factr", "branching_factor")])
+def test_unknown_kwarg_suggests_the_lopa_fast_name(embedded, name, guess):
+    model, tok = embedded
+    for fn in (lopa_fast.generate, lopa_fast.stream):
+        with pytest.raises(TypeError, match=rf"{name} \(did you mean {guess}\?\)"):
+            fn(model, [2, 5, 6], tokenizer=tok, **{name: 8})
+
+
+def test_load_model_cuda_on_a_cpu_torch_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the error is for a CPU-only build")
+    with pytest.raises(ValueError, match=r"device='cuda'.*CUDA"):
+        lopa_fast.load_model(model_dir(), device="cuda")
+
+
+def test_load_model_hub_id_says_hub_ids_are_not_fetched():
+    with pytest.raises(Exception, match=r"(?i)hub id.*not (fetched|downloaded)|not (fetched|downloaded).*hub"):
+        lopa_fast.load_model("Dream-org/Dream-v0-Instruct-7B")
+
+
+def test_verbose_timing_line_counts_the_torch_import(capsys):
+    import re
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lopa_fast", "generate", "-v", "--max-new-tokens", "8", "--prompt", TOM],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"imported torch in ([0-9.]+) s", r.stderr)
+    assert m is not None and float(m.group(1)) > 0.0, r.stderr
+
+
+def test_demo_lines_are_wrapped(capsys):
+    assert cli.main(["demo", "--n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120, max(out.splitlines(), key=len)
