@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from lopa_fast import aliases, batching, plan, strategies, threads
+from lopa_fast import aliases, batching, plan, threads
 from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
 from lopa_fast.finish import cut_to_length

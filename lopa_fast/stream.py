@@ -29,8 +29,15 @@ from lopa_fast.config import GenerateConfig
 from lopa_fast.model_defaults import with_model_knobs
 from lopa_fast.progress import first_stop
 from lopa_fast.prompts import prompt_lens
-from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
-    text_decoder  # fmt: skip
+from lopa_fast.text import (
+    answer_ids,
+    answer_text,
+    cut_at_text_stop,
+    encode_prompt,
+    held_back,
+    split_stops,
+    text_decoder,  # fmt: skip
+)
 
 
 class _Closed(Exception):

@@ -119,8 +119,12 @@ def test_load_model_cuda_on_a_cpu_torch_is_a_clear_error():
 
 
 def test_load_model_hub_id_says_hub_ids_are_not_fetched():
-    with pytest.raises(Exception, match=r"(?i)hub id.*not (fetched|downloaded)|not (fetched|downloaded).*hub"):
+    with pytest.raises(lopa_fast.CheckpointError, match=r"hub id, and lopa_fast does not fetch hub ids"):
         lopa_fast.load_model("Dream-org/Dream-v0-Instruct-7B")
+    with pytest.raises(cli.CLIError, match="does not fetch hub ids"):
+        cli.main(["generate", "--model", "Dream-org/Dream-v0-Instruct-7B", "--prompt", "x"])
+    with pytest.raises(lopa_fast.CheckpointError, match=r"not a directory \(expected an HF-format model directory\)$"):
+        lopa_fast.load_model("/no/such/dir")
 
 
 def test_verbose_timing_line_counts_the_torch_import(capsys):

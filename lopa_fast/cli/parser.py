@@ -24,7 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
         EVAL_TASKS,
         GEN_LEN,
         OUT_DIR,
-        ROWS,
         out_name,
     )
 

@@ -22,7 +22,10 @@ def load_model_args(args):
     embedded = args.model is None
     path = model_path(args)  # --model, the preset's (the student's rows), or the embedded model
     if not embedded and not os.path.isdir(path):
-        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)")
+        from lopa_fast.models.checkpoint import hub_id_hint
+
+        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)"
+                       + hub_id_hint(path))
     try:
         model = lopa_fast.load_model(path, dtype=args.dtype, device=device, lora=args.lora)  # None: default_dtype
         tok = lopa_fast.load_tokenizer(path)
