@@ -76,13 +76,15 @@ def _run(argv) -> int:
     if args.threads < 1:
         raise CLIError(f"--threads {args.threads}; allowed: an int >= 1")
     check_device(getattr(args, "device", None))  # before any work: a load, a build, a decode
-    check_environment()
     with log_to_stderr(args.log_level):
         from lopa_fast import logs
 
-        # torch's import: 1.5 s on a quiet machine, 4-6 s under load (said while it runs when it takes > 2 s)
+        # torch's import: 1.5 s on a quiet machine, 4-6 s under load (said while it runs when it takes > 2 s); the
+        # first import of it, so that -v's "imported torch in X s" times it (check_environment's lopa_fast.ops
+        # imported it before, and the line said 0.0 s: issue 42, finding 8)
         with logs.step(logging.getLogger("lopa_fast.cli"), "importing torch", "imported torch", long=False):
             import torch
+        check_environment()  # before any work: a load, a build, a decode
 
         torch.set_num_threads(args.threads)
         return args.fn(args)

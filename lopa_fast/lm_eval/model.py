@@ -109,8 +109,12 @@ class LopaFastLM(TemplateLM):
         fields = {f.name for f in dataclasses.fields(GenerateConfig)}
         unknown = sorted(set(knobs) - fields)
         if unknown:
-            raise TypeError(f"lopa_fast model_args: unknown {unknown}; allowed: {', '.join(MODEL_ARGS)} and the "
-                            "GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
+            import difflib
+
+            named = [f"{u} (did you mean {g[0]}?)" if (g := difflib.get_close_matches(u, [*MODEL_ARGS, *fields], 1,
+                                                                                      0.75)) else u for u in unknown]
+            raise TypeError(f"lopa_fast model_args: unknown {', '.join(named)}; allowed: {', '.join(MODEL_ARGS)} and "
+                            "the GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
         from lopa_fast import api
 
         self.knobs = dict(knobs)
