@@ -143,3 +143,71 @@ def test_demo_lines_are_wrapped(capsys):
     assert cli.main(["demo", "--n", "1"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 120, max(out.splitlines(), key=len)
+
+
+# ---- 5. every lm-eval user error is one line; no --model means lopa_fast -------------------------------------------
+@pytest.mark.parametrize("model_args,needle", [
+    ("strategy=lopa,block_sise=8", "block_sise (did you mean block_size?)"),
+    ("block_size=0", "block_size=0; allowed: an int >= 1"),
+])
+def test_lm_eval_user_errors_are_one_line(tmp_path, model_args, needle):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    r = subprocess.run([sys.executable, "-m", "lopa_fast", "lm-eval", "--model", "lopa_fast", "--model_args",
+                        model_args, "--tasks", "arith_tiny"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)  # fmt: skip
+    errors = [x for x in r.stderr.splitlines() if "error" in x]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and needle in errors[0], r.stderr[-2000:]
+
+
+def test_lm_eval_without_model_runs_lopa_fast(monkeypatch):
+    pytest.importorskip("lm_eval")
+    from lopa_fast.lm_eval import run
+
+    seen = {}
+    monkeypatch.setattr(run, "_run", lambda args: seen.setdefault("model", args.model) and 0)
+    run.main(["--tasks", "arith_tiny"])
+    assert seen["model"] == "lopa_fast"
+    seen.clear()
+    run.main(["--model", "hf", "--tasks", "arith_tiny"])
+    assert seen["model"] == "hf"
+
+
+# ---- 7. presets for apd and dparallel; a preset runs at the model's task length --------------------------------------
+def _knobs(*argv) -> dict:
+    from lopa_fast.cli.flags import generate_knobs
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", *argv])
+    return generate_knobs(args, args.knob_names)
+
+
+def test_presets_cover_apd_and_dparallel_at_the_models_task_length():
+    from lopa_fast.cli.flags import model_path, preset_assets
+
+    student = str(model_dir("dparallel-arith-var"))
+    assert _knobs("--preset", "lopa-k4", "--model", student)["max_new_tokens"] == 96  # was 32: cut the answers
+    assert _knobs("--preset", "lopa-k4")["max_new_tokens"] == 32  # the embedded d2f-arith's task
+    k = _knobs("--preset", "dparallel-h0.45")
+    assert k["entropy_threshold"] == 0.45 and k["max_new_tokens"] == 96
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--preset", "dparallel-h0.45"])
+    assert model_path(args) == student
+    k = _knobs("--preset", "apd-r0.7")
+    assert k["strategy"] == "apd" and k["apd_mixture_weight"] == 0.7 and k["kv_window"] == 2
+    assert preset_assets("apd-r0.7", None) == (None, "ar-arith")
+    assert preset_assets("apd-r0.7", str(model_dir("d2f-arith-var"))) == (None, "ar-arith-var")
+
+
+@pytest.mark.parametrize("preset", ["apd-r0.7", "dparallel-lopa-k4"])
+def test_new_presets_run_from_the_command_line(capsys, preset):
+    from lopa_fast.tasks import arith_var
+
+    p = tasks.generate_task("arith-var", "test", 1, seed=0)[0] if preset.startswith("dparallel") else None
+    prompt = p.prompt if p is not None else TOM
+    out = _cli_json(capsys, "--preset", preset, "--prompt", prompt)
+    want = p.answer if p is not None else 26
+    assert tasks.extract_answer(out["text"]) == want, out["text"]
+    assert out["stats"]["max_new_tokens"] == (arith_var.GEN_LEN if p is not None else 32)

@@ -146,9 +146,9 @@ def _run(args) -> int:
         model = cfg.model
     seed = cfg.seed or [None] * 4
     with logs.step(log, "indexing lm-eval's tasks", "indexed lm-eval's tasks", long=False):
-        tasks = one_line("lm-eval --tasks", cfg.process_tasks,
-                         cfg.metadata)
-    one_line("lm-eval", evaluate, model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples, model_args=cfg.model_args,
+        tasks = one_line("lm-eval --tasks", cfg.process_tasks, cfg.metadata)
+    one_line("lm-eval", evaluate, model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples,
+             model_args=cfg.model_args,
              hf_hub_log_args=cfg.hf_hub_log_args, wandb_args=cfg.wandb_args, wandb_config_args=cfg.wandb_config_args,
              trackio_args=cfg.trackio_args, show_config=cfg.show_config, num_fewshot=cfg.num_fewshot,
              batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size,
