@@ -177,6 +177,8 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         raise TypeError("stream(): tokenizer= is required (the model's tokenizer, lopa_fast.load_tokenizer(dir))")
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
+    if "stop_strings" in knobs:  # HF's text stops: the same as text items of stop=
+        stop = api._with_stop_strings(stop, knobs.pop("stop_strings"))
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
     seqs, texts = split_stops(tokenizer, stop)
     streamer = knobs.pop("streamer", None)
