@@ -211,3 +211,49 @@ def test_new_presets_run_from_the_command_line(capsys, preset):
     want = p.answer if p is not None else 26
     assert tasks.extract_answer(out["text"]) == want, out["text"]
     assert out["stats"]["max_new_tokens"] == (arith_var.GEN_LEN if p is not None else 32)
+
+
+# ---- the conventions users bring (docs/decoding.md "Knobs from other libraries"; the table: test_conventions.py) ----
+def test_padded_batch_with_attention_mask_is_decoded_row_by_row(embedded):
+    model, tok = embedded
+    a, b = tok(TOM)["input_ids"], tok("Mia has 6 shells . She loses 1 shells . How many shells ? Answer :")["input_ids"]
+    P = max(len(a), len(b))
+    ids = torch.tensor([[0] * (P - len(a)) + a, [0] * (P - len(b)) + b])  # left padding (pad id 0), as HF's
+    mask = torch.tensor([[0] * (P - len(a)) + [1] * len(a), [0] * (P - len(b)) + [1] * len(b)])
+    knobs = dict(strategy="d2f", block_size=8, max_new_tokens=16)
+    outs = lopa_fast.generate(model, ids, attention_mask=mask, **knobs)
+    assert [o.generated_ids for o in outs] == [lopa_fast.generate(model, p, **knobs).generated_ids for p in (a, b)]
+    one = lopa_fast.generate(model, ids[:1], attention_mask=mask[:1], **knobs)  # one padded row: one output
+    assert one.generated_ids == outs[0].generated_ids
+    bad = mask.clone()
+    bad[0, -3] = 0  # a hole inside the prompt
+    with pytest.raises(lopa_fast.KnobError, match="padding inside the prompt") as e:
+        lopa_fast.generate(model, ids, attention_mask=bad, **knobs)
+    assert e.value.knob == "attention_mask"
+
+
+def test_num_return_sequences_samples_at_positive_temperature(embedded):
+    model, tok = embedded
+    ids = tok(TOM)["input_ids"]
+    knobs = dict(strategy="d2f", block_size=8, max_new_tokens=16, temperature=3.0)  # 1.5: the model is too sure
+    outs = lopa_fast.generate(model, ids, num_return_sequences=3, seed=7, **knobs)
+    assert len(outs) == 3
+    for i, o in enumerate(outs):  # each reproducible alone with seed + i
+        assert o.generated_ids == lopa_fast.generate(model, ids, seed=7 + i, **knobs).generated_ids
+    assert len({tuple(o.generated_ids) for o in outs}) > 1  # samples, not copies
+    with pytest.raises(lopa_fast.KnobError, match="needs temperature > 0"):
+        lopa_fast.generate(model, ids, num_return_sequences=2, strategy="d2f")
+
+
+def test_stop_strings_is_a_text_stop(embedded):
+    model, tok = embedded
+    ids = tok(TOM)["input_ids"]
+    out = lopa_fast.generate(model, ids, stop_strings=" ####", strategy="d2f", block_size=8, max_new_tokens=32)
+    assert out.stats["finish_reason"] == "stop" and "####" not in out.text
+
+
+def test_load_model_takes_torch_dtype():
+    m = lopa_fast.load_model(model_dir(), torch_dtype=torch.bfloat16)
+    assert m.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="both given"):
+        lopa_fast.load_model(model_dir(), dtype="float32", torch_dtype=torch.bfloat16)
