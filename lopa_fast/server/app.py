@@ -18,6 +18,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lopa_fast.errors import RoundCapError
 from lopa_fast.server.protocol import RequestError, checked, parse
@@ -140,6 +141,17 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         log.exception("unexpected error")
         return _error(RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        """404 (no such route) and 405 (a route without that method) as OpenAI error objects ({"error": ...}), as
+        every other error of this server, instead of Starlette's {"detail": ...}."""
+        what = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(RequestError(f"{what} ({_request.method} {_request.url.path})", None, exc.status_code,
+                                         kind, code).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))  # fmt: skip
+
     app.add_middleware(_ApiKey, api_key=api_key, metrics=metrics)
 
     if access_log:  # added after _ApiKey, so it wraps it: a 401 is logged too
@@ -164,6 +176,85 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "lopa_fast"}]}  # fmt: skip
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        """OpenAI's retrieve-model route: the served model's object, or a 404 error object naming it."""
+        if model != model_id:
+            return _error(RequestError(f"model {model!r} is not served; this server serves {model_id!r}", "model",
+                                       404, code="model_not_found"))  # fmt: skip
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "lopa_fast"}
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: {"version": lopa_fast's}."""
+        import lopa_fast
+
+        return {"version": lopa_fast.__version__}
+
+    async def _json_body(request: Request) -> dict:
+        raw = await _read(request)
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({type(e).__name__})") from e
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} (or {"messages": [...]}, the chat template applied), optional
+        "add_special_tokens" (default true; the prompt as /v1/completions encodes it) -> {"tokens": ids, "count":
+        n, "max_model_len": the model's positions}."""
+        try:
+            body = await _json_body(request)
+            ids = await asyncio.get_running_loop().run_in_executor(prep, _tokenize, body)
+        except RequestError as e:
+            return _error(e)
+        return {"tokens": ids, "count": len(ids), "max_model_len": int(worker.model.config.max_position_embeddings)}
+
+    def _tokenize(body: dict) -> list[int]:
+        from lopa_fast.text import chat_ids, check_text_prompt
+
+        unknown = sorted(set(body) - {"prompt", "messages", "add_special_tokens", "model"})
+        if unknown:
+            raise RequestError(f"{unknown[0]}: not a field of /tokenize (prompt or messages, add_special_tokens)",
+                               unknown[0])  # fmt: skip
+        tok = worker.tokenizer
+        if ("prompt" in body) == ("messages" in body):
+            raise RequestError("/tokenize takes one of prompt (text) or messages (a chat)", "prompt")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise RequestError(f"add_special_tokens: {special!r}; expected true or false", "add_special_tokens")
+        if "messages" in body:
+            msgs = body["messages"]
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+                raise RequestError("messages: expected a non-empty list of {role, content} objects", "messages")
+            return chat_ids(tok, msgs)
+        text = body["prompt"]
+        try:
+            check_text_prompt(text)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"prompt: {e}", "prompt") from e
+        return list(tok(text, add_special_tokens=special)["input_ids"])
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": ids} -> {"prompt": the text} (special tokens kept, as vLLM's)."""
+        try:
+            body = await _json_body(request)
+            ids = body.get("tokens")
+            vocab = int(worker.model.config.vocab_size)
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("tokens: expected a list of token ids (ints)", "tokens")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        except RequestError as e:
+            return _error(e)
+        return {"prompt": worker.tokenizer.decode(ids)}
 
     async def _read(request: Request) -> bytes:
         """The body, at most limits.max_body_bytes (413 past it, before anything is parsed), received within
@@ -254,14 +345,18 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         notes = {"warnings": req.warnings} if req.warnings else {}  # e.g. words the tokenizer does not know
         if req.stream:
             return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage,
-                                          t0),
+                                          t0),  # time to first token and queue time observed there
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        done = None
+        done, first = None, None
         try:
             async for kind, value in handle.events(disconnected=request.is_disconnected):
+                if kind == "piece" and first is None:
+                    first = time.perf_counter() - t0  # time to first token (the pieces themselves: done.text)
                 if kind == "done":  # the pieces are not needed: done.text is them joined
                     done = value
+                    metrics.timing(endpoint, first if first is not None else time.perf_counter() - t0,
+                                   handle.queue_seconds)
                 elif kind == "error":
                     err = _run_error(value)
                     metrics.request(endpoint, err.status, time.perf_counter() - t0)
@@ -298,13 +393,16 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                 choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
             return _event({**head, "object": obj, "choices": [choice], **(extra or {})})
 
-        finished = False
+        finished, first = False, None
         try:
             if endpoint == "chat":
                 yield chunk(None, delta={"role": "assistant", "content": ""})
             async for kind, value in handle.events(disconnected=disconnected):
                 if kind == "cancelled":
                     return
+                if kind in ("piece", "done") and first is None:
+                    first = time.perf_counter() - t0
+                    metrics.timing(endpoint, first, handle.queue_seconds)
                 if kind == "piece":
                     yield chunk(value)
                 elif kind == "done":
