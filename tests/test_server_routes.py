@@ -109,3 +109,29 @@ def test_metrics_have_time_to_first_token_and_queue_time(url):
     queue = re.search(r"^lopa_fast_queue_seconds_count (\S+)$", text, re.M)
     assert ttft is not None and float(ttft.group(1)) >= 1, text
     assert queue is not None and float(queue.group(1)) >= 1, text
+
+
+def test_a_list_of_prompts_gets_one_choice_each(url):
+    other = "Mia has 6 shells . She loses 1 shells . How many shells ? Answer :"
+    status, body = _call(f"{url}/v1/completions", {"prompt": [PROMPT, other], "max_tokens": 32})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1], body
+    for i, p in enumerate((PROMPT, other)):  # each choice is what the prompt gets alone
+        status, alone = _call(f"{url}/v1/completions", {"prompt": p, "max_tokens": 32})
+        assert body["choices"][i]["text"] == alone["choices"][0]["text"]
+    assert body["usage"]["forwards"] == sum(s["forwards"] for s in body["stats"])
+
+
+def test_n_samples_at_positive_temperature(url):
+    req = {"prompt": PROMPT, "max_tokens": 16, "temperature": 3.0, "seed": 11, "n": 3}
+    status, body = _call(f"{url}/v1/completions", req)
+    assert status == 200 and len(body["choices"]) == 3, body
+    for j, c in enumerate(body["choices"]):  # choice j: seed + j
+        status, alone = _call(f"{url}/v1/completions", {**req, "n": 1, "seed": 11 + j})
+        assert c["text"] == alone["choices"][0]["text"] and c["index"] == j
+    status, chat = _call(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                                                        "max_tokens": 16, "temperature": 3.0, "n": 2})
+    assert status == 200 and len(chat["choices"]) == 2
+    for bad, field in (({"n": 2}, "n"), ({"n": 2, "temperature": 1.0, "stream": True}, "stream"),
+                       ({"n": 17, "temperature": 1.0}, "n")):
+        status, body = _call(f"{url}/v1/completions", {"prompt": PROMPT, **bad})
+        assert status == 400 and body["error"]["param"] == field, (bad, body)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lopa_fast.errors import RoundCapError
-from lopa_fast.server.protocol import RequestError, checked, parse
+from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
@@ -331,11 +331,21 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
         return req, handle
 
+    def _fan_out(raw: bytes, endpoint: str) -> tuple[list[dict], int] | None:
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError, UnicodeDecodeError):
+            return None  # _prepare names it
+        return fan_out(body, endpoint, app.state.defaults)
+
     async def _serve(request: Request, endpoint: str):
         t0 = time.perf_counter()
         try:
             raw = await _read(request)
             loop = asyncio.get_running_loop()
+            several = await loop.run_in_executor(prep, _fan_out, raw, endpoint)
+            if several is not None:  # several choices: a list of prompts, or n > 1 samples
+                return await _serve_choices(request, endpoint, *several, t0)
             req, handle = await loop.run_in_executor(prep, _prepare, raw, endpoint, loop)
         except RequestError as e:
             metrics.request(endpoint, e.status, time.perf_counter() - t0)
@@ -369,6 +379,63 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             return _error(RequestError("cancelled: the client disconnected", None, 499, "cancelled"))
         metrics.request(endpoint, 200, time.perf_counter() - t0, done.result.stats)
         return {**_completion(endpoint, head, done, eos), **notes}
+
+    async def _serve_choices(request: Request, endpoint: str, parts: list[dict], n: int, t0: float):
+        """A request of several choices (protocol.fan_out): each part checked and queued as a request of its own
+        (they share the batch engine's rounds), their answers as the choices of one response, in order. Any part's
+        error answers the whole request (the others are cancelled)."""
+        loop = asyncio.get_running_loop()
+        handles = []
+        try:
+            for part in parts:
+                req, handle = await loop.run_in_executor(prep, _prepare, json.dumps(part).encode(), endpoint, loop)
+                handles.append(handle)
+        except RequestError as e:
+            for h in handles:
+                h.cancel()
+            metrics.request(endpoint, e.status, time.perf_counter() - t0)
+            return _error(e)
+
+        async def answer(handle):
+            first = None
+            async for kind, value in handle.events(disconnected=request.is_disconnected):
+                if kind == "piece" and first is None:
+                    first = time.perf_counter() - t0
+                if kind == "done":
+                    metrics.timing(endpoint, first if first is not None else time.perf_counter() - t0,
+                                   handle.queue_seconds)
+                    return value
+                if kind == "error":
+                    return _run_error(value)
+            return None  # cancelled: the client left
+
+        try:
+            answers = await asyncio.gather(*(answer(h) for h in handles))
+        finally:
+            for h in handles:  # a no-op for the finished ones
+                h.cancel()
+        for a in answers:
+            if a is None or isinstance(a, RequestError):
+                err = a if a is not None else RequestError("cancelled: the client disconnected", None, 499,
+                                                           "cancelled")  # fmt: skip
+                metrics.request(endpoint, err.status, time.perf_counter() - t0)
+                return _error(err)
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": model_id}
+        objs = [_completion(endpoint, head, done, eos) for done in answers]
+        for done in answers:
+            metrics.request(endpoint, 200, time.perf_counter() - t0, done.result.stats)
+        use = [o["usage"] for o in objs]
+        prompt_tokens = sum(u["prompt_tokens"] for u in use[::n])  # each prompt once
+        completion = sum(u["completion_tokens"] for u in use)
+        forwards = sum(u["forwards"] for u in use)
+        generated = sum(int(d.result.stats.get("generated_tokens", 0)) for d in answers)
+        return {**head, "object": objs[0]["object"],
+                "choices": [{**o["choices"][0], "index": i} for i, o in enumerate(objs)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion, "forwards": forwards,
+                          "tpf": generated / forwards if forwards else 0.0},
+                "stats": [o["stats"] for o in objs]}  # fmt: skip
 
     def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
         st = done.result.stats
