@@ -135,3 +135,19 @@ def test_n_samples_at_positive_temperature(url):
                        ({"n": 17, "temperature": 1.0}, "n")):
         status, body = _call(f"{url}/v1/completions", {"prompt": PROMPT, **bad})
         assert status == 400 and body["error"]["param"] == field, (bad, body)
+
+
+def test_readme_openai_client_block_runs_verbatim(url, capsys):
+    """The README's Serving section's Python block (the openai client), run with only its base_url pointed at this
+    test's server (the README's is the default port 8000)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Serving (OpenAI-compatible)\n"):]
+    section = section[: section.index("\n## ", 1)]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert code.count("http://127.0.0.1:8000/v1") == 1
+    code = code.replace("http://127.0.0.1:8000/v1", f"{url}/v1")  # the only change
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    out = capsys.readouterr().out
+    assert "#### 26" in out, out  # 7 + 4 * 6 - 5, in the chat answer and the streamed completion
