@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lopa_fast import logs
+from lopa_fast.errors import LopaError
 from lopa_fast.lm_eval.model import LopaFastLM
 
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"  # lm-eval's EvaluatorConfig.device when --device is not given
@@ -107,12 +108,13 @@ def _log_results(loggers: list, results: dict, samples) -> None:
 USER_ERRORS = (TypeError, ValueError, FileNotFoundError)
 
 
+class LmEvalInputError(LopaError, ValueError):
+    """A user's lm-eval input refused (`one_line`): the CLI prints it as one line, exit 2, as every LopaError."""
+
+
 def one_line(where: str, fn, *args, **kwargs):
     """fn(*args, **kwargs), its USER_ERRORS raised again as one CLI error line `where: message` (the first line of
     the message; a FileNotFoundError also names the working directory, which relative data_files are read from)."""
-    from lopa_fast.cli.checks import CLIError
-    from lopa_fast.errors import LopaError
-
     try:
         return fn(*args, **kwargs)
     except LopaError:
@@ -121,7 +123,7 @@ def one_line(where: str, fn, *args, **kwargs):
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if isinstance(e, FileNotFoundError):
             msg += f" (relative data_files are read from the working directory {os.getcwd()})"
-        raise CLIError(f"{where}: {msg}") from e
+        raise LmEvalInputError(f"{where}: {msg}") from e
 
 
 def _run(args) -> int:
