@@ -54,7 +54,8 @@ def length_unit(cfg) -> int:
 
 def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
     """The eval's row: Fast-dLLM's confidence threshold 0.9 (its default), block_length = the block size, no cache."""
-    return {"threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size, threshold=0.9)}
+    return {"threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size,
+                              threshold=DEFAULT_THRESHOLD)}
 
 
 SPEC = register(Strategy(
