@@ -151,3 +151,12 @@ def test_readme_openai_client_block_runs_verbatim(url, capsys):
     exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
     out = capsys.readouterr().out
     assert "#### 26" in out, out  # 7 + 4 * 6 - 5, in the chat answer and the streamed completion
+
+
+def test_the_docs_table_names_these_tests():
+    """docs/serve.md's table of the conventions users expect: each row names a test of this file."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    names = re.findall(r"^\| [^|]+ \| [^|]+ \| `(test_\w+)` \|$", text, re.M)
+    assert len(names) == 8 and all(callable(globals().get(n)) for n in names), names
