@@ -37,16 +37,23 @@ _LAZY = {
 }
 
 
+# light submodules readable as attributes after a bare `import lopa_fast` (`lopa_fast.assets.model_dir()`, as the
+# README writes it; issue 42, finding 4): imported on first read, no torch
+_SUBMODULES = ("assets", "tasks")
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # once: later reads are plain attribute reads
         return value
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")  # the import binds it on the package
     raise AttributeError(f"module 'lopa_fast' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 class _Package(_types.ModuleType):

@@ -26,11 +26,14 @@ from lopa_fast.errors import KnobError
 REFUSED = {
     "num_beams": "diffusion decoding has no beam search; LoPA's branches are the parallel candidates "
                  "(branching_factor=)",
-    "num_return_sequences": "one output per prompt; pass a list of prompts (or seeds) for several",
+    # generate takes it (n samples at T > 0, lopa_fast.api); the other surfaces refuse it here
+    "num_return_sequences": "one output per call here; generate(..., num_return_sequences=n, temperature > 0) "
+                            "returns n samples (the server: n=), or pass a list of prompts (or seeds)",
     "repetition_penalty": "not implemented",
     "length_penalty": "not implemented (no beam search)",
     "min_length": "not implemented; max_new_tokens= bounds the length",
-    "min_new_tokens": "not implemented; max_new_tokens= bounds the length",
+    "min_new_tokens": "not implemented (a diffusion round may fill EOS anywhere in the canvas; HF suppresses it only "
+                      "left to right); max_new_tokens= bounds the length, stop= ends it early",
     "output_scores": "not implemented; return_trace=True records each round's branch scores",
     "return_dict_in_generate": "generate returns a GenerateOutput (generated_ids, stats, trace)",
     "stopping_criteria": "pass stop= (token-id sequences, or text with tokenizer=)",
@@ -52,11 +55,39 @@ REFUSED = {
     "generation_config": "pass the knobs as keyword arguments (a model's generation_config.json supplies "
                          "max_new_tokens and the special ids)",
 }
-ALIASES = ("max_length", "gen_length", "do_sample")
+ALIASES = ("max_length", "gen_length", "do_sample", "stop_strings")
 # names accepted where they mean the same (checked, then dropped: no lopa_fast knob holds them)
 ACCEPTED = ("attention_mask", "pad_token_id", "use_cache", "n")
 # every name `translate` handles (generate calls it when one is given, or a list eos_token_id, or top_k 0 / -1)
 NAMES = frozenset(ALIASES) | frozenset(REFUSED) | frozenset(ACCEPTED)
+
+
+# names that are no knob here, with the lopa_fast name they mean (the unknown-keyword error suggests it)
+SUGGEST = {
+    "max_tokens": "max_new_tokens",  # OpenAI / vLLM (the server's body takes max_tokens itself)
+    "max_gen_toks": "max_new_tokens",  # lm-eval's gen_kwargs
+    "stop_sequences": "stop",
+    "stop_token_ids": "stop (token-id sequences: stop=[[id], ...])",
+    "temp": "temperature",
+    "block_len": "block_size",
+    "num_steps": "steps",
+    "diffusion_steps": "steps",
+    "k": "branching_factor",
+}
+
+
+def unknown_knobs_error(fn: str, unknown: list[str], known) -> TypeError:
+    """The TypeError of `fn` given keyword arguments it does not take, each with the lopa_fast name it probably means
+    (SUGGEST, else the closest knob name by difflib), e.g. "max_tokens (did you mean max_new_tokens?)"."""
+    import difflib
+
+    known = sorted(known)
+    named = []
+    for name in unknown:
+        guess = SUGGEST.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+        named.append(f"{name} (did you mean {guess}?)" if guess else name)
+    return TypeError(f"{fn}() got unknown keyword argument(s): {', '.join(named)}; inspect.signature("
+                     "lopa_fast.generate) lists every knob (docs/decoding.md)")
 
 
 def applies(knobs: dict) -> bool:
@@ -87,6 +118,41 @@ def check_attention_mask(mask, prompt_lens: list[int] | None) -> None:
         raise KnobError(f"attention_mask has {len(zeros)} zero(s) (padding; first at position {zeros[0]}): lopa_fast "
                         "decodes unpadded prompts; pass the prompt without its padding (a list of prompts of any "
                         "lengths for several)", knob="attention_mask", value=zeros[0])  # fmt: skip
+
+
+def unpad(input_ids, mask) -> list:
+    """A padded batch `input_ids [B, P]` (tensor or list of lists) with its HF `attention_mask [B, P]` (1: a token,
+    0: padding; left padding as transformers' decoder tokenizers give it, right padding too) -> the list of the B
+    unpadded prompts (1-D LongTensors), which generate decodes as a list of prompts (one output per row, each equal to
+    decoding the row alone). KnobError naming attention_mask when the shapes differ, a value is not 0 / 1, a row's
+    ones are not contiguous (padding inside the prompt) or a row is all padding."""
+    import torch
+
+    try:
+        ids, m = torch.as_tensor(input_ids), torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError):
+        raise KnobError(f"attention_mask: {type(mask).__name__}; expected a tensor or list of 0 / 1 shaped like "
+                        "input_ids", knob="attention_mask", value=type(mask).__name__) from None  # fmt: skip
+    if ids.dim() == 1:
+        ids = ids[None]
+    if m.dim() == 1:
+        m = m[None]
+    if m.shape != ids.shape:
+        raise KnobError(f"attention_mask has shape {tuple(m.shape)}, input_ids {tuple(ids.shape)}; allowed: the same "
+                        "[B, P] shape", knob="attention_mask", value=tuple(m.shape))  # fmt: skip
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise KnobError("attention_mask holds values other than 0 and 1", knob="attention_mask", value="not 0/1")
+    prompts = []
+    for b in range(ids.shape[0]):
+        on = m[b].nonzero().flatten()
+        if on.numel() == 0:
+            raise KnobError(f"attention_mask row {b} is all zeros (an empty prompt)", knob="attention_mask", value=b)
+        first, last = int(on[0]), int(on[-1])
+        if last - first + 1 != on.numel():
+            raise KnobError(f"attention_mask row {b} has padding inside the prompt (zeros between positions {first} "
+                            f"and {last}); allowed: left or right padding only", knob="attention_mask", value=b)
+        prompts.append(ids[b, first:last + 1].to(torch.long))
+    return prompts
 
 
 def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:

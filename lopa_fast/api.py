@@ -19,11 +19,12 @@ import inspect
 
 import torch
 
-from lopa_fast import aliases, batching, plan, strategies, threads
+from lopa_fast import aliases, batching, plan, threads
 from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
 from lopa_fast.finish import cut_to_length
 from lopa_fast.memory import check_request_memory
+from lopa_fast.model_defaults import with_model_knobs
 from lopa_fast.output import GenerateOutput
 from lopa_fast.prompts import is_batch, is_text, prepare_prompt, prompt_lens
 from lopa_fast.prompts import check_prompt as _check_prompt_ids
@@ -93,6 +94,15 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
+    if "num_return_sequences" in knobs:  # HF: n samples of one prompt (T > 0), a list of outputs
+        return _return_sequences(model, input_ids, args, knobs, knobs.pop("num_return_sequences"))
+    if "attention_mask" in knobs and not is_text(input_ids) and _padded(input_ids, knobs["attention_mask"]):
+        # HF's padded batch [B, P] + attention_mask: the unpadded rows, decoded as a list of prompts (each equal to
+        # decoding it alone); one row: one output, as for an unpadded [1, P]
+        rows = aliases.unpad(input_ids, knobs.pop("attention_mask"))
+        input_ids = rows[0] if len(rows) == 1 else rows
+    if "stop_strings" in knobs:  # HF's text stops: the same as text items of stop= (with the tokenizer)
+        knobs["stop"] = _with_stop_strings(knobs.get("stop"), knobs.pop("stop_strings"))
     tokenizer, streamer = knobs.pop("tokenizer", None), knobs.pop("streamer", None)
     text_stops: list[str] = []
     stop = knobs.get("stop")
@@ -116,14 +126,12 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
         knobs = aliases.translate(knobs, prompt_lens(input_ids) if need else None)
     unknown = sorted(set(knobs) - set(_SIGNATURE.parameters))
     if unknown:
-        raise TypeError(
-            f"generate() got unknown keyword argument(s) {unknown}; strategy-specific knobs are: "
-            f"{', '.join(strategies.specific_knobs())}; see inspect.signature(lopa_fast.generate) for all knobs"
-        )
+        raise aliases.unknown_knobs_error("generate", unknown, set(_SIGNATURE.parameters) - {"model", "input_ids"})
     bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
+    kw = with_model_knobs(model, kw)  # the model's own knobs where none is given (lopa_fast.model_defaults)
     if streamer is not None:
         extra["streamer"] = streamer
     out = generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
@@ -135,6 +143,54 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
         for o in out if isinstance(out, list) else [out]:
             o.text = answer_text(o, text_decoder(tokenizer), eos, text_stops)
     return out
+
+
+def _padded(input_ids, mask) -> bool:
+    """Whether generate's input is HF's padded batch: a [B, P] input with B > 1, or a mask with a zero (padding)."""
+    try:
+        m = torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError):
+        return False  # aliases.check_attention_mask names it
+    rows = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else (
+        len(input_ids) if is_batch(input_ids) else 1)
+    return rows > 1 or bool((m == 0).any())
+
+
+def _with_stop_strings(stop, strings) -> list:
+    """stop= with HF's stop_strings= added as text stops (KnobError naming stop_strings when it is not text)."""
+    from lopa_fast.errors import KnobError
+
+    strings = [strings] if isinstance(strings, str) else strings
+    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(q, str) and q for q in strings):
+        raise KnobError(f"stop_strings={strings!r}; expected a non-empty str or list of them (text stops, as stop=)",
+                        knob="stop_strings", value=strings)  # fmt: skip
+    stop = [] if stop is None else ([stop] if isinstance(stop, str) else list(stop))
+    return [*stop, *strings]
+
+
+def _return_sequences(model, input_ids, args, knobs: dict, n) -> list[GenerateOutput]:
+    """HF's num_return_sequences=n (sampling, T > 0): n outputs of one prompt, the i-th decoded with seed
+    `seed + i` (seed None: one drawn from torch's global generator), so each is reproducible alone. KnobError at
+    temperature 0 (n identical greedy outputs), for a list of prompts or with a streamer."""
+    from lopa_fast.errors import KnobError
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KnobError(f"num_return_sequences={n!r}; expected an int >= 1", knob="num_return_sequences", value=n)
+    if n == 1:
+        return generate(model, input_ids, *args, **knobs)
+    t = knobs.get("temperature")
+    if knobs.get("do_sample") is False or not (isinstance(t, (int, float)) and t > 0):
+        raise KnobError(f"num_return_sequences={n} samples {n} outputs and needs temperature > 0 (greedy decoding "
+                        f"gives {n} identical ones); got temperature={t!r}", knob="num_return_sequences", value=n)
+    if is_batch(input_ids) or (isinstance(input_ids, (list, tuple)) and is_text(input_ids) and len(input_ids) > 1):
+        raise KnobError(f"num_return_sequences={n} samples one prompt; got a list of prompts (repeat the prompts "
+                        "in the list, with seeds, for several each)", knob="num_return_sequences", value=n)
+    if knobs.get("streamer") is not None:
+        raise KnobError(f"num_return_sequences={n} with streamer=: a streamer takes one output",
+                        knob="num_return_sequences", value=n)  # fmt: skip
+    seed = knobs.get("seed")
+    base = seed if seed is not None else int(torch.randint(0, 2**31 - n, ()).item())
+    return [generate(model, input_ids, *args, **{**knobs, "seed": base + i}) for i in range(n)]
 
 
 def known_tokenizer(model, why: str):

@@ -141,8 +141,9 @@ class GenerateConfig:
     alg_temp: float | None = knob(None, "Dream vanilla: temperature of the confidence-ordered reveal",
                                   unset="0 (deterministic top-k)")
     eps: float | None = knob(None, "Dream vanilla: the last time step of the noise schedule", unset="1e-3")
-    threshold: float | None = knob(None, "threshold: commit masks with p(x0) >= it (Fast-dLLM); give exactly one of "
-                                         "threshold / factor / entropy_threshold", unset="none")
+    threshold: float | None = knob(None, "threshold: commit masks with p(x0) >= it (Fast-dLLM); give at most one of "
+                                         "threshold / factor / entropy_threshold",
+                                   unset="0.9 (Fast-dLLM's default) when neither factor nor entropy_threshold is given")
     factor: float | None = knob(None, "threshold: Fast-dLLM's factor rule, commit the longest prefix with c(k) >= "
                                       "1 - factor / (k + 1)", unset="none")
     entropy_threshold: float | None = knob(None, "threshold: commit masks whose entropy is <= it, in nats "

@@ -26,10 +26,18 @@ import warnings
 
 from lopa_fast import aliases, api, plan
 from lopa_fast.config import GenerateConfig
+from lopa_fast.model_defaults import with_model_knobs
 from lopa_fast.progress import first_stop
 from lopa_fast.prompts import prompt_lens
-from lopa_fast.text import answer_ids, answer_text, cut_at_text_stop, encode_prompt, held_back, split_stops, \
-    text_decoder  # fmt: skip
+from lopa_fast.text import (
+    answer_ids,
+    answer_text,
+    cut_at_text_stop,
+    encode_prompt,
+    held_back,
+    split_stops,
+    text_decoder,  # fmt: skip
+)
 
 
 class _Closed(Exception):
@@ -169,15 +177,19 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
         raise TypeError("stream(): tokenizer= is required (the model's tokenizer, lopa_fast.load_tokenizer(dir))")
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round: {type(on_round).__name__}; expected a callable on_round(prefix, info) or None")
+    if "stop_strings" in knobs:  # HF's text stops: the same as text items of stop=
+        stop = api._with_stop_strings(stop, knobs.pop("stop_strings"))
     ids = encode_prompt(tokenizer, prompt, chat) if isinstance(prompt, str) else prompt
     seqs, texts = split_stops(tokenizer, stop)
     streamer = knobs.pop("streamer", None)
     knobs = aliases.translate(knobs, prompt_lens(ids) if {"max_length", "attention_mask"} & set(knobs) else None)
     if knobs.get("stop"):  # a list eos_token_id's extra ids: one-token stops beside the text ones
         seqs = [*(seqs or []), *knobs.pop("stop")]
-    bad = sorted(set(knobs) - {f.name for f in dataclasses.fields(GenerateConfig)})
+    names = {f.name for f in dataclasses.fields(GenerateConfig)}
+    bad = sorted(set(knobs) - names)
     if bad:
-        raise TypeError(f"stream() got unknown keyword argument(s) {bad}; see inspect.signature(lopa_fast.generate)")
+        raise aliases.unknown_knobs_error("stream", bad, names)
+    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (lopa_fast.model_defaults)
     api.check_streamer(streamer)
     return TextStream(model, ids, GenerateConfig(**knobs, stop=seqs), text_decoder(tokenizer), texts,
                       verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip

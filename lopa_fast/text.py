@@ -85,9 +85,36 @@ def unknown_note(tokenizer, words: list[str]) -> str:
             + ", ".join(repr(w) for w in words))  # fmt: skip
 
 
+def generation_prompt(tokenizer) -> str:
+    """The text the chat template appends for `add_generation_prompt=True` (the embedded models': "Answer :"), found
+    by rendering one message with and without it; "" when the template adds nothing or renders the message
+    differently."""
+    msg = [{"role": "user", "content": "x"}]
+    try:
+        with_gp = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+        without = tokenizer.apply_chat_template(msg, add_generation_prompt=False, tokenize=False)
+    except Exception:  # a template that needs other roles or fields: no suffix to compare
+        return ""
+    return with_gp[len(without):] if with_gp.startswith(without) else ""
+
+
+def without_generation_prompt(tokenizer, messages: list[dict]) -> list[dict]:
+    """`messages` with the generation prompt cut from the end of the last user message when it already ends with it:
+    the embedded template appends "Answer :", and the task's own prompts (lopa_fast.tasks) end with "Answer :" too, so
+    without the cut the model sees "... Answer : Answer :" and answers "#### #### 2" (issue 42, finding 1)."""
+    gp = generation_prompt(tokenizer).strip()
+    if not gp or not messages or messages[-1].get("role") != "user":
+        return messages
+    content = messages[-1].get("content")
+    if not isinstance(content, str) or not content.rstrip().endswith(gp) or not content.rstrip()[: -len(gp)].strip():
+        return messages
+    return [*messages[:-1], {**messages[-1], "content": content.rstrip()[: -len(gp)].rstrip()}]
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` ({role, content} dicts) under the tokenizer's chat template, with the generation
-    prompt."""
+    prompt (said once: `without_generation_prompt`)."""
+    messages = without_generation_prompt(tokenizer, messages)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding on some transformers versions
         ids = ids["input_ids"]

@@ -34,18 +34,31 @@ def fill_rounds(trace: list[dict], n: int | None = None) -> tuple[list[int], set
     return [first.get(i, 0) for i in range(n)], {p for p in look if p < n}
 
 
-def fill_order_text(trace: list[dict], tokens: list[str] | None = None, n: int | None = None) -> str:
+def fill_order_text(trace: list[dict], tokens: list[str] | None = None, n: int | None = None,
+                    width: int | None = None) -> str:
     """The terminal view: two aligned lines, the tokens (or position numbers) and the round that filled each
-    (`*` marks a token taken from a winning lookahead branch; `?` a position the trace never filled)."""
+    (`*` marks a token taken from a winning lookahead branch; `?` a position the trace never filled). width: at
+    most this many characters a line, the aligned pair continued on further pairs of lines (None: one pair)."""
     if tokens is not None and n is None:
         n = len(tokens)
     rounds, look = fill_rounds(trace, n)
     top_cells = list(tokens) if tokens is not None else [str(i) for i in range(len(rounds))]
     bot_cells = [f"{r if r else '?'}{'*' if i in look else ''}" for i, r in enumerate(rounds)]
     w = [max(len(a), len(b)) for a, b in zip(top_cells, bot_cells)]
-    top = " ".join(a.rjust(k) for a, k in zip(top_cells, w))
-    bot = " ".join(b.rjust(k) for b, k in zip(bot_cells, w))
-    return f"tokens: {top}\nround:  {bot}"
+    room = None if width is None else max(1, width - len("tokens: "))
+    chunks, start, used = [], 0, 0  # cells [start, i) fit in `room` characters
+    for i, k in enumerate(w):
+        if room is not None and i > start and used + 1 + k > room:
+            chunks.append((start, i))
+            start, used = i, 0
+        used += k + (1 if i > start else 0)
+    chunks.append((start, len(w)))
+    pairs = []
+    for a, b in chunks:
+        top = " ".join(c.rjust(k) for c, k in zip(top_cells[a:b], w[a:b]))
+        bot = " ".join(c.rjust(k) for c, k in zip(bot_cells[a:b], w[a:b]))
+        pairs.append(f"tokens: {top}\nround:  {bot}")
+    return "\n".join(pairs)
 
 
 def fill_order_png(trace: list[dict], path, *, tokens: list[str] | None = None, n: int | None = None,

@@ -15,7 +15,9 @@ def test_demo_runs(capsys):
     """The README's main job shows what LoPA is for: on its default task (arith-var, model d2f-arith-var) LoPA k=4
     answers as D2F does in fewer forwards, with lookahead wins, and says so in its last lines."""
     assert cli.main(["demo", "--n", "1"]) == 0
-    out = capsys.readouterr().out
+    wrapped = capsys.readouterr().out
+    assert max(map(len, wrapped.splitlines())) <= 110  # lopa_fast.tasks.evaluate.DEMO_WIDTH
+    out = re.sub(r"\n(?: {2}| {5})(?=\S)", " ", wrapped)  # the wrapped lines joined (continuations: indent 2 or 5)
     for needle in ("Q:", "d2f", "lopa-k4", "TPF", "forwards", "round:", "tokens:", "exact match", "task arith-var",
                    "d2f-arith-var"):
         assert needle in out, needle

@@ -45,8 +45,9 @@ ON3 = ("generate", "stream", "server")
 ROWS = {
     "attention_mask (all ones)": {s: ({"attention_mask": ONES}, ("same", {}))
                                   for s in ON3},
+    # generate decodes a padded batch as its unpadded rows (tests/test_newcomer.py); stream and the server refuse it
     "attention_mask (a 0)": {s: ({"attention_mask": ZERO}, ("refused", "attention_mask", r"zero\(s\) \(padding"))
-                             for s in ON3},
+                             for s in ("stream", "server")},
     "pad_token_id": {s: ({"pad_token_id": 0}, ("same", {})) for s in ON3},
     "use_cache": {s: ({"use_cache": True}, ("same", {})) for s in ON3},
     "top_k=0 / top_k=-1": {**{s: ({"top_k": -1, "temperature": 0.7, "seed": 3},
@@ -76,6 +77,16 @@ ROWS = {
                         ("refused", "logprobs", "logprobs=2 is not a lopa_fast knob: .*return_trace")) for s in ("generate", "stream")},
                  "server": ({"logprobs": 2}, ("refused", "logprobs", "log-probabilities are not implemented")),
                  "cli": (["--logprobs", "2"], ("refused", "", "--logprobs 2: not a lopa_fast knob"))},
+    "stop_strings": {s: ({"stop_strings": [" ####"]}, ("same", {"stop": [" ####"]})) for s in ("generate", "stream")},
+    "num_return_sequences": {"generate": ({"num_return_sequences": 2},
+                                          ("refused", "num_return_sequences", "needs temperature > 0")),
+                             **{s: ({"num_return_sequences": 2}, ("refused", "num_return_sequences",
+                                                                  "not a lopa_fast knob: .*num_return_sequences=n"))
+                                for s in ("stream", "server")},
+                             "cli": (["--num-return-sequences", "2"], ("refused", "", "not a lopa_fast knob"))},
+    "min_new_tokens": {**{s: ({"min_new_tokens": 4}, ("refused", "min_new_tokens", "not implemented .*stop="))
+                          for s in ON3},
+                       "cli": (["--min-new-tokens", "4"], ("refused", "", "--min-new-tokens 4: not a lopa_fast knob"))},
     "num_beams": {**{s: ({"num_beams": 4},
                          ("refused", "num_beams", "num_beams=4 is not a lopa_fast knob: .*branching_factor=")) for s in ON3},
                   "cli": (["--num-beams", "4"], ("refused", "", "--num-beams 4: not a lopa_fast knob"))},

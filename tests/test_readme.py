@@ -144,3 +144,52 @@ def test_docs_task_prompts_are_answered():
         out = lopa_fast.generate(model, tok(prompt)["input_ids"], **knobs)
         text = answer_text(tok, out.generated_ids)
         assert tasks.extract_answer(text) == ANSWERS[prompt], (docs, prompt, text)
+
+
+# ---- the README's streaming block and offline lm-eval recipe, verbatim on the embedded model (issue 42) -------------
+def section_blocks(title: str, lang: str) -> list[str]:
+    """The ```lang blocks of the README section `## title`."""
+    text = README.read_text()
+    section = text[text.index(f"## {title}\n"):]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_streaming_block_runs_verbatim(capsys):
+    (code,) = section_blocks("Streaming", "python")
+    assert "lopa_fast.stream(" in code and "model_dir()" in code
+    ns: dict = {"__name__": "__readme__"}
+    exec(compile(code, str(README), "exec"), ns)
+    s = ns["s"]
+    printed = capsys.readouterr().out
+    assert s.text in printed and tasks.extract_answer(s.text) == 26, printed  # 7 + 4 * 6 - 5
+    assert printed.splitlines()[-1] == f"{s.result.stats['tpf']} {s.result.stats['finish_reason']}"
+    assert s.result.stats["strategy"] == "lopa" and s.result.stats["max_new_tokens"] == 32  # the model's own length
+
+
+def test_readme_offline_lm_eval_recipe_runs_verbatim(tmp_path):
+    """The lm-eval section's offline recipe (the second ```bash block), run by bash in an empty directory with this
+    interpreter first on PATH: it scores every problem right (it scored 0 when the chat template doubled the
+    `Answer :` cue)."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = section_blocks("lm-evaluation-harness", "bash")
+    recipe = next(b for b in blocks if "arith_tiny.yaml" in b)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               HF_HOME=str(tmp_path / "hf"))
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", recipe], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (results,) = (tmp_path / "my_tasks" / "results").rglob("results_*.json")
+    res = json.loads(results.read_text())["results"]["arith_tiny"]
+    assert res["exact_match,answer"] == 1.0, res
+    # a data file that is not where the YAML says: one line naming the working directory, exit 2
+    (tmp_path / "my_tasks" / "data.jsonl").unlink()
+    last = recipe.strip().splitlines()
+    cmd = "cd my_tasks && " + "\n".join(last[last.index(next(x for x in last if x.startswith("HF_DATASETS"))):])
+    r = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    errors = [x for x in r.stderr.splitlines() if "error" in x.lower()]
+    assert r.returncode == 2 and len(errors) == 1 and "working directory" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

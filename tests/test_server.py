@@ -235,7 +235,7 @@ BAD_REQUESTS = [
     (dict(prompt="   "), "prompt"),
     (dict(prompt=" ".join([PROMPT] * 6)), "prompt"),  # longer than the model's 128 positions
     (dict(prompt=PROMPT + " <|mask|>"), "prompt"),
-    (dict(prompt=["a", "b"]), "prompt"),  # one prompt per request
+    (dict(prompt=[PROMPT, ""]), "prompt"),  # several prompts (a choice each): one bad one is the request's 400
 ]
 
 

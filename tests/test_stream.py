@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import lopa_fast
 from lopa_fast.assets import model_dir
@@ -181,23 +180,3 @@ def test_cli_text_stop_and_exclusive_views(capsys):
     assert cli.text_stop(r"a\n\tb\\") == "a\n\tb\\"
 
 
-def test_readme_streaming_block_runs(tmp_path, capsys):
-    """The README's "Streaming" block, verbatim, on the tiny Dream checkpoint of the quick-start test."""
-    import re
-    import warnings
-
-    from test_readme import README, write_tiny_dream
-
-    text = README.read_text()
-    section = text[text.index("## Streaming") :]
-    (code,) = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ", 1)], flags=re.S)
-    write_tiny_dream(tmp_path / "dream")
-    ns = {"lopa_fast": lopa_fast, "model": lopa_fast.load_model(tmp_path / "dream", dtype=torch.float32),
-          "tok": lopa_fast.load_tokenizer(tmp_path / "dream")}  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the task tokenizer does not know "What" etc. (warned, by name)
-        exec(compile(code, "README.md", "exec"), ns)
-    s = ns["s"]
-    st = s.result.stats
-    assert st["strategy"] == "lopa" and st["max_new_tokens"] == 256
-    assert capsys.readouterr().out == s.text + f"{st['tpf']} {st['finish_reason']}\n"

@@ -48,11 +48,48 @@ def knob_type(hint):
 EMBEDDED_PRESET = "lopa-k4"
 
 
-def preset_knobs(name: str) -> dict:
-    """The knobs `--preset NAME` sets: the eval row's, at the eval's max_new_tokens and temperature 0."""
-    from lopa_fast.tasks.eval_rows import GEN_LEN, ROWS
+def preset_names() -> list[str]:
+    """Every `--preset`: the dLLM rows, APD's rows (their verifier: the task's shipped one unless --verifier) and the
+    dParallel student's rows (their model: the student unless --model)."""
+    from lopa_fast.tasks.eval_rows import APD_ROWS, ROWS, STUDENT_ROWS
 
-    return dict(ROWS[name], max_new_tokens=GEN_LEN, temperature=0.0)
+    return [*ROWS, *APD_ROWS, *STUDENT_ROWS]
+
+
+def preset_assets(name: str | None, model) -> tuple[str | None, str | None]:
+    """(model asset, verifier asset) a preset runs on when --model / --verifier are not given: the student's rows
+    its student, APD's rows the task's verifier; (None, None) for the others (the model given, or the embedded)."""
+    from lopa_fast.model_defaults import task_of
+    from lopa_fast.tasks.eval_rows import APD_ROWS, STUDENT_ROWS, eval_task
+
+    if name in STUDENT_ROWS:
+        return (eval_task("arith-var").student if model is None else None), None
+    if name in APD_ROWS:
+        return None, eval_task(task_of(model) or "arith").verifier
+    return None, None
+
+
+def preset_knobs(name: str, model=None) -> dict:
+    """The knobs `--preset NAME` sets: the eval row's, at temperature 0 and the max_new_tokens of the task of `model`
+    (an embedded model directory: lopa_fast.model_defaults; any other model, or None: the `arith` task's 32; the
+    student's rows: arith-var's 96), the row's knobs scaled to it as the eval scales them (APD's W and M)."""
+    from lopa_fast.model_defaults import task_of
+    from lopa_fast.tasks.eval_rows import STUDENT_ROWS, eval_task, task_rows
+
+    task = task_of(model) or ("arith-var" if name in STUDENT_ROWS else "arith")
+    rows = task_rows(task) if name in task_rows(task) else task_rows("arith-var")
+    return dict(rows[name], max_new_tokens=eval_task(task).gen_len, temperature=0.0)
+
+
+def model_path(args):
+    """The model directory a `generate` / `serve` call runs: --model, else the preset's (the student's rows), else the
+    embedded model."""
+    from lopa_fast.assets import model_dir
+
+    if args.model is not None:
+        return args.model
+    asset, _ = preset_assets(getattr(args, "preset", None), None)
+    return str(model_dir(asset)) if asset else str(model_dir())
 
 def _shown(value) -> str:
     if isinstance(value, bool):
@@ -147,18 +184,22 @@ def other_library_flags(args) -> dict:
 def generate_knobs(args, knob_names) -> dict:
     """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
     nor --strategy is given), then every flag given."""
-    preset = args.preset
-    if preset is None and args.model is None and args.strategy is None:
-        preset = EMBEDDED_PRESET  # the embedded model's own setting
+    from lopa_fast.model_defaults import model_knobs
+
+    preset, path = args.preset, model_path(args)
     knobs: dict = {}
     if preset is not None:
-        knobs.update(preset_knobs(preset))
+        knobs.update(preset_knobs(preset, path))
+    else:  # the model's own knobs for the strategy (an embedded model: its eval row; lopa_fast.model_defaults)
+        knobs.update(model_knobs(path, args.strategy))
     if args.strategy is not None:
         knobs["strategy"] = args.strategy
     knobs["backend"] = args.backend
     if args.compile:
         knobs["compile"] = True
-    knobs.update({k: getattr(args, k) for k in knob_names if hasattr(args, k)})
+    from lopa_fast.model_defaults import merge
+
+    knobs = merge(knobs, {k: getattr(args, k) for k in knob_names if hasattr(args, k)})
     extra = other_library_flags(args)
     if "max_length" in extra and not hasattr(args, "max_new_tokens"):
         knobs.pop("max_new_tokens", None)  # --max-length replaces the preset's length

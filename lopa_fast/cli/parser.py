@@ -8,7 +8,8 @@ import logging
 
 from lopa_fast.cli import run_eval, run_generate, run_serve
 from lopa_fast.cli.checks import Parser, text_stop
-from lopa_fast.cli.flags import EMBEDDED_PRESET, VERIFIER_HELP, add_knob_flags, add_other_library_flags, knob_help
+from lopa_fast.cli.flags import (EMBEDDED_PRESET, VERIFIER_HELP, add_knob_flags, add_other_library_flags, knob_help,
+                                 preset_names)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
         EVAL_TASKS,
         GEN_LEN,
         OUT_DIR,
-        ROWS,
         out_name,
     )
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_flags(p, preset_as: str) -> None:  # generate's and serve's --strategy, --preset, --dtype, --device
         p.add_argument("--strategy", default=None, choices=strategies.names(), help=knob_help(knob["strategy"]))
-        p.add_argument("--preset", default=None, choices=list(ROWS),
+        p.add_argument("--preset", default=None, choices=preset_names(),
                        help=f"an eval row's knobs{preset_as} (the embedded model: {EMBEDDED_PRESET} unless --strategy "
                             "is given)")
         p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),

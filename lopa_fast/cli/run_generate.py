@@ -8,7 +8,7 @@ import sys
 import warnings
 
 from lopa_fast.cli.checks import CLIError, check_out, read_prompt, user_errors
-from lopa_fast.cli.flags import generate_knobs
+from lopa_fast.cli.flags import generate_knobs, model_path, preset_assets
 from lopa_fast.text import encode_prompt
 
 
@@ -17,13 +17,15 @@ def load_model_args(args):
     import torch
 
     import lopa_fast
-    from lopa_fast.assets import model_dir
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     embedded = args.model is None
-    path = model_dir() if embedded else args.model
+    path = model_path(args)  # --model, the preset's (the student's rows), or the embedded model
     if not embedded and not os.path.isdir(path):
-        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)")
+        from lopa_fast.models.checkpoint import hub_id_hint
+
+        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)"
+                       + hub_id_hint(path))
     try:
         model = lopa_fast.load_model(path, dtype=args.dtype, device=device, lora=args.lora)  # None: default_dtype
         tok = lopa_fast.load_tokenizer(path)
@@ -63,6 +65,11 @@ def generate(args) -> int:
 
     text = read_prompt(args)  # before any load: a bad prompt costs nothing
     knobs = generate_knobs(args, args.knob_names)
+    _, verifier_asset = preset_assets(args.preset, args.model)
+    if getattr(args, "verifier", None) is None and verifier_asset is not None:  # APD's presets: the task's verifier
+        from lopa_fast.assets import model_dir
+
+        args.verifier = str(model_dir(verifier_asset))
     if knobs.get("distributed"):  # launched by torchrun: the group must exist before the knob checks
         from lopa_fast.distributed import init_from_env
 

@@ -109,8 +109,12 @@ class LopaFastLM(TemplateLM):
         fields = {f.name for f in dataclasses.fields(GenerateConfig)}
         unknown = sorted(set(knobs) - fields)
         if unknown:
-            raise TypeError(f"lopa_fast model_args: unknown {unknown}; allowed: {', '.join(MODEL_ARGS)} and the "
-                            "GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
+            import difflib
+
+            named = [f"{u} (did you mean {g[0]}?)" if (g := difflib.get_close_matches(u, [*MODEL_ARGS, *fields], 1,
+                                                                                      0.75)) else u for u in unknown]
+            raise TypeError(f"lopa_fast model_args: unknown {', '.join(named)}; allowed: {', '.join(MODEL_ARGS)} and "
+                            "the GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
         from lopa_fast import api
 
         self.knobs = dict(knobs)
@@ -178,6 +182,10 @@ class LopaFastLM(TemplateLM):
             raise KnobError(f"--apply_chat_template: the tokenizer of {self.path} has no chat template",
                             knob="apply_chat_template", value=True)  # fmt: skip
         self.chat_applied = True  # the templated text holds the special tokens: encode it without adding more
+        if add_generation_prompt:  # a context ending with the template's own "Answer :" gets it once
+            from lopa_fast.text import without_generation_prompt
+
+            chat_history = without_generation_prompt(self.tok, chat_history)
         return self.tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     # ---- loglikelihood requests ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from lopa_fast import logs
+from lopa_fast.errors import LopaError
 from lopa_fast.lm_eval.model import LopaFastLM
 
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"  # lm-eval's EvaluatorConfig.device when --device is not given
@@ -102,6 +103,29 @@ def _log_results(loggers: list, results: dict, samples) -> None:
             logging.getLogger(__name__).info("lopa_fast: logging to %s failed: %s", type(lg).__name__, e)
 
 
+# what a user's input raises from lm-eval's configuration, the model's arguments and the task's data (a misspelt
+# model arg, block_size=0, a task not found, a data file not where the task YAML says): one line, exit 2
+USER_ERRORS = (TypeError, ValueError, FileNotFoundError)
+
+
+class LmEvalInputError(LopaError, ValueError):
+    """A user's lm-eval input refused (`one_line`): the CLI prints it as one line, exit 2, as every LopaError."""
+
+
+def one_line(where: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its USER_ERRORS raised again as one CLI error line `where: message` (the first line of
+    the message; a FileNotFoundError also names the working directory, which relative data_files are read from)."""
+    try:
+        return fn(*args, **kwargs)
+    except LopaError:
+        raise
+    except USER_ERRORS as e:
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, FileNotFoundError):
+            msg += f" (relative data_files are read from the working directory {os.getcwd()})"
+        raise LmEvalInputError(f"{where}: {msg}") from e
+
+
 def _run(args) -> int:
     """`lm-eval run` with the parsed flags: lm-eval's EvaluatorConfig (defaults, --config YAML, checks), the
     `lopa_fast` model built as an instance, then `evaluate`."""
@@ -110,7 +134,7 @@ def _run(args) -> int:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as lm-eval's run does
     log = logging.getLogger(__name__)
     with logs.step(log, "reading lm-eval's configuration", "read lm-eval's configuration", long=False):
-        cfg = EvaluatorConfig.from_cli(args)
+        cfg = one_line("lm-eval", EvaluatorConfig.from_cli, args)
     if cfg.model == "lopa_fast":  # a model_arg wins over the flag of the same name
         # --device unnamed: lm-eval's default cuda:0 is not asked for; the model's own default (cuda when
         # available, else the CPU, without a warning) applies
@@ -118,14 +142,15 @@ def _run(args) -> int:
         flags = {"batch_size": cfg.batch_size, "max_batch_size": cfg.max_batch_size,
                  "device": cfg.device if named else None}
         with logs.step(log, "loading the model", "loaded the model", long=False):
-            model = LopaFastLM.create_from_arg_obj(cfg.model_args, {k: v for k, v in flags.items()
-                                                                    if k not in cfg.model_args})  # fmt: skip
+            model = one_line("lm-eval --model_args", LopaFastLM.create_from_arg_obj, cfg.model_args,
+                             {k: v for k, v in flags.items() if k not in cfg.model_args})  # fmt: skip
     else:  # another lm-eval model: lm-eval builds it
         model = cfg.model
     seed = cfg.seed or [None] * 4
     with logs.step(log, "indexing lm-eval's tasks", "indexed lm-eval's tasks", long=False):
-        tasks = cfg.process_tasks(cfg.metadata)
-    evaluate(model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples, model_args=cfg.model_args,
+        tasks = one_line("lm-eval --tasks", cfg.process_tasks, cfg.metadata)
+    one_line("lm-eval", evaluate, model, cfg.tasks, output_path=cfg.output_path, log_samples=cfg.log_samples,
+             model_args=cfg.model_args,
              hf_hub_log_args=cfg.hf_hub_log_args, wandb_args=cfg.wandb_args, wandb_config_args=cfg.wandb_config_args,
              trackio_args=cfg.trackio_args, show_config=cfg.show_config, num_fewshot=cfg.num_fewshot,
              batch_size=cfg.batch_size, max_batch_size=cfg.max_batch_size,
@@ -162,6 +187,9 @@ def main(argv: list[str]) -> int:
         argv.insert(0, "run")
     elif argv == ["run"]:  # a bare `run`: its help, as lm-eval prints it
         argv.append("--help")
+    named = any(a in ("--model", "-M", "--config", "-C") or a.startswith(("--model=", "--config=")) for a in argv)
+    if argv and argv[0] == "run" and not named:
+        argv[1:1] = ["--model", "lopa_fast"]  # under `python -m lopa_fast lm-eval` the model is lopa_fast's
     args = cli._parser.parse_args(argv)
     if args.command != "run":
         cli.execute(args)

@@ -118,10 +118,21 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
     return _map_shards(files, _shape_and_dtype, "not a readable safetensors file")
 
 
+def hub_id_hint(path) -> str:
+    """"; ... does not fetch hub ids ..." when a missing `path` reads as a Hugging Face hub id ("org/name": relative,
+    two parts, its first not a local directory), else ""."""
+    p = Path(path)
+    if p.is_absolute() or len(p.parts) != 2 or str(p).startswith(".") or p.parent.exists():
+        return ""
+    return (f"; {p} looks like a Hugging Face hub id, and lopa_fast does not fetch hub ids: download it first "
+            f"(huggingface-cli download {p} --local-dir DIR) and pass DIR")
+
+
 def read_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"load_model: {path} is not a directory (expected an HF-format model directory)")
+        raise CheckpointError(f"load_model: {path} is not a directory (expected an HF-format model directory)"
+                              + hub_id_hint(path))
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"load_model: {cfg_file} is missing")

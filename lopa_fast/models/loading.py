@@ -156,12 +156,27 @@ def check_memory(needed: int, device, what: str) -> None:
                       RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
+def check_device(device) -> None:
+    """A device this torch can place the model on, else ValueError naming it and why (a CUDA device on a CPU-only
+    torch build or without a visible GPU: said in one line, not torch's bare AssertionError)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_model: device={device!r} is not a torch device ({e}); allowed: 'cpu', 'cuda', "
+                         "'cuda:N'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"load_model: device={device!r} asks for CUDA, but {why} (torch {torch.__version__}); "
+                         "pass device='cpu'")
+
+
 def load_model(
     path: str | os.PathLike,
     dtype=None,
     device="cpu",
     lora: str | os.PathLike | None = None,
     allow_pickle: bool = False,
+    torch_dtype=None,
 ) -> DecoderLM:
     """Load an HF-format model directory.
 
@@ -170,8 +185,14 @@ def load_model(
     dtype:  torch.float32 | torch.float16 | torch.bfloat16 (or their names); default `default_dtype(device)`:
             bfloat16 on CUDA, float32 on CPU.
     lora:   optional PEFT LoRA adapter directory, merged once at load (W += alpha/r * B @ A).
+    torch_dtype: transformers' name for dtype (accepted the same; both given: ValueError).
     Returns a model in eval mode with `mask_token_id`, `eos_token_id`, `pad_token_id`, `bos_token_id`.
     """
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError(f"load_model: dtype={dtype!r} and torch_dtype={torch_dtype!r} both given; pass one")
+        dtype = torch_dtype
+    check_device(device)
     dtype = default_dtype(device) if dtype is None else _resolve_dtype(dtype)
     path = Path(path)
     cfg = read_config(path)

@@ -18,9 +18,10 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lopa_fast.errors import RoundCapError
-from lopa_fast.server.protocol import RequestError, checked, parse
+from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
@@ -140,6 +141,17 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         log.exception("unexpected error")
         return _error(RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        """404 (no such route) and 405 (a route without that method) as OpenAI error objects ({"error": ...}), as
+        every other error of this server, instead of Starlette's {"detail": ...}."""
+        what = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(RequestError(f"{what} ({_request.method} {_request.url.path})", None, exc.status_code,
+                                         kind, code).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))  # fmt: skip
+
     app.add_middleware(_ApiKey, api_key=api_key, metrics=metrics)
 
     if access_log:  # added after _ApiKey, so it wraps it: a 401 is logged too
@@ -164,6 +176,85 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "lopa_fast"}]}  # fmt: skip
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        """OpenAI's retrieve-model route: the served model's object, or a 404 error object naming it."""
+        if model != model_id:
+            return _error(RequestError(f"model {model!r} is not served; this server serves {model_id!r}", "model",
+                                       404, code="model_not_found"))  # fmt: skip
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "lopa_fast"}
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: {"version": lopa_fast's}."""
+        import lopa_fast
+
+        return {"version": lopa_fast.__version__}
+
+    async def _json_body(request: Request) -> dict:
+        raw = await _read(request)
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({type(e).__name__})") from e
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} (or {"messages": [...]}, the chat template applied), optional
+        "add_special_tokens" (default true; the prompt as /v1/completions encodes it) -> {"tokens": ids, "count":
+        n, "max_model_len": the model's positions}."""
+        try:
+            body = await _json_body(request)
+            ids = await asyncio.get_running_loop().run_in_executor(prep, _tokenize, body)
+        except RequestError as e:
+            return _error(e)
+        return {"tokens": ids, "count": len(ids), "max_model_len": int(worker.model.config.max_position_embeddings)}
+
+    def _tokenize(body: dict) -> list[int]:
+        from lopa_fast.text import chat_ids, check_text_prompt
+
+        unknown = sorted(set(body) - {"prompt", "messages", "add_special_tokens", "model"})
+        if unknown:
+            raise RequestError(f"{unknown[0]}: not a field of /tokenize (prompt or messages, add_special_tokens)",
+                               unknown[0])  # fmt: skip
+        tok = worker.tokenizer
+        if ("prompt" in body) == ("messages" in body):
+            raise RequestError("/tokenize takes one of prompt (text) or messages (a chat)", "prompt")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise RequestError(f"add_special_tokens: {special!r}; expected true or false", "add_special_tokens")
+        if "messages" in body:
+            msgs = body["messages"]
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+                raise RequestError("messages: expected a non-empty list of {role, content} objects", "messages")
+            return chat_ids(tok, msgs)
+        text = body["prompt"]
+        try:
+            check_text_prompt(text)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"prompt: {e}", "prompt") from e
+        return list(tok(text, add_special_tokens=special)["input_ids"])
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": ids} -> {"prompt": the text} (special tokens kept, as vLLM's)."""
+        try:
+            body = await _json_body(request)
+            ids = body.get("tokens")
+            vocab = int(worker.model.config.vocab_size)
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("tokens: expected a list of token ids (ints)", "tokens")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        except RequestError as e:
+            return _error(e)
+        return {"prompt": worker.tokenizer.decode(ids)}
 
     async def _read(request: Request) -> bytes:
         """The body, at most limits.max_body_bytes (413 past it, before anything is parsed), received within
@@ -240,11 +331,21 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
         return req, handle
 
+    def _fan_out(raw: bytes, endpoint: str) -> tuple[list[dict], int] | None:
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError, UnicodeDecodeError):
+            return None  # _prepare names it
+        return fan_out(body, endpoint, app.state.defaults)
+
     async def _serve(request: Request, endpoint: str):
         t0 = time.perf_counter()
         try:
             raw = await _read(request)
             loop = asyncio.get_running_loop()
+            several = await loop.run_in_executor(prep, _fan_out, raw, endpoint)
+            if several is not None:  # several choices: a list of prompts, or n > 1 samples
+                return await _serve_choices(request, endpoint, *several, t0)
             req, handle = await loop.run_in_executor(prep, _prepare, raw, endpoint, loop)
         except RequestError as e:
             metrics.request(endpoint, e.status, time.perf_counter() - t0)
@@ -254,14 +355,18 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         notes = {"warnings": req.warnings} if req.warnings else {}  # e.g. words the tokenizer does not know
         if req.stream:
             return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage,
-                                          t0),
+                                          t0),  # time to first token and queue time observed there
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        done = None
+        done, first = None, None
         try:
             async for kind, value in handle.events(disconnected=request.is_disconnected):
+                if kind == "piece" and first is None:
+                    first = time.perf_counter() - t0  # time to first token (the pieces themselves: done.text)
                 if kind == "done":  # the pieces are not needed: done.text is them joined
                     done = value
+                    metrics.timing(endpoint, first if first is not None else time.perf_counter() - t0,
+                                   handle.queue_seconds)
                 elif kind == "error":
                     err = _run_error(value)
                     metrics.request(endpoint, err.status, time.perf_counter() - t0)
@@ -274,6 +379,63 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             return _error(RequestError("cancelled: the client disconnected", None, 499, "cancelled"))
         metrics.request(endpoint, 200, time.perf_counter() - t0, done.result.stats)
         return {**_completion(endpoint, head, done, eos), **notes}
+
+    async def _serve_choices(request: Request, endpoint: str, parts: list[dict], n: int, t0: float):
+        """A request of several choices (protocol.fan_out): each part checked and queued as a request of its own
+        (they share the batch engine's rounds), their answers as the choices of one response, in order. Any part's
+        error answers the whole request (the others are cancelled)."""
+        loop = asyncio.get_running_loop()
+        handles = []
+        try:
+            for part in parts:
+                req, handle = await loop.run_in_executor(prep, _prepare, json.dumps(part).encode(), endpoint, loop)
+                handles.append(handle)
+        except RequestError as e:
+            for h in handles:
+                h.cancel()
+            metrics.request(endpoint, e.status, time.perf_counter() - t0)
+            return _error(e)
+
+        async def answer(handle):
+            first = None
+            async for kind, value in handle.events(disconnected=request.is_disconnected):
+                if kind == "piece" and first is None:
+                    first = time.perf_counter() - t0
+                if kind == "done":
+                    metrics.timing(endpoint, first if first is not None else time.perf_counter() - t0,
+                                   handle.queue_seconds)
+                    return value
+                if kind == "error":
+                    return _run_error(value)
+            return None  # cancelled: the client left
+
+        try:
+            answers = await asyncio.gather(*(answer(h) for h in handles))
+        finally:
+            for h in handles:  # a no-op for the finished ones
+                h.cancel()
+        for a in answers:
+            if a is None or isinstance(a, RequestError):
+                err = a if a is not None else RequestError("cancelled: the client disconnected", None, 499,
+                                                           "cancelled")  # fmt: skip
+                metrics.request(endpoint, err.status, time.perf_counter() - t0)
+                return _error(err)
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": model_id}
+        objs = [_completion(endpoint, head, done, eos) for done in answers]
+        for done in answers:
+            metrics.request(endpoint, 200, time.perf_counter() - t0, done.result.stats)
+        use = [o["usage"] for o in objs]
+        prompt_tokens = sum(u["prompt_tokens"] for u in use[::n])  # each prompt once
+        completion = sum(u["completion_tokens"] for u in use)
+        forwards = sum(u["forwards"] for u in use)
+        generated = sum(int(d.result.stats.get("generated_tokens", 0)) for d in answers)
+        return {**head, "object": objs[0]["object"],
+                "choices": [{**o["choices"][0], "index": i} for i, o in enumerate(objs)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion, "forwards": forwards,
+                          "tpf": generated / forwards if forwards else 0.0},
+                "stats": [o["stats"] for o in objs]}  # fmt: skip
 
     def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
         st = done.result.stats
@@ -298,13 +460,16 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                 choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
             return _event({**head, "object": obj, "choices": [choice], **(extra or {})})
 
-        finished = False
+        finished, first = False, None
         try:
             if endpoint == "chat":
                 yield chunk(None, delta={"role": "assistant", "content": ""})
             async for kind, value in handle.events(disconnected=disconnected):
                 if kind == "cancelled":
                     return
+                if kind in ("piece", "done") and first is None:
+                    first = time.perf_counter() - t0
+                    metrics.timing(endpoint, first, handle.queue_seconds)
                 if kind == "piece":
                     yield chunk(value)
                 elif kind == "done":

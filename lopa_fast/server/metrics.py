@@ -7,6 +7,9 @@ app, so several apps in one process stay apart):
     lopa_fast_forwards_total                        model forwards of served requests
     lopa_fast_generated_tokens_total                completion tokens of served requests (stats["generated_tokens"])
     lopa_fast_tpf                                   tokens per forward of served requests (histogram)
+    lopa_fast_time_to_first_token_seconds{endpoint}  request to its first piece of final text (histogram; a
+                                                    request without text: to its answer)
+    lopa_fast_queue_seconds                         submit to the worker taking the request up (histogram)
     lopa_fast_requests_pending / _running           queued or running / decoding now (gauges, read at scrape time)
     lopa_fast_batch_rounds_total, lopa_fast_batch_size_max, lopa_fast_batch_size   the batch engine's shared rounds,
                                                     its largest batch and the histogram of requests per round
@@ -26,7 +29,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # the `endpoint` label's closed set: the routes, and "other" for any other path (a label per raw path would let
 # clients grow /metrics and memory without bound: issue 36, 300 random 8,000-character paths made it 43.5 MB)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
-          "/metrics": "metrics", "/health": "health"}  # fmt: skip
+          "/metrics": "metrics", "/health": "health", "/tokenize": "tokenize", "/detokenize": "detokenize",
+          "/version": "version"}  # fmt: skip
 ENDPOINTS = frozenset(ROUTES.values()) | {"other"}
 
 
@@ -83,6 +87,10 @@ class Metrics:
         self.forwards = Counter("lopa_fast_forwards", "Model forwards of served requests.", registry=r)
         self.tokens = Counter("lopa_fast_generated_tokens", "Generated positions of served requests.", registry=r)
         self.tpf = Histogram("lopa_fast_tpf", "Tokens per forward of served requests.", buckets=TPF_BUCKETS, registry=r)
+        self.first_token = Histogram("lopa_fast_time_to_first_token_seconds", "Seconds from request to its first "
+                                     "piece of final text.", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("lopa_fast_queue_seconds", "Seconds a request waited before decoding started.",
+                               buckets=LATENCY_BUCKETS, registry=r)
         self._worker = _WorkerCollector()
         r.register(self._worker)
 
@@ -95,6 +103,14 @@ class Metrics:
             self.tokens.inc(int(stats.get("generated_tokens", 0) or 0))
             if stats.get("tpf") is not None:
                 self.tpf.observe(float(stats["tpf"]))
+
+    def timing(self, endpoint: str, first_token_s: float | None, queue_s: float | None) -> None:
+        """A served request's time to first token and queue time (None: not known, not observed)."""
+        endpoint = endpoint if endpoint in ENDPOINTS else "other"
+        if first_token_s is not None:
+            self.first_token.labels(endpoint=endpoint).observe(max(0.0, first_token_s))
+        if queue_s is not None:
+            self.queue.observe(max(0.0, queue_s))
 
     def render(self, worker=None) -> str:
         self._worker.worker = worker

@@ -85,11 +85,60 @@ def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
     return knob
 
 
+MAX_CHOICES = 16  # choices of one request (prompts x n): each is a request of its own in the worker's queue
+
+
+def fan_out(body, endpoint: str, defaults: dict) -> tuple[list[dict], int] | None:
+    """(the requests a body with several choices stands for, one body each in choice order: prompt by prompt, n
+    samples each; n), or None for a body of one choice (`parse` checks it). Several choices: a list of prompts in a
+    completions body (texts or token-id lists), or `n` > 1 at temperature > 0 (choice j of a prompt decodes with
+    seed `seed + j`; seed unset: one drawn for the request). RequestError for `n` > 1 at temperature 0 (n identical
+    choices), a streamed request of several choices, or more than MAX_CHOICES."""
+    import random
+
+    if not isinstance(body, dict):
+        return None
+    n = body.get("n")
+    prompts = body.get("prompt") if endpoint == "completions" else None
+    several = (isinstance(prompts, list) and len(prompts) > 1
+               and all(isinstance(p, (str, list)) for p in prompts))  # fmt: skip
+    if not several and (n is None or n == 1):
+        return None
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise RequestError(f"n={n!r}; expected an int >= 1 (choices per prompt)", "n")
+    temperature = body.get("temperature", defaults.get("temperature", 0.0))
+    if n > 1 and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise RequestError(f"n={n} at temperature {temperature!r} gives {n} identical choices; n > 1 samples, with "
+                           "temperature > 0 (choice j seeded seed + j)", "n")  # fmt: skip
+    count = (len(prompts) if several else 1) * n
+    if count > MAX_CHOICES:
+        raise RequestError(f"{count} choices in one request (prompts x n); this server takes at most {MAX_CHOICES}",
+                           "n" if n > 1 else "prompt")  # fmt: skip
+    if body.get("stream"):
+        raise RequestError("stream: true streams one choice; send one request per prompt and sample", "stream")
+    seed = body.get("seed")
+    if n > 1 and seed is None:
+        seed = random.randrange(2**31 - MAX_CHOICES)
+    out = []
+    for p in (prompts if several else [body.get("prompt")] if endpoint == "completions" else [None]):
+        for j in range(n):
+            sub = {k: v for k, v in body.items() if k != "n"}
+            if endpoint == "completions":
+                sub["prompt"] = p
+            if n > 1:
+                sub["seed"] = seed + j if isinstance(seed, int) and not isinstance(seed, bool) else seed
+            out.append(sub)
+    return out, n
+
+
 def _refuse_unsupported(body: dict, endpoint: str) -> None:
     """400 for the OpenAI features not implemented, when the request asks for them."""
     n = body.get("n", 1)
     if n is not None and n != 1:
-        raise RequestError(f"n={n!r}: only n=1 is served (one choice per request)", "n")
+        raise RequestError(f"n={n!r}: one choice here; n > 1 samples at temperature > 0 (choice j seeded seed + j)",
+                           "n")  # fmt: skip
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise RequestError(f"best_of={best_of!r}: only best_of=1 is served", "best_of")
@@ -316,6 +365,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     _refuse_unsupported(body, endpoint)
     knobs, extra_stops = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
+    if knobs.get("strategy", defaults.get("strategy")) != defaults.get("strategy"):  # another strategy than the
+        # server's: the model's own knobs for it under the body's (lopa_fast.model_defaults; issue 42, finding 2)
+        from lopa_fast.model_defaults import merge, model_knobs
+
+        own = model_knobs(getattr(model, "name_or_path", None), knobs["strategy"])
+        merged = merge({**defaults, **own}, knobs) if own else merged
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
     cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
                   endpoint=endpoint)  # fmt: skip

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import queue
 import threading
+import time
 
 import lopa_fast
 from lopa_fast.errors import drop_frames, is_out_of_memory
@@ -87,6 +88,13 @@ class Handle:
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.rounds = 0  # rounds the per-round hook has seen (a cancelled request's progress when it stopped)
+        # time.monotonic() at submit and when the worker took it up: the queue time /metrics reports
+        self.submitted, self.started = time.monotonic(), None
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Seconds the request waited before the worker took it up (None: it has not started)."""
+        return None if self.started is None else max(0.0, self.started - self.submitted)
 
     @property
     def cancelled(self) -> bool:
@@ -293,6 +301,7 @@ class Worker:
                 handle.emit("cancelled")
                 continue
             self._count(running=1)
+            handle.started = time.monotonic()
             with self._lock:
                 self._running.add(handle)
             solo = contextlib.nullcontext() if self._batched(text) else self._solo

@@ -229,7 +229,7 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     eos = tok.eos_token_id
     last = ids.index(eos) if eos in ids else len(ids) - 1
     toks = ["<eos>" if t == eos else tok.convert_ids_to_tokens(t) for t in ids[: last + 1]]
-    top, bot = fill_order_text(trace, toks).split("\n")
+    lines = fill_order_text(trace, toks, width=DEMO_WIDTH - 6).split("\n")  # 6: the indent below
     rounds, _ = fill_rounds(trace, len(ids))
     tail = len(ids) - last - 1
     rounds_tail = sorted({rounds[i] for i in range(last + 1, len(ids)) if rounds[i]})
@@ -237,8 +237,30 @@ def fill_order(tok, ids: list[int], trace: list[dict]) -> str:
     if tail and rounds_tail:
         first, last_r = rounds_tail[0], rounds_tail[-1]
         span = f"round {first}" if first == last_r else f"rounds {first}-{last_r}"
-        extra = f"   (+{tail} EOS filler, {span})"
-    return f"      {top}\n      {bot}{extra}"
+        extra = f"      (+{tail} EOS filler, {span})"
+    return "\n".join("      " + line for line in lines) + (f"\n{extra}" if extra else "")
+
+
+DEMO_WIDTH = 110  # the demo's lines wrap at this width (they were ~300-420 characters wide: issue 42, finding 8)
+
+
+def wrapped(log):
+    """`log` with each line of a message wrapped to DEMO_WIDTH (continuations indented like the line), so that the
+    demo reads in a terminal; fill-order lines come pre-wrapped (`fill_order`) and are left as they are."""
+    import textwrap
+
+    def out(msg: str = "") -> None:
+        lines = []
+        for line in str(msg).split("\n"):
+            if len(line) <= DEMO_WIDTH or line.lstrip().startswith(("tokens:", "round:")):
+                lines.append(line)
+                continue
+            indent = " " * (len(line) - len(line.lstrip()))
+            lines.extend(textwrap.wrap(line, DEMO_WIDTH, subsequent_indent=indent + "  ", break_long_words=False,
+                                       break_on_hyphens=False))
+        log("\n".join(lines))
+
+    return out
 
 
 def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compile: bool = False,
@@ -252,6 +274,7 @@ def run_demo(n: int = 3, backend: str = "auto", model_dir=None, log=print, compi
         raise ValueError(f"n={n!r}; allowed: an int >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    log = wrapped(log)
     t0 = time.time()
     model, tok, path = load_default(model_dir, task=task)
     n_params = sum(p.numel() for p in model.parameters())

@@ -7,7 +7,10 @@ from lopa_fast.strategies import blocks
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
-RULES = ("threshold", "factor", "entropy_threshold")  # exactly one of them
+RULES = ("threshold", "factor", "entropy_threshold")  # at most one of them
+# none of RULES given: Fast-dLLM's default confidence threshold (its generate.py / eval scripts' threshold=0.9), on
+# every route (generate, the CLI, the server, lm-eval), as a model's other defaults are (issue 42, finding 3)
+DEFAULT_THRESHOLD = 0.9
 CACHE_MODES = (None, "prefix", "dual")
 
 
@@ -27,13 +30,13 @@ def validate(cfg) -> None:
     if len(given) > 1:
         raise ValueError(f"threshold strategy: {' and '.join(f'{k}={getattr(cfg, k)!r}' for k in given)} given; "
                          "allowed: exactly one of threshold=, factor=, entropy_threshold=")  # fmt: skip
-    if not given:
-        raise ValueError("threshold strategy: none of threshold=, factor=, entropy_threshold= given; pass exactly one")
-    blocks.check_blocks(cfg)
+    blocks.check_blocks(cfg)  # none given: resolve sets Fast-dLLM's default rule, threshold=DEFAULT_THRESHOLD
 
 
 def resolve(cfg, model):
     bl = length_unit(cfg)
+    if all(getattr(cfg, k) is None for k in RULES):
+        cfg = cfg.replace(threshold=DEFAULT_THRESHOLD)
     out = cfg.replace(block_length=bl, steps=cfg.steps if cfg.steps is not None else cfg.max_new_tokens // bl,
                       count_noop_forward=bool(cfg.count_noop_forward))  # fmt: skip
     blocks.check_blocks(out)
@@ -51,7 +54,8 @@ def length_unit(cfg) -> int:
 
 def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
     """The eval's row: Fast-dLLM's confidence threshold 0.9 (its default), block_length = the block size, no cache."""
-    return {"threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size, threshold=0.9)}
+    return {"threshold": dict(strategy="threshold", block_size=block_size, block_length=block_size,
+                              threshold=DEFAULT_THRESHOLD)}
 
 
 SPEC = register(Strategy(
