@@ -94,8 +94,10 @@ class FusedForwards:
         ):
             layers = self.fused_layers()
         ks, vs = [], []
+        # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
+        # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
+        x = ops.rms_norm(h, layers[0].attn_norm, eps, check=False, backend=lb)
         for i, w in enumerate(layers):
-            x = ops.rms_norm(h, w.attn_norm, eps, check=False, backend=lb)
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
             q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
                             check=False, backend=lb)  # fmt: skip
@@ -103,10 +105,14 @@ class FusedForwards:
             ks.append(k)
             vs.append(v)
             attn = attend(i, q, k, v)
-            h = h + w.o(attn.reshape(B, n, Hq * D))
-            x = ops.rms_norm(h, w.mlp_norm, eps, check=False, backend=lb)
+            # o + h is h + o bit for bit (IEEE addition commutes)
+            x, h = ops.add_rms_norm(w.o(attn.reshape(B, n, Hq * D)), h, w.mlp_norm, eps, check=False, backend=lb)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            h = h + w.down(ops.silu_mul(gate, up, check=False, backend=lb))
+            down = w.down(ops.silu_mul(gate, up, check=False, backend=lb))
+            if i + 1 < len(layers):
+                x, h = ops.add_rms_norm(down, h, layers[i + 1].attn_norm, eps, check=False, backend=lb)
+            else:  # the final norm is the caller's, on the LM-head rows only
+                h = h + down
         return h, torch.stack(ks), torch.stack(vs)
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
