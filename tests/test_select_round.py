@@ -16,7 +16,7 @@ from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
-BACKENDS = ["cpp"]
+BACKENDS = ["cpp", "triton"]
 N_CASES = 24  # parity-grid cases recorded (every k, both attention modes, every model)
 MAX_CALLS = 6  # rounds kept per case
 
