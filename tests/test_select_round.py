@@ -149,3 +149,36 @@ def test_parity_grid_on_the_torch_backend(monkeypatch):
 def test_parity_grid_full_on_the_torch_backend(monkeypatch):
     monkeypatch.setenv("LOPA_FAST_BACKEND", "torch")
     parity.assert_coverage(parity.check_cases(parity.full_product()))
+
+
+def _force_triton(monkeypatch):
+    """select_round on its Triton kernel (the interpreter on CPU) inside real decodes; every other op on its auto
+    backend (LOPA_FAST_BACKEND=triton would move every op with a Triton kernel into the slow interpreter)."""
+    real = ops.select_round
+    calls = []
+
+    def on_triton(*a, **kw):
+        calls.append(1)
+        return real(*a, **dict(kw, backend="triton"))
+
+    monkeypatch.setattr(lopa_fast.ops, "select_round", on_triton)
+    return calls
+
+
+def test_parity_grid_on_the_triton_backend(monkeypatch):
+    """The CI subset's first cases (every k, both models) token-exact with select_round on the Triton kernel."""
+    calls = _force_triton(monkeypatch)
+    first = {}  # the subset's first case of each k (D2F k = 1, LoPA k = 2 / 4 / 8: NB = 1 / 3 / 5 / 9)
+    for c in parity.ci_subset():
+        first.setdefault(c["branching_factor"], c)
+    cases = list(first.values())
+    assert set(first) == set(parity.KS) and len({c["model"].startswith("llada") for c in cases}) == 2
+    parity.check_cases(cases)
+    assert calls, "the decodes never reached ops.select_round"
+
+
+@pytest.mark.slow
+def test_parity_grid_full_on_the_triton_backend(monkeypatch):
+    calls = _force_triton(monkeypatch)
+    parity.assert_coverage(parity.check_cases(parity.full_product()))
+    assert calls, "the decodes never reached ops.select_round"
