@@ -33,6 +33,7 @@ from lopa_fast.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
+from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -84,7 +85,29 @@ def variants(quick: bool):
             break
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
+    _select_round_variants(out, quick)
     return out
+
+
+def _select_round_variants(out, quick: bool):
+    """The fused round op at Dream LoPA shapes: k = 8 (NB 9), gen 256 in blocks of 32 (G 8), prompt 256
+    (Lb + 1 = 513), a 256-column window; D2F (NB 1) in the full run."""
+    fn = sr._select_round_kernel
+    f32, i64, u8, f64 = "*fp32", "*i64", "*u8", "*fp64"
+    types = dict(conf=f32, token=i64, p=f32, x=i64, n_blocks=i64, block_state=i64, complete=u8, eos=u8, alive=u8,
+                 creation_conf=f64, look_pos=i64, counts=i64, exists=u8, active=u8, running=u8, is_mask=u8,
+                 lens=i64, to_cache=u8, shared_end=i64, layout_slot=i64, commit_len=i64, win_pos=i64,
+                 win_valid=u8, need_flat=u8, prompt_len=i64, gen_pos=i64, block_start=i64, block_end=i64,
+                 pos_block=i64, in_block=u8, lowest_k=i64, grow_table=u8, activate_table=u8, skip_threshold=f64,
+                 alpha=f64, o_winner=i64, o_score=f64, o_last_row=i64, o_accepted=u8, o_tokens=i64, o_x=i64,
+                 o_eos=u8, o_alive=u8, o_cconf=f64, o_look=i64, o_state=i64, o_counts=i64, p_nblk=i64,
+                 p_complete=u8, p_exists=u8, p_active=u8, p_running=u8, p_done=u8, p_ismask=u8, p_need=u8,
+                 p_lens=i64, p_wl=i64, p_tc=u8, p_spe=i64, p_lay=i64, p_start=i64, p_commit=i64, p_head=i64)
+    for NB, n_look in ((9, 8),) if quick else ((9, 8), (1, 0)):
+        ce = dict(NB=NB, L1=513, G1=9, Nb=256, bs=32, mask_id=151666, eos_id=151643, n_look=n_look, SHIFT=True,
+                  BLEND=NB > 1, SCORE=False, BNB=triton.next_power_of_2(max(NB, 2)), BN=256, BG=16, BL=1024)
+        out.append((f"_select_round_kernel NB={NB} Nb=256", fn, types, ce, set(),
+                    dict(num_warps=sr.NUM_WARPS, enable_fp_fusion=False)))
 
 
 def _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec):
