@@ -173,9 +173,9 @@ def _select_round_kernel(
     tl.store(o_counts + k8, tl.load(counts + k8) + delta)
 
     # ---- every new row starts as the winner's row after the fill (through global memory: barriers between)
-    okq = s_ok[:, None] & q_ok[None, :]
     xW = tl.load(x + W * L1 + qq, mask=q_ok, other=0)
-    tl.store(o_x + sl[:, None] * L1 + qq[None, :], tl.broadcast_to(xW[None, :], (BNB, BL)), mask=okq)
+    for b in range(NB):  # row by row: a [BNB, BL] int64 tile spilled on sm_90 (Lb + 1 = 513)
+        tl.store(o_x + b * L1 + qq, xW, mask=q_ok)
     tl.debug_barrier()
     tl.store(o_x + sl[:, None] * L1 + wpos[None, :], tl.broadcast_to(tokW[None, :], (BNB, BN)),
              mask=s_ok[:, None] & accW[None, :])  # fmt: skip
@@ -260,10 +260,16 @@ def _select_round_kernel(
     P = tl.load(prompt_len)
     ln = P + nblk * bs
     tl.store(p_lens + sl, ln, mask=s_ok)
-    xn = tl.load(o_x + sl[:, None] * L1 + qq[None, :], mask=okq, other=0)
-    ism = (xn == mask_id) & (qq[None, :] < ln[:, None]) & alive_new[:, None] & okq
-    tl.store(p_ismask + sl[:, None] * L1 + qq[None, :], ism.to(tl.uint8), mask=okq)
-    done = alive_new & (tl.sum(ism.to(tl.int32), 1) == 0) & (tl.sum(act2.to(tl.int32), 1) == 0)
+    has_act = tl.sum(act2.to(tl.int32), 1) > 0
+    any_m = tl.zeros((BNB,), tl.int32)
+    for b in range(NB):  # row by row (the [BNB, BL] tiles spilled): the masks of the new rows
+        ab = tl.sum(tl.where((sl == b) & alive_new, 1, 0), 0) > 0
+        lb = tl.sum(tl.where(sl == b, ln, 0), 0)
+        xn = tl.load(o_x + b * L1 + qq, mask=q_ok, other=0)
+        ism = (xn == mask_id) & (qq < lb) & ab & q_ok
+        tl.store(p_ismask + b * L1 + qq, ism.to(tl.uint8), mask=q_ok)
+        any_m = tl.where(sl == b, tl.sum(ism.to(tl.int32), 0), any_m)
+    done = alive_new & (any_m == 0) & ~has_act
     rem = alive_new & ~done
     tl.store(p_done + sl, done.to(tl.uint8), mask=s_ok)
     tl.store(p_running + sl, rem.to(tl.uint8), mask=s_ok)
@@ -284,17 +290,18 @@ def _select_round_kernel(
     rem_last = tl.sum(tl.where((sl == nA - 1) & rem, 1, 0), 0) > 0
     lay = tl.where(rem_last, nA - 1, first_rem).to(tl.int64)
     ragged = tl.sum(((tl.where(alive_new, wl, n) != n) & s_ok).to(tl.int64), 0) > 0
-    if SHIFT:
-        q1 = qq + 1
-        okq1 = s_ok[:, None] & (q1 < L1)[None, :]
-        xn1 = tl.load(o_x + sl[:, None] * L1 + q1[None, :], mask=okq1, other=0)
-        ism1 = (xn1 == mask_id) & (q1[None, :] < ln[:, None]) & alive_new[:, None] & okq1
-        last = (qq == s + u - 1) & (u > 0)
-        nd = (ism1 | last[None, :]) & alive_new[:, None] & (qq >= s)[None, :] & okq
-    else:
-        nd = ism
-    tl.store(p_need + sl[:, None] * L1 + qq[None, :], nd.to(tl.uint8), mask=okq)
-    R = tl.sum(tl.sum(nd.to(tl.int64), 1), 0)
+    tl.debug_barrier()  # p_ismask written above is read back below
+    R = tl.zeros((), tl.int64)
+    last = (qq == s + u - 1) & (u > 0)
+    for b in range(NB):
+        ab = tl.sum(tl.where((sl == b) & alive_new, 1, 0), 0) > 0
+        if SHIFT:  # row q predicts q + 1: needed when q + 1 is a mask, or q is the last cached position
+            ism1 = tl.load(p_ismask + b * L1 + qq + 1, mask=qq + 1 < L1, other=0) != 0
+            nd = (ism1 | last) & ab & (qq >= s) & q_ok
+        else:
+            nd = tl.load(p_ismask + b * L1 + qq, mask=q_ok, other=0) != 0
+        tl.store(p_need + b * L1 + qq, nd.to(tl.uint8), mask=q_ok)
+        R += tl.sum(nd.to(tl.int64), 0)
     tl.store(p_spe, spe)
     tl.store(p_lay, lay)
     tl.store(p_start, s)
