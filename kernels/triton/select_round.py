@@ -63,7 +63,7 @@ def _select_round_kernel(
     ok2 = s_ok[:, None] & c_ok[None, :]
 
     # ---- select: the table row predicting each window column, per slot (the cumsum of need_flat, slot-major)
-    need = tl.load(need_flat + sl[:, None] * Nb + ci[None, :], mask=ok2, other=0).to(tl.int64)
+    need = tl.load(need_flat + sl[:, None] * Nb + ci[None, :], mask=ok2, other=0).to(tl.int32)  # int32: registers
     rowc = tl.cumsum(need, 1)
     rowtot = tl.sum(need, 1)
     csum = rowc + (tl.cumsum(rowtot, 0) - rowtot)[:, None]  # [BNB, BN] 1-based rank of each needed raw row
@@ -90,9 +90,11 @@ def _select_round_kernel(
             v = tl.where(c_ok, v, 0.0)
             cls = tl.where(c_ok, tl.where(v != v, 1, 0), 2)  # 0: a value, 1: NaN, 2: padding
             key = _order_key(v, cls, ci, False)
-            rank = tl.sum((key[:, None] < key[None, :]).to(tl.int32), 0)  # [j, i]: j sorts before i
             kb = tl.sum(tl.where(sl == b, kk, 0), 0)
-            sb = tl.sum(tl.where((rank < kb) & c_ok, v.to(tl.float64), 0.0), 0)
+            # the kb-th smallest key (keys are unique: exactly kb columns at or below it); a bitonic sort, not a
+            # [BN, BN] rank matrix (it spilled on sm_90 at Nb = 256)
+            kth = tl.sum(tl.where(ci == kb - 1, tl.sort(key), 0), 0)
+            sb = tl.sum(tl.where((key <= kth) & c_ok, v.to(tl.float64), 0.0), 0)
             lb = tl.math.div_rn(sb.to(tl.float32), kb.to(tl.float32))
             low = tl.where(sl == b, lb, low)
         future = tl.where(m > 0, low.to(tl.float64), 1.0)
@@ -117,7 +119,7 @@ def _select_round_kernel(
         last_row = tl.sum(tl.sum(tl.where((sl[:, None] == W) & (ci[None, :] == cl) & ok2, csum, 0), 1), 0)
     else:
         last_row = tl.zeros((), tl.int64)
-    tl.store(o_last_row, last_row)
+    tl.store(o_last_row, last_row.to(tl.int64))
 
     # ---- the D2F fill rule on the winner only
     rW = (sl == W)[:, None] & ok2
@@ -199,9 +201,10 @@ def _select_round_kernel(
         rest = candW & ~accW
         kl = tl.where(rest, cW, float("-inf"))
         cls = tl.where(c_ok, tl.where(kl != kl, 0, 1), 2)  # 0: NaN, 1: a value, 2: padding
-        key = _order_key(kl, cls, ci, True)
-        rank = tl.sum((key[:, None] < key[None, :]).to(tl.int32), 0)  # [BN]: the column's place in the order
-        sel = (rank[:, None] == sl[None, :]) & (sl[None, :] < n_look) & c_ok[:, None]  # [BN, BNB]
+        srt = tl.sort(_order_key(kl, cls, ci, True))
+        # slot r < n_look takes the column of the r-th key (the low 10 bits)
+        col = tl.sum(tl.where(ci[:, None] == sl[None, :], srt[:, None] & 1023, 0), 0)  # [BNB]
+        sel = (col[None, :] == ci[:, None]) & (sl[None, :] < n_look) & (sl[None, :] < Nb) & c_ok[:, None]
         valid = tl.sum((sel & rest[:, None]).to(tl.int32), 0) > 0
         lpos = tl.sum(tl.where(sel, wpos[:, None], 0), 0)
         ltok = tl.sum(tl.where(sel, tokW[:, None], 0), 0)
