@@ -74,7 +74,6 @@ def _select_round_kernel(
     wpos = tl.load(win_pos + ci, mask=c_ok, other=Lb)
     wval = tl.load(win_valid + ci, mask=c_ok, other=0) != 0
     masked = (tl.load(is_mask + sl[:, None] * L1 + wpos[None, :], mask=ok2, other=0) != 0) & wval[None, :] & ok2
-    c_w = tl.load(conf + sidx, mask=ok2, other=0.0)
 
     W = tl.zeros((), tl.int64)
     if NB == 1 and not SCORE:
@@ -85,8 +84,8 @@ def _select_round_kernel(
         low = tl.zeros((BNB,), tl.float32)
         for b in range(NB):  # per slot: the sum of its lowest kk keys, ascending and stable (NaN last)
             rb = (sl == b)[:, None]
-            v = tl.sum(tl.where(rb & masked, c_w, 0.0), 0)
-            v = tl.where(tl.sum(tl.where(rb & masked, 1, 0), 0) > 0, v, float("inf"))
+            mb = tl.sum(tl.where(rb & masked, 1, 0), 0) > 0
+            v = tl.load(conf + tl.sum(tl.where(rb, sidx, 0), 0), mask=mb, other=float("inf"))  # row b's keys
             v = tl.where(c_ok, v, 0.0)
             cls = tl.where(c_ok, tl.where(v != v, 1, 0), 2)  # 0: a value, 1: NaN, 2: padding
             key = _order_key(v, cls, ci, False)
