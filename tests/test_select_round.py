@@ -16,7 +16,7 @@ from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
-BACKENDS = ["cpp"]
+BACKENDS = ["cpp", "cuda"]
 N_CASES = 24  # parity-grid cases recorded (every k, both attention modes, every model)
 MAX_CALLS = 6  # rounds kept per case
 
@@ -72,9 +72,18 @@ def _same(a: SelectRound, b: SelectRound) -> list[str]:
     return bad
 
 
+def _run(args, kw, backend) -> SelectRound:
+    """`backend`'s outputs on CPU tensors (cuda: the exact .cu through the host emulation)."""
+    if backend == "cuda":
+        from lopa_fast.ops.cuda.emulation import emulator  # noqa: PLC0415 - builds with g++ at first use
+
+        return SelectRound(*emulator(("select_round",)).select_round(*args, **kw))
+    return ops.select_round(*args, **kw, backend=backend)
+
+
 def _check(args, kw, backend):
     ref = ops.select_round(*args, **kw, backend="torch")
-    got = ops.select_round(*args, **kw, backend=backend)
+    got = _run(args, kw, backend)
     bad = _same(ref, got)
     assert not bad, f"{backend}: {bad} differ (statics {kw})"
 
