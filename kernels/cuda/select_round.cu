@@ -68,8 +68,10 @@ LOPA_INLINE Ws carve(unsigned char* p, long long NB, long long L1, long long G1,
 }  // namespace sr
 }  // namespace lopa
 
-#define IN(T, k) ((const T*)ptrs[k])
-#define OUT(T, k) ((T*)ptrs[35 + (k)])
+// read from shared memory at each use: a barrier forces a reload, so ~60 pointers are not held live in registers
+// across the kernel (held in registers, they spilled: 96 registers + 24 bytes of spills under ptxas)
+#define IN(T, k) ((const T*)s_ptr[k])
+#define OUT(T, k) ((T*)s_ptr[35 + (k)])
 
 extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
     select_round_kernel(const long long* __restrict__ ptrs, unsigned char* __restrict__ wsp, long long NB,
@@ -80,71 +82,75 @@ extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
   const int tid = threadIdx.x;
   const long long G = G1 - 1;
   const float inf = __int_as_float(0x7f800000);
-  Ws w = carve(wsp, NB, L1, G1, Nb);
+  __shared__ long long s_ptr[63];
+  __shared__ Ws w;
+  for (int k = tid; k < 63; k += kThreads) s_ptr[k] = ptrs[k];
+  if (tid == 0) w = carve(wsp, NB, L1, G1, Nb);
+  __syncthreads();
   // inputs, in reference order
-  const float* conf = IN(float, 0);
-  const long long* token = IN(long long, 1);
-  const float* p = IN(float, 2);
-  const long long* x = IN(long long, 3);
-  const long long* n_blocks_in = IN(long long, 4);
-  const long long* block_state_in = IN(long long, 5);
-  const bool* complete_in = IN(bool, 6);
-  const bool* eos_in = IN(bool, 7);
-  const bool* alive_in = IN(bool, 8);
-  const double* creation_conf_in = IN(double, 9);
-  const long long* counts_in = IN(long long, 11);
-  const bool* exists_in = IN(bool, 12);
-  const bool* active_in = IN(bool, 13);
-  const bool* running_in = IN(bool, 14);
-  const bool* is_mask_in = IN(bool, 15);
-  const long long* lens_in = IN(long long, 16);
-  const bool* to_cache_in = IN(bool, 17);
+#define conf IN(float, 0)
+#define token IN(long long, 1)
+#define p_in IN(float, 2)
+#define x_in IN(long long, 3)
+#define n_blocks_in IN(long long, 4)
+#define block_state_in IN(long long, 5)
+#define complete_in IN(bool, 6)
+#define eos_in IN(bool, 7)
+#define alive_in IN(bool, 8)
+#define creation_conf_in IN(double, 9)
+#define counts_in IN(long long, 11)
+#define exists_in IN(bool, 12)
+#define active_in IN(bool, 13)
+#define running_in IN(bool, 14)
+#define is_mask_in IN(bool, 15)
+#define lens_in IN(long long, 16)
+#define to_cache_in IN(bool, 17)
   const long long shared_end_in = *IN(long long, 18);
   const long long layout_slot_in = *IN(long long, 19);
   const long long commit_len_in = *IN(long long, 20);
-  const long long* win_pos = IN(long long, 21);
-  const bool* win_valid = IN(bool, 22);
-  const bool* need_flat = IN(bool, 23);
+#define win_pos IN(long long, 21)
+#define win_valid IN(bool, 22)
+#define need_flat IN(bool, 23)
   const long long P = *IN(long long, 24);
-  const long long* gen_pos = IN(long long, 25);
-  const long long* block_start = IN(long long, 26);
-  const long long* block_end = IN(long long, 27);
-  const long long* pos_block = IN(long long, 28);
-  const bool* in_block = IN(bool, 29);
-  const long long* lowest_k = IN(long long, 30);
-  const bool* grow_table = IN(bool, 31);
-  const bool* activate_table = IN(bool, 32);
+#define gen_pos IN(long long, 25)
+#define block_start IN(long long, 26)
+#define block_end IN(long long, 27)
+#define pos_block IN(long long, 28)
+#define in_block IN(bool, 29)
+#define lowest_k IN(long long, 30)
+#define grow_table IN(bool, 31)
+#define activate_table IN(bool, 32)
   const double tau_d = *IN(double, 33);
   const double alpha = *IN(double, 34);
   // outputs
-  long long* o_winner = OUT(long long, 0);
-  double* o_score = OUT(double, 1);
-  long long* o_last_row = OUT(long long, 2);
-  bool* o_accepted = OUT(bool, 3);
-  long long* o_tokens = OUT(long long, 4);
-  long long* o_x = OUT(long long, 5);
-  bool* o_eos = OUT(bool, 6);
-  bool* o_alive = OUT(bool, 7);
-  double* o_cc = OUT(double, 8);
-  long long* o_look_pos = OUT(long long, 9);
-  long long* o_state = OUT(long long, 10);
-  long long* o_counts = OUT(long long, 11);
-  long long* o_n_blocks = OUT(long long, 12);
-  bool* o_complete = OUT(bool, 13);
-  bool* o_exists = OUT(bool, 14);
-  bool* o_active = OUT(bool, 15);
-  bool* o_running = OUT(bool, 16);
-  bool* o_done = OUT(bool, 17);
-  bool* o_is_mask = OUT(bool, 18);
-  bool* o_need = OUT(bool, 19);
-  long long* o_lens = OUT(long long, 20);
-  long long* o_wlens = OUT(long long, 21);
-  bool* o_to_cache = OUT(bool, 22);
-  long long* o_shared_end = OUT(long long, 23);
-  long long* o_layout_slot = OUT(long long, 24);
-  long long* o_start = OUT(long long, 25);
-  long long* o_commit_len = OUT(long long, 26);
-  long long* o_head = OUT(long long, 27);
+#define o_winner OUT(long long, 0)
+#define o_score OUT(double, 1)
+#define o_last_row OUT(long long, 2)
+#define o_accepted OUT(bool, 3)
+#define o_tokens OUT(long long, 4)
+#define o_x OUT(long long, 5)
+#define o_eos OUT(bool, 6)
+#define o_alive OUT(bool, 7)
+#define o_cc OUT(double, 8)
+#define o_look_pos OUT(long long, 9)
+#define o_state OUT(long long, 10)
+#define o_counts OUT(long long, 11)
+#define o_n_blocks OUT(long long, 12)
+#define o_complete OUT(bool, 13)
+#define o_exists OUT(bool, 14)
+#define o_active OUT(bool, 15)
+#define o_running OUT(bool, 16)
+#define o_done OUT(bool, 17)
+#define o_is_mask OUT(bool, 18)
+#define o_need OUT(bool, 19)
+#define o_lens OUT(long long, 20)
+#define o_wlens OUT(long long, 21)
+#define o_to_cache OUT(bool, 22)
+#define o_shared_end OUT(long long, 23)
+#define o_layout_slot OUT(long long, 24)
+#define o_start OUT(long long, 25)
+#define o_commit_len OUT(long long, 26)
+#define o_head OUT(long long, 27)
 
   __shared__ long long s_W, s_nA, s_nvalid, s_s, s_u;
   __shared__ bool s_eosW;
@@ -218,14 +224,14 @@ extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
   for (long long i = tid; i < Nb; i += kThreads) {
     const long long r = w.sidx[W * Nb + i];
     w.cW[i] = conf[r];
-    w.pW[i] = p[r];
+    w.pW[i] = p_in[r];
     o_tokens[i] = token[r];
     const long long pb = imin(pos_block[win_pos[i]], G);
     w.candW[i] = w.masked[W * Nb + i] && actWb[pb];
     w.thr[i] = w.candW[i] && w.pW[i] > tau;
     w.fb[i] = false;
   }
-  for (long long q = tid; q < L1; q += kThreads) w.xW0[q] = x[W * L1 + q];
+  for (long long q = tid; q < L1; q += kThreads) w.xW0[q] = x_in[W * L1 + q];
   __syncthreads();
   for (long long j = tid; j < G1; j += kThreads) {  // one thread per block j
     float best = -inf;
@@ -271,8 +277,15 @@ extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
       grew = lens_in[W] != lens_in[layout_slot_in];
       multi = (n_acc + look_win) >= 2;
     }
-    const long long delta[8] = {n_thr, n_fb, n_eos, multi, look_win, 0, grew, 0};
-    for (int k = 0; k < 8; ++k) o_counts[k] = counts_in[k] + delta[k];
+    // ROUND_COUNTERS order; written out (a local array indexed in a loop would live on the stack)
+    o_counts[0] = counts_in[0] + n_thr;
+    o_counts[1] = counts_in[1] + n_fb;
+    o_counts[2] = counts_in[2] + n_eos;
+    o_counts[3] = counts_in[3] + multi;
+    o_counts[4] = counts_in[4] + look_win;
+    o_counts[5] = counts_in[5];
+    o_counts[6] = counts_in[6] + grew;
+    o_counts[7] = counts_in[7];
   }
   __syncthreads();
   // ---- the winner's completed blocks; the slots start as copies of the winner
@@ -439,3 +452,59 @@ extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
     o_head[6] = ragged;
   }
 }
+#undef conf
+#undef token
+#undef p_in
+#undef x_in
+#undef n_blocks_in
+#undef block_state_in
+#undef complete_in
+#undef eos_in
+#undef alive_in
+#undef creation_conf_in
+#undef counts_in
+#undef exists_in
+#undef active_in
+#undef running_in
+#undef is_mask_in
+#undef lens_in
+#undef to_cache_in
+#undef win_pos
+#undef win_valid
+#undef need_flat
+#undef gen_pos
+#undef block_start
+#undef block_end
+#undef pos_block
+#undef in_block
+#undef lowest_k
+#undef grow_table
+#undef activate_table
+#undef o_winner
+#undef o_score
+#undef o_last_row
+#undef o_accepted
+#undef o_tokens
+#undef o_x
+#undef o_eos
+#undef o_alive
+#undef o_cc
+#undef o_look_pos
+#undef o_state
+#undef o_counts
+#undef o_n_blocks
+#undef o_complete
+#undef o_exists
+#undef o_active
+#undef o_running
+#undef o_done
+#undef o_is_mask
+#undef o_need
+#undef o_lens
+#undef o_wlens
+#undef o_to_cache
+#undef o_shared_end
+#undef o_layout_slot
+#undef o_start
+#undef o_commit_len
+#undef o_head
