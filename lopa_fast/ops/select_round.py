@@ -83,6 +83,8 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
         out = torch.ops.lopa_fast.cpp_select_round(list(args), **kw) if torch.compiler.is_compiling() else \
             _run_cpp(list(args), **kw)
         return SelectRound(*out)
+    if b == "cuda":
+        return SelectRound(*_backend.cuda_module().select_round(*args, **kw))
     raise ValueError(f"select_round: backend {b!r} has no kernel yet")
 
 

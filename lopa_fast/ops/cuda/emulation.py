@@ -16,11 +16,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lopa_fast.sampling import Confidence, HeadConfidence
 from lopa_fast.cache import cache_dir
 from lopa_fast.ops.cuda.constants import OPS, define_flags
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
 from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
+from lopa_fast.sampling import Confidence, HeadConfidence
 
 
 class EmuLauncher:
