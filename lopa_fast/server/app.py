@@ -157,7 +157,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     if access_log:  # added after _ApiKey, so it wraps it: a 401 is logged too
         app.add_middleware(_AccessLog)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (was 405; issue 43)
     async def health():
         """200 {"status": "ok", ...} while the server can decode (its last self-check passed); 503 {"status":
         "unhealthy", "self_check": the reason, ...} otherwise (NaN weights, a probe after an out-of-memory failure
