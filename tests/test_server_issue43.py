@@ -154,3 +154,70 @@ def test_an_out_of_memory_error_in_a_compiled_step_still_propagates(monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
         step(1)
     assert not ran
+
+
+# -- finding 1: trickled bodies must not keep every connection slot -------------------------------------------------
+
+def _trickle(srv, n: int, key: str | None, stop: "threading.Event"):
+    """n connections, each a full POST head then its body a byte every 0.2 s until `stop` (or the server closes)."""
+    import socket
+
+    socks = []
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                  f"Content-Length: 100000\r\n\r\n".encode())  # fmt: skip
+        socks.append(s)
+
+    def run():
+        while not stop.is_set():
+            for s in list(socks):
+                try:
+                    s.send(b" ")
+                except OSError:
+                    socks.remove(s)  # the server closed it: the slot is free
+            stop.wait(0.2)
+        for s in socks:
+            s.close()
+
+    import threading
+
+    threading.Thread(target=run, daemon=True).start()
+    return socks
+
+
+@pytest.mark.parametrize("n,with_key", [(70, True), (70, False),
+                                        pytest.param(255, True, marks=pytest.mark.slow),
+                                        pytest.param(255, False, marks=pytest.mark.slow)])  # fmt: skip
+def test_trickled_bodies_free_their_slots(embedded, n, with_key):
+    """Before: every trickled connection kept its slot after its 408 (or its 401, which never read the body):
+    /health and completions 503 for as long as the trickle went on (80 s in the issue's probe). The slot is freed
+    at the body deadline (1 s here) whether or not the request carries a key."""
+    import threading
+
+    from test_server_limits import KEY, _call, _Server
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.limits import Limits
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok, limits=Limits(read_timeout_s=1.0))
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY), worker.limits)
+    stop = threading.Event()
+    try:  # uvicorn_config's connection cap is max(64, 4 * max_pending) = 256: n >= 64 fills the short form's
+        socks = _trickle(srv, n, KEY if with_key else None, stop)
+        deadline = time.monotonic() + 10
+        while socks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not socks, f"{len(socks)} of {n} trickled connections still open 10 s after the 1 s body deadline"
+        status, body = _call(srv.url + "/health")
+        assert status == 200, body
+        status, body = _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8},
+                             headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        assert status == 200, body
+    finally:
+        stop.set()
+        srv.close()
+        worker.close()

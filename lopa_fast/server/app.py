@@ -41,8 +41,11 @@ RETRY_AFTER_S = 2  # a 503's Retry-After: a full queue or a batch that ran out o
 
 
 def _error(exc: RequestError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else {}
+    if exc.status in (408, 413):  # the body was not (all) read: close the connection, so a client still trickling
+        # it does not keep the slot (255 trickled bodies held every slot for 80 s: issue 43, finding 1)
+        headers["Connection"] = "close"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
 class _ApiKey:
@@ -64,7 +67,9 @@ class _ApiKey:
         self.metrics.request(route_label(scope.get("path", "")), 401, 0.0)
         response = JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None, 401,
                                              "authentication_error", "invalid_api_key").body(),
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                                status_code=401, headers={"WWW-Authenticate": "Bearer",
+                                                          "Connection": "close"})  # fmt: skip
+        # close: the 401 never reads the body, so a client trickling one would otherwise hold the slot (issue 43)
         await response(scope, receive, send)
 
 
