@@ -94,7 +94,7 @@ def test_head_health_is_200(embedded):
             assert r.status_code == 200, r.status_code
             assert c.get("/health").json()["status"] == "ok"
     finally:
-        worker.close() if hasattr(worker, "close") else None
+        worker.close()
 
 
 # -- finding 6: any compile failure runs the step eagerly, with one warning, and a clean cache next time -----------
@@ -221,3 +221,32 @@ def test_trickled_bodies_free_their_slots(embedded, n, with_key):
         stop.set()
         srv.close()
         worker.close()
+
+
+# -- finding 7: prompt text in logs is opt-in -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_unknown_prompt_words_reach_the_log_only_when_opted_in(embedded, caplog, log_prompts):
+    """Before: every unknown prompt word was logged at WARNING, quoted. Now only with serve --log-prompts; the
+    response's `warnings` still names them (the client sent them)."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok)
+    secret = "zqxjkvw"  # not in the embedded model's vocabulary
+    try:
+        with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, log_prompts=log_prompts)) as c:
+            with caplog.at_level(logging.INFO, logger="lopa_fast.server"):
+                r = c.post("/v1/completions", json={"prompt": f"{PROMPT} {secret}", "max_tokens": 8})
+    finally:
+        worker.close()
+    assert r.status_code == 200, r.text
+    assert any(secret in w for w in r.json().get("warnings", [])), r.json()
+    logged = [rec for rec in caplog.records if secret in rec.getMessage()]
+    assert bool(logged) == log_prompts, [rec.getMessage() for rec in caplog.records]
+    assert all(rec.levelno == logging.WARNING for rec in logged)

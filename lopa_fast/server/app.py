@@ -25,7 +25,7 @@ from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
-from lopa_fast.text import answer_ids
+from lopa_fast.text import UNKNOWN_NOTE, answer_ids
 
 log = logging.getLogger("lopa_fast.server")
 access = logging.getLogger("lopa_fast.server.access")  # one line per request (create_app's access_log)
@@ -126,12 +126,13 @@ def usage(done: Finished, eos_token_id) -> dict:
 
 
 def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None,
-               access_log: bool = True) -> FastAPI:  # fmt: skip
+               access_log: bool = True, log_prompts: bool = False) -> FastAPI:  # fmt: skip
     """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
     `api_key`: when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The caps
     (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits).
     access_log: one INFO line per request on "lopa_fast.server.access": client, method, path, status and the
-    latency to the response head (a streamed response: to its first byte)."""
+    latency to the response head (a streamed response: to its first byte). log_prompts: notes quoting prompt text
+    (words the tokenizer does not know) are logged at WARNING; without it, one INFO line without the text."""
     app = FastAPI(title="lopa_fast", summary="OpenAI-compatible diffusion-LLM decoding (LoPA, D2F, ...)")
     app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
     limits = worker.limits
@@ -327,8 +328,12 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                                "model", 404, code="model_not_found")  # fmt: skip
         req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits,
                     verifier=getattr(worker, "verifier", None))  # fmt: skip
-        for note in req.warnings:
-            log.warning("%s", note)
+        for note in req.warnings:  # a note quoting prompt text (unknown words) only with log_prompts (opt-in, as
+            # vLLM's --enable-log-requests: prompts in logs are the operator's choice; issue 43, finding 7)
+            if log_prompts or UNKNOWN_NOTE not in note:
+                log.warning("%s", note)
+            else:
+                log.info("a prompt holds %s (not logged: serve --log-prompts)", UNKNOWN_NOTE)
         try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
             handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory), loop,
                              endpoint=endpoint)  # fmt: skip
