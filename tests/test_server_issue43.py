@@ -5,6 +5,7 @@ Parse-level checks run on the embedded model without a server (milliseconds); th
 (60,000 stops, as the issue's) is under `slow`."""
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -158,7 +159,7 @@ def test_an_out_of_memory_error_in_a_compiled_step_still_propagates(monkeypatch)
 
 # -- finding 1: trickled bodies must not keep every connection slot -------------------------------------------------
 
-def _trickle(srv, n: int, key: str | None, stop: "threading.Event"):
+def _trickle(srv, n: int, key: str | None, stop: threading.Event):
     """n connections, each a full POST head then its body a byte every 0.2 s until `stop` (or the server closes)."""
     import socket
 
@@ -181,7 +182,6 @@ def _trickle(srv, n: int, key: str | None, stop: "threading.Event"):
         for s in socks:
             s.close()
 
-    import threading
 
     threading.Thread(target=run, daemon=True).start()
     return socks
@@ -194,7 +194,6 @@ def test_trickled_bodies_free_their_slots(embedded, n, with_key):
     """Before: every trickled connection kept its slot after its 408 (or its 401, which never read the body):
     /health and completions 503 for as long as the trickle went on (80 s in the issue's probe). The slot is freed
     at the body deadline (1 s here) whether or not the request carries a key."""
-    import threading
 
     from test_server_limits import KEY, _call, _Server
 
