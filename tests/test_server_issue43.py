@@ -251,3 +251,18 @@ def test_unknown_prompt_words_reach_the_log_only_when_opted_in(embedded, caplog,
     logged = [rec for rec in caplog.records if secret in rec.getMessage()]
     assert bool(logged) == log_prompts, [rec.getMessage() for rec in caplog.records]
     assert all(rec.levelno == logging.WARNING for rec in logged)
+
+
+def test_an_unseeded_request_that_draws_gets_a_seed_and_is_told_it(embedded):
+    """Before: vanilla (Dream's `origin` reveal) at temperature 0 without a seed differed between identical calls,
+    with no word. Now the server draws a seed, runs with it, and the response's warnings name it; a greedy
+    request that draws nothing is left alone."""
+    import re
+
+    req = _parse(embedded, strategy="vanilla", alg="origin", max_tokens=8)
+    assert isinstance(req.knobs["seed"], int)
+    note = next(w for w in req.warnings if w.startswith("seed:"))
+    assert re.search(rf"seed={req.knobs['seed']}\b", note) and "alg=origin" in note
+    assert _parse(embedded, strategy="vanilla", alg="origin", max_tokens=8, seed=5).knobs["seed"] == 5  # given: kept
+    plain = _parse(embedded)
+    assert plain.knobs.get("seed") is None and not any(w.startswith("seed:") for w in plain.warnings)

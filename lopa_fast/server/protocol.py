@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import warnings
 
 import pydantic
@@ -34,6 +35,7 @@ import pydantic
 from lopa_fast import aliases, api
 from lopa_fast import strategies
 from lopa_fast.config import MAX_STOP_SEQUENCES, GenerateConfig
+from lopa_fast.keyed import needs_draws
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
@@ -98,7 +100,6 @@ def fan_out(body, endpoint: str, defaults: dict) -> tuple[list[dict], int] | Non
     completions body (texts or token-id lists), or `n` > 1 at temperature > 0 (choice j of a prompt decodes with
     seed `seed + j`; seed unset: one drawn for the request). RequestError for `n` > 1 at temperature 0 (n identical
     choices), a streamed request of several choices, or more than MAX_CHOICES."""
-    import random
 
     if not isinstance(body, dict):
         return None
@@ -438,6 +439,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
                         endpoint=endpoint)  # fmt: skip
+        if merged.get("seed") is None and needs_draws(bound):  # e.g. vanilla's `origin` reveal at temperature 0:
+            # unseeded, two identical calls differed with no word (issue 43, finding 7); now seeded here and said
+            merged["seed"] = random.randrange(2**31)
+            notes.append(f"seed: none given and this request draws random numbers ({cfg.strategy}"
+                         f"{', alg=origin' if getattr(bound, 'alg', None) == 'origin' else ''}, temperature "
+                         f"{bound.temperature:g}); it ran with seed={merged['seed']} (pass it to repeat this answer)")
         memory = 0
         if limits is not None:
             try:
