@@ -377,6 +377,7 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(testing, "sdpa_forward", _model_wrapper(rounds)))
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
+        es.enter_context(_patched(ops, "add_rms_norm", _norm_wrapper(rounds)))  # the fused layer's residual norms
         es.enter_context(_patched(sf, "branch_attention_torch", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(ops, "branch_attention", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))

@@ -79,9 +79,12 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> lis
     return list(tokenizer(text)["input_ids"])
 
 
+UNKNOWN_NOTE = "word(s) unknown to the tokenizer"  # unknown_note's mark: that note quotes prompt text
+
+
 def unknown_note(tokenizer, words: list[str]) -> str:
     """The warning about `words` the tokenizer does not know (`unknown_words`), naming them."""
-    return (f"{len(words)} word(s) unknown to the tokenizer (encoded as {tokenizer.unk_token!r}): "
+    return (f"{len(words)} {UNKNOWN_NOTE} (encoded as {tokenizer.unk_token!r}): "
             + ", ".join(repr(w) for w in words))  # fmt: skip
 
 

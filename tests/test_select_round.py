@@ -5,6 +5,7 @@ knobs); the public op names a bad argument; and the parity grid stays token-exac
 kernel is the CPU default: tests/test_fast_parity.py runs the grid on it)."""
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -16,9 +17,10 @@ from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
-BACKENDS = ["cpp", "triton"]
+BACKENDS = ["cpp", "triton", "cuda"]
 N_CASES = 24  # parity-grid cases recorded (every k, both attention modes, every model)
 MAX_CALLS = 6  # rounds kept per case
+N_CUDA_GRID = 12  # parity-grid cases on the emulated CUDA kernel in the default run (~12 ms a round emulated)
 
 
 def _record(cases) -> list[tuple[tuple, dict]]:
@@ -72,9 +74,18 @@ def _same(a: SelectRound, b: SelectRound) -> list[str]:
     return bad
 
 
+def _run(args, kw, backend) -> SelectRound:
+    """`backend`'s outputs on CPU tensors (cuda: the exact .cu through the host emulation)."""
+    if backend == "cuda":
+        from lopa_fast.ops.cuda.emulation import emulator  # noqa: PLC0415 - builds with g++ at first use
+
+        return SelectRound(*emulator(("select_round",)).select_round(*args, **kw))
+    return ops.select_round(*args, **kw, backend=backend)
+
+
 def _check(args, kw, backend):
     ref = ops.select_round(*args, **kw, backend="torch")
-    got = ops.select_round(*args, **kw, backend=backend)
+    got = _run(args, kw, backend)
     bad = _same(ref, got)
     assert not bad, f"{backend}: {bad} differ (statics {kw})"
 
@@ -182,3 +193,36 @@ def test_parity_grid_full_on_the_triton_backend(monkeypatch):
     calls = _force_triton(monkeypatch)
     parity.assert_coverage(parity.check_cases(parity.full_product()))
     assert calls, "the decodes never reached ops.select_round"
+
+
+def _on_cuda_emulation(monkeypatch) -> list[int]:
+    """Route the fast path's select_round through the CUDA kernel's host emulation; returns the call counter
+    (a run that never reached the kernel has lost its subject and fails)."""
+    from lopa_fast.ops.cuda.emulation import emulator  # noqa: PLC0415
+
+    emu, n = emulator(("select_round",)), [0]
+    public = importlib.import_module("lopa_fast.ops.select_round")  # the module (lopa_fast.ops re-exports the op)
+
+    def via_kernel(*args, check=True, backend=None, **kw):
+        if check:
+            public._check(args, kw["bs"], kw["mask_id"], kw["eos_id"], kw["n_look"])
+        n[0] += 1
+        return SelectRound(*emu.select_round(*args, **kw))
+
+    monkeypatch.setattr(lopa_fast.ops, "select_round", via_kernel)
+    return n
+
+
+def test_parity_grid_on_the_cuda_kernel(monkeypatch):
+    """The CI subset's first cases token-exact with select_round on the CUDA kernel (host emulation of the exact
+    .cu); the full grid under -m slow."""
+    n = _on_cuda_emulation(monkeypatch)
+    parity.check_cases(parity.ci_subset()[:N_CUDA_GRID])
+    assert n[0] > 5 * N_CUDA_GRID, f"the fast path called select_round {n[0]} times"
+
+
+@pytest.mark.slow
+def test_parity_grid_full_on_the_cuda_kernel(monkeypatch):
+    n = _on_cuda_emulation(monkeypatch)
+    parity.assert_coverage(parity.check_cases(parity.full_product()))
+    assert n[0] > 0

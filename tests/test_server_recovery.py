@@ -457,6 +457,7 @@ def test_a_corrupt_inductor_artifact_is_removed_and_the_step_runs_eagerly(embedd
     cache.mkdir(parents=True)
     (cache / "cabc.main.so").write_bytes(b"")  # what a killed link leaves
     (cache / "cgood.main.so").write_bytes(b"\x7fELF" + bytes(200))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled.inductor_cache_dir())  # the fallback moves it: restored
     monkeypatch.setattr(compiled, "inductor_cache_dir", lambda: str(tmp_path / "inductor"))
     calls = []
 

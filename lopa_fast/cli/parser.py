@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--verifier", default=None, metavar="DIR",
                    help=VERIFIER_HELP + "; one for the server, checked against the model at start, used by the "
                                         "requests that set apd_mixture_weight")
+    v.add_argument("--log-prompts", action="store_true",
+                   help="log notes that quote prompt text (words the tokenizer does not know) at WARNING; default: "
+                        "a line without the text at INFO (prompt text in logs is opt-in)")
     v.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no access log line per request (default: one INFO line each: method, path, status, latency)")
     v.set_defaults(fn=run_serve.serve, knob_names=add_knob_flags(v, hidden=NOT_SERVED))

@@ -75,5 +75,6 @@ def serve(args) -> int:
     server.serve(model, tok, model_id=name, defaults=defaults, host=args.host, port=args.port,
                  log_level=logging.getLevelName(args.log_level).lower(),  # uvicorn's lines follow -q / -v too
                  limits=limits, api_key=api_key, verifier=verifier, access_log=args.access_log,
+                 log_prompts=args.log_prompts,
                  drain_timeout_s=args.drain_timeout)
     return 0

@@ -24,6 +24,7 @@ import collections
 import itertools
 import logging
 import os
+import tempfile
 import threading
 import time
 import types
@@ -307,26 +308,41 @@ def purge_corrupt_artifacts(root: str | None = None) -> list[str]:
     return removed
 
 
+def fresh_inductor_cache() -> str:
+    """Point Inductor at a new, empty cache directory (TORCHINDUCTOR_CACHE_DIR, read by Inductor at each build) and
+    return it: after a compile failed, later compiles in this process build every artifact anew instead of loading
+    a cached one that may be what failed (a cut-short ISA probe library fails every C++ build: issue 43, finding 6)."""
+    path = tempfile.mkdtemp(prefix="lopa_fast_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
 def compile_guarded(fn, what: str):
-    """torch.compile(fn, fullgraph=True, dynamic=False), made to survive a corrupt Inductor cache: when the compiled
-    call fails on a corrupt cached artifact (`_corrupt_artifact`; it fails while loading, before running anything),
-    the cut-short artifacts are deleted (`purge_corrupt_artifacts`, so later compiles build them anew), one
-    RuntimeWarning names them, and this callable runs `fn` eagerly from then on (same results: the compiled and
-    eager steps are bit-equal, tests/test_compiled_*). Any other error propagates."""
+    """torch.compile(fn, fullgraph=True, dynamic=False), made to survive a broken compile: when the compiled call
+    fails with anything but an out-of-memory error (which the server's recovery handles), this callable warns once
+    and runs `fn` eagerly from then on (same results: the compiled and eager steps are bit-equal,
+    tests/test_compiled_*), and later compiles use a clean Inductor cache directory (`fresh_inductor_cache`). A
+    corrupt cached artifact (`_corrupt_artifact`: dlopen's messages) also has its cut-short files deleted
+    (`purge_corrupt_artifacts`). An error of `fn` itself still propagates: the eager rerun raises it."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     state = {"fn": compiled}
 
     def call(*args, **kwargs):
         try:
             return state["fn"](*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - only a corrupt artifact is handled; the rest is re-raised
-            if state["fn"] is fn or not _corrupt_artifact(e):
+        except Exception as e:  # noqa: BLE001 - any compile failure runs the step eagerly (issue 43, finding 6)
+            if state["fn"] is fn or isinstance(e, torch.OutOfMemoryError):
                 raise
-            removed = purge_corrupt_artifacts()
-            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            warnings.warn(f"compile: the Inductor cache holds a corrupt artifact ({first}); removed "
-                          f"{len(removed)} cut-short file(s) {removed[:3]}; {what} runs eagerly in this process, "
-                          "later compiles rebuild", RuntimeWarning, stacklevel=2)  # fmt: skip
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+            if _corrupt_artifact(e):
+                removed = purge_corrupt_artifacts()
+                cause = (f"the Inductor cache holds a corrupt artifact ({first}); removed {len(removed)} cut-short "
+                         f"file(s) {removed[:3]}")  # fmt: skip
+            else:
+                cause = f"compiling {what} failed ({type(e).__name__}: {first})"
+            clean = fresh_inductor_cache()
+            warnings.warn(f"compile: {cause}; {what} runs eagerly in this process, later compiles rebuild in a clean "
+                          f"cache {clean}", RuntimeWarning, stacklevel=2)  # fmt: skip
             state["fn"] = fn
             return fn(*args, **kwargs)
 

@@ -85,6 +85,8 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
         return SelectRound(*out)
     if b == "triton":  # one launch into fresh outputs (shapes fixed by the bucket: capturable)
         return SelectRound(*_backend.kernel("select_round", "triton")(list(args), _outputs(args, split=False), **kw))
+    if b == "cuda":
+        return SelectRound(*_backend.cuda_module().select_round(*args, **kw))
     raise ValueError(f"select_round: backend {b!r} has no kernel yet")
 
 

@@ -148,7 +148,7 @@ def _server_class():
 
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
-          warm_up: bool = True, verifier=None, access_log: bool = True,
+          warm_up: bool = True, verifier=None, access_log: bool = True, log_prompts: bool = False,
           drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
@@ -172,7 +172,8 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
         with logs.step(logging.getLogger("lopa_fast.server"), "warming up (the self-check: one short decode)",
                        "warmed up", long=False):  # fmt: skip
             worker.warm_up(defaults)
-    app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log)
+    app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log,
+                     log_prompts=log_prompts)
     try:
         _server_class()(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
                                        max_pending=worker.max_pending, drain_timeout_s=drain_timeout_s)).run()

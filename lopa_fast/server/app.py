@@ -25,7 +25,7 @@ from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
-from lopa_fast.text import answer_ids
+from lopa_fast.text import UNKNOWN_NOTE, answer_ids
 
 log = logging.getLogger("lopa_fast.server")
 access = logging.getLogger("lopa_fast.server.access")  # one line per request (create_app's access_log)
@@ -41,8 +41,11 @@ RETRY_AFTER_S = 2  # a 503's Retry-After: a full queue or a batch that ran out o
 
 
 def _error(exc: RequestError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else {}
+    if exc.status in (408, 413):  # the body was not (all) read: close the connection, so a client still trickling
+        # it does not keep the slot (255 trickled bodies held every slot for 80 s: issue 43, finding 1)
+        headers["Connection"] = "close"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
 class _ApiKey:
@@ -64,7 +67,9 @@ class _ApiKey:
         self.metrics.request(route_label(scope.get("path", "")), 401, 0.0)
         response = JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None, 401,
                                              "authentication_error", "invalid_api_key").body(),
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                                status_code=401, headers={"WWW-Authenticate": "Bearer",
+                                                          "Connection": "close"})  # fmt: skip
+        # close: the 401 never reads the body, so a client trickling one would otherwise hold the slot (issue 43)
         await response(scope, receive, send)
 
 
@@ -121,12 +126,13 @@ def usage(done: Finished, eos_token_id) -> dict:
 
 
 def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None,
-               access_log: bool = True) -> FastAPI:  # fmt: skip
+               access_log: bool = True, log_prompts: bool = False) -> FastAPI:  # fmt: skip
     """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
     `api_key`: when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The caps
     (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits).
     access_log: one INFO line per request on "lopa_fast.server.access": client, method, path, status and the
-    latency to the response head (a streamed response: to its first byte)."""
+    latency to the response head (a streamed response: to its first byte). log_prompts: notes quoting prompt text
+    (words the tokenizer does not know) are logged at WARNING; without it, one INFO line without the text."""
     app = FastAPI(title="lopa_fast", summary="OpenAI-compatible diffusion-LLM decoding (LoPA, D2F, ...)")
     app.state.worker, app.state.model_id, app.state.defaults = worker, model_id, dict(defaults)
     limits = worker.limits
@@ -157,7 +163,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     if access_log:  # added after _ApiKey, so it wraps it: a 401 is logged too
         app.add_middleware(_AccessLog)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (was 405; issue 43)
     async def health():
         """200 {"status": "ok", ...} while the server can decode (its last self-check passed); 503 {"status":
         "unhealthy", "self_check": the reason, ...} otherwise (NaN weights, a probe after an out-of-memory failure
@@ -322,8 +328,12 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                                "model", 404, code="model_not_found")  # fmt: skip
         req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits,
                     verifier=getattr(worker, "verifier", None))  # fmt: skip
-        for note in req.warnings:
-            log.warning("%s", note)
+        for note in req.warnings:  # a note quoting prompt text (unknown words) only with log_prompts (opt-in, as
+            # vLLM's --enable-log-requests: prompts in logs are the operator's choice; issue 43, finding 7)
+            if log_prompts or UNKNOWN_NOTE not in note:
+                log.warning("%s", note)
+            else:
+                log.info("a prompt holds %s (not logged: serve --log-prompts)", UNKNOWN_NOTE)
         try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
             handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory), loop,
                              endpoint=endpoint)  # fmt: skip

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import warnings
 
 import pydantic
 
 from lopa_fast import aliases, api
 from lopa_fast import strategies
-from lopa_fast.config import GenerateConfig
+from lopa_fast.config import MAX_STOP_SEQUENCES, GenerateConfig
+from lopa_fast.keyed import needs_draws
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
@@ -85,6 +87,10 @@ def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
     return knob
 
 
+# a request's text stops, all together (UTF-8 bytes): each is tokenised when the request is parsed and searched in
+# the answer text at every streamed delta; 60,000 stops (720 KB) took 4.6 s and slowed a normal request beside
+# them from 0.03 s to 2.27 s (issue 43, finding 2). Their count is capped by MAX_STOP_SEQUENCES (config).
+MAX_STOP_BYTES = 4096
 MAX_CHOICES = 16  # choices of one request (prompts x n): each is a request of its own in the worker's queue
 
 
@@ -94,7 +100,6 @@ def fan_out(body, endpoint: str, defaults: dict) -> tuple[list[dict], int] | Non
     completions body (texts or token-id lists), or `n` > 1 at temperature > 0 (choice j of a prompt decodes with
     seed `seed + j`; seed unset: one drawn for the request). RequestError for `n` > 1 at temperature 0 (n identical
     choices), a streamed request of several choices, or more than MAX_CHOICES."""
-    import random
 
     if not isinstance(body, dict):
         return None
@@ -282,6 +287,28 @@ def checked(stage_param: str | None, fn, *args, knobs=None, defaults=None, model
         raise RequestError(str(e), param) from e
 
 
+def _check_stop_caps(stop) -> None:
+    """RequestError (field "stop") before any stop is tokenised: more than MAX_STOP_SEQUENCES entries, text stops of
+    more than MAX_STOP_BYTES UTF-8 bytes together, or a text stop holding a lone UTF-16 surrogate (no tokenizer can
+    encode one; its own message does not name the field)."""
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        return  # split_stops names the wrong type
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"stop: {len(items)} sequences; allowed: at most {MAX_STOP_SEQUENCES}", "stop")
+    size = 0
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            try:
+                check_unicode(item, f"stop[{i}]")
+            except KnobError as e:
+                raise RequestError(str(e), "stop") from e
+            size += len(item.encode("utf-8"))
+    if size > MAX_STOP_BYTES:
+        raise RequestError(f"stop: {size} bytes of text stops; allowed: at most {MAX_STOP_BYTES} UTF-8 bytes in all",
+                           "stop")  # fmt: skip
+
+
 def _plan(cfg, model, prompt_len):
     """GenerateConfig.plan_length, its KnobError on max_new_tokens blamed on the stage's field (prompt or
     max_tokens) rather than on the knob."""
@@ -394,6 +421,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     if extra_stops:  # a list eos_token_id's extra ids: token-id stops beside the body's
         stop = [*([stop] if isinstance(stop, str) else (stop or [])), *extra_stops]
     if stop is not None:
+        _check_stop_caps(stop)
         seqs, _ = checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
         if seqs:  # the token-id stops: GenerateConfig's rules (1..32 ids >= 0, how many), then the vocabulary
             checked("stop", lambda: GenerateConfig(**{**merged, "stop": seqs}).validate(), endpoint=endpoint)
@@ -411,6 +439,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
                         endpoint=endpoint)  # fmt: skip
+        if merged.get("seed") is None and needs_draws(bound):  # e.g. vanilla's `origin` reveal at temperature 0:
+            # unseeded, two identical calls differed with no word (issue 43, finding 7); now seeded here and said
+            merged["seed"] = random.randrange(2**31)
+            notes.append(f"seed: none given and this request draws random numbers ({cfg.strategy}"
+                         f"{', alg=origin' if getattr(bound, 'alg', None) == 'origin' else ''}, temperature "
+                         f"{bound.temperature:g}); it ran with seed={merged['seed']} (pass it to repeat this answer)")
         memory = 0
         if limits is not None:
             try:

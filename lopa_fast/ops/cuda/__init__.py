@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS
-from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, head_confidence_op
+from lopa_fast.ops.cuda.custom_ops import branch_attention_op, confidence_op, head_confidence_op, select_round_op
 from lopa_fast.ops.cuda.probe import available, why_unavailable
 
-__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "head_confidence"]
+__all__ = ["OPS", "available", "why_unavailable", "unsupported", "branch_attention", "confidence", "head_confidence",
+           "select_round"]
 
 
 def unsupported(op: str, *args) -> str | None:
@@ -39,6 +40,8 @@ def unsupported(op: str, *args) -> str | None:
         t = q
     elif op in ("confidence", "head_confidence"):
         t = args[0]
+    elif op == "select_round":
+        return None  # fixed dtypes, any shape (checked by the public op)
     else:
         return f"no CUDA kernel for op {op!r} (ops: {OPS})"
     if t.dtype not in DTYPE_NAMES:
@@ -83,3 +86,9 @@ def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True
     (neg_entropy: zeros without entropy)."""
     _require("head_confidence", hidden)
     return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy))
+
+
+def select_round(*args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
+    """lopa_fast.ops.select_round on the CUDA kernel (one launch); returns the 28 SelectRound fields."""
+    _require("select_round", args[3])
+    return select_round_op(list(args), bs, mask_id, eos_id, n_look, shift, blend, score_all)

@@ -10,7 +10,7 @@ import torch
 
 from lopa_fast.attention_modes import code_defines
 
-OPS = ("branch_attention", "confidence", "head_confidence")
+OPS = ("branch_attention", "confidence", "head_confidence", "select_round")
 # the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (64, 128)
@@ -31,6 +31,8 @@ HC_THREADS, HC_ROWS = 256, 8
 # confidence / head_confidence split workspaces: floats per (row, split) state (vocab_stats.cuh `Stats`: m, s, t1, t2,
 # i1); head_confidence appends one more (the split's non-finite count)
 VOCAB_WS_WORDS = 5
+# select_round: threads of its one CTA (element-wise phases spread over them; thread 0 runs the ordered steps)
+SR_THREADS = 128
 
 
 def defines() -> dict[str, int]:
@@ -46,6 +48,7 @@ def defines() -> dict[str, int]:
         "LOPA_HC_THREADS": HC_THREADS,
         "LOPA_HC_ROWS": HC_ROWS,
         "LOPA_VOCAB_WS_WORDS": VOCAB_WS_WORDS,
+        "LOPA_SR_THREADS": SR_THREADS,
     }
 
 

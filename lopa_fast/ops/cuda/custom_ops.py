@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.ops.cuda.device import launcher
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
@@ -58,3 +58,23 @@ def _(hidden, weight, suppress_token, eps, entropy):
     R = hidden.shape[0]
     f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
     return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool))
+
+
+@torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")
+def select_round_op(args: list[Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
+                    score_all: bool) -> list[Tensor]:
+    """The 28 SelectRound fields of lopa_fast.ops.select_round (its 35 checked tensors), one launch."""
+    from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415 - the op's one output layout
+
+    outs = _outputs(args, split=False)
+    ins = [t.contiguous() for t in args]
+    run_select_round(launcher("select_round", args[3]), ins, outs, bs, mask_id, eos_id, n_look, shift, blend,
+                     score_all)
+    return outs
+
+
+@select_round_op.register_fake
+def _(args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
+    from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415
+
+    return _outputs(args, split=False)

@@ -16,11 +16,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lopa_fast.sampling import Confidence, HeadConfidence
 from lopa_fast.cache import cache_dir
 from lopa_fast.ops.cuda.constants import OPS, define_flags
-from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence
+from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
 from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
+from lopa_fast.sampling import Confidence, HeadConfidence
 
 
 class EmuLauncher:
@@ -65,6 +65,15 @@ class Emulated:
         L = self._l["head_confidence"]
         out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms)
         return HeadConfidence(*out[:3], out[3] if entropy else None, *out[4:])
+
+    def select_round(self, *args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
+        """ops.select_round's arguments (checked) -> the SelectRound fields (a list of fresh tensors)."""
+        from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415 - the op's one output layout
+
+        outs = _outputs(args, split=False)
+        ins = [t.contiguous() for t in args]
+        run_select_round(self._l["select_round"], ins, outs, bs, mask_id, eos_id, n_look, shift, blend, score_all)
+        return outs
 
 
 def host_compiler() -> str | None:

@@ -228,3 +228,32 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
                [*head, ("f", float(eps)), P(lse), P(ws_ent)])
         launch("head_confidence_finalize", rows_grid, block, 0, [P(ws_ent), ("i", R), ("i", S), P(neg_entropy)])
     return token, p_max, margin, neg_entropy, lse, finite
+
+
+# ------------------------------------------------------------------------------------- select_round
+def select_round_ws_bytes(NB: int, Lb1: int, G1: int, Nb: int) -> int:
+    """Scratch bytes of select_round_kernel: the regions of sr::carve in select_round.cu, each rounded up to 8
+    bytes, in its order (value-independent: a captured graph keeps one buffer)."""
+    r8 = lambda n: (n + 7) // 8 * 8  # noqa: E731
+    regions = [8 * NB * Nb, 8 * NB * Nb, 8 * Lb1, 8 * Lb1, 8 * NB * G1, 8 * NB, 8 * NB,  # int64 / double
+               4 * NB * Nb, 4 * Nb, 4 * Nb, 4 * Nb, 4 * Nb,  # rows, cW, pW, keyl (float), order (int32)
+               NB * Nb, Nb, Nb, Nb, Nb, G1, NB * G1]  # fmt: skip  # bool flags
+    return sum(r8(n) for n in regions)
+
+
+def run_select_round(launch: Launch, args: list, outs: list, bs: int, mask_id: int, eos_id: int, n_look: int,
+                     shift: bool, blend: bool, score_all: bool) -> None:
+    """One launch of select_round_kernel (one CTA) on contiguous `args` (the op's 35 tensors, reference order)
+    writing the 28 fresh `outs` (SelectRound's fields). The pointer table is an int64 tensor on the tensors'
+    device; the scratch a byte tensor sized by select_round_ws_bytes."""
+    from lopa_fast.ops.cuda.constants import SR_THREADS  # noqa: PLC0415
+
+    x = args[3]
+    NB, Lb1 = x.shape
+    G1, Nb = args[5].shape[0], args[21].shape[0]
+    table = torch.tensor([t.data_ptr() for t in (*args, *outs)], dtype=torch.int64, device=x.device)
+    ws = torch.empty(select_round_ws_bytes(NB, Lb1, G1, Nb), dtype=torch.uint8, device=x.device)
+    flags = int(shift) | int(blend) << 1 | int(score_all) << 2
+    launch("select_round_kernel", (1, 1, 1), (SR_THREADS, 1, 1), 0,
+           [_ptr(table), _ptr(ws), ("q", NB), ("q", Lb1), ("q", G1), ("q", Nb), ("q", bs), ("q", mask_id),
+            ("q", eos_id), ("q", n_look), ("i", flags)])  # fmt: skip

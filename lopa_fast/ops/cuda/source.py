@@ -12,9 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from lopa_fast.kernels import CUDA_DIR
-
 from lopa_fast.cache import cache_dir
+from lopa_fast.kernels import CUDA_DIR
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, define_flags
 
 log = logging.getLogger("lopa_fast.ops.cuda")
@@ -50,6 +49,8 @@ def entry_names(op: str) -> list[str]:
     if op == "head_confidence":
         return [f"head_confidence_{p}_{t}" for p in ("stats", "entropy") for t in DTYPE_NAMES.values()] + [
             "head_confidence_merge", "head_confidence_finalize"]
+    if op == "select_round":
+        return ["select_round_kernel"]
     parts = ("", "_split_stats", "_split_entropy")
     return [f"confidence{p}_{t}" for p in parts for t in DTYPE_NAMES.values()] + ["confidence_split_finalize"]
 

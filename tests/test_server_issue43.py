@@ -1,0 +1,268 @@
+"""Issue 43: a server that long stop lists, slow clients and shutdown cannot take down. Here: the caps on `stop`
+(count and bytes, a lone surrogate named), HEAD /health, and compile failures that fall back to eager.
+
+Parse-level checks run on the embedded model without a server (milliseconds); the big stop list's full probe
+(60,000 stops, as the issue's) is under `slow`."""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import lopa_fast
+from lopa_fast.assets import model_dir
+from lopa_fast.config import MAX_STOP_SEQUENCES
+from lopa_fast.server.protocol import MAX_STOP_BYTES, RequestError, parse
+from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+
+PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . How many pens ? Answer :"
+DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return lopa_fast.load_model(model_dir(), dtype=torch.float32), lopa_fast.load_tokenizer(model_dir())
+
+
+def _parse(embedded, **body):
+    model, tok = embedded
+    return parse({"prompt": PROMPT, **body}, "completions", model, tok, DEFAULTS)
+
+
+def test_stop_count_cap_is_a_400_naming_the_field_and_the_limit(embedded):
+    stops = [f"w{i}" for i in range(MAX_STOP_SEQUENCES + 1)]
+    with pytest.raises(RequestError) as e:
+        _parse(embedded, stop=stops)
+    assert e.value.status == 400 and e.value.param == "stop"
+    assert f"at most {MAX_STOP_SEQUENCES}" in str(e.value) and str(MAX_STOP_SEQUENCES + 1) in str(e.value)
+    assert _parse(embedded, stop=stops[:MAX_STOP_SEQUENCES]).stop == stops[:MAX_STOP_SEQUENCES]  # at the cap: fine
+
+
+def test_stop_bytes_cap_is_a_400_naming_the_field_and_the_limit(embedded):
+    big = ["x" * (MAX_STOP_BYTES // 2 + 1)] * 2
+    with pytest.raises(RequestError) as e:
+        _parse(embedded, stop=big)
+    assert e.value.param == "stop" and f"at most {MAX_STOP_BYTES}" in str(e.value)
+
+
+def test_a_lone_surrogate_in_stop_names_the_field(embedded):
+    with pytest.raises(RequestError) as e:
+        _parse(embedded, stop=["ok", "a\ud800b"])
+    assert e.value.status == 400 and e.value.param == "stop"
+    assert "stop[1]" in str(e.value) and "U+D800" in str(e.value)
+
+
+@pytest.mark.parametrize("n", [6_000, pytest.param(60_000, marks=pytest.mark.slow)])
+def test_a_huge_stop_list_is_refused_before_any_tokenisation(embedded, n, monkeypatch):
+    """The issue's probe: 60,000 stops (720 KB) took 4.6 s to refuse (each one tokenised first, holding the GIL
+    from a normal request beside it); the cap refuses before tokenising any."""
+    model, tok = embedded
+    calls = []
+    real = type(tok).__call__
+
+    def counting(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    stops = [f"stop {i} ." for i in range(n)]
+    monkeypatch.setattr(type(tok), "__call__", counting)
+    _parse(embedded)
+    prompt_calls = len(calls)  # the prompt's own tokenisation
+    calls.clear()
+    t0 = time.perf_counter()
+    with pytest.raises(RequestError) as e:
+        _parse(embedded, stop=stops)
+    seconds = time.perf_counter() - t0
+    assert e.value.param == "stop" and f"{n} sequences" in str(e.value)
+    assert len(calls) <= prompt_calls, f"{len(calls) - prompt_calls} stops tokenised before the refusal"
+    print(f"{n} stops refused in {seconds * 1e3:.1f} ms")  # the bench figure; no wall-clock assertion
+
+
+def test_head_health_is_200(embedded):
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok)
+    try:
+        with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)) as c:
+            r = c.head("/health")
+            assert r.status_code == 200, r.status_code
+            assert c.get("/health").json()["status"] == "ok"
+    finally:
+        worker.close()
+
+
+# -- finding 6: any compile failure runs the step eagerly, with one warning, and a clean cache next time -----------
+
+def test_any_compile_failure_runs_eagerly_with_one_warning_and_a_clean_cache(embedded, monkeypatch):
+    """Before: only dlopen's messages were handled; a C++ compile error (a cut-short cached ISA probe library)
+    failed every compile=True request for good. Inductor's failure is stood in for (a real build takes 25-100 s
+    per graph on CPU): the compiled callable raises what Inductor raises, wrapped as Dynamo wraps it."""
+    import copy
+    import os
+
+    from lopa_fast.decode import compiled
+
+    model, tok = embedded
+    before = compiled.inductor_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)  # restored after the test
+    calls = []
+
+    def broken_compile(fn, **kw):
+        def call(*a, **k):
+            calls.append(fn.__name__)
+            try:
+                raise RuntimeError("C++ compile error\n/tmp/x.cpp:1: error: 'at' was not declared in this scope")
+            except RuntimeError as e:
+                raise RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error") from e
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    ids = tok(PROMPT)["input_ids"]
+    knobs = dict(strategy="threshold", threshold=0.9, max_new_tokens=32)
+    eager = lopa_fast.generate(model, ids, **knobs)
+    fresh = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = lopa_fast.generate(fresh, ids, compile=True, **knobs)
+        again = lopa_fast.generate(fresh, ids, compile=True, **knobs)  # the same steps: eager now, no new warning
+    assert calls, "the compiled path was not taken"
+    assert out.generated_ids == again.generated_ids == eager.generated_ids
+    failed = [str(w.message) for w in caught if "failed (RuntimeError" in str(w.message)]
+    assert len(failed) == len(set(calls)) >= 1, [str(w.message) for w in caught]  # one per compiled step, once
+    clean = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert clean != before and os.path.isdir(clean) and not os.listdir(clean) and clean in failed[0]
+
+
+def test_an_out_of_memory_error_in_a_compiled_step_still_propagates(monkeypatch):
+    """The server's out-of-memory recovery needs the error: the guard does not turn it into an eager rerun."""
+    from lopa_fast.decode import compiled
+
+    def oom_compile(fn, **kw):
+        def call(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return call
+
+    monkeypatch.setattr(torch, "compile", oom_compile)
+    ran = []
+    step = compiled.compile_guarded(lambda x: ran.append(x) or x, "a step")
+    with pytest.raises(torch.OutOfMemoryError):
+        step(1)
+    assert not ran
+
+
+# -- finding 1: trickled bodies must not keep every connection slot -------------------------------------------------
+
+def _trickle(srv, n: int, key: str | None, stop: threading.Event):
+    """n connections, each a full POST head then its body a byte every 0.2 s until `stop` (or the server closes)."""
+    import socket
+
+    socks = []
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                  f"Content-Length: 100000\r\n\r\n".encode())  # fmt: skip
+        socks.append(s)
+
+    def run():
+        while not stop.is_set():
+            for s in list(socks):
+                try:
+                    s.send(b" ")
+                except OSError:
+                    socks.remove(s)  # the server closed it: the slot is free
+            stop.wait(0.2)
+        for s in socks:
+            s.close()
+
+
+    threading.Thread(target=run, daemon=True).start()
+    return socks
+
+
+@pytest.mark.parametrize("n,with_key", [(70, True), (70, False),
+                                        pytest.param(255, True, marks=pytest.mark.slow),
+                                        pytest.param(255, False, marks=pytest.mark.slow)])  # fmt: skip
+def test_trickled_bodies_free_their_slots(embedded, n, with_key):
+    """Before: every trickled connection kept its slot after its 408 (or its 401, which never read the body):
+    /health and completions 503 for as long as the trickle went on (80 s in the issue's probe). The slot is freed
+    at the body deadline (1 s here) whether or not the request carries a key."""
+
+    from test_server_limits import KEY, _call, _Server
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.limits import Limits
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok, limits=Limits(read_timeout_s=1.0))
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY), worker.limits)
+    stop = threading.Event()
+    try:  # uvicorn_config's connection cap is max(64, 4 * max_pending) = 256: n >= 64 fills the short form's
+        socks = _trickle(srv, n, KEY if with_key else None, stop)
+        deadline = time.monotonic() + 10
+        while socks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not socks, f"{len(socks)} of {n} trickled connections still open 10 s after the 1 s body deadline"
+        print(f"{n} trickled bodies (key: {with_key}): all closed {time.monotonic() - deadline + 10:.1f} s after "
+              "their heads")  # the bench figure; no wall-clock assertion
+        status, body = _call(srv.url + "/health")
+        assert status == 200, body
+        status, body = _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8},
+                             headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        assert status == 200, body
+    finally:
+        stop.set()
+        srv.close()
+        worker.close()
+
+
+# -- finding 7: prompt text in logs is opt-in -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_unknown_prompt_words_reach_the_log_only_when_opted_in(embedded, caplog, log_prompts):
+    """Before: every unknown prompt word was logged at WARNING, quoted. Now only with serve --log-prompts; the
+    response's `warnings` still names them (the client sent them)."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok)
+    secret = "zqxjkvw"  # not in the embedded model's vocabulary
+    try:
+        with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, log_prompts=log_prompts)) as c:
+            with caplog.at_level(logging.INFO, logger="lopa_fast.server"):
+                r = c.post("/v1/completions", json={"prompt": f"{PROMPT} {secret}", "max_tokens": 8})
+    finally:
+        worker.close()
+    assert r.status_code == 200, r.text
+    assert any(secret in w for w in r.json().get("warnings", [])), r.json()
+    logged = [rec for rec in caplog.records if secret in rec.getMessage()]
+    assert bool(logged) == log_prompts, [rec.getMessage() for rec in caplog.records]
+    assert all(rec.levelno == logging.WARNING for rec in logged)
+
+
+def test_an_unseeded_request_that_draws_gets_a_seed_and_is_told_it(embedded):
+    """Before: vanilla (Dream's `origin` reveal) at temperature 0 without a seed differed between identical calls,
+    with no word. Now the server draws a seed, runs with it, and the response's warnings name it; a greedy
+    request that draws nothing is left alone."""
+    import re
+
+    req = _parse(embedded, strategy="vanilla", alg="origin", max_tokens=8)
+    assert isinstance(req.knobs["seed"], int)
+    note = next(w for w in req.warnings if w.startswith("seed:"))
+    assert re.search(rf"seed={req.knobs['seed']}\b", note) and "alg=origin" in note
+    assert _parse(embedded, strategy="vanilla", alg="origin", max_tokens=8, seed=5).knobs["seed"] == 5  # given: kept
+    plain = _parse(embedded)
+    assert plain.knobs.get("seed") is None and not any(w.startswith("seed:") for w in plain.warnings)
