@@ -210,8 +210,10 @@ def test_parity_grid_on_the_triton_backend(monkeypatch):
 
 @pytest.mark.slow
 def test_parity_grid_full_on_the_triton_backend(monkeypatch):
+    """Every 17th case of the full product (91 cases, every k / mode / block size / model): the interpreter's
+    ~170 ms a round would make the whole product (1,536 cases) a run of about 90 minutes."""
     calls = _force_triton(monkeypatch)
-    parity.assert_coverage(parity.check_cases(parity.full_product()))
+    parity.assert_coverage(parity.check_cases(parity.full_product()[::17]))
     assert calls, "the decodes never reached ops.select_round"
 
 
