@@ -7,13 +7,11 @@ takes the op), `triton` and `cuda` when their kernels load. Every backend return
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
+from lopa_fast.ops.select_round_outputs import outputs as _outputs
 from lopa_fast.reference.ops import SelectRound
 
 _STATE = ("x", "n_blocks", "block_state", "complete", "eos", "alive", "creation_conf", "look_pos", "counts",
@@ -92,47 +90,6 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
 
 
 # ------------------------------------------------------------------------------ the C++ kernel as a torch custom op
-def _shapes_of(NB: int, Lb1: int, G1: int, Nb: int) -> list[tuple[tuple, torch.dtype]]:
-    """(shape, dtype) of each `SelectRound` field, in order."""
-    L, B, F64 = torch.long, torch.bool, torch.float64
-    return [((), L), ((NB,), F64), ((), L), ((Nb,), B), ((Nb,), L),  # winner, score, last_row, accepted, tokens
-            ((NB, Lb1), L), ((NB,), B), ((NB,), B), ((NB,), F64), ((NB,), L), ((G1,), L), ((8,), L),
-            ((NB,), L), ((NB, G1), B), ((NB, G1), B), ((NB, G1), B), ((NB,), B), ((NB,), B), ((NB, Lb1), B),
-            ((NB, Lb1), B), ((NB,), L), ((NB,), L), ((G1,), B), ((), L), ((), L), ((), L), ((), L),
-            ((7,), L)]  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)
-def _split_plan(NB: int, Lb1: int, G1: int, Nb: int) -> tuple:
-    """Per dtype: (dtype, total elements, sizes, ((field index, shape or None for a 1-d field), ...)), computed once
-    per geometry (a round's Python glue costs more than its C++ kernel on the tiny models)."""
-    shapes = _shapes_of(NB, Lb1, G1, Nb)
-    plan = []
-    for dtype in (torch.long, torch.bool, torch.float64):
-        idx = [k for k, (_, dt) in enumerate(shapes) if dt == dtype]
-        sizes = [math.prod(shapes[k][0]) for k in idx]
-        plan.append((dtype, sum(sizes), sizes, tuple((k, None if len(shapes[k][0]) == 1 else shapes[k][0])
-                                                      for k in idx)))
-    return tuple(plan)
-
-
-def _outputs(args, split: bool = True) -> list[torch.Tensor]:
-    """Fresh output tensors of a select_round call (the `SelectRound` fields, in order). split: one buffer per
-    dtype, split into the fields (3 allocations instead of 28: on a tiny CPU round the allocations cost more than
-    the kernel; eager only, since a custom op's outputs may not alias one another)."""
-    x = args[3]
-    dims = (x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0])
-    dev = x.device
-    if not split:
-        return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in _shapes_of(*dims)]
-    out: list = [None] * len(SelectRound._fields)
-    for dtype, total, sizes, fields in _split_plan(*dims):
-        parts = torch.empty(total, dtype=dtype, device=dev).split_with_sizes(sizes)
-        for t, (k, shape) in zip(parts, fields):
-            out[k] = t if shape is None else t.view(shape)
-    return out
-
-
 def _run_cpp(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
              score_all: bool, split: bool = True) -> list[torch.Tensor]:
     """The C++ kernel on fresh outputs (lopa_fast._C.select_round_cpu takes the data pointers)."""

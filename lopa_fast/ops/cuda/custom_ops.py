@@ -64,7 +64,7 @@ def _(hidden, weight, suppress_token, eps, entropy):
 def select_round_op(args: list[Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
                     score_all: bool) -> list[Tensor]:
     """The 28 SelectRound fields of lopa_fast.ops.select_round (its 35 checked tensors), one launch."""
-    from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415 - the op's one output layout
+    from lopa_fast.ops.select_round_outputs import outputs as _outputs  # noqa: PLC0415 - the op's one output layout
 
     outs = _outputs(args, split=False)
     ins = [t.contiguous() for t in args]
@@ -75,6 +75,6 @@ def select_round_op(args: list[Tensor], bs: int, mask_id: int, eos_id: int, n_lo
 
 @select_round_op.register_fake
 def _(args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
-    from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415
+    from lopa_fast.ops.select_round_outputs import outputs as _outputs  # noqa: PLC0415
 
     return _outputs(args, split=False)

@@ -68,7 +68,7 @@ class Emulated:
 
     def select_round(self, *args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
         """ops.select_round's arguments (checked) -> the SelectRound fields (a list of fresh tensors)."""
-        from lopa_fast.ops.select_round import _outputs  # noqa: PLC0415 - the op's one output layout
+        from lopa_fast.ops.select_round_outputs import outputs as _outputs  # noqa: PLC0415 - the op's one output layout
 
         outs = _outputs(args, split=False)
         ins = [t.contiguous() for t in args]
