@@ -266,3 +266,32 @@ def test_an_unseeded_request_that_draws_gets_a_seed_and_is_told_it(embedded):
     assert _parse(embedded, strategy="vanilla", alg="origin", max_tokens=8, seed=5).knobs["seed"] == 5  # given: kept
     plain = _parse(embedded)
     assert plain.knobs.get("seed") is None and not any(w.startswith("seed:") for w in plain.warnings)
+
+
+def test_health_is_unhealthy_when_a_serving_thread_has_died(embedded):
+    """A job thread or the batch engine's thread that died (an exception escaped it) makes /health 503 naming it,
+    whatever the last self-check said; a closed worker's ended threads are not a fault (finding 5, liveness)."""
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok)
+    try:
+        with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)) as c:
+            assert c.get("/health").status_code == 200
+            dead = threading.Thread(target=lambda: None, name="lopa_fast.server.worker.dead")
+            dead.start()
+            dead.join()
+            worker._threads.append(dead)  # as if one job thread had died
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["dead_threads"] == ["lopa_fast.server.worker.dead"], r.json()
+            worker._threads.remove(dead)
+            if worker.engine is not None:
+                worker.engine.close()  # the engine thread ends: the same verdict
+                r = c.get("/health")
+                assert r.status_code == 503 and "lopa_fast.batch_engine" in r.json()["dead_threads"], r.json()
+    finally:
+        worker.close()
+    assert "dead_threads" not in worker.health

@@ -341,6 +341,10 @@ class BatchEngine:
     def start(self) -> None:
         self._go.set()
 
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (an exception that escaped its loop ends it: nothing is served)."""
+        return self._thread.is_alive()
+
     def reclaim(self) -> None:
         """Free, on the engine thread, the lane workspaces no live request uses (any thread may ask; the held bytes
         are reported again once done)."""

@@ -172,6 +172,7 @@ class Worker:
         self._recovering = threading.Lock()
         self._running: set = set()  # the handles of the requests decoding now (close cancels them)
         self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
+        self._closed = False  # close() was called
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
                          for i in range(concurrency if batch else 1)]  # fmt: skip
         for t in self._threads:
@@ -245,7 +246,15 @@ class Worker:
         """/health's facts: status "ok" (the last self-check passed) or "unhealthy", the self-check's verdict, the
         requests that failed for memory (`out_of_memory`), and `counts`."""
         with self._lock:
-            return {**self._health, **self.counts}
+            facts = {**self._health, **self.counts}
+        # liveness: a job thread or the batch engine's thread that has died (an exception escaped it) serves nothing
+        # more, whatever the last self-check said (issue 43: /health read "ok" beside a dead engine)
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if self.engine is not None and not self.engine.alive():
+            dead.append("lopa_fast.batch_engine")
+        if dead and not self._closed:
+            facts.update(status="unhealthy", dead_threads=dead)
+        return facts
 
     def _recover(self) -> None:
         """After a request failed for memory: give the freed memory back (the collector, the allocator's caches,
@@ -267,6 +276,7 @@ class Worker:
 
         with self._lock:
             running = list(self._running)
+            self._closed = True  # its threads end from here on: /health no longer calls that a fault
         for h in running:
             h.cancel()
         for _ in self._threads:
