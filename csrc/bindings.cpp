@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "select_round.h"
+#include "select_step.h"
 
 namespace py = pybind11;
 using lopa_fast::RoundDims;
@@ -96,10 +97,27 @@ void select_round(const std::vector<uintptr_t>& p, const std::vector<int64_t>& d
   lopa_fast::select_round_cpu(d, in, out);
 }
 
+// ptrs: x, pos, valid, x0, conf, ent, finite, multi, noop, s, knob (reference.ops.select_step's 11 inputs) then its
+// 5 outputs x, fm, multi, noop, head; dims: L, n, rule (STEP_RULES index), mask_id, B, conf is float64
+void select_step(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
+  if (p.size() != 16 || dims.size() != 6) throw std::invalid_argument("select_step_cpu: 16 pointers, 6 dims");
+  lopa_fast::StepArgs a{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5] != 0,
+                        ptr<const int64_t>(p, 0), ptr<const int64_t>(p, 1), ptr<const bool>(p, 2),
+                        ptr<const int64_t>(p, 3), ptr<const void>(p, 4), ptr<const double>(p, 5),
+                        ptr<const bool>(p, 6), ptr<const int64_t>(p, 7), ptr<const int64_t>(p, 8),
+                        ptr<const int64_t>(p, 9), ptr<const double>(p, 10), ptr<int64_t>(p, 11), ptr<int64_t>(p, 12),
+                        ptr<int64_t>(p, 13), ptr<int64_t>(p, 14), ptr<int64_t>(p, 15)};
+  if (a.rule < 0 || a.rule > lopa_fast::kFirst) throw std::invalid_argument("select_step_cpu: rule out of range");
+  py::gil_scoped_release nogil;
+  lopa_fast::select_step_cpu(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, select_step";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
+  m.def("select_step_cpu", &select_step, py::arg("ptrs"), py::arg("dims"),
+        "select_step on CPU tensors: the data pointers of its 11 inputs and 5 outputs (lopa_fast.ops.select_step)");
 }

@@ -163,7 +163,7 @@ def test_progress_hook_sees_the_reference_prefixes(models):
 
 def select(conf, ent, cand, cfg):
     """The fast step's commit rule on a threshold config's rule knobs."""
-    from lopa_fast.strategies.threshold.step import select_by_rule
+    from lopa_fast.reference.ops import select_by_rule
 
     return select_by_rule(conf, ent, cand, cfg.factor, cfg.entropy_threshold, cfg.threshold)
 

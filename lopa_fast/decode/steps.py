@@ -64,7 +64,7 @@ from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.sampling import is_on
 
 HEAD = ("bad", "full", "first_mask", "masks_left")
-# the threshold strategy's rules (GenerateConfig's names), in `threshold_step.select_by_rule`'s order of precedence
+# the threshold strategy's rules (GenerateConfig's names), in `reference.ops.select_by_rule`'s order of precedence
 RULES = ("factor", "entropy_threshold", "threshold")
 KNOBS = ("temperature", "top_p", *RULES, "cfg_scale", "alg_temp")  # float knobs: runtime inputs (tables)
 LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
@@ -219,14 +219,19 @@ def finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tens
     return st, {"logits": logits}
 
 
-def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature) -> torch.Tensor:
-    """0-d long: the first row r with read[r] whose logits [n, V] hold NaN / inf (or overflow when divided
-    by the temperature, T > 0: a float, or a 0-d tensor knob, `sampling.is_on`), else -1. No host read."""
+def rows_finite(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """bool [n]: each row of logits [n, V] is finite (and, at T > 0: a float, or a 0-d tensor knob,
+    `sampling.is_on`, does not overflow when divided by the temperature): the numerics guard's test."""
     x = logits.float()
     ok = torch.isfinite(x).all(-1)
     if is_on(temperature):
         ok = ok & torch.isfinite(x / temperature).all(-1)
-    bad = read & ~ok
+    return ok
+
+
+def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature) -> torch.Tensor:
+    """0-d long: the first row r with read[r] whose logits [n, V] fail `rows_finite`, else -1. No host read."""
+    bad = read & ~rows_finite(logits, temperature)
     idx = torch.arange(bad.numel(), device=bad.device)
     return torch.where(bad.any(), torch.where(bad, idx, bad.numel()).min(), -1)
 

@@ -567,3 +567,102 @@ def select_round(
                     grow_table, activate_table, bs=bs, mask_id=mask_id, shift=shift)  # fmt: skip
     return SelectRound(W, score, last_row, accW, tokW, x_new, eos_new, alive_new, cconf_new, new_look, stt, counts,
                        *pl)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- select_step
+# The threshold step's selection and bookkeeping after its token statistics (Fast-dLLM v1 / dParallel), one op:
+# the candidates, the numerics guard's row, the commit rule, the commit, the counters and the step's head. Vanilla
+# steps keep torch.topk (docs/fast_decoder.md: its choice among exactly tied confidences is the implementation's,
+# so only the same call on the same vector is exact).
+STEP_RULES = ("threshold", "entropy_threshold", "factor", "first")
+
+
+class SelectStep(NamedTuple):
+    x: torch.Tensor  # [L] long: the canvas after the commit
+    fm: torch.Tensor  # 0-d long: its first mask (L when none)
+    multi: torch.Tensor  # 0-d long: steps that committed >= 2 tokens, so far
+    noop: torch.Tensor  # 0-d long: steps that committed nothing, so far
+    head: torch.Tensor  # [4] long: (first non-finite read row or -1, block full, first mask, masks left)
+
+
+def rank_desc(key: torch.Tensor) -> torch.Tensor:
+    """rank [n] long of each entry in a descending stable sort of key [n] (0 = the largest; exact ties: the
+    lower index first; NaN above every number)."""
+    order = torch.sort(key, descending=True, stable=True).indices
+    return torch.empty_like(order).scatter_(0, order, torch.arange(key.numel(), device=key.device))
+
+
+def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
+                   threshold=None) -> torch.Tensor:
+    """bool [n]: the candidates (cand [n]) a threshold step commits, from conf [n] and entropy [n] (no host read);
+    the rule knobs (one of them not None) are floats, or 0-d float64 tensors (the step's runtime inputs): the
+    formulas round a tensor exactly as they round a float.
+
+    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties; a NaN first) is always committed;
+    the rule adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared
+    in conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top `count`
+    ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or every
+    candidate when there is none or b is the last rank (upstream's edge case), in float64."""
+    any_c = cand.any()
+    idx = torch.arange(cand.numel(), device=cand.device)
+    if factor is not None:
+        c = torch.where(cand, conf, float("-inf"))
+        rank = rank_desc(c)
+        desc = torch.sort(c, descending=True, stable=True).values.double()
+        n = cand.sum()
+        # (idx + 2).reciprocal() * f: what `f / tensor` computes for a Python float f (Tensor.__rtruediv__), written
+        # out so that a tensor f (a true division otherwise) rounds the same
+        th = torch.where(idx == 0, -1.0, 1 - (idx + 2).double().reciprocal() * factor)
+        viol = (desc < th) & (idx < n)
+        b = torch.where(viol.any(), viol.long().argmax(), n)
+        count = torch.where(b < n - 1, b, n)
+        return cand & (rank < count)
+    if entropy_threshold is not None:
+        first = idx == torch.where(cand, ent, float("inf")).argmin()
+        keep = cand & ~(ent > entropy_threshold)
+    else:
+        first = idx == torch.where(cand, conf, float("-inf")).argmax()
+        keep = cand & ~(conf < threshold)
+    return (keep | (first & cand)) & any_c
+
+
+def select_step(x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
+                ent: torch.Tensor, finite: torch.Tensor, multi: torch.Tensor, noop: torch.Tensor, s: torch.Tensor,
+                knob: torch.Tensor, *, rule: str, mask_id: int, B: int) -> SelectStep:
+    """A threshold step after its token statistics (lopa_fast.strategies.threshold.step), all on the device.
+
+    x [L] long: the canvas; pos [n] long: the rows' positions (padding rows may point past L - 1: clamped, never
+    read, never written); valid [n] bool: real rows; x0 [n] long, conf [n] float32 / float64, ent [n] float64:
+    each row's token, confidence and entropy (`sampling.threshold_stats`); finite [n] bool: its logits are finite
+    (the numerics guard's test); multi, noop: 0-d long counters; s: 0-d long, the block start; knob: 0-d float64,
+    the rule's value (ignored by "first").
+    rule: "threshold" | "entropy_threshold" | "factor" (`select_by_rule` over the candidates: valid rows whose
+    position holds a mask) | "first" (a Dream refresh: every valid row, unconditionally; the counters stay).
+    B: the block length (0: no block, "full" is False).
+    The guard's row: the first row r read by the rule (a candidate; "first": valid) whose logits are not finite,
+    else -1. Returns SelectStep (the head is what the host reads once per step)."""
+    L = x.numel()
+    pos_c = pos.clamp(max=L - 1)
+    cand = (x.index_select(0, pos_c) == mask_id) & valid
+    read = valid if rule == "first" else cand
+    bad = read & ~finite
+    r = torch.arange(bad.numel(), device=x.device)
+    bad_row = torch.where(bad.any(), torch.where(bad, r, bad.numel()).min(), -1)
+    if rule == "first":
+        sel = valid
+    else:
+        sel = select_by_rule(conf, ent, cand, **{rule: knob})
+        nsel = sel.sum()
+        multi = multi + (nsel >= 2).long()
+        noop = noop + (nsel == 0).long()
+    # the commit: unselected and padding rows write to a trash slot L of an [L + 1] scratch row
+    ext = torch.cat([x, x[:1]])
+    x = ext.index_copy(0, torch.where(sel & valid, pos_c, L), x0.to(x.dtype))[:L]
+    is_mask = x == mask_id
+    fm = torch.where(is_mask.any(), is_mask.long().argmax(), L)
+    full = torch.zeros((), dtype=torch.bool, device=x.device)
+    if B:
+        blk = (s + torch.arange(B, device=x.device)).clamp(max=L - 1)
+        full = ~is_mask.index_select(0, blk).any()
+    head = torch.stack([bad_row, full.long(), fm, is_mask.sum()]).long()
+    return SelectStep(x, fm, multi, noop, head)

@@ -3,7 +3,7 @@ eagerly at exact sizes by the driver (lopa_fast.strategies.threshold.driver) and
 
 A step of `kind` (steps' table: full | refresh | refresh_first | prefix | dual) forwards its window, computes the
 token statistics of its rows (`sampling.threshold_stats`, the reference's formula), commits by the rule
-(`select_by_rule`: rank 1 plus the threshold / factor / entropy rule, as tensor ops; a Dream refresh commits the
+(`ops.select_step`, one op: rank 1 plus the threshold / factor / entropy rule; a Dream refresh commits the
 block's first token unconditionally), counts multi-token and no-op steps, and ends in the head. `parts` splits it
 around its forward (a batch shares the forward).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast import keyed
+from lopa_fast import keyed, ops
 from lopa_fast.decode import steps
-from lopa_fast.decode.steps import RULES, StepGeometry
+from lopa_fast.decode.steps import StepGeometry
 from lopa_fast.sampling import threshold_stats
 
 
@@ -52,70 +52,21 @@ def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | 
 
 def post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k=None, v=None) -> tuple[dict, dict]:
     """A step after its forward (raw logits [R, V]; a refresh's K/V [layers, 1, L, Hkv, D] become the cache):
-    statistics, the rule, the commit, the head."""
-    x, L = st["x"], geo.L
+    the statistics, then `ops.select_step` (one op: the candidates, the guard's row, the rule, the commit, the
+    counters, the head)."""
     pos, valid = ctx["pos"], ctx["valid"]
     if kind in ("refresh", "refresh_first"):
         st["ck"].copy_(k[:, 0])  # all L rows: a "prefix" step reads only [0, s)
         st["cv"].copy_(v[:, 0])
-    pos_c = pos.clamp(max=L - 1)
-    cand = (x.index_select(0, pos_c) == geo.mask_id) & valid
-    only_first = kind == "refresh_first"  # Dream refresh: the block's first token, unconditionally
     temperature = steps.temperature(geo, T)
-    bad = steps.first_bad_row(logits, valid if only_first else cand, temperature)
+    finite = steps.rows_finite(logits, temperature)
     fwd = st["fwd"] + 1
     keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
     x0, conf, ent = threshold_stats(logits, stats_in_float64=geo.stats_in_float64, temperature=temperature,
                                     top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
                                     suppress_token=geo.mask_id if geo.suppress_mask else None, keys=keys)  # fmt: skip
-    if only_first:
-        sel = valid
-    else:
-        sel = select_by_rule(conf, ent, cand, **{r: T[r] if r == geo.rule else None for r in RULES})
-        nsel = sel.sum()
-        st["multi"] = st["multi"] + (nsel >= 2).long()
-        st["noop"] = st["noop"] + (nsel == 0).long()
-    st["fwd"] = fwd
-    return steps.finish(st, steps.scatter(x, pos_c, sel & valid, x0), bad, geo, logits)
-
-
-# ---- the commit rule -----------------------------------------------------------------------------------------
-def rank_desc(key: torch.Tensor) -> torch.Tensor:
-    """rank [n] long of each entry in a descending stable sort of key [n] (0 = the largest; exact ties: the
-    lower index first)."""
-    order = torch.sort(key, descending=True, stable=True).indices
-    return torch.empty_like(order).scatter_(0, order, torch.arange(key.numel(), device=key.device))
-
-
-def select_by_rule(conf: torch.Tensor, ent: torch.Tensor, cand: torch.Tensor, factor=None, entropy_threshold=None,
-                   threshold=None) -> torch.Tensor:
-    """bool [n]: the candidates (cand [n]) this step commits, from conf [n] and entropy [n] (no host read); the rule
-    knobs (one of them not None) are floats, or 0-d float64 tensors (the step's runtime inputs, the tables): the
-    formulas round a tensor exactly as they round a float.
-
-    Rank 1 (the highest conf, or the lowest entropy; first index on exact ties) is always committed; the rule
-    adds the others: threshold: conf >= tau (upstream drops conf < tau, so equality commits; tau compared in
-    conf's dtype, as upstream's tensor-vs-float comparison); entropy_threshold: H <= h; factor: the top
-    `count` ranks, count = the first 0-based rank b with c(b) < 1 - f/(b+2) (rank 0's threshold is -1), or
-    every candidate when there is none or b is the last rank (upstream's edge case), in float64."""
-    any_c = cand.any()
-    idx = torch.arange(cand.numel(), device=cand.device)
-    if factor is not None:
-        c = torch.where(cand, conf, float("-inf"))
-        rank = rank_desc(c)
-        desc = torch.sort(c, descending=True, stable=True).values.double()
-        n = cand.sum()
-        # (idx + 2).reciprocal() * f: what `f / tensor` computes for a Python float f (Tensor.__rtruediv__), written
-        # out so that a tensor f (a true division otherwise) rounds the same
-        th = torch.where(idx == 0, -1.0, 1 - (idx + 2).double().reciprocal() * factor)
-        viol = (desc < th) & (idx < n)
-        b = torch.where(viol.any(), viol.long().argmax(), n)
-        count = torch.where(b < n - 1, b, n)
-        return cand & (rank < count)
-    if entropy_threshold is not None:
-        first = idx == torch.where(cand, ent, float("inf")).argmin()
-        keep = cand & ~(ent > entropy_threshold)
-    else:
-        first = idx == torch.where(cand, conf, float("-inf")).argmax()
-        keep = cand & ~(conf < threshold)
-    return (keep | (first & cand)) & any_c
+    rule = "first" if kind == "refresh_first" else geo.rule  # Dream refresh: the block's first token, unconditionally
+    r = ops.select_step(st["x"], pos, valid, x0, conf, ent, finite, st["multi"], st["noop"], st["s"], T[geo.rule],
+                        rule=rule, mask_id=geo.mask_id, B=geo.B, check=False)  # fmt: skip
+    st.update(x=r.x, fm=r.fm, multi=r.multi, noop=r.noop, head=r.head, fwd=fwd)
+    return st, {"logits": logits}

@@ -1,0 +1,90 @@
+"""`select_step`: a threshold step's selection and bookkeeping after its token statistics, as one op.
+See reference.ops.select_step (the oracle, and the `torch` backend) for every argument's shape and meaning.
+
+Backends: `cpp` (csrc/select_step_cpu.cpp in the extension `lopa_fast._C`, built at install: the default on CPU
+tensors when it is present) and `torch` (the reference's vectorised ops: what compile / capture trace, and what CUDA
+tensors run: a step's selection is ~30 graph nodes of a captured step, the round op's kernels are where the GPU's
+launches were). Every backend returns the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from lopa_fast.ops import _backend
+from lopa_fast.reference import ops as ref
+from lopa_fast.reference.ops import STEP_RULES, SelectStep
+
+_NAMES = ("x", "pos", "valid", "x0", "conf", "ent", "finite", "multi", "noop", "s", "knob")
+
+
+def _check(args: tuple, rule: str, mask_id: int, B: int) -> None:
+    if len(args) != len(_NAMES):
+        raise ValueError(f"select_step: {len(args)} tensor arguments; expected {len(_NAMES)}: {', '.join(_NAMES)}")
+    named = dict(zip(_NAMES, args))
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"select_step: {name} must be a tensor, got {type(t).__name__}")
+    if rule not in STEP_RULES:
+        raise ValueError(f"select_step: rule={rule!r}; allowed: {', '.join(STEP_RULES)}")
+    if not isinstance(mask_id, int) or mask_id < 0 or not isinstance(B, int) or B < 0:
+        raise ValueError(f"select_step: mask_id={mask_id!r} and B={B!r} must be ints >= 0")
+    x = named["x"]
+    if x.dim() != 1 or x.numel() == 0:
+        raise ValueError(f"select_step: x must be a non-empty [L], got {tuple(x.shape)}")
+    n = named["pos"].numel()
+    L, B_, F64 = torch.long, torch.bool, torch.float64
+    want = dict(x=((x.numel(),), L), pos=((n,), L), valid=((n,), B_), x0=((n,), L), ent=((n,), F64),
+                finite=((n,), B_), multi=((), L), noop=((), L), s=((), L), knob=((), F64))  # fmt: skip
+    for name, (shape, dtype) in want.items():
+        t = named[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"select_step: {name} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}")
+    conf = named["conf"]
+    if tuple(conf.shape) != (n,) or conf.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"select_step: conf is {conf.dtype} {tuple(conf.shape)}; expected float32 or float64 ({n},)")
+    for name, t in named.items():
+        if t.device != x.device:
+            raise ValueError(f"select_step: {name} is on {t.device}, x on {x.device}")
+
+
+def select_step(*args: torch.Tensor, rule: str, mask_id: int, B: int, check: bool = True,
+                backend: str | None = None) -> SelectStep:
+    """The step's new canvas, counters and head (reference.ops.select_step's positional tensor arguments and
+    keywords). backend: None (auto: `cpp` on CPU tensors when lopa_fast._C is built, else torch) | "cpp" |
+    "torch"."""
+    if check:
+        _check(args, rule, mask_id, B)
+    b = _backend.resolve("select_step", backend, args[0].device)
+    if b == "torch":
+        return ref.select_step(*args, rule=rule, mask_id=mask_id, B=B)
+    if torch.compiler.is_compiling():
+        return SelectStep(*torch.ops.lopa_fast.cpp_select_step(list(args), rule, mask_id, B))
+    return SelectStep(*_run_cpp(list(args), rule, mask_id, B))
+
+
+def _run_cpp(args: list[torch.Tensor], rule: str, mask_id: int, B: int, split: bool = True) -> list[torch.Tensor]:
+    """The C++ kernel on fresh outputs (lopa_fast._C.select_step_cpu takes the data pointers). split: the five
+    outputs as views of one buffer (eager: one allocation, not five; a custom op's outputs may not alias)."""
+    x = args[0]
+    L = x.numel()
+    if split:
+        buf = torch.empty(L + 7, dtype=torch.long)
+        out = [buf[:L], buf[L], buf[L + 1], buf[L + 2], buf[L + 3:]]
+    else:
+        out = [torch.empty(L, dtype=torch.long)] + [torch.empty((), dtype=torch.long) for _ in range(3)] + \
+            [torch.empty(4, dtype=torch.long)]
+    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
+    dims = [L, args[1].numel(), STEP_RULES.index(rule), mask_id, B, int(args[4].dtype == torch.float64)]
+    _backend.cpp_module().select_step_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
+    return out
+
+
+@torch.library.custom_op("lopa_fast::cpp_select_step", mutates_args=())
+def _cpp_op(args: list[torch.Tensor], rule: str, mask_id: int, B: int) -> list[torch.Tensor]:
+    return _run_cpp(args, rule, mask_id, B, split=False)
+
+
+@_cpp_op.register_fake
+def _(args, rule, mask_id, B):
+    L = args[0].numel()
+    return [args[0].new_empty(L), *(args[0].new_empty(()) for _ in range(3)), args[0].new_empty(4)]
