@@ -34,6 +34,7 @@ from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
+from lopa_fast.kernels.triton import select_step as ss  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -86,7 +87,22 @@ def variants(quick: bool):
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
     _select_round_variants(out, quick)
+    _select_step_variants(out, quick)
     return out
+
+
+def _select_step_variants(out, quick: bool):
+    """The threshold step op at Dream / LLaDA shapes: a 32-row block (BN 32) on a 1,024-position canvas; every rule
+    in the full run (factor's [32, 32] rank is the largest tile), float32 (Dream) and float64 (LLaDA) confidences."""
+    fn = ss._select_step_kernel
+    i64, u8, f64 = "*i64", "*u8", "*fp64"
+    for rule in (2,) if quick else (0, 1, 2, 3):
+        for conf in ("*fp32",) if quick else ("*fp32", "*fp64"):
+            types = dict(x=i64, pos=i64, valid=u8, x0=i64, conf=conf, ent=f64, finite=u8, multi=i64, noop=i64,
+                         s=i64, knob=f64, o_x=i64, o_fm=i64, o_multi=i64, o_noop=i64, o_head=i64, L="i32", n="i32")
+            ce = dict(RULE=rule, mask_id=151666, B=32, BB=32, BN=32, BLK=1024)
+            out.append((f"_select_step_kernel rule={rule} conf={conf[1:]}", fn, types, ce, set(),
+                        dict(num_warps=ss.NUM_WARPS, enable_fp_fusion=False)))
 
 
 def _select_round_variants(out, quick: bool):

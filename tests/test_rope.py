@@ -50,6 +50,26 @@ def test_reference_twin_is_the_model_formula(dtype, fp32):
 
 
 @pytest.mark.parametrize("fp32", [False, True], ids=["qwen2", "llada"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row_positions"])
+def test_rope_heads_is_bitwise_the_reference(dtype, fp32, per_row):
+    """The torch layer loop's form (ops.rope.rope_heads: q and k heads side by side, sin's first half negated):
+    bitwise ref.rope on every head, from slices of a merged q/k/v projection, extreme values included."""
+    from lopa_fast.ops.rope import rope_heads, rope_rotation
+
+    B, n, Hq, Hkv, D = 3, 7, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(B, n, Hq + 2 * Hkv, D, generator=g) * 30).to(dtype)
+    qkv[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 65504.0, -1e-8]).to(dtype)
+    pos = torch.arange(B * n).reshape(B, n) * 997 if per_row else torch.arange(n) + 4093
+    cos, sin = ref.rope_cos_sin(pos, D, THETA)
+    want_q, want_k = ref.rope(qkv[:, :, :Hq], qkv[:, :, Hq: Hq + Hkv], cos, sin, fp32)
+    got = rope_heads(qkv[:, :, : Hq + Hkv], rope_rotation(cos, sin, dtype, fp32))
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got[:, :, :Hq], want_q) and torch.equal(got[:, :, Hq:], want_k)
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["qwen2", "llada"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_kernel_matches_reference(dtype, fp32):
     B, n, Hq, Hkv, D = 2, 5, 3, 1, 12  # 3 / 1 heads and D/2 = 6: ragged tiles

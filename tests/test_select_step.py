@@ -61,14 +61,20 @@ def test_the_cpu_default_is_the_kernel():
     assert _backend.cpp_module() is not None and hasattr(_backend.cpp_module(), "select_step_cpu")
 
 
-def test_recorded_steps_are_bitwise_the_reference(recorded):
+def _recorded(calls, backend):
     multi = 0
-    for args, kw in recorded:
+    for args, kw in calls:
         want = ops.select_step(*args, **kw, backend="torch")
-        got = ops.select_step(*args, **kw, backend="cpp")
+        got = ops.select_step(*args, **kw, backend=backend)
         assert not _same(want, got), (_same(want, got), kw)
         multi += int(want.multi - args[7])
     assert multi > 0  # some recorded step committed several tokens
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_recorded_steps_are_bitwise_the_reference(recorded, backend):
+    """Every recorded step on C++; every 3rd on the Triton interpreter (-m slow: all)."""
+    _recorded(recorded if backend == "cpp" else recorded[::3], backend)
 
 
 def _random_step(rng: random.Random, rule: str, conf_dtype: torch.dtype):
@@ -95,17 +101,30 @@ def _random_step(rng: random.Random, rule: str, conf_dtype: torch.dtype):
     return args, dict(rule=rule, mask_id=mask_id, B=rng.choice([0, 1, 4, 8]))
 
 
-@pytest.mark.parametrize("rule", STEP_RULES)
-def test_random_and_adversarial_steps_are_bitwise_the_reference(rule):
+def _adversarial(rule: str, backend: str, n: int) -> None:
     rng = random.Random(STEP_RULES.index(rule))
     committed = 0
-    for i in range(400):
+    for i in range(n):
         args, kw = _random_step(rng, rule, torch.float64 if i % 3 == 0 else torch.float32)
         want = ops.select_step(*args, **kw, backend="torch")
-        got = ops.select_step(*args, **kw, backend="cpp")
+        got = ops.select_step(*args, **kw, backend=backend)
         assert not _same(want, got), (i, _same(want, got), args, kw)
         committed += int((want.x != args[0]).sum())
-    assert committed > 100  # the rows commit tokens, not only no-ops
+    assert committed > n // 4  # the rows commit tokens, not only no-ops
+
+
+@pytest.mark.parametrize("rule", STEP_RULES)
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_random_and_adversarial_steps_are_bitwise_the_reference(rule, backend):
+    """400 adversarial steps a rule on C++, 40 on the Triton interpreter (-m slow: 400)."""
+    _adversarial(rule, backend, 400 if backend == "cpp" else 40)
+
+
+@pytest.mark.slow
+def test_every_recorded_and_400_adversarial_steps_a_rule_on_the_triton_interpreter(recorded):
+    _recorded(recorded, "triton")
+    for rule in STEP_RULES:
+        _adversarial(rule, "triton", 400)
 
 
 def test_bad_arguments_are_named(recorded):
@@ -122,8 +141,8 @@ def test_bad_arguments_are_named(recorded):
         ops.select_step(*bad, **kw)
     with pytest.raises(ValueError, match="11 tensor arguments|expected 11"):
         ops.select_step(*args[:-1], **kw)
-    with pytest.raises(ValueError, match="unavailable: select_step has no triton kernel"):
-        ops.select_step(*args, **kw, backend="triton")
+    with pytest.raises(ValueError, match="unavailable: no CUDA kernel for select_step"):
+        ops.select_step(*args, **kw, backend="cuda")
 
 
 def test_threshold_grid_on_the_torch_backend(monkeypatch):

@@ -24,8 +24,6 @@ from lopa_fast.kernels.triton._common import is_interpreter as triton_interprete
 BACKENDS = ("cuda", "triton", "cpp", "torch")
 # the ops lopa_fast._C implements on CPU tensors (csrc/)
 CPP_OPS = ("select_round", "select_step")
-# ops with no Triton / CUDA kernel: their torch backend runs CUDA tensors (select_step: ops/select_step.py says why)
-NO_GPU_KERNEL = ("select_step",)
 # Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.
 AUTO_ORDER = ("triton", "cuda")
 
@@ -81,8 +79,6 @@ def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> st
         if device.type != "cpu":
             return f"tensors are on {device}"
         return None if cpp_module() is not None else "lopa_fast._C is not built"
-    if backend in ("triton", "cuda") and op in NO_GPU_KERNEL:
-        return f"{op} has no {backend} kernel"
     if backend == "triton":
         if not triton_available():
             return "triton does not import"
@@ -108,8 +104,6 @@ def _has_family(op: str, backend: str) -> bool:
     one; e.g. LOPA_FAST_BACKEND=cpp moves select_round to C++ and leaves rms_norm on its auto choice)."""
     if backend == "cpp":
         return op in CPP_OPS
-    if op in NO_GPU_KERNEL and backend in ("triton", "cuda"):
-        return False
     if backend == "triton":
         return importlib.util.find_spec(f"lopa_fast.kernels.triton.{op}") is not None
     return True

@@ -2,9 +2,9 @@
 See reference.ops.select_step (the oracle, and the `torch` backend) for every argument's shape and meaning.
 
 Backends: `cpp` (csrc/select_step_cpu.cpp in the extension `lopa_fast._C`, built at install: the default on CPU
-tensors when it is present) and `torch` (the reference's vectorised ops: what compile / capture trace, and what CUDA
-tensors run: a step's selection is ~30 graph nodes of a captured step, the round op's kernels are where the GPU's
-launches were). Every backend returns the same bits.
+tensors when it is present), `triton` (kernels/triton/select_step.py: one launch instead of a captured step's ~30
+selection nodes; the default on CUDA tensors) and `torch` (the reference's vectorised ops). No CUDA C++ kernel:
+auto on CUDA takes Triton, else torch. Every backend returns the same bits.
 """
 from __future__ import annotations
 
@@ -50,13 +50,18 @@ def _check(args: tuple, rule: str, mask_id: int, B: int) -> None:
 def select_step(*args: torch.Tensor, rule: str, mask_id: int, B: int, check: bool = True,
                 backend: str | None = None) -> SelectStep:
     """The step's new canvas, counters and head (reference.ops.select_step's positional tensor arguments and
-    keywords). backend: None (auto: `cpp` on CPU tensors when lopa_fast._C is built, else torch) | "cpp" |
-    "torch"."""
+    keywords). backend: None (auto: `cpp` on CPU tensors when lopa_fast._C is built, triton on CUDA, else torch) |
+    "cpp" | "triton" | "torch"."""
     if check:
         _check(args, rule, mask_id, B)
     b = _backend.resolve("select_step", backend, args[0].device)
     if b == "torch":
         return ref.select_step(*args, rule=rule, mask_id=mask_id, B=B)
+    if b == "triton":  # one launch into fresh outputs (no value-dependent shape: capturable)
+        outs = [torch.empty_like(args[0]), *(torch.empty_like(args[7]) for _ in range(3)),
+                args[0].new_empty(4)]  # fmt: skip
+        return SelectStep(*_backend.kernel("select_step", "triton")(list(args), outs, rule_index=STEP_RULES.index(
+            rule), mask_id=mask_id, B=B))  # fmt: skip
     if torch.compiler.is_compiling():
         return SelectStep(*torch.ops.lopa_fast.cpp_select_step(list(args), rule, mask_id, B))
     return SelectStep(*_run_cpp(list(args), rule, mask_id, B))
