@@ -153,3 +153,24 @@ def test_threshold_grid_on_the_torch_backend(monkeypatch):
     for case in cases:
         ref, fast = fs.run_pair(models, case)
         fs.check(ref, fast, case)
+
+
+def test_threshold_grid_on_the_triton_kernel(monkeypatch):
+    """Threshold cases of every rule token-exact with select_step on its Triton kernel (the interpreter on CPU) inside
+    real decodes; every other op on its auto backend (LOPA_FAST_BACKEND=triton would move them all into the
+    interpreter)."""
+    real, calls = ops.select_step, []
+
+    def on_triton(*a, **kw):
+        calls.append(kw["rule"])
+        return real(*a, **dict(kw, backend="triton"))
+
+    monkeypatch.setattr(lopa_fast.ops, "select_step", on_triton)
+    models = fs.step_models()
+    first: dict = {}  # the first case of each (rule, cache)
+    for c in fs.threshold_cases():
+        first.setdefault((next(r for r in STEP_RULES if r in c["kw"]), c["kw"]["cache"], c["model"][:5]), c)
+    for case in first.values():
+        ref, fast = fs.run_pair(models, case)
+        fs.check(ref, fast, case)
+    assert set(calls) == set(STEP_RULES), set(calls)
