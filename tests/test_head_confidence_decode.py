@@ -1,4 +1,4 @@
-"""The fused LM head in the D2F / LoPA rounds (`ops.head_confidence`, strategies/lopa/driver.fused_head_wanted): on CPU it is
+"""The fused LM head in the D2F / LoPA rounds (`ops.head_confidence`, decode/fused_head.fused_head_wanted): on CPU it is
 opt-in ($LOPA_FAST_FUSED_HEAD=1); with it on, the fast decoder stays token- and forward-equal to the reference
 decoders on the tiny-model parity grid (solo, batched, graph-workspace emulation), the numerics guard still
 names the round and position of a non-finite row, and the knobs that need whole rows (T > 0, top-p / top-k,
@@ -13,7 +13,7 @@ import torch
 import lopa_fast
 from lopa_fast import ops
 from lopa_fast.config import GenerateConfig
-from lopa_fast.strategies.lopa.driver import FUSED_HEAD_ENV, fused_head_wanted
+from lopa_fast.decode.fused_head import FUSED_HEAD_ENV, fused_head_wanted
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests import test_fast_parity as parity
 from tests.utils import emulated_capture
@@ -78,3 +78,95 @@ def test_fused_head_parity_grid_full(fused):
             differ.append(case)
     assert fused, "the fused head never ran"
     assert len(differ) <= NEAR_TIE_SHARE * len(cases), f"{len(differ)}/{len(cases)} cases differ; first: {differ[0]}"
+
+
+# ---- the fused head in the vanilla and threshold steps (decode/steps.step_fused_head) -----------------------------
+def _fusable_step(case) -> bool:
+    kw = case["kw"]
+    if not case["model"].startswith("dream") or kw.get("temperature", 0) > 0 or kw.get("top_p") is not None \
+            or kw.get("top_k") is not None:  # fmt: skip
+        return False
+    if case["strategy"] == "vanilla":
+        return not kw.get("alg_temp")
+    return ("threshold" in kw or "factor" in kw) and kw.get("cache") != "dual"
+
+
+def _step_cases(full: bool) -> list:
+    from tests import test_fast_steps as fs
+
+    cases = [c for c in fs.ALL_CASES if _fusable_step(c)]
+    return cases if full else cases[::4]
+
+
+def test_fused_head_vanilla_and_threshold_steps(fused):
+    """Dream vanilla (every alg but the alg_temp race) and Dream threshold (threshold / factor rule, no cache or the
+    prefix cache) at T = 0 with the fused head: token-, forward- and counter-equal to the reference on every 4th
+    fusable case of the step grid (all of them under -m slow)."""
+    from tests import test_fast_steps as fs
+
+    cases = _step_cases(full=False)
+    assert {c["strategy"] for c in cases} == {"vanilla", "threshold"}
+    assert {c["kw"].get("alg") for c in cases if c["strategy"] == "vanilla"} >= {"origin", "maskgit_plus",
+                                                                                  "topk_margin", "entropy"}
+    assert {c["kw"].get("cache") for c in cases if c["strategy"] == "threshold"} == {None, "prefix"}
+    models = fs.step_models()
+    for case in cases:
+        fs.check(*fs.run_pair(models, case), case)
+    assert fused, "the fused head never ran"
+
+
+@pytest.mark.slow
+def test_fused_head_vanilla_and_threshold_steps_full(fused):
+    """Every fusable case of the step grid: equal to the reference but for near-tie flips (the policy above) on at
+    most NEAR_TIE_SHARE of the cases."""
+    from tests import test_fast_steps as fs
+
+    cases = _step_cases(full=True)
+    models = fs.step_models()
+    differ = []
+    for case in cases:
+        ref, fast = fs.run_pair(models, case)
+        if ref.generated_ids != fast.generated_ids or ref.stats["forwards"] != fast.stats["forwards"]:
+            differ.append(case)
+    assert fused, "the fused head never ran"
+    assert len(differ) <= NEAR_TIE_SHARE * len(cases), f"{len(differ)}/{len(cases)} cases differ; first: {differ[0]}"
+
+
+@pytest.mark.parametrize("kind,kw,want", [
+    ("dream", dict(strategy="threshold", threshold=0.9, block_length=4), True),
+    ("dream", dict(strategy="threshold", factor=1.0, block_length=4, cache="prefix"), True),
+    ("dream", dict(strategy="vanilla", steps=8, alg="entropy"), True),
+    ("dream", dict(strategy="threshold", entropy_threshold=0.3, block_length=4), False),  # reads float64 entropy
+    ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, cache="dual"), False),  # forward_dual
+    ("dream", dict(strategy="vanilla", steps=8, alg="maskgit_plus", alg_temp=0.5), False),  # the race's keyed draw
+    ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, temperature=0.7), False),  # T > 0
+    ("llada", dict(strategy="threshold", threshold=0.9, block_length=4), False),  # LLaDA's float64 statistics
+    ("llada", dict(strategy="vanilla", steps=8, block_length=8), False),
+])  # fmt: skip
+def test_which_steps_take_the_fused_head(fused, kind, kw, want):
+    """The steps whose statistics are what ops.head_confidence gives take it (with $LOPA_FAST_FUSED_HEAD=1); the
+    others keep the logits (and run: the unfused path), with the reference's tokens either way."""
+    model = random_model(tiny_hf_config(kind, vocab_size=64), seed=2, sharpen=4.0)
+    strategy = kw.pop("strategy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = lopa_fast.generate(model, [3, 4, 5], strategy, "fast", max_new_tokens=8, seed=0, **kw)
+        ref = lopa_fast.generate(model, [3, 4, 5], strategy, "reference", max_new_tokens=8, seed=0, **kw)
+    assert bool(fused) is want
+    assert fast.generated_ids == ref.generated_ids
+
+
+@pytest.mark.parametrize("strategy,kw", [("threshold", dict(threshold=0.9, block_length=4)),
+                                         ("vanilla", dict(steps=8, alg="maskgit_plus"))])  # fmt: skip
+def test_the_fused_step_still_names_a_nonfinite_row(fused, strategy, kw):
+    """NaN hidden rows under the fused head: the step's guard refuses them, naming the strategy, the step and the
+    position, with the row's value (recomputed from the hidden row and the head)."""
+    from lopa_fast.errors import NonFiniteLogitsError
+
+    model = random_model(tiny_hf_config("dream", vocab_size=64), seed=1, sharpen=4.0)
+    with torch.no_grad():
+        model.final_norm_weight().fill_(float("nan"))
+    with pytest.raises(NonFiniteLogitsError, match=strategy) as ei:
+        lopa_fast.generate(model, [3, 4, 5], strategy, "fast", max_new_tokens=8, **kw)
+    assert ei.value.round == 1 and ei.value.position >= 3 and ei.value.value != ei.value.value  # NaN
+    assert fused, "the fused head never ran"

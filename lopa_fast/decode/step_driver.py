@@ -5,7 +5,7 @@ lopa_fast.decode.steps' state, driven by the one loop (lopa_fast.decode.batch; t
 eager step in stages around the scheduler's shared forward (`prepare` / `forward_args` / `finish`), the compiled
 step as a batch step (`batch_step` / `take`), the step's one host read (its head), the numerics guard's refusal,
 the trace's accepted tokens, the progress hook and stop check, and the result. A strategy's driver adds its step
-plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None)`), `next_bucket` and `_plan` (its bucket
+plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None, head=None)`), `next_bucket` and `_plan` (its bucket
 -> (kind, sizes, w)).
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ class StepDriver:
     def prepare(self, *bucket) -> dict:
         """The step's forward inputs (`part`: a `forward_requests` part) and what its `finish` needs."""
         kind, sizes, w = self._planned(*bucket)
-        pre, post = self.parts(self.geo, kind, sizes, s=w.get("s"))
+        pre, post = self.parts(self.geo, kind, sizes, s=w.get("s"), head=self._head())
         part, ctx = pre(self.st, self.T)
         return dict(w, part=part, ctx=ctx, post=post)
 
@@ -94,7 +94,11 @@ class StepDriver:
             return None
         kind, sizes, _ = self._planned(*bucket)
         return steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo, kind, sizes,
-                                self.parts)  # fmt: skip
+                                self.parts, head=self._head())  # fmt: skip
+
+    def _head(self):
+        """The LM-head weight [V, H] the fused head reads (geo.fused_head), else None."""
+        return self.model.head_weight() if self.geo.fused_head else None
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result (its state, {"logits"}); `read_head` and `after_round` finish it."""
@@ -113,7 +117,7 @@ class StepDriver:
         stats["forwards"] += 1
         stats["model_calls"] += 1
         if self._b >= 0:
-            steps.refuse(self._info["logits"][self._b], self._w["lo"] + self._b, stats["forwards"], self.name,
+            steps.refuse(steps.row_logits(self._info, self._b), self._w["lo"] + self._b, stats["forwards"], self.name,
                          self.cfg.temperature)  # fmt: skip
         if self.trace is not None:
             x, P = self.x, self.P

@@ -55,13 +55,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from lopa_fast import keyed
+from lopa_fast import keyed, ops
 from lopa_fast.decode.compiled_batch import BatchStep
+from lopa_fast.decode.fused_head import fused_head_wanted
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
-from lopa_fast.sampling import is_on
+from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
 
 HEAD = ("bad", "full", "first_mask", "masks_left")
 # the threshold strategy's rules (GenerateConfig's names), in `reference.ops.select_by_rule`'s order of precedence
@@ -96,6 +98,7 @@ class StepGeometry:
     alg: str | None = None
     race: bool = False  # Dream's alg_temp > 0: a keyed draw without replacement (the value: T["alg_temp"])
     n_steps: int = 0  # Dream vanilla's steps
+    fused_head: bool = False  # the step's LM head and statistics as ONE `ops.head_confidence` (`step_fused_head`)
 
 
 def geometry(model, cfg, L: int) -> StepGeometry:
@@ -110,18 +113,33 @@ def geometry(model, cfg, L: int) -> StepGeometry:
         blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
         if model.config.vocab_size > LLADA_EOT_ID:
             blocked.append(LLADA_EOT_ID)
+    rule = next((r for r in RULES if getattr(cfg, r, None) is not None), None)
     return StepGeometry(
         strategy=cfg.strategy, stats_in_float64=model.config.stats_in_float64, shift=bool(model.logits_shift), L=L,
         B=0 if dream_vanilla else int(cfg.block_length), mask_id=cfg.mask_token_id,
         sampling=cfg.temperature > 0, nucleus=cfg.top_p is not None and cfg.top_p < 1, top_k=cfg.top_k,
         suppress_mask=bool(cfg.suppress_mask_token),
         attn_backend=_backend.resolve("branch_attention", None, model.device),
-        cache=cfg.cache, rule=next((r for r in RULES if getattr(cfg, r, None) is not None), None),
+        cache=cfg.cache, rule=rule,
         guidance=(cfg.cfg_scale or 0.0) > 0, remasking=cfg.remasking,
         eos_inf=cfg.eos_token_id if cfg.logits_eos_inf else None,
         blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
         race=dream_vanilla and bool(cfg.alg_temp), n_steps=int(cfg.steps) if dream_vanilla else 0,
+        fused_head=step_fused_head(model, cfg, dream_vanilla, rule),
     )  # fmt: skip
+
+
+def step_fused_head(model, cfg, dream_vanilla: bool, rule: str | None) -> bool:
+    """Whether a step's forward ends in the fused LM head (lopa_fast.decode.fused_head: $LOPA_FAST_FUSED_HEAD, T = 0,
+    no top-p / top-k) where its statistics are what `ops.head_confidence` gives: the Dream family's float32 ones
+    (not LLaDA's float64 statistics), Dream vanilla without alg_temp's race (p_max, margin or neg-entropy of each
+    row; `origin`: the arg-max), threshold with the threshold or factor rule (p(x0) = p_max; the entropy rule reads
+    the float64 entropy) and without the dual cache (`model.forward_dual` returns logits)."""
+    if model.config.stats_in_float64 or not fused_head_wanted(cfg, model.device):
+        return False
+    if dream_vanilla:
+        return not cfg.alg_temp
+    return cfg.strategy == "threshold" and rule in ("threshold", "factor") and cfg.cache != "dual"
 
 
 def step_knobs(cfg) -> dict[str, float | None]:
@@ -153,17 +171,34 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
 # A step's forward is described by its arguments (a `model.forward_requests` part: tokens, start, cache_k, cache_v,
 # prefix_len, win_lens, bids, rows; a dual step's: a `model.forward_dual` part): one request's part of the shared
 # forward (lopa_fast.decode.batch, lopa_fast.decode.compiled_batch; a solo request is a batch of one).
-def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows) -> dict:
-    """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows."""
+def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows, geo: StepGeometry) -> dict:
+    """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows; with
+    geo.fused_head its rows come back final-normed ([R, H]: `head_stats` applies the head)."""
     return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=prefix_len,
-                win_lens=win_lens, bids=None, rows=rows)  # fmt: skip
+                win_lens=win_lens, bids=None, rows=rows, output="hidden" if geo.fused_head else "logits")  # fmt: skip
 
 
-def full_args(st: dict, tokens: torch.Tensor, rows: torch.Tensor) -> dict:
+def full_args(st: dict, tokens: torch.Tensor, rows: torch.Tensor, geo: StepGeometry) -> dict:
     """The cache-free forward of tokens [Bt, L] (full, refresh, vanilla): its arguments."""
     Bt, n = tokens.shape
     zero = torch.zeros((), dtype=torch.long, device=tokens.device)
-    return args(st, tokens, zero, 0, torch.full((Bt,), n, dtype=torch.long, device=tokens.device), rows)
+    return args(st, tokens, zero, 0, torch.full((Bt,), n, dtype=torch.long, device=tokens.device), rows, geo)
+
+
+def head_stats(hidden: torch.Tensor, head: torch.Tensor, geo: StepGeometry, entropy: bool = False):
+    """The fused head of a step (geo.fused_head): `ops.head_confidence` of the final-normed rows hidden [R, H] and
+    the LM-head weight head [V, H] (the mask id suppressed when the step suppresses it; the entropy pass only when
+    asked). Returns its HeadConfidence (token, p_max, margin, neg_entropy, lse, finite [R])."""
+    suppress = geo.mask_id if geo.suppress_mask else None
+    return ops.head_confidence(hidden, head, suppress, NEG_ENTROPY_EPS, entropy, check=False)
+
+
+def row_logits(info: dict, r: int) -> torch.Tensor:
+    """Raw logits row r [V] of a step's forward, for the numerics guard's message: info["logits"], or with the
+    fused head the one row info["hidden"][r] @ info["head"].T (computed only when the guard fires)."""
+    if "head" in info:
+        return F.linear(info["logits"][r : r + 1], info["head"])[0]
+    return info["logits"][r]
 
 
 @dataclass(frozen=True)
@@ -206,8 +241,10 @@ def temperature(geo: StepGeometry, T: dict):
     return T["temperature"] if geo.sampling else 0.0
 
 
-def finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tensor) -> tuple[dict, dict]:
-    """The end of every step: the new canvas, the first mask, the head the host reads once."""
+def finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tensor, head=None) -> tuple[dict, dict]:
+    """The end of every step: the new canvas, the first mask, the head the host reads once. Returns (st, info):
+    info["logits"] the forward's rows (final-normed [R, H] with the fused head, whose weight is then info["head"]:
+    `row_logits`)."""
     dev = x.device
     fm = first_mask(x, geo.mask_id)
     full = torch.zeros((), dtype=torch.bool, device=dev)
@@ -216,7 +253,7 @@ def finish(st: dict, x: torch.Tensor, bad: torch.Tensor, geo, logits: torch.Tens
         full = ~(x.index_select(0, blk) == geo.mask_id).any()
     st.update(x=x, fm=fm)
     st["head"] = torch.stack([bad, full.long(), fm, (x == geo.mask_id).sum()]).long()
-    return st, {"logits": logits}
+    return st, ({"logits": logits} if head is None else {"logits": logits, "head": head})
 
 
 def rows_finite(logits: torch.Tensor, temperature) -> torch.Tensor:
@@ -231,7 +268,12 @@ def rows_finite(logits: torch.Tensor, temperature) -> torch.Tensor:
 
 def first_bad_row(logits: torch.Tensor, read: torch.Tensor, temperature) -> torch.Tensor:
     """0-d long: the first row r with read[r] whose logits [n, V] fail `rows_finite`, else -1. No host read."""
-    bad = read & ~rows_finite(logits, temperature)
+    return first_bad(rows_finite(logits, temperature), read)
+
+
+def first_bad(finite: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """0-d long: the first row r with read[r] and not finite[r] (bool [n] each), else -1. No host read."""
+    bad = read & ~finite
     idx = torch.arange(bad.numel(), device=bad.device)
     return torch.where(bad.any(), torch.where(bad, idx, bad.numel()).min(), -1)
 
@@ -256,12 +298,13 @@ def _label(kind: str, sizes: tuple) -> str:
     return kind + ("_" + "x".join(map(str, sizes)) if sizes else "")
 
 
-def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts):
+def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts,
+               head=None):  # fmt: skip
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
-    sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes)` ->
-    (pre, post). A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
+    sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes, head=)`
+    -> (pre, post); head: the LM-head weight with geo.fused_head. A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
     the layer loop)."""
-    pre, post = parts(geo, kind, sizes)
+    pre, post = parts(geo, kind, sizes, head=head)
     fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),
                      pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)  # fmt: skip

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.fused_head import fused_head_wanted
 from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.decode.shapes import pow2_bucket, quantized_length
@@ -28,27 +29,6 @@ from lopa_fast.progress import report_round
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64
-
-# the fused LM head + statistics (`ops.head_confidence`): auto (on CUDA) | 1 (also on CPU) | 0 (never)
-FUSED_HEAD_ENV = "LOPA_FAST_FUSED_HEAD"
-
-
-def fused_head_wanted(cfg, device) -> bool:
-    """Whether a D2F / LoPA request's rounds compute the LM head and the token statistics as one fused op
-    (`ops.head_confidence`: the [R, V] logits of a round are never materialised). Only where the knobs allow:
-    T = 0 (the keyed sampler at T > 0 needs whole rows), no top-p / top-k, not distributed (a rank exchanges
-    statistics of its logits rows: lopa_fast.distributed). $LOPA_FAST_FUSED_HEAD: unset / "auto" = on CUDA only
-    (the fused statistics are ~1e-6 from the reference softmax, like `ops.confidence`'s: the CPU path stays
-    bitwise the reference decoders'); "1" = also on CPU (the chunked torch backend: tokens equal to the
-    reference on the tiny-model grid, tests/test_head_confidence_decode.py; not bitwise in the statistics);
-    "0" = never."""
-    value = os.environ.get(FUSED_HEAD_ENV) or "auto"
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"environment variable {FUSED_HEAD_ENV}={value!r}; allowed: auto, 0, 1 (or unset)")
-    if value == "0" or cfg.temperature > 0 or cfg.top_p is not None or cfg.top_k is not None or cfg.distributed:
-        return False
-    return value == "1" or torch.device(device).type == "cuda"
-
 
 @dataclass(frozen=True)
 class Geometry:

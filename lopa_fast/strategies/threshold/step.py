@@ -17,13 +17,14 @@ from lopa_fast.decode.steps import StepGeometry
 from lopa_fast.sampling import threshold_stats
 
 
-def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
+def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None, head=None):
     """(pre, post) of the step of `kind` on `sizes` (module docstring) split around its forward:
     pre(st, T) -> (its forward's part, ctx), post(st, T, ctx, logits, k_win, v_win) -> (st, {"logits"}).
     s: the window start as a host int (eager: the driver knows it; the prefix is then sliced exactly, the dual
-    window written with slices), or None (compiled: st["s"], a device value)."""
+    window written with slices), or None (compiled: st["s"], a device value). head: the LM-head weight [V, H] with
+    geo.fused_head (the forward then returns final-normed rows), else None."""
     return ((lambda st, T: pre(st, T, geo, kind, sizes, s)),
-            (lambda st, T, ctx, *out: post(st, T, geo, kind, ctx, *out)))  # fmt: skip
+            (lambda st, T, ctx, *out: post(st, T, geo, kind, ctx, *out, head=head)))  # fmt: skip
 
 
 def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None) -> tuple[dict, dict]:
@@ -44,29 +45,36 @@ def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | 
                  rows=raw, attn_backend=geo.attn_backend)  # fmt: skip
     elif kind == "prefix":
         cols = (sd + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
-        a = steps.args(st, x.index_select(0, cols)[None], start, start, (L - sd).reshape(1), raw)
+        a = steps.args(st, x.index_select(0, cols)[None], start, start, (L - sd).reshape(1), raw, geo)
     else:
-        a = steps.full_args(st, x[None], raw)
+        a = steps.full_args(st, x[None], raw, geo)
     return a, dict(pos=pos, valid=valid)
 
 
-def post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k=None, v=None) -> tuple[dict, dict]:
-    """A step after its forward (raw logits [R, V]; a refresh's K/V [layers, 1, L, Hkv, D] become the cache):
-    the statistics, then `ops.select_step` (one op: the candidates, the guard's row, the rule, the commit, the
-    counters, the head)."""
+def post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k=None, v=None,
+         head=None) -> tuple[dict, dict]:  # fmt: skip
+    """A step after its forward (raw logits [R, V]; with geo.fused_head the final-normed rows [R, H] and head the
+    LM-head weight; a refresh's K/V [layers, 1, L, Hkv, D] become the cache): the statistics, then
+    `ops.select_step` (one op: the candidates, the guard's row, the rule, the commit, the counters, the head)."""
     pos, valid = ctx["pos"], ctx["valid"]
     if kind in ("refresh", "refresh_first"):
         st["ck"].copy_(k[:, 0])  # all L rows: a "prefix" step reads only [0, s)
         st["cv"].copy_(v[:, 0])
     temperature = steps.temperature(geo, T)
-    finite = steps.rows_finite(logits, temperature)
     fwd = st["fwd"] + 1
-    keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
-    x0, conf, ent = threshold_stats(logits, stats_in_float64=geo.stats_in_float64, temperature=temperature,
-                                    top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
-                                    suppress_token=geo.mask_id if geo.suppress_mask else None, keys=keys)  # fmt: skip
+    if geo.fused_head:  # T = 0, Dream family, threshold / factor rule: x0 = arg-max, conf = p_max; no entropy read
+        hc = steps.head_stats(logits, head, geo)
+        finite, x0, conf = hc.finite, hc.token, hc.p_max
+        ent = torch.zeros_like(conf, dtype=torch.float64)
+    else:
+        finite = steps.rows_finite(logits, temperature)
+        keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
+        x0, conf, ent = threshold_stats(logits, stats_in_float64=geo.stats_in_float64, temperature=temperature,
+                                        top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
+                                        suppress_token=geo.mask_id if geo.suppress_mask else None,
+                                        keys=keys)  # fmt: skip
     rule = "first" if kind == "refresh_first" else geo.rule  # Dream refresh: the block's first token, unconditionally
     r = ops.select_step(st["x"], pos, valid, x0, conf, ent, finite, st["multi"], st["noop"], st["s"], T[geo.rule],
                         rule=rule, mask_id=geo.mask_id, B=geo.B, check=False)  # fmt: skip
     st.update(x=r.x, fm=r.fm, multi=r.multi, noop=r.noop, head=r.head, fwd=fwd)
-    return st, {"logits": logits}
+    return st, ({"logits": logits} if head is None else {"logits": logits, "head": head})

@@ -20,14 +20,15 @@ from lopa_fast.sampling import gumbel_argmax, token_stats
 from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE
 
 
-def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None):
+def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None, head=None):
     """(pre, post) of the step of `kind` ("block_topk" | "timestep") on `sizes` ((Rb, k) | (Rb, n)) split around
     its forward: pre(st, T) -> (its `forward_requests` part, ctx), post(st, T, ctx, logits, k_win, v_win) ->
     (st, {"logits"}). s: unused (vanilla's forwards are cache-free; threshold_step.parts' signature)."""
     if kind == "block_topk":
         return (lambda st, T: llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: llada_post(st, T, geo, sizes, c,
                                                                                                *o))  # fmt: skip
-    return (lambda st, T: dream_pre(st, T, geo, sizes)), (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o))
+    return ((lambda st, T: dream_pre(st, T, geo, sizes)),
+            (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o, head=head)))  # fmt: skip
 
 
 def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_keys, remask_keys) -> tuple:
@@ -58,8 +59,8 @@ def llada_pre(st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict,
     pos, valid, raw = steps.rows(st["fm"], st["e"], sizes[0], L, False)
     if geo.guidance:  # conditional and unconditional (prompt masked) rows in one forward
         un_x = torch.where(torch.arange(L, device=dev) < T["P"], geo.mask_id, x)
-        return steps.full_args(st, torch.stack([x, un_x]), torch.cat([raw, raw + L])), dict(pos=pos, valid=valid)
-    return steps.full_args(st, x[None], raw), dict(pos=pos, valid=valid)
+        return steps.full_args(st, torch.stack([x, un_x]), torch.cat([raw, raw + L]), geo), dict(pos=pos, valid=valid)
+    return steps.full_args(st, x[None], raw, geo), dict(pos=pos, valid=valid)
 
 
 def llada_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None):
@@ -91,11 +92,13 @@ def llada_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
 def dream_pre(st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict, dict]:
     """Vanilla Dream's forward arguments: x on rows [min(fm, L - 1), L) (no mask left: one row no rule reads)."""
     pos, valid, raw = steps.rows(st["fm"].clamp(max=geo.L - 1), geo.L, sizes[0], geo.L, True)
-    return steps.full_args(st, st["x"][None], raw), dict(pos=pos, valid=valid)
+    return steps.full_args(st, st["x"][None], raw, geo), dict(pos=pos, valid=valid)
 
 
-def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None):
-    """Vanilla Dream's step after its forward (raw logits [Rb, V]): its alg's reveal or top-n commit."""
+def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None,
+               head=None):  # fmt: skip
+    """Vanilla Dream's step after its forward (raw logits [Rb, V]; with geo.fused_head the final-normed rows [Rb, H]
+    and head the LM-head weight): its alg's reveal or top-n commit."""
     Rb, n = sizes
     x, L, dev, mask_id = st["x"], geo.L, st["x"].device, geo.mask_id
     pos, valid = ctx["pos"], ctx["valid"]
@@ -103,10 +106,22 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
     pos_c = pos.clamp(max=L - 1)
     cand = (x.index_select(0, pos_c) == mask_id) & valid
     temperature = steps.temperature(geo, T)
-    bad = steps.first_bad_row(logits, cand, temperature)
-    keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
-    kw = dict(temperature=temperature, top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
-              suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
+    if geo.fused_head:  # T = 0, no top-p / top-k, no race: the arg-max and the alg's confidence of each row
+        hc = steps.head_stats(logits, head, geo, entropy=geo.alg == "entropy")
+        bad = steps.first_bad(hc.finite, cand)
+    else:
+        bad = steps.first_bad_row(logits, cand, temperature)
+        keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
+        kw = dict(temperature=temperature, top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
+                  suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
+
+    def stats(strategy: str = "default"):
+        """(conf [Rb], x0 [Rb], p [Rb]) of the rows: `token_stats`' fields, or the fused head's."""
+        if geo.fused_head:
+            return {"default": hc.p_max, "margin": hc.margin, "neg_entropy": hc.neg_entropy}[strategy], hc.token, \
+                hc.p_max
+        return token_stats(logits, sampling_strategy=strategy, **kw, keys=keys)
+
     i = st["i"]
     if geo.alg == "origin":
         # in range whatever the state (a CUDA capture's warm-up runs on the workspace's last state, possibly a
@@ -115,13 +130,14 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
         t, s = T["ts"].index_select(0, ic)[0], T["ts"].index_select(0, ic + 1)[0]
         p_transfer = torch.where(i < geo.n_steps - 1, 1 - s / t, torch.ones_like(t))
         reveal = cand & (keyed.uniform(steps.keys(T, keyed.REVEAL, fwd, pos)) < p_transfer)
-        _, tok, _ = token_stats(logits, **kw, keys=keys)
+        _, tok, _ = stats()
         x = steps.scatter(x, pos_c, reveal, tok)
         st["transferred"] = st["transferred"] + reveal.sum()
     else:
-        conf, x0, _ = token_stats(logits, sampling_strategy=DREAM_CONFIDENCE[geo.alg], **kw, keys=keys)
-        minus_inf = torch.full((L,), float("-inf"), dtype=logits.dtype, device=dev)
-        full_conf = steps.scatter(minus_inf, pos_c, valid, torch.where(cand, conf.to(logits.dtype), float("-inf")))
+        conf, x0, _ = stats(DREAM_CONFIDENCE[geo.alg])
+        cdt = head.dtype if geo.fused_head else logits.dtype  # the logits' dtype, as the reference's row
+        minus_inf = torch.full((L,), float("-inf"), dtype=cdt, device=dev)
+        full_conf = steps.scatter(minus_inf, pos_c, valid, torch.where(cand, conf.to(cdt), float("-inf")))
         if n > 0:
             masks = torch.full((L,), mask_id, dtype=x.dtype, device=dev)
             x0_full = steps.scatter(masks, pos_c, valid, torch.where(cand, x0, mask_id))
@@ -135,4 +151,4 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
         st["transferred"] = st["transferred"] + n
     st["fwd"] = fwd
     st["i"] = i + 1
-    return steps.finish(st, x, bad, geo, logits)
+    return steps.finish(st, x, bad, geo, logits, head)
