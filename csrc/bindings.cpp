@@ -97,6 +97,37 @@ void select_round(const std::vector<uintptr_t>& p, const std::vector<int64_t>& d
   lopa_fast::select_round_cpu(d, in, out);
 }
 
+// ptrs: the 12 inputs then the 16 outputs of reference.ops.plan_round (x, n_blocks, block_state, complete, eos,
+// alive, prompt_len, gen_pos, block_start, block_end, grow_table, activate_table; RoundPlan's fields); dims: NB, Lb1,
+// G1, bs, mask_id, shift
+void plan_round(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
+  if (p.size() != 28 || dims.size() != 6) throw std::invalid_argument("plan_round_cpu: 28 pointers, 6 dims");
+  RoundDims d{dims[0], dims[1], dims[2], 0, dims[3], dims[4], -1, 0, dims[5] != 0, false, false};
+  lopa_fast::PlanOut o;
+  size_t k = 12;
+  o.n_blocks = ptr<int64_t>(p, k++);
+  o.complete = ptr<bool>(p, k++);
+  o.exists = ptr<bool>(p, k++);
+  o.active = ptr<bool>(p, k++);
+  o.running = ptr<bool>(p, k++);
+  o.done = ptr<bool>(p, k++);
+  o.is_mask = ptr<bool>(p, k++);
+  o.need = ptr<bool>(p, k++);
+  o.lens = ptr<int64_t>(p, k++);
+  o.window_lens = ptr<int64_t>(p, k++);
+  o.to_cache = ptr<bool>(p, k++);
+  o.shared_end = ptr<int64_t>(p, k++);
+  o.layout_slot = ptr<int64_t>(p, k++);
+  o.start = ptr<int64_t>(p, k++);
+  o.commit_len = ptr<int64_t>(p, k++);
+  o.head = ptr<int64_t>(p, k++);
+  py::gil_scoped_release nogil;
+  lopa_fast::plan_round_cpu(d, ptr<const int64_t>(p, 0), ptr<const int64_t>(p, 1), ptr<const int64_t>(p, 2),
+                            ptr<const bool>(p, 3), ptr<const bool>(p, 4), ptr<const bool>(p, 5),
+                            *ptr<const int64_t>(p, 6), ptr<const int64_t>(p, 7), ptr<const int64_t>(p, 8),
+                            ptr<const int64_t>(p, 9), ptr<const bool>(p, 10), ptr<const bool>(p, 11), o);
+}
+
 // ptrs: x, pos, valid, x0, conf, ent, finite, multi, noop, s, knob (reference.ops.select_step's 11 inputs) then its
 // 5 outputs x, fm, multi, noop, head; dims: L, n, rule (STEP_RULES index), mask_id, B, conf is float64
 void select_step(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
@@ -115,9 +146,11 @@ void select_step(const std::vector<uintptr_t>& p, const std::vector<int64_t>& di
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, select_step";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, select_step";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
+  m.def("plan_round_cpu", &plan_round, py::arg("ptrs"), py::arg("dims"),
+        "plan_round on CPU tensors: the data pointers of its 12 inputs and 16 outputs (lopa_fast.ops.plan_round)");
   m.def("select_step_cpu", &select_step, py::arg("ptrs"), py::arg("dims"),
         "select_step on CPU tensors: the data pointers of its 11 inputs and 5 outputs (lopa_fast.ops.select_step)");
 }

@@ -248,3 +248,41 @@ def test_parity_grid_full_on_the_cuda_kernel(monkeypatch):
     n = _on_cuda_emulation(monkeypatch)
     parity.assert_coverage(parity.check_cases(parity.full_product()))
     assert n[0] > 0
+
+
+def _plan_args(args):
+    """plan_round's 12 tensors out of a recorded select_round call (the same state and tables)."""
+    from lopa_fast.ops.select_round import _NAMES, _PLAN_NAMES
+
+    named = dict(zip(_NAMES, args))
+    return tuple(named[n] for n in _PLAN_NAMES)
+
+
+def test_plan_round_on_cpp_is_bitwise_the_reference(recorded):
+    """Round 1's plan (ops.plan_round; later plans are select_round's) on the C++ kernel: bit for bit the reference
+    on every recorded round's state, and on that state with masks and block states shuffled."""
+    from lopa_fast.reference.ops import RoundPlan
+
+    assert _backend_of("plan_round") == "cpp"
+    rng = random.Random(1)
+    n = 0
+    for args, kw in recorded:
+        pk = dict(bs=kw["bs"], mask_id=kw["mask_id"], shift=kw["shift"])
+        plan_args = _plan_args(args)
+        variants = [plan_args]
+        x = plan_args[0].clone()
+        flip = torch.rand(x.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < 0.3
+        variants.append((torch.where(flip, kw["mask_id"], x),) + plan_args[1:])
+        for pa in variants:
+            want = ops.plan_round(*pa, **pk, backend="torch")
+            got = ops.plan_round(*pa, **pk, backend="cpp")
+            bad = [f for f, a, b in zip(RoundPlan._fields, want, got) if a.dtype != b.dtype or not torch.equal(a, b)]
+            assert not bad, (bad, pk)
+            n += 1
+    assert n > 100
+
+
+def _backend_of(op):
+    from lopa_fast.ops import _backend
+
+    return _backend.resolve(op, None, torch.device("cpu"))

@@ -12,7 +12,7 @@ __all__ = ["branch_attention", "confidence", "head_confidence", "Confidence", "H
 from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from lopa_fast.ops.rope import rope, rope_cos_sin  # noqa: E402
 from lopa_fast.ops.silu_mul import silu_mul  # noqa: E402
-from lopa_fast.ops.select_round import select_round  # noqa: E402
+from lopa_fast.ops.select_round import plan_round, select_round  # noqa: E402
 from lopa_fast.ops.select_step import select_step  # noqa: E402
 
-__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "select_round", "select_step"]
+__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "select_round", "plan_round", "select_step"]

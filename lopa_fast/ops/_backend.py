@@ -12,6 +12,7 @@ imported, `cuda` is simply unavailable. An explicit `backend="cuda"` runs the CU
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -23,7 +24,9 @@ from lopa_fast.kernels.triton._common import is_interpreter as triton_interprete
 
 BACKENDS = ("cuda", "triton", "cpp", "torch")
 # the ops lopa_fast._C implements on CPU tensors (csrc/)
-CPP_OPS = ("select_round", "select_step")
+CPP_OPS = ("select_round", "select_step", "plan_round")
+# an op whose Triton launcher lives in another op's module (kernels/triton/<module>.py)
+TRITON_MODULE = {"add_rms_norm": "rms_norm"}
 # Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.
 AUTO_ORDER = ("triton", "cuda")
 
@@ -80,6 +83,8 @@ def _usable(op: str, backend: str, device: torch.device, args: tuple = ()) -> st
             return f"tensors are on {device}"
         return None if cpp_module() is not None else "lopa_fast._C is not built"
     if backend == "triton":
+        if not _has_family(op, "triton"):
+            return f"no Triton kernel for {op}"
         if not triton_available():
             return "triton does not import"
         if device.type != "cuda" and not triton_interpreter():
@@ -105,8 +110,13 @@ def _has_family(op: str, backend: str) -> bool:
     if backend == "cpp":
         return op in CPP_OPS
     if backend == "triton":
-        return importlib.util.find_spec(f"lopa_fast.kernels.triton.{op}") is not None
+        return _triton_module_exists(TRITON_MODULE.get(op, op))
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module_exists(module: str) -> bool:
+    return importlib.util.find_spec(f"lopa_fast.kernels.triton.{module}") is not None
 
 
 def env_backend() -> str:

@@ -1,5 +1,6 @@
-"""`select_round`: a D2F / LoPA round's selection and bookkeeping after its token statistics, as one op.
-See reference.ops.select_round (the oracle, and the `torch` backend) for every argument's shape and meaning.
+"""`select_round`: a D2F / LoPA round's selection and bookkeeping after its token statistics, as one op; and
+`plan_round`, its plan part alone (round 1's plan, before any selection: every later plan is select_round's).
+See reference.ops.select_round / plan_round (the oracles, and the `torch` backends) for every argument.
 
 Backends: `cpp` (csrc/select_round_cpu.cpp in the extension `lopa_fast._C`, built at install: the default on CPU
 tensors when it is present), `torch` (the reference's vectorised ops: what compile / capture trace when no kernel
@@ -12,7 +13,8 @@ import torch
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
 from lopa_fast.ops.select_round_outputs import outputs as _outputs
-from lopa_fast.reference.ops import SelectRound
+from lopa_fast.ops.select_round_outputs import plan_outputs as _plan_outputs
+from lopa_fast.reference.ops import RoundPlan, SelectRound
 
 _STATE = ("x", "n_blocks", "block_state", "complete", "eos", "alive", "creation_conf", "look_pos", "counts",
           "exists", "active", "running", "is_mask", "lens", "to_cache", "shared_end", "layout_slot", "commit_len")
@@ -111,3 +113,36 @@ def _cpp_op(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_look
 @_cpp_op.register_fake
 def _(args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
     return _outputs(args, split=False)
+
+
+# ------------------------------------------------------------------------------ plan_round (round 1's plan)
+_PLAN_NAMES = ("x", "n_blocks", "block_state", "complete", "eos", "alive", "prompt_len", "gen_pos", "block_start",
+               "block_end", "grow_table", "activate_table")  # fmt: skip
+
+
+def plan_round(*args: torch.Tensor, bs: int, mask_id: int, shift: bool, check: bool = True,
+               backend: str | None = None) -> RoundPlan:
+    """Round 1's plan (reference.ops.plan_round's 12 positional tensors and keywords): `cpp` on CPU tensors when
+    lopa_fast._C is built (csrc/select_round_cpu.cpp's plan_round_cpu, the code select_round's C++ kernel plans
+    with), else the torch reference (CUDA tensors too: it runs once per request, eagerly)."""
+    if check:
+        if len(args) != len(_PLAN_NAMES) or not all(isinstance(t, torch.Tensor) for t in args):
+            raise ValueError(f"plan_round: expected {len(_PLAN_NAMES)} tensors: {', '.join(_PLAN_NAMES)}")
+        x = args[0]
+        if x.dim() != 2:
+            raise ValueError(f"plan_round: x must be [NB, Lb + 1], got {tuple(x.shape)}")
+        want = _expected(x.shape[0], x.shape[1], args[2].numel(), 1, bs, 1)
+        for name, t in zip(_PLAN_NAMES, args):
+            shape, dtype = want[name]
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device:
+                raise ValueError(f"plan_round: {name} is {t.dtype} {tuple(t.shape)} on {t.device}; expected {dtype} "
+                                 f"{shape} on {x.device}")
+    b = _backend.resolve("plan_round", backend, args[0].device)
+    if b != "cpp" or torch.compiler.is_compiling():
+        return ref.plan_round(*args, bs=bs, mask_id=mask_id, shift=shift)
+    x = args[0]
+    out = _plan_outputs(x.shape[0], x.shape[1], args[2].numel())
+    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
+    dims = [x.shape[0], x.shape[1], args[2].numel(), bs, mask_id, int(bool(shift))]
+    _backend.cpp_module().plan_round_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
+    return RoundPlan(*out)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from lopa_fast.reference.ops import SelectRound
+from lopa_fast.reference.ops import RoundPlan, SelectRound
 
 
 def _shapes_of(NB: int, Lb1: int, G1: int, Nb: int) -> list[tuple[tuple, torch.dtype]]:
@@ -48,5 +48,23 @@ def outputs(args, split: bool = True) -> list[torch.Tensor]:
     for dtype, total, sizes, fields in _split_plan(*dims):
         parts = torch.empty(total, dtype=dtype, device=dev).split_with_sizes(sizes)
         for t, (k, shape) in zip(parts, fields):
+            out[k] = t if shape is None else t.view(shape)
+    return out
+
+
+_PLAN_FIRST = len(SelectRound._fields) - len(RoundPlan._fields)  # the plan's fields close a SelectRound
+
+
+def plan_outputs(NB: int, Lb1: int, G1: int) -> list[torch.Tensor]:
+    """Fresh output tensors of a plan_round call (the `RoundPlan` fields, in order): one buffer per dtype, split."""
+    out: list = [None] * len(RoundPlan._fields)
+    for dtype, _, _, fields in _split_plan(NB, Lb1, G1, 1):
+        mine = [(k - _PLAN_FIRST, shape) for k, shape in fields if k >= _PLAN_FIRST]
+        shapes = _shapes_of(NB, Lb1, G1, 1)
+        sizes = [math.prod(shapes[k + _PLAN_FIRST][0]) for k, _ in mine]
+        if not mine:
+            continue
+        parts = torch.empty(sum(sizes), dtype=dtype).split_with_sizes(sizes)
+        for t, (k, shape) in zip(parts, mine):
             out[k] = t if shape is None else t.view(shape)
     return out

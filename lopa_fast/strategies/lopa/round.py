@@ -157,11 +157,11 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
 
 def plan(st: dict, T: dict, geo) -> None:
     """Grow, activation, termination, shared-prefix end and the to-cache span of the coming round, on the
-    device (`reference.ops.plan_round`, the plan part of `select_round`: round 1's plan, before any selection);
-    writes n_blocks / complete and the plan tensors + `head` into st (no host read)."""
-    pl = ref_ops.plan_round(st["x"], st["n_blocks"], st["block_state"], st["complete"], st["eos"], st["alive"],
-                            T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["grow_table"],
-                            T["activate_table"], bs=geo.bs, mask_id=geo.mask_id, shift=geo.shift)  # fmt: skip
+    device (`ops.plan_round`, the plan part of `select_round`: round 1's plan, before any selection); writes
+    n_blocks / complete and the plan tensors + `head` into st (no host read)."""
+    pl = ops.plan_round(st["x"], st["n_blocks"], st["block_state"], st["complete"], st["eos"], st["alive"],
+                        T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["grow_table"],
+                        T["activate_table"], bs=geo.bs, mask_id=geo.mask_id, shift=geo.shift, check=False)  # fmt: skip
     st.update(pl._asdict())
     _finish_head(st, T, geo)
 
