@@ -35,6 +35,7 @@ from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 from lopa_fast.kernels.triton import select_step as ss  # noqa: E402
+from lopa_fast.kernels.triton import window_inputs as wi  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -88,7 +89,22 @@ def variants(quick: bool):
     _head_confidence_variants(out, dtypes)
     _select_round_variants(out, quick)
     _select_step_variants(out, quick)
+    _window_inputs_variants(out, quick)
     return out
+
+
+def _window_inputs_variants(out, quick: bool):
+    """The round's forward inputs at Dream LoPA shapes: NB 9, Lb + 1 = 513, a 256-column window (the [9, 256] tile
+    and its 4,096-entry prefix counts); D2F (NB 1) in the full run."""
+    i64, u8 = "*i64", "*u8"
+    types = dict(x=i64, need_all=u8, alive=u8, window_lens=i64, running=u8, lens=i64, layout_slot=i64, counts=i64,
+                 start=i64, total_len=i64, pos_block=i64, o_pos=i64, o_valid=u8, o_tokens=i64, o_block=i64,
+                 o_wl=i64, o_need=u8, o_rows=i64, o_counts=i64)
+    for NB in (9,) if quick else (9, 1):
+        ce = dict(NB=NB, L1=513, Nb=256, Rb=min(NB * 256, 512), BLOCKS=True, BNB=triton.next_power_of_2(max(NB, 2)),
+                  BN=256)
+        out.append((f"_window_inputs_kernel NB={NB} Nb=256", wi._window_inputs_kernel, types, ce, set(),
+                    dict(num_warps=wi.NUM_WARPS)))
 
 
 def _select_step_variants(out, quick: bool):

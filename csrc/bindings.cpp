@@ -10,6 +10,7 @@
 
 #include "select_round.h"
 #include "select_step.h"
+#include "window_inputs.h"
 
 namespace py = pybind11;
 using lopa_fast::RoundDims;
@@ -143,14 +144,31 @@ void select_step(const std::vector<uintptr_t>& p, const std::vector<int64_t>& di
   lopa_fast::select_step_cpu(a);
 }
 
+// ptrs: the 11 inputs then the 8 outputs of reference.ops.window_inputs (WindowInputs' fields); dims: NB, Lb1, Nb,
+// Rb, blocks
+void window_inputs(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
+  if (p.size() != 19 || dims.size() != 5) throw std::invalid_argument("window_inputs_cpu: 19 pointers, 5 dims");
+  lopa_fast::WindowArgs a{dims[0], dims[1], dims[2], dims[3], dims[4] != 0,
+                          ptr<const int64_t>(p, 0), ptr<const bool>(p, 1), ptr<const bool>(p, 2),
+                          ptr<const int64_t>(p, 3), ptr<const bool>(p, 4), ptr<const int64_t>(p, 5),
+                          ptr<const int64_t>(p, 6), ptr<const int64_t>(p, 7), ptr<const int64_t>(p, 8),
+                          ptr<const int64_t>(p, 9), ptr<const int64_t>(p, 10),
+                          ptr<int64_t>(p, 11), ptr<bool>(p, 12), ptr<int64_t>(p, 13), ptr<int64_t>(p, 14),
+                          ptr<int64_t>(p, 15), ptr<bool>(p, 16), ptr<int64_t>(p, 17), ptr<int64_t>(p, 18)};
+  py::gil_scoped_release nogil;
+  lopa_fast::window_inputs_cpu(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, select_step";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
   m.def("plan_round_cpu", &plan_round, py::arg("ptrs"), py::arg("dims"),
         "plan_round on CPU tensors: the data pointers of its 12 inputs and 16 outputs (lopa_fast.ops.plan_round)");
+  m.def("window_inputs_cpu", &window_inputs, py::arg("ptrs"), py::arg("dims"),
+        "window_inputs on CPU tensors: the data pointers of its 11 inputs and 8 outputs (lopa_fast.ops.window_inputs)");
   m.def("select_step_cpu", &select_step, py::arg("ptrs"), py::arg("dims"),
         "select_step on CPU tensors: the data pointers of its 11 inputs and 5 outputs (lopa_fast.ops.select_step)");
 }

@@ -14,5 +14,6 @@ from lopa_fast.ops.rope import rope, rope_cos_sin  # noqa: E402
 from lopa_fast.ops.silu_mul import silu_mul  # noqa: E402
 from lopa_fast.ops.select_round import plan_round, select_round  # noqa: E402
 from lopa_fast.ops.select_step import select_step  # noqa: E402
+from lopa_fast.ops.window_inputs import window_inputs  # noqa: E402
 
-__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "select_round", "plan_round", "select_step"]
+__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "select_round", "plan_round", "window_inputs", "select_step"]

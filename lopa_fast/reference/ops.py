@@ -666,3 +666,45 @@ def select_step(x: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, x0: tor
         full = ~is_mask.index_select(0, blk).any()
     head = torch.stack([bad_row, full.long(), fm, is_mask.sum()]).long()
     return SelectStep(x, fm, multi, noop, head)
+
+
+# ------------------------------------------------------------------------------------- window_inputs
+class WindowInputs(NamedTuple):
+    """A D2F / LoPA round's forward inputs on its bucket (`window_inputs`)."""
+
+    win_pos: torch.Tensor  # [Nb] long: the window's positions (columns past the request: Lb, the trash column)
+    win_valid: torch.Tensor  # [Nb] bool: the column is a real position (< total_len)
+    tokens: torch.Tensor  # [NB, Nb] long: every slot's window
+    win_block: torch.Tensor  # [Nb] long: each column's block id (block_causal attention; empty when not asked)
+    win_lens: torch.Tensor  # [NB] long: each slot's window length (a dead slot: Nb, its ignored whole window)
+    need: torch.Tensor  # [NB, Nb] bool: the LM-head rows the round reads
+    rows: torch.Tensor  # [Rb] long: the needed flat rows (slot * Nb + column) first, ascending, then the others
+    counts: torch.Tensor  # [8] long: ROUND_COUNTERS with the LoPA-only growth_split / max_branches bumped
+
+
+def window_inputs(x: torch.Tensor, need_all: torch.Tensor, alive: torch.Tensor, window_lens: torch.Tensor,
+                  running: torch.Tensor, lens: torch.Tensor, layout_slot: torch.Tensor, counts: torch.Tensor,
+                  start: torch.Tensor, total_len: torch.Tensor, pos_block: torch.Tensor, *, Nb: int, Rb: int,
+                  blocks: bool) -> WindowInputs:
+    """The forward inputs of a round whose plan is in the state (the host read its head and chose the bucket Nb,
+    Rb). x / need_all [NB, Lb + 1] (long, bool), alive / running [NB] bool, window_lens / lens [NB] long, layout_slot
+    / start / total_len 0-d long, counts [8] long, pos_block [Lb + 1] long (the tables'). blocks: fill win_block
+    (block_causal attention), else it is empty. With NB > 1 the LoPA-only counters read the plan: growth_split
+    (+1 when a running slot's length differs from the layout slot's) and max_branches (the most running slots)."""
+    NB, Lb1 = x.shape
+    Lb = Lb1 - 1
+    i = torch.arange(Nb, device=x.device)
+    wpos = start + i
+    wvalid = wpos < total_len
+    wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
+    if NB > 1:
+        split = (running & (lens != lens.index_select(0, layout_slot.reshape(1)))).any().long()
+        counts = torch.cat([counts[:5], counts[5:6] + split, counts[6:7],
+                            torch.maximum(counts[7:], running.sum().reshape(1))])  # fmt: skip
+    tokens = x.index_select(1, wpos)
+    win_block = pos_block.index_select(0, wpos) if blocks else pos_block.new_empty(0)
+    win_lens = torch.where(alive, window_lens, Nb)
+    need = need_all.index_select(1, wpos) & wvalid[None, :]
+    # the needed rows in ascending flat order, without a host read: a stable sort puts them first
+    rows = torch.sort((~need.reshape(-1)).to(torch.uint8), stable=True).indices[:Rb]
+    return WindowInputs(wpos, wvalid, tokens, win_block, win_lens, need, rows, counts)

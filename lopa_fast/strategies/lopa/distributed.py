@@ -62,7 +62,7 @@ def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, pref
     own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V], k_win,
     v_win [layers, m, Nb, Hkv, D], flat [n_rows]: the rows' flat window rows slot * Nb + column, the real ones
     first in ascending order, n_real: 0-d, how many are real)."""
-    Nb = w["cols"].shape[0]
+    Nb = w["win_pos"].shape[0]
     need = w["need"].index_select(0, slots) & valid[:, None]  # [m, Nb]
     rows = torch.sort((~need.reshape(-1)).to(torch.uint8), stable=True).indices[:n_rows]
     bids = None if w["block_ids"] is None else w["block_ids"].index_select(0, slots)

@@ -195,7 +195,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     positions, extra LM-head rows are computed and never read. Nothing needs a host read except `st["head"]`.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
     statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
-    Nb = w["cols"].shape[0]
+    Nb = w["win_pos"].shape[0]
     st["round"] = st["round"] + 1
     if geo.fused_head:
         fused = fused_head_stats(st, cfg, geo, logits, head)
@@ -224,31 +224,18 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
 
 
 def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
-    """The forward's inputs for every slot on the bucket (Nb, Rb) and the round's window facts; also bumps the
-    LoPA-only counters that read the plan. Returns cols [Nb] (column index), win_pos [Nb] (window positions,
-    padding -> the trash column Lb), win_valid [Nb], tokens [NB, Nb], block_ids [NB, Nb] or None, win_lens [NB],
-    need [NB, Nb] (LM-head rows needed), need_flat [NB * Nb], rows [Rb] (needed flat rows first, ascending)."""
-    dev = st["x"].device
-    Lb, NB = geo.Lb, geo.NB
-    s = st["start"]
-    alive, rem, lens = st["alive"], st["running"], st["lens"]
-    i = torch.arange(Nb, device=dev)
-    wpos = s + i
-    wvalid = wpos < T["total_len"]
-    wpos = torch.where(wvalid, wpos, Lb)  # padding columns read / write the trash column
-    if NB > 1:  # LoPA-only counters (one slot: no growth split, max_branches is set at the end)
-        split = (rem & (lens != _at(lens, st["layout_slot"]))).any().long()
-        st["counts"] = torch.cat([st["counts"][:5], st["counts"][5:6] + split, st["counts"][6:7],
-                                  torch.maximum(st["counts"][7:], rem.sum().reshape(1))])  # fmt: skip
-    tokens = st["x"].index_select(1, wpos)  # [NB, Nb]
-    bids = T["pos_block"].index_select(0, wpos)[None, :].expand(NB, Nb) if geo.mode == "block_causal" else None
-    win_lens = torch.where(alive, st["window_lens"], Nb)  # dead slots see their whole (ignored) window: no empty row
-    need = st["need"].index_select(1, wpos) & wvalid[None, :]  # [NB, Nb]
-    need_flat = need.reshape(-1)
-    # the needed rows in ascending flat order, without a host read: a stable sort puts them first
-    rows = torch.sort((~need_flat).to(torch.uint8), stable=True).indices[:Rb]
-    return dict(cols=i, win_pos=wpos, win_valid=wvalid, tokens=tokens, block_ids=bids, win_lens=win_lens, need=need,
-                need_flat=need_flat, rows=rows)  # fmt: skip
+    """The forward's inputs for every slot on the bucket (Nb, Rb) and the round's window facts (`ops.window_inputs`,
+    one op; also bumps the LoPA-only counters that read the plan). Returns win_pos [Nb] (window positions, padding
+    -> the trash column Lb), win_valid [Nb], tokens [NB, Nb], block_ids [NB, Nb] or None, win_lens [NB], need [NB,
+    Nb] (LM-head rows needed), need_flat [NB * Nb], rows [Rb] (needed flat rows first, ascending)."""
+    blocks = geo.mode == "block_causal"
+    r = ops.window_inputs(st["x"], st["need"], st["alive"], st["window_lens"], st["running"], st["lens"],
+                          st["layout_slot"], st["counts"], st["start"], T["total_len"], T["pos_block"], Nb=Nb, Rb=Rb,
+                          blocks=blocks, check=False)  # fmt: skip
+    st["counts"] = r.counts
+    bids = r.win_block[None, :].expand(geo.NB, Nb) if blocks else None
+    return dict(win_pos=r.win_pos, win_valid=r.win_valid, tokens=r.tokens, block_ids=bids, win_lens=r.win_lens,
+                need=r.need, need_flat=r.need.reshape(-1), rows=r.rows)  # fmt: skip
 
 
 def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
