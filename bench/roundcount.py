@@ -508,7 +508,8 @@ def kernel_bodies_in_torch():
     Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, branch_attention}`) are replaced by
     `lopa_fast.reference.ops`, so every kernel is still ONE custom op to the counter (`torch.ops.lopa_fast.triton_*`,
     its inputs and outputs as the kernel's) but runs at torch speed instead of the Triton interpreter's (minutes
-    at real width); `ops.select_round` runs as its ONE custom op (`lopa_fast::cpp_select_round`). For counting only:
+    at real width); `ops.select_round` and `ops.window_inputs` run as their ONE custom ops
+    (`lopa_fast::cpp_select_round`, `lopa_fast::cpp_window_inputs`). For counting only:
     use with LOPA_FAST_BACKEND=triton."""
     import importlib
 
@@ -523,7 +524,7 @@ def kernel_bodies_in_torch():
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
              "branch_attention": {"branch_attention": attention}}  # fmt: skip
     import lopa_fast.ops as ops_pkg
-    from lopa_fast.reference.ops import SelectRound
+    from lopa_fast.reference.ops import SelectRound, WindowInputs
 
     def select_round_one_op(orig):
         """The round's selection as the ONE kernel a GPU runs (the custom op, its body the C++ kernel here; the
@@ -532,12 +533,19 @@ def kernel_bodies_in_torch():
             return SelectRound(*torch.ops.lopa_fast.cpp_select_round(list(args), **kw))
         return one
 
+    def window_inputs_one_op(orig):
+        """The round's forward inputs as the ONE kernel a GPU runs (the custom op, its body the C++ kernel)."""
+        def one(*args, Nb, Rb, blocks, check=True, backend=None):
+            return WindowInputs(*torch.ops.lopa_fast.cpp_window_inputs(list(args), Nb, Rb, bool(blocks)))
+        return one
+
     with contextlib.ExitStack() as es:
         for mod_name, fns in swaps.items():
             mod = importlib.import_module(f"lopa_fast.kernels.triton.{mod_name}")
             for name, fn in fns.items():
                 es.enter_context(_patched(mod, name, lambda orig, fn=fn: fn))
         es.enter_context(_patched(ops_pkg, "select_round", select_round_one_op))
+        es.enter_context(_patched(ops_pkg, "window_inputs", window_inputs_one_op))
         yield
 
 

@@ -59,14 +59,31 @@ def window_inputs(*args: torch.Tensor, Nb: int, Rb: int, blocks: bool, check: bo
     if check:
         _check(args, Nb, Rb)
     b = _backend.resolve("window_inputs", backend, args[0].device)
-    if b == "torch" or (b == "cpp" and torch.compiler.is_compiling()):
+    if b == "torch":
         return ref.window_inputs(*args, Nb=Nb, Rb=Rb, blocks=blocks)
+    if b == "cpp" and torch.compiler.is_compiling():  # one node of the compiled graph
+        return WindowInputs(*torch.ops.lopa_fast.cpp_window_inputs(list(args), Nb, Rb, bool(blocks)))
     if b == "triton":
         outs = _outputs(args[0], Nb, Rb, blocks, split=False)
         return WindowInputs(*_backend.kernel("window_inputs", "triton")(list(args), outs, Nb=Nb, Rb=Rb,
                                                                         blocks=blocks))  # fmt: skip
-    outs = _outputs(args[0], Nb, Rb, blocks, split=True)
+    return WindowInputs(*_run_cpp(list(args), Nb, Rb, blocks, split=True))
+
+
+def _run_cpp(args: list[torch.Tensor], Nb: int, Rb: int, blocks: bool, split: bool) -> list[torch.Tensor]:
+    """The C++ kernel on fresh outputs (lopa_fast._C.window_inputs_cpu takes the data pointers)."""
+    outs = _outputs(args[0], Nb, Rb, blocks, split=split)
     ins = [t if t.is_contiguous() else t.contiguous() for t in args]
     dims = [args[0].shape[0], args[0].shape[1], Nb, Rb, int(bool(blocks))]
     _backend.cpp_module().window_inputs_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs], dims)
-    return WindowInputs(*outs)
+    return outs
+
+
+@torch.library.custom_op("lopa_fast::cpp_window_inputs", mutates_args=())
+def _cpp_op(args: list[torch.Tensor], Nb: int, Rb: int, blocks: bool) -> list[torch.Tensor]:
+    return _run_cpp(args, Nb, Rb, blocks, split=False)
+
+
+@_cpp_op.register_fake
+def _(args, Nb, Rb, blocks):
+    return _outputs(args[0], Nb, Rb, blocks, split=False)
