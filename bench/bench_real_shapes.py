@@ -151,7 +151,7 @@ def run_config(model, path: str, k: int, rounds: int, upstream=None) -> dict:
 
 
 def project_config(row: dict, shape: dict, layers: int) -> dict:
-    scaled = rc.scale_depth(row["summary"], layers, shape["num_layers"])
+    scaled = rc.scale_depth(row["summary"], layers, shape["num_layers"], row.get("summary_deeper"))
     p = rc.project(scaled)
     branches = row["k"] + 1 if row["k"] > 1 else 1
     T = branches * BLOCK
@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=None, help="path:k,... in this order (instead of --paths x --ks)")
     ap.add_argument("--rounds", type=int, default=2, help="steady rounds measured after the prefill round")
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--fit", action="store_true",
+                    help="also count each config at --layers + 1 and project by the two-point fit (exact per-layer "
+                         "counts; roundcount.scale_depth)")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--upstream", default=None, help="a zhijie-group/LoPA checkout (for the upstream path)")
@@ -213,10 +216,13 @@ def main(argv=None) -> int:
     doc.setdefault("machine", []).append(machine())
     t0 = time.perf_counter()
     model = build(shape, a.layers, dtype)
+    deeper = build(shape, a.layers + 1, dtype) if a.fit else None
     print(f"built {a.shape} x{a.layers} layer(s) {a.dtype} in {time.perf_counter() - t0:.1f} s", flush=True)
     for path, k in configs:
         if True:
             row = run_config(model, path, k, a.rounds, upstream)
+            if deeper is not None:
+                row["summary_deeper"] = run_config(deeper, path, k, a.rounds, upstream)["summary"]
             row["projection"] = project_config(row, shape, a.layers)
             row["machine"] = machine()
             doc["rows"] = [r for r in doc["rows"] if (r["path"], r["k"]) != (path, k)] + [row]
@@ -229,7 +235,7 @@ def main(argv=None) -> int:
             if out:
                 out.write_text(json.dumps(doc, indent=1))
             gc.collect()
-    del model
+    del model, deeper
     gc.collect()
     return 0
 

@@ -461,12 +461,22 @@ def totals(summary: dict, stages=STAGES) -> dict:
             for f in FIELDS}
 
 
-def scale_depth(summary: dict, measured_layers: int, real_layers: int) -> dict:
-    """The per-round counts at the real depth: layer stages x real / measured; the rest once per round."""
-    f = real_layers / measured_layers
+def scale_depth(summary: dict, measured_layers: int, real_layers: int, deeper: dict | None = None) -> dict:
+    """The per-round counts at the real depth: layer stages x real / measured; the rest once per round.
+    deeper: the same round's summary at measured_layers + 1 (a two-point fit, exact): a layer stage's count is then
+    its per-layer part (deeper - summary) x the real depth plus what it holds once per forward (the ops after the
+    last layer's MLP until the final norm: the last residual add, the K/V stacking, the LM-head row selection,
+    which the stage clock counts in `mlp`; scaled x depth they were ~4 x (depth - 1) phantom nodes)."""
     out = {}
     for s in STAGES:
-        out[s] = {k: (v * f if s in LAYER_STAGES and k != "peak" else v) for k, v in summary[s].items()}
+        if deeper is None or s not in LAYER_STAGES:
+            f = real_layers / measured_layers if s in LAYER_STAGES else 1.0
+            out[s] = {k: (v * f if k != "peak" else v) for k, v in summary[s].items()}
+            continue
+        out[s] = {}
+        for k, v in summary[s].items():
+            per_layer = deeper[s][k] - v
+            out[s][k] = v if k == "peak" else max(0.0, v + (real_layers - measured_layers) * per_layer)
     return out
 
 

@@ -224,6 +224,70 @@ def test_trickled_bodies_free_their_slots(embedded, n, with_key):
         worker.close()
 
 
+@pytest.mark.parametrize("n", [70, pytest.param(255, marks=pytest.mark.slow)])
+def test_trickled_keyed_bodies_are_cut_at_the_minimum_rate_not_the_read_timeout(embedded, n):
+    """Before: a request with a valid key trickling its body held its slot up to the read timeout (30 s by
+    default), so 255 of them kept /health at 503 that long. With the minimum body rate (default 1,024 bytes/s after
+    a 2 s grace, Apache mod_reqtimeout's MinRate) they are cut (408, closed) seconds after their heads, the read
+    timeout left at its default."""
+    from test_server_limits import KEY, _call, _Server
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.limits import BODY_GRACE_S, Limits
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok, limits=Limits())
+    assert worker.limits.read_timeout_s == 30.0 and worker.limits.min_body_rate == 1024
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY), worker.limits)
+    stop = threading.Event()
+    try:
+        t0 = time.monotonic()
+        socks = _trickle(srv, n, KEY, stop)
+        while socks and time.monotonic() < t0 + 4 * BODY_GRACE_S + 5:
+            time.sleep(0.2)
+        assert not socks, f"{len(socks)} of {n} keyed trickled connections still open {time.monotonic() - t0:.0f} s " \
+                          "after their heads (the read timeout is 30 s)"
+        print(f"{n} keyed trickled bodies: all closed {time.monotonic() - t0:.1f} s after their heads")
+        status, body = _call(srv.url + "/health")
+        assert status == 200, body
+    finally:
+        stop.set()
+        srv.close()
+        worker.close()
+
+
+def test_a_slow_but_steady_body_is_read(embedded):
+    """The rate rule cuts trickles, not slow links: a 12 KB body sent in 3 s (4 KB/s, over the 1,024 bytes/s
+    minimum; longer than the 2 s grace) is read and answered."""
+    import json as json_
+    import socket
+
+    from test_server_limits import KEY, _Server
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.limits import Limits
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok, limits=Limits())
+    srv = _Server(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS, api_key=KEY), worker.limits)
+    try:
+        body = json_.dumps({"prompt": PROMPT, "max_tokens": 4, "user": "x" * 12_000}).encode()
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())  # fmt: skip
+        for i in range(0, len(body), 400):  # 400 bytes every 0.1 s: ~4 KB/s
+            s.sendall(body[i: i + 400])
+            time.sleep(0.1)
+        reply = s.recv(65536).decode(errors="replace")
+        s.close()
+        assert reply.startswith("HTTP/1.1 200"), reply[:300]
+    finally:
+        srv.close()
+        worker.close()
+
+
 # -- finding 7: prompt text in logs is opt-in -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("log_prompts", [False, True])

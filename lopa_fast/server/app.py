@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lopa_fast.errors import RoundCapError
 from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
+from lopa_fast.server.limits import BODY_GRACE_S
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
 from lopa_fast.text import UNKNOWN_NOTE, answer_ids
@@ -264,7 +265,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
 
     async def _read(request: Request) -> bytes:
         """The body, at most limits.max_body_bytes (413 past it, before anything is parsed), received within
-        limits.read_timeout_s (408 past it)."""
+        limits.read_timeout_s and at limits.min_body_rate (408 past either: the connection is closed)."""
         cap = limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
@@ -272,25 +273,34 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {cap} "
                                "(--max-body-bytes)", None, 413)  # fmt: skip
         chunks, size, over = [], 0, False
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        rate = limits.min_body_rate
 
-        async def receive():
-            nonlocal size, over
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-                size += len(message.get("body", b""))
-                if size > cap:
-                    over = message.get("more_body", False) or "done"  # "done": nothing left to discard
-                    return
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    return
+        def deadline() -> float:
+            """When the body's next bytes are due: within read_timeout_s in all, and (min_body_rate > 0) at an
+            average of min_body_rate bytes/s once BODY_GRACE_S is over (mod_reqtimeout's MinRate rule)."""
+            end = t0 + limits.read_timeout_s
+            return min(end, t0 + BODY_GRACE_S + size / rate) if rate else end
 
-        try:
-            await asyncio.wait_for(receive(), limits.read_timeout_s)
-        except asyncio.TimeoutError as e:
-            raise RequestError(f"the request body did not arrive within {limits.read_timeout_s:g} s", None, 408) from e
+        while True:
+            try:
+                message = await asyncio.wait_for(request.receive(), max(0.0, deadline() - loop.time()))
+            except asyncio.TimeoutError as e:
+                if loop.time() - t0 >= limits.read_timeout_s - 1e-3:
+                    why = f"did not arrive within {limits.read_timeout_s:g} s"
+                else:
+                    why = f"arrived at under {rate} bytes/s ({size} bytes in {loop.time() - t0:.1f} s; --min-body-rate)"
+                raise RequestError(f"the request body {why}", None, 408) from e
+            if message["type"] == "http.disconnect":
+                break
+            size += len(message.get("body", b""))
+            if size > cap:
+                over = message.get("more_body", False) or "done"  # "done": nothing left to discard
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         if over:
             if over is True:
                 await _discard(request, size)

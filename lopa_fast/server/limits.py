@@ -13,6 +13,9 @@ request passes before anything is allocated for it.
                           them (`MemoryBudget.held`: its KV pools and compiled-batch lanes; default half of the
                           device's memory); a request that fits alone waits until the running ones leave it room
     read_timeout_s        seconds to receive a request body (default 30; slower: 408)
+    min_body_rate         bytes per second a body must average once its first BODY_GRACE_S seconds are over
+                          (default 1,024; slower: 408 and the connection closed; 0: only read_timeout_s), as
+                          Apache's mod_reqtimeout MinRate: a client trickling its body frees its slot in seconds
 
 `Limits.check(model, cfg, prompt_len)` is the one check (protocol.parse calls it after the config is bound);
 it returns the request's estimate, which the worker reserves against `memory_budget` while the request runs.
@@ -21,6 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+
+# a body's first seconds are free of the rate rule (a client's first packets, a slow start); then it must keep up
+BODY_GRACE_S = 2.0
 
 from lopa_fast import memory, strategies
 
@@ -35,6 +41,7 @@ class Limits:
     max_request_memory: int | None = None
     memory_budget: int | None = None
     read_timeout_s: float = 30.0
+    min_body_rate: int = 1024
 
     def __post_init__(self):
         for name in ("max_branching_factor", "max_num_seqs", "max_batch_rows", "max_body_bytes"):
@@ -47,6 +54,8 @@ class Limits:
                 raise ValueError(f"{name}={v!r}; allowed: an integer >= 1 or None")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s={self.read_timeout_s!r}; allowed: > 0")
+        if isinstance(self.min_body_rate, bool) or not isinstance(self.min_body_rate, int) or self.min_body_rate < 0:
+            raise ValueError(f"min_body_rate={self.min_body_rate!r}; allowed: an integer >= 0 (bytes per second)")
         self.max_batch_rows = max(self.max_batch_rows, self.max_branching_factor + 1)
 
     def bind(self, model) -> "Limits":
