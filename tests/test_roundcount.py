@@ -112,3 +112,20 @@ def test_floor_matches_the_published_arithmetic():
     assert abs(streamed_params(d) * 2 / 1e9 - 14.14) < 0.01 and kv_bytes_per_token(d) == 57344
     assert abs(rc.floor_ms(32, 1024) - 3.30) < 0.01  # docs/performance.md: ~3.3 ms
     assert abs(rc.floor_ms(256, 1024) - 4.58) < 0.05  # compute-bound from ~184 rows on (measured constants)
+
+
+def test_scale_depth_two_point_fit_counts_once_per_forward_ops_once():
+    """A layer stage holding ops that run once per forward (the last layer's residual add, the K/V stacking) is
+    projected exactly by the two-point fit: per layer = deeper - measured, the rest once; the 1-layer scaling
+    multiplies those ops by the depth."""
+    from bench import roundcount as rc
+
+    def summary(layers: int) -> dict:  # 6 launches a layer in mlp plus 4 once per forward; 21 in select
+        s = {st: {f: 0.0 for f in rc.FIELDS} for st in rc.STAGES}
+        s["mlp"]["launches"] = 6.0 * layers + 4.0
+        s["select"]["launches"] = 21.0
+        return s
+
+    fit = rc.scale_depth(summary(1), 1, 28, deeper=summary(2))
+    assert fit["mlp"]["launches"] == 6 * 28 + 4 and fit["select"]["launches"] == 21
+    assert rc.scale_depth(summary(1), 1, 28)["mlp"]["launches"] == 10 * 28  # the old scaling's over-count
