@@ -139,7 +139,7 @@ def step_fused_head(model, cfg, dream_vanilla: bool, rule: str | None) -> bool:
         return False
     if dream_vanilla:
         return not cfg.alg_temp
-    return cfg.strategy == "threshold" and rule in ("threshold", "factor") and cfg.cache != "dual"
+    return rule in ("threshold", "factor") and cfg.cache != "dual"  # a threshold step (vanilla has no rule)
 
 
 def step_knobs(cfg) -> dict[str, float | None]:
