@@ -288,6 +288,110 @@ def test_a_slow_but_steady_body_is_read(embedded):
         worker.close()
 
 
+# -- finding 3: past the drain deadline every request still gets an answer ---------------------------------------------
+
+def _stream_events(url: str, body: dict) -> list[str]:
+    """The `data:` payloads of a streamed completion, until the server ends or closes the stream."""
+    import json as json_
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json_.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    out = []
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    out.append(line[6:])
+    except OSError as e:
+        out.append(f"<closed: {type(e).__name__}>")
+    return out
+
+
+@pytest.mark.parametrize("n", [3, pytest.param(12, marks=pytest.mark.slow)])
+def test_requests_outliving_the_drain_deadline_get_a_503_or_an_error_event_and_done(embedded, monkeypatch, n):
+    """Before: with --drain-timeout 1, 12 non-streamed requests got no response and 12 streams were cut without
+    an error event or [DONE]. Now the drain clock (started by serve's server at the first signal) ends them a
+    margin before uvicorn's deadline: each non-streamed one gets a 503 naming the shutdown, each stream an error
+    event and `data: [DONE]`; a request arriving during the drain is refused with the same 503."""
+    import signal
+
+    from test_server_limits import _call, _free_port
+
+    from lopa_fast.server import _server_class, create_app, uvicorn_config
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    real = model.forward_requests
+    monkeypatch.setattr(model, "forward_requests", lambda *a, **k: (time.sleep(0.2), real(*a, **k))[1])
+    worker = Worker(model, tok)
+    app = create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)
+    port = _free_port()
+    server = _server_class(on_exit=lambda: app.state.drain.start(1.0))(uvicorn_config(
+        app, host="127.0.0.1", port=port, limits=worker.limits, log_level="critical", drain_timeout_s=1.0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}  # ~30 s each, slowed
+    plain, streams = [None] * n, [None] * n
+
+    def run_plain(i):
+        try:
+            plain[i] = _call(url, body)
+        except OSError as e:
+            plain[i] = ("closed", type(e).__name__)
+
+    def run_stream(i):
+        streams[i] = _stream_events(url, body)
+
+    threads = [threading.Thread(target=run_plain, args=(i,)) for i in range(n)] + \
+        [threading.Thread(target=run_stream, args=(i,)) for i in range(n)]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while worker.counts["running"] + worker.counts["pending"] < 2 * n:
+            assert time.monotonic() < deadline, worker.counts
+            time.sleep(0.05)
+        time.sleep(0.5)
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        for t in threads:
+            t.join(30)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        worker.close(timeout=30)
+    for status, reply in plain:
+        assert status == 503 and reply["error"]["code"] == "shutting_down", (status, reply)
+    for events in streams:
+        assert events[-1] == "[DONE]", events[-3:]
+        assert "shutting_down" in events[-2], events[-3:]
+    print(f"{n} requests and {n} streams past a 1 s drain deadline: all answered (503 / error event + [DONE])")
+
+
+def test_a_request_during_the_drain_is_refused_at_once(embedded):
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok)
+    try:
+        app = create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)
+        with TestClient(app) as c:
+            app.state.drain.start(30.0)
+            r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    finally:
+        worker.close()
+
+
 # -- finding 7: prompt text in logs is opt-in -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("log_prompts", [False, True])

@@ -132,15 +132,18 @@ def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str 
                           timeout_graceful_shutdown=drain_timeout_s)  # fmt: skip
 
 
-def _server_class():
+def _server_class(on_exit=None):
     """uvicorn.Server, where a second SIGTERM ends the drain as a second SIGINT does (uvicorn forces the exit on a
-    second SIGINT only: a second SIGTERM was ignored while orphaned requests ran on)."""
+    second SIGINT only: a second SIGTERM was ignored while orphaned requests ran on). on_exit: called at the first
+    signal (serve: the app's drain clock starts, so unfinished requests answer before the deadline)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit:
                 self.force_exit = True
+            elif on_exit is not None:
+                on_exit()
             super().handle_exit(sig, frame)
 
     return Server
@@ -175,8 +178,9 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log,
                      log_prompts=log_prompts)
     try:
-        _server_class()(uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
-                                       max_pending=worker.max_pending, drain_timeout_s=drain_timeout_s)).run()
+        config = uvicorn_config(app, host=host, port=port, limits=worker.limits, log_level=log_level,
+                                max_pending=worker.max_pending, drain_timeout_s=drain_timeout_s)
+        _server_class(on_exit=lambda: app.state.drain.start(drain_timeout_s))(config).run()
     finally:
         worker.close(timeout=drain_timeout_s)
 

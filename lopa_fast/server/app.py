@@ -126,6 +126,34 @@ def usage(done: Finished, eos_token_id) -> dict:
             "tpf": float(st.get("tpf", 0.0))}  # fmt: skip
 
 
+class Drain:
+    """The server's shutdown clock. `start(seconds)` at the first SIGTERM / SIGINT (serve's uvicorn server calls
+    it; `seconds`: --drain-timeout); `expired` once the in-flight requests' time is up, a margin before uvicorn's
+    own deadline cancels the handlers (min(1 s, half the timeout)), so each unfinished request can still answer:
+    a 503 error body, or a stream's error event and its [DONE] (issue 43: they were cut without either)."""
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+
+    def start(self, seconds: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + max(0.0, seconds - min(1.0, seconds / 2))
+
+    @property
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+def _shutting_down() -> RequestError:
+    return RequestError("the server is shutting down: the request was cancelled at its drain deadline "
+                        "(--drain-timeout); retry on another instance", None, 503, "server_error",
+                        "shutting_down")  # fmt: skip
+
+
 def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None,
                access_log: bool = True, log_prompts: bool = False) -> FastAPI:  # fmt: skip
     """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
@@ -140,6 +168,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     created = int(time.time())
     eos = worker.model.eos_token_id
     metrics = app.state.metrics = Metrics()
+    drain = app.state.drain = Drain()
     # parsing, tokenising and validation run here, never on the event loop (a large prompt must not freeze it)
     prep = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lopa_fast.server.parse")
 
@@ -360,6 +389,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
 
     async def _serve(request: Request, endpoint: str):
         t0 = time.perf_counter()
+        if drain.started:  # a keep-alive connection's request after SIGTERM: no new work
+            metrics.request(endpoint, 503, time.perf_counter() - t0)
+            return _error(_shutting_down())
         try:
             raw = await _read(request)
             loop = asyncio.get_running_loop()
@@ -380,7 +412,11 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         done, first = None, None
         try:
-            async for kind, value in handle.events(disconnected=request.is_disconnected):
+            async for kind, value in handle.events(disconnected=request.is_disconnected,
+                                                   shutdown=lambda: drain.expired):  # fmt: skip
+                if kind == "shutdown":
+                    metrics.request(endpoint, 503, time.perf_counter() - t0)
+                    return _error(_shutting_down())
                 if kind == "piece" and first is None:
                     first = time.perf_counter() - t0  # time to first token (the pieces themselves: done.text)
                 if kind == "done":  # the pieces are not needed: done.text is them joined
@@ -418,7 +454,10 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
 
         async def answer(handle):
             first = None
-            async for kind, value in handle.events(disconnected=request.is_disconnected):
+            async for kind, value in handle.events(disconnected=request.is_disconnected,
+                                                   shutdown=lambda: drain.expired):  # fmt: skip
+                if kind == "shutdown":
+                    return _shutting_down()
                 if kind == "piece" and first is None:
                     first = time.perf_counter() - t0
                 if kind == "done":
@@ -484,9 +523,13 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         try:
             if endpoint == "chat":
                 yield chunk(None, delta={"role": "assistant", "content": ""})
-            async for kind, value in handle.events(disconnected=disconnected):
+            async for kind, value in handle.events(disconnected=disconnected, shutdown=lambda: drain.expired):
                 if kind == "cancelled":
                     return
+                if kind == "shutdown":  # headers are sent: the error travels as an event, then [DONE]
+                    err = _shutting_down()
+                    metrics.request(endpoint, err.status, time.perf_counter() - t0)
+                    yield _event(err.body())
                 if kind in ("piece", "done") and first is None:
                     first = time.perf_counter() - t0
                     metrics.timing(endpoint, first, handle.queue_seconds)

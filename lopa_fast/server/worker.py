@@ -80,7 +80,7 @@ class Handle:
     """One submitted request, read from the asyncio side.
 
     `events()` yields ("piece", str) for every piece of text as it becomes final, then exactly one of
-    ("done", Finished), ("error", exception) or ("cancelled", None). `cancel()` may be called from any thread.
+    ("done", Finished), ("error", exception), ("cancelled", None) or ("shutdown", None). `cancel()` may be called from any thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -117,11 +117,17 @@ class Handle:
         except RuntimeError:
             pass
 
-    async def events(self, disconnected=None, poll_s: float = 0.25):
+    async def events(self, disconnected=None, poll_s: float = 0.25, shutdown=None):
         """The request's events (class docstring). disconnected: an async callable polled every `poll_s` seconds
         while no event arrives; when it returns True the request is cancelled and ("cancelled", None) ends the
-        iteration."""
+        iteration. shutdown: a callable checked before every event and every poll; when it returns True (the
+        server's drain deadline has passed) the request is cancelled and ("shutdown", None) ends the iteration,
+        so its handler can still answer before the server closes the connection."""
         while True:
+            if shutdown is not None and shutdown():
+                self.cancel()
+                yield "shutdown", None
+                return
             try:
                 kind, value = await asyncio.wait_for(self._events.get(), poll_s)
             except asyncio.TimeoutError:
