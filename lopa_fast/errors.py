@@ -77,6 +77,16 @@ class NonFiniteLogitsError(LopaError, RuntimeError):
         self.strategy, self.round, self.position, self.value = strategy, int(round), int(position), value
 
 
+class StepTimeoutError(LopaError, RuntimeError):
+    """A batched step of the batch engine ran past its deadline (a hung forward or kernel): the requests waiting on it
+    fail with this (the server: 503, /health unhealthy until the step returns)."""
+
+    def __init__(self, seconds: float, timeout: float):
+        self.seconds, self.timeout = seconds, timeout
+        super().__init__(f"the batch engine's current step has run {seconds:.1f} s, past its deadline of {timeout:g} s "
+                         "(--step-timeout): its requests are failed; the server reports unhealthy until it returns")
+
+
 class DistributedError(LopaError, RuntimeError):
     """A branch-parallel request (generate(..., distributed=True)) failed: a rank raised (every rank raises this,
     naming it) or a collective failed or timed out (a peer died)."""
@@ -87,7 +97,7 @@ class DistributedError(LopaError, RuntimeError):
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
+    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError", "StepTimeoutError",
     "NonFiniteLogitsError", "RoundCapError",
 ]  # fmt: skip
 

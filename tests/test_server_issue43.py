@@ -392,6 +392,53 @@ def test_a_request_during_the_drain_is_refused_at_once(embedded):
         worker.close()
 
 
+# -- finding 5: a per-step watchdog ----------------------------------------------------------------------------------
+
+def test_a_hung_step_fails_its_requests_and_health_says_so_until_it_returns(embedded, monkeypatch):
+    """Before: a stalled engine read "ok" and its requests waited for ever. With --step-timeout (1 s here) a batched
+    step that hangs fails the requests waiting on it (503 `step_timeout`), /health is 503 naming the stalled step,
+    new requests are refused at once; when the step returns, /health is ok again and requests are served."""
+    from fastapi.testclient import TestClient
+
+    from lopa_fast.server import create_app
+    from lopa_fast.server.limits import Limits
+    from lopa_fast.server.worker import Worker
+
+    model, tok = embedded
+    release, hung = threading.Event(), threading.Event()
+    real = model.forward_requests
+
+    def hanging(*a, **k):
+        if not release.is_set():
+            hung.set()
+            release.wait(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward_requests", hanging)
+    worker = Worker(model, tok, limits=Limits(step_timeout_s=1.0))
+    try:
+        with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)) as c:
+            body = {"prompt": PROMPT, "max_tokens": 8}
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "step_timeout", r.text
+            assert hung.is_set() and time.monotonic() - t0 < 30
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["stalled_step_s"] >= 1.0, h.text
+            r = c.post("/v1/completions", json=body)  # refused at once while the step hangs
+            assert r.status_code == 503 and "--step-timeout" in r.json()["error"]["message"], r.text
+            release.set()
+            deadline = time.monotonic() + 30
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, c.get("/health").text
+                time.sleep(0.1)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+    finally:
+        release.set()
+        worker.close()
+
+
 # -- finding 7: prompt text in logs is opt-in -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("log_prompts", [False, True])

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the running requests' estimates together (default half of the device's memory)")
     lim.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
                      help="seconds to receive a request body (default 30; slower: 408)")
+    lim.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
+                     help="seconds one batched decoding step may take (default 300); longer: its requests fail (503) "
+                          "and /health reports unhealthy until the step returns")
     lim.add_argument("--min-body-rate", type=int, default=1024, metavar="BYTES_PER_S",
                      help="bytes per second a request body must average after its first 2 s (default 1024; slower: "
                           "408, the connection closed; 0: only --read-timeout)")

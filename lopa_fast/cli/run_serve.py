@@ -39,7 +39,7 @@ def serve(args) -> int:
         limits = server.Limits(max_branching_factor=args.max_branching_factor, max_model_len=args.max_model_len,
                                max_num_seqs=args.max_num_seqs, max_batch_rows=args.max_batch_rows,
                                max_body_bytes=args.max_body_bytes, read_timeout_s=args.read_timeout,
-                               min_body_rate=args.min_body_rate,
+                               min_body_rate=args.min_body_rate, step_timeout_s=args.step_timeout,
                                max_request_memory=None if args.max_request_memory is None
                                else int(args.max_request_memory * 2**30),
                                memory_budget=None if args.memory_budget is None else int(args.memory_budget * 2**30))

@@ -33,6 +33,7 @@ Each request stays token- and forward-exact with its solo eager run (tests/test_
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import torch
@@ -44,7 +45,7 @@ from lopa_fast.decode.driver import batch_step_of, forwards_of
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
-from lopa_fast.errors import KnobError, drop_frames
+from lopa_fast.errors import KnobError, StepTimeoutError, drop_frames
 from lopa_fast.output import GenerateOutput
 
 
@@ -315,8 +316,11 @@ class BatchEngine:
     compiled)."""
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
-                 slot_len: int | None = None, on_held=None):  # fmt: skip
+                 slot_len: int | None = None, on_held=None, step_timeout_s: float | None = None):  # fmt: skip
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
+        # the watchdog: a step running longer fails the requests waiting on the engine (`stalled`, `generate`)
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # time.monotonic() when the running step began (None: between)
         self._on_held = on_held
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
         self.held_bytes = 0
@@ -344,6 +348,15 @@ class BatchEngine:
     def alive(self) -> bool:
         """Whether the engine thread still runs (an exception that escaped its loop ends it: nothing is served)."""
         return self._thread.is_alive()
+
+    def stalled(self) -> float | None:
+        """Seconds the running step has taken when that is past `step_timeout_s` (a hung forward: the watchdog's
+        verdict), else None."""
+        started, limit = self._step_started, self.step_timeout_s
+        if started is None or limit is None:
+            return None
+        took = time.monotonic() - started
+        return took if took > limit else None
 
     def reclaim(self) -> None:
         """Free, on the engine thread, the lane workspaces no live request uses (any thread may ask; the held bytes
@@ -375,7 +388,12 @@ class BatchEngine:
                 raise RuntimeError("BatchEngine: closed")
             self._incoming.append((prompt, cfg, on_round, verifier, box))
             self._cv.notify_all()
-        box["event"].wait()
+        # the watchdog (step_timeout_s): a caller does not wait on a step that hangs; its request fails with
+        # StepTimeoutError (it is dropped at its next round if the step ever returns: its hook sees the cancel)
+        while not box["event"].wait(None if self.step_timeout_s is None else min(1.0, self.step_timeout_s / 4)):
+            took = self.stalled()
+            if took is not None:
+                raise StepTimeoutError(took, self.step_timeout_s)
         if "error" in box:
             raise box["error"]
         return box["out"]
@@ -419,10 +437,13 @@ class BatchEngine:
                     # its key builds a new one
                     del self._schedulers[key]
                     continue
+                self._step_started = time.monotonic()
                 try:
                     ended = sched.step()
                 except Exception as e:  # noqa: BLE001 - the shared forward failed: every request of this batch ends
                     ended = sched.abort(e)
+                finally:
+                    self._step_started = None
                 self.max_live = max(self.max_live, sched.last_batch)
                 if sched.last_batch:
                     self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1

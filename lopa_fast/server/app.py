@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lopa_fast.errors import RoundCapError
+from lopa_fast.errors import RoundCapError, StepTimeoutError
 from lopa_fast.server.protocol import RequestError, checked, fan_out, parse
 from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.limits import BODY_GRACE_S
@@ -570,6 +570,8 @@ def _run_error(exc: BaseException) -> RequestError:
     log.error("request failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, RoundCapError):
         return RequestError(str(exc), "max_rounds")
+    if isinstance(exc, StepTimeoutError):  # a hung step: this server is unhealthy until it returns
+        return RequestError(str(exc), None, 503, "server_error", "step_timeout")
     if is_out_of_memory(exc):  # the batch it ran in was freed; the server goes on (503 + Retry-After)
         return RequestError(f"out of memory while decoding ({type(exc).__name__}: {str(exc).splitlines()[0]}); the "
                             "request's batch was freed: retry later, or lower max_tokens / branching_factor", None,

@@ -13,6 +13,8 @@ request passes before anything is allocated for it.
                           them (`MemoryBudget.held`: its KV pools and compiled-batch lanes; default half of the
                           device's memory); a request that fits alone waits until the running ones leave it room
     read_timeout_s        seconds to receive a request body (default 30; slower: 408)
+    step_timeout_s        seconds one batched step of the batch engine may take (default 300, SGLang's watchdog default;
+                          longer: its requests fail with a 503 and /health reports unhealthy until the step returns)
     min_body_rate         bytes per second a body must average once its first BODY_GRACE_S seconds are over
                           (default 1,024; slower: 408 and the connection closed; 0: only read_timeout_s), as
                           Apache's mod_reqtimeout MinRate: a client trickling its body frees its slot in seconds
@@ -42,6 +44,7 @@ class Limits:
     memory_budget: int | None = None
     read_timeout_s: float = 30.0
     min_body_rate: int = 1024
+    step_timeout_s: float = 300.0
 
     def __post_init__(self):
         for name in ("max_branching_factor", "max_num_seqs", "max_batch_rows", "max_body_bytes"):
@@ -54,6 +57,8 @@ class Limits:
                 raise ValueError(f"{name}={v!r}; allowed: an integer >= 1 or None")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s={self.read_timeout_s!r}; allowed: > 0")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s={self.step_timeout_s!r}; allowed: > 0")
         if isinstance(self.min_body_rate, bool) or not isinstance(self.min_body_rate, int) or self.min_body_rate < 0:
             raise ValueError(f"min_body_rate={self.min_body_rate!r}; allowed: an integer >= 0 (bytes per second)")
         self.max_batch_rows = max(self.max_batch_rows, self.max_branching_factor + 1)

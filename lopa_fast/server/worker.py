@@ -169,7 +169,8 @@ class Worker:
         # counts against the budget (`MemoryBudget.hold`)
         self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs,
                                   slot_len=quantized_length(limits.max_model_len) + 1,
-                                  on_held=self.memory.hold) if batch else None  # fmt: skip
+                                  on_held=self.memory.hold,
+                                  step_timeout_s=limits.step_timeout_s) if batch else None  # fmt: skip
         if self.engine is not None:  # a request that would wait for memory first frees the engine's idle lanes
             self.memory.reclaim = self.engine.reclaim
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0, "out_of_memory": 0}
@@ -192,6 +193,8 @@ class Worker:
         text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
                                 on_round=handle.check, engine=self.engine, verifier=self._verifier_for(job.knobs),
                                 **job.knobs)  # fmt: skip
+        if self.engine is not None and self.engine.stalled() is not None:  # the watchdog: nothing would be served
+            raise Busy("the batch engine's current step is past its deadline (--step-timeout); the server is unhealthy")
         with self._lock:
             if self.counts["pending"] >= self.max_pending:
                 raise Busy(f"{self.counts['pending']} requests are queued or running (the cap is {self.max_pending})")
@@ -260,6 +263,10 @@ class Worker:
             dead.append("lopa_fast.batch_engine")
         if dead and not self._closed:
             facts.update(status="unhealthy", dead_threads=dead)
+        # the watchdog: a batched step running past --step-timeout (a hung forward) serves nobody
+        stalled = self.engine.stalled() if self.engine is not None else None
+        if stalled is not None:
+            facts.update(status="unhealthy", stalled_step_s=round(stalled, 1))
         return facts
 
     def _recover(self) -> None:
@@ -331,6 +338,7 @@ class Worker:
                 end, outcome = ("cancelled", None), "cancelled"
             except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
                 oom = is_out_of_memory(e)
+                handle.cancel()  # e.g. a step timeout: if its step ever returns, the engine drops it at its next round
                 end, outcome = ("error", drop_frames(e)), "failed"  # its frames' tensors are freed now
             finally:
                 self.memory.release(memory)
