@@ -436,3 +436,31 @@ def _start_together(engine, call, n: int) -> None:
     engine.start()
     for t in threads:
         t.join(timeout=120)
+
+
+def test_an_out_of_memory_forward_fails_only_the_request_that_cannot_fit_alone(model, monkeypatch):
+    """Issue 43, finding 7. Before: one forward that ran out of memory failed every request of its batch. Now the
+    shared forward is retried in halves; a request whose forward alone still runs out of memory (the 13-token prompt
+    here) fails with that error and the others finish with exactly their solo results."""
+    from lopa_fast.strategies.lopa.driver import FastDecoder
+
+    ps = prompts((6, 13, 9), seed=5)
+    kw = knobs(2, True, 4)
+    cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
+    solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
+    real_args, real_forward = FastDecoder.forward_args, model.forward_requests
+    monkeypatch.setattr(FastDecoder, "forward_args", lambda self, w: dict(real_args(self, w), big=self.P == 13))
+
+    def forward_requests(parts, *a, **k):  # the 13-token request needs more memory than there is, even alone
+        if any(p.get("big") for p in parts):
+            raise torch.OutOfMemoryError("out of memory (stand-in)")
+        return real_forward([{k_: v for k_, v in p.items() if k_ != "big"} for p in parts], *a, **k)
+
+    monkeypatch.setattr(model, "forward_requests", forward_requests)
+    sched = batch.Scheduler(model, cfg)
+    ids = [sched.submit(p) for p in ps]
+    sched.run()
+    assert isinstance(sched.failed.get(ids[1]), torch.OutOfMemoryError), sched.failed
+    for i in (0, 2):
+        same(sched.done[ids[i]], solo[i], STATS[:-1])
+    assert sched.oom_splits >= 1

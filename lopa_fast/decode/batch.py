@@ -45,7 +45,7 @@ from lopa_fast.decode.driver import batch_step_of, forwards_of
 from lopa_fast.decode.shapes import LENGTH_QUANTUM, quantized_length
 from lopa_fast.decode.kv_pool import KVPool
 from lopa_fast.decode.syncs import round_scope
-from lopa_fast.errors import KnobError, StepTimeoutError, drop_frames
+from lopa_fast.errors import KnobError, StepTimeoutError, drop_frames, is_out_of_memory
 from lopa_fast.output import GenerateOutput
 
 
@@ -96,6 +96,7 @@ class Scheduler:
         self.rows_per_request = self.spec.rows(cfg)  # branch slots (forward rows) of one request (LoPA: k + 1)
         self.rounds = 0  # batched forwards run
         self.last_batch = 0  # requests in the last step's forward
+        self.oom_splits = 0  # shared forwards that ran out of memory and were retried in halves (`_forward_split`)
         self.last_groups = 0  # forwards of the last step (the eager one, one per compiled step key)
         self._next_id = 0
 
@@ -165,7 +166,9 @@ class Scheduler:
 
         A request's own error (NaN/inf logits, its round cap under on_round_cap="error", an exception raised by its
         on_round hook, e.g. a cancelled stream) ends that request only: it leaves the batch with its exception and
-        the others go on. An error of the shared forward ends the step for all (it is raised; `abort` ends them)."""
+        the others go on. So does one whose forward alone runs out of memory (the shared forward is retried in halves
+        first: `_forwards`). Any other error of the shared forward ends the step for all (it is raised; `abort` ends
+        them)."""
         finished, plan = self._admit(), []
         for rid, dec in list(self.live.items()):
             try:
@@ -194,16 +197,20 @@ class Scheduler:
             else:
                 groups.setdefault(step.key, []).append((item[1], step))
                 self.workspace_of[item[0]] = step.workspace
+        failed_now: set = set()
         with round_scope():
             if eager:
-                self._forwards(eager, [dec.prepare(*b) for _, dec, b in eager])
+                failed_now = self._forwards(eager, [dec.prepare(*b) for _, dec, b in eager])
             for members in groups.values():
                 outs = compiled_batch.run([st for _, st in members], self.model)
                 for (dec, _), (st, info) in zip(members, outs):
                     dec.take(st, info)
                     dec.read_head()
             self.last_groups = len(groups) + bool(eager)
+        finished += sorted(failed_now)  # out of memory alone (`_forwards`): they left the batch, the others go on
         for rid, dec, _ in plan:
+            if rid in failed_now:
+                continue
             try:
                 dec.after_round()
             except Exception as e:  # noqa: BLE001 - e.g. its hook raised: this request ends, the batch goes on
@@ -212,7 +219,7 @@ class Scheduler:
         self.rounds += 1
         return finished
 
-    def _forwards(self, plan: list, ws: list) -> None:
+    def _forwards(self, plan: list, ws: list) -> set:
         """The round's forwards (inside its round_scope). A driver's round is one forward of the scheduler's model
         (its `mode` / `attn_backend`) or, when its `forwards(w)` gives them ((model, mask, attn backend), ... in
         order: APD's drafter then verifier), several: forward f of every request whose round has one runs as ONE
@@ -220,24 +227,55 @@ class Scheduler:
         verifier: one group), then each request's `finish` (which prepares its next forward's inputs); `read_head`
         after its last. "model" is anything with `forward_requests` (e.g. a stand-in for a forward the model does
         not batch itself), grouped by equality. The KV pool holds the scheduler's model's caches; another model's
-        forward (the verifier's) attends over each request's own cache (no pool)."""
+        forward (the verifier's) attends over each request's own cache (no pool).
+        A shared forward that runs out of memory is retried in halves (`_forward_split`: each request's result is
+        the one it gets alone, so the retry changes no value); a request whose forward alone runs out of memory
+        fails with that error and leaves the batch, the others go on (issue 43: one OOM failed the whole batch).
+        Returns the ids of the requests that failed so."""
         seqs = [forwards_of(dec, w, self.model) for (_, dec, _), w in zip(plan, ws)]
+        failed: set = set()
         for f in range(max(len(q) for q in seqs)):
             groups: dict = {}
             for i, seq in enumerate(seqs):
-                if f < len(seq):
+                if f < len(seq) and plan[i][0] not in failed:
                     groups.setdefault(seq[f], []).append(i)
             for (model, mode, backend), idx in groups.items():
-                pooled = model is self.model and len(idx) > 1  # one request: its own slot views, as solo
-                parts = [plan[i][1].forward_args(ws[i]) for i in idx]
-                if pooled:
-                    parts = [dict(p, slot=self.slot_of[plan[i][0]]) for p, i in zip(parts, idx)]
-                outs = model.forward_requests(parts, mode, backend, pool=(self.pool.k, self.pool.v) if pooled else None)
-                for i, (logits, k_win, v_win) in zip(idx, outs):
+                for i, out in self._forward_split(model, mode, backend, plan, ws, idx).items():
+                    if isinstance(out, BaseException):
+                        failed.add(plan[i][0])
+                        self._fail(plan[i][0], out)
+                        continue
+                    logits, k_win, v_win = out
                     dec = plan[i][1]
                     dec.finish(ws[i], logits, k_win, v_win)
                     if f == len(seqs[i]) - 1:
                         dec.read_head()
+        return failed
+
+    def _forward_split(self, model, mode, backend, plan: list, ws: list, idx: list) -> dict:
+        """{plan index: (logits, k_win, v_win), or the allocation error of a request that ran out of memory alone}
+        for one group's forward; an out-of-memory group of several requests is retried in two halves (the freed
+        activations of the failed attempt first)."""
+        pooled = model is self.model and len(idx) > 1  # one request: its own slot views, as solo
+        parts = [plan[i][1].forward_args(ws[i]) for i in idx]
+        if pooled:
+            parts = [dict(p, slot=self.slot_of[plan[i][0]]) for p, i in zip(parts, idx)]
+        try:
+            outs = model.forward_requests(parts, mode, backend, pool=(self.pool.k, self.pool.v) if pooled else None)
+        except Exception as e:  # noqa: BLE001 - only an allocation failure is retried; anything else ends the step
+            if not is_out_of_memory(e):
+                raise
+            err = drop_frames(e)  # the failed attempt's activations go now
+            del parts
+            self.oom_splits += 1
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            if len(idx) == 1:
+                return {idx[0]: err}
+            half = len(idx) // 2
+            return {**self._forward_split(model, mode, backend, plan, ws, idx[:half]),
+                    **self._forward_split(model, mode, backend, plan, ws, idx[half:])}
+        return dict(zip(idx, outs))
 
     def _leave(self, rid: int) -> None:
         """A request leaves the batch: its rows and its pool slot free."""
@@ -335,6 +373,7 @@ class BatchEngine:
         self.max_live = 0  # the most requests seen in one batched round
         self.batch_sizes: dict[int, int] = {}  # requests in one batched round -> rounds of that size (/metrics)
         self.rounds = 0
+        self.oom_splits = 0  # its schedulers' out-of-memory forwards retried in halves (/health)
         self._closed = False
         self._go = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="lopa_fast.batch_engine", daemon=True)
@@ -438,12 +477,14 @@ class BatchEngine:
                     del self._schedulers[key]
                     continue
                 self._step_started = time.monotonic()
+                splits = sched.oom_splits
                 try:
                     ended = sched.step()
                 except Exception as e:  # noqa: BLE001 - the shared forward failed: every request of this batch ends
                     ended = sched.abort(e)
                 finally:
                     self._step_started = None
+                    self.oom_splits += sched.oom_splits - splits
                 self.max_live = max(self.max_live, sched.last_batch)
                 if sched.last_batch:
                     self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1

@@ -199,7 +199,8 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         "unhealthy", "self_check": the reason, ...} otherwise (NaN weights, a probe after an out-of-memory failure
         that failed too)."""
         eng = getattr(worker, "engine", None)  # the batch engine's facts: batched rounds, the largest batch seen
-        batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live}
+        batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live,
+                                        "oom_retried_forwards": eng.oom_splits}  # fmt: skip
         facts = worker.health
         body = {"status": facts.pop("status"), "model": model_id, **facts, **batch}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
