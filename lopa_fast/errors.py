@@ -97,8 +97,8 @@ class DistributedError(LopaError, RuntimeError):
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError", "StepTimeoutError",
-    "NonFiniteLogitsError", "RoundCapError",
+    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
+    "NonFiniteLogitsError", "RoundCapError", "StepTimeoutError",
 ]  # fmt: skip
 
 

@@ -37,18 +37,23 @@ def cache_bytes(model, total: int) -> int:
     return 2 * n_layers * quantized_length(quantized_length(total) + 1) * n_kv * d * e
 
 
-def _forward_bytes(model, total: int, tokens: int) -> int:
-    """The peak of one forward of `tokens` tokens over `total` positions, times the allocator's slack (see
-    request_bytes)."""
+def _forward_bytes(model, total: int, tokens: int, head_rows: int | None = None) -> int:
+    """The peak of one forward of `tokens` tokens over `total` positions whose LM head runs on `head_rows` of them
+    (None: every token), times the allocator's slack (see request_bytes)."""
+    from lopa_fast.sampling import chunk_rows
+
     e, n_layers, n_kv, d, hidden, n_heads, inter, vocab = _dims(model)
     f = 4  # float32: logits, scores, softmax
+    head_rows = tokens if head_rows is None else min(tokens, head_rows)
     per_token = (e * (6 * hidden + 2 * (n_heads + 2 * n_kv) * d + 4 * inter)  # one layer's transients
                  + 2 * f * n_heads * total  # attention scores and their softmax
                  + 2 * n_layers * n_kv * d * e  # the window's K / V, every layer
-                 + 4 * f * vocab  # logits, softmax, log-softmax, entropy
                  + 8 * 8)  # the round's long / bool tables
-    slack = 3 / 2  # the allocator's: temporaries that overlap, fragmentation (measured peaks: 0.65-0.95 of this)
-    return int(tokens * per_token * slack)
+    # the LM head: its logits rows, and the statistics' softmax / entropy temporaries of one row chunk
+    # (lopa_fast.sampling.STATS_CHUNK: the fast rounds' statistics never hold more than a chunk's)
+    head = f * vocab * (head_rows + 5 * min(head_rows, chunk_rows(vocab)))
+    slack = 3 / 2  # the allocator's: temporaries that overlap, fragmentation (measured peaks: 0.5-0.95 of this)
+    return int((tokens * per_token + head) * slack)
 
 
 def _tables(total: int, cfg: GenerateConfig) -> int:
@@ -93,8 +98,11 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
       its length unit; otherwise every position), or the prompt alone (the prefill), whichever is more;
     * per forward token: one layer's transients (hidden states, q / k / v / attention output, the MLP's gate / up /
       product in the weights' dtype; the attention scores and their softmax against every position in float32),
-      the window's K / V of every layer (kept until the round commits), the float32 logits with their softmax /
-      log-softmax / entropy temporaries, and the round's long / bool tables over the buffer;
+      the window's K / V of every layer (kept until the round commits) and the round's long / bool tables over the
+      buffer;
+    * the LM head: float32 logits of its rows (the fast paths: only rows that predict an undecoded position, at
+      most the new tokens + 1 per branch row; the reference: every token) and the softmax / entropy temporaries of
+      one statistics chunk (`lopa_fast.sampling.STATS_CHUNK`);
     * the fast backend's [L, L / block_size] round tables;
     * APD with a verifier (`verifier`, the AR model; the strategy's `uses_verifier`): the verifier's own cache of
       `total` positions and its forward over the whole draft (its first step: every position), its logits included;
@@ -112,9 +120,12 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
     cached = cfg.backend != "reference" and cache_rows is not None and cache_rows(P, cfg) > 1
     window = min(total, total - P + max(1, spec.length_unit(cfg))) if cached else total
     tokens = max(P, rows * window)
+    # the fast paths run the LM head on the rows that predict an undecoded position only: per branch row at most
+    # the new tokens (+ 1: Dream's shifted row of the last cached position); the reference on every position
+    head_rows = tokens if cfg.backend == "reference" else min(tokens, max(P, rows * (total - P + 1)))
     verifier = verifier if verifier is not None and spec.uses_verifier(cfg) else None
     verify = cache_bytes(verifier, total) + _forward_bytes(verifier, total, total) if verifier is not None else 0
-    return (resident_bytes(model, total, cfg, verifier) + _forward_bytes(model, total, tokens)
+    return (resident_bytes(model, total, cfg, verifier) + _forward_bytes(model, total, tokens, head_rows)
             + _tables(total, cfg) + verify)
 
 

@@ -27,6 +27,11 @@ from lopa_fast import keyed
 from lopa_fast.knobs import SAMPLING_STRATEGIES
 
 NEG_ENTROPY_EPS = 1e-10
+# The fast rounds' torch statistics of LM-head rows run in row chunks of at most this many logits (fp32: 32 MiB):
+# their softmax and entropy temporaries are a chunk's, not [R, V]'s (issue 43: LoPA k = 16 at a 131,072-id
+# vocabulary peaked at +2.4 GiB, ~5 [R, V] fp32 tensors at once; now +0.55 GiB). Rows are independent, so the values
+# are the unchunked ones, bit for bit. lopa_fast.memory counts one chunk's working set.
+STATS_CHUNK = 1 << 23
 ENTROPY_EPS = 1e-12  # Fast-dLLM / dParallel's entropy (float64, nats)
 
 # ops.confidence: the token statistics of logits rows [R, V], each field [R] (every backend returns these fields)
@@ -35,6 +40,11 @@ Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy"
 # finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
 # are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.
 HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite"])
+
+
+def chunk_rows(V: int) -> int:
+    """Rows per statistics chunk at a V-id vocabulary (`STATS_CHUNK`; at least one)."""
+    return max(1, STATS_CHUNK // max(1, V))
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -302,8 +302,8 @@ def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind
                head=None):  # fmt: skip
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
     sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes, head=)`
-    -> (pre, post); head: the LM-head weight with geo.fused_head. A "dual" step's forward is DualForward (the window's K/V written into each request's cache inside
-    the layer loop)."""
+    -> (pre, post); head: the LM-head weight with geo.fused_head. A "dual" step's forward is DualForward (the
+    window's K/V written into each request's cache inside the layer loop)."""
     pre, post = parts(geo, kind, sizes, head=head)
     fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),

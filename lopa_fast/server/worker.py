@@ -80,7 +80,8 @@ class Handle:
     """One submitted request, read from the asyncio side.
 
     `events()` yields ("piece", str) for every piece of text as it becomes final, then exactly one of
-    ("done", Finished), ("error", exception), ("cancelled", None) or ("shutdown", None). `cancel()` may be called from any thread.
+    ("done", Finished), ("error", exception), ("cancelled", None) or
+    ("shutdown", None). `cancel()` may be called from any thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):

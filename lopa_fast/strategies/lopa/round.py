@@ -41,7 +41,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from lopa_fast import keyed
 from lopa_fast.strategies.lopa.round_stats import (
@@ -75,10 +74,6 @@ class Head(NamedTuple):
     # token of that round is returned)
     stop: int  # a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
 
-
-def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    """t[i] for a 0-d device index without a host read (indexing with a 0-d tensor would call .item())."""
-    return t.index_select(0, i.reshape(1)).squeeze(0)
 
 
 def round_knobs(cfg) -> dict[str, float]:
@@ -204,8 +199,9 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     else:
         # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
         st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
-        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift)
-        table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift): the table is read
+        # as its two row blocks (no [Rb + 1, V] copy of the logits)
+        table = [st["last_logit"][None, :].to(logits.dtype), logits] if geo.shift else logits
         keys = row_keys(st, T, w["rows"], st["start"], Nb, geo.shift, cfg)
         stats = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     u = st["commit_len"]  # this round's span (select_apply moves st on to the next plan)
@@ -217,8 +213,9 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
             new_last = fused.last_raw(last_row)
             st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))  # fmt: skip
-        else:
-            new_last = _at(table, last_row)
+        else:  # table row r > 0 is raw row r - 1; row 0 the stale last_logit itself
+            raw = logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
+            new_last = torch.where(last_row > 0, raw, table[0][0])
             st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
     return st, info
 

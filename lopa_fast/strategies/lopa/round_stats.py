@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
-from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
+from lopa_fast.sampling import NEG_ENTROPY_EPS, chunk_rows, is_on
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 
@@ -43,28 +43,47 @@ def temperature(T: dict, cfg):
     return T["temperature"] if cfg.temperature > 0 else 0.0
 
 
-def token_stats(logits: torch.Tensor, T: dict, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
-    """TokenStats (conf [R] fp32, token [R] int64, p [R] fp32) of logits rows [R, V]; the temperature and top_p
-    values come from the tables T (runtime knobs), whether they apply from cfg (the compile key).
+def token_stats(logits, T: dict, cfg, use_kernel: bool, keys: torch.Tensor | None = None):
+    """TokenStats (conf [R] fp32, token [R] int64, p [R] fp32) of logits rows [R, V], or of a list of row blocks
+    read as their concatenation (e.g. the stale last_logit's row and the forward's rows: no [R + 1, V] copy); the
+    temperature and top_p values come from the tables T (runtime knobs), whether they apply from cfg (the compile
+    key).
 
-    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity);
-    at T > 0 it draws the token with the keyed sampler (keys [R]: `row_keys`), as the reference does.
-    use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel, the same statistics
-    within ~1e-6 (not bitwise)."""
-    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
-    top_p = T["top_p"] if cfg.top_p is not None and cfg.top_p < 1 else None
-    if cfg.temperature > 0:
-        if keys is None:
-            raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
-        return TokenStats(*softmax_token_stats(logits, temperature=T["temperature"], top_p=top_p, top_k=cfg.top_k,
-                                               sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
-                                               keys=keys))  # fmt: skip
+    use_kernel=False: `lopa_fast.sampling.token_stats`, the reference decoders' own formula (CPU parity), in row
+    chunks (`sampling.STATS_CHUNK`); at T > 0 it draws the token with the keyed sampler (keys [R]: `row_keys`), as the
+    reference does.
+    use_kernel=True (CUDA, T = 0, no top-p / top-k): the fused `ops.confidence` kernel (no [R, V] temporaries: one
+    call on the rows), the same statistics within ~1e-6 (not bitwise)."""
+    blocks = [logits] if isinstance(logits, torch.Tensor) else list(logits)
+    if cfg.temperature > 0 and keys is None:
+        raise ValueError("round.token_stats: temperature > 0 needs the keyed sampler's keys (row_keys)")
     if use_kernel:
-        c = ops.confidence(logits, suppress_token=suppress, check=False)
+        table = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 0)
+        suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+        c = ops.confidence(table, suppress_token=suppress, check=False)
         conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
         return TokenStats(conf, c.token, c.p_max)
-    return TokenStats(*softmax_token_stats(logits, temperature=0.0, top_p=top_p, top_k=cfg.top_k,
-                                           sampling_strategy=cfg.sampling_strategy, suppress_token=suppress))
+    pieces, off = [], 0
+    for block in blocks:
+        step = chunk_rows(block.shape[-1])
+        for lo in range(0, block.shape[0], step):
+            part = block[lo : lo + step]
+            k = None if keys is None else keys[off + lo : off + lo + part.shape[0]]
+            pieces.append(_softmax_stats(part, T, cfg, k))
+        off += block.shape[0]
+    if len(pieces) == 1:
+        return pieces[0]
+    return TokenStats(*(torch.cat(field) for field in zip(*pieces)))
+
+
+def _softmax_stats(logits: torch.Tensor, T: dict, cfg, keys) -> TokenStats:
+    """`lopa_fast.sampling.token_stats` of logits rows [r, V] with the round's knobs."""
+    suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
+    top_p = T["top_p"] if cfg.top_p is not None and cfg.top_p < 1 else None
+    t = T["temperature"] if cfg.temperature > 0 else 0.0
+    return TokenStats(*softmax_token_stats(logits, temperature=t, top_p=top_p, top_k=cfg.top_k,
+                                           sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
+                                           keys=keys if cfg.temperature > 0 else None))  # fmt: skip
 
 
 def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg) -> torch.Tensor | None:
@@ -104,11 +123,14 @@ def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tenso
 def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0):
     """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
     NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
-    any value > every flat row)."""
-    ok = torch.isfinite(logits).all(-1)
-    if is_on(temperature):
-        ok = ok & torch.isfinite(logits.float() / temperature).all(-1)
-    return first_bad(ok, rows, n_real, none)
+    any value > every flat row). In row chunks (`sampling.STATS_CHUNK`): no [Rb, V] temporary."""
+    oks = []
+    for part in logits.split(chunk_rows(logits.shape[-1])):
+        ok = torch.isfinite(part).all(-1)
+        if is_on(temperature):
+            ok = ok & torch.isfinite(part.float() / temperature).all(-1)
+        oks.append(ok)
+    return first_bad(oks[0] if len(oks) == 1 else torch.cat(oks), rows, n_real, none)
 
 
 def first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
