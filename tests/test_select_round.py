@@ -10,11 +10,13 @@ import random
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import lopa_fast
 from lopa_fast import ops
 from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
+from tests.utils import cuda_kernels  # noqa: F401 - a fixture (the gpu capture test)
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
 BACKENDS = ["cpp", "triton", "cuda"]
@@ -286,3 +288,82 @@ def _backend_of(op):
     from lopa_fast.ops import _backend
 
     return _backend.resolve(op, None, torch.device("cpu"))
+
+
+class _AtenLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a block of code dispatches (torch.tensor from a Python list shows as aten.lift_fresh, a copy
+    to another device as aten._to_copy / aten.copy_, a host read as aten._local_scalar_dense)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_cuda_launch_copies_nothing_to_the_device(recorded, monkeypatch):
+    """The CUDA kernel's launch plan (launch.run_select_round: the GPU's and the emulation's) builds no tensor from
+    host data and copies nothing between devices per call (its pointer table goes by value, kind "t"): only the
+    scratch is allocated, so a CUDA graph captures the launch. The emulation runs the launch, bit-exact."""
+    from lopa_fast.ops.cuda.constants import SR_INPUTS, SR_OUTPUTS, SR_PTRS  # noqa: PLC0415
+    from lopa_fast.ops.cuda.emulation import emulator  # noqa: PLC0415
+    from lopa_fast.ops.cuda.launch import run_select_round  # noqa: PLC0415
+    from lopa_fast.ops.select_round import _NAMES  # noqa: PLC0415
+    from lopa_fast.ops.select_round_outputs import outputs  # noqa: PLC0415
+
+    assert (SR_INPUTS, SR_OUTPUTS) == (len(_NAMES), len(SelectRound._fields))  # the .cu's kInputs / kOutputs
+    emu_launch = emulator(("select_round",))._l["select_round"]
+    seen = []
+
+    def launch(name, grid, block, smem, args):
+        seen.append(args)
+        emu_launch(name, grid, block, smem, args)
+
+    def no_host_tensor(*a, **k):
+        raise AssertionError("a tensor built from host data during a launch")
+
+    for args, kw in recorded[:: max(1, len(recorded) // 8)]:
+        ins = [t.contiguous() for t in args]
+        outs = outputs(args, split=False)
+        log = _AtenLog()
+        with monkeypatch.context() as m:
+            for f in ("tensor", "as_tensor", "from_numpy", "frombuffer"):
+                m.setattr(torch, f, no_host_tensor)
+            with log:
+                run_select_round(launch, ins, outs, **kw)
+        assert {str(op) for op in log.ops} == {"aten.empty.memory_format"}, log.ops  # the scratch, nothing else
+        table = [v for k, v in seen[-1] if k == "t"]
+        assert len(table) == 1 and list(table[0]) == [t.data_ptr() for t in (*ins, *outs)]
+        assert len(table[0]) == SR_PTRS and all(k in "tpqi" for k, _ in seen[-1]), seen[-1]
+        bad = _same(ops.select_round(*args, **kw, backend="torch"), SelectRound(*outs))
+        assert not bad, f"cuda (emulated, by-value table): {bad} differ"
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_is_captured_in_a_cuda_graph(recorded, cuda_kernels):  # noqa: F811 - the fixture
+    """One select_round call captured in torch.cuda.graph: a replay on new statistics is bit for bit the eager
+    kernel and the reference (the pointer table is a by-value parameter: nothing copied per launch)."""
+    args, kw = max(recorded, key=lambda c: c[0][0].numel())
+    rng = random.Random(1)
+    new = _perturb(args, kw, rng)[0]  # new tensors, the same statics (those are baked into the graph)
+    static = [a.cuda() for a in args]
+    eager = SelectRound(*cuda_kernels.select_round(*static, **kw))  # warm-up: the cubin loaded before capture
+    assert not _same(ops.select_round(*args, **kw, backend="torch"), SelectRound(*[t.cpu() for t in eager]))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cuda_kernels.select_round(*static, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_kernels.select_round(*static, **kw)
+    for dst, src in zip(static, new):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = SelectRound(*[t.cpu() for t in captured])
+    want = SelectRound(*[t.cpu() for t in cuda_kernels.select_round(*[a.cuda() for a in new], **kw)])
+    assert not _same(want, got), "replay differs from the eager kernel"
+    assert not _same(ops.select_round(*new, **kw, backend="torch"), got), "replay differs from the reference"

@@ -4,7 +4,10 @@
 // ascending, NaN last) summed in double, rounded once to float, divided by k in float (IEEE, no fast-math),
 // blended in double with explicit __dmul_rn / __dadd_rn (no FMA contraction).
 //
-//   ptrs int64 [63]: the data pointers of the 35 inputs then the 28 outputs, in reference order (as csrc/bindings)
+//   ptrs SrPtrs, by value (504 bytes of the 4 KB parameter space): the data pointers of the 35 inputs then the
+//        28 outputs, in reference order (as csrc/bindings). A kernel parameter, not a device table: a launch needs
+//        no host-to-device copy, so a CUDA graph captures it (the pointers are baked into the graph node, as are
+//        every other kernel's tensor arguments)
 //   ws   bytes: scratch sized by lopa_fast.ops.cuda.launch.select_round_ws_bytes (value-independent: capturable)
 //   dims: NB slots, Lb1 row positions, G1 blocks, Nb window columns, bs, mask_id, eos_id, n_look, flags
 //         (bit 0 shift, bit 1 blend, bit 2 score_all)
@@ -20,6 +23,8 @@ namespace sr {
 
 constexpr int kThreads = LOPA_SR_THREADS;
 constexpr long long ACTIVE = 0, TO_CACHE = 1, IN_CACHE = 2;
+constexpr int kInputs = LOPA_SR_INPUTS, kOutputs = LOPA_SR_OUTPUTS;  // the IN / OUT indices below
+
 
 LOPA_INLINE bool is_nan(float a) { return a != a; }
 LOPA_INLINE bool is_nan(double a) { return a != a; }
@@ -68,13 +73,18 @@ LOPA_INLINE Ws carve(unsigned char* p, long long NB, long long L1, long long G1,
 }  // namespace sr
 }  // namespace lopa
 
+// the kernel's pointer table, passed by value (lopa_fast.ops.cuda.launch.run_select_round packs it: kind "t")
+struct SrPtrs {
+  long long p[lopa::sr::kInputs + lopa::sr::kOutputs];
+};
+
 // read from shared memory at each use: a barrier forces a reload, so ~60 pointers are not held live in registers
 // across the kernel (held in registers, they spilled: 96 registers + 24 bytes of spills under ptxas)
 #define IN(T, k) ((const T*)s_ptr[k])
-#define OUT(T, k) ((T*)s_ptr[35 + (k)])
+#define OUT(T, k) ((T*)s_ptr[kInputs + (k)])
 
 extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
-    select_round_kernel(const long long* __restrict__ ptrs, unsigned char* __restrict__ wsp, long long NB,
+    select_round_kernel(const SrPtrs ptrs, unsigned char* __restrict__ wsp, long long NB,
                         long long L1, long long G1, long long Nb, long long bs, long long mask_id, long long eos_id,
                         long long n_look, int flags) {
   using namespace lopa::sr;
@@ -82,9 +92,10 @@ extern "C" __global__ void __launch_bounds__(LOPA_SR_THREADS)
   const int tid = threadIdx.x;
   const long long G = G1 - 1;
   const float inf = __int_as_float(0x7f800000);
-  __shared__ long long s_ptr[63];
+  constexpr int kPtrs = kInputs + kOutputs;
+  __shared__ long long s_ptr[kPtrs];
   __shared__ Ws w;
-  for (int k = tid; k < 63; k += kThreads) s_ptr[k] = ptrs[k];
+  for (int k = tid; k < kPtrs; k += kThreads) s_ptr[k] = ptrs.p[k];
   if (tid == 0) w = carve(wsp, NB, L1, G1, Nb);
   __syncthreads();
   // inputs, in reference order

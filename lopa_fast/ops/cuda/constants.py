@@ -33,6 +33,10 @@ HC_THREADS, HC_ROWS = 256, 8
 VOCAB_WS_WORDS = 5
 # select_round: threads of its one CTA (element-wise phases spread over them; thread 0 runs the ordered steps)
 SR_THREADS = 128
+# select_round: its tensors (the op's inputs, reference order, then SelectRound's fields), whose data pointers the
+# kernel takes by value as one struct parameter of SR_INPUTS + SR_OUTPUTS pointers (504 bytes; CUDA's limit: 4 KB)
+SR_INPUTS, SR_OUTPUTS = 35, 28
+SR_PTRS = SR_INPUTS + SR_OUTPUTS
 
 
 def defines() -> dict[str, int]:
@@ -49,6 +53,8 @@ def defines() -> dict[str, int]:
         "LOPA_HC_ROWS": HC_ROWS,
         "LOPA_VOCAB_WS_WORDS": VOCAB_WS_WORDS,
         "LOPA_SR_THREADS": SR_THREADS,
+        "LOPA_SR_INPUTS": SR_INPUTS,
+        "LOPA_SR_OUTPUTS": SR_OUTPUTS,
     }
 
 

@@ -9,6 +9,16 @@ import torch
 from lopa_fast.ops.cuda.source import cached_cubin
 
 
+def _by_value_struct(ptrs: tuple[int, ...]):
+    """Launch kind "t": n pointers as one kernel parameter `struct { long long p[n]; }`. CuPy passes a numpy array
+    of size one by value (its bytes into the launch's parameter buffer), so nothing is copied to the device."""
+    import numpy as np  # noqa: PLC0415
+
+    a = np.zeros(1, dtype=np.dtype([("p", np.int64, (len(ptrs),))]))
+    a["p"][0] = ptrs
+    return a
+
+
 class CupyLauncher:
     """A `launch.Launch` for one op's cubin on one CUDA device."""
 
@@ -17,7 +27,7 @@ class CupyLauncher:
         import numpy as np  # noqa: PLC0415
 
         self._cupy = cupy
-        self._conv = {"p": np.uint64, "i": np.int32, "q": np.int64, "f": np.float32}
+        self._conv = {"p": np.uint64, "i": np.int32, "q": np.int64, "f": np.float32, "t": _by_value_struct}
         self.device = device
         major, minor = torch.cuda.get_device_capability(device)
         with cupy.cuda.Device(device.index):
@@ -32,7 +42,7 @@ class CupyLauncher:
             fn = self._fns[name] = self._mod.get_function(name)
         if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # above 48 KiB is an opt-in attribute
             fn.max_dynamic_shared_size_bytes = smem
-        cargs = tuple(self._conv[k](v) for k, v in args)
+        cargs = tuple(self._conv[k](v) for k, v in args)  # "t": a size-1 structured array, passed by value
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(ptr)
         if stream is None:  # one wrapper per torch stream, not one per launch

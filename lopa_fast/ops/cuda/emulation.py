@@ -22,6 +22,10 @@ from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_
 from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
 from lopa_fast.sampling import Confidence, HeadConfidence
 
+# "t": the pointers as one by-value struct { long long p[n]; } (same bytes as an array of n int64)
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float,
+           "t": lambda v: (ctypes.c_int64 * len(v))(*v)}
+
 
 class EmuLauncher:
     """A `launch.Launch` over the entry points of one host-compiled .cu library (CPU tensors)."""
@@ -33,8 +37,7 @@ class EmuLauncher:
         lib.emu_misaligned_take.restype = ctypes.c_long
 
     def __call__(self, name, grid, block, smem, args):
-        ctor = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
-        vals = [ctor[k](v) for k, v in args]
+        vals = [_CTYPES[k](v) for k, v in args]
         argv = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         dims = (ctypes.c_uint * 6)(*grid, *block)
         getattr(self._lib, f"emu_launch_{name}")(dims, ctypes.c_size_t(smem), argv)

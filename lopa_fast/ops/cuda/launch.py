@@ -1,9 +1,11 @@
 """Launch maths of the CUDA kernels: grids, splits, shared memory, workspaces and argument packing.
 
 Every `run_*` takes a launcher: a callable (entry name, grid, block, dynamic smem bytes, args) -> None, where
-each arg is (kind, value) with kind "p" pointer, "i" int32, "q" int64, "f" float32 (the C types of the
-extern "C" entry points). The GPU launcher is lopa_fast.ops.cuda.device.CupyLauncher, the CPU one the host
-emulation's (lopa_fast.ops.cuda.emulation), so both run exactly this code.
+each arg is (kind, value) with kind "p" pointer, "i" int32, "q" int64, "f" float32, "t" a tuple of n pointers
+passed by value as one struct parameter `{ long long p[n]; }` (the C types of the extern "C" entry points; "t" is
+packed on the host into the launch's parameter buffer: no device table, no host-to-device copy, capturable).
+The GPU launcher is lopa_fast.ops.cuda.device.CupyLauncher, the CPU one the host emulation's
+(lopa_fast.ops.cuda.emulation), so both run exactly this code.
 """
 from __future__ import annotations
 
@@ -244,16 +246,20 @@ def select_round_ws_bytes(NB: int, Lb1: int, G1: int, Nb: int) -> int:
 def run_select_round(launch: Launch, args: list, outs: list, bs: int, mask_id: int, eos_id: int, n_look: int,
                      shift: bool, blend: bool, score_all: bool) -> None:
     """One launch of select_round_kernel (one CTA) on contiguous `args` (the op's 35 tensors, reference order)
-    writing the 28 fresh `outs` (SelectRound's fields). The pointer table is an int64 tensor on the tensors'
-    device; the scratch a byte tensor sized by select_round_ws_bytes."""
-    from lopa_fast.ops.cuda.constants import SR_THREADS  # noqa: PLC0415
+    writing the 28 fresh `outs` (SelectRound's fields). The 63 data pointers go by value as one struct parameter
+    (kind "t", 504 bytes: CUDA's limit is 4 KB), so a launch copies nothing host-to-device and a CUDA graph
+    captures it; the scratch is a byte tensor sized by select_round_ws_bytes."""
+    from lopa_fast.ops.cuda.constants import SR_PTRS, SR_THREADS  # noqa: PLC0415
 
     x = args[3]
     NB, Lb1 = x.shape
     G1, Nb = args[5].shape[0], args[21].shape[0]
-    table = torch.tensor([t.data_ptr() for t in (*args, *outs)], dtype=torch.int64, device=x.device)
+    if len(args) + len(outs) != SR_PTRS:
+        raise ValueError(f"select_round_kernel takes {SR_PTRS} tensors (inputs + outputs), got "
+                         f"{len(args)} + {len(outs)}")
+    table = tuple(t.data_ptr() for t in (*args, *outs))
     ws = torch.empty(select_round_ws_bytes(NB, Lb1, G1, Nb), dtype=torch.uint8, device=x.device)
     flags = int(shift) | int(blend) << 1 | int(score_all) << 2
     launch("select_round_kernel", (1, 1, 1), (SR_THREADS, 1, 1), 0,
-           [_ptr(table), _ptr(ws), ("q", NB), ("q", Lb1), ("q", G1), ("q", Nb), ("q", bs), ("q", mask_id),
+           [("t", table), _ptr(ws), ("q", NB), ("q", Lb1), ("q", G1), ("q", Nb), ("q", bs), ("q", mask_id),
             ("q", eos_id), ("q", n_look), ("i", flags)])  # fmt: skip
