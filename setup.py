@@ -7,6 +7,9 @@ g++ -O2), built here and only here: nothing is compiled per process. Without a c
 the extension fails softly: the package installs pure-Python, says so once here, and the ops fall back to their
 torch backends (lopa_fast.ops._backend.cpp_available; one log line at first use).
 CUDA kernels are compiled at first use on a GPU machine (NVRTC via CuPy): docs/toolchain.md section 5.
+Their host emulation (the tests' CPU route through the exact .cu: lopa_fast.ops.cuda.emu_build) is built here too,
+next to lopa_fast._C, into lopa_fast/_emu/ (~6 s with g++ -O1); a soft failure as well: it then compiles at first
+use into the cache.
 """
 import glob
 import os
@@ -39,7 +42,31 @@ def extensions() -> list:
 
 
 class OptionalBuildExt(build_ext):
-    """Build lopa_fast._C if a compiler works; otherwise install pure-Python and say so once."""
+    """Build lopa_fast._C if a compiler works; otherwise install pure-Python and say so once. Then the CUDA host
+    emulation's libraries (soft as well)."""
+
+    def run(self):
+        super().run()
+        self.build_cuda_emulation()
+
+    def build_cuda_emulation(self):
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+        try:
+            if cxx is None:
+                raise RuntimeError("no C++ compiler")
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this tree's lopa_fast (needs torch)
+            from lopa_fast.ops.cuda import emu_build
+
+            package_dir = Path(self.get_ext_fullpath("lopa_fast._C")).parent  # in place (editable) or build/lib
+            with tempfile.TemporaryDirectory() as tmp:
+                emu_build.build_all(package_dir, cxx, Path(tmp))
+        except Exception as e:  # noqa: BLE001 - the emulation is for the tests; it can still build at first use
+            sys.stderr.write(f"lopa_fast: the CUDA host emulation was not built at install ({str(e)[:300]}); "
+                             "it compiles at first use instead\n")
 
     def build_extension(self, ext):
         try:
@@ -53,7 +80,7 @@ setup(
     packages=packages,
     package_dir=package_dir,
     package_data={
-        "lopa_fast": ["assets/**/*"],
+        "lopa_fast": ["assets/**/*", "_emu/*.so"],
         "lopa_fast.kernels.cuda": ["*.cu", "*.cuh", "README.md"],
     },
     include_package_data=True,

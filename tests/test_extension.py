@@ -3,6 +3,7 @@ installs the package with the README's command, which builds it), loaded from th
 and never built by a process (the build is setup.py's alone)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,42 @@ def test_root_kernels_folder_never_shadows_hugging_faces_kernels():
         r = subprocess.run([sys.executable, "-c", "import transformers.integrations.hub_kernels as h; print('ok')"],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_cuda_emulation_is_built_at_install_and_loaded_not_compiled(tmp_path):
+    """setup.py builds the CUDA host emulation's libraries (lopa_fast/_emu/) with the package: a process loads them
+    from there (an empty kernel cache, no compiler run) and they run the kernel."""
+    code = ("import subprocess, torch\n"
+            "seen = []\n"
+            "real = subprocess.Popen.__init__\n"
+            "def spy(self, args, *a, **k):\n"
+            "    seen.append(args)\n"
+            "    return real(self, args, *a, **k)\n"
+            "subprocess.Popen.__init__ = spy\n"
+            "from lopa_fast.ops.cuda.emulation import emulator\n"
+            "from lopa_fast.ops.cuda.constants import OPS\n"
+            "emu = emulator(OPS)\n"
+            "conf = emu.confidence(torch.tensor([[0.0, 2.0, 1.0]]))\n"
+            "assert conf[0].tolist() == [1], conf\n"
+            "print('LIBS', *sorted(L._lib._name for L in emu._l.values()))\n"
+            "print('SPAWNED', seen)\n")  # fmt: skip
+    env = dict(os.environ, LOPA_FAST_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    libs = r.stdout.split("LIBS", 1)[1].split("\n", 1)[0].split()
+    from lopa_fast.ops.cuda import emu_build  # noqa: PLC0415
+
+    want = sorted(str(emu_build.installed_path(op)) for op in emu_build.OPS)
+    assert libs == want, f"not the install's libraries (rebuild: pip install -e .): {libs}"
+    assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
+    assert not any(tmp_path.rglob("*.so")), "compiled into the cache"
+
+
+def test_a_stale_installed_emulation_is_not_loaded(monkeypatch):
+    """A library built from another source (an edited .cu in an editable install) is never loaded: its source key
+    differs, and the emulation falls back to its cache build."""
+    from lopa_fast.ops.cuda import emu_build, emulation  # noqa: PLC0415
+
+    key = emu_build.unit("select_round")[1]
+    assert emulation._installed("select_round", key) is not None, "no current library built at install"
+    assert emulation._installed("select_round", "0" * 20) is None

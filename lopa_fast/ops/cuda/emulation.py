@@ -2,7 +2,8 @@
 
 The exact .cu source is compiled by the host C++ compiler against kernels/cuda/host_emu.cuh (one std::thread
 per CUDA thread, warp shuffles and mma fragments exchanged between barriers, misaligned vector accesses
-counted) into a shared library, cached on disk by source hash, and driven through the same launch code as the
+counted) into a shared library (built at install by setup.py, else at first use into a cache by source hash:
+lopa_fast.ops.cuda.emu_build), and driven through the same launch code as the
 GPU (lopa_fast.ops.cuda.launch). It checks index arithmetic, masks and reductions; it is slow.
 """
 from __future__ import annotations
@@ -12,14 +13,13 @@ import functools
 import hashlib
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 from lopa_fast.cache import cache_dir
-from lopa_fast.ops.cuda.constants import OPS, define_flags
+from lopa_fast.ops.cuda import emu_build
+from lopa_fast.ops.cuda.constants import OPS
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
-from lopa_fast.ops.cuda.source import KERNEL_DIR, entry_names, kernel_source
 from lopa_fast.sampling import Confidence, HeadConfidence
 
 # "t": the pointers as one by-value struct { long long p[n]; } (same bytes as an array of n int64)
@@ -83,30 +83,42 @@ def host_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-@functools.cache
-def emulator(ops: tuple[str, ...] = OPS) -> Emulated:
-    """Build (once per process, cached on disk by source hash) the host emulation of `ops`. Needs g++ >= 12
-    (C++20 <barrier>, _Float16). Raises RuntimeError with the compiler output on failure."""
+def _installed(op: str, key: str) -> ctypes.CDLL | None:
+    """op's library as setup.py built it, if present and built from this very source (its emu_source_key)."""
+    path = emu_build.installed_path(op)
+    if not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = getattr(lib, "emu_source_key", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    return lib if fn().decode() == key else None
+
+
+def _cached(op: str, key: str) -> ctypes.CDLL:
+    """op's library from the on-disk cache, compiled on a miss (key: the source key and the compiler)."""
     cxx = host_compiler()
     if cxx is None:
-        raise RuntimeError("no host C++ compiler (g++/clang++) for the CUDA emulation")
+        raise RuntimeError("no host C++ compiler (g++/clang++) for the CUDA emulation, and no library built at "
+                           "install for this source")
+    digest = hashlib.sha256(f"{cxx}\0{key}".encode()).hexdigest()[:20]
+    so = cache_dir("cuda") / f"emu_{op}_{digest}.so"
+    if not so.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / so.name
+            emu_build.compile_lib(op, cxx, out, Path(tmp))
+            shutil.move(str(out), so)
+    return ctypes.CDLL(str(so))
+
+
+@functools.cache
+def emulator(ops: tuple[str, ...] = OPS) -> Emulated:
+    """The host emulation of `ops`: the libraries setup.py built at install (lopa_fast/_emu/) when they match the
+    current source, else built once per source into the on-disk cache (needs g++ >= 12: C++20 <barrier>, _Float16).
+    Raises RuntimeError with the compiler output on failure."""
     libs = {}
-    emu_text = (KERNEL_DIR / "host_emu.cuh").read_text()
-    flags = ["-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", *define_flags()]
     for op in ops:
-        src, headers = kernel_source(op)
-        body = f'#include "{op}.cu"\n' + "".join(f"LOPA_EMU_EXPORT({e})\n" for e in entry_names(op))
-        key = hashlib.sha256("\0".join([cxx, *flags, body, src, emu_text, *headers.values()]).encode()).hexdigest()
-        so = cache_dir("cuda") / f"emu_{op}_{key[:20]}.so"
-        if not so.exists():
-            with tempfile.TemporaryDirectory() as tmp:
-                cpp = Path(tmp) / f"emu_{op}.cpp"
-                cpp.write_text(body)
-                out = Path(tmp) / so.name
-                cmd = [cxx, *flags, f"-I{KERNEL_DIR}", str(cpp), "-o", str(out)]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"host build of {op}.cu failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
-                shutil.move(str(out), so)
-        libs[op] = ctypes.CDLL(str(so))
+        key = emu_build.unit(op)[1]
+        libs[op] = _installed(op, key) or _cached(op, key)
     return Emulated(libs)
