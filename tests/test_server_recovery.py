@@ -246,7 +246,9 @@ def test_shutdown_cancels_what_outlives_the_drain_deadline(embedded, monkeypatch
     from lopa_fast.server import uvicorn_config
 
     model, tok = embedded
-    _slow_forwards(model, monkeypatch, 0.2)
+    # 1 s a forward: the embedded model answers this prompt in a few rounds (EOS fills the rest), so at 0.2 s the
+    # request could end inside the 1 s drain on a loaded machine (it did: served 1, cancelled 0)
+    _slow_forwards(model, monkeypatch, 1.0)
     worker = Worker(model, tok)
     app = create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)
     srv = _Server.__new__(_Server)
