@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
-from lopa_fast import attention_modes, ops
+from lopa_fast import ops
+from lopa_fast.ops import attention_modes
 
 pytestmark = pytest.mark.bench
 

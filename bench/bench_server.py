@@ -32,7 +32,7 @@ import lopa_fast
 from lopa_fast.assets import model_dir
 from lopa_fast.tasks import generate as task_problems
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
-from lopa_fast.text import answer_text, text_decoder
+from lopa_fast.request.text import answer_text, text_decoder
 
 KNOBS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0, backend="auto")  # serve's embedded defaults
 

@@ -1,4 +1,4 @@
-"""The CPU thread policy (lopa_fast.threads), side by side in one run: ms per `generate` through the Python API under
+"""The CPU thread policy (lopa_fast.request.threads), side by side in one run: ms per `generate` through the Python API under
 LOPA_FAST_THREADS=auto (the default), =keep (torch's own count) and =1, and through the CLI (its --threads 1; the
 stats' wall time, process start excluded), on the embedded model and on a ~60M-parameter Dream-shaped random model.
 
@@ -20,7 +20,8 @@ import time
 import torch
 
 import lopa_fast
-from lopa_fast import tasks, threads
+from lopa_fast import tasks
+from lopa_fast.request import threads
 from lopa_fast.assets import model_dir
 from lopa_fast.testing import random_model, tiny_hf_config
 

@@ -29,7 +29,7 @@ from tabulate import tabulate  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lopa_fast.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
+from lopa_fast.reference.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402

@@ -32,8 +32,8 @@ _LAZY = {
     "load_model": "lopa_fast.models",
     "load_tokenizer": "lopa_fast.models",
     "GenerateOutput": "lopa_fast.output",
-    "TextStream": "lopa_fast.stream",
-    "stream": "lopa_fast.stream",
+    "TextStream": "lopa_fast.output.stream",
+    "stream": "lopa_fast.output.stream",
 }
 
 
@@ -54,20 +54,6 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
-
-
-class _Package(_types.ModuleType):
-    """The package module. The import system binds a loaded submodule as an attribute of its package; `stream` is
-    both a submodule and a public function, and `lopa_fast.stream` stays the function (as when it was imported
-    eagerly): `from lopa_fast.stream import TextStream` still reads the module from sys.modules."""
-
-    def __setattr__(self, name, value):
-        if name in _LAZY and isinstance(value, _types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
 
 
 __version__ = "0.1.0"

@@ -6,10 +6,10 @@ Every strategy implementation, reference or fast, has one signature:
 
 Each strategy's spec in the registry (lopa_fast.strategies) names both: its reference (lopa_fast.reference.*, the
 oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. A call resolves its arguments once into a
-validated plan (lopa_fast.plan: knobs, prompt, lengths, memory, backend, verifier pair, batching) before any
+validated plan (lopa_fast.request.plan: knobs, prompt, lengths, memory, backend, verifier pair, batching) before any
 forward, and runs it: implementations may assume a bound, valid config and a clean prompt. The jobs live in their
-own modules: lopa_fast.prompts (the prompt), lopa_fast.backends (which backend runs), lopa_fast.verifiers (the
-second model), lopa_fast.batching (a list of prompts), lopa_fast.streamer (streamer=), lopa_fast.finish (cutting
+own modules: lopa_fast.request.prompts (the prompt), lopa_fast.request.backends (which backend runs), lopa_fast.request.verifiers (the
+second model), lopa_fast.request.batching (a list of prompts), lopa_fast.output.text_streamer (streamer=), lopa_fast.output.finish (cutting
 the output); their public names are importable from here too.
 """
 from __future__ import annotations
@@ -19,21 +19,21 @@ import inspect
 
 import torch
 
-from lopa_fast import aliases, batching, plan, threads
-from lopa_fast.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
+from lopa_fast.request import aliases, batching, plan, threads
+from lopa_fast.request.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
-from lopa_fast.finish import cut_to_length
+from lopa_fast.output.finish import cut_to_length
 from lopa_fast.memory import check_request_memory
-from lopa_fast.model_defaults import with_model_knobs
+from lopa_fast.request.model_defaults import with_model_knobs
 from lopa_fast.output import GenerateOutput
-from lopa_fast.prompts import is_batch, is_text, prepare_prompt, prompt_lens
-from lopa_fast.prompts import check_prompt as _check_prompt_ids
-from lopa_fast.streamer import check_streamer, streamer_hook
-from lopa_fast.verifiers import check_pair, check_verifier_fits, check_verifier_given  # noqa: F401  (public here)
+from lopa_fast.request.prompts import is_batch, is_text, prepare_prompt, prompt_lens
+from lopa_fast.request.prompts import check_prompt as _check_prompt_ids
+from lopa_fast.output.text_streamer import check_streamer, streamer_hook
+from lopa_fast.request.verifiers import check_pair, check_verifier_fits, check_verifier_given  # noqa: F401  (public here)
 
 
 def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
-    """Checks that need both the prompt [P] and the bound config (lopa_fast.prompts.check_prompt: id range, mask id
+    """Checks that need both the prompt [P] and the bound config (lopa_fast.request.prompts.check_prompt: id range, mask id
     in the prompt, length), then the request's memory estimate (`check_request_memory`)."""
     _check_prompt_ids(model, ids, cfg)
     check_request_memory(model, ids.numel() + cfg.max_new_tokens, cfg, ids.numel())
@@ -84,13 +84,13 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     on_round:   a progress hook `on_round(prefix, info)` called after every round / step with the accepted
                 sequence's finalised prefix (list[int]: generated ids before its first mask) and info
                 {"round", "forwards", "canvas" (every decoded position, mask id where not yet filled),
-                "mask_token_id"} (lopa_fast.progress.report_round). It costs one host read per round (the
+                "mask_token_id"} (lopa_fast.output.progress.report_round). It costs one host read per round (the
                 fast backend otherwise reads only its small round head). An exception raised by the hook
                 ends decoding and propagates. lopa_fast.stream is built on it.
 
     HF / Dream / LLaDA names: max_length (prompt + new tokens), gen_length, do_sample, a list eos_token_id are
     translated where they mean the same; num_beams, repetition_penalty, ... are refused naming lopa_fast's knob
-    (lopa_fast.aliases).
+    (lopa_fast.request.aliases).
 
     Returns GenerateOutput(generated_ids: list[int] of every generated position, stats, trace).
     """
@@ -110,7 +110,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     if tokenizer is None and (is_text(input_ids) or has_text_stop):
         tokenizer = known_tokenizer(model, "a str prompt" if is_text(input_ids) else "a text stop")
     if tokenizer is not None:
-        from lopa_fast.text import encode_prompt, split_stops
+        from lopa_fast.request.text import encode_prompt, split_stops
 
         if isinstance(input_ids, str):
             input_ids = encode_prompt(tokenizer, input_ids)
@@ -121,7 +121,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
             knobs.pop("stop")
             if seqs:
                 knobs["stop"] = seqs
-    if aliases.applies(knobs):  # HF / Dream / LLaDA / vLLM names (lopa_fast.aliases)
+    if aliases.applies(knobs):  # HF / Dream / LLaDA / vLLM names (lopa_fast.request.aliases)
         need = {"max_length", "attention_mask"} & set(knobs)
         knobs = aliases.translate(knobs, prompt_lens(input_ids) if need else None)
     unknown = sorted(set(knobs) - set(_SIGNATURE.parameters))
@@ -131,12 +131,12 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     kw = dict(bound.arguments)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
-    kw = with_model_knobs(model, kw)  # the model's own knobs where none is given (lopa_fast.model_defaults)
+    kw = with_model_knobs(model, kw)  # the model's own knobs where none is given (lopa_fast.request.model_defaults)
     if streamer is not None:
         extra["streamer"] = streamer
     out = generate_with_config(model, input_ids, GenerateConfig(**kw), **extra)
     if tokenizer is not None:
-        from lopa_fast.text import answer_text, text_decoder
+        from lopa_fast.request.text import answer_text, text_decoder
 
         eos = kw.get("eos_token_id")
         eos = eos if eos is not None else model.eos_token_id
@@ -242,7 +242,7 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
 
 
 def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
-    """Run one resolved request (lopa_fast.plan.Plan) and cut its output: on `engine` (a BatchEngine, the server's)
+    """Run one resolved request (lopa_fast.request.plan.Plan) and cut its output: on `engine` (a BatchEngine, the server's)
     when it covers the request, else the plan's implementation; the streamer driven when the plan has one."""
     on_round, finish = p.on_round, None
     if p.streamer is not None:
@@ -265,7 +265,7 @@ def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone (which requests share forwards: lopa_fast.batching). on_round: one hook for all
+    decoding that prompt alone (which requests share forwards: lopa_fast.request.batching). on_round: one hook for all
     prompts or a list (one per prompt). Every prompt is checked before any forward."""
     batch = plan.make_batch(model, prompts, cfg, verifier=verifier, on_round=on_round)
     if batch.batched:

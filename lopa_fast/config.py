@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from lopa_fast import strategies
 from lopa_fast.errors import KnobError, RoundCapError  # noqa: F401  (RoundCapError re-exported here)
-from lopa_fast.knobs import INT_KNOB_LIMIT
-from lopa_fast.knobs import check_bool as _bool
-from lopa_fast.knobs import check_choice as _choice
-from lopa_fast.knobs import check_number as _num
-from lopa_fast.knobs import check_positive_int as _positive_int
-from lopa_fast.knobs import check_prob as _prob
-from lopa_fast.knobs import SAMPLING_STRATEGIES
+from lopa_fast.request.knobs import INT_KNOB_LIMIT
+from lopa_fast.request.knobs import check_bool as _bool
+from lopa_fast.request.knobs import check_choice as _choice
+from lopa_fast.request.knobs import check_number as _num
+from lopa_fast.request.knobs import check_positive_int as _positive_int
+from lopa_fast.request.knobs import check_prob as _prob
+from lopa_fast.request.knobs import SAMPLING_STRATEGIES
 from lopa_fast.strategies.threshold.spec import CACHE_MODES
 from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
 
@@ -193,7 +193,7 @@ class GenerateConfig:
 
         The shared knobs are checked here, then the strategy's own (its spec's `knobs` and `validate` hook:
         lopa_fast/strategies/<folder>/spec.py). spec: the strategy's spec when the caller has looked it up already (the
-        request plan, lopa_fast.plan), else looked up here (a KnobError naming the registered strategies)."""
+        request plan, lopa_fast.request.plan), else looked up here (a KnobError naming the registered strategies)."""
         spec = spec if spec is not None else strategies.get(self.strategy)
         _choice("backend", self.backend, BACKENDS)
         _positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
@@ -288,7 +288,7 @@ class GenerateConfig:
         validated (`validate`; validate=False: the caller validated this config already, e.g. once for a batch's
         prompts), then (the bound config: `plan_length` then `resolve`, max_new_tokens the length decoded;
         plan_length's length info; `sampling_notes`). spec: the strategy's spec (the request plan looked it up once:
-        lopa_fast.plan)."""
+        lopa_fast.request.plan)."""
         if validate:
             self.validate(spec)
         planned, length = self.plan_length(model, prompt_len, spec)

@@ -24,7 +24,7 @@ from collections import namedtuple
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.knobs import SAMPLING_STRATEGIES
+from lopa_fast.request.knobs import SAMPLING_STRATEGIES
 
 NEG_ENTROPY_EPS = 1e-10
 # The fast rounds' torch statistics of LM-head rows run in row chunks of at most this many logits (fp32: 32 MiB):

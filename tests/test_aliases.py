@@ -1,5 +1,5 @@
 """HF / Dream / LLaDA knob names: translated where they mean the same, refused naming lopa_fast's knob where not
-(lopa_fast.aliases)."""
+(lopa_fast.request.aliases)."""
 import pytest
 
 import lopa_fast

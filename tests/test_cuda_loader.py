@@ -82,7 +82,7 @@ def test_hooks_refuse_calls_without_a_kernel():
 
 
 def test_kernel_sources_take_codes_and_tiles_from_the_defines():
-    """Mode codes and tile sizes live once in Python (lopa_fast.attention_modes,
+    """Mode codes and tile sizes live once in Python (lopa_fast.reference.attention_modes,
     lopa_fast.ops.cuda.constants): every define is read by a source, and no source compares a mode with a
     literal."""
     texts = {p.name: p.read_text() for p in source.KERNEL_DIR.glob("*.cu*")}

@@ -23,7 +23,7 @@ from lopa_fast.strategies.apd.step import ApdGeometry
 from lopa_fast.decode import count_host_syncs
 from lopa_fast.decode.shapes import stop_in_prefix, stop_table
 from lopa_fast.errors import NonFiniteLogitsError, RoundCapError
-from lopa_fast.progress import first_stop
+from lopa_fast.output.progress import first_stop
 from lopa_fast.testing import model_from_spec
 from tests.utils import apd_models, emulated_capture
 

@@ -134,12 +134,12 @@ def test_compiling_server_adds_no_graph_per_float_knob(captured):
     from lopa_fast.assets import model_dir
     from lopa_fast.server.app import create_app
     from lopa_fast.server.worker import Worker
-    from lopa_fast.text import answer_text, text_decoder
+    from lopa_fast.request.text import answer_text, text_decoder
 
     model = lopa_fast.load_model(model_dir(), dtype=torch.float32)
     tok = lopa_fast.load_tokenizer(model_dir())
     cr = captured(model)
-    # block 32 given: at the embedded model's own block 8 (lopa_fast.model_defaults) this request shape counted no
+    # block 32 given: at the embedded model's own block 8 (lopa_fast.request.model_defaults) this request shape counted no
     # CompiledRounds graph (issue 42 changed the default, not the subject: float knobs add no graph)
     knobs = dict(strategy="lopa", branching_factor=2, max_new_tokens=16, seed=3, block_size=32)
     worker = Worker(model, tok, concurrency=1)

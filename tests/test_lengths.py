@@ -69,7 +69,7 @@ def test_strict_length_keeps_the_error(embedded, prompt):
 
 def test_default_is_clipped_to_the_position_limit(tmp_path, prompt):
     d = tmp_path / "m"  # a copy: no longer the embedded model, whose own max_new_tokens is its task's 32
-    shutil.copytree(model_dir(), d)  # (lopa_fast.model_defaults)
+    shutil.copytree(model_dir(), d)  # (lopa_fast.request.model_defaults)
     model = lopa_fast.load_model(d, dtype=torch.float32)  # max_position_embeddings 128, no generation_config.json:
     # default 512
     out = lopa_fast.generate(model, prompt, **_knobs("d2f"))

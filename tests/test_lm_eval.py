@@ -22,7 +22,7 @@ from lopa_fast.lm_eval import (LopaFastLM, draw_masks, elbo_terms, greedy_matche
                                mc_loglikelihood)  # fmt: skip
 from lopa_fast.tasks import arith
 from lopa_fast.testing import random_model, tiny_hf_config
-from lopa_fast.text import answer_text, text_decoder
+from lopa_fast.request.text import answer_text, text_decoder
 
 QUESTIONS = [  # through the chat template the embedded model answers the first two right, the third wrong (25)
     ("Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?",

@@ -27,7 +27,7 @@ def _cli_json(capsys, *argv) -> dict:
 
 # ---- 1. the chat template's "Answer :" is said once ----------------------------------------------------------------
 def test_chat_prompt_ending_with_the_templates_answer_cue_is_not_doubled(embedded, capsys):
-    from lopa_fast.text import encode_prompt
+    from lopa_fast.request.text import encode_prompt
 
     _, tok = embedded
     with_cue, without = encode_prompt(tok, TOM, chat=True), encode_prompt(tok, TOM[: -len(" Answer :")], chat=True)
@@ -67,7 +67,7 @@ def test_python_api_on_the_embedded_model_uses_its_knobs(embedded):
 
 
 def test_model_knobs_of_a_model_that_is_not_embedded_are_none(tmp_path):
-    from lopa_fast.model_defaults import model_knobs
+    from lopa_fast.request.model_defaults import model_knobs
 
     assert model_knobs(tmp_path, "lopa") == {} and model_knobs(None, "lopa") == {}
     assert model_knobs(model_dir("dparallel-arith-var"), "threshold")["entropy_threshold"] == 0.45

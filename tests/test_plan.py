@@ -25,7 +25,8 @@ import warnings
 import pytest
 
 import lopa_fast
-from lopa_fast import api, plan, strategies
+from lopa_fast import api, strategies
+from lopa_fast.request import plan
 from lopa_fast.config import GenerateConfig
 from lopa_fast.strategies import registry
 from lopa_fast.testing import random_model, tiny_hf_config

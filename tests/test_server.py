@@ -29,7 +29,7 @@ from lopa_fast.assets import model_dir
 from lopa_fast.server.protocol import model_sampling_defaults
 from lopa_fast.server.worker import Busy, Job, Worker
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
-from lopa_fast.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
+from lopa_fast.request.text import answer_ids, answer_text, encode_prompt, split_stops, text_decoder
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPT = ("Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have "

@@ -1,14 +1,14 @@
 """Stop sequences (every strategy): decoding ends once a stop sequence lies in the finalised prefix (the tokens
 before the first mask), the output is cut before it, finish_reason "stop"; the fast backend ends at the same
 round as the reference (the check rides on the round's one host read); vanilla, threshold and apd check the
-finalised prefix after every step (lopa_fast.progress.after_step)."""
+finalised prefix after every step (lopa_fast.output.progress.after_step)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.progress import first_stop
+from lopa_fast.output.progress import first_stop
 from lopa_fast.testing import random_model, tiny_hf_config
 
 KW = dict(block_size=4, max_new_tokens=24, skip_threshold=0.7)

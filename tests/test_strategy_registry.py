@@ -331,7 +331,7 @@ def test_the_cycle_walk_sees_importlib_imports():
     assert "lopa_fast.ops.cuda" in _imports("lopa_fast.ops._backend", mods["lopa_fast.ops._backend"], mods)
     assert {"lopa_fast.server.app", "lopa_fast.server.worker"} <= _imports("lopa_fast.server",
                                                                            mods["lopa_fast.server"], mods)
-    assert {"lopa_fast.api", "lopa_fast.stream"} <= _imports("lopa_fast", mods["lopa_fast"], mods)
+    assert {"lopa_fast.api", "lopa_fast.output.stream"} <= _imports("lopa_fast", mods["lopa_fast"], mods)
 
 
 def _with_parents(name: str, targets: set[str], mods: dict) -> set[str]:
@@ -411,7 +411,7 @@ def test_the_reference_decoders_import_nothing_of_the_fast_path():
     a module imports its parent packages), is a lopa_fast.decode, lopa_fast.ops or lopa_fast.kernels module or a
     strategy folder's fast part (driver.py, step.py, round.py, ...). A strategy's spec (its knobs and checks, read by
     both backends) may be reached: from it the walk follows the imports that run on import only, since a spec loads
-    its fast driver inside the function the fast backend calls (APD's pair checks: lopa_fast.model_pairs)."""
+    its fast driver inside the function the fast backend calls (APD's pair checks: lopa_fast.request.model_pairs)."""
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     refs = sorted(m for m in mods if _is_oracle(m))
@@ -436,7 +436,7 @@ def test_the_reference_decoders_import_nothing_of_the_fast_path():
                 seen.add(n)
                 todo.append(n)
         offenders += [f"{ref} -> {m}" for m in sorted(seen) if fast(m)]
-    assert "lopa_fast.model_pairs" in graph["lopa_fast.strategies.apd.reference"]
+    assert "lopa_fast.request.model_pairs" in graph["lopa_fast.strategies.apd.reference"]
     assert fast("lopa_fast.strategies.lopa.driver") and fast("lopa_fast.strategies.vanilla.step")
     assert not offenders, "\n".join(offenders)
 

@@ -9,7 +9,7 @@ import pytest
 
 import lopa_fast
 from lopa_fast.assets import model_dir
-from lopa_fast.text import answer_text, held_back, split_stops, text_decoder
+from lopa_fast.request.text import answer_text, held_back, split_stops, text_decoder
 from lopa_fast.viz import StepView
 
 PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . He gives away 5 pens . How many pens does Tom have now ?"

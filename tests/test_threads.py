@@ -1,4 +1,4 @@
-"""The CPU thread policy of a decoding call (lopa_fast.threads): small models decode with one thread for the call
+"""The CPU thread policy of a decoding call (lopa_fast.request.threads): small models decode with one thread for the call
 only (the process's count is restored, also across concurrent calls), large ones keep torch's; LOPA_FAST_THREADS
 overrides it, and a bad value names the variable."""
 import threading
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast import threads
+from lopa_fast.request import threads
 from lopa_fast.errors import KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
 

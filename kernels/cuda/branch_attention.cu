@@ -10,7 +10,7 @@
 //   win_lens [B] int64 or null ; block_ids [B, n] int64 or null ; mode LOPA_MODE_{FULL,BLOCK_CAUSAL,CAUSAL}
 //
 // Two launches (the host side is lopa_fast/ops/cuda/launch.py; tile sizes and mode codes arrive as -D defines
-// from lopa_fast/ops/cuda/constants.py and lopa_fast/attention_modes.py):
+// from lopa_fast/ops/cuda/constants.py and lopa_fast/reference/attention_modes.py):
 //  1. branch_attention_partial: grid (x tiles, Hkv, S + 1). For z < S the CTA takes R query rows from
 //     the rows of ALL branches of kv head h (row = ((b*n + i)*G + g), G = Hq/Hkv), so one prefix K/V
 //     tile brought into shared memory serves up to R (branch, position, head-in-group) queries; the

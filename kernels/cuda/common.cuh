@@ -6,7 +6,7 @@
 // Storage types are plain 16-bit words; conversions are single PTX cvt instructions on the device.
 #pragma once
 
-// Codes and tile sizes are defined once in Python (lopa_fast/attention_modes.py, lopa_fast/ops/cuda/constants.py)
+// Codes and tile sizes are defined once in Python (lopa_fast/reference/attention_modes.py, lopa_fast/ops/cuda/constants.py)
 // and reach every compiler (NVRTC, nvcc, the host emulation) as -D flags.
 #if !defined(LOPA_MODE_BLOCK_CAUSAL) || !defined(LOPA_ATTN_WARPS)
 #error "compile with the -D flags of lopa_fast.ops.cuda.constants.define_flags()"

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lopa_fast.attention_modes import MODE_CODES
+from lopa_fast.reference.attention_modes import MODE_CODES
 from lopa_fast.kernels.triton._common import is_interpreter
 
 _LOG2E = 1.4426950408889634

@@ -32,7 +32,7 @@ from lopa_fast.cli.checks import CLIError, check_device, check_environment, log_
 from lopa_fast.cli.flags import EMBEDDED_PRESET, generate_knobs, knob_type, preset_knobs, token_sequences
 from lopa_fast.cli.parser import build_parser
 from lopa_fast.errors import LopaError
-from lopa_fast.text import encode_prompt, unknown_words
+from lopa_fast.request.text import encode_prompt, unknown_words
 
 # the names tests, docs and other modules reach through lopa_fast.cli
 __all__ = ["CLIError", "EMBEDDED_PRESET", "LopaError", "build_parser", "encode_prompt", "generate_knobs", "knob_type",

@@ -1,5 +1,5 @@
 """The decoding knobs as flags: one per GenerateConfig field (typed from the field, with its help and the default
-it runs with), the eval rows as `--preset`s, other libraries' names (lopa_fast.aliases), and the knobs of one call
+it runs with), the eval rows as `--preset`s, other libraries' names (lopa_fast.request.aliases), and the knobs of one call
 read back from the parsed flags."""
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def preset_names() -> list[str]:
 def preset_assets(name: str | None, model) -> tuple[str | None, str | None]:
     """(model asset, verifier asset) a preset runs on when --model / --verifier are not given: the student's rows
     its student, APD's rows the task's verifier; (None, None) for the others (the model given, or the embedded)."""
-    from lopa_fast.model_defaults import task_of
+    from lopa_fast.request.model_defaults import task_of
     from lopa_fast.tasks.eval_rows import APD_ROWS, STUDENT_ROWS, eval_task
 
     if name in STUDENT_ROWS:
@@ -71,9 +71,9 @@ def preset_assets(name: str | None, model) -> tuple[str | None, str | None]:
 
 def preset_knobs(name: str, model=None) -> dict:
     """The knobs `--preset NAME` sets: the eval row's, at temperature 0 and the max_new_tokens of the task of `model`
-    (an embedded model directory: lopa_fast.model_defaults; any other model, or None: the `arith` task's 32; the
+    (an embedded model directory: lopa_fast.request.model_defaults; any other model, or None: the `arith` task's 32; the
     student's rows: arith-var's 96), the row's knobs scaled to it as the eval scales them (APD's W and M)."""
-    from lopa_fast.model_defaults import task_of
+    from lopa_fast.request.model_defaults import task_of
     from lopa_fast.tasks.eval_rows import STUDENT_ROWS, eval_task, task_rows
 
     task = task_of(model) or ("arith-var" if name in STUDENT_ROWS else "arith")
@@ -115,10 +115,10 @@ VERIFIER_HELP = ("APD's verifier: a causal AR qwen2 model directory whose vocabu
 
 
 def add_other_library_flags(parser: argparse.ArgumentParser, length: bool = True) -> None:
-    """Hugging Face / vLLM names as flags (lopa_fast.aliases): --max-length N (prompt + new tokens; generate only),
+    """Hugging Face / vLLM names as flags (lopa_fast.request.aliases): --max-length N (prompt + new tokens; generate only),
     --do-sample / --no-do-sample (sampling: needs --temperature > 0; greedy: temperature 0), --n 1; the refused names
     (--typical-p, --num-beams, ...) are parsed, hidden from --help, and refused naming the lopa_fast way."""
-    from lopa_fast import aliases
+    from lopa_fast.request import aliases
 
     grp = parser.add_argument_group("names from Hugging Face / vLLM (docs/decoding.md, 'Knobs from other libraries')")
     if length:
@@ -166,9 +166,9 @@ def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
 
 def other_library_flags(args) -> dict:
     """The flags of other libraries' names: --max-length, --do-sample / --no-do-sample (translated by
-    lopa_fast.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the lopa_fast
+    lopa_fast.request.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the lopa_fast
     way."""
-    from lopa_fast import aliases
+    from lopa_fast.request import aliases
 
     out = {}
     for name in (*aliases.REFUSED, "n", "max_length", "do_sample"):
@@ -184,20 +184,20 @@ def other_library_flags(args) -> dict:
 def generate_knobs(args, knob_names) -> dict:
     """The knobs of one CLI call: the preset's (--preset, or lopa-k4 on the embedded model when neither --preset
     nor --strategy is given), then every flag given."""
-    from lopa_fast.model_defaults import model_knobs
+    from lopa_fast.request.model_defaults import model_knobs
 
     preset, path = args.preset, model_path(args)
     knobs: dict = {}
     if preset is not None:
         knobs.update(preset_knobs(preset, path))
-    else:  # the model's own knobs for the strategy (an embedded model: its eval row; lopa_fast.model_defaults)
+    else:  # the model's own knobs for the strategy (an embedded model: its eval row; lopa_fast.request.model_defaults)
         knobs.update(model_knobs(path, args.strategy))
     if args.strategy is not None:
         knobs["strategy"] = args.strategy
     knobs["backend"] = args.backend
     if args.compile:
         knobs["compile"] = True
-    from lopa_fast.model_defaults import merge
+    from lopa_fast.request.model_defaults import merge
 
     knobs = merge(knobs, {k: getattr(args, k) for k in knob_names if hasattr(args, k)})
     extra = other_library_flags(args)
@@ -206,7 +206,7 @@ def generate_knobs(args, knob_names) -> dict:
     if extra.get("do_sample") is True and not hasattr(args, "temperature"):
         knobs.pop("temperature", None)  # the preset's greedy 0: --do-sample asks for --temperature itself
     if "do_sample" in extra:
-        from lopa_fast import aliases
+        from lopa_fast.request import aliases
 
         knobs = user_errors(aliases.translate, {**knobs, "do_sample": extra["do_sample"]}, None)
     if "max_length" in extra:

@@ -9,7 +9,7 @@ import warnings
 
 from lopa_fast.cli.checks import CLIError, check_out, read_prompt, user_errors
 from lopa_fast.cli.flags import generate_knobs, model_path, preset_assets
-from lopa_fast.text import encode_prompt
+from lopa_fast.request.text import encode_prompt
 
 
 def load_model_args(args):
@@ -87,7 +87,7 @@ def generate_one(args, text: str, knobs: dict) -> int:
 
     from lopa_fast import api
     from lopa_fast.config import GenerateConfig
-    from lopa_fast.text import answer_text, split_stops, text_decoder
+    from lopa_fast.request.text import answer_text, split_stops, text_decoder
 
     want_trace = bool(knobs.get("return_trace"))  # --return-trace: the trace goes into --json's object
     if args.png is not None:
@@ -103,7 +103,7 @@ def generate_one(args, text: str, knobs: dict) -> int:
     verifier = load_verifier(args, model)
     ids = encode_prompt(tok, text, args.chat, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     if max_length is not None:
-        from lopa_fast import aliases
+        from lopa_fast.request import aliases
 
         knobs = user_errors(aliases.translate, {**knobs, "max_length": max_length}, [len(ids)])
     ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)

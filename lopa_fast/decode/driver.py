@@ -36,7 +36,7 @@ class Driver(Protocol):
 
     def begin(self, on_round=None) -> None:
         """Start the request: the clock, the first plan. on_round: the progress hook, called after every round
-        (lopa_fast.progress.report_round) or None."""
+        (lopa_fast.output.progress.report_round) or None."""
 
     def next_bucket(self) -> tuple | None:
         """The coming round's bucket (host ints), or None when the request has finished. Raises the request's own

@@ -17,7 +17,7 @@ from lopa_fast.decode.compiled import compiled_for
 from lopa_fast.decode.shapes import pow2_bucket
 from lopa_fast.keyed import request_noise
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats
-from lopa_fast.progress import after_step
+from lopa_fast.output.progress import after_step
 
 
 class StepDriver:

@@ -12,7 +12,7 @@ Without `pretrained=` the embedded d2f-arith model runs.
 
 - `generate_until` runs each request through `lopa_fast.generate` (batch 1; lm-eval's batch_size is accepted and
   ignored): the context tokenised (as is, or without added specials when lm-eval applied the chat template,
-  which already holds them), `until` as text stops (lopa_fast.text.split_stops: tokenised into generate's `stop=`,
+  which already holds them), `until` as text stops (lopa_fast.request.text.split_stops: tokenised into generate's `stop=`,
   the one stop mechanism, and matched on the text), `max_gen_toks` as max_new_tokens, `do_sample` / `temperature`
   / `top_p` / `top_k` as the sampling knobs; every other model_arg is a generate knob (GenerateConfig's names).
 - `loglikelihood` (multiple-choice tasks, lambada, ...): the masked-diffusion ELBO of the continuation, a Monte

@@ -10,7 +10,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from lopa_fast import threads
+from lopa_fast.request import threads
 from lopa_fast.lm_eval.elbo import MC_BATCH, MC_NUM, greedy_matches, mc_loglikelihood, request_seed
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
@@ -104,7 +104,7 @@ class LopaFastLM(TemplateLM):
         import lopa_fast
         from lopa_fast.assets import model_dir
         from lopa_fast.config import GenerateConfig
-        from lopa_fast.text import text_decoder
+        from lopa_fast.request.text import text_decoder
 
         fields = {f.name for f in dataclasses.fields(GenerateConfig)}
         unknown = sorted(set(knobs) - fields)
@@ -183,7 +183,7 @@ class LopaFastLM(TemplateLM):
                             knob="apply_chat_template", value=True)  # fmt: skip
         self.chat_applied = True  # the templated text holds the special tokens: encode it without adding more
         if add_generation_prompt:  # a context ending with the template's own "Answer :" gets it once
-            from lopa_fast.text import without_generation_prompt
+            from lopa_fast.request.text import without_generation_prompt
 
             chat_history = without_generation_prompt(self.tok, chat_history)
         return self.tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -219,7 +219,7 @@ class LopaFastLM(TemplateLM):
         """(ELBO estimate, is_greedy) of one tokenised request, its draws seeded by `request_seed`."""
         context = self._fit(context, continuation)
         gen = torch.Generator().manual_seed(request_seed(self.seed, context, continuation))
-        with threads.scoped(self.model):  # the thread policy of generate (lopa_fast.threads)
+        with threads.scoped(self.model):  # the thread policy of generate (lopa_fast.request.threads)
             ll = mc_loglikelihood(self.model, context, continuation, mc_num=self.mc_num,
                                   batch_size=self.mc_batch_size, generator=gen)  # fmt: skip
             is_greedy = greedy and self.check_greedy and greedy_matches(self.model, context, continuation)
@@ -268,7 +268,7 @@ class LopaFastLM(TemplateLM):
         return out
 
     def _unknown(self, text: str) -> list[str]:
-        from lopa_fast.text import unknown_words
+        from lopa_fast.request.text import unknown_words
 
         return unknown_words(self.tok, text) if text else []
 
@@ -303,7 +303,7 @@ class LopaFastLM(TemplateLM):
         from tqdm import tqdm
 
         import lopa_fast
-        from lopa_fast.text import answer_text, check_text_prompt, split_stops
+        from lopa_fast.request.text import answer_text, check_text_prompt, split_stops
 
         out_texts = []
         for req in tqdm(requests, disable=disable_tqdm, desc="lopa_fast generate_until"):

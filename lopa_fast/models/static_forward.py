@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import ops
-from lopa_fast.attention_modes import window_key_mask
+from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
 from lopa_fast.ops.rope import rope_heads, rope_rotation

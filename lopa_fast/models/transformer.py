@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lopa_fast import ops
-from lopa_fast.attention_modes import ATTENTION_MODES
+from lopa_fast.reference.attention_modes import ATTENTION_MODES
 from lopa_fast.models.config import ModelConfig
 from lopa_fast.models.kv_cache import KVCache
 from lopa_fast.models.static_forward import FusedForwards

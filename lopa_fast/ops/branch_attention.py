@@ -13,7 +13,7 @@ import torch
 
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
-from lopa_fast.attention_modes import ATTENTION_MODES
+from lopa_fast.reference.attention_modes import ATTENTION_MODES
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lopa_fast.attention_modes import window_key_mask
+from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.sampling import Confidence, HeadConfidence, softmax_stats
 
 

@@ -26,7 +26,7 @@ from lopa_fast.errors import is_out_of_memory
 from lopa_fast.server.limits import BODY_GRACE_S
 from lopa_fast.server.metrics import CONTENT_TYPE, Metrics, route_label
 from lopa_fast.server.worker import Busy, Finished, Job, Worker
-from lopa_fast.text import UNKNOWN_NOTE, answer_ids
+from lopa_fast.request.text import UNKNOWN_NOTE, answer_ids
 
 log = logging.getLogger("lopa_fast.server")
 access = logging.getLogger("lopa_fast.server.access")  # one line per request (create_app's access_log)
@@ -252,7 +252,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         return {"tokens": ids, "count": len(ids), "max_model_len": int(worker.model.config.max_position_embeddings)}
 
     def _tokenize(body: dict) -> list[int]:
-        from lopa_fast.text import chat_ids, check_text_prompt
+        from lopa_fast.request.text import chat_ids, check_text_prompt
 
         unknown = sorted(set(body) - {"prompt", "messages", "add_special_tokens", "model"})
         if unknown:

@@ -13,7 +13,7 @@ body's knobs. OpenAI fields:
                                                       include_usage also on a usage-only chunk, as OpenAI sends)
     eos_token_id (an id or a list: the extra ids end decoding as token-id stops), top_k 0 / -1 (off), do_sample,
     pad_token_id / use_cache (accepted), typical_p, ... (refused naming the lopa_fast way): as lopa_fast.generate
-    takes them (lopa_fast.aliases; docs/decoding.md "Knobs from other libraries")
+    takes them (lopa_fast.request.aliases; docs/decoding.md "Knobs from other libraries")
     prompt (completions: str, [str] or [int] token ids), messages (chat: role + text content, the tokenizer's
     chat template), model (the served id, else 404), user (accepted, unused)
     n > 1, best_of > 1, logprobs, top_logprobs, echo, suffix, logit_bias, presence/frequency_penalty != 0, tools,
@@ -32,14 +32,15 @@ import warnings
 
 import pydantic
 
-from lopa_fast import aliases, api
+from lopa_fast import api
+from lopa_fast.request import aliases
 from lopa_fast import strategies
 from lopa_fast.config import MAX_STOP_SEQUENCES, GenerateConfig
 from lopa_fast.keyed import needs_draws
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
-from lopa_fast.text import (chat_ids, check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops,
+from lopa_fast.request.text import (chat_ids, check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops,
                             unknown_note, unknown_words)
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
@@ -205,7 +206,7 @@ def _check_types(body: dict) -> None:
 def _knobs_of(body: dict, endpoint: str) -> tuple[dict, list]:
     """(the body's generate knobs (OpenAI names mapped), token-id stops from a list eos_token_id); unknown fields are
     refused by name; other libraries' names (do_sample, top_k -1, pad_token_id, typical_p, ...) as generate takes
-    or refuses them (lopa_fast.aliases)."""
+    or refuses them (lopa_fast.request.aliases)."""
     allowed = set(COMMON_FIELDS) | set(ENDPOINT_FIELDS[endpoint])
     knobs: dict = {}
     for name, value in body.items():
@@ -393,8 +394,8 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     knobs, extra_stops = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
     if knobs.get("strategy", defaults.get("strategy")) != defaults.get("strategy"):  # another strategy than the
-        # server's: the model's own knobs for it under the body's (lopa_fast.model_defaults; issue 42, finding 2)
-        from lopa_fast.model_defaults import merge, model_knobs
+        # server's: the model's own knobs for it under the body's (lopa_fast.request.model_defaults; issue 42, finding 2)
+        from lopa_fast.request.model_defaults import merge, model_knobs
 
         own = model_knobs(getattr(model, "name_or_path", None), knobs["strategy"])
         merged = merge({**defaults, **own}, knobs) if own else merged

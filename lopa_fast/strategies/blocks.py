@@ -2,7 +2,7 @@
 decoded length, block_length and steps, shared by the two strategies that read them."""
 from __future__ import annotations
 
-from lopa_fast.knobs import check_bool, check_positive_int
+from lopa_fast.request.knobs import check_bool, check_positive_int
 from lopa_fast.strategies.registry import decode_length
 
 

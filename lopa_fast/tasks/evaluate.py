@@ -36,7 +36,7 @@ from lopa_fast.tasks.eval_rows import (  # noqa: F401
     task_rows,
 )
 from lopa_fast.tasks.eval_table import WHY_WALL_TIME, markdown, plot
-from lopa_fast.text import answer_ids
+from lopa_fast.request.text import answer_ids
 
 
 def load_default(model_dir=None, dtype=None, task: str = DEFAULT_TASK):

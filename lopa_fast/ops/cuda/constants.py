@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.attention_modes import code_defines
+from lopa_fast.reference.attention_modes import code_defines
 
 OPS = ("branch_attention", "confidence", "head_confidence", "select_round")
 # the .cu entry points are instantiated for these storage dtypes (name suffix) and attention head dims
@@ -40,7 +40,7 @@ SR_PTRS = SR_INPUTS + SR_OUTPUTS
 
 
 def defines() -> dict[str, int]:
-    """Every macro the .cu sources read: the mode codes of lopa_fast.attention_modes plus the tiles."""
+    """Every macro the .cu sources read: the mode codes of lopa_fast.reference.attention_modes plus the tiles."""
     return {
         **code_defines(),
         "LOPA_ATTN_WARPS": ATTN_WARPS,

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lopa_fast.cache import cache_dir
+from lopa_fast.ops.cuda.cache_dir import cache_dir
 from lopa_fast.ops.cuda import emu_build
 from lopa_fast.ops.cuda.constants import OPS
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from lopa_fast.attention_modes import MODE_CODES
+from lopa_fast.reference.attention_modes import MODE_CODES
 from lopa_fast.ops.cuda.constants import (
     ATTN_KEYS,
     ATTN_ROWS,

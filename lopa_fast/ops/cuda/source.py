@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from lopa_fast.cache import cache_dir
+from lopa_fast.ops.cuda.cache_dir import cache_dir
 from lopa_fast.kernels import CUDA_DIR
 from lopa_fast.ops.cuda.constants import DTYPE_NAMES, HEAD_DIMS, OPS, define_flags
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.progress import report_round
+from lopa_fast.output.progress import report_round
 from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
@@ -176,7 +176,7 @@ class FastApd:
 
     # ---- the request as a driver (lopa_fast.decode.driver): lopa_fast.decode.batch's one loop steps it
     def begin(self, on_round=None) -> None:
-        """Start the clock and plan step 1. on_round: the progress hook (lopa_fast.progress.report_round), called
+        """Start the clock and plan step 1. on_round: the progress hook (lopa_fast.output.progress.report_round), called
         after every step with the committed prefix (one extra host read per step, only with a hook)."""
         self.on_round = on_round
         self.stats = {"forwards": 0, "model_calls": 0, "dllm_forwards": 0, "verifier_forwards": 0}

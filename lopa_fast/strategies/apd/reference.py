@@ -34,9 +34,9 @@ from types import SimpleNamespace
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.progress import after_step
+from lopa_fast.output.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.model_pairs import check_apd_pair as check_models  # noqa: F401  (shared with the spec)
+from lopa_fast.request.model_pairs import check_apd_pair as check_models  # noqa: F401  (shared with the spec)
 from lopa_fast.reference.common import Clock, check_finite, request_noise, round_cap_hit, top_k_filter, top_p_filter
 
 # the verifier's logits are never divided by the temperature (the target is the mixture's raw argmax, quirk Q2):
@@ -113,7 +113,7 @@ def dllm_window_logits(model, cache, x: torch.Tensor, left: int, right: int) -> 
 # ---- the loop -----------------------------------------------------------------------------------
 def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> GenerateOutput:
     """APD / leftright decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round:
-    the progress hook (lopa_fast.progress.report_round), called after every step. A stop sequence (`stop=`)
+    the progress hook (lopa_fast.output.progress.report_round), called after every step. A stop sequence (`stop=`)
     in the committed prefix x[P:curr] ends decoding after the step that completed it."""
     check_models(model, verifier, cfg)
     P, L = prompt.numel(), prompt.numel() + cfg.max_new_tokens

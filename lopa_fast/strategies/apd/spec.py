@@ -4,8 +4,8 @@ the leftright baseline commits tokens_per_step per step. Its default sampler is 
 exactness with upstream at T > 0); the fast path draws with sampler='keyed'."""
 from __future__ import annotations
 
-from lopa_fast.knobs import check_bool, check_number, check_positive_int, check_prob
-from lopa_fast.model_pairs import check_apd_pair as check_models  # the pair checks, shared with the oracle
+from lopa_fast.request.knobs import check_bool, check_number, check_positive_int, check_prob
+from lopa_fast.request.model_pairs import check_apd_pair as check_models  # the pair checks, shared with the oracle
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 KNOBS = ("apd_mixture_weight", "kv_window", "max_lookahead", "tokens_per_step", "single_temperature",

@@ -25,7 +25,7 @@ from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
-from lopa_fast.progress import report_round
+from lopa_fast.output.progress import report_round
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
 MIN_HEAD_ROWS = 64
@@ -201,7 +201,7 @@ class FastDecoder:
     # ---- the request as a driver (lopa_fast.decode.driver): lopa_fast.decode.batch's one loop steps it
     def begin(self, on_round=None) -> None:
         """Start the clock, plan round 1 and read its head (the request's first host read). on_round: the
-        progress hook (lopa_fast.progress.report_round), called after every round with the anchor row (the
+        progress hook (lopa_fast.output.progress.report_round), called after every round with the anchor row (the
         accepted sequence): one extra host read per round, only with a hook."""
         self.on_round = on_round
         self.stats = {"forwards": 0, "model_calls": 0}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.progress import first_stop, report_round
+from lopa_fast.output.progress import first_stop, report_round
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
 from lopa_fast.reference.common import (Clock, check_finite, draw_kw, request_noise, round_cap_hit, shift_logits,
@@ -177,7 +177,7 @@ def mark_to_cache(blocks: list[dict], ids: list[int], completed: list[int]) -> N
 # ---- the loop -----------------------------------------------------------------------------------
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """D2F single-branch decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig;
-    on_round: the progress hook (lopa_fast.progress.report_round), called after every round."""
+    on_round: the progress hook (lopa_fast.output.progress.report_round), called after every round."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id
     gen = request_noise(cfg, prompt.device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.progress import first_stop, report_round
+from lopa_fast.output.progress import first_stop, report_round
 from lopa_fast.reference.common import Clock, check_finite, request_noise, round_cap_hit, token_stats
 from lopa_fast.strategies.lopa.reference_d2f import (
     active_ids,
@@ -139,7 +139,7 @@ def spawn_lookaheads(
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """LoPA decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
-    progress hook (lopa_fast.progress.report_round), called after every round with the winner (the accepted
+    progress hook (lopa_fast.output.progress.report_round), called after every round with the winner (the accepted
     sequence, the next round's anchor)."""
     P = prompt.numel()
     mask_id = cfg.mask_token_id

@@ -5,7 +5,7 @@ verified in one forward (branching_factor=1 is plain D2F). Both run the device-r
 reference_lopa.py."""
 from __future__ import annotations
 
-from lopa_fast.knobs import SAMPLING_STRATEGIES, check_bool, check_choice, check_positive_int, check_prob
+from lopa_fast.request.knobs import SAMPLING_STRATEGIES, check_bool, check_choice, check_positive_int, check_prob
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 THRESHOLDS = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")  # tau_add, tau_act, tau_conf

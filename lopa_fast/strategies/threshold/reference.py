@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.progress import after_step
+from lopa_fast.output.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.keyed import TOKEN
 from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noise, record_step, round_cap_hit
@@ -93,7 +93,7 @@ def align(model, raw: torch.Tensor) -> torch.Tensor:
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Threshold decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
-    progress hook (lopa_fast.progress.report_round), called after every forward. A stop sequence (`stop=`)
+    progress hook (lopa_fast.output.progress.report_round), called after every forward. A stop sequence (`stop=`)
     in the finalised prefix ends decoding after the forward that completed it."""
     P, G, B = prompt.numel(), cfg.max_new_tokens, cfg.block_length
     mask_id = cfg.mask_token_id

@@ -2,7 +2,7 @@
 LLaDA-style blocks, with the prefix / dual caches. docs/semantics.md section 4.3."""
 from __future__ import annotations
 
-from lopa_fast.knobs import check_choice, check_number, check_prob
+from lopa_fast.request.knobs import check_choice, check_number, check_prob
 from lopa_fast.strategies import blocks
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from lopa_fast.progress import after_step
+from lopa_fast.output.progress import after_step
 from lopa_fast import keyed
 from lopa_fast.output import GenerateOutput, finalize_stats
 from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noise, record_step, token_stats
@@ -167,7 +167,7 @@ def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
 
 def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     """Vanilla decoding. prompt: LongTensor [P] on model.device; cfg: bound GenerateConfig; on_round: the
-    progress hook (lopa_fast.progress.report_round), called after every step."""
+    progress hook (lopa_fast.output.progress.report_round), called after every step."""
     gen = request_noise(cfg, prompt.device)
     stats = {"forwards": 0, "model_calls": 0, "transferred": 0}
     trace = [] if cfg.return_trace else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from lopa_fast.errors import KnobError
-from lopa_fast.knobs import check_choice, check_number
+from lopa_fast.request.knobs import check_choice, check_number
 from lopa_fast.strategies import blocks
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 

@@ -3,7 +3,7 @@ stats that describe the returned tokens, and how the output ended (`finish_reaso
 from __future__ import annotations
 
 from lopa_fast.config import GenerateConfig
-from lopa_fast.progress import first_stop
+from lopa_fast.output.progress import first_stop
 from lopa_fast.output import GenerateOutput
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast import threads
+from lopa_fast.request import threads
 from lopa_fast.config import GenerateConfig
-from lopa_fast.finish import cut_to_length
+from lopa_fast.output.finish import cut_to_length
 from lopa_fast.output import GenerateOutput
 
 
 def batches(cfg: GenerateConfig, plans) -> bool:
-    """Whether the plans (lopa_fast.plan.Plan, one per prompt, under the validated `cfg`) share forwards: the
+    """Whether the plans (lopa_fast.request.plan.Plan, one per prompt, under the validated `cfg`) share forwards: the
     strategy's driver batches this config (lopa_fast.decode.batch.batchable) and every prompt runs on the fast
     backend."""
     from lopa_fast.decode.batch import batchable

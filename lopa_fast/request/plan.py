@@ -2,14 +2,14 @@
 
     make(model, input_ids, cfg, verifier=, on_round=, streamer=) -> Plan
         the strategy's spec looked up (the one lookup by name) -> a verifier refused where the strategy takes none ->
-        the prompt prepared (lopa_fast.prompts: a LongTensor [P]) -> ONE call into the config
+        the prompt prepared (lopa_fast.request.prompts: a LongTensor [P]) -> ONE call into the config
         (GenerateConfig.bind_prompt): the knobs validated (the shared ones, the spec's own checks), lengths planned,
         model defaults resolved -> the prompt checked against them, and the request's memory -> the backend chosen
-        (lopa_fast.backends) -> the (model, verifier) pair checked (lopa_fast.verifiers)
+        (lopa_fast.request.backends) -> the (model, verifier) pair checked (lopa_fast.request.verifiers)
     make_batch(model, prompts, cfg, ...) -> BatchPlan: the knobs validated once, before any prompt is touched (a bad
         knob is named before prompt 3's error), then one Plan per prompt, whether they batch
 
-Everything after (lopa_fast.api's run, lopa_fast.batching) reads the plan: no lookup of the spec by name, no
+Everything after (lopa_fast.api's run, lopa_fast.request.batching) reads the plan: no lookup of the spec by name, no
 re-validation. Errors name the value and what is allowed; in a batch, a prompt's errors say which prompt.
 """
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 import torch
 
-from lopa_fast import batching, strategies
-from lopa_fast.backends import resolve_backend
+from lopa_fast import strategies
+from lopa_fast.request import batching
+from lopa_fast.request.backends import resolve_backend
 from lopa_fast.config import GenerateConfig
 from lopa_fast.memory import check_request_memory
-from lopa_fast.prompts import check_prompt, prepare_prompt
-from lopa_fast.verifiers import check_pair, check_verifier_taken
+from lopa_fast.request.prompts import check_prompt, prepare_prompt
+from lopa_fast.request.verifiers import check_pair, check_verifier_taken
 
 
 @dataclass(frozen=True, eq=False)  # identity: it holds a model and tensors
@@ -45,7 +46,7 @@ class Plan:
     fallback: why "auto" runs the reference (stats["fallback"]), else None.
     verifier: the second model (a strategy that takes one: APD), else None.
     on_round: the caller's per-round progress hook, else None.
-    streamer: a TextStreamer-style object (lopa_fast.streamer) the run drives, else None.
+    streamer: a TextStreamer-style object (lopa_fast.output.text_streamer) the run drives, else None.
     """
 
     model: Any
@@ -72,7 +73,7 @@ class Plan:
 @dataclass(frozen=True, eq=False)  # identity: it holds a model and tensors
 class BatchPlan:
     """A list of prompts under one config: a Plan per prompt (in order) and whether they share forwards (every
-    prompt on the fast backend of a strategy whose batch driver covers the config: lopa_fast.batching)."""
+    prompt on the fast backend of a strategy whose batch driver covers the config: lopa_fast.request.batching)."""
 
     plans: tuple[Plan, ...]
     batched: bool

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lopa_fast.config import GenerateConfig
-from lopa_fast.progress import first_stop
+from lopa_fast.output.progress import first_stop
 from lopa_fast.output import GenerateOutput
 
 

@@ -3,7 +3,7 @@
     s = lopa_fast.stream(model, "Tom has 23 pens ...", tokenizer=tok, strategy="lopa", stop=["\\n\\n"])
     for piece in s:            # str pieces, append-only
         print(piece, end="", flush=True)
-    s.text, s.result.stats     # the same text and stats as generate (lopa_fast.text.answer_text)
+    s.text, s.result.stats     # the same text and stats as generate (lopa_fast.request.text.answer_text)
 
 What is final: after every round the hook reports the accepted sequence's finalised prefix (the tokens before
 its first mask; no later round changes them). The stream cuts it to whole blocks (`GenerateConfig.length_unit`:
@@ -24,12 +24,13 @@ import queue
 import threading
 import warnings
 
-from lopa_fast import aliases, api, plan
+from lopa_fast import api
+from lopa_fast.request import aliases, plan
 from lopa_fast.config import GenerateConfig
-from lopa_fast.model_defaults import with_model_knobs
-from lopa_fast.progress import first_stop
-from lopa_fast.prompts import prompt_lens
-from lopa_fast.text import (
+from lopa_fast.request.model_defaults import with_model_knobs
+from lopa_fast.output.progress import first_stop
+from lopa_fast.request.prompts import prompt_lens
+from lopa_fast.request.text import (
     answer_ids,
     answer_text,
     cut_at_text_stop,
@@ -51,7 +52,7 @@ class TextStream:
     GenerateOutput: generated_ids, stats, trace; stats["finish_reason"] "stop" also when a text stop cut the
     text, with stats["stop_text"]), `.prompt_ids` (the encoded prompt, list[int]). Both are None before.
     `on_round(prefix, info)`, if given, runs in the consuming thread for every round, before that round's piece.
-    The request is resolved once, here (lopa_fast.plan: bad input raises before any decoding), and the decoding
+    The request is resolved once, here (lopa_fast.request.plan: bad input raises before any decoding), and the decoding
     thread runs that plan.
     """
 
@@ -164,7 +165,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
                 whitespace-only text is a KnobError, unknown words are warned about) or token ids (a list of ints /
                 LongTensor [P] / [1, P], as generate takes).
     tokenizer:  the model's tokenizer (lopa_fast.load_tokenizer); required (the text is decoded with it).
-    stop:       stop strings (text) and / or token-id sequences, e.g. ["\\n\\n", [13, 198]] (lopa_fast.text
+    stop:       stop strings (text) and / or token-id sequences, e.g. ["\\n\\n", [13, 198]] (lopa_fast.request.text
                 .split_stops: a text stop ends decoding early when the model emits its tokenisation, and cuts the
                 text at its first occurrence in any case).
     verifier, on_round: as generate's (on_round runs in the consuming thread).
@@ -189,7 +190,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     bad = sorted(set(knobs) - names)
     if bad:
         raise aliases.unknown_knobs_error("stream", bad, names)
-    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (lopa_fast.model_defaults)
+    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (lopa_fast.request.model_defaults)
     api.check_streamer(streamer)
     return TextStream(model, ids, GenerateConfig(**knobs, stop=seqs), text_decoder(tokenizer), texts,
                       verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip
