@@ -248,8 +248,8 @@ def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
     if p.streamer is not None:
         on_round, finish = streamer_hook(p.streamer, p.ids, p.cfg, p.length["requested"], on_round)
     with torch.inference_mode(), threads.scoped(p.model):  # small CPU models: one thread for the call (threads.py)
-        if engine is not None and p.backend == "fast" and engine.covers(p.cfg):
-            out = engine.generate(p.ids, p.cfg, on_round, p.verifier)
+        if engine is not None and p.backend == "fast" and engine.covers(p.cfg, p.spec):
+            out = engine.generate(p.ids, p.cfg, on_round, p.verifier, spec=p.spec)
             out.stats["batched"] = True
         else:
             out = p.fn(p.model, p.ids, p.cfg, **p.extra(on_round))

@@ -15,6 +15,7 @@ import lopa_fast
 from lopa_fast.decode import batch
 from lopa_fast.errors import KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import spec_of
 
 STATS = ("forwards", "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "eos_detected",
          "finish_reason")  # fmt: skip
@@ -89,7 +90,7 @@ def test_scheduler_admits_mid_flight_and_caps_rows(model):
     kw = knobs(4, True, 4)
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **kw).bind(model)
     solo = [lopa_fast.generate(model, p, "lopa", "fast", **kw) for p in ps]
-    sched = batch.Scheduler(model, cfg, max_rows=10)  # two LoPA k=4 requests (5 slots each) at once
+    sched = batch.Scheduler(model, cfg, max_rows=10, spec=spec_of(cfg))  # two LoPA k=4 requests (5 slots each) at once
     ids = [sched.submit(p) for p in ps[:2]]
     live_sizes = []
     for _ in range(3):
@@ -107,8 +108,8 @@ def test_scheduler_admits_mid_flight_and_caps_rows(model):
 def test_scheduler_bad_cap(model):
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", **knobs(4, True, 4)).bind(model)
     with pytest.raises(KnobError, match="max_rows"):
-        batch.Scheduler(model, cfg, max_rows=0)
-    sched = batch.Scheduler(model, cfg, max_rows=3)
+        batch.Scheduler(model, cfg, max_rows=0, spec=spec_of(cfg))
+    sched = batch.Scheduler(model, cfg, max_rows=3, spec=spec_of(cfg))
     with pytest.raises(KnobError, match="smaller than one request's 5 branch slots"):  # refused at submission
         sched.submit(prompts((5,))[0])
     assert not sched.queue
@@ -146,7 +147,7 @@ def test_one_request_error_leaves_the_others_running(model):
         if info["round"] >= 2:
             raise Cancelled
 
-    sched = batch.Scheduler(model, cfg)
+    sched = batch.Scheduler(model, cfg, spec=spec_of(cfg))
     ids = [sched.submit(ps[0]), sched.submit(ps[1], cancel_at_round_2), sched.submit(ps[2])]
     sched.run()
     assert isinstance(sched.failed[ids[1]], Cancelled) and ids[1] not in sched.done
@@ -171,7 +172,7 @@ def test_batch_engine_serves_threads_in_one_batch(model):
 
     def call(i):
         try:
-            results[i] = engine.generate(ps[i], cfg, bad_hook if i == 1 else None)
+            results[i] = engine.generate(ps[i], cfg, bad_hook if i == 1 else None, spec=spec_of(cfg))
         except Exception as e:  # noqa: BLE001
             results[i] = e
 
@@ -352,7 +353,7 @@ def test_apd_scheduler_admits_mid_flight(apd):
     cfg = lopa_fast.GenerateConfig(backend="fast", **kw).bind(d)
     ps = [torch.tensor(p) for p in APD_PROMPTS]
     solo = [lopa_fast.generate(d, p, backend="fast", verifier=q, **kw) for p in ps]
-    sched = batch.Scheduler(d, cfg, max_slots=2, verifier=q)
+    sched = batch.Scheduler(d, cfg, max_slots=2, verifier=q, spec=spec_of(cfg))
     ids = [sched.submit(p) for p in ps[:1]]
     sched.step()
     ids += [sched.submit(p) for p in ps[1:]]  # admitted at later step boundaries, as slots free up
@@ -384,7 +385,7 @@ def test_apd_request_with_nonfinite_logits_ends_alone(apd, which):
         lopa_fast.generate(d, ps[1], backend="fast", verifier=q, **kw)
     solo = [lopa_fast.generate(d, ps[i], backend="fast", verifier=q, **kw) for i in (0, 2)]
     cfg = lopa_fast.GenerateConfig(backend="fast", **kw).bind(d)
-    sched = batch.Scheduler(d, cfg, verifier=q)
+    sched = batch.Scheduler(d, cfg, verifier=q, spec=spec_of(cfg))
     ids = [sched.submit(p) for p in ps]
     sched.run()
     err = sched.failed[ids[1]]
@@ -411,7 +412,7 @@ def test_batch_engine_keys_apd_schedulers_by_verifier(apd):
     results = [None] * 3
 
     def call(i):
-        results[i] = engine.generate(ps[i], cfg, verifier=verifiers[i])
+        results[i] = engine.generate(ps[i], cfg, verifier=verifiers[i], spec=spec_of(cfg))
 
     _start_together(engine, call, 3)
     engine.close()
@@ -457,7 +458,7 @@ def test_an_out_of_memory_forward_fails_only_the_request_that_cannot_fit_alone(m
         return real_forward([{k_: v for k_, v in p.items() if k_ != "big"} for p in parts], *a, **k)
 
     monkeypatch.setattr(model, "forward_requests", forward_requests)
-    sched = batch.Scheduler(model, cfg)
+    sched = batch.Scheduler(model, cfg, spec=spec_of(cfg))
     ids = [sched.submit(p) for p in ps]
     sched.run()
     assert isinstance(sched.failed.get(ids[1]), torch.OutOfMemoryError), sched.failed

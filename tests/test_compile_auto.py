@@ -7,6 +7,7 @@ import lopa_fast
 from lopa_fast.decode import compiled
 from lopa_fast.decode.compiled import CompiledRounds, compile_wanted
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import spec_of
 
 KW = dict(strategy="lopa", branching_factor=2, block_size=4, max_new_tokens=12)
 
@@ -19,7 +20,7 @@ def test_who_compiles():
     assert compile_wanted(cfg(compile=True), "cpu") and not compile_wanted(cfg(compile=False), "cuda")
     from lopa_fast.decode.batch import batchable
 
-    assert batchable(cfg()) and batchable(cfg(compile=True))  # compiled requests batch too (compiled_batch)
+    assert batchable(cfg(), spec_of(cfg())) and batchable(cfg(compile=True), spec_of(cfg(compile=True)))  # compiled requests batch too (compiled_batch)
 
 
 def test_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):

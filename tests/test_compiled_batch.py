@@ -19,6 +19,7 @@ from lopa_fast.decode import batch
 from lopa_fast.decode.compiled import CompiledRounds
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests.utils import emulated_capture, step_models
+from tests.utils import spec_of
 
 G16 = dict(max_new_tokens=16, seed=11)
 LOPA = dict(block_size=4, max_new_tokens=24, eos_token_id=5, skip_threshold=0.9)
@@ -163,7 +164,7 @@ def test_scheduler_admits_compiled_requests_mid_flight(models, captured):
     solo = [gen(model, p, "lopa", **kw) for p in ps]
     rounds(model)
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", compile=True, **kw).bind(model)
-    sched = batch.Scheduler(model, cfg, max_rows=9)  # three LoPA k=2 requests (3 slots each) at once
+    sched = batch.Scheduler(model, cfg, max_rows=9, spec=spec_of(cfg))  # three LoPA k=2 requests (3 slots each) at once
     ids = [sched.submit(p) for p in ps[:2]]
     for _ in range(2):
         sched.step()
@@ -219,13 +220,13 @@ def test_batchable_and_engine_cover_compiled_requests(models, captured):
     cfg = lopa_fast.GenerateConfig
     for strategy, kw in (("vanilla", {}), ("threshold", dict(cache="prefix")), ("threshold", dict(cache="dual")),
                          ("d2f", {}), ("lopa", {}), ("apd", {})):
-        assert batch.batchable(cfg(strategy=strategy, compile=True, **kw))
-        assert batch.BatchEngine.covers(cfg(strategy=strategy, compile=True, **kw))
-    assert not batch.batchable(cfg(strategy="lopa", distributed=True, compile=True))
+        assert batch.batchable(cfg(strategy=strategy, compile=True, **kw), spec_of(cfg(strategy=strategy, compile=True, **kw)))
+        assert batch.BatchEngine.covers(cfg(strategy=strategy, compile=True, **kw), spec_of(cfg(strategy=strategy, compile=True, **kw)))
+    assert not batch.batchable(cfg(strategy="lopa", distributed=True, compile=True), spec_of(cfg(strategy="lopa", distributed=True, compile=True)))
     spec = strategies.get("d2f")
     strategies.register(dataclasses.replace(spec, compile_batches=False), replace=True)
     try:
-        assert batch.batchable(cfg(strategy="d2f")) and not batch.batchable(cfg(strategy="d2f", compile=True))
+        assert batch.batchable(cfg(strategy="d2f"), spec_of(cfg(strategy="d2f"))) and not batch.batchable(cfg(strategy="d2f", compile=True), spec_of(cfg(strategy="d2f", compile=True)))
     finally:
         strategies.register(spec, replace=True)
 
@@ -238,7 +239,7 @@ def test_batchable_and_engine_cover_compiled_requests(models, captured):
     c = cfg(strategy="d2f", backend="fast", compile=True, **kw).bind(model)
     engine = batch.BatchEngine(model, start=False)
     results = [None] * 3
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(ps[i], c))) for i in range(3)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(ps[i], c, spec=spec_of(c)))) for i in range(3)]
     for t in threads:
         t.start()
     while True:  # line all three up before the engine's first step
@@ -296,7 +297,7 @@ def test_compile_layer_imports_no_strategy():
 
     decode = pathlib.Path(lopa_fast.__file__).parent / "decode"
     # every strategy's spec, reference, driver and step lives under lopa_fast.strategies (one folder each)
-    strategy_modules = {"lopa_fast.strategies", "lopa_fast.reference", "lopa_fast.decode.steps",
+    strategy_modules = {"lopa_fast.strategies", "lopa_fast.reference", "lopa_fast.strategies.steps",
                         "lopa_fast.decode.batch"}  # fmt: skip
     for name in ("compiled.py", "compiled_batch.py"):
         tree = ast.parse((decode / name).read_text())

@@ -19,7 +19,7 @@ import pytest
 
 import lopa_fast
 from lopa_fast.decode.compiled import CompiledRounds
-from lopa_fast.decode.steps import StepGeometry
+from lopa_fast.strategies.steps import StepGeometry
 from tests.utils import emulated_capture, run_step, step_models
 
 PROMPTS = ([3, 4, 5, 6], [9, 4, 5, 1], [7, 2, 8, 30])  # one length: a geometry's later requests replay
@@ -195,7 +195,7 @@ def test_every_index_in_range_on_a_finished_state(models):
     out-of-range index is an assert, here an IndexError)."""
     import torch
 
-    from lopa_fast.decode import steps
+    from lopa_fast.strategies import steps
     from lopa_fast.strategies.threshold import step as threshold_step
     from lopa_fast.strategies.vanilla import step as vanilla_step
 

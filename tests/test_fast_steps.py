@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import lopa_fast
-from lopa_fast.decode import steps
+from lopa_fast.strategies import steps
 from tests.utils import step_models
 
 THRESHOLD_RULES = (("threshold", 0.5), ("threshold", 0.9), ("factor", 1.0), ("factor", 2.5),

@@ -16,6 +16,7 @@ from lopa_fast.errors import KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
 from tests.test_batch import STATS, knobs, prompts, same
 from tests.utils import cuda_emu  # noqa: F401 - fixture
+from tests.utils import spec_of
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_scheduler_slots_admission_mid_flight_early_finish_and_growth(model):
     lens = (24, 4, 24, 24)  # request 1 finishes early
     cfgs = [bound(model, **dict(kw, max_new_tokens=n)) for n in lens]
     solo = [lopa_fast.generate(model, p, "lopa", "fast", **dict(kw, max_new_tokens=n)) for p, n in zip(ps, lens)]
-    sched = batch.Scheduler(model, cfgs[0], max_slots=2)
+    sched = batch.Scheduler(model, cfgs[0], max_slots=2, spec=spec_of(cfgs[0]))
     ids = [sched.submit(p, None, c) for p, c in zip(ps[:3], cfgs[:3])]
     slot_log, ends = [], {}
     sched.step()
@@ -95,18 +96,18 @@ def test_scheduler_caps_refuse_what_can_never_fit(model):
     cfg = bound(model, **knobs(1, False, 4))
     for knob in ("max_slots", "slot_len"):
         with pytest.raises(KnobError, match=knob):
-            batch.Scheduler(model, cfg, **{knob: 0})
-    sched = batch.Scheduler(model, cfg, slot_len=64)
+            batch.Scheduler(model, cfg, **{knob: 0}, spec=spec_of(cfg))
+    sched = batch.Scheduler(model, cfg, slot_len=64, spec=spec_of(cfg))
     with pytest.raises(KnobError, match="slot_len=64 is smaller than this request's 65 cache rows") as e:
         sched.submit(prompts((10,))[0])  # 10 + 24 -> a 64-row buffer + its trash row
     assert e.value.knob == "slot_len" and not sched.queue
     engine = batch.BatchEngine(model, slot_len=64)  # the server's engine: only that caller hears the refusal
     try:
         with pytest.raises(KnobError, match="slot_len"):
-            engine.generate(prompts((10,))[0], cfg)
+            engine.generate(prompts((10,))[0], cfg, spec=spec_of(cfg))
         ok = batch.BatchEngine(model, max_slots=1)
         try:
-            same(ok.generate(prompts((5,))[0], cfg), lopa_fast.generate(model, prompts((5,))[0], "lopa", "fast",
+            same(ok.generate(prompts((5,))[0], cfg, spec=spec_of(cfg)), lopa_fast.generate(model, prompts((5,))[0], "lopa", "fast",
                                                                          **knobs(1, False, 4)), STATS[:-1])
         finally:
             ok.close()
@@ -118,7 +119,7 @@ def test_abort_ends_every_request_and_frees_every_slot(model):
     """The shared forward failing (BatchEngine calls abort) ends the live and the queued requests with that error
     and hands every slot back; the scheduler then serves new requests from a free pool."""
     cfg = bound(model, **knobs(2, False, 4))
-    sched = batch.Scheduler(model, cfg, max_slots=2)
+    sched = batch.Scheduler(model, cfg, max_slots=2, spec=spec_of(cfg))
     ids = [sched.submit(p) for p in prompts((5, 9, 7), seed=3)]
     sched.step()
     assert len(sched.live) == 2 and len(sched.queue) == 1
@@ -139,7 +140,7 @@ def _pooled_and_loop(model, monkeypatch, full: bool, k: int, late: bool, backend
     from lopa_fast import ops
 
     cfg = bound(model, **dict(knobs(k, full, 4), max_new_tokens=48))
-    sched = batch.Scheduler(model, cfg)
+    sched = batch.Scheduler(model, cfg, spec=spec_of(cfg))
     ps = prompts((5, 14), seed=8)  # neither request ends within three rounds
     for p in ps[: 1 if late else 2]:
         sched.submit(p)
@@ -214,7 +215,7 @@ def test_pooled_batch_tokens_equal_per_request_triton(model1, monkeypatch):
             return real(parts, mode, b, pool=pool if pooled else None)
 
         monkeypatch.setattr(model1, "forward_requests", fr)
-        sched = batch.Scheduler(model1, cfg)
+        sched = batch.Scheduler(model1, cfg, spec=spec_of(cfg))
         ids = [sched.submit(p) for p in ps]
         sched.run()
         assert seen and all(s == ("triton", True) for s in seen)
@@ -238,7 +239,7 @@ def test_pooled_batch_on_the_device():
         for o, s in zip(outs, solo):
             assert o.generated_ids == s.generated_ids and o.stats["forwards"] == s.stats["forwards"]
         cfg = bound(model, **kw)
-        sched = batch.Scheduler(model, cfg)
+        sched = batch.Scheduler(model, cfg, spec=spec_of(cfg))
         for p in ps:
             sched.submit(p)
         sched.step()

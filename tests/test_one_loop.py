@@ -89,7 +89,8 @@ def test_the_drivers_have_no_loop_and_conform():
         assert issubclass(cls, Driver) and issubclass(cls, CompiledDriver), cls  # every built-in compiles batched
     for name in BUILT_IN:
         spec = strategies.get(name)
-        assert spec.fast == strategies.SOLO and spec.load("fast") is batch.run_solo, name
+        fast = spec.load("fast")  # run_solo with the spec bound: the one loop looks no strategy up
+        assert spec.fast == strategies.SOLO and fast.func is batch.run_solo and fast.keywords == {"spec": spec}, name
     import lopa_fast.strategies.apd.driver as apd
     import lopa_fast.strategies.lopa.driver as engine
 

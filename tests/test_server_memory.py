@@ -30,6 +30,7 @@ from lopa_fast.server.worker import Worker
 from lopa_fast.testing import random_model, tiny_hf_config
 from test_server_recovery import _subprocess
 from tests.utils import emulated_capture
+from tests.utils import spec_of
 
 LOPA = dict(block_size=4, max_new_tokens=24, eos_token_id=5, skip_threshold=0.9)
 
@@ -64,7 +65,7 @@ def held_lanes(model) -> int:
 def _engine_run(engine, prompts, cfg, hook=None) -> list:
     """Every prompt through `engine` on its own caller thread, lined up before the engine's first step."""
     results = [None] * len(prompts)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(prompts[i], cfg, hook)))
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(prompts[i], cfg, hook, spec=spec_of(cfg))))
                for i in range(len(prompts))]  # fmt: skip
     for t in threads:
         t.start()
@@ -124,7 +125,7 @@ def test_the_pool_grows_within_the_reservations_and_goes_when_idle():
     model = _model()
     cfg = lopa_fast.GenerateConfig(strategy="lopa", backend="fast", branching_factor=2, **LOPA).bind(model)
     ps = [torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 9, 11)]
-    sched = batch.Scheduler(model, cfg)
+    sched = batch.Scheduler(model, cfg, spec=spec_of(cfg))
     for p in ps[:2]:
         sched.submit(p)
     sched.step()

@@ -226,3 +226,11 @@ def run_step(parts, model, st: dict, T: dict, geo, kind: str, sizes: tuple):
     out = model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
                                None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
     return post(st, T, ctx, *out)
+
+
+def spec_of(cfg):
+    """The registry's spec of a bound config's strategy: what the plan hands the one loop (lopa_fast.decode.batch
+    imports no strategy; its Scheduler / run_solo / BatchEngine take the spec)."""
+    from lopa_fast import strategies
+
+    return strategies.get(cfg.strategy)

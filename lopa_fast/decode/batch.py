@@ -38,7 +38,6 @@ from collections import deque
 
 import torch
 
-from lopa_fast import memory, strategies
 from lopa_fast.decode import compiled_batch
 from lopa_fast.decode.compiled import rounds_of
 from lopa_fast.decode.driver import batch_step_of, forwards_of
@@ -49,11 +48,11 @@ from lopa_fast.errors import KnobError, StepTimeoutError, drop_frames, is_out_of
 from lopa_fast.output import GenerateOutput
 
 
-def batchable(cfg) -> bool:
-    """Whether requests of this validated config can share a forward: its strategy has a driver (its spec's) whose
-    steps of this config batch (`batches`), one process, and with compile=True a driver that runs compiled batched
-    steps (`compile_batches`; otherwise compiled requests run one at a time)."""
-    spec = strategies.get(cfg.strategy)
+def batchable(cfg, spec) -> bool:
+    """Whether requests of this validated config can share a forward: its strategy (`spec`, the registry's
+    lopa_fast.strategies.Strategy the plan resolved: this package imports no strategy) has a driver whose steps of
+    this config batch (`batches`), one process, and with compile=True a driver that runs compiled batched steps
+    (`compile_batches`; otherwise compiled requests run one at a time)."""
     if spec.driver is None or not spec.batches(cfg) or cfg.distributed:
         return False
     return cfg.compile is not True or spec.compile_batches
@@ -62,8 +61,8 @@ def batchable(cfg) -> bool:
 class Scheduler:
     """Requests of one model and one decoding config, batched per round (see the module docstring).
 
-    model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request; the strategy's
-    spec gives the per-request driver and the rows of one request); verifier: the second model of a strategy that
+    model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request); spec: its
+    strategy's spec (the plan's; it gives the per-request driver and the rows of one request); verifier: the second model of a strategy that
     takes one (its spec's `takes_verifier`: APD), the same object for every request of the scheduler, so a round's
     verifier forwards are one; max_rows: the most branch slots (rows of the
     forward's batch, k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
@@ -73,11 +72,11 @@ class Scheduler:
     `pool`: the KV pool (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
 
     def __init__(self, model, cfg, max_rows: int | None = None, max_slots: int | None = None,
-                 slot_len: int | None = None, verifier=None):  # fmt: skip
+                 slot_len: int | None = None, verifier=None, *, spec):  # fmt: skip
         for knob, v in (("max_rows", max_rows), ("max_slots", max_slots), ("slot_len", slot_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise KnobError(f"{knob}={v!r}; allowed: None or an int >= 1", knob=knob, value=v)
-        self.model, self.cfg, self.spec = model, cfg, strategies.get(cfg.strategy)
+        self.model, self.cfg, self.spec = model, cfg, spec
         if self.spec.driver is None:
             raise KnobError(f"Scheduler: strategy={cfg.strategy!r} has no batch driver (its requests run one at a "
                             "time)", knob="strategy", value=cfg.strategy)  # fmt: skip
@@ -307,12 +306,12 @@ class Scheduler:
 
 
 def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_round=None,
-              verifier=None) -> list[GenerateOutput]:  # fmt: skip
+              verifier=None, *, spec) -> list[GenerateOutput]:  # fmt: skip
     """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`, one strategy that
     `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list);
     verifier: the strategy's second model, if it takes one (`Scheduler`)."""
     hooks = on_round if on_round is not None else [None] * len(prompts)
-    sched = Scheduler(model, cfgs[0], max_rows, verifier=verifier)
+    sched = Scheduler(model, cfgs[0], max_rows, verifier=verifier, spec=spec)
     ids = [sched.submit(p, h, c) for p, h, c in zip(prompts, hooks, cfgs)]
     done = sched.run()
     for i in ids:  # a prompt's own error is raised as decoding it alone would raise it (the first, in order)
@@ -321,13 +320,14 @@ def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_
     return [done[i] for i in ids]
 
 
-def run_solo(model, prompt, cfg, verifier=None, on_round=None) -> GenerateOutput:
+def run_solo(model, prompt, cfg, verifier=None, on_round=None, *, spec) -> GenerateOutput:
     """The fast path of every strategy whose spec gives a driver (the spec's `fast`): one request as a batch of
     one, stepped by the one loop (`Scheduler.step`; its KV pool slot is its cache; compile=True: the compiled batch
     step of batch bucket 1). prompt: LongTensor [P] on model.device; cfg: bound and covered (lopa_fast.api checked
-    it, and the pair of models for a strategy that takes a verifier); on_round: the progress hook. Raises the
+    it, and the pair of models for a strategy that takes a verifier); on_round: the progress hook; spec: the
+    strategy's (the registry's `load("fast")` binds it). Raises the
     request's own error as its round found it."""
-    sched = Scheduler(model, cfg, verifier=verifier)
+    sched = Scheduler(model, cfg, verifier=verifier, spec=spec)
     rid = sched.submit(prompt, on_round)
     sched.run()
     if rid in sched.failed:
@@ -354,12 +354,16 @@ class BatchEngine:
     compiled)."""
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
-                 slot_len: int | None = None, on_held=None, step_timeout_s: float | None = None):  # fmt: skip
+                 slot_len: int | None = None, on_held=None, step_timeout_s: float | None = None,
+                 share_bytes=None):  # fmt: skip
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         # the watchdog: a step running longer fails the requests waiting on the engine (`stalled`, `generate`)
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # time.monotonic() when the running step began (None: between)
         self._on_held = on_held
+        # the memory accounting is passed in (the server's: lopa_fast.memory.resident_bytes(model, total, cfg,
+        # verifier)): a request's share of the pools and lanes; without one no share is counted
+        self._share_bytes = share_bytes or (lambda model, total, cfg, verifier: 0)
         self._shares: dict = {}  # (scheduler key, request id) -> its estimate's share of the pools and lanes
         self.held_bytes = 0
         self._sizes = None  # the pools' bytes and the lane counts at the last `_account` (`_held_changed`)
@@ -367,7 +371,7 @@ class BatchEngine:
         # outside the engine, e.g. the server's self-check, keeps its own)
         self._reclaim = False  # reclaim() asked: free the idle lanes at the next turn of the engine thread
         self._cv = threading.Condition()
-        self._incoming: list = []  # (prompt, cfg, on_round, verifier, box)
+        self._incoming: list = []  # (prompt, cfg, spec, on_round, verifier, box)
         self._schedulers: dict = {}
         self._waiting: dict = {}  # (scheduler key, request id) -> box
         self.max_live = 0  # the most requests seen in one batched round
@@ -412,20 +416,20 @@ class BatchEngine:
         self._thread.join()
 
     @staticmethod
-    def covers(cfg) -> bool:
+    def covers(cfg, spec) -> bool:
         """Whether a bound config can join a batch (`batchable`: a strategy with a driver, one process, compiled only
         with `compile_batches`)."""
-        return batchable(cfg)
+        return batchable(cfg, spec)
 
-    def generate(self, prompt, cfg, on_round=None, verifier=None) -> GenerateOutput:
-        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg)`; verifier: the
-        strategy's second model, checked by the caller) in the running batch; blocks until it finishes. Raises
-        the request's own exception."""
+    def generate(self, prompt, cfg, on_round=None, verifier=None, *, spec) -> GenerateOutput:
+        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg, spec)`; spec: its
+        strategy's; verifier: the strategy's second model, checked by the caller) in the running batch; blocks until
+        it finishes. Raises the request's own exception."""
         box = {"event": threading.Event()}
         with self._cv:
             if self._closed:
                 raise RuntimeError("BatchEngine: closed")
-            self._incoming.append((prompt, cfg, on_round, verifier, box))
+            self._incoming.append((prompt, cfg, spec, on_round, verifier, box))
             self._cv.notify_all()
         # the watchdog (step_timeout_s): a caller does not wait on a step that hangs; its request fails with
         # StepTimeoutError (it is dropped at its next round if the step ever returns: its hook sees the cancel)
@@ -453,18 +457,19 @@ class BatchEngine:
                 reclaim, self._reclaim = self._reclaim, False
             if reclaim:
                 self._account(free=True)
-            for prompt, cfg, on_round, verifier, box in incoming:
+            for prompt, cfg, spec, on_round, verifier, box in incoming:
                 # one verifier object per scheduler (its round's verifier forward is one); the scheduler holds it,
-                # so its id is not reused while the key lives
-                key = (cfg.strategy, strategies.get(cfg.strategy).rows(cfg), bool(cfg.use_full_attention), id(verifier))
+                # so its id is not reused while the key lives; the rest of the key is the strategy's (`share_key`:
+                # what its requests' forwards must agree on, e.g. D2F / LoPA's attention mode)
+                key = (cfg.strategy, spec.rows(cfg), *spec.share_key(cfg), id(verifier))
                 sched = self._schedulers.get(key)
                 if sched is None:
                     sched = self._schedulers[key] = Scheduler(self.model, cfg, self.max_rows, self.max_slots,
-                                                              self.slot_len, verifier)  # fmt: skip
+                                                              self.slot_len, verifier, spec=spec)  # fmt: skip
                 try:
                     rid = sched.submit(prompt, on_round, cfg)
                     self._waiting[(key, rid)] = box
-                    self._shares[(key, rid)] = memory.resident_bytes(self.model, prompt.numel() + cfg.max_new_tokens,
+                    self._shares[(key, rid)] = self._share_bytes(self.model, prompt.numel() + cfg.max_new_tokens,
                                                                      cfg, verifier)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
                     box["error"] = e

@@ -1,6 +1,6 @@
 """Whether a request's forwards end in the fused LM head + token statistics (`ops.head_confidence`: the [R, V] logits
 of a round / step are never materialised), for every fast path that can take it: the D2F / LoPA round
-(strategies/lopa) and the Dream-family vanilla and threshold steps (decode/steps.py says which of their knobs).
+(strategies/lopa) and the Dream-family vanilla and threshold steps (strategies/steps.py says which of their knobs).
 
 $LOPA_FAST_FUSED_HEAD: unset / "auto" = on CUDA only (the fused statistics are ~1e-6 from the reference softmax, like
 `ops.confidence`'s: the CPU path stays bitwise the reference decoders'); "1" = also on CPU (the chunked torch

@@ -33,6 +33,8 @@ class Family:
     #                             schedule, remasking/cfg_scale knobs) or "timestep" (Dream's `diffusion_generate`:
     #                             a linear timestep schedule over the whole generation, alg/alg_temp/eps knobs);
     #                             None: no diffusion decoding
+    eot_token_id: int | None = None  # the end-of-turn id upstream hard-codes for the family (LLaDA's <|eot_id|>,
+    #                                  126348: confidence_eos_eot_inf commits it last when the vocabulary holds it)
 
 
 # kind -> its family's facts (the one place; lopa_fast.models.qwen2 / llada build the networks)
@@ -42,7 +44,8 @@ FAMILIES = {
     "qwen2": Family(attention="causal", logits_shift=True, is_diffusion=False, causal_verifier=True,
                     stats_in_float64=False, refresh_commits_first=False, vanilla_commit=None),
     "llada": Family(attention="full", logits_shift=False, is_diffusion=True, causal_verifier=False,
-                    stats_in_float64=True, refresh_commits_first=False, vanilla_commit="block_topk"),
+                    stats_in_float64=True, refresh_commits_first=False, vanilla_commit="block_topk",
+                    eot_token_id=126348),
 }  # fmt: skip
 
 

@@ -21,7 +21,7 @@ def batches(cfg: GenerateConfig, plans) -> bool:
     backend."""
     from lopa_fast.decode.batch import batchable
 
-    return batchable(cfg) and all(p.backend == "fast" for p in plans)
+    return batchable(cfg, plans[0].spec) and all(p.backend == "fast" for p in plans)
 
 
 def run(plans) -> list[GenerateOutput]:
@@ -32,7 +32,7 @@ def run(plans) -> list[GenerateOutput]:
     model = plans[0].model
     with torch.inference_mode(), threads.scoped(model):
         outs = run_batch(model, [p.ids for p in plans], [p.cfg for p in plans], on_round=[p.on_round for p in plans],
-                         verifier=plans[0].verifier)  # fmt: skip
+                         verifier=plans[0].verifier, spec=plans[0].spec)  # fmt: skip
     results = []
     for out, p in zip(outs, plans):
         out.stats.setdefault("strategy", p.cfg.strategy)

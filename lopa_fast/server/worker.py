@@ -21,6 +21,7 @@ import threading
 import time
 
 import lopa_fast
+from lopa_fast.memory import resident_bytes
 from lopa_fast.errors import drop_frames, is_out_of_memory
 
 MAX_PENDING = 64  # requests queued or running at once; one more is refused (HTTP 503), never queued without bound
@@ -170,7 +171,7 @@ class Worker:
         # counts against the budget (`MemoryBudget.hold`)
         self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs,
                                   slot_len=quantized_length(limits.max_model_len) + 1,
-                                  on_held=self.memory.hold,
+                                  on_held=self.memory.hold, share_bytes=resident_bytes,
                                   step_timeout_s=limits.step_timeout_s) if batch else None  # fmt: skip
         if self.engine is not None:  # a request that would wait for memory first frees the engine's idle lanes
             self.memory.reclaim = self.engine.reclaim
@@ -303,9 +304,11 @@ class Worker:
 
     def _batched(self, text) -> bool:
         """Whether the request will decode in the batch engine (else it takes the one-at-a-time lock)."""
+        from lopa_fast import strategies
         from lopa_fast.decode.batch import BatchEngine
 
-        return self.engine is not None and text._cfg.backend != "reference" and BatchEngine.covers(text._cfg)
+        cfg = text._cfg
+        return self.engine is not None and cfg.backend != "reference" and BatchEngine.covers(cfg, strategies.get(cfg.strategy))
 
     def _count(self, **delta) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ imports neither the reference decoders, which are the oracle, nor the fast ones)
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -54,6 +55,8 @@ class Strategy:
                 (1: a cache-free driver).
     batches:    batches(cfg): whether the driver's steps of this config can share a forward (default: all; a
                 config whose steps cannot runs its requests one at a time).
+    share_key:  share_key(cfg) -> tuple: what requests of the strategy must agree on, beyond their rows, to share a
+                scheduler of the batch engine (D2F / LoPA: the attention mode; default: nothing).
     compile:    compile=True is implemented on its fast path.
     compile_batches: its driver runs compiled / captured batched steps (`batch_step(*bucket)` -> a
                 lopa_fast.decode.compiled_batch.BatchStep or None for an eager step, `take(state, info)`), so that
@@ -85,6 +88,7 @@ class Strategy:
     driver: Callable | str | None = None
     cache_rows: Callable[[int, Any], int] = lambda prompt_len, cfg: 1
     batches: Callable[[Any], bool] = lambda cfg: True
+    share_key: Callable[[Any], tuple] = lambda cfg: ()
     compile: bool = False
     compile_batches: bool = False
     distributed: bool = False
@@ -97,10 +101,12 @@ class Strategy:
     def load(self, what: str):
         """The implementation `what` ("reference" | "fast" | "driver" | "check_models"), imported on first use."""
         impl = getattr(self, what)
+        solo = impl == SOLO
         if isinstance(impl, str):
             module, _, attr = impl.partition(":")
             impl = getattr(importlib.import_module(module), attr)
-        return impl
+        # the one loop knows no strategy: its solo entry is handed this spec (the plan's) with the request
+        return functools.partial(impl, spec=self) if solo and what == "fast" else impl
 
     @property
     def takes_verifier(self) -> bool:

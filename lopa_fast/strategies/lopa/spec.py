@@ -70,11 +70,16 @@ def driver(model, prompt, cfg, cache=None):
     return round_driver(model, prompt, cfg, 1, "d2f", cache)
 
 
+def attention_mode(cfg) -> tuple:
+    """The batch engine's key part (`Strategy.share_key`): requests of one attention mode share a scheduler."""
+    return (bool(cfg.use_full_attention),)
+
+
 D2F_SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.strategies.lopa.reference_d2f:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
-    cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
+    cache_rows=cache_rows, share_key=attention_mode, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip
 
 
@@ -110,6 +115,6 @@ LOPA_SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.strategies.lopa.reference_lopa:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_lopa_values, length_unit=block_size, rows=lopa_rows,
-    driver=lopa_driver, cache_rows=cache_rows, compile=True, compile_batches=True, distributed=True,
+    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, compile=True, compile_batches=True, distributed=True,
     eval_rows=lopa_eval_rows,
 ))  # fmt: skip

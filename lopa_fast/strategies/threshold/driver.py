@@ -5,21 +5,21 @@ Semantics are exactly `lopa_fast.strategies.threshold.reference`'s (its docstrin
 lopa_fast.strategies.threshold.step (the commit rule as tensor ops on the device, the LM head only on the
 candidates' rows; dual steps through `model.forward_dual`, writing the block's K/V in place); this module is its
 block machine (refresh, cache and full steps per block; `count_noop_forward`'s extra forward) on
-lopa_fast.decode.step_driver's `StepDriver`.
+lopa_fast.strategies.step_driver's `StepDriver`.
 """
 from __future__ import annotations
 
 import torch
 
-from lopa_fast.decode import steps
-from lopa_fast.decode.step_driver import StepDriver
+from lopa_fast.strategies import steps
+from lopa_fast.strategies.step_driver import StepDriver
 from lopa_fast.output import round_cap_hit
 from lopa_fast.strategies.threshold import step as threshold_step
 
 
 class ThresholdDriver(StepDriver):
-    """One threshold request (lopa_fast.decode.step_driver.StepDriver) stepped by the one loop. A step's "bucket"
-    is its kind (full | refresh | refresh_first | prefix | dual: lopa_fast.decode.steps); the block machine picks
+    """One threshold request (lopa_fast.strategies.step_driver.StepDriver) stepped by the one loop. A step's "bucket"
+    is its kind (full | refresh | refresh_first | prefix | dual: lopa_fast.strategies.steps); the block machine picks
     the next one from the last step's head (block full, first mask). In a batch, every step but "dual" is a window
     over a cached prefix (the model's `forward_requests`); a "dual" step writes its window's K/V into the cache in
     place before attending to the whole cache, so its forward is `steps.DualForward` (`model.forward_dual`, the

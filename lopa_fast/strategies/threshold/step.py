@@ -1,4 +1,4 @@
-"""The threshold step (Fast-dLLM v1 / dParallel): ONE function of the step state (lopa_fast.decode.steps), run
+"""The threshold step (Fast-dLLM v1 / dParallel): ONE function of the step state (lopa_fast.strategies.steps), run
 eagerly at exact sizes by the driver (lopa_fast.strategies.threshold.driver) and compiled / captured at bucket sizes.
 
 A step of `kind` (steps' table: full | refresh | refresh_first | prefix | dual) forwards its window, computes the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from lopa_fast import keyed, ops
-from lopa_fast.decode import steps
-from lopa_fast.decode.steps import StepGeometry
+from lopa_fast.strategies import steps
+from lopa_fast.strategies.steps import StepGeometry
 from lopa_fast.sampling import threshold_stats
 
 

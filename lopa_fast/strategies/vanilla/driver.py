@@ -5,7 +5,7 @@ Semantics are exactly `lopa_fast.strategies.vanilla.reference`'s (its docstring;
 token- and forward-exact at T = 0 and, with the keyed sampler, for every random ordering and T > 0. The step is
 lopa_fast.strategies.vanilla.step (candidates, statistics, the top-k and the counters on the device; the LM head
 only on the rows from the first mask to the candidates' end); this module is its step plan (LLaDA's blocks and
-transfer schedule, Dream's timesteps and transfer counts) on lopa_fast.decode.step_driver's `StepDriver`.
+transfer schedule, Dream's timesteps and transfer counts) on lopa_fast.strategies.step_driver's `StepDriver`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from lopa_fast.decode.step_driver import StepDriver
+from lopa_fast.strategies.step_driver import StepDriver
 from lopa_fast.strategies.vanilla import step as vanilla_step
 from lopa_fast.strategies.vanilla.spec import transfer_schedule
 
@@ -28,7 +28,7 @@ def dream_count(n_mask: int, ts: torch.Tensor, i: int, n_steps: int) -> int:
 
 
 class VanillaDriver(StepDriver):
-    """One vanilla request (lopa_fast.decode.step_driver.StepDriver: the step state, the forwards, the host
+    """One vanilla request (lopa_fast.strategies.step_driver.StepDriver: the step state, the forwards, the host
     counters and the trace) stepped by the one loop. A step's "bucket" is its plan (lo: the first row's position,
     e: the candidates' end, i: the step within the block / the schedule).
 
@@ -67,7 +67,7 @@ class VanillaDriver(StepDriver):
         return min(self.fm, self.L - 1), self.L, self.step_index  # no mask left: one row no rule reads
 
     def _plan(self, lo: int, e: int, i: int) -> tuple[str, tuple, dict]:
-        """The step's kind ("block_topk" | "timestep", lopa_fast.decode.steps) and sizes: exact rows eagerly, a row
+        """The step's kind ("block_topk" | "timestep", lopa_fast.strategies.steps) and sizes: exact rows eagerly, a row
         bucket when compiled. Forward inputs: tokens [NB, L], NB 2 with LLaDA's cfg_scale (the prompt-masked
         unconditional row beside the conditional one)."""
         if self.block_topk:

@@ -34,7 +34,6 @@ from lopa_fast.reference.common import Clock, check_finite, draw_kw, request_noi
 from lopa_fast.sampling import gumbel_argmax
 from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE, transfer_schedule
 
-LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
 
 def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +49,9 @@ def _llada(model, prompt, cfg, gen, stats, trace, on_round=None):
     nb = G // cfg.block_length
     spb = cfg.steps // nb
     blocked = {cfg.eos_token_id} if cfg.eos_token_id is not None else set()
-    if model.config.vocab_size > LLADA_EOT_ID:
-        blocked.add(LLADA_EOT_ID)
+    eot = model.config.eot_token_id  # the family's (LLaDA's <|eot_id|>)
+    if eot is not None and model.config.vocab_size > eot:
+        blocked.add(eot)
     for b in range(nb):
         s, e = P + b * cfg.block_length, P + (b + 1) * cfg.block_length
         sched = transfer_schedule(int((x[s:e] == mask_id).sum()), spb)

@@ -1,5 +1,5 @@
 """The vanilla step (LLaDA's `generate`, Dream's `diffusion_generate`): ONE function of the step state
-(lopa_fast.decode.steps), run eagerly at exact sizes by the driver (lopa_fast.strategies.vanilla.driver) and compiled /
+(lopa_fast.strategies.steps), run eagerly at exact sizes by the driver (lopa_fast.strategies.vanilla.driver) and compiled /
 captured at bucket sizes.
 
 "block_topk" (LLaDA): the cache-free forward (cfg_scale > 0: the conditional and the prompt-masked unconditional
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from lopa_fast import keyed
-from lopa_fast.decode import steps
+from lopa_fast.strategies import steps
 from lopa_fast.decode.shapes import divided, scaled
-from lopa_fast.decode.steps import StepGeometry
+from lopa_fast.strategies.steps import StepGeometry
 from lopa_fast.sampling import gumbel_argmax, token_stats
 from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE
 

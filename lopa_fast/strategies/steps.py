@@ -69,7 +69,6 @@ HEAD = ("bad", "full", "first_mask", "masks_left")
 # the threshold strategy's rules (GenerateConfig's names), in `reference.ops.select_by_rule`'s order of precedence
 RULES = ("factor", "entropy_threshold", "threshold")
 KNOBS = ("temperature", "top_p", *RULES, "cfg_scale", "alg_temp")  # float knobs: runtime inputs (tables)
-LLADA_EOT_ID = 126348  # LLaDA's <|eot_id|>, hard-coded upstream for confidence_eos_eot_inf
 
 
 @dataclass(frozen=True)
@@ -111,8 +110,9 @@ def geometry(model, cfg, L: int) -> StepGeometry:
     blocked = []
     if cfg.confidence_eos_eot_inf:  # LLaDA vanilla's knob
         blocked = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
-        if model.config.vocab_size > LLADA_EOT_ID:
-            blocked.append(LLADA_EOT_ID)
+        eot = model.config.eot_token_id  # the family's (LLaDA's <|eot_id|>)
+        if eot is not None and model.config.vocab_size > eot:
+            blocked.append(eot)
     rule = next((r for r in RULES if getattr(cfg, r, None) is not None), None)
     return StepGeometry(
         strategy=cfg.strategy, stats_in_float64=model.config.stats_in_float64, shift=bool(model.logits_shift), L=L,

@@ -1,5 +1,5 @@
 """What the vanilla and threshold drivers share: one request whose steps are ONE step function of
-lopa_fast.decode.steps' state, driven by the one loop (lopa_fast.decode.batch; the protocol: lopa_fast.decode.driver).
+lopa_fast.strategies.steps' state, driven by the one loop (lopa_fast.decode.batch; the protocol: lopa_fast.decode.driver).
 
 `StepDriver` holds the canvas and step state (`steps.init`), the request's compiled steps (compile=True), the
 eager step in stages around the scheduler's shared forward (`prepare` / `forward_args` / `finish`), the compiled
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.decode import steps
+from lopa_fast.strategies import steps
 from lopa_fast.decode.compiled import compiled_for
 from lopa_fast.decode.shapes import pow2_bucket
 from lopa_fast.keyed import request_noise
