@@ -19,7 +19,7 @@ import torch
 
 from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
 from lopa_fast import ops
-from lopa_fast.ops import attention_modes
+from lopa_fast.reference import attention_modes
 
 pytestmark = pytest.mark.bench
 

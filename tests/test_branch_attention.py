@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lopa_fast import ops
-from lopa_fast.ops import attention_modes
+from lopa_fast.reference import attention_modes
 from lopa_fast.reference import ops as ref
 from lopa_fast.ops import cuda
 from lopa_fast.ops.cuda import launch

@@ -254,8 +254,9 @@ def test_generate_help_is_built_from_the_knobs(capsys):
 
     from lopa_fast import config, strategies
     from lopa_fast.config import GenerateConfig, knob_choices
-    from lopa_fast.strategies.threshold.spec import CACHE_MODES
-    from lopa_fast.strategies.vanilla.spec import DREAM_ALGS, REMASKING
+    from lopa_fast.request.knobs import SAMPLING_STRATEGIES
+    from lopa_fast.strategies.threshold.knobs import CACHE_MODES
+    from lopa_fast.strategies.vanilla.knobs import DREAM_ALGS, REMASKING
 
     fields = dataclasses.fields(GenerateConfig)
     for f in fields:
@@ -271,7 +272,7 @@ def test_generate_help_is_built_from_the_knobs(capsys):
             assert a.choices == knob_choices(f), f.name
     assert actions["alg"].choices == DREAM_ALGS and actions["remasking"].choices == REMASKING
     assert actions["cache"].choices == tuple(c for c in CACHE_MODES if c is not None)
-    assert actions["sampling_strategy"].choices == config.SAMPLING_STRATEGIES
+    assert actions["sampling_strategy"].choices == SAMPLING_STRATEGIES
     assert actions["sampler"].choices == config.SAMPLERS
     assert tuple(actions["strategy"].choices) == strategies.names()
     text = " ".join(g.format_help().split())

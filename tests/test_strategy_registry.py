@@ -398,10 +398,10 @@ def _is_oracle(m: str) -> bool:
 
 
 def _is_spec(m: str) -> bool:
-    """The strategy definitions both backends read: the registry, the package and folder __init__s, spec.py, blocks.py
-    (importing a strategy folder's reference imports the strategies package, which registers every spec)."""
+    """The strategy definitions both backends read: the registry, the package and folder __init__s, spec.py, knobs.py
+    (its GenerateConfig fields), blocks.py (importing a strategy folder's reference imports the strategies package, which registers every spec)."""
     return m in ("lopa_fast.strategies", "lopa_fast.strategies.registry", "lopa_fast.strategies.blocks") or (
-        m.startswith("lopa_fast.strategies.") and (m.count(".") == 2 or m.endswith(".spec")))
+        m.startswith("lopa_fast.strategies.") and (m.count(".") == 2 or m.endswith((".spec", ".knobs"))))
 
 
 def test_the_reference_decoders_import_nothing_of_the_fast_path():

@@ -89,7 +89,7 @@ def golden_models(data: dict, script: str) -> dict:
 def attention_in_dtype(q, kc, vc, L, kw, vw, win_lens, block_ids, mode, softmax_fp32: bool = False):
     """A plain PyTorch branch attention in the input dtype: the 2x rule's yardstick (softmax in the input
     dtype, or in fp32 and cast back with softmax_fp32=True, as a kernel that keeps fp32 statistics does)."""
-    from lopa_fast.ops import attention_modes
+    from lopa_fast.reference import attention_modes
 
     B, n, Hq, D = q.shape
     G = Hq // kw.shape[2]

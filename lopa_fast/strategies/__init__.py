@@ -9,10 +9,10 @@ one loop, lopa_fast.decode.batch) and `step.py` (the step function its driver ru
 batched). How to add one: docs/architecture.md ("Adding a strategy")."""
 from lopa_fast.strategies.registry import (SOLO, Strategy, decode_length, fast_not_covered, find, get, names, owners,
                                           register, specific_knobs, unregister)
-from lopa_fast.strategies.registry import check_values
+from lopa_fast.strategies.registry import check_distributed, check_values, compose_config
 from lopa_fast.strategies.vanilla import spec as _vanilla  # noqa: E402,F401  (each line registers a folder's specs)
 from lopa_fast.strategies.threshold import spec as _threshold  # noqa: E402,F401
 from lopa_fast.strategies.lopa import spec as _lopa  # noqa: E402,F401  (d2f, then lopa)
 from lopa_fast.strategies.apd import spec as _apd  # noqa: E402,F401
 
-__all__ = ["SOLO", "Strategy", "check_values", "decode_length", "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]
+__all__ = ["SOLO", "Strategy", "check_distributed", "check_values", "compose_config", "decode_length", "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]

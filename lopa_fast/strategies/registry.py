@@ -13,6 +13,7 @@ imports neither the reference decoders, which are the oracle, nor the fast ones)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ class Strategy:
     summary:    one line for help texts.
     knobs:      the strategy-specific GenerateConfig fields it reads (any other strategy's specific knob, when
                 set, is refused naming its owners).
+    knob_class: the frozen dataclass of the knobs its folder adds to GenerateConfig (`<folder>/knobs.py`, fields made
+                with lopa_fast.request.knobs.knob: default, help, choices); `compose_config` adds them. Strategies may
+                share one (d2f / lopa) or read another's fields (threshold reads vanilla's steps / block_length).
     reference:  the readable per-branch decoder (the semantics oracle):
                 fn(model, prompt [P], cfg, **extra) -> GenerateOutput; a callable or "module:attribute".
     fast:       the fast decoder (same signature), or None (then backend="fast" refuses the strategy); SOLO
@@ -80,6 +84,7 @@ class Strategy:
     reference: Callable | str
     fast: Callable | str | None = None
     knobs: tuple[str, ...] = ()
+    knob_class: type | None = None
     validate: Callable[[Any], None] = lambda cfg: None
     check_values: Callable[[Any], None] = lambda cfg: None
     resolve: Callable[[Any, Any], Any] = lambda cfg, model: cfg
@@ -197,3 +202,42 @@ def fast_not_covered(cfg, spec: Strategy | None = None) -> str | None:
             fast = "the fast backend draws with sampler='keyed' (the default)"
         return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
     return None
+
+
+def compose_config(base: type, name: str = "GenerateConfig") -> type:
+    """The config class: `base` (a frozen dataclass holding the shared knobs and the config's methods) extended by
+    the fields of every registered strategy's `knob_class`, in registration order, each class once. A field name
+    two classes define is a TypeError naming both (one knob, one owner). lopa_fast.config builds GenerateConfig with
+    it once, after the built-in strategies registered (a strategy registered later runs on existing knobs)."""
+    owner = {f.name: base.__name__ for f in dataclasses.fields(base)}
+    fields, seen = [], set()
+    for spec in _REGISTRY.values():
+        cls = spec.knob_class
+        if cls is None or cls in seen:
+            continue
+        seen.add(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in owner:
+                raise TypeError(f"knob {f.name!r} is defined by both {owner[f.name]} and {cls.__name__}")
+            owner[f.name] = cls.__name__
+            fields.append((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)))
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True)
+    cls.__module__ = base.__module__  # pickles (the server's, torch.distributed's) find it where it is bound
+    return cls
+
+
+def check_distributed(cfg, spec: Strategy) -> None:
+    """distributed=True: the knobs it needs (KnobError naming the knob); the process group itself is checked where
+    the request runs (lopa_fast.distributed.check_group)."""
+    if not spec.distributed:
+        covered = ", ".join(repr(n) for n in names() if get(n).distributed)
+        raise KnobError(f"distributed=True covers strategy {covered}; got strategy={cfg.strategy!r}",
+                        knob="strategy", value=cfg.strategy)  # fmt: skip
+    if cfg.backend == "reference":
+        raise KnobError("distributed=True runs the fast decoder; pass backend='fast' (or 'auto')",
+                        knob="backend", value=cfg.backend)  # fmt: skip
+    if cfg.temperature > 0 and cfg.sampler == "upstream":
+        raise KnobError(
+            f"distributed=True at temperature={cfg.temperature!r} draws with sampler='keyed' (noise keyed by seed, "
+            "round and position, so every rank draws any branch's noise without a message); sampler='upstream' (one "
+            "generator, draw by draw in upstream's order) cannot be split over ranks", knob="sampler", value="upstream")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lopa_fast.request.knobs import check_bool, check_number, check_positive_int, check_prob
 from lopa_fast.request.model_pairs import check_apd_pair as check_models  # the pair checks, shared with the oracle
+from lopa_fast.strategies.apd.knobs import ApdKnobs
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 KNOBS = ("apd_mixture_weight", "kv_window", "max_lookahead", "tokens_per_step", "single_temperature",
@@ -66,7 +67,7 @@ def cache_rows(prompt_len: int, cfg) -> int:
 
 SPEC = register(Strategy(
     name="apd", summary="APD: a dLLM drafts, a causal AR verifier accepts the agreeing prefix",
-    reference="lopa_fast.strategies.apd.reference:generate", fast=SOLO, knobs=KNOBS,
+    reference="lopa_fast.strategies.apd.reference:generate", fast=SOLO, knobs=KNOBS, knob_class=ApdKnobs,
     validate=validate, resolve=resolve, driver="lopa_fast.strategies.apd.driver:FastApd", cache_rows=cache_rows,
     compile=True, compile_batches=True, default_sampler="upstream", check_models=check_models,
     verifier_knob="apd_mixture_weight", eval_rows=eval_rows,

@@ -6,6 +6,7 @@ reference_lopa.py."""
 from __future__ import annotations
 
 from lopa_fast.request.knobs import SAMPLING_STRATEGIES, check_bool, check_choice, check_positive_int, check_prob
+from lopa_fast.strategies.lopa.knobs import LopaKnobs
 from lopa_fast.strategies.registry import SOLO, Strategy, register
 
 THRESHOLDS = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")  # tau_add, tau_act, tau_conf
@@ -79,7 +80,7 @@ D2F_SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.strategies.lopa.reference_d2f:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
-    cache_rows=cache_rows, share_key=attention_mode, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
+    cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
 ))  # fmt: skip
 
 
@@ -115,6 +116,6 @@ LOPA_SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.strategies.lopa.reference_lopa:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_lopa_values, length_unit=block_size, rows=lopa_rows,
-    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, compile=True, compile_batches=True, distributed=True,
+    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True, distributed=True,
     eval_rows=lopa_eval_rows,
 ))  # fmt: skip

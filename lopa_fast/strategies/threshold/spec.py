@@ -5,13 +5,13 @@ from __future__ import annotations
 from lopa_fast.request.knobs import check_choice, check_number, check_prob
 from lopa_fast.strategies import blocks
 from lopa_fast.strategies.registry import SOLO, Strategy, register
+from lopa_fast.strategies.threshold.knobs import CACHE_MODES, ThresholdKnobs
 
 KNOBS = ("steps", "block_length", "threshold", "factor", "entropy_threshold", "cache", "count_noop_forward")
 RULES = ("threshold", "factor", "entropy_threshold")  # at most one of them
 # none of RULES given: Fast-dLLM's default confidence threshold (its generate.py / eval scripts' threshold=0.9), on
 # every route (generate, the CLI, the server, lm-eval), as a model's other defaults are (issue 42, finding 3)
 DEFAULT_THRESHOLD = 0.9
-CACHE_MODES = (None, "prefix", "dual")
 
 
 def validate(cfg) -> None:
@@ -61,7 +61,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 SPEC = register(Strategy(
     name="threshold", summary="Fast-dLLM / dParallel threshold decoding (confidence, factor or entropy rule)",
     reference="lopa_fast.strategies.threshold.reference:generate", fast=SOLO,
-    knobs=KNOBS, validate=validate, resolve=resolve, length_unit=length_unit,
+    knobs=KNOBS, knob_class=ThresholdKnobs, validate=validate, resolve=resolve, length_unit=length_unit,
     driver="lopa_fast.strategies.threshold.driver:ThresholdDriver", cache_rows=cache_rows,
     compile=True, compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip

@@ -9,11 +9,10 @@ from lopa_fast.errors import KnobError
 from lopa_fast.request.knobs import check_choice, check_number
 from lopa_fast.strategies import blocks
 from lopa_fast.strategies.registry import SOLO, Strategy, register
+from lopa_fast.strategies.vanilla.knobs import DREAM_ALGS, REMASKING, VanillaKnobs
 
 LLADA_KNOBS = ("steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf")
 DREAM_KNOBS = ("steps", "alg", "alg_temp", "eps")
-REMASKING = ("low_confidence", "random")
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 # the confidence (lopa_fast.sampling's sampling_strategy) each Dream alg but "origin" ranks its masks by
 DREAM_CONFIDENCE = {"maskgit_plus": "default", "topk_margin": "margin", "entropy": "neg_entropy"}
 
@@ -102,7 +101,7 @@ def eval_rows(block_size: int, gen_len: int) -> dict[str, dict]:
 SPEC = register(Strategy(
     name="vanilla", summary="the model family's own sampler (LLaDA low-confidence remasking, Dream's algs)",
     reference="lopa_fast.strategies.vanilla.reference:generate", fast=SOLO,
-    knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), validate=validate, resolve=resolve,
+    knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), knob_class=VanillaKnobs, validate=validate, resolve=resolve,
     length_unit=length_unit, rows=rows, driver="lopa_fast.strategies.vanilla.driver:VanillaDriver", compile=True,
     compile_batches=True, eval_rows=eval_rows,
 ))  # fmt: skip
