@@ -79,44 +79,88 @@ def test_decode_compares_no_strategy_name():
         assert not (lits & names), (path.name, lits & names)
 
 
-def test_a_toy_strategy_is_its_folder_and_one_register_line(tmp_path, monkeypatch):
-    """A strategy written outside the package: a spec with a reference decoder and a batch driver made of the
-    vanilla driver (its folder's code), registered with ONE call, decodes through lopa_fast.generate's plan and the
-    one loop on both backends, with nothing of lopa_fast edited."""
-    import sys
-    import textwrap
+TOY = """
+from dataclasses import dataclass
 
-    import torch
+from lopa_fast.request.knobs import check_bool, knob
+from lopa_fast.strategies import SOLO, Strategy, get, register
 
-    from lopa_fast.testing import random_model, tiny_hf_config
 
-    folder = tmp_path / "toy_strategy"
-    folder.mkdir()
-    (folder / "__init__.py").write_text(textwrap.dedent('''
-        """A toy strategy: LLaDA vanilla decoding under another name (its own knobs, reference and driver)."""
-        from lopa_fast.strategies import SOLO, Strategy, get, register
+@dataclass(frozen=True)
+class ToyKnobs:  # the knobs the toy adds to GenerateConfig
+    toy_echo: bool | None = knob(None, "toy: a knob of the toy's own (checked, then ignored)", unset="off")
 
-        vanilla = get("vanilla")
-        SPEC = register(Strategy(name="toy", summary="vanilla under another name", knobs=vanilla.knobs,
-                                 reference=vanilla.reference, fast=SOLO, driver=vanilla.driver,
-                                 validate=vanilla.validate, resolve=vanilla.resolve, length_unit=vanilla.length_unit,
-                                 cache_rows=vanilla.cache_rows, batches=vanilla.batches, compile=vanilla.compile))
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toy_strategy  # noqa: F401  (the one registration line)
 
+def validate(cfg):
+    if cfg.toy_echo is not None:
+        check_bool("toy_echo", cfg.toy_echo)
+    get("vanilla").validate(cfg)
+
+
+vanilla = get("vanilla")
+SPEC = register(Strategy(name="toy", summary="vanilla under another name", knobs=vanilla.knobs + ("toy_echo",),
+                         knob_class=ToyKnobs, reference=vanilla.reference, fast=SOLO, driver=vanilla.driver,
+                         validate=validate, resolve=vanilla.resolve, length_unit=vanilla.length_unit,
+                         cache_rows=vanilla.cache_rows, batches=vanilla.batches))
+"""
+
+RUN_TOY = """
+import dataclasses, json, torch
+import toy_strategy  # the one registration line (before lopa_fast.config builds GenerateConfig)
+import lopa_fast
+from lopa_fast.config import GenerateConfig
+from lopa_fast.testing import random_model, tiny_hf_config
+
+model = random_model(tiny_hf_config("llada"), seed=0)
+prompt = torch.tensor([1, 2, 3, 4])
+kw = dict(max_new_tokens=8, steps=4, block_length=4)
+out = {b: lopa_fast.generate(model, prompt, strategy="toy", backend=b, toy_echo=True, **kw).generated_ids
+       for b in ("fast", "reference")}
+out["vanilla"] = lopa_fast.generate(model, prompt, strategy="vanilla", backend="fast", **kw).generated_ids
+out["fields"] = [f.name for f in dataclasses.fields(GenerateConfig)]
+for bad in (dict(strategy="vanilla", toy_echo=True), dict(strategy="toy", toy_echo=3)):
     try:
-        assert "toy" in strategies.names()
-        model = random_model(tiny_hf_config("llada"), seed=0)
-        prompt = torch.tensor([1, 2, 3, 4])
-        kw = dict(max_new_tokens=8, steps=4, block_length=4)
-        fast = lopa_fast.generate(model, prompt, strategy="toy", backend="fast", **kw)
-        ref = lopa_fast.generate(model, prompt, strategy="toy", backend="reference", **kw)
-        base = lopa_fast.generate(model, prompt, strategy="vanilla", backend="fast", **kw)
-        assert fast.generated_ids == ref.generated_ids == base.generated_ids
-        assert fast.stats["backend"] == "fast" and ref.stats["backend"] == "reference"
-    finally:
-        strategies.unregister("toy")
-        sys.modules.pop("toy_strategy", None)
-    with pytest.raises(Exception, match="toy"):
-        lopa_fast.generate(random_model(tiny_hf_config("llada"), seed=0), torch.tensor([1, 2]), strategy="toy")
+        lopa_fast.generate(model, prompt, **bad, **kw)
+        out[str(bad)] = "accepted"
+    except (ValueError, TypeError) as e:
+        out[str(bad)] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_toy_strategy_is_its_folder_and_one_register_line(tmp_path):
+    """A strategy written outside the package - its knob dataclass, its checks, a reference decoder and a batch
+    driver (vanilla's) - registered with ONE call: its knob joins GenerateConfig, it decodes through the plan and
+    the one loop on both backends, another strategy refuses its knob, its checks name the knob; nothing of
+    lopa_fast edited."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "toy_strategy.py").write_text(TOY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(PACKAGE.parent)]))
+    run = subprocess.run([sys.executable, "-c", RUN_TOY], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["fast"] == out["reference"] == out["vanilla"] and len(out["fast"]) == 8
+    assert "toy_echo" in out["fields"]
+    assert "does not apply to strategy='vanilla'" in out[str(dict(strategy="vanilla", toy_echo=True))]
+    assert "toy_echo" in out[str(dict(strategy="toy", toy_echo=3))]
+
+
+def test_knobs_added_after_the_config_was_built_are_refused():
+    from dataclasses import dataclass
+
+    from lopa_fast.config import GenerateConfig  # noqa: F401  (built)
+    from lopa_fast.request.knobs import knob
+
+    @dataclass(frozen=True)
+    class LateKnobs:
+        late_knob: int | None = knob(None, "late", unset="off")
+
+    vanilla = strategies.get("vanilla")
+    with pytest.raises(TypeError, match="late_knob"):
+        strategies.register(strategies.Strategy(name="late", summary="late", reference=vanilla.reference,
+                                                knob_class=LateKnobs))  # fmt: skip
+    assert "late" not in strategies.names()

@@ -123,6 +123,7 @@ class Strategy:
 
 
 _REGISTRY: dict[str, Strategy] = {}
+_COMPOSED: set[str] | None = None  # the knob names GenerateConfig holds, once compose_config built it
 
 
 def register(spec: Strategy, *, replace: bool = False) -> Strategy:
@@ -135,6 +136,11 @@ def register(spec: Strategy, *, replace: bool = False) -> Strategy:
         raise ValueError(f"register: strategy {spec.name!r} is already registered; pass replace=True to replace it")
     if spec.default_sampler not in ("keyed", "upstream"):
         raise ValueError(f"register: default_sampler={spec.default_sampler!r}; allowed: 'keyed', 'upstream'")
+    new = [f.name for f in dataclasses.fields(spec.knob_class)] if spec.knob_class is not None else []
+    if _COMPOSED is not None and set(new) - _COMPOSED:
+        raise TypeError(f"register({spec.name!r}): knob_class {spec.knob_class.__name__} adds knobs "
+                        f"{sorted(set(new) - _COMPOSED)} after GenerateConfig was built; register the strategy before "
+                        "lopa_fast.config is imported (a built-in folder: its line in lopa_fast/strategies/__init__.py)")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -221,7 +227,9 @@ def compose_config(base: type, name: str = "GenerateConfig") -> type:
                 raise TypeError(f"knob {f.name!r} is defined by both {owner[f.name]} and {cls.__name__}")
             owner[f.name] = cls.__name__
             fields.append((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata)))
+    global _COMPOSED
     cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True)
+    _COMPOSED = set(owner)
     cls.__module__ = base.__module__  # pickles (the server's, torch.distributed's) find it where it is bound
     return cls
 
