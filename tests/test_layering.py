@@ -164,3 +164,13 @@ def test_knobs_added_after_the_config_was_built_are_refused():
         strategies.register(strategies.Strategy(name="late", summary="late", reference=vanilla.reference,
                                                 knob_class=LateKnobs))  # fmt: skip
     assert "late" not in strategies.names()
+
+
+def test_the_front_door_is_narrow():
+    """At most 12 modules at lopa_fast/'s top level (issue 44: it had 35); the request's front door is
+    lopa_fast/request/ and what a request returns is lopa_fast/output/."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert "api.py" in top and "config.py" in top, top  # the walk saw the package
+    assert len(top) <= 12, top
+    for pkg, must in (("request", {"plan.py", "prompts.py", "knobs.py"}), ("output", {"__init__.py", "stream.py"})):
+        assert must <= {p.name for p in (PACKAGE / pkg).glob("*.py")}, pkg
