@@ -411,7 +411,7 @@ def test_the_reference_decoders_import_nothing_of_the_fast_path():
     a module imports its parent packages), is a lopa_fast.decode, lopa_fast.ops or lopa_fast.kernels module or a
     strategy folder's fast part (driver.py, step.py, round.py, ...). A strategy's spec (its knobs and checks, read by
     both backends) may be reached: from it the walk follows the imports that run on import only, since a spec loads
-    its fast driver inside the function the fast backend calls (APD's pair checks: lopa_fast.request.model_pairs)."""
+    its fast driver inside the function the fast backend calls (APD's pair checks: in its spec)."""
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     refs = sorted(m for m in mods if _is_oracle(m))
@@ -436,7 +436,7 @@ def test_the_reference_decoders_import_nothing_of_the_fast_path():
                 seen.add(n)
                 todo.append(n)
         offenders += [f"{ref} -> {m}" for m in sorted(seen) if fast(m)]
-    assert "lopa_fast.request.model_pairs" in graph["lopa_fast.strategies.apd.reference"]
+    assert "lopa_fast.strategies.apd.spec" in graph["lopa_fast.strategies.apd.reference"]
     assert fast("lopa_fast.strategies.lopa.driver") and fast("lopa_fast.strategies.vanilla.step")
     assert not offenders, "\n".join(offenders)
 

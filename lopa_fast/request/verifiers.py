@@ -1,6 +1,6 @@
 """A request's second model (APD's verifier, `generate(..., verifier=)`): refused for a strategy that takes none,
 required when the knob that asks for it is set, and the (model, verifier) pair checked before any forward through
-the strategy's spec (`check_models`; APD's: lopa_fast.request.model_pairs)."""
+the strategy's spec (`check_models`; APD's: lopa_fast.strategies.apd.spec.check_apd_pair)."""
 from __future__ import annotations
 
 import torch

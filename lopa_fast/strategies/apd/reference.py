@@ -36,7 +36,7 @@ import torch
 from lopa_fast import keyed
 from lopa_fast.output.progress import after_step
 from lopa_fast.output import GenerateOutput, finalize_stats
-from lopa_fast.request.model_pairs import check_apd_pair as check_models  # noqa: F401  (shared with the spec)
+from lopa_fast.strategies.apd.spec import check_apd_pair as check_models  # noqa: F401  (shared with the spec)
 from lopa_fast.reference.common import Clock, check_finite, request_noise, round_cap_hit, top_k_filter, top_p_filter
 
 # the verifier's logits are never divided by the temperature (the target is the mixture's raw argmax, quirk Q2):
