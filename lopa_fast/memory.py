@@ -61,13 +61,13 @@ def _tables(total: int, cfg: GenerateConfig) -> int:
     return 0 if cfg.backend == "reference" else total * (-(-total // max(1, cfg.block_size or 1))) * 8
 
 
-def lane_bytes(model, total: int, cfg: GenerateConfig, verifier=None) -> int:
+def lane_bytes(model, total: int, cfg: GenerateConfig, verifier=None, spec=None) -> int:
     """One compiled-batch lane of a request (lopa_fast.decode.compiled_batch: a clone of its state and tables): its
     caches (the drafter's; APD: the verifier's too), its tables and its per-position state (tokens, positions,
     masks of every branch row; measured: the caches are 95% of a LoPA lane)."""
     from lopa_fast.decode.shapes import quantized_length
 
-    rows = max(1, strategies.get(cfg.strategy).rows(cfg))
+    rows = max(1, (spec or strategies.get(cfg.strategy)).rows(cfg))
     state = 16 * (rows + 8) * (quantized_length(total) + 1)
     vcache = cache_bytes(verifier, total) + 4 * verifier.config.vocab_size if verifier is not None else 0
     return cache_bytes(model, total) + vcache + _tables(total, cfg) + state
@@ -80,16 +80,17 @@ def compiles(model, cfg: GenerateConfig) -> bool:
     return cfg.backend != "reference" and compile_wanted(cfg, device_of(model))
 
 
-def resident_bytes(model, total: int, cfg: GenerateConfig, verifier=None) -> int:
+def resident_bytes(model, total: int, cfg: GenerateConfig, verifier=None, spec=None) -> int:
     """The part of `request_bytes` that the batch engine may hold beyond the request's own forward: its KV-pool
     slot (the cache term) and, for a compiled request, two compiled-batch lanes (a group of n requests runs padded
     to a power-of-two bucket of fewer than 2n lanes). lopa_fast.decode.batch.BatchEngine reports what its pools and
     lanes hold beyond the live requests' shares (the server's budget counts it)."""
-    lanes = 2 * lane_bytes(model, total, cfg, verifier) if compiles(model, cfg) else 0
+    lanes = 2 * lane_bytes(model, total, cfg, verifier, spec) if compiles(model, cfg) else 0
     return cache_bytes(model, total) + lanes
 
 
-def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None = None, verifier=None) -> int:
+def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None = None, verifier=None,
+                  spec=None) -> int:
     """An upper estimate of one request's peak memory (bytes) for `total` positions (prompt + generated blocks):
 
     * the static KV cache of the prefix (weights' dtype; `cache_bytes`);
@@ -110,8 +111,9 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
 
     Measured against the allocator on CPU (tests/test_server_limits.py: peak RSS growth of a capped subprocess) it
     bounds the real peak, within about 2x, for large branching factors; on CUDA the same terms hold (activations in
-    the weights' dtype, logits in float32; `stats["peak_memory_bytes"]` reports the real one)."""
-    spec = strategies.get(cfg.strategy)
+    the weights' dtype, logits in float32; `stats["peak_memory_bytes"]` reports the real one). spec: the strategy's
+    (the plan's; else looked up), as for every function here."""
+    spec = spec or strategies.get(cfg.strategy)
     rows = max(1, spec.rows(cfg))
     P = total if prompt_len is None else max(1, min(prompt_len, total))
     # a prefix-cached fast decoder (its batch pool slot holds more than one cache row) forwards the undecoded
@@ -125,16 +127,16 @@ def request_bytes(model, total: int, cfg: GenerateConfig, prompt_len: int | None
     head_rows = tokens if cfg.backend == "reference" else min(tokens, max(P, rows * (total - P + 1)))
     verifier = verifier if verifier is not None and spec.uses_verifier(cfg) else None
     verify = cache_bytes(verifier, total) + _forward_bytes(verifier, total, total) if verifier is not None else 0
-    return (resident_bytes(model, total, cfg, verifier) + _forward_bytes(model, total, tokens, head_rows)
+    return (resident_bytes(model, total, cfg, verifier, spec) + _forward_bytes(model, total, tokens, head_rows)
             + _tables(total, cfg) + verify)
 
 
 def check_request_memory(model, total: int, cfg: GenerateConfig, prompt_len: int | None = None,
-                         verifier=None) -> None:
+                         verifier=None, spec=None) -> None:
     """Refuse (MemoryBudgetError naming max_new_tokens) a request whose estimate (`request_bytes`, APD's verifier
     included) exceeds the device's memory."""
     from lopa_fast.models.loading import check_memory
 
-    check_memory(request_bytes(model, total, cfg, prompt_len, verifier), device_of(model),
+    check_memory(request_bytes(model, total, cfg, prompt_len, verifier, spec), device_of(model),
                  f"generate(max_new_tokens={cfg.max_new_tokens}, branching_factor={cfg.branching_factor}, "
                  f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip

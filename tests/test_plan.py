@@ -37,8 +37,8 @@ FORWARDS = {"forward_window", "forward_static", "forward_requests", "forward"}
 # the memory estimate's functions (lopa_fast.memory; re-exported by api.py): their calls are not callbacks
 MEMORY = {"request_bytes", "check_request_memory", "_first_param"}
 # the spec lookups by name before the first forward, per backend (callers of registry.get)
-# the plan's one lookup and the memory estimate's own; the one loop (Scheduler) is handed the plan's spec (issue 44)
-LOOKUPS = {"reference": ["_spec", "request_bytes"], "fast": ["_spec", "request_bytes"]}
+# the plan's one lookup: the memory estimate and the one loop (Scheduler) are handed the plan's spec (issue 44)
+LOOKUPS = {"reference": ["_spec"], "fast": ["_spec"]}
 KNOBS = {"lopa": dict(branching_factor=2), "d2f": {}, "threshold": dict(threshold=0.9), "vanilla": dict(steps=8),
          "apd": dict(kv_window=2, max_lookahead=4)}  # fmt: skip
 
@@ -113,7 +113,7 @@ def test_the_walk_of_cfg_enters_api_and_config_once_each(model, strategy, backen
         assert reached, "the walk reached no model forward: it lost its subject"
         assert entries == {"api": 1, "config": 1}, entries  # bind_prompt (validate inside it)
         assert callbacks == [], callbacks
-        # the plan's one lookup and the memory estimate's own (the one loop takes the plan's spec)
+        # the plan's one lookup (the memory estimate and the one loop take the plan's spec)
         assert lookups == LOOKUPS[backend], lookups
 
         entries, callbacks, lookups, reached = _walk(lambda: lopa_fast.generate(model, prompt, strategy, backend, **kw))

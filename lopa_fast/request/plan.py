@@ -118,7 +118,7 @@ def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, label: str 
         # max_new_tokens: whole blocks decoded
         bound, length, notes = cfg.bind_prompt(model, ids.numel(), spec, validate=validate)
         check_prompt(model, ids, bound)
-        check_request_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel(), verifier)
+        check_request_memory(model, ids.numel() + bound.max_new_tokens, bound, ids.numel(), verifier, spec)
     for note in notes:  # knobs set without effect (top_p at temperature 0, ...): HF warns about the same
         warnings.warn(note, UserWarning, stacklevel=stacklevel)
     if on_round is not None and not callable(on_round):
