@@ -1,36 +1,11 @@
 """Recipe: dParallel's certainty-forcing distillation (arXiv 2509.26488; spec section 4) for a Dream-architecture
 model on the embedded tasks.
 
-    python -m lopa_fast.train.certainty_forcing --out runs/dparallel-arith-var \
+    python -m lopa_fast.train.certainty_forcing --out runs/dparallel-arith-var \\
         --teacher lopa_fast/assets/d2f-arith-var                      # the student of `arith-var`
     python -m lopa_fast.train.certainty_forcing --out runs/dparallel-arith-var --teacher ... --resume
 
-1. Trajectories. The teacher decodes `n_problems` train-split prompts one token per forward (full attention over
-   prompt + the whole region, the lowest-entropy masked position first: Dream's alg="entropy", the eval's vanilla
-   row; `greedy.greedy_fill(alg="entropy")`, batched; `--traj-order left_to_right`: the leftmost mask first, LLaDA's
-   semi-AR sampler at block length 1). Only answers whose final answer is right are kept
-   (dParallel filters its LLaDA / Dream self-generated data the same way). Every target token is the teacher's
-   own: self-distillation, no reference solutions. They are written to OUT/trajectories.pt (reused on resume).
-2. Views (spec 4.3). `--views dream` (default; the Dream variant: no block structure): the active segment is the
-   whole response (the gen_len region: the answer, EOS, EOS padding). Each position is masked independently with
-   p = (1 - 1e-3) * 0.5 + 1e-3; the complementary view masks exactly the other positions of the segment.
-   `--views semiar --view-block B` (the LLaDA variant, the states of block-wise decoding): per example
-   j ~ UniformInt[0, gen_len // B]; the first j response blocks are clean, the active segment is block j (masked
-   at p, its complement inverted), every position after it is MASK in both views (and in the loss's M and M').
-   As upstream, j = gen_len / B (B dividing gen_len) leaves no active position: that example only reads.
-3. Loss, per example and then averaged over the batch (upstream runs one example per device and accumulates):
-       CE  = mean over the masked positions M of CE(logits_i, y_i);  CE' the same over the complement M'
-       H   = mean over {i in M : argmax logits_i = y_i} of the entropy of softmax(logits_i / 0.5); H' likewise
-       L   = CE + CE' + lambda * (H + H'),   lambda = 1 (dParallel's Dream setting)
-   Dream alignment: the raw logit at position j - 1 predicts token j (upstream drops the first target and the
-   last logit). An empty correct set contributes H = 0.
-4. Optimisation: a full fine-tune of the small model (upstream: LoRA r=32 on Dream-7B, lr 2e-5 cosine with 5%
-   warmup, AdamW wd 0.01, clip 1.0, batch 64, 3 epochs). Seeded (each step's batch and masks from the step
-   number), resumable (OUT/resume.pt every `ckpt_every` steps; `--resume` continues bit for bit).
-
-The student decodes with the entropy-threshold rule (`strategy="threshold", entropy_threshold=0.45`, spec 4.6)
-or any other strategy. Dev monitoring: accuracy and forwards per answer of that rule through
-`lopa_fast.generate` (block 8) next to the mean masked entropy of a fixed validation batch.
+What it does and why, with the measurements: docs/training.md.
 """
 from __future__ import annotations
 

@@ -3,64 +3,7 @@
     python -m lopa_fast.train.d2f --out lopa_fast/assets/d2f-arith-tiny        # the shipped model
     python -m lopa_fast.train.d2f --out /tmp/x --steps 20 --hidden 32 --layers 1  # a smoke run
 
-Objective. D2F trains a LoRA student with the block-causal mask and per-block increasing mask
-ratios to match a full-attention teacher. There is no teacher here, so the student is trained
-directly on the masked-diffusion objective (cross-entropy of the clean token at masked positions)
-with three kinds of batches, cycled step by step:
-
-  1. "block_causal": D2F's own training view. Block 0 = prompt, blocks 1..K = the generation region
-     cut into `block_size` pieces; query i sees key j iff block(j) <= block(i). Per-block mask ratios
-     are K sorted U(0,1) draws (block 1 least masked), so later blocks are noisier than earlier ones,
-     which is the state D2F's pipelined decoder creates.
-  2. "full_pipe": the same increasing ratios under full attention, with the sequence cut after a
-     random number k in 1..K of generation blocks (only appended blocks exist in D2F/LoPA decoding;
-     LoPA's default `use_full_attention=True` decodes with full attention over them).
-  3. "full_uniform": Dream's vanilla view: full attention over prompt + the whole region, one ratio
-     t ~ U(0,1) for every generated position (the state of one-token-per-forward vanilla decoding).
-  4. "full_prefix": full attention, a random cut c in the region; positions before c are clean and
-     positions from c on are masked with one ratio t ~ U(0.5, 1). Why: with uniform masking a result
-     digit is masked while its three operand tokens are all visible in only E[t(1-t)^3] = 5% of the
-     draws, so arithmetic was learnt very slowly (first stage: ~45% of second-step sums right with
-     everything else visible); decoders fill roughly left to right, which is this state.
-  5. "full_equation": full_prefix with the cut right after a random "=" of the row (a random cut in rows
-     without one), so the result digits are masked while their operands are clean. Why: on arith-var the
-     solutions are ~4x longer than arith's with the same 3 equations, so a uniform cut lands inside an
-     equation's result ~4x less often; after 4,600 steps the arith-var teacher still had result digits at
-     86% next-token argmax against 94-97% for words and copied digits (train.diagnose).
-
-Why "uniform": the eval's vanilla row fills the lowest-entropy position of the whole region first, so it visits
-scattered-mask states (EOS tail first, then far tokens); a model trained mostly on left-to-right prefix states
-wrote arith-var's solutions right left to right (96.9%) but not in that order (66.7%, train.diagnose --orders).
-1000 steps of "uniform" on top of 1500 "prefix" steps raised the recipe's monitor from 64% to 86%, where 500 more
-"prefix" steps reached 73% (entropy order on 96 dev problems: 80.2% against 66.7%); "equation" (full_equation) did
-not help (50% vs 62.5% at the same step).
-
-Soft targets (`--soft-targets 1`, arith-var only) replace the clean token of a full-attention view by the exact
-posterior marginal of its position given the visible tokens (train.posterior: the same objective without the
-label's sampling noise); the `policy` schedule adds "full_policy" (prefixes of the order in which the model's own
-entropy-order decode visits the region, teacher-forced, `policy_pool` problems rebuilt every `policy_every` steps).
-Measured on arith-var (entropy order, all 126 dev problems unless said): from stage 5 (81.0%), 1000 steps of
-`uniform` with soft targets at lr 2e-4: 82.3% (96 dev; the decodes leave the valid renderings less often, 25 vs 33
-of 48, but answer no better); `policy` + soft: 69.8% at step 250 of 1000 (stopped). What moved it was depth:
-`--layers 6` on top of stage 5 (the extra layers start as identities, `load_grown`), 1000 steps of `uniform`
-with hard labels: 86.5%; the same depth from the soft-target run, 700 steps with soft targets: 79.4%.
-
-The steps cycle through SCHEDULES[schedule] (default "prefix": half of them full_prefix; "equation": a third of
-them full_equation; "uniform" / "uniform2": half / two thirds of them full_uniform; "mdm": only full_uniform, the
-plain masked-diffusion regime of LLaDA and Dream, for dParallel's base teacher: its masked tokens are not trained
-to become certain together, which is the "sequential certainty convergence" certainty forcing removes).
-
-Most batches use full attention because every strategy we ship defaults to it; the block-causal
-share keeps the model usable in D2F's block-causal mode. The loss is the plain token
-average (no 1/t ELBO weight; D2F's distillation loss is unweighted too). Dream alignment: the raw
-logit at position j - 1 predicts a masked token at j. Prompt tokens are never masked.
-
-`stop_at` ends a run early on the same schedule (the shipped model's first stage stopped at 1500 of
-2000 steps). A run can continue from a previous output (`--init-from DIR`, fresh optimizer and schedule, use a
-new --seed so the data stream differs); the log then records both runs.
-
-Everything is seeded (problems: `tasks.generate("train", B, seed=...)` per step; masks: a
-torch.Generator per step), CPU-only, float32.
+What it does and why, with the measurements: docs/training.md.
 """
 from __future__ import annotations
 

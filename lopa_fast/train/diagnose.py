@@ -3,35 +3,7 @@ token category, and the exact match under different fill orders (issue 12's teac
 
     python -m lopa_fast.train.diagnose DIR [--n 96] [--cuts 16] [--orders]
 
-View: for each problem and each of `cuts` seeded cut points c inside its solution, the solution from c on is
-masked (everything before is clean: the `full_prefix` training view, the state a left-to-right decoder
-creates) and the model predicts token c (Dream alignment: raw logit c - 1). Categories of token c:
-
-    word          a word of the phrasing
-    phrase_digit  a digit in the text outside an equation ("There are 4 groups ...")
-    eq_left       a digit of an equation's first operand (free for * and +: either operand may come first,
-                  so up to ln 2 = 0.69 nats of it is the data's own entropy, not an error)
-    eq_right      a digit of the second operand (determined once the first is written)
-    eq_result     a digit of an equation's result (the arithmetic)
-    final         a digit of the answer after ####
-    eos           the EOS right after the solution
-
-Report per category: count, mean CE (nats) and the share where the argmax is the target. Session 3's teacher
-(0.8M, 2900 steps) had eq_result at 75% argmax and CE 0.70 against 91-94% for words and copied digits: the
-arithmetic, not the phrasing, is what fails (docs/tasks.md).
-
-`--orders` adds the exact match of one-token-per-forward decoding (full attention over the whole region, the
-eval's vanilla layout) under four fill orders (`fill_order_accuracy`): left_to_right, max_prob, entropy (the eval's
-vanilla row), and entropy with the true EOS tail given. The arith-var teacher after stage 4 (96 dev problems): 96.9%
-left to right, 69.8% max_prob, 66.7% entropy, 65.6% with the true tail given: it knew the task, and what failed was
-filling far positions first, not the length; stage 5 (`uniform` schedule): 99.0% / 80.2% entropy; the shipped
-teacher (stage 6, deepened to 6 layers): 86.5% entropy on all 126 dev problems (docs/tasks.md).
-
-`--posterior` checks vanilla decoding against the exact posterior of the task's renderings (`posterior_probe`):
-the stage-5 teacher left every valid rendering in 33 of 48 dev decodes, 21 times first at a position whose token
-the visible ones had already determined (the model's mean entropy there: 0.42 nats). So the errors are
-inference errors in the states that order visits, not guesses between valid continuations; this is what the
-`policy` schedule with `--soft-targets 1` trains on (train.d2f).
+What it does and why, with the measurements: docs/training.md.
 """
 from __future__ import annotations
 
