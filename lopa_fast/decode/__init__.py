@@ -1,9 +1,7 @@
-"""Fast decoders: the step / round on the device, one host read per step / round.
-
-Each strategy's spec (lopa_fast.strategies) names its per-request driver (`driver.py`: the protocol) and, as its
-fast decoder, `batch.run_solo(model, prompt_ids [P], cfg, verifier=None, on_round=None) -> GenerateOutput`: the
-request as a batch of one through the one loop (`batch.Scheduler.step`, which also runs batched and served
-requests). `lopa_fast.strategies.fast_not_covered` names a knob no fast decoder covers.
+"""The one loop (batch.py: `Scheduler.step`, `run_solo`, `run_batch`, `BatchEngine`), the compile layer (compiled.py,
+compiled_batch.py), the KV pool and the driver protocol (driver.py). It knows no strategy: the request's plan hands
+it the strategy's spec (its `driver`, `rows`, `cache_rows`, ...; lopa_fast.strategies), and a strategy's spec names
+`batch.run_solo` as its fast decoder (the registry binds the spec into it): the request as a batch of one.
 """
 from lopa_fast.decode.syncs import count_host_syncs
 
