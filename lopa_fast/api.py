@@ -8,8 +8,8 @@ Each strategy's spec in the registry (lopa_fast.strategies) names both: its refe
 oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. A call resolves its arguments once into a
 validated plan (lopa_fast.request.plan: knobs, prompt, lengths, memory, backend, verifier pair, batching) before any
 forward, and runs it: implementations may assume a bound, valid config and a clean prompt. The jobs live in their
-own modules: lopa_fast.request.prompts (the prompt), lopa_fast.request.backends (which backend runs), lopa_fast.request.verifiers (the
-second model), lopa_fast.request.batching (a list of prompts), lopa_fast.output.text_streamer (streamer=), lopa_fast.output.finish (cutting
+own modules: lopa_fast.request.prompts (the prompt), lopa_fast.request.decoder (which backend runs), lopa_fast.request.verifiers (the
+second model), lopa_fast.request.prompt_batch (a list of prompts), lopa_fast.output.text_streamer (streamer=), lopa_fast.output.finish (cutting
 the output); their public names are importable from here too.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import inspect
 
 import torch
 
-from lopa_fast.request import aliases, batching, plan, threads
-from lopa_fast.request.backends import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
+from lopa_fast.request import aliases, plan, prompt_batch, threads
+from lopa_fast.request.decoder import resolve_backend  # noqa: F401  (public here: the CLI, the server, stream)
 from lopa_fast.config import GenerateConfig
 from lopa_fast.output.finish import cut_to_length
 from lopa_fast.memory import check_request_memory
@@ -265,9 +265,9 @@ def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone (which requests share forwards: lopa_fast.request.batching). on_round: one hook for all
+    decoding that prompt alone (which requests share forwards: lopa_fast.request.prompt_batch). on_round: one hook for all
     prompts or a list (one per prompt). Every prompt is checked before any forward."""
     batch = plan.make_batch(model, prompts, cfg, verifier=verifier, on_round=on_round)
     if batch.batched:
-        return batching.run(batch.plans)
+        return prompt_batch.run(batch.plans)
     return [run_plan(p) for p in batch.plans]

@@ -5,11 +5,11 @@
         the prompt prepared (lopa_fast.request.prompts: a LongTensor [P]) -> ONE call into the config
         (GenerateConfig.bind_prompt): the knobs validated (the shared ones, the spec's own checks), lengths planned,
         model defaults resolved -> the prompt checked against them, and the request's memory -> the backend chosen
-        (lopa_fast.request.backends) -> the (model, verifier) pair checked (lopa_fast.request.verifiers)
+        (lopa_fast.request.decoder) -> the (model, verifier) pair checked (lopa_fast.request.verifiers)
     make_batch(model, prompts, cfg, ...) -> BatchPlan: the knobs validated once, before any prompt is touched (a bad
         knob is named before prompt 3's error), then one Plan per prompt, whether they batch
 
-Everything after (lopa_fast.api's run, lopa_fast.request.batching) reads the plan: no lookup of the spec by name, no
+Everything after (lopa_fast.api's run, lopa_fast.request.prompt_batch) reads the plan: no lookup of the spec by name, no
 re-validation. Errors name the value and what is allowed; in a batch, a prompt's errors say which prompt.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 
 from lopa_fast import strategies
-from lopa_fast.request import batching
-from lopa_fast.request.backends import resolve_backend
+from lopa_fast.request import prompt_batch
+from lopa_fast.request.decoder import resolve_backend
 from lopa_fast.config import GenerateConfig
 from lopa_fast.memory import check_request_memory
 from lopa_fast.request.prompts import check_prompt, prepare_prompt
@@ -73,7 +73,7 @@ class Plan:
 @dataclass(frozen=True, eq=False)  # identity: it holds a model and tensors
 class BatchPlan:
     """A list of prompts under one config: a Plan per prompt (in order) and whether they share forwards (every
-    prompt on the fast backend of a strategy whose batch driver covers the config: lopa_fast.request.batching)."""
+    prompt on the fast backend of a strategy whose batch driver covers the config: lopa_fast.request.prompt_batch)."""
 
     plans: tuple[Plan, ...]
     batched: bool
@@ -98,7 +98,7 @@ def make_batch(model, prompts: list, cfg: GenerateConfig, *, verifier=None, on_r
     plans = []
     for i, (p, h) in enumerate(zip(prompts, hooks)):
         plans.append(_plan(model, p, cfg, spec, verifier, h, None, f"prompt {i} of {n}", stacklevel=6))
-    return BatchPlan(tuple(plans), batching.batches(cfg, plans))
+    return BatchPlan(tuple(plans), prompt_batch.batches(cfg, plans))
 
 
 def _spec(cfg: GenerateConfig, verifier):

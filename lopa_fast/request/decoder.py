@@ -1,5 +1,5 @@
-"""The backend that runs a request: the strategy's fast decoder or its reference (the oracle), as the spec names
-them (lopa_fast.strategies), for a validated, bound config. `backend="auto"` falls back to the reference, with a
+"""Which decoder runs a request (its `backend`): the strategy's fast decoder or its reference (the oracle), as the
+spec names them (lopa_fast.strategies), for a validated, bound config. `backend="auto"` falls back to the reference, with a
 RuntimeWarning naming the knob, where the fast decoder does not cover the request; `backend="fast"` raises there."""
 from __future__ import annotations
 
