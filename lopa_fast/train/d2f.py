@@ -1,6 +1,6 @@
 """Recipe: a small D2F-style block-diffusion model (Dream / Qwen2 architecture) for the embedded task.
 
-    python -m lopa_fast.train.d2f --out lopa_fast/assets/d2f-arith-tiny        # the shipped model
+    python -m lopa_fast.train.d2f --out lopa_fast/assets/d2f-arith             # the shipped model
     python -m lopa_fast.train.d2f --out /tmp/x --steps 20 --hidden 32 --layers 1  # a smoke run
 
 What it does and why, with the measurements: docs/training.md.
