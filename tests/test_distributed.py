@@ -23,12 +23,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lopa_fast
 from lopa_fast.strategies.lopa.distributed import slot_owner, slot_share
 from lopa_fast.errors import DistributedError, KnobError
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import run_ranks
 
 KS = (1, 2, 4, 5)
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
@@ -185,20 +185,9 @@ def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_tim
                 join_timeout: float = JOIN_TIMEOUT_S) -> list:
     """Run _worker on `world` spawned processes; every process must end within join_timeout seconds (else it is
     killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
-    ctx = mp.get_context("spawn")
     init_file = str(tmp_path / f"pg{world}")
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, str(tmp_path), cases, backend, pg_timeout))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} still running after {join_timeout} s (a hang)"
+    run_ranks(_worker, [(r, world, init_file, str(tmp_path), cases, backend, pg_timeout) for r in range(world)],
+              join_timeout)  # fmt: skip
     out = []
     for r in range(world):
         path = tmp_path / f"rank{r}.json"

@@ -10,15 +10,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lopa_fast
 from lopa_fast.testing import random_model, tiny_hf_config
+from tests.utils import run_ranks
 
 JOIN_TIMEOUT_S = 600  # a hang guard only: a busy 2-core machine starts a spawned rank in 5-30 s
 CASE = dict(strategy="lopa", branching_factor=4, block_size=4, max_new_tokens=32, use_full_attention=True)
@@ -70,18 +69,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_ranks_refuse_other_weights_or_dtype_and_a_hook_error_ends_both(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "pg"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s"
+    procs = run_ranks(_worker, [(r, 2, str(tmp_path / "pg"), str(tmp_path)) for r in range(2)], JOIN_TIMEOUT_S)
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]  # no SIGABRT
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for res in (r0, r1):

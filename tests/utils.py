@@ -234,3 +234,26 @@ def spec_of(cfg):
     from lopa_fast import strategies
 
     return strategies.get(cfg.strategy)
+
+
+def run_ranks(target, arg_lists, join_timeout: float):
+    """Start one spawned process per argument tuple (`target(*args)`: a rank), wait for all of them together at
+    most `join_timeout` seconds, kill the ones still running and fail naming them (a hang). Returns the
+    processes (their exit codes read by the caller)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in arg_lists]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    assert not hung, f"ranks {hung} still running after {join_timeout} s (a hang)"
+    return procs

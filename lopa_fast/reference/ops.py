@@ -310,42 +310,16 @@ class RoundPlan(NamedTuple):
     head: torch.Tensor
 
 
-class SelectRound(NamedTuple):
-    """What `select_round` returns: the round's decision (winner 0-d long; score [NB] float64, the branch scores
-    (zeros when not scored: one slot without a trace); last_row 0-d long, the statistics-table row of the winner's
+# what `select_round` returns: the round's decision, the next state, then the next round's plan (RoundPlan's fields)
+SelectRound = NamedTuple("SelectRound", [(f, torch.Tensor) for f in (
+    "winner", "score", "last_row", "accepted", "tokens", "x", "eos", "alive", "creation_conf", "look_pos",
+    "block_state", "counts", *RoundPlan._fields)])  # fmt: skip
+SelectRound.__doc__ = """What `select_round` returns: the round's decision (winner 0-d long; score [NB] float64,
+    the branch scores (zeros when not scored: one slot without a trace); last_row 0-d long, the statistics-table row of the winner's
     raw row u - 1 (Dream's next last_logit; 0 without the shift); accepted [Nb] bool and tokens [Nb] long, the
     winner's fills and its chosen token per window column), the next state (x [NB, Lb + 1], eos / alive [NB] bool,
     creation_conf [NB] float64, look_pos [NB] long, block_state [G + 1] long, counts [8] long) and the next
     round's plan (the `RoundPlan` fields)."""
-
-    winner: torch.Tensor
-    score: torch.Tensor
-    last_row: torch.Tensor
-    accepted: torch.Tensor
-    tokens: torch.Tensor
-    x: torch.Tensor
-    eos: torch.Tensor
-    alive: torch.Tensor
-    creation_conf: torch.Tensor
-    look_pos: torch.Tensor
-    block_state: torch.Tensor
-    counts: torch.Tensor
-    n_blocks: torch.Tensor
-    complete: torch.Tensor
-    exists: torch.Tensor
-    active: torch.Tensor
-    running: torch.Tensor
-    done: torch.Tensor
-    is_mask: torch.Tensor
-    need: torch.Tensor
-    lens: torch.Tensor
-    window_lens: torch.Tensor
-    to_cache: torch.Tensor
-    shared_end: torch.Tensor
-    layout_slot: torch.Tensor
-    start: torch.Tensor
-    commit_len: torch.Tensor
-    head: torch.Tensor
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
