@@ -333,10 +333,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
             run.save(model, cfg, out, "lopa_fast.train.d2f", a, tok_mod.save_tokenizer)
         if when:
             checkpoint(step + 1)
-    summary = {"params": n_params, "steps": last_step, "seconds": round(time.time() - t0, 1),
-               "final_loss_ema": None if ema is None else round(ema, 4),
-               "first_loss": None if first_loss is None else round(first_loss, 4), "dev_exact_match": dev_acc}
-    return rl.finish(summary)
+    return rl.finish(run.summary(n_params, last_step, t0, ema, first_loss, dev_acc))
 
 
 def main(argv=None) -> None:

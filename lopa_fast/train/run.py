@@ -113,6 +113,13 @@ def begin(state: dict | None, model, opt, out: Path, emit, recipe: str, a: dict,
     return 0, None, None, None, 0.0
 
 
+def summary(n_params: int, steps: int, t0: float, ema, first_loss, dev_acc) -> dict:
+    """The `# done:` line of a training log (the loss recipes': d2f, ar)."""
+    return {"params": n_params, "steps": steps, "seconds": round(time.time() - t0, 1),
+            "final_loss_ema": None if ema is None else round(ema, 4),
+            "first_loss": None if first_loss is None else round(first_loss, 4), "dev_exact_match": dev_acc}
+
+
 def checkpoint(out: Path, a: dict, model, opt, next_step: int, ema, first_loss, dev_acc, t0: float,
                extra: dict | None = None) -> None:
     """The resumable state after `next_step` steps (run.save_state): weights, optimiser, counters, torch RNG, and a
