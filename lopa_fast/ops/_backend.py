@@ -57,6 +57,25 @@ def cuda_module():
 _cpp: object = None  # lopa_fast._C once imported; False when it is not built (said once, in the log)
 
 
+def run_cpp(fn: str, ins: list, outs: list, dims: list) -> list:
+    """Call the C++ op `fn` of lopa_fast._C on the data pointers of `ins` (made contiguous) then `outs` (fresh,
+    contiguous), with its int `dims`; returns `outs` (filled)."""
+    ins = [t if t.is_contiguous() else t.contiguous() for t in ins]
+    getattr(cpp_module(), fn)([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs], dims)
+    return outs
+
+
+def named_tensors(op: str, names: tuple, args: tuple) -> dict:
+    """{name: tensor} of an op's tensor arguments: ValueError naming the expected list when the count differs,
+    TypeError naming the argument that is not a tensor."""
+    if len(args) != len(names):
+        raise ValueError(f"{op}: {len(args)} tensor arguments; expected {len(names)}: {', '.join(names)}")
+    for name, t in zip(names, args):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    return dict(zip(names, args))
+
+
 def cpp_module():
     """lopa_fast._C (the C++ CPU ops, built at install), or None when this install has none: logged once per
     process, naming why (setup.py printed the compiler's failure at install)."""

@@ -41,12 +41,7 @@ def _expected(NB: int, Lb1: int, G1: int, Nb: int, bs: int, S: int) -> dict:
 
 
 def _check(args: tuple, bs: int, mask_id: int, eos_id: int, n_look: int) -> None:
-    if len(args) != len(_NAMES):
-        raise ValueError(f"select_round: {len(args)} tensor arguments; expected {len(_NAMES)}: {', '.join(_NAMES)}")
-    named = dict(zip(_NAMES, args))
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"select_round: {name} must be a tensor, got {type(t).__name__}")
+    named = _backend.named_tensors("select_round", _NAMES, args)
     x = named["x"]
     if x.dim() != 2:
         raise ValueError(f"select_round: x must be [NB, Lb + 1], got {tuple(x.shape)}")
@@ -97,11 +92,9 @@ def _run_cpp(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_loo
     """The C++ kernel on fresh outputs (lopa_fast._C.select_round_cpu takes the data pointers)."""
     out = _outputs(args, split)
     x = args[3]
-    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
     dims = [x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0], bs, mask_id, eos_id, n_look, int(shift),
             int(blend), int(score_all)]  # fmt: skip
-    _backend.cpp_module().select_round_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
-    return out
+    return _backend.run_cpp("select_round_cpu", args, out, dims)
 
 
 @torch.library.custom_op("lopa_fast::cpp_select_round", mutates_args=())
@@ -142,7 +135,5 @@ def plan_round(*args: torch.Tensor, bs: int, mask_id: int, shift: bool, check: b
         return ref.plan_round(*args, bs=bs, mask_id=mask_id, shift=shift)
     x = args[0]
     out = _plan_outputs(x.shape[0], x.shape[1], args[2].numel())
-    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
     dims = [x.shape[0], x.shape[1], args[2].numel(), bs, mask_id, int(bool(shift))]
-    _backend.cpp_module().plan_round_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
-    return RoundPlan(*out)
+    return RoundPlan(*_backend.run_cpp("plan_round_cpu", args, out, dims))

@@ -18,12 +18,7 @@ _NAMES = ("x", "pos", "valid", "x0", "conf", "ent", "finite", "multi", "noop", "
 
 
 def _check(args: tuple, rule: str, mask_id: int, B: int) -> None:
-    if len(args) != len(_NAMES):
-        raise ValueError(f"select_step: {len(args)} tensor arguments; expected {len(_NAMES)}: {', '.join(_NAMES)}")
-    named = dict(zip(_NAMES, args))
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"select_step: {name} must be a tensor, got {type(t).__name__}")
+    named = _backend.named_tensors("select_step", _NAMES, args)
     if rule not in STEP_RULES:
         raise ValueError(f"select_step: rule={rule!r}; allowed: {', '.join(STEP_RULES)}")
     if not isinstance(mask_id, int) or mask_id < 0 or not isinstance(B, int) or B < 0:
@@ -78,10 +73,8 @@ def _run_cpp(args: list[torch.Tensor], rule: str, mask_id: int, B: int, split: b
     else:
         out = [torch.empty(L, dtype=torch.long)] + [torch.empty((), dtype=torch.long) for _ in range(3)] + \
             [torch.empty(4, dtype=torch.long)]
-    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
     dims = [L, args[1].numel(), STEP_RULES.index(rule), mask_id, B, int(args[4].dtype == torch.float64)]
-    _backend.cpp_module().select_step_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in out], dims)
-    return out
+    return _backend.run_cpp("select_step_cpu", args, out, dims)
 
 
 @torch.library.custom_op("lopa_fast::cpp_select_step", mutates_args=())

@@ -73,10 +73,8 @@ def window_inputs(*args: torch.Tensor, Nb: int, Rb: int, blocks: bool, check: bo
 def _run_cpp(args: list[torch.Tensor], Nb: int, Rb: int, blocks: bool, split: bool) -> list[torch.Tensor]:
     """The C++ kernel on fresh outputs (lopa_fast._C.window_inputs_cpu takes the data pointers)."""
     outs = _outputs(args[0], Nb, Rb, blocks, split=split)
-    ins = [t if t.is_contiguous() else t.contiguous() for t in args]
     dims = [args[0].shape[0], args[0].shape[1], Nb, Rb, int(bool(blocks))]
-    _backend.cpp_module().window_inputs_cpu([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs], dims)
-    return outs
+    return _backend.run_cpp("window_inputs_cpu", args, outs, dims)
 
 
 @torch.library.custom_op("lopa_fast::cpp_window_inputs", mutates_args=())
