@@ -57,16 +57,19 @@ class TextStream:
     """
 
     def __init__(self, model, ids, cfg: GenerateConfig, decode, text_stops: list[str], verifier=None, on_round=None,
-                 engine=None, streamer=None):  # fmt: skip
+                 engine=None, streamer=None, *, planned=None, unit: int | None = None):  # fmt: skip
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        self._plan = plan.make(model, ids, cfg, verifier=verifier, on_round=self._report, streamer=streamer)
+        if planned is None:
+            self._plan = plan.make(model, ids, cfg, verifier=verifier, on_round=self._report, streamer=streamer)
+        else:  # a plan the caller resolved and checked already (the server's parse: validated once)
+            self._plan = dataclasses.replace(planned, on_round=self._report)
         self._cfg, self._engine = self._plan.cfg, engine
         self._length = self._plan.length["requested"]
         self._decode, self._text_stops, self._on_round = decode, text_stops, on_round
         # the pieces' unit: the requested config's block (LLaDA vanilla without block_length: one token; bound, its
         # block_length is the whole generation)
-        self._unit = max(1, cfg.length_unit(self._plan.spec))
+        self._unit = max(1, unit if unit is not None else cfg.length_unit(self._plan.spec))
         self._eos = self._cfg.eos_token_id
         self._thread: threading.Thread | None = None
         self.prompt_ids = self._plan.ids.tolist()
@@ -93,6 +96,45 @@ class TextStream:
         self._iter.close()
         if self._thread is not None:
             self._thread.join()
+
+    @classmethod
+    def of_plan(cls, planned, decode, text_stops: list[str], unit: int, on_round=None, engine=None) -> "TextStream":
+        """A stream of a plan resolved and checked by the caller (lopa_fast.request.plan.Plan; the server's parse
+        builds it once). unit: the requested config's length unit (the pieces' unit)."""
+        return cls(planned.model, None, None, decode, text_stops, on_round=on_round, engine=engine, planned=planned,
+                   unit=unit)  # fmt: skip
+
+    def run(self, emit) -> None:
+        """Decode in the calling thread, without a thread of its own: every new piece goes to `emit(piece)` from
+        the thread that runs the round (a batched request's: the engine's; `emit` must be thread-safe), the rest of
+        the final text once decoding ends; then `.text` / `.result` are set. The per-round hook (`on_round`) runs
+        there too, before the round's piece; an exception it raises ends decoding and propagates from here."""
+        shown = [""]
+
+        def hook(prefix, info):
+            if self._on_round is not None:
+                self._on_round(prefix, info)
+            text = self._stable_text(prefix)
+            if len(text) > len(shown[0]) and text.startswith(shown[0]):
+                emit(text[len(shown[0]) :])
+                shown[0] = text
+
+        self.result = api.run_plan(dataclasses.replace(self._plan, on_round=hook), self._engine)
+        self.text = answer_text(self.result, self._decode, self._eos, self._text_stops)
+        self._closed.set()
+        self._iter.close()
+        rest = self._rest(shown[0])
+        if rest:
+            emit(rest)
+
+    def _rest(self, shown: str) -> str:
+        """What of the final `.text` is not shown yet (a warning when the shown pieces are not its prefix)."""
+        if self.text.startswith(shown):
+            return self.text[len(shown) :]
+        # the tokenizer's decoding was not prefix-stable: the pieces already shown cannot be taken back
+        warnings.warn(f"stream: the text shown ({shown!r}) is not a prefix of the final text ({self.text!r}); the "
+                      "tokenizer's decoding changed earlier characters", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return ""
 
     # ---- the worker ------------------------------------------------------------------------------------
     def _report(self, prefix, info) -> None:
@@ -142,13 +184,9 @@ class TextStream:
                     return
                 self.result = a
                 self.text = answer_text(a, self._decode, self._eos, self._text_stops)
-                if self.text.startswith(shown):
-                    if len(self.text) > len(shown):
-                        yield self.text[len(shown) :]
-                else:  # the tokenizer's decoding was not prefix-stable: the pieces already shown cannot be taken back
-                    warnings.warn(f"stream: the text shown ({shown!r}) is not a prefix of the final text "
-                                  f"({self.text!r}); the tokenizer's decoding changed earlier characters",
-                                  RuntimeWarning, stacklevel=2)  # fmt: skip
+                rest = self._rest(shown)
+                if rest:
+                    yield rest
                 return
         finally:
             self._closed.set()

@@ -375,7 +375,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             else:
                 log.info("a prompt holds %s (not logged: serve --log-prompts)", UNKNOWN_NOTE)
         try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
-            handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory), loop,
+            handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory, req.plan, req.text_stops, req.unit), loop,
                              endpoint=endpoint)  # fmt: skip
         except Busy as e:
             raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e

@@ -33,7 +33,7 @@ import warnings
 import pydantic
 
 from lopa_fast import api
-from lopa_fast.request import aliases
+from lopa_fast.request import aliases, plan
 from lopa_fast import strategies
 from lopa_fast.config import MAX_STOP_SEQUENCES, GenerateConfig
 from lopa_fast.keyed import needs_draws
@@ -78,6 +78,11 @@ class Parsed:
     warnings: list[str]
     include_usage: bool = False  # stream_options.include_usage: a usage-only chunk before [DONE]
     memory: int = 0  # the request's memory estimate (limits.Limits.check), reserved while it runs
+    # the request resolved and checked ONCE, here: its lopa_fast.request.plan.Plan (bound config with its stops and
+    # seed), its text stops and the pieces' unit (the requested config's length unit); the worker runs the plan
+    plan: object = None
+    text_stops: list = dataclasses.field(default_factory=list)
+    unit: int = 1
 
 
 def _openai_knob_name(knob: str | None, endpoint: str) -> str | None:
@@ -419,11 +424,12 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
                            "positions for the prompt and the answer together", field)  # fmt: skip
     # stage 3: the stops
     stop = body.get("stop")
+    seqs, text_stops = None, []
     if extra_stops:  # a list eos_token_id's extra ids: token-id stops beside the body's
         stop = [*([stop] if isinstance(stop, str) else (stop or [])), *extra_stops]
     if stop is not None:
         _check_stop_caps(stop)
-        seqs, _ = checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
+        seqs, text_stops = checked("stop", split_stops, tokenizer, stop, endpoint=endpoint)
         if seqs:  # the token-id stops: GenerateConfig's rules (1..32 ids >= 0, how many), then the vocabulary
             checked("stop", lambda: GenerateConfig(**{**merged, "stop": seqs}).validate(), endpoint=endpoint)
             vocab = model.config.vocab_size
@@ -437,7 +443,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         warnings.simplefilter("ignore")  # generate warns itself when it runs
         # no max_tokens and a prompt that leaves less than one block: the prompt is to blame
         length_field = "max_tokens" if merged.get("max_new_tokens") is not None else field
-        planned, _ = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
+        planned, length = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
                         endpoint=endpoint)  # fmt: skip
         if merged.get("seed") is None and needs_draws(bound):  # e.g. vanilla's `origin` reveal at temperature 0:
@@ -453,11 +459,17 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
             except LimitError as e:
                 raise RequestError(str(e), _openai_knob_name(e.field, endpoint)) from e
         checked(field, api.check_prompt, model, ids_t, bound, endpoint=endpoint)
-        checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
-        if spec.uses_verifier(bound):
+        fn, ran, fallback = checked("backend", api.resolve_backend, bound, True, endpoint=endpoint)
+        uses = verifier is not None and spec.uses_verifier(bound)
+        if uses:
             checked(field, api.check_pair, model, verifier, ids_t, bound, endpoint=endpoint)
+    # the plan the worker runs, built once from what was checked above: the bound config with the request's token-id
+    # stops (checked in stage 3) and its seed (drawn above when it was missing)
+    final = bound.replace(stop=seqs or None, seed=merged.get("seed"))
+    request_plan = plan.Plan(model, final, spec, ids_t, length, fn, ran, fallback, verifier if uses else None)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage, memory)
+    return Parsed(ids, merged, stop, bool(body.get("stream", False)), notes, include_usage, memory, request_plan,
+                  list(text_stops), max(1, cfg.length_unit(spec)))
 
 
 def model_sampling_defaults(model_dir) -> dict:

@@ -66,6 +66,10 @@ class Job:
     knobs: dict
     stop: list | None = None
     memory: int = 0  # the request's memory estimate (limits.Limits.check): reserved against the budget while it runs
+    plan: object = None  # the request resolved and checked once by the caller (protocol.parse's Parsed.plan): run as
+    #                      it is, not resolved again; None: resolved here from knobs / stop (lopa_fast.stream)
+    text_stops: list = dataclasses.field(default_factory=list)  # with `plan`: its text stops
+    unit: int = 1  # with `plan`: the pieces' unit (the requested config's length unit)
 
 
 @dataclasses.dataclass
@@ -191,10 +195,17 @@ class Worker:
         """Validate `job` and queue it; returns its Handle. Bad input raises here, typed as lopa_fast.stream
         raises it (KnobError, ValueError, TypeError, ...), before anything is queued or run; a full queue raises
         Busy. Call from the event loop's thread (or pass `loop`)."""
+        from lopa_fast.output.stream import TextStream
+        from lopa_fast.request.text import text_decoder
+
         handle = Handle(loop or asyncio.get_running_loop())
-        text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
-                                on_round=handle.check, engine=self.engine, verifier=self._verifier_for(job.knobs),
-                                **job.knobs)  # fmt: skip
+        if job.plan is not None:  # validated once, by the caller: run as it is
+            text = TextStream.of_plan(job.plan, text_decoder(self.tokenizer), job.text_stops, job.unit,
+                                      on_round=handle.check, engine=self.engine)  # fmt: skip
+        else:
+            text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
+                                    on_round=handle.check, engine=self.engine, verifier=self._verifier_for(job.knobs),
+                                    **job.knobs)  # fmt: skip
         if self.engine is not None and self.engine.stalled() is not None:  # the watchdog: nothing would be served
             raise Busy("the batch engine's current step is past its deadline (--step-timeout); the server is unhealthy")
         with self._lock:
@@ -334,9 +345,10 @@ class Worker:
             solo = contextlib.nullcontext() if self._batched(text) else self._solo
             oom = False
             try:
+                # the pieces go to the event loop from the thread that runs the rounds (a batched request's: the
+                # engine's), not relayed through this one (which holds the request's memory reservation and waits)
                 with solo, text:
-                    for piece in text:
-                        handle.emit("piece", piece)
+                    text.run(lambda piece: handle.emit("piece", piece))
                 end, outcome = ("done", Finished(text.text, text.result, text.prompt_ids)), "served"
             except Cancelled:
                 end, outcome = ("cancelled", None), "cancelled"
