@@ -36,7 +36,7 @@ RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
 PATHS = ("reference", "fast", "compiled")
 PROBLEMS, ROUNDS = 48, 5
 ROWS = {**evaluate.apd_rows(evaluate.GEN_LEN),
-        "leftright-k1": dict(strategy="apd", apd_mixture_weight=None, kv_window=2, max_lookahead=13)}  # fmt: skip
+        "leftright-k1": dict(strategy="apd", apd_mixture_weight=None, kv_window=2, max_lookahead=13)}
 _cache: dict = {}
 
 
@@ -56,7 +56,7 @@ def run(path: str, row: str):
     extra = {"verifier": c["verifier"]} if knobs["apd_mixture_weight"] is not None else {}
     backend = "reference" if path == "reference" else "fast"
     return [lopa_fast.generate(c["model"], p, backend=backend, max_new_tokens=evaluate.GEN_LEN, temperature=0.0,
-                               compile=path == "compiled", **knobs, **extra) for p in c["prompts"]]  # fmt: skip
+                               compile=path == "compiled", **knobs, **extra) for p in c["prompts"]]
 
 
 @pytest.mark.bench
@@ -89,7 +89,7 @@ def test_apd_cpu(benchmark, row):
     refs = outs["reference"]
     tok = c["tok"]
     correct = sum(int(tasks.extract_answer(tok.decode(o.generated_ids, skip_special_tokens=True)) == p.answer)
-                  for o, p in zip(refs, c["problems"]))  # fmt: skip
+                  for o, p in zip(refs, c["problems"]))
     counts = [a for o in refs for a in o.stats["acceptance_counts"]]
     fw = sum(o.stats["dllm_forwards"] for o in refs)
     benchmark.extra_info.update(
@@ -102,7 +102,7 @@ def test_apd_cpu(benchmark, row):
         host_reads_per_step=sum(o.stats["host_reads"] for o in outs["fast"]) / fw,
         **{f"{p}_median": statistics.median(times[p]) for p in PATHS}, **{f"{p}_min": min(times[p]) for p in PATHS},
         torch=torch.__version__, threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
 
 
 def report(path: str) -> str:
@@ -123,7 +123,7 @@ def report(path: str) -> str:
             f"{e['tpf']:.2f}", f"{e['dllm_forwards_per_answer']:.2f}", f"{e['verifier_forwards_per_answer']:.2f}",
             f"{e['mean_accepted']:.2f}", f"{e['host_reads_per_step']:.2f}", f"{r:.3f}", f"{f:.3f}", f"{c:.3f}",
             f"**{r / f:.2f}x**", f"**{r / c:.2f}x**", e["graphs"], f"{e['compile_s']:.0f}",
-        ])  # fmt: skip
+        ])
     t = tot
     rows.append(["all", "", "", "", "", "", "", "", f"{t['reference']:.3f}", f"{t['fast']:.3f}", f"{t['compiled']:.3f}",
                  f"**{t['reference'] / t['fast']:.2f}x**", f"**{t['reference'] / t['compiled']:.2f}x**", "", ""])

@@ -40,7 +40,7 @@ def model(name: str):
             _models[name] = lopa_fast.load_model(model_dir("d2f-arith"))
         else:  # a Dream-shaped ~60M model (random weights, sharpened so decoding is not all fallbacks)
             cfg = tiny_hf_config("dream", vocab_size=4096, hidden_size=576, num_layers=12, num_heads=9, num_kv_heads=3,
-                                 intermediate_size=1536)  # fmt: skip
+                                 intermediate_size=1536)
             _models[name] = random_model(cfg, seed=0, sharpen=4)
     return _models[name]
 
@@ -86,7 +86,7 @@ def test_batching(benchmark, name, k, B):
         model=name, k=k, B=B, tokens=toks, forwards=sum(o.stats["forwards"] for o in outs["sequential"]),
         batched_s=med["batched"], sequential_s=med["sequential"],
         params=sum(p.numel() for p in m.parameters()), torch=torch.__version__,
-    )  # fmt: skip
+    )
 
 
 STEP_STRATEGIES = {  # the strategies whose steps batch since the driver protocol (issue 25): 32 new tokens
@@ -108,7 +108,7 @@ def verifier(name: str):
             _verifiers[name] = load_verifier()
         else:
             cfg = tiny_hf_config("qwen2", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                                 intermediate_size=768)  # fmt: skip
+                                 intermediate_size=768)
             _verifiers[name] = random_model(cfg, seed=1, sharpen=4)
     return _verifiers[name]
 
@@ -145,7 +145,7 @@ def test_batching_steps(benchmark, name, strategy, B):
         model=name, strategy=strategy, k="-", B=B, tokens=sum(len(o.generated_ids) for o in outs["sequential"]),
         forwards=sum(o.stats["forwards"] for o in outs["sequential"]), batched_s=med["batched"],
         sequential_s=med["sequential"], params=sum(p.numel() for p in m.parameters()), torch=torch.__version__,
-    )  # fmt: skip
+    )
 
 
 def report(path: str) -> str:
@@ -159,7 +159,7 @@ def report(path: str) -> str:
         lat_seq = s * (e["B"] + 1) / (2 * e["B"])
         rows.append([f"{e['model']} ({e['params'] / 1e6:.1f}M)", e.get("strategy", "d2f / lopa"), e["k"], e["B"], e["tokens"], f"{s:.3f}", f"{b:.3f}",
                      f"{e['tokens'] / s:.0f}", f"{e['tokens'] / b:.0f}", f"**{s / b:.2f}x**", f"{lat_seq:.3f}",
-                     f"{b:.3f}"])  # fmt: skip
+                     f"{b:.3f}"])
     return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 

@@ -51,7 +51,7 @@ def build_model():
 def configs() -> list[dict]:
     return [dict(strategy="lopa", branching_factor=k, use_full_attention=full, block_size=BLOCK,
                  max_new_tokens=MAX_NEW, block_add_threshold=0.1, decoded_token_threshold=0.95, skip_threshold=0.9)
-            for k in KS for full in (True, False)]  # fmt: skip
+            for k in KS for full in (True, False)]
 
 
 def upstream_bytes(trace: list, W: int, V: int, layers: int, Hkv: int, D: int, elem: int) -> tuple[float, float]:
@@ -79,7 +79,7 @@ def _worker(rank: int, W: int, init_file: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=W,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))
     warnings.simplefilter("ignore", RuntimeWarning)
     m = build_model()
     prompt = torch.randint(0, MODEL["vocab_size"] - 3, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7))
@@ -101,14 +101,14 @@ def _worker(rank: int, W: int, init_file: str, out: str) -> None:
             d = out_d.stats["distributed"]
             c = m.config
             up_logits, up_kv = upstream_bytes(traced.trace, W, c.vocab_size, c.num_layers, c.num_kv_heads,
-                                              c.head_dim, m.dtype.itemsize)  # fmt: skip
+                                              c.head_dim, m.dtype.itemsize)
             up7_logits, up7_kv = upstream_bytes(traced.trace, W, **DREAM7B)
             rounds = one.stats["forwards"]
             rows.append(dict(cfg=cfg, rounds=rounds, tpf=one.stats["tpf"], one_s=statistics.median(one_t),
                              dist_s=statistics.median(dist_t), ours_stats=d["bytes"]["stats"] / rounds,
                              ours_kv=d["bytes"]["kv"] / rounds, up_logits=up_logits / rounds, up_kv=up_kv / rounds,
                              up7_logits=up7_logits / rounds, up7_kv=up7_kv / rounds,
-                             kv_rounds=d["kv_broadcast_rounds"], collectives=d["collectives"]))  # fmt: skip
+                             kv_rounds=d["kv_broadcast_rounds"], collectives=d["collectives"]))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -144,16 +144,16 @@ def main() -> None:
     print(f"Command: `python bench/bench_branch_parallel.py > bench/results/branch_parallel.md` "
           f"({datetime.date.today()}, torch {torch.__version__}, {os.cpu_count()} CPU cores shared with other jobs, "
           f"one thread per process, total {time.time() - t0:.0f} s, load average at the end "
-          f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} over 1 / 5 / 15 min).\n")  # fmt: skip
+          f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} over 1 / 5 / 15 min).\n")
     print(f"Model: random Dream-shaped fp32, {c['num_layers']} layers, hidden {c['hidden_size']}, vocab "
           f"{c['vocab_size']}, {c['num_heads']}/{c['num_kv_heads']} heads; prompt {PROMPT_LEN}, max_new_tokens "
           f"{MAX_NEW}, block {BLOCK}, thresholds (0.1, 0.95, 0.9) (upstream's GSM8K setting); REPS {REPS}, medians. Tokens and forwards of every distributed run equal "
-          "the single-process run (asserted).\n")  # fmt: skip
+          "the single-process run (asserted).\n")
     print("KB per round = logical payload bytes delivered, all ranks together, averaged over the request's rounds. "
           "Ours: counted (statistics all_gather + span K/V broadcast). Upstream: its scheme computed for the same "
           "rounds at the same world size (full logits all_gather + 2 x layers K/V broadcasts + its small int "
           "messages; pickled objects not counted: a lower bound). Dream-7B columns: the same rounds' shapes with "
-          "Dream-7B's V = 152064, 28 layers, 4 KV heads x 128, bf16 (computed, not run).\n")  # fmt: skip
+          "Dream-7B's V = 152064, 28 layers, 4 KV heads x 128, bf16 (computed, not run).\n")
     header = ["W", "k", "attention", "rounds", "TPF", "ours KB (stats + K/V)", "upstream KB (logits + K/V)", "ratio",
               "Dream-7B ours KB", "Dream-7B upstream KB", "collectives / round ours vs upstream", "ms/round 1 proc",
               "ms/round W procs", "speed-up"]
@@ -177,14 +177,14 @@ def main() -> None:
                 f"{_kb(up)} ({_kb(r['up_logits'])} + {_kb(r['up_kv'])})", f"{up / max(ours, 1):.0f}x", _kb(ours7),
                 _kb(up7), f"{coll_ours:.2f} vs {coll_up:.1f}", f"{1000 * r['one_s']:.1f}", f"{1000 * r['dist_s']:.1f}",
                 f"{r['one_s'] / r['dist_s']:.2f}x",
-            ])  # fmt: skip
+            ])
     print(tabulate(table, header, tablefmt="github", disable_numparse=True))
     print("\nUpstream's collective count per round: dispatch (lengths broadcast, token scatter, payload "
           "scatter_object_list), gather (2 count all_gathers, metadata all_gather_object, numel all_gather, logits "
           "all_gather), and on rounds with a cached span a second dispatch + 2 x layers K/V broadcasts (here "
           f"{c['num_layers']} layers; Dream-7B: 56). Ours: one all_gather, plus one broadcast on full-attention rounds "
           "with a cached span. Upstream also needs W >= k + 1 (it drops branches beyond the world size); "
-          "ours runs any k on any W.")  # fmt: skip
+          "ours runs any k on any W.")
 
 
 if __name__ == "__main__":

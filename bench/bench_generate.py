@@ -43,12 +43,12 @@ SETUPS = {
     ),
     "mid": dict(
         hf=dict(kind="dream", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                num_kv_heads=2, max_position_embeddings=1024),  # fmt: skip
+                num_kv_heads=2, max_position_embeddings=1024),
         sharpen=1.0,
         prompt_len=16,
         # few rounds, short prompt: the CPU is shared. Both backends stop at the same round cap.
         knobs=dict(block_size=16, max_new_tokens=32, skip_threshold=0.9, sampling_strategy="neg_entropy",
-                   max_rounds=6),  # fmt: skip
+                   max_rounds=6),
         rounds=3,
         threads=2,
     ),
@@ -107,7 +107,7 @@ def test_generate(benchmark, model, k):
         ref_min=min(times["reference"]), ref_median=statistics.median(times["reference"]),
         fast_min=min(times["fast"]), fast_median=statistics.median(times["fast"]),
         torch=torch.__version__, threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
 
 
 def report(path: str) -> str:
@@ -126,7 +126,7 @@ def report(path: str) -> str:
             f"**{e['ref_min'] / e['fast_min']:.2f}x** / {e['ref_median'] / e['fast_median']:.2f}x",
             f"{e['host_reads'] / e['forwards']:.2f}", f"{e['kv_prefix_bytes'] / 2**20:.3f}",
             f"{e['kv_window_bytes'] / 2**20:.3f}",
-        ])  # fmt: skip
+        ])
     return tabulate(rows, header, tablefmt="github", disable_numparse=True)
 
 

@@ -76,13 +76,13 @@ def run_case(kind: str, R: int, device: str, backend: str | None, reps: int) -> 
         times.append(time.perf_counter() - t0)
     return dict(kind=kind, R=R, device=device, backend=backend or "auto", dtype=str(dt).replace("torch.", ""),
                 peak_mb=round(peak / 2**20, 1), ms=round(sorted(times)[len(times) // 2] * 1000, 1),
-                threads=torch.get_num_threads())  # fmt: skip
+                threads=torch.get_num_threads())
 
 
 def run_isolated(kind: str, R: int, device: str, backend: str | None, reps: int) -> dict:
     code = (f"import json, torch, sys; sys.path.insert(0, {str(HERE.parent)!r}); torch.set_num_threads({THREADS}); "
             f"from bench.bench_head_confidence import run_case; "
-            f"print(json.dumps(run_case({kind!r}, {R}, {device!r}, {backend!r}, {reps})))")  # fmt: skip
+            f"print(json.dumps(run_case({kind!r}, {R}, {device!r}, {backend!r}, {reps})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,7 +130,7 @@ def main() -> None:
         lines.append(f"| {r['shape']} | {r['R']} | {r['kind']} | {r['backend']} | {r['dtype']} | {r['peak_mb']} | "
                      f"{r['ms']} |")
     lines += ["", "fp32 logits the unfused path materialises: " +
-              ", ".join(f"R = {R}: {mb:.1f} MB" for R, mb in logits_mb.items()) + "."]  # fmt: skip
+              ", ".join(f"R = {R}: {mb:.1f} MB" for R, mb in logits_mb.items()) + "."]
     (HERE / "results" / "head_confidence.md").write_text("\n".join(lines) + "\n")
 
 

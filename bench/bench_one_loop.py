@@ -124,7 +124,7 @@ def time_rounds(reps: int = 5, compile: bool = True, emulated: bool = False) -> 
                          round_ms_median=round(1e3 * statistics.median(per_round), 3),
                          round_ms_all=[round(1e3 * x, 3) for x in per_round],
                          copy_ms_per_compiled_round=round(1e3 * copy["s"] / max(1, copy["calls"]), 4)
-                         if copy["calls"] else None)  # fmt: skip
+                         if copy["calls"] else None)
     return out
 
 

@@ -63,7 +63,7 @@ RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
 PROMPT, BLOCK, NEW = 64, 32, 64
 KNOBS = dict(block_size=BLOCK, max_new_tokens=NEW, block_add_threshold=1.0, decoded_token_threshold=0.95,
              skip_threshold=0.9, sampling_strategy="neg_entropy", branch_topp=1.0, selection_conf_alpha=0.0,
-             use_full_attention=True)  # fmt: skip
+             use_full_attention=True)
 # tokens per forward for tokens/s: the paper's D2F-Dream LoPA GSM8K TPF (bench/results/projection.md), the goal's 10
 TPF_PAPER = 10.1
 TPF_GOAL = 10.0
@@ -133,7 +133,7 @@ def run_config(model, path: str, k: int, rounds: int, upstream=None) -> dict:
                 os.environ["LOPA_FAST_BACKEND"] = "triton"
             try:
                 with warnings.catch_warnings(), (rc.kernel_bodies_in_torch() if path == "fastgpu"
-                                                 else contextlib.nullcontext()):  # fmt: skip
+                                                 else contextlib.nullcontext()):
                     warnings.simplefilter("ignore", RuntimeWarning)  # the round cap
                     return lopa_fast.generate(model, prompt, strategy, backend, **kw)
             finally:
@@ -147,7 +147,7 @@ def run_config(model, path: str, k: int, rounds: int, upstream=None) -> dict:
     wall = time.perf_counter() - t0
     summ = rc.summarize(records)
     return dict(path=path, k=k, summary=summ, wall_s=wall,
-                per_round_t=[sum(r[s]["t"] for s in rc.STAGES) for r in rc.steady(records)])  # fmt: skip
+                per_round_t=[sum(r[s]["t"] for s in rc.STAGES) for r in rc.steady(records)])
 
 
 def project_config(row: dict, shape: dict, layers: int) -> dict:
@@ -160,7 +160,7 @@ def project_config(row: dict, shape: dict, layers: int) -> dict:
     p.update(T=T, floor_ms=fl, frac_floor=tuple(c / fl for c in p["captured_ms"]),
              tok_s_paper=tuple(TPF_PAPER * 1e3 / c for c in p["captured_ms"]),
              tok_s_goal=tuple(TPF_GOAL * 1e3 / c for c in p["captured_ms"]),
-             weight_passes=row["summary"]["calls"])  # fmt: skip
+             weight_passes=row["summary"]["calls"])
     # CPU time at the real depth: the layer stages' measured time x depth (counter overhead removed)
     cpu = {s: max(0.0, row["summary"][s]["t"] - row["summary"][s]["ovh"]) for s in rc.STAGES}
     f = shape["num_layers"] / layers
@@ -174,7 +174,7 @@ def machine() -> dict:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
     return dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(),
                 load_avg=[round(x, 2) for x in load], git=sha.strip(),
-                uptime=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())  # fmt: skip
+                uptime=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
 def main(argv=None) -> int:
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     doc = json.loads(out.read_text()) if out and out.exists() else {"rows": []}
     doc.update(shape_name=a.shape, shape=shape, kv_bytes_per_token=kv_bytes_per_token(shape), layers=a.layers,
                dtype=a.dtype, knobs=dict(KNOBS, prompt=PROMPT),
-               rounds=a.rounds)  # fmt: skip
+               rounds=a.rounds)
     doc.setdefault("machine", []).append(machine())
     t0 = time.perf_counter()
     model = build(shape, a.layers, dtype)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                   f"(calls {row['summary']['calls']:.0f}, launches {p['launches']:.0f}, syncs {p['syncs']:.1f}); "
                   f"H200 captured {p['captured_ms'][0]:.2f}-{p['captured_ms'][1]:.2f} ms "
                   f"({p['frac_floor'][0]:.2f}x floor {p['floor_ms']:.2f}), eager {p['eager_ms'][0]:.1f}-"
-                  f"{p['eager_ms'][1]:.1f} ms; load {row['machine']['load_avg']}", flush=True)  # fmt: skip
+                  f"{p['eager_ms'][1]:.1f} ms; load {row['machine']['load_avg']}", flush=True)
             if out:
                 out.write_text(json.dumps(doc, indent=1))
             gc.collect()
@@ -257,17 +257,17 @@ def render(doc: dict) -> str:
     out = [f"### {doc['shape_name']}: CPU per round at {doc['layers']} layer(s), {doc['dtype']} (ms; mean of "
            f"{doc['rounds']} steady rounds; counter overhead removed)", "",
            "| path | " + " | ".join(rc.STAGES) + " | round | non-model share | transient peak MB |",
-           "|---|" + "---:|" * (len(rc.STAGES) + 3)]  # fmt: skip
+           "|---|" + "---:|" * (len(rc.STAGES) + 3)]
     for r in rows:
         cpu = r["projection"]["cpu_s"]
         tot = sum(cpu.values())
         nm = sum(cpu[s] for s in ("stats", "select", "host")) / tot
         peak = max(r["summary"][s]["peak"] for s in rc.STAGES) / 2**20
         out.append(f"| {name(r)} | " + " | ".join(_ms(cpu[s]) for s in rc.STAGES) +
-                   f" | {_ms(tot)} | {nm:.1%} | {peak:.0f} |")  # fmt: skip
+                   f" | {_ms(tot)} | {nm:.1%} | {peak:.0f} |")
     out += ["", f"### {doc['shape_name']}: the same rounds at the real depth ({L} layers: layer stages x {L}), "
             "CPU ms", "", "| path | model stages | stats | select | host | round | non-model share |",
-            "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["projection"]["cpu_real_s"]
         model = sum(c[s] for s in rc.MODEL_STAGES)
@@ -277,7 +277,7 @@ def render(doc: dict) -> str:
     out += ["", f"### {doc['shape_name']}: counted per round at {L} layers, projected to one H200 (bf16)", "",
             "| path | model calls (weight passes) | GFLOP | GB moved (bf16) | launches | host syncs | roofline ms | "
             "eager ms | captured ms | floor ms (T) | captured / floor | tok/s @ TPF 10.1 | tok/s @ TPF 10 |",
-            "|---|" + "---:|" * 12]  # fmt: skip
+            "|---|" + "---:|" * 12]
     for r in rows:
         p = r["projection"]
         out.append(

@@ -218,7 +218,7 @@ def stage_batch(dry: bool) -> dict:
     steps_kw = {"vanilla": dict(max_new_tokens=32, steps=8, alg="entropy"),
                 "threshold": dict(max_new_tokens=32, block_length=8, threshold=0.9, cache="prefix", max_rounds=8),
                 "apd": dict(max_new_tokens=32, apd_mixture_weight=0.7, kv_window=16, max_lookahead=16, max_rounds=8,
-                            verifier=verifier)}  # fmt: skip
+                            verifier=verifier)}
     for strategy, skw in steps_kw.items():
         for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 65 s
             _, row = _batched_vs_sequential(model, prompts[:B], strategy, skw, dev, strategy)

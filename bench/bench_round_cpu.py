@@ -96,7 +96,7 @@ def test_round_cpu(benchmark, k, full, bs):
         buckets=sorted({tuple(b) for o in warm for b in o.stats["compiled_buckets"]}), compile_s=compile_s,
         warmup_s=warm_s, **{f"{p}_median": med[p] for p in PATHS}, **{f"{p}_min": min(times[p]) for p in PATHS},
         torch=torch.__version__, threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
 
 
 NAMES = {"reference": "reference", "fast": "fast", "compiled": "compiled"}
@@ -111,7 +111,7 @@ def report(path: str) -> str:
     compiled = "compiled" in paths
     header = ["k (seqs)", "attention", "block", "forwards", *(f"{NAMES[p]} s" for p in paths),
               *(f"{NAMES[p]} vs ref" for p in fast),
-              *(["graphs", "compile s", "pays off after"] if compiled else [])]  # fmt: skip
+              *(["graphs", "compile s", "pays off after"] if compiled else [])]
     rows = []
     tot = dict.fromkeys(paths, 0.0)
     for e in sorted(runs, key=lambda e: (e["k"], not e["full"], e["bs"])):

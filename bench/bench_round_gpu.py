@@ -34,10 +34,10 @@ from lopa_fast.models.loading import build_model
 from lopa_fast.testing import tiny_hf_config
 
 DREAM7B = dict(kind="dream", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-               num_heads=28, num_kv_heads=4, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+               num_heads=28, num_kv_heads=4, max_position_embeddings=4096, rope_theta=1e6)
 # APD's verifier beside it: Qwen2.5-0.5B's shape (causal qwen2), over the drafter's vocabulary (a prefix of it)
 QWEN05B = dict(kind="qwen2", vocab_size=152064, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-               num_kv_heads=2, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+               num_kv_heads=2, max_position_embeddings=4096, rope_theta=1e6)
 KS = (1, 2, 4, 8)
 PREFIXES = (512, 1024)
 WINDOW = 32
@@ -94,7 +94,7 @@ def round_ms(model, prefix: int, k: int, rounds: int = 8) -> tuple[float, float]
     prompt = torch.randint(0, V - 200, (prefix,), device="cuda", generator=g)
     # tau_add = 1.0: a new block only once the last one is decoded, so windows stay at 32 tokens per branch
     kw = dict(branching_factor=k, block_size=WINDOW, max_new_tokens=4 * WINDOW, block_add_threshold=1.0,
-              skip_threshold=0.9, sampling_strategy="neg_entropy")  # fmt: skip
+              skip_threshold=0.9, sampling_strategy="neg_entropy")
 
     def gen(n):
         with warnings.catch_warnings():
@@ -127,7 +127,7 @@ def test_round_latency_dream7b():
             v = verify_forward_ms(model, prefix, seqs)
             r, reads = round_ms(model, prefix, k)
             rows.append(dict(prefix=prefix, k=k, seqs=seqs, T=T, verify_ms=v, round_ms=r, floor_ms=floor_ms(T, prefix),
-                             host_reads_per_round=reads))  # fmt: skip
+                             host_reads_per_round=reads))
     torch.cuda.empty_cache()
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +135,7 @@ def test_round_latency_dream7b():
     (out_dir / "round_gpu.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"\n{meta}")
     print(f"{'prefix':>6} {'k':>2} {'seqs':>4} {'T':>4} {'verify ms':>9} {'round ms':>9} {'floor ms':>8} "
-          f"{'round/floor':>11} {'reads/round':>11}")  # fmt: skip
+          f"{'round/floor':>11} {'reads/round':>11}")
     for r in rows:
         print(f"{r['prefix']:>6} {r['k']:>2} {r['seqs']:>4} {r['T']:>4} {r['verify_ms']:>9.2f} {r['round_ms']:>9.2f} "
               f"{r['floor_ms']:>8.2f} {r['round_ms'] / r['floor_ms']:>11.2f} {r['host_reads_per_round']:>11.2f}")

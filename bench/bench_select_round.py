@@ -77,7 +77,7 @@ def _record(run) -> dict:
     named = [dict(zip(_NAMES, a)) for a, _ in calls["select_round"]]
     calls["plan_round"] = [(tuple(n[k] for k in _PLAN_NAMES), dict(bs=kw["bs"], mask_id=kw["mask_id"],
                                                                   shift=kw["shift"]))
-                           for n, (_, kw) in zip(named, calls["select_round"])]  # fmt: skip
+                           for n, (_, kw) in zip(named, calls["select_round"])]
     return calls
 
 
@@ -125,6 +125,6 @@ def test_round_op_per_call(benchmark, recorded, geometry, op, backend, monkeypat
     args0 = calls[0][0] if op != "select_apply" else None
     if op == "select_round":
         benchmark.extra_info["NB, Lb1, G1, Nb"] = [args0[3].shape[0], args0[3].shape[1], args0[5].shape[0],
-                                                   args0[21].shape[0]]  # fmt: skip
+                                                   args0[21].shape[0]]
     benchmark.extra_info["calls"] = len(calls)
     benchmark(all_calls)

@@ -39,7 +39,7 @@ KNOBS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0, backend="
 
 def start_server(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "lopa_fast", "serve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:

@@ -101,7 +101,7 @@ def _first_stdout(argv: list[str], env: dict, timeout: float = 600) -> float:
 
 def _json(code: str, env: dict) -> dict:
     r = subprocess.run([PY, "-c", code, repr(time.time()), PROMPT], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=CWD)  # fmt: skip
+                       timeout=600, cwd=CWD)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -113,7 +113,7 @@ def _serve_ready(env: dict, timeout: float = 300) -> float:
         port = s.getsockname()[1]
     t0 = time.perf_counter()
     p = subprocess.Popen([PY, "-m", "lopa_fast", "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, cwd=CWD)  # fmt: skip
+                         stderr=subprocess.DEVNULL, cwd=CWD)
     try:
         while time.perf_counter() - t0 < timeout:
             if p.poll() is not None:
@@ -182,7 +182,7 @@ def run(names, reps: int, trees: dict[str, Path | None]) -> dict:
                         for metric, s in measure(name, env).items():
                             out.setdefault(metric, {}).setdefault(f"{t} {kind}".strip(), []).append(s)
             print(name, {m: {k: [round(x, 2) for x in v] for k, v in d.items()} for m, d in out.items()},
-                  file=sys.stderr, flush=True)  # fmt: skip
+                  file=sys.stderr, flush=True)
     _use(None)
     return out
 
@@ -197,7 +197,7 @@ def markdown(res: dict, command: str, loads: tuple) -> str:
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, {os.cpu_count()} cores, "
              f"torch {torch.__version__}; load average before / after: {loads[0]:.1f} / {loads[1]:.1f} (the 2 cores "
              "are shared with other work); embedded model, CPU, fp32. Median of the runs in seconds (min-max).", "",
-             ]  # fmt: skip
+             ]
     cols = list(next(iter(res.values())))
     lines += ["| measurement | " + " | ".join(f"{c} cache s" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for metric, d in res.items():
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     l0 = os.getloadavg()[0]
     res = run(names, args.reps, trees)
     text = markdown(res, "python bench/bench_startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    (l0, os.getloadavg()[0]))  # fmt: skip
+                    (l0, os.getloadavg()[0]))
     if args.out:
         Path(args.out).write_text(text)
     print(text)

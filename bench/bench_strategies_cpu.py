@@ -34,7 +34,7 @@ PROMPTS, PROMPT_LEN, NEW, ROUNDS = 2, 24, 32, 3
 MODELS = {
     "tiny": dict(cfg=dict(vocab_size=64, num_kv_heads=2), sharpen=6),
     "mid": dict(cfg=dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
-                         num_kv_heads=2), sharpen=30),  # fmt: skip
+                         num_kv_heads=2), sharpen=30),
 }
 ROWS = {
     "vanilla": ("vanilla", dict(steps=NEW, alg="entropy")),
@@ -95,7 +95,7 @@ def test_strategies_cpu(benchmark, mname, row):
     benchmark.extra_info.update(
         model=mname, row=row, forwards=fw, tpf=PROMPTS * NEW / fw, **{f"{p}_median": med[p] for p in PATHS},
         torch=torch.__version__, threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
 
 
 def report(path: str) -> str:

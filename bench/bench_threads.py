@@ -58,7 +58,7 @@ def main() -> None:
     ids = tok(prompt)["input_ids"]
     big = random_model(tiny_hf_config("dream", vocab_size=4096, hidden_size=576, num_layers=12, num_heads=9,
                                       num_kv_heads=3, intermediate_size=1536, max_position_embeddings=256),
-                       seed=0, sharpen=6)  # fmt: skip
+                       seed=0, sharpen=6)
     torch_default = torch.get_num_threads()
     rows = []
     for name, model, p_ids in (("embedded d2f-arith", embedded, ids), ("60M random Dream", big, [5, 9, 2, 7] * 8)):

@@ -47,7 +47,7 @@ from lopa_fast.testing import model_from_spec  # noqa: E402
 PATHS = ("upstream", "upstream_nogc", "reference", "fast")
 KNOBS = ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_threshold", "skip_threshold",
          "use_full_attention", "sampling_strategy", "branching_factor", "branch_topp", "selection_conf_alpha",
-         "top_p", "top_k", "eos_token_id")  # fmt: skip
+         "top_p", "top_k", "eos_token_id")
 
 
 def family(c: dict) -> str:

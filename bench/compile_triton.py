@@ -71,7 +71,7 @@ def variants(quick: bool):
             types = {n: "i32" for n in ba._prefix_kernel.arg_names}
             types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr="*fp32", lse_ptr="*fp32",
                          ci_ptr="*i64" if pooled else "*fp32", qk_scale="fp32",
-                         cache_len="*i64" if cl_ptr else "i32")  # fmt: skip
+                         cache_len="*i64" if cl_ptr else "i32")
             ce = dict(G=G, D=D, BLOCK_D=D, BLOCK_M=BM, BLOCK_N=BN, UPCAST=False, DOT_PREC=prec, CL_PTR=cl_ptr,
                       POOLED=pooled)
             name = f"_prefix_kernel {dt}" + (" pooled" if pooled else " device cache_len" if cl_ptr else "")
@@ -185,13 +185,13 @@ def _head_confidence_variants(out, dtypes):
     for dt in dtypes:
         types = {n: "i32" for n in hc._hc_stats_kernel.arg_names}
         types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
-                     pfin_ptr="*i32")  # fmt: skip
+                     pfin_ptr="*i32")
         out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce, {"stride_h", "stride_w", "H"},
-                    dict(num_warps=4, num_stages=3)))  # fmt: skip
+                    dict(num_warps=4, num_stages=3)))
         types = {n: "i32" for n in hc._hc_entropy_kernel.arg_names}
         types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", eps="fp32", lse_ptr="*fp32", pent_ptr="*fp32")
         out.append((f"_hc_entropy_kernel {dt} V=152064", hc._hc_entropy_kernel, types, ce,
-                    {"stride_h", "stride_w", "H"}, dict(num_warps=4, num_stages=3)))  # fmt: skip
+                    {"stride_h", "stride_w", "H"}, dict(num_warps=4, num_stages=3)))
     types = {n: "*fp32" for n in hc._hc_merge_kernel.arg_names}
     types.update(pi1_ptr="*i32", pfin_ptr="*i32", tok_ptr="*i64", fin_ptr="*i8", S="i32")
     out.append(("_hc_merge_kernel S<=16", hc._hc_merge_kernel, types, dict(BLOCK_S=16), set(),

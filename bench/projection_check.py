@@ -49,7 +49,7 @@ def compare(round_res: dict, proj: dict) -> list[dict]:
         row = dict(k=m["k"], prefix=m["prefix"], launches=n, roofline_ms=roof,
                    proj_eager_ms=[x + extra for x in pj["eager_ms"]],
                    proj_captured_ms=[x + extra for x in pj["captured_ms"]],
-                   eager_ms=m.get("eager_ms"), captured_ms=m.get("captured_ms"))  # fmt: skip
+                   eager_ms=m.get("eager_ms"), captured_ms=m.get("captured_ms"))
         if row["eager_ms"] is not None:
             row["eager_over_proj"] = row["eager_ms"] / row["proj_eager_ms"][1]
             row["implied_eager_us_per_op"] = 1e3 * (row["eager_ms"] - roof - host) / n
@@ -65,13 +65,13 @@ def table(rows: list[dict], device: str, dry: bool) -> str:
     dry_note = "; DRY RUN: tiny model, numbers meaningless" if dry else ""
     lines = [f"measured vs projected (Dream-7B bf16, {device}{dry_note})",
              f"{'k':>2} {'eager':>7} {'proj eager':>13} {'capt':>7} {'proj capt':>13} {'capt/proj':>9} "
-             f"{'roof':>6} {'nodes':>5} {'us/node':>7} {'us/op':>6}"]  # fmt: skip
+             f"{'roof':>6} {'nodes':>5} {'us/node':>7} {'us/op':>6}"]
     for r in rows:
         pe, pc = r["proj_eager_ms"], r["proj_captured_ms"]
         lines.append(f"{r['k']:>2} {f(r['eager_ms'])} {pe[0]:>6.2f}-{pe[1]:<6.2f} {f(r['captured_ms'])} "
                      f"{pc[0]:>6.2f}-{pc[1]:<6.2f} {f(r.get('captured_over_proj'), 9)} {r['roofline_ms']:>6.2f} "
                      f"{r['launches']:>5.0f} {f(r.get('implied_us_per_node'), 7)} "
-                     f"{f(r.get('implied_eager_us_per_op'), 6)}")  # fmt: skip
+                     f"{f(r.get('implied_eager_us_per_op'), 6)}")
     if not rows:
         lines.append("(no k in common between the round stage and the projection)")
     return "\n".join(lines)

@@ -65,7 +65,7 @@ DREAM7B_KV_PER_TOKEN = 28 * 2 * 4 * 128 * 2
 
 aten = torch.ops.aten
 _SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-             aten.unique_consecutive}  # fmt: skip
+             aten.unique_consecutive}
 _NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset}
 # ops that read only the rows their index names (bytes: the output twice + the index), not the whole table
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index, aten.take}
@@ -503,11 +503,11 @@ def project(scaled: dict) -> dict:
     n, syncs = tot["launches"], tot["syncs"]
     host = syncs * HOST_READ_US / 1e3
     p = dict(roofline_ms=roof, roofline_sheet_ms=roof_sheet, launches=n, syncs=syncs, flops=tot["flops"],
-             bytes_bf16=tot["bytes_f32"] / 2 + tot["bytes_other"])  # fmt: skip
+             bytes_bf16=tot["bytes_f32"] / 2 + tot["bytes_other"])
     p["eager_ms"] = tuple(roof + n * us / 1e3 + host for us in EAGER_US)
     p["captured_ms"] = tuple(roof + n * us / 1e3 + GRAPH_LAUNCH_US / 1e3 + host for us in GRAPH_NODE_US)
     p["captured_real_ms"] = tuple(roof / GEMM_EFFICIENCY + n * us / 1e3 + GRAPH_LAUNCH_US / 1e3 + host
-                                  for us in GRAPH_NODE_US)  # fmt: skip
+                                  for us in GRAPH_NODE_US)
     p["stage_roof_ms"] = {s: scaled[s]["roof_meas"] * 1e3 for s in STAGES}
     return p
 
@@ -528,11 +528,11 @@ def kernel_bodies_in_torch():
     def attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
                   scale=None, return_lse=False, num_splits=None, *, cache_index=None):
         return ref.branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale,
-                                    return_lse, cache_index=cache_index)  # fmt: skip
+                                    return_lse, cache_index=cache_index)
 
     swaps = {"rms_norm": {"rms_norm": ref.rms_norm, "add_rms_norm": ref.add_rms_norm},
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
-             "branch_attention": {"branch_attention": attention}}  # fmt: skip
+             "branch_attention": {"branch_attention": attention}}
     import lopa_fast.ops as ops_pkg
     from lopa_fast.reference.ops import SelectRound, WindowInputs
 
@@ -572,5 +572,5 @@ class Upstream:
 
     def runner(self, model, prompt: list[int], knobs: dict):
         case = dict(knobs, prompt=list(prompt), branching_factor=self.k,
-                    strategy="lopa" if self.k > 1 else "d2f")  # fmt: skip
+                    strategy="lopa" if self.k > 1 else "d2f")
         return lambda: self.golden.run_case(self.mod, model, case)

@@ -23,7 +23,7 @@ REAL_SHAPES = {
     "qwen25_05b": dict(kind="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                        num_heads=14, num_kv_heads=2, max_position_embeddings=4096, rope_theta=1e6,
                        tie_word_embeddings=True),
-}  # fmt: skip
+}
 
 
 def streamed_params(shape: dict) -> int:

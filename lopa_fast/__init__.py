@@ -6,8 +6,6 @@ it needs the first time it is read.
 """
 import importlib as _importlib
 import logging as _logging
-import sys as _sys
-import types as _types
 
 from lopa_fast.errors import (
     CheckpointError,
@@ -58,7 +56,8 @@ def __dir__():
 
 __version__ = "0.1.0"
 __all__ = [
-    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError", "NonFiniteLogitsError",
+    "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
+    "NonFiniteLogitsError",
     "GenerateConfig", "GenerateOutput", "KVCache", "LopaConfig", "RoundCapError", "generate", "load_model",
     "load_tokenizer", "stream", "TextStream",
-]  # fmt: skip
+]

@@ -8,9 +8,10 @@ Each strategy's spec in the registry (lopa_fast.strategies) names both: its refe
 oracle) and its fast decoder (lopa_fast.decode.*), imported on first use. A call resolves its arguments once into a
 validated plan (lopa_fast.request.plan: knobs, prompt, lengths, memory, backend, verifier pair, batching) before any
 forward, and runs it: implementations may assume a bound, valid config and a clean prompt. The jobs live in their
-own modules: lopa_fast.request.prompts (the prompt), lopa_fast.request.decoder (which backend runs), lopa_fast.request.verifiers (the
-second model), lopa_fast.request.prompt_batch (a list of prompts), lopa_fast.output.text_streamer (streamer=), lopa_fast.output.finish (cutting
-the output); their public names are importable from here too.
+own modules: lopa_fast.request.prompts (the prompt), lopa_fast.request.decoder (which backend runs),
+lopa_fast.request.verifiers (the second model), lopa_fast.request.prompt_batch (a list of prompts),
+lopa_fast.output.text_streamer (streamer=), lopa_fast.output.finish (cutting the output); their public names are
+importable from here too.
 """
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ from lopa_fast.output.finish import cut_to_length
 from lopa_fast.memory import check_request_memory
 from lopa_fast.request.model_defaults import with_model_knobs
 from lopa_fast.output import GenerateOutput
-from lopa_fast.request.prompts import is_batch, is_text, prepare_prompt, prompt_lens
+from lopa_fast.request.prompts import is_batch, is_text, prepare_prompt, prompt_lens  # noqa: F401  (public here)
 from lopa_fast.request.prompts import check_prompt as _check_prompt_ids
 from lopa_fast.output.text_streamer import check_streamer, streamer_hook
 from lopa_fast.request.verifiers import check_pair, check_verifier_fits, check_verifier_given  # noqa: F401  (public here)
 
 
 def check_prompt(model, ids: torch.Tensor, cfg: GenerateConfig) -> None:
-    """Checks that need both the prompt [P] and the bound config (lopa_fast.request.prompts.check_prompt: id range, mask id
-    in the prompt, length), then the request's memory estimate (`check_request_memory`)."""
+    """Checks that need both the prompt [P] and the bound config (lopa_fast.request.prompts.check_prompt: id range, mask
+    id in the prompt, length), then the request's memory estimate (`check_request_memory`)."""
     _check_prompt_ids(model, ids, cfg)
     check_request_memory(model, ids.numel() + cfg.max_new_tokens, cfg, ids.numel())
 
@@ -163,7 +164,7 @@ def _with_stop_strings(stop, strings) -> list:
     strings = [strings] if isinstance(strings, str) else strings
     if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(q, str) and q for q in strings):
         raise KnobError(f"stop_strings={strings!r}; expected a non-empty str or list of them (text stops, as stop=)",
-                        knob="stop_strings", value=strings)  # fmt: skip
+                        knob="stop_strings", value=strings)
     stop = [] if stop is None else ([stop] if isinstance(stop, str) else list(stop))
     return [*stop, *strings]
 
@@ -187,7 +188,7 @@ def _return_sequences(model, input_ids, args, knobs: dict, n) -> list[GenerateOu
                         "in the list, with seeds, for several each)", knob="num_return_sequences", value=n)
     if knobs.get("streamer") is not None:
         raise KnobError(f"num_return_sequences={n} with streamer=: a streamer takes one output",
-                        knob="num_return_sequences", value=n)  # fmt: skip
+                        knob="num_return_sequences", value=n)
     seed = knobs.get("seed")
     base = seed if seed is not None else int(torch.randint(0, 2**31 - n, ()).item())
     return [generate(model, input_ids, *args, **{**knobs, "seed": base + i}) for i in range(n)]
@@ -204,7 +205,7 @@ def known_tokenizer(model, why: str):
 
     if not where or not os.path.isdir(str(where)):
         raise TypeError(f"generate(): {why} needs a tokenizer, and this model was not loaded from a directory; pass "
-                        "tokenizer= (lopa_fast.load_tokenizer(dir)) or token ids")  # fmt: skip
+                        "tokenizer= (lopa_fast.load_tokenizer(dir)) or token ids")
     from lopa_fast.models.loading import load_tokenizer
 
     tok = load_tokenizer(where)
@@ -242,8 +243,8 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
 
 
 def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
-    """Run one resolved request (lopa_fast.request.plan.Plan) and cut its output: on `engine` (a BatchEngine, the server's)
-    when it covers the request, else the plan's implementation; the streamer driven when the plan has one."""
+    """Run one resolved request (lopa_fast.request.plan.Plan) and cut its output: on `engine` (a BatchEngine, the
+    server's) when it covers the request, else the plan's implementation; the streamer driven when the plan has one."""
     on_round, finish = p.on_round, None
     if p.streamer is not None:
         on_round, finish = streamer_hook(p.streamer, p.ids, p.cfg, p.length["requested"], on_round)
@@ -265,8 +266,8 @@ def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
 
 def generate_batch(model, prompts: list, cfg: GenerateConfig, verifier=None, on_round=None) -> list[GenerateOutput]:
     """`generate` for a list of prompts (any lengths): one GenerateOutput per prompt, in order, each equal to
-    decoding that prompt alone (which requests share forwards: lopa_fast.request.prompt_batch). on_round: one hook for all
-    prompts or a list (one per prompt). Every prompt is checked before any forward."""
+    decoding that prompt alone (which requests share forwards: lopa_fast.request.prompt_batch). on_round: one hook for
+    all prompts or a list (one per prompt). Every prompt is checked before any forward."""
     batch = plan.make_batch(model, prompts, cfg, verifier=verifier, on_round=on_round)
     if batch.batched:
         return prompt_batch.run(batch.plans)

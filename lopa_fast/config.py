@@ -132,16 +132,16 @@ class _SharedKnobs:
             raise ValueError("compile=True applies to backend='fast' or 'auto'; the reference backend runs eagerly")
         if self.compile and not spec.compile:
             raise KnobError(f"compile=True: strategy={self.strategy!r} has no compiled path; pass compile=False",
-                            knob="compile", value=True)  # fmt: skip
+                            knob="compile", value=True)
         _bool("distributed", self.distributed)
         if self.distributed:
             strategies.check_distributed(self, spec)
         strategies.check_values(self)  # every strategy's shared-field values (a bad value is an error anywhere)
-        for knob in strategies.specific_knobs():
-            if getattr(self, knob) is not None and knob not in spec.knobs:
+        for name in strategies.specific_knobs():
+            if getattr(self, name) is not None and name not in spec.knobs:
                 raise ValueError(
-                    f"{knob}={getattr(self, knob)!r} does not apply to strategy={self.strategy!r}; "
-                    f"it is a knob of {' / '.join(strategies.owners(knob))}"
+                    f"{name}={getattr(self, name)!r} does not apply to strategy={self.strategy!r}; "
+                    f"it is a knob of {' / '.join(strategies.owners(name))}"
                 )
         spec.validate(self)  # the strategy's own knobs and the rules between them
         return self

@@ -37,7 +37,7 @@ def check_group() -> None:
             "`python -m torch.distributed.run --nproc-per-node N ...` and call "
             "torch.distributed.init_process_group, or lopa_fast.distributed.init_from_env()); none is initialised",
             knob="distributed", value=True,
-        )  # fmt: skip
+        )
 
 
 def init_from_env(device: str | None = None) -> str:
@@ -49,7 +49,7 @@ def init_from_env(device: str | None = None) -> str:
     if missing:
         raise KnobError(f"--distributed needs torchrun's environment ({', '.join(missing)} unset); launch with "
                         "`python -m torch.distributed.run --nproc-per-node N -m lopa_fast generate ... --distributed`",
-                        knob="distributed", value=True)  # fmt: skip
+                        knob="distributed", value=True)
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
         timeout = float(raw)
@@ -69,7 +69,7 @@ def init_from_env(device: str | None = None) -> str:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
         except Exception as e:  # rendezvous failure / timeout: one clear error, not a backend traceback
             raise DistributedError(f"distributed decoding: could not start the process group: "
-                                   f"{' '.join(str(e).split())[:300]}") from e  # fmt: skip
+                                   f"{' '.join(str(e).split())[:300]}") from e
     return device
 
 class Comm:
@@ -92,7 +92,7 @@ class Comm:
             raise DistributedError(
                 f"distributed decoding: {what} failed in round {round_} on rank {self.rank} of {self.world} "
                 f"(a peer died or timed out): {' '.join(str(e).split())[:300]}", round=round_,
-            ) from e  # fmt: skip
+            ) from e
 
     def all_gather(self, t: torch.Tensor, kind: str, round_: int) -> torch.Tensor:
         """[world, *t.shape]: every rank's t."""

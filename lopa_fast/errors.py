@@ -67,7 +67,7 @@ class NonFiniteLogitsError(LopaError, RuntimeError):
     """NaN or +-inf in the raw model output on a row the strategy reads (before any deliberate -inf)."""
 
     def __init__(self, message: str | None = None, *, strategy: str = "", round: int = 0, position: int = -1,
-                 value=None):  # fmt: skip
+                 value=None):
         if message is None:
             message = (
                 f"{strategy}: non-finite logits ({value}) in round {round} at sequence position {position}; "
@@ -99,7 +99,7 @@ class DistributedError(LopaError, RuntimeError):
 __all__ = [
     "CheckpointError", "ConfigError", "DistributedError", "KnobError", "LopaError", "MemoryBudgetError",
     "NonFiniteLogitsError", "RoundCapError", "StepTimeoutError",
-]  # fmt: skip
+]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

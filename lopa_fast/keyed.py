@@ -241,7 +241,7 @@ def needs_draws(cfg) -> bool:
         cfg.temperature > 0 or getattr(cfg, "remasking", None) == "random"
         or getattr(cfg, "alg", None) == "origin"  # Dream vanilla's random reveal (alg is vanilla's knob alone)
         or (getattr(cfg, "alg_temp", None) or 0) > 0
-    )  # fmt: skip
+    )
 
 
 def request_noise(cfg, device) -> "KeyedNoise | torch.Generator | None":

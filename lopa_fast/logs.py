@@ -48,4 +48,4 @@ def progress(iterable, log: logging.Logger, desc: str, total: int | None = None)
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False,
-                disable=not log.isEnabledFor(logging.INFO))  # fmt: skip
+                disable=not log.isEnabledFor(logging.INFO))

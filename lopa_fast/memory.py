@@ -24,7 +24,7 @@ def _dims(model) -> tuple:
     n_heads = getattr(c, "num_heads", None) or getattr(c, "num_attention_heads", 0)
     return (p.element_size() if p is not None else 4, getattr(c, "num_layers", 0), getattr(c, "num_kv_heads", 0),
             getattr(c, "head_dim", 0), getattr(c, "hidden_size", 0), n_heads, getattr(c, "intermediate_size", 0),
-            c.vocab_size)  # fmt: skip
+            c.vocab_size)
 
 
 def cache_bytes(model, total: int) -> int:
@@ -139,4 +139,4 @@ def check_request_memory(model, total: int, cfg: GenerateConfig, prompt_len: int
 
     check_memory(request_bytes(model, total, cfg, prompt_len, verifier, spec), device_of(model),
                  f"generate(max_new_tokens={cfg.max_new_tokens}, branching_factor={cfg.branching_factor}, "
-                 f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")  # fmt: skip
+                 f"backend={cfg.backend!r}): the cache, logits and tables of {total} positions")

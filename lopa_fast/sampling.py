@@ -179,5 +179,5 @@ def threshold_stats(
         conf = p64.gather(-1, x0[:, None]).squeeze(-1)
     else:
         conf, x0, _ = token_stats(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
-                                  keys=keys)  # fmt: skip
+                                  keys=keys)
     return x0, conf, ent

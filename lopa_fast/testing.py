@@ -1,9 +1,9 @@
 """Tiny random models and checkpoints for tests and benchmarks (no network, no real weights).
 
-`tiny_hf_config` (lopa_fast.models.tiny) returns a config.json dict in the real checkpoints' format (Dream / qwen2 / llada);
-`random_model` builds a seeded random model from it. Random tiny models have near-uniform softmax, so
-only decoding fallbacks would ever run: `sharpen` scales the output head so that confident predictions
-(p_max > 0.9) occur, which makes threshold accepts, multi-token rounds and lookahead wins reachable.
+`tiny_hf_config` (lopa_fast.models.tiny) returns a config.json dict in the real checkpoints' format (Dream / qwen2 /
+llada); `random_model` builds a seeded random model from it. Random tiny models have near-uniform softmax, so only
+decoding fallbacks would ever run: `sharpen` scales the output head so that confident predictions (p_max > 0.9) occur,
+which makes threshold accepts, multi-token rounds and lookahead wins reachable.
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def sdpa_forward(model, input_ids: torch.Tensor, past_layers: list, start: int, 
     """A tiny model run the way upstream's HF modules run it (the golden makers' adapters): positions
     start..start+n, each layer's SDPA over [past K ; new K] (GQA by repeat_interleave), the plain layer's
     formulas otherwise. input_ids [1, n]; past_layers: per layer (K, V) [1, Hkv, start, D] or [] when empty;
-    attn_mask: SDPA's mask over the start + n keys, passed as given (None = full). Returns (logits [1, n, V], the per-layer
-    (K, V) [1, Hkv, start + n, D])."""
+    attn_mask: SDPA's mask over the start + n keys, passed as given (None = full). Returns (logits [1, n, V], the
+    per-layer (K, V) [1, Hkv, start + n, D])."""
     import torch.nn.functional as F
 
     from lopa_fast.models.transformer import rms_norm
@@ -96,7 +96,7 @@ def sdpa_forward(model, input_ids: torch.Tensor, past_layers: list, start: int, 
         layers.append((k, v))
         rep = Hq // Hkv
         a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                           attn_mask=attn_mask)  # fmt: skip
+                                           attn_mask=attn_mask)
         h = h + w.o(a.transpose(1, 2).reshape(1, n, Hq * D))
         x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
         h = h + w.down(F.silu(w.gate(x)) * w.up(x))

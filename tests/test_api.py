@@ -28,7 +28,7 @@ def test_every_strategy_runs_and_reports_stats(strategy):
     assert isinstance(out, GenerateOutput) and out.generated_ids == [2, 3, 4, 5]
     s = out.stats
     for key in ("forwards", "model_calls", "generated_tokens", "tokens_until_eos", "tpf", "tpf_until_eos",
-                "upstream_steps", "seconds", "tokens_per_second", "hit_round_cap", "strategy", "backend"):  # fmt: skip
+                "upstream_steps", "seconds", "tokens_per_second", "hit_round_cap", "strategy", "backend"):
         assert key in s, key
     assert s["backend"] == "reference" and s["strategy"] == strategy
     assert s["tpf"] == s["generated_tokens"] / s["forwards"]
@@ -52,7 +52,7 @@ def test_trace_only_when_asked():
 @pytest.mark.parametrize("shift", [True, False])
 def test_block_loop_traces_cover_every_position_once(strategy, shift):
     out = lopa_fast.generate(stub(shift), [0, 1], strategy, max_new_tokens=8, block_size=4, return_trace=True,
-                             cache="prefix" if strategy == "threshold" else None, **ok_kwargs(strategy))  # fmt: skip
+                             cache="prefix" if strategy == "threshold" else None, **ok_kwargs(strategy))
     filled = [q for r in out.trace for q, _ in r["accepted"]]
     assert sorted(filled) == list(range(8)) and len(out.trace) == out.stats["forwards"]
     assert all(out.generated_ids[q] == t for r in out.trace for q, t in r["accepted"])

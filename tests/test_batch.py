@@ -18,7 +18,7 @@ from lopa_fast.testing import random_model, tiny_hf_config
 from tests.utils import spec_of
 
 STATS = ("forwards", "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "eos_detected",
-         "finish_reason")  # fmt: skip
+         "finish_reason")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def same(a, b, stats=STATS):
 
 def knobs(k, full, bs, **kw):
     return dict(branching_factor=k, use_full_attention=full, block_size=bs, max_new_tokens=24, eos_token_id=5,
-                skip_threshold=0.9, **kw)  # fmt: skip
+                skip_threshold=0.9, **kw)
 
 
 @pytest.mark.parametrize("k,full,bs", list(itertools.product((1, 2, 4), (True, False), (4, 8))))
@@ -284,7 +284,7 @@ def test_dual_cache_steps_share_one_forward(llada):
 # ---- APD: a step of two forwards (the drafter's, then the verifier's over the drafts), each ONE forward_requests
 # for every live request (the driver's `forwards`)
 APD_STATS = ("acceptance_counts", "dllm_forwards", "verifier_forwards", "forwards", "model_calls", "eos_detected",
-             "hit_round_cap", "finish_reason")  # fmt: skip
+             "hit_round_cap", "finish_reason")
 APD_PROMPTS = ([5, 9, 2], [7], [4, 8, 15, 16, 23, 42, 1, 3, 11], [1, 2])
 APD = [  # (pair, knobs): a drafter cache (W) or none, M or the whole canvas, the prefill's exact prev row (Q3
     # fix), the verifier-free leftright baseline (one forward per step), top-k / top-p and the keyed draw at T > 0
@@ -294,7 +294,7 @@ APD = [  # (pair, knobs): a drafter cache (W) or none, M or the whole canvas, th
     ("b", dict(apd_mixture_weight=0.6, kv_window=16, max_lookahead=4, top_k=5, top_p=0.9, eos_token_id=6)),
     ("b", dict(apd_mixture_weight=0.7, kv_window=2, max_lookahead=8, temperature=1.0, sampler="keyed", seed=11,
                eos_token_id=61)),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,7 @@ def apd_pair(apd, pair: str, kw: dict):
     """(drafter, knobs with the verifier when the config has one) of a tests/test_fast_apd.py pair."""
     d, q = {"a": ("d64", "q64"), "b": ("d66", "q64b")}[pair]
     return apd[d], dict(kw, strategy="apd", max_new_tokens=20,
-                        verifier=apd[q] if kw["apd_mixture_weight"] is not None else None)  # fmt: skip
+                        verifier=apd[q] if kw["apd_mixture_weight"] is not None else None)
 
 
 def counting(m, calls: list):

@@ -30,7 +30,7 @@ def test_demo_runs(capsys):
     assert re.fullmatch(rf"LoPA k=4: {forwards['lopa-k4']} forwards in \d+\.\d\d s for 1 answers \(1/1 right\) "
                         rf"against D2F's {forwards['d2f']} forwards in \d+\.\d\d s \(1/1 right\): "
                         rf"{forwards['d2f'] / forwards['lopa-k4']:.2f}x fewer forwards, \d+\.\d\dx D2F's speed in "
-                        r"wall time", lines[i]), lines[i]  # fmt: skip
+                        r"wall time", lines[i]), lines[i]
     assert lines[i + 1] == evaluate.WHY_WALL_TIME  # why the two ratios differ on a CPU
 
 
@@ -95,7 +95,7 @@ def test_help_and_a_bad_flag_import_no_torch():
     code = ("import sys, runpy\nsys.argv = ['lopa_fast'] + sys.argv[1:]\ntry:\n"
             "    runpy.run_module('lopa_fast', run_name='__main__')\nexcept SystemExit as e:\n"
             "    heavy = sorted(m for m in ('torch', 'fastapi', 'transformers', 'numpy') if m in sys.modules)\n"
-            "    print('heavy:', heavy, 'exit:', e.code)\n")  # fmt: skip
+            "    print('heavy:', heavy, 'exit:', e.code)\n")
     for argv in (["--help"], ["serve", "--help"], ["generate", "--no-such-flag"], ["generate", "--threads", "0"]):
         r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
         assert r.stdout.splitlines()[-1] in ("heavy: [] exit: 0", "heavy: [] exit: 2"), (argv, r.stdout, r.stderr)
@@ -108,12 +108,12 @@ def test_a_second_process_builds_nothing(tmp_path):
     import time
 
     caches = {"LOPA_FAST_CACHE_DIR": tmp_path / "lopa", "TRITON_CACHE_DIR": tmp_path / "triton",
-              "TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "XDG_CACHE_HOME": tmp_path / "xdg"}  # fmt: skip
+              "TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "XDG_CACHE_HOME": tmp_path / "xdg"}
     env = {**os.environ, **{k: str(v) for k, v in caches.items()}}
 
     def run(*argv):
         return subprocess.run([sys.executable, "-m", "lopa_fast", *argv], capture_output=True, text=True, env=env,
-                              timeout=600)  # fmt: skip
+                              timeout=600)
 
     def files():
         return {p: p.stat().st_mtime_ns for d in caches.values() if d.exists() for p in d.rglob("*") if p.is_file()}
@@ -378,7 +378,7 @@ def test_generate_stop_flag(capsys):
     full = json.loads(capsys.readouterr().out)
     stop = full["generated_ids"][4:6]
     assert cli.main(["generate", "--preset", "lopa-k4", "--prompt", prompt, "--json",
-                     "--stop", ",".join(map(str, stop))]) == 0  # fmt: skip
+                     "--stop", ",".join(map(str, stop))]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["finish_reason"] == "stop"
     cut = out["stats"]["stop_sequence_at"]

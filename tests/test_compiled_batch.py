@@ -71,7 +71,7 @@ def gen(model, p, strategy, **kw):
 
 
 COUNTERS = ("forwards", "transferred", "multi_token_steps", "noop_forwards", "refresh_forwards",
-            "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "lookahead_wins")  # fmt: skip
+            "accepted_by_threshold", "fallback_fills", "multi_token_rounds", "eos_fills", "lookahead_wins")
 
 
 def same(got, solo):
@@ -298,7 +298,7 @@ def test_compile_layer_imports_no_strategy():
     decode = pathlib.Path(lopa_fast.__file__).parent / "decode"
     # every strategy's spec, reference, driver and step lives under lopa_fast.strategies (one folder each)
     strategy_modules = {"lopa_fast.strategies", "lopa_fast.reference", "lopa_fast.strategies.steps",
-                        "lopa_fast.decode.batch"}  # fmt: skip
+                        "lopa_fast.decode.batch"}
     for name in ("compiled.py", "compiled_batch.py"):
         tree = ast.parse((decode / name).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -47,7 +47,7 @@ EMULATED = [
     ("dream_mask", "threshold", dict(G16, block_length=8, cache="dual", factor=1.0, top_p=0.9, top_k=20, **T())),
     ("llada", "vanilla", dict(G16, block_length=8, steps=8, cfg_scale=1.5)),
     ("llada_mask", "vanilla", dict(G16, block_length=4, steps=12, remasking="random", eos_token_id=7,
-                                   confidence_eos_eot_inf=True, logits_eos_inf=True)),  # fmt: skip
+                                   confidence_eos_eot_inf=True, logits_eos_inf=True)),
     ("llada", "vanilla", dict(G16, block_length=16, steps=6, cfg_scale=1.5, **T(0.5))),
     ("dream", "vanilla", dict(G16, steps=8, alg="entropy")),
     ("dream_mask", "vanilla", dict(G16, steps=16, alg="maskgit_plus", alg_temp=0.5, eos_token_id=7)),
@@ -130,7 +130,7 @@ def test_captured_error_and_stop(models, emulated_graphs):
     m = models["dream"]
     emulated_graphs(m)
     for strategy, kw in (("threshold", dict(G16, block_length=4, threshold=0.9, cache="dual")),
-                         ("vanilla", dict(G16, steps=16, alg="maskgit_plus"))):  # fmt: skip
+                         ("vanilla", dict(G16, steps=16, alg="maskgit_plus"))):
         base = run(m, strategy, kw, [3, 4, 5], backend="reference").generated_ids
         kw = dict(kw, stop=[base[5:7]])
         ref = run(m, strategy, kw, [3, 4, 5], backend="reference")
@@ -156,7 +156,7 @@ def test_captured_error_and_stop(models, emulated_graphs):
 COMPILED_CI = [
     pytest.param(("llada", "threshold", dict(G16, block_length=8, threshold=0.5)), id="threshold"),
     pytest.param(("llada", "vanilla", dict(G16, block_length=16, steps=8, **T(0.5))), id="vanilla",
-                 marks=pytest.mark.slow),  # fmt: skip
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -166,7 +166,7 @@ def test_compiled_steps_are_exact_and_compile_once(models, case):
     name, strategy, kw = case
     m = models[name]
     runs = [(run(m, strategy, kw, p, backend="reference"), run(m, strategy, kw, p, backend="fast"),
-             run(m, strategy, kw, p, backend="fast", compile=True)) for p in PROMPTS[:2]]  # fmt: skip
+             run(m, strategy, kw, p, backend="fast", compile=True)) for p in PROMPTS[:2]]
     for ref, eager, comp in runs:
         check(ref, eager, comp, case)
     first, second = runs[0][2].stats, runs[1][2].stats

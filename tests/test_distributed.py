@@ -32,7 +32,7 @@ from tests.utils import run_ranks
 
 KS = (1, 2, 4, 5)
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
-            "branch_growth", "winner_grew", "hit_round_cap", "eos_detected")  # fmt: skip
+            "branch_growth", "winner_grew", "hit_round_cap", "eos_detected")
 # the process group's collective timeout in the spawned workers (bounds a dead peer's wait); it also bounds the first
 # collective, which waits for the slowest rank's start-up: 20 s failed with a second test suite beside this one
 PG_TIMEOUT_S = 120
@@ -66,7 +66,7 @@ def grid() -> list[dict]:
             block_size=bs, max_new_tokens=bs * (2 + i % 3), block_add_threshold=th[0],
             decoded_token_threshold=th[1], skip_threshold=th[2],
             sampling_strategy=("default", "margin", "neg_entropy")[i % 3],
-        ))  # fmt: skip
+        ))
     return cases
 
 
@@ -81,14 +81,14 @@ def hot_grid() -> list[dict]:
 COMPILE_CASE = dict(model="dream", prompt_len=9, prompt_seed=2, eos=False, strategy="lopa", branching_factor=2,
                     use_full_attention=True, block_size=4, max_new_tokens=8, skip_threshold=0.9,
                     block_add_threshold=0.1, decoded_token_threshold=0.9, sampling_strategy="neg_entropy",
-                    temperature=TEMPERATURE, seed=1)  # fmt: skip
+                    temperature=TEMPERATURE, seed=1)
 
 
 def compile_grid() -> list[dict]:
     """-m slow: both modes, k in {1, 2, 4}, T = 0 and TEMPERATURE, on grid geometries (several buckets each)."""
     g = grid()
     return [dict(g[0], temperature=0.0), dict(g[3], temperature=TEMPERATURE, seed=3), dict(g[4], temperature=0.0),
-            dict(g[5], temperature=TEMPERATURE, seed=5), dict(COMPILE_CASE, temperature=0.0)]  # fmt: skip
+            dict(g[5], temperature=TEMPERATURE, seed=5), dict(COMPILE_CASE, temperature=0.0)]
 
 
 def _frequent_token(model) -> int:
@@ -116,7 +116,7 @@ def summary(out) -> dict:
     (position, token) pairs (scores are floats: equal in practice, compared through the winners)."""
     rounds = [[e["window_start"], e["cached"], e["winner"], e["accepted"]] for e in out.trace]
     return {"ids": out.generated_ids, "forwards": out.stats["forwards"], "rounds": rounds,
-            **{k: out.stats.get(k) for k in COUNTERS}}  # fmt: skip
+            **{k: out.stats.get(k) for k in COUNTERS}}
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, backend: str = "gloo",
@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=pg_timeout))
     models = build_models()
     if backend == "nccl":
         models = {k: m.cuda() for k, m in models.items()}
@@ -165,13 +165,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, ba
             out = run_case(models, case, distributed=True, on_round=lambda prefix, info: hook.append(info["round"]))
             res["cases"].append({**summary(out), "dist": out.stats["distributed"], "hook": hook,
                                  "compiled": out.stats.get("compiled_buckets"),
-                                 "graphs": out.stats.get("compiled_graphs")})  # fmt: skip
+                                 "graphs": out.stats.get("compiled_graphs")})
             if backend == "nccl":
                 res["cases"][-1]["local"] = summary(run_case(models, case))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts on it
             res["cases"].append({"error": {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None),
                                            "seconds": time.monotonic() - t0,
-                                           "case_seconds": time.monotonic() - tc}})  # fmt: skip
+                                           "case_seconds": time.monotonic() - tc}})
         finally:
             cls.forward_static = fwd
         res["seconds"] = time.monotonic() - t0
@@ -187,7 +187,7 @@ def spawn_group(world: int, tmp_path, cases: list, backend: str = "gloo", pg_tim
     killed and the test fails). Returns each rank's json (None for a rank that wrote none)."""
     init_file = str(tmp_path / f"pg{world}")
     run_ranks(_worker, [(r, world, init_file, str(tmp_path), cases, backend, pg_timeout) for r in range(world)],
-              join_timeout)  # fmt: skip
+              join_timeout)
     out = []
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
@@ -343,10 +343,10 @@ def test_refused_without_group_or_with_uncovered_knobs():
     assert e.value.knob == "distributed" and "init_process_group" in str(e.value)
     for kw, knob in ((dict(backend="reference"), "backend"), (dict(temperature=0.5, sampler="upstream"), "sampler"),
                      (dict(strategy="vanilla"), "strategy"), (dict(compile=True), "distributed"),
-                     (dict(temperature=0.5), "distributed")):  # fmt: skip
+                     (dict(temperature=0.5), "distributed")):
         with pytest.raises(KnobError) as e:  # compile=True and keyed T > 0 are covered: only the missing group
             lopa_fast.generate(m, prompt, **{"strategy": "lopa", "backend": "fast", **kw}, distributed=True,
-                               max_new_tokens=8, block_size=4)  # fmt: skip
+                               max_new_tokens=8, block_size=4)
         assert e.value.knob == knob
         if knob == "sampler":
             assert "sampler='keyed'" in str(e.value) and "0.5" in str(e.value)
@@ -375,7 +375,7 @@ def test_cli_under_torchrun_matches_one_process(tmp_path):
     args = ["-m", "lopa_fast", "generate", "--prompt", "Tom has 23 pens .", "--backend", "fast", "--json"]
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=True)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          *args, "--distributed"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+                          *args, "--distributed"], capture_output=True, text=True, timeout=300, check=True)
     outs = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
     assert len(outs) == 1  # rank 0 prints
     assert outs[0]["generated_ids"] == json.loads(one.stdout)["generated_ids"]

@@ -26,7 +26,7 @@ CASE = dict(strategy="lopa", branching_factor=4, block_size=4, max_new_tokens=32
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))
     model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
     prompt = torch.randint(0, 61, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     last = rank == world - 1

@@ -61,7 +61,7 @@ def expand(pattern: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", pattern)
     if m:
         return list(itertools.chain.from_iterable(
-            expand(pattern[:m.start()] + alt + pattern[m.end():]) for alt in m.group(1).split(",")))  # fmt: skip
+            expand(pattern[:m.start()] + alt + pattern[m.end():]) for alt in m.group(1).split(",")))
     return [pattern]
 
 
@@ -88,13 +88,13 @@ def test_the_check_sees_what_it_claims():
 
 def test_every_dotted_name_resolves():
     bad = [f"{d.name}:{n}: {name}" for d, n, line in lines() for m in DOTTED.finditer(line)
-           if (name := m.group(0).rstrip(".")) not in NOT_OBJECTS and not resolves(name)]  # fmt: skip
+           if (name := m.group(0).rstrip(".")) not in NOT_OBJECTS and not resolves(name)]
     assert not bad, "\n".join(bad)
 
 
 def test_every_path_exists():
     bad = [f"{d.name}:{n}: {m.group(1)}" for d, n, line in lines() for m in PATH.finditer(line)
-           if "<" not in m.group(1) and not path_exists(m.group(1))]  # fmt: skip
+           if "<" not in m.group(1) and not path_exists(m.group(1))]
     assert not bad, "\n".join(bad)
 
 

@@ -52,7 +52,7 @@ def test_no_compiler_is_run_by_a_process():
             "m = random_model(tiny_hf_config('dream', vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)\n"
             "lopa_fast.generate(m, torch.tensor([5, 9, 2]), 'lopa', backend='fast', branching_factor=2,\n"
             "                   max_new_tokens=8, block_size=4)\n"
-            "print('SPAWNED', seen)\n")  # fmt: skip
+            "print('SPAWNED', seen)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
@@ -65,7 +65,7 @@ def test_root_kernels_folder_never_shadows_hugging_faces_kernels():
             "assert sys.path[0] == '', sys.path[0]\n"
             "spec = importlib.util.find_spec('kernels')\n"
             "import lopa_fast.kernels.triton.rms_norm as t, lopa_fast.kernels as k\n"
-            "print(spec.origin if spec else None, t.__file__, k.CUDA_DIR)\n")  # fmt: skip
+            "print(spec.origin if spec else None, t.__file__, k.CUDA_DIR)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     origin, triton_file, cuda_dir = r.stdout.split()
@@ -96,7 +96,7 @@ def test_the_cuda_emulation_is_built_at_install_and_loaded_not_compiled(tmp_path
             "conf = emu.confidence(torch.tensor([[0.0, 2.0, 1.0]]))\n"
             "assert conf[0].tolist() == [1], conf\n"
             "print('LIBS', *sorted(L._lib._name for L in emu._l.values()))\n"
-            "print('SPAWNED', seen)\n")  # fmt: skip
+            "print('SPAWNED', seen)\n")
     env = dict(os.environ, LOPA_FAST_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -35,7 +35,7 @@ EOS_OFTEN = {"a": 62, "b": 6}
 EOS_NEVER = {"a": 61, "b": 61}
 PROMPTS = {1: [7], 3: [5, 9, 2], 9: [4, 8, 15, 16, 23, 42, 1, 3, 11]}
 STATS = ("acceptance_counts", "dllm_forwards", "verifier_forwards", "forwards", "model_calls", "eos_detected",
-         "hit_round_cap", "finish_reason", "generated_tokens", "tpf")  # fmt: skip
+         "hit_round_cap", "finish_reason", "generated_tokens", "tpf")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def run_both(models, c: dict, fast_only: dict | None = None, **extra):
     kw = dict(strategy="apd", apd_mixture_weight=c["R"], kv_window=c["W"], max_lookahead=c["M"],
               tokens_per_step=c["K"], max_new_tokens=c["n"], eos_token_id=eos,
               exact_prev_logits=c["exact"] or None,
-              verifier=models[q_name] if c["R"] is not None else None)  # fmt: skip
+              verifier=models[q_name] if c["R"] is not None else None)
     kw.update({k: v for k, v in c.items() if k not in ("pair", "R", "W", "M", "P", "eos", "n", "K", "exact")})
     kw.update(extra)
     d = models[d_name]
@@ -85,7 +85,7 @@ CI_CASES = [
     case(pair="b", R=None, K=3, W=None, M=None, P=9, eos="never", n=16),
     case(R=0.7, W=2, M=4, P=3, eos="never", n=16, top_k=5, top_p=0.9),  # filters at T = 0
     case(R=0.7, W=4, M=8, P=3, eos="never", n=20, suppress_mask_token=True),
-]  # fmt: skip
+]
 
 
 def test_fast_equals_reference_ci_cases(models):
@@ -106,7 +106,7 @@ def test_fast_equals_reference_ci_cases(models):
 def slow_grid() -> list[dict]:
     out = []
     for pair, R, W, M, P, eos in itertools.product("ab", (None, 0.1, 0.5, 0.7, 0.9, 1.0), (None, 0, 1, 4, 16),
-                                                   (None, 1, 4, 8), (1, 3, 9), ("often", "never")):  # fmt: skip
+                                                   (None, 1, 4, 8), (1, 3, 9), ("often", "never")):
         if R is None:
             for K in (None, 3):
                 if M is None or (K or 1) <= M:
@@ -126,10 +126,10 @@ def test_fast_equals_reference_full_grid(models, c):
 def test_one_host_read_per_step(models):
     d, q = models["d64"], models["q64"]
     for kw in (dict(apd_mixture_weight=0.7, verifier=q, kv_window=4, max_lookahead=8),
-               dict(tokens_per_step=2, max_lookahead=4, stop=[[13, 39]])):  # fmt: skip
+               dict(tokens_per_step=2, max_lookahead=4, stop=[[13, 39]])):
         with count_host_syncs() as counter:
             out = lopa_fast.generate(d, [5, 9, 2], strategy="apd", backend="fast", max_new_tokens=24,
-                                     eos_token_id=61, **kw)  # fmt: skip
+                                     eos_token_id=61, **kw)
         steps = out.stats["forwards"]
         assert steps > 3 and counter.per_round == [1] * steps, counter.per_round
         assert out.stats["host_reads"] == steps and out.stats["host_reads_per_round"] == 1.0
@@ -145,13 +145,13 @@ def test_round_cap(models):
     d, q = models["d64"], models["q64"]
     with pytest.raises(RoundCapError, match=r"max_rounds=2"):
         lopa_fast.generate(d, [5, 9, 2], strategy="apd", backend="fast", verifier=q, apd_mixture_weight=0.5,
-                           max_new_tokens=24, max_rounds=2, on_round_cap="error", eos_token_id=61)  # fmt: skip
+                           max_new_tokens=24, max_rounds=2, on_round_cap="error", eos_token_id=61)
 
 
 def test_stop_sequences_end_at_the_same_step(models):
     d, q = models["d64"], models["q64"]
     base = lopa_fast.generate(d, [5, 9, 2], strategy="apd", backend="fast", verifier=q, apd_mixture_weight=0.7,
-                              kv_window=4, max_lookahead=8, max_new_tokens=24, eos_token_id=61)  # fmt: skip
+                              kv_window=4, max_lookahead=8, max_new_tokens=24, eos_token_id=61)
     ids = base.generated_ids
     stop = [ids[9:11], [60, 60, 60]]  # one that occurs (mid-answer), one that never does
     c = case(R=0.7, W=4, M=8, eos="never", n=24)
@@ -173,7 +173,7 @@ def test_device_stop_check_equals_first_stop():
         x[first_mask:] = mask
         x[Lb] = 1  # the trash column is never read
         stops = [torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(2)]  # fmt: skip
+                 for _ in range(2)]
         lens = tuple(len(q) for q in stops)
         want = first_stop(x[P:Lb].tolist(), stops, mask) is not None
         # as the APD step checks its committed prefix (commit): the canvas x[:Lb] from the prompt end on
@@ -193,9 +193,9 @@ def test_nonfinite_logits_are_refused(models):
     for drafter, verifier, which in ((bad_d, q, "drafter"), (d, bad_q, "verifier")):
         for backend in ("reference", "fast"):
             with pytest.raises(NonFiniteLogitsError, match=r"apd: non-finite logits .* in round 1 at sequence "
-                                                           r"position 3") as e:  # fmt: skip
+                                                           r"position 3") as e:
                 lopa_fast.generate(drafter, [5, 9, 2], strategy="apd", backend=backend, verifier=verifier,
-                                   apd_mixture_weight=0.7, max_new_tokens=8)  # fmt: skip
+                                   apd_mixture_weight=0.7, max_new_tokens=8)
             assert (e.value.strategy, e.value.round, e.value.position) == ("apd", 1, 3)
             if backend == "fast":
                 assert f"({which})" in str(e.value)
@@ -221,7 +221,7 @@ def test_drafted_mask_and_outside_vocabulary_errors_match_the_reference(models):
     for backend in ("reference", "fast"):
         with pytest.raises(RuntimeError, match=r"outside the verifier's vocabulary \[0, 64\)"):
             lopa_fast.generate(d66, [7, 3], strategy="apd", backend=backend, verifier=q, apd_mixture_weight=0.7,
-                               max_new_tokens=8)  # fmt: skip
+                               max_new_tokens=8)
 
 
 def test_trace_and_hook_equal_the_reference(models):
@@ -233,7 +233,7 @@ def test_trace_and_hook_equal_the_reference(models):
     for backend in seen:
         lopa_fast.generate(d, [5, 9, 2], strategy="apd", backend=backend, verifier=q, apd_mixture_weight=0.7,
                            kv_window=4, max_lookahead=8, max_new_tokens=16, eos_token_id=61,
-                           on_round=lambda prefix, info, b=backend: seen[b].append((prefix, info)))  # fmt: skip
+                           on_round=lambda prefix, info, b=backend: seen[b].append((prefix, info)))
     assert seen["fast"] == seen["reference"] and len(seen["fast"]) == fast.stats["forwards"]
 
 
@@ -241,7 +241,7 @@ def test_trace_and_hook_equal_the_reference(models):
 # W = 2, M = 4, 12 new tokens: every step's window (<= M + W - 1 + M = 9 columns) and draft (<= 4 rows) fall in the
 # smallest bucket (16 x 16), so CI compiles ONE graph; the second request replays it.
 COMPILE_KW = dict(strategy="apd", apd_mixture_weight=0.7, kv_window=2, max_lookahead=4, max_new_tokens=12,
-                  eos_token_id=61)  # fmt: skip
+                  eos_token_id=61)
 
 
 @pytest.fixture(scope="session")
@@ -284,7 +284,7 @@ def test_captured_step_workspace_logic_on_cpu(models, monkeypatch):
         stats = []
         for prompt, R in (([5, 9, 2], 0.7), ([4, 8, 15], 0.7), ([1, 2, 3], 0.9)):
             kw = dict(COMPILE_KW, apd_mixture_weight=R, kv_window=4, max_lookahead=8, max_new_tokens=24,
-                      return_trace=True)  # fmt: skip
+                      return_trace=True)
             ref = lopa_fast.generate(d, prompt, backend="reference", verifier=q, **kw)
             got = lopa_fast.generate(d, prompt, backend="fast", compile=True, verifier=q, **kw)
             assert_parity(ref, got, kw)
@@ -311,7 +311,7 @@ def is_apd_workspace(key) -> bool:
 @pytest.mark.parametrize("c", [case(R=0.5, W=None, M=None, P=9, eos="never", n=24),
                                case(R=None, K=2, W=1, M=4, P=1, n=24),
                                case(pair="b", R=0.3, W=16, M=4, P=9, eos="never", n=24,
-                                    suppress_mask_token=True)])  # fmt: skip
+                                    suppress_mask_token=True)])
 def test_compile_grid(models, c):
     ref, comp = run_both(models, c, fast_only={"compile": True})
     assert_parity(ref, comp, c)
@@ -340,5 +340,5 @@ def test_keyed_sampling_seeds_matter_and_upstream_stays_on_the_reference(models)
     with pytest.warns(RuntimeWarning, match="sampler='upstream'"):  # APD's default at T > 0: upstream's order
         out = lopa_fast.generate(models[d_name], PROMPTS[3], strategy="apd", backend="auto", verifier=models[q_name],
                                  apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, max_new_tokens=16,
-                                 temperature=1.0, seed=1)  # fmt: skip
+                                 temperature=1.0, seed=1)
     assert out.stats["backend"] == "reference"

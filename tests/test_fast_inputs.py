@@ -31,7 +31,7 @@ def test_upstream_sampler_not_covered(model, prompt, strategy):
     kw = dict(threshold=0.9) if strategy == "threshold" else {}
     with pytest.raises(ValueError, match=r"sampler='upstream'.*per-step reference only"):
         lopa_fast.generate(model, prompt, strategy, "fast", temperature=0.7, sampler="upstream", max_new_tokens=8,
-                           **({} if strategy == "vanilla" else dict(block_size=4)), **kw)  # fmt: skip
+                           **({} if strategy == "vanilla" else dict(block_size=4)), **kw)
 
 
 def test_auto_falls_back_for_upstream_sampler(model, prompt):
@@ -57,7 +57,7 @@ def test_auto_is_the_default_and_runs_fast_at_any_temperature(model, prompt, str
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         out = lopa_fast.generate(model, prompt, strategy, max_new_tokens=8, temperature=0.7, seed=1, top_p=0.9,
-                                 **({} if strategy == "vanilla" else dict(block_size=4)), **kw)  # fmt: skip
+                                 **({} if strategy == "vanilla" else dict(block_size=4)), **kw)
     assert out.stats["backend"] == "fast" and "fallback" not in out.stats
 
 
@@ -96,4 +96,4 @@ def test_bad_prompts(model):
 def test_round_cap_error(model, prompt):
     with pytest.raises(lopa_fast.RoundCapError):
         lopa_fast.generate(model, prompt, "lopa", "fast", block_size=8, max_new_tokens=32, skip_threshold=0.999,
-                           max_rounds=2, on_round_cap="error")  # fmt: skip
+                           max_rounds=2, on_round_cap="error")

@@ -29,7 +29,7 @@ THRESHOLDS = ((0.1, 0.95, 0.9), (0.5, 0.8, 0.7), (0.3, 0.5, 0.95), (0.0, 0.0, 0.
 MODELS = ("gqa64", "mha128", "gqa96", "llada64")
 GRID_CI = 90
 COUNTERS = ("accepted_by_threshold", "fallback_fills", "multi_token_rounds", "lookahead_wins", "branch_growth",
-            "winner_grew", "eos_fills", "ragged_rounds")  # fmt: skip
+            "winner_grew", "eos_fills", "ragged_rounds")
 
 
 def build_models() -> dict:
@@ -130,7 +130,7 @@ def _check_cases(cases: list[dict]) -> dict:
         ref, fast, used = run_case(models, eos_ids, case)
         same = ref.generated_ids == fast.generated_ids and ref.stats["forwards"] == fast.stats["forwards"]
         for key in ("accepted_by_threshold", "fallback_fills", "eos_fills", "multi_token_rounds", "lookahead_wins",
-                    "branch_growth", "winner_grew", "hit_round_cap", "eos_detected"):  # fmt: skip
+                    "branch_growth", "winner_grew", "hit_round_cap", "eos_detected"):
             if key in ref.stats and ref.stats[key] != fast.stats.get(key):
                 same = False
         if not same:
@@ -153,7 +153,7 @@ def test_parity_grid_ci():
     """A seeded subset of the product (every axis value appears); parity + coverage counters."""
     cases = ci_subset()
     for axis, values in (("branching_factor", KS), ("sampling_strategy", SAMPLING), ("use_full_attention", FULL),
-                         ("block_size", BLOCKS), ("model", MODELS)):  # fmt: skip
+                         ("block_size", BLOCKS), ("model", MODELS)):
         assert {c[axis] for c in cases} == set(values), axis
     cov = check_cases(cases)
     assert_coverage(cov)

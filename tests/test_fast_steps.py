@@ -24,7 +24,7 @@ from lopa_fast.strategies import steps
 from tests.utils import step_models
 
 THRESHOLD_RULES = (("threshold", 0.5), ("threshold", 0.9), ("factor", 1.0), ("factor", 2.5),
-                   ("entropy_threshold", 0.3), ("entropy_threshold", 1.5))  # fmt: skip
+                   ("entropy_threshold", 0.3), ("entropy_threshold", 1.5))
 CACHES = (None, "prefix", "dual")
 GRID_CI = 60
 
@@ -58,7 +58,7 @@ def vanilla_cases() -> list[dict]:
                 bl = rng.choice([4, 8, 16])
                 kw.update(block_length=bl, steps=(16 // bl) * rng.choice([1, 2, 4]),
                           remasking=rng.choice(["low_confidence", "random"]), cfg_scale=rng.choice([0.0, 0.0, 1.5]),
-                          logits_eos_inf=rng.random() < 0.2, confidence_eos_eot_inf=rng.random() < 0.3)  # fmt: skip
+                          logits_eos_inf=rng.random() < 0.2, confidence_eos_eot_inf=rng.random() < 0.3)
             else:
                 algs = ["origin", "maskgit_plus", "topk_margin", "entropy"]
                 kw.update(steps=rng.choice([4, 8, 16]), alg=rng.choice(algs))
@@ -127,7 +127,7 @@ def test_trace_matches_the_reference(models):
                  dict(model="dream", prompt=[3, 4, 5], strategy="vanilla",
                       kw=dict(max_new_tokens=8, steps=4, alg="entropy")),
                  dict(model="llada", prompt=[3, 4, 5], strategy="vanilla",
-                      kw=dict(max_new_tokens=8, steps=4, block_length=4))):  # fmt: skip
+                      kw=dict(max_new_tokens=8, steps=4, block_length=4))):
         case["kw"]["return_trace"] = True
         ref, fast = run_pair(models, case)
         assert fast.trace == ref.trace, case
@@ -143,7 +143,7 @@ def test_round_cap_and_stop(models):
         lopa_fast.generate(models["llada"], [3, 4, 5], "threshold", "fast", **kw)
     ids = ref.generated_ids
     for strategy, kw in (("threshold", dict(max_new_tokens=16, block_length=4, threshold=0.9)),
-                         ("vanilla", dict(max_new_tokens=16, steps=16, alg="maskgit_plus"))):  # fmt: skip
+                         ("vanilla", dict(max_new_tokens=16, steps=16, alg="maskgit_plus"))):
         base = lopa_fast.generate(models["dream"], [3, 4, 5], strategy, "reference", **kw).generated_ids
         stop = [base[5:7]]
         ref, fast = run_pair(models, dict(model="dream", prompt=[3, 4, 5], strategy=strategy, kw=dict(kw, stop=stop)))
@@ -157,7 +157,7 @@ def test_progress_hook_sees_the_reference_prefixes(models):
     for backend in seen:
         lopa_fast.generate(models["dream"], [3, 4, 5], "threshold", backend, max_new_tokens=8, block_length=4,
                            cache="dual", threshold=0.8,
-                           on_round=lambda prefix, info, b=backend: seen[b].append(prefix))  # fmt: skip
+                           on_round=lambda prefix, info, b=backend: seen[b].append(prefix))
     assert seen["fast"] == seen["reference"] and seen["fast"]
 
 

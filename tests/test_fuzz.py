@@ -17,15 +17,15 @@ from lopa_fast.models.config import parse_config  # noqa: E402
 from lopa_fast.testing import random_model, tiny_hf_config  # noqa: E402
 
 FUZZ = settings(deadline=None, derandomize=True, max_examples=60, database=None,
-                suppress_health_check=list(HealthCheck))  # fmt: skip
+                suppress_health_check=list(HealthCheck))
 _MODEL = random_model(tiny_hf_config("dream", vocab_size=32, num_layers=1, hidden_size=16, intermediate_size=32,
-                                     max_position_embeddings=96), seed=0, sharpen=4.0)  # fmt: skip
+                                     max_position_embeddings=96), seed=0, sharpen=4.0)
 DOCUMENTED = (LopaError, ValueError, TypeError)  # LopaError subclasses; knob TypeErrors stay plain TypeError
 
 WEIRD = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=4), st.lists(st.integers(-3, 40), max_size=3), st.dictionaries(st.text(max_size=2), st.none(), max_size=1),
-)  # fmt: skip
+)
 
 
 def _names_value(msg: str, value) -> bool:
@@ -37,7 +37,7 @@ def _names_value(msg: str, value) -> bool:
 # ---- config.json ------------------------------------------------------------------------------------------
 CONFIG_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-               "mask_token_id", "eos_token_id", "bos_token_id", "head_dim"]  # fmt: skip
+               "mask_token_id", "eos_token_id", "bos_token_id", "head_dim"]
 
 
 @FUZZ
@@ -109,11 +109,11 @@ def test_fuzz_generate(strategy, prompt, knobs):
 
 @FUZZ
 @given(nan_at=st.integers(0, 31), strategy=st.sampled_from(["lopa", "d2f", "threshold", "vanilla"]),
-       temperature=st.sampled_from([0.0, 0.5]))  # fmt: skip
+       temperature=st.sampled_from([0.0, 0.5]))
 def test_fuzz_nonfinite_head_rows(nan_at, strategy, temperature):
     """A NaN head row: either the guard names the round / position / strategy, or no read row was touched."""
     model = random_model(tiny_hf_config("dream", vocab_size=32, num_layers=1, hidden_size=16, intermediate_size=32,
-                                        max_position_embeddings=96), seed=0, sharpen=4.0)  # fmt: skip
+                                        max_position_embeddings=96), seed=0, sharpen=4.0)
     with torch.no_grad():
         model.head_weight()[nan_at] = float("nan")
     kw = dict(threshold=0.9) if strategy == "threshold" else {}

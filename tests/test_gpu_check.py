@@ -37,11 +37,11 @@ def test_projection_stage_arithmetic(tmp_path, capsys):
 
     # the stage's copies of the model's constants are the model's
     assert (pc.H200_MEAS_BW, pc.GRAPH_LAUNCH_US, pc.HOST_READ_US) == (rc.H200_MEAS_BW, rc.GRAPH_LAUNCH_US,
-                                                                         rc.HOST_READ_US)  # fmt: skip
+                                                                         rc.HOST_READ_US)
     proj = {"knobs": {"prompt": 64}, "kv_bytes_per_token": 57344, "rows": [
         {"path": "fast", "k": 4, "projection": {}},  # CPU-backend rows are not the GPU's kernel sequence: ignored
         {"path": "fastgpu", "k": 4, "projection": dict(roofline_ms=3.5, launches=500, syncs=1, eager_ms=[6.0, 8.5],
-                                                        captured_ms=[4.025, 4.525])}]}  # fmt: skip
+                                                        captured_ms=[4.025, 4.525])}]}
     (tmp_path / "proj.json").write_text(__import__("json").dumps(proj))
     meas = {"device": "cuda", "gpu": "H200", "rows": [dict(k=4, prefix=1024, eager_ms=9.0, captured_ms=5.0),
                                                       dict(k=1, prefix=1024, eager_ms=7.0, captured_ms=4.0)]}

@@ -36,7 +36,7 @@ def unfused(h, w, suppress=None, eps=1e-10):
     """The statistics the round computes today: the logits materialised, then `confidence` (fp64: exact)."""
     logits = F.linear(h, w)
     return (ref.confidence(logits.double(), suppress, eps), ref.confidence(logits.float(), suppress, eps),
-            torch.isfinite(logits).all(-1))  # fmt: skip
+            torch.isfinite(logits).all(-1))
 
 
 def check(got, h, w, suppress=None, entropy=True):

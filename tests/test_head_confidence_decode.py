@@ -41,7 +41,7 @@ def test_fused_head_parity_grid(fused):
     the parity grid's CI subset (every k, sampling strategy and model), with its coverage counters."""
     cases = [c for c in parity.ci_subset() if _fusable(c)][:N_GRID]
     for axis, values in (("branching_factor", parity.KS), ("sampling_strategy", parity.SAMPLING),
-                         ("model", parity.MODELS)):  # fmt: skip
+                         ("model", parity.MODELS)):
         assert {c[axis] for c in cases} == set(values), axis
     cov = parity.check_cases(cases)
     assert fused, "the fused head never ran"
@@ -84,7 +84,7 @@ def test_fused_head_parity_grid_full(fused):
 def _fusable_step(case) -> bool:
     kw = case["kw"]
     if not case["model"].startswith("dream") or kw.get("temperature", 0) > 0 or kw.get("top_p") is not None \
-            or kw.get("top_k") is not None:  # fmt: skip
+            or kw.get("top_k") is not None:
         return False
     if case["strategy"] == "vanilla":
         return not kw.get("alg_temp")
@@ -142,7 +142,7 @@ def test_fused_head_vanilla_and_threshold_steps_full(fused):
     ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, temperature=0.7), False),  # T > 0
     ("llada", dict(strategy="threshold", threshold=0.9, block_length=4), False),  # LLaDA's float64 statistics
     ("llada", dict(strategy="vanilla", steps=8, block_length=8), False),
-])  # fmt: skip
+])
 def test_which_steps_take_the_fused_head(fused, kind, kw, want):
     """The steps whose statistics are what ops.head_confidence gives take it (with $LOPA_FAST_FUSED_HEAD=1); the
     others keep the logits (and run: the unfused path), with the reference's tokens either way."""
@@ -157,7 +157,7 @@ def test_which_steps_take_the_fused_head(fused, kind, kw, want):
 
 
 @pytest.mark.parametrize("strategy,kw", [("threshold", dict(threshold=0.9, block_length=4)),
-                                         ("vanilla", dict(steps=8, alg="maskgit_plus"))])  # fmt: skip
+                                         ("vanilla", dict(steps=8, alg="maskgit_plus"))])
 def test_the_fused_step_still_names_a_nonfinite_row(fused, strategy, kw):
     """NaN hidden rows under the fused head: the step's guard refuses them, naming the strategy, the step and the
     position, with the row's value (recomputed from the hidden row and the head)."""

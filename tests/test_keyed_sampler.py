@@ -29,7 +29,7 @@ def test_hash_is_a_pure_function_of_the_key():
     assert torch.equal(a, keyed.key(7, keyed.TOKEN, 3, 1, pos))
     assert torch.equal(a[10:20], keyed.key(7, keyed.TOKEN, 3, 1, pos[10:20]))  # no dependence on batch / order
     for other in (keyed.key(8, 0, 3, 1, pos), keyed.key(7, 1, 3, 1, pos), keyed.key(7, 0, 4, 1, pos),
-                  keyed.key(7, 0, 3, 2, pos)):  # fmt: skip
+                  keyed.key(7, 0, 3, 2, pos)):
         assert not torch.equal(a, other)
     # tensor and int fields hash alike (the fast path keeps the step on the device)
     assert torch.equal(a, keyed.key(7, keyed.TOKEN, torch.tensor(3), torch.tensor(1), pos))

@@ -20,7 +20,7 @@ from tests.utils import emulated_capture
 HERE = os.path.dirname(__file__)
 SAMPLE = dict(temperature=0.7, seed=3)
 ROUND = dict(block_size=4, max_new_tokens=16, block_add_threshold=0.1, decoded_token_threshold=0.9,
-             skip_threshold=0.8)  # fmt: skip
+             skip_threshold=0.8)
 # (model, strategy, the shared knobs, the knob that differs, its two values, the prompt)
 CASES = [
     ("dream", "lopa", dict(ROUND, branching_factor=2, **SAMPLE), "temperature", (0.5, 1.5), [5, 9, 2, 7]),
@@ -102,7 +102,7 @@ def test_float_knobs_share_one_captured_graph(models, captured, case):
     model = models[name]
     cr = captured(model)
     _one_graph_for_both(cr, lambda v, comp: _generate(model, prompt, strategy=strategy, compile=comp,
-                                                      **{**kw, knob: v}), knob, values)  # fmt: skip
+                                                      **{**kw, knob: v}), knob, values)
 
 
 @pytest.mark.parametrize("case", APD_CASES, ids=lambda c: c[1])
@@ -111,7 +111,7 @@ def test_apd_float_knobs_share_one_captured_graph(models, captured, case):
     drafter, verifier = models["apd"]
     cr = captured(drafter)
     _one_graph_for_both(cr, lambda v, comp: _generate(drafter, [5, 9, 2], verifier=verifier, compile=comp,
-                                                      **{**kw, knob: v}), knob, values)  # fmt: skip
+                                                      **{**kw, knob: v}), knob, values)
 
 
 def test_structural_knobs_still_key_a_graph(models, captured):
@@ -149,7 +149,7 @@ def test_compiling_server_adds_no_graph_per_float_knob(captured):
         with TestClient(create_app(worker, model_id="m", defaults={**knobs, "compile": True})) as http:
             seen = []
             requests = [dict(temperature=0.6), dict(temperature=1.4), dict(temperature=1.4, top_p=0.9),
-                        dict(temperature=1.4, top_p=0.6)]  # fmt: skip
+                        dict(temperature=1.4, top_p=0.6)]
             for i, sampling in enumerate(requests):
                 r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, **sampling})
                 assert r.status_code == 200, r.text

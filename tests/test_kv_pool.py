@@ -193,7 +193,7 @@ def test_pooled_forward_requests_matches_per_request_cuda_emulated(cuda_emu, mon
     usable = _backend._usable
     monkeypatch.setattr(_backend, "_usable", lambda op, b, dev, args=(): None if b == "cuda" else usable(op, b, dev, args))
     model = random_model(tiny_hf_config("dream", vocab_size=64, hidden_size=128, intermediate_size=64, num_layers=1,
-                                        num_heads=2, num_kv_heads=1), seed=2, sharpen=6)  # fmt: skip
+                                        num_heads=2, num_kv_heads=1), seed=2, sharpen=6)
     out = _pooled_and_loop(model, monkeypatch, False, 2, True, "cuda")
     _assert_paths_agree(model, *out, True, 1e-4)
 
@@ -265,7 +265,7 @@ def test_pooled_apd_batch_tokens_equal_solo_triton(monkeypatch):
     d = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2, num_layers=1), seed=2, sharpen=6)
     q = random_model(tiny_hf_config("qwen2", vocab_size=64, num_kv_heads=2, num_layers=1), seed=3, sharpen=6)
     kw = dict(strategy="apd", backend="fast", apd_mixture_weight=0.7, kv_window=2, max_lookahead=4, max_new_tokens=8,
-              eos_token_id=61, verifier=q)  # fmt: skip
+              eos_token_id=61, verifier=q)
     ps = prompts((4, 9), seed=8)
     solo = [lopa_fast.generate(d, p, **kw) for p in ps]
     seen = []

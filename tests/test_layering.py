@@ -23,7 +23,7 @@ DECODE = PACKAGE / "decode"
 def _docstrings(tree) -> set[int]:
     kinds = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     return {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, kinds) and n.body
-            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}  # fmt: skip
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
 
 
 def imported_names(tree) -> set[str]:
@@ -54,7 +54,7 @@ def test_decode_imports_no_strategy():
     for path in files:
         names = imported_names(ast.parse(path.read_text()))
         hits = sorted(m for m in names if m == "lopa_fast.strategies" or m.startswith("lopa_fast.strategies.")
-                      or m.startswith("lopa_fast.reference"))  # fmt: skip
+                      or m.startswith("lopa_fast.reference"))
         if hits:
             bad[path.name] = hits
     assert not bad, f"lopa_fast/decode imports strategy code (the plan hands it the spec): {bad}"
@@ -63,7 +63,7 @@ def test_decode_imports_no_strategy():
 def test_the_walk_sees_function_local_and_importlib_imports():
     """The check itself cannot go blind: each form it claims to see is seen."""
     src = ("def f():\n    from lopa_fast.strategies import get\n    import importlib\n"
-           "    importlib.import_module('lopa_fast.strategies.lopa')\n    x = 'lopa_fast.strategies.apd:spec'\n")  # fmt: skip
+           "    importlib.import_module('lopa_fast.strategies.lopa')\n    x = 'lopa_fast.strategies.apd:spec'\n")
     names = imported_names(ast.parse(src))
     assert {"lopa_fast.strategies", "lopa_fast.strategies.lopa", "lopa_fast.strategies.apd"} <= names
 
@@ -75,7 +75,7 @@ def test_decode_compares_no_strategy_name():
         tree = ast.parse(path.read_text())
         docs = _docstrings(tree)
         lits = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                and id(n) not in docs}  # fmt: skip
+                and id(n) not in docs}
         assert not (lits & names), (path.name, lits & names)
 
 
@@ -162,7 +162,7 @@ def test_knobs_added_after_the_config_was_built_are_refused():
     vanilla = strategies.get("vanilla")
     with pytest.raises(TypeError, match="late_knob"):
         strategies.register(strategies.Strategy(name="late", summary="late", reference=vanilla.reference,
-                                                knob_class=LateKnobs))  # fmt: skip
+                                                knob_class=LateKnobs))
     assert "late" not in strategies.names()
 
 

@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance
 import lopa_fast
 from lopa_fast.assets import model_dir
 from lopa_fast.lm_eval import (LopaFastLM, draw_masks, elbo_terms, greedy_matches, mask_counts, masked_logprobs,
-                               mc_loglikelihood)  # fmt: skip
+                               mc_loglikelihood)
 from lopa_fast.tasks import arith
 from lopa_fast.testing import random_model, tiny_hf_config
 from lopa_fast.request.text import answer_text, text_decoder
@@ -78,7 +78,7 @@ def test_lm_eval_offline_end_to_end(tmp_path):
         [sys.executable, "-m", "lopa_fast", "lm-eval", "--model", "lopa_fast", "--model_args",
          "strategy=lopa,branching_factor=4,block_size=8", "--tasks", "arith_tiny", "--include_path",
          str(tmp_path / "tasks"), "--output_path", str(out), "--apply_chat_template", "--device", "cpu"],
-        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     results = list(out.rglob("results_*.json"))
     stats_files = list(out.rglob("lopa_fast_stats_*.json"))
@@ -104,7 +104,7 @@ def test_generate_until_uses_the_stop_mechanism(lm):
     want = answer_text(full, text_decoder(lm.tok), lm.model.eos_token_id)
     lm.records.clear()
     texts = lm.generate_until([_req(context, until=[". 7 +"], max_gen_toks=30), _req(context, max_gen_toks=13),
-                               _req(context, until="####", max_gen_toks=30, do_sample=False)])  # fmt: skip
+                               _req(context, until="####", max_gen_toks=30, do_sample=False)])
     assert texts[0] == want.split(" . 7 +")[0] == "4 * 6 = 24"  # tokenised stop: decoding ended early
     assert lm.records[0]["finish_reason"] == "stop" and lm.records[0]["forwards"] < full.stats["forwards"]
     assert lm.records[1]["generated_tokens"] == 13 and want.startswith(texts[1])  # max_gen_toks, cut
@@ -139,7 +139,7 @@ def test_bad_requests(lm):
     ({"dtype": "float8"}, r"dtype='float8'; allowed: float32, bfloat16, float16"),
     ({"device": "gpu0"}, r"device='gpu0'; allowed: cpu, cuda, cuda:N"),
     ({"max_gen_toks": 0}, r"max_gen_toks=0; allowed: an int >= 1"),
-])  # fmt: skip
+])
 def test_bad_model_args_name_the_value(args, match):
     with pytest.raises(lopa_fast.KnobError, match=match):
         LopaFastLM(**args)
@@ -165,7 +165,7 @@ def _exact_elbo(model, prompt, target):
                 per_pos[subset, j] = float(logp[p + j - (1 if model.logits_shift else 0), target[j]])
             sums[subset] = sum(per_pos[subset, j] for j in subset)
     elbo = sum(length / size * sum(v for s, v in sums.items() if len(s) == size) / math.comb(length, size)
-               for size in range(1, length + 1)) / length  # fmt: skip
+               for size in range(1, length + 1)) / length
     return elbo, sums, per_pos
 
 
@@ -305,16 +305,16 @@ def test_multiple_choice_task_through_simple_evaluate(ll_lm, tmp_path, monkeypat
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     probs = arith.generate("test", 4, seed=0)
     docs = [{"question": p.prompt, "choices": [q.solution for q in probs[:3]], "label": i}  # 3 choices: chance 1/3
-            for i, p in enumerate(probs[:3])]  # fmt: skip
+            for i, p in enumerate(probs[:3])]
     docs.append({"question": probs[3].prompt, "choices": [probs[1].solution, probs[0].solution, probs[3].solution],
-                 "label": 2})  # fmt: skip
+                 "label": 2})
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "arith_mc.yaml").write_text(MC_TASK.format(data=data, cache=tmp_path / "hf"))
     tm = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
     res = evaluate(ll_lm, ["arith_mc"], task_manager=tm, output_path=str(tmp_path / "out" / "mc.json"),
-                   log_samples=True)  # fmt: skip
+                   log_samples=True)
     assert res["results"]["arith_mc"]["acc,none"] == 1.0  # the right worked solution has a far higher ELBO
     assert res["lopa_fast"]["model_args"]["mc_num"] == 8 and res["lopa_fast"]["total"]["requests"] == 0
     (saved,) = (tmp_path / "out").glob("mc_*.json")  # where asked: a .json output path names the file
@@ -344,13 +344,13 @@ def test_simple_evaluate_by_name_fills_the_stats_and_runs_on_the_cpu_unasked(tmp
     (tmp_path / "tasks" / "arith_tiny.yaml").write_text(TASK.format(data=data))
     tm = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
     res = lm_eval.simple_evaluate(model="lopa_fast", model_args="strategy=lopa,block_size=8", tasks=["arith_tiny"],
-                                  task_manager=tm, apply_chat_template=True)  # fmt: skip
+                                  task_manager=tm, apply_chat_template=True)
     assert res["lopa_fast"] is not None and res["lopa_fast"]["total"]["requests"] == 1
     assert res["lopa_fast"]["total"]["forwards"] > 0 and res["config"]["lopa_fast"] == res["lopa_fast"]
     if torch.cuda.is_available():
         return
     recwarn.clear()
     assert lfe.main(["--model", "lopa_fast", "--model_args", "strategy=lopa,block_size=8", "--tasks", "arith_tiny",
-                     "--include_path", str(tmp_path / "tasks"), "--apply_chat_template"]) == 0  # fmt: skip
+                     "--include_path", str(tmp_path / "tasks"), "--apply_chat_template"]) == 0
     assert not [w for w in recwarn if "CUDA is not available" in str(w.message)]
     assert str(lfe.LopaFastLM.last._device) == "cpu"

@@ -64,7 +64,7 @@ def _write_adapter(tmp_path, model, targets, r=4, alpha=8, use_rslora=False, ext
             tensors[f"base_model.model.{name}.lora_B.weight"] = 0.3 * torch.randn(out_f, r, generator=g)
     save_file(tensors, str(d / "adapter_model.safetensors"))
     cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
-           "use_rslora": use_rslora, "base_model_name_or_path": "tiny"}  # fmt: skip
+           "use_rslora": use_rslora, "base_model_name_or_path": "tiny"}
     cfg.update(extra_cfg or {})
     (d / "adapter_config.json").write_text(json.dumps(cfg))
     return d, tensors

@@ -201,7 +201,7 @@ def _fused_vs_plain(kind):
     empty = torch.zeros(layers, 1, Hkv, D)
     rows = torch.arange(3 * 7)
     fused, k_win, v_win = m.forward_static(ids, torch.tensor(0), empty, empty, 0, torch.full((3,), 7), None,
-                                           m.attention, rows)  # fmt: skip
+                                           m.attention, rows)
     return m, before, plain, fused.view(3, 7, -1), k_win
 
 

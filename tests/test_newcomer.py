@@ -158,7 +158,7 @@ def test_lm_eval_user_errors_are_one_line(tmp_path, model_args, needle):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     r = subprocess.run([sys.executable, "-m", "lopa_fast", "lm-eval", "--model", "lopa_fast", "--model_args",
                         model_args, "--tasks", "arith_tiny"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=300)  # fmt: skip
+                       timeout=300)
     errors = [x for x in r.stderr.splitlines() if "error" in x]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and needle in errors[0], r.stderr[-2000:]

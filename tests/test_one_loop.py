@@ -41,7 +41,7 @@ def cases(models) -> list:
         ("lopa", models["dream"], dict(strategy="lopa", branching_factor=2, block_size=4, max_new_tokens=12)),
         ("apd", models["d64"], dict(strategy="apd", apd_mixture_weight=0.7, kv_window=2, max_lookahead=4,
                                     max_new_tokens=12, eos_token_id=61, verifier=models["q64"])),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ MEMORY = {"request_bytes", "check_request_memory", "_first_param"}
 # the plan's one lookup: the memory estimate and the one loop (Scheduler) are handed the plan's spec (issue 44)
 LOOKUPS = {"reference": ["_spec"], "fast": ["_spec"]}
 KNOBS = {"lopa": dict(branching_factor=2), "d2f": {}, "threshold": dict(threshold=0.9), "vanilla": dict(steps=8),
-         "apd": dict(kv_window=2, max_lookahead=4)}  # fmt: skip
+         "apd": dict(kv_window=2, max_lookahead=4)}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def _walk(call):
             caller = _caller(below)
             if caller is not None and caller.f_code.co_filename not in (code.co_filename, __file__):
                 callbacks.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_code.co_name} -> "
-                                 f"{code.co_name}")  # fmt: skip
+                                 f"{code.co_name}")
 
     sys.setprofile(profile)
     try:

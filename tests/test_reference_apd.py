@@ -36,7 +36,7 @@ def models():
                 m.head_weight()[spec["zero_head_rows_from"] :] = 0
         if weights_fingerprint(m) != spec["fingerprint"]:
             pytest.fail(f"lopa_fast.testing now builds different weights for {name}; regenerate the goldens with "
-                        "tests/golden/make_apd_golden.py", pytrace=False)  # fmt: skip
+                        "tests/golden/make_apd_golden.py", pytrace=False)
         out[name] = m
     return out
 
@@ -57,7 +57,7 @@ def test_golden_grid_covers_the_knobs():
 
 def _run(models, case, **extra):
     kw = {k: case[k] for k in ("apd_mixture_weight", "kv_window", "max_lookahead", "tokens_per_step", "max_new_tokens",
-                                "temperature", "top_p", "top_k", "seed", "eos_token_id")}  # fmt: skip
+                                "temperature", "top_p", "top_k", "seed", "eos_token_id")}
     kw.update(extra)
     ver = models[case["verifier"]] if case["verifier"] else None
     return lopa_fast.generate(models[case["dllm"]], case["prompt"], strategy="apd", verifier=ver, **kw)
@@ -175,7 +175,7 @@ def test_exact_prev_logits_equals_a_cache_free_oracle(models, R, M):
     want, counts = _oracle(d, q, [5, 9, 2], 20, R, M)
     eos = min(t for t in range(63) if t not in want + [5, 9, 2])  # never stops early, like the oracle
     out = lopa_fast.generate(d, [5, 9, 2], strategy="apd", verifier=q, apd_mixture_weight=R, max_lookahead=M,
-                             max_new_tokens=20, eos_token_id=eos, exact_prev_logits=True)  # fmt: skip
+                             max_new_tokens=20, eos_token_id=eos, exact_prev_logits=True)
     assert out.generated_ids == want and out.stats["acceptance_counts"] == counts
 
 
@@ -195,7 +195,7 @@ def test_quirk_flags_are_no_ops_at_t0(models):
 def test_trace_and_stats(models):
     d, q = models["d64"], models["q64"]
     out = lopa_fast.generate(d, [5, 9, 2], strategy="apd", verifier=q, apd_mixture_weight=0.7, kv_window=4,
-                             max_lookahead=8, max_new_tokens=24, return_trace=True)  # fmt: skip
+                             max_lookahead=8, max_new_tokens=24, return_trace=True)
     st = out.stats
     assert st["model_calls"] == st["dllm_forwards"] + st["verifier_forwards"]
     assert sum(st["acceptance_counts"]) >= len(out.generated_ids)
@@ -228,11 +228,11 @@ def test_errors(models):
     with pytest.raises(ValueError, match=r"backend='fast' \(apd\) sampler='upstream'.*pass sampler='keyed'"):
         lopa_fast.generate(d, [1, 2], strategy="apd", backend="fast", max_new_tokens=8, temperature=0.5)
     out = lopa_fast.generate(d, [1, 2], strategy="apd", backend="auto", verifier=q, apd_mixture_weight=0.7,
-                             max_new_tokens=8)  # fmt: skip
+                             max_new_tokens=8)
     assert out.stats["backend"] == "fast" and out.stats["strategy"] == "apd"
     with pytest.warns(RuntimeWarning, match=r"apd runs on the reference backend"):
         hot = lopa_fast.generate(d, [1, 2], strategy="apd", backend="auto", verifier=q, apd_mixture_weight=0.7,
-                                 max_new_tokens=8, temperature=0.5, seed=1)  # fmt: skip
+                                 max_new_tokens=8, temperature=0.5, seed=1)
     assert hot.stats["backend"] == "reference"
 
 
@@ -266,7 +266,7 @@ def test_tokenizer_prefix_check(models):
     (dict(tokens_per_step=4, max_lookahead=2), r"tokens_per_step=4 > max_lookahead=2"),
     (dict(coupled_gumbel=True), r"coupled_gumbel=True applies to APD with a verifier"),
     (dict(exact_prev_logits=1), r"exact_prev_logits=1 \(int\); expected True or False"),
-])  # fmt: skip
+])
 def test_knob_validation(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         GenerateConfig(strategy="apd", **kw).validate()
@@ -302,7 +302,7 @@ def _layout_config(kind, vocab_size):
             "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
             "torch_dtype": "bfloat16", "transformers_version": "4.46.2", "use_cache": True,
             "use_sliding_window": False, "vocab_size": vocab_size,
-        }  # fmt: skip
+        }
     return {  # Qwen2.5-0.5B's config.json keys (geometry scaled down)
         "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": LAYOUT_EOS,
         "eos_token_id": LAYOUT_EOS, "hidden_act": "silu", "hidden_size": 56, "initializer_range": 0.02,
@@ -311,7 +311,7 @@ def _layout_config(kind, vocab_size):
         "rope_theta": 1000000.0, "sliding_window": 256, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
         "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
         "vocab_size": vocab_size,
-    }  # fmt: skip
+    }
 
 
 def _layout_tensors(cfg, seed):
@@ -330,7 +330,7 @@ def _layout_tensors(cfg, seed):
             p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.v_proj.bias": (kv,),
             p + "self_attn.o_proj.weight": (H, H), p + "post_attention_layernorm.weight": (H,),
             p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I),
-        })  # fmt: skip
+        })
     shapes["model.norm.weight"] = (H,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, H)
@@ -397,7 +397,7 @@ def test_real_checkpoint_layouts_load_and_run_apd(real_layout):
     assert (d.config.kind, d.attention, d.logits_shift, d.config.tie_word_embeddings) == ("dream", "full", True, False)
     assert (q.config.kind, q.attention, q.config.tie_word_embeddings) == ("qwen2", "causal", True)
     assert (d.mask_token_id, d.eos_token_id, d.pad_token_id, q.eos_token_id) == (LAYOUT_MASK, LAYOUT_EOS, LAYOUT_EOS,
-                                                                                  LAYOUT_EOS)  # fmt: skip
+                                                                                  LAYOUT_EOS)
     assert (len(qtok), len(dtok)) == (83, 85) and dtok.convert_ids_to_tokens(LAYOUT_MASK) == "<|mask|>"
     # tied head: the verifier's logits are its final hidden states times the file's embedding
     emb = q_t["model.embed_tokens.weight"].float()
@@ -416,7 +416,7 @@ def test_real_checkpoint_layouts_load_and_run_apd(real_layout):
     assert prompt == [3, 17, 42, 5, 9]
     for R, W, M in ((0.7, 16, 100), (0.6, 2, 5), (0.9, None, None)):
         out = lopa_fast.generate(d, prompt, strategy="apd", verifier=q, apd_mixture_weight=R, kv_window=W,
-                                 max_lookahead=M, max_new_tokens=24, temperature=0.0)  # fmt: skip
+                                 max_lookahead=M, max_new_tokens=24, temperature=0.0)
         st = out.stats
         # auto runs the fast APD step at T = 0; `again` below is the reference on the same pair
         assert st["backend"] == "fast" and st["dllm_forwards"] == st["verifier_forwards"] == st["forwards"]
@@ -460,4 +460,4 @@ def test_real_checkpoint_layout_mismatches_raise(real_layout, tmp_path):
     with pytest.raises(ValueError, match=r"tokenizers differ on the shared vocabulary prefix: id 10 is 'w10'"):
         apd.check_models(d, lopa_fast.load_model(tmp_path / "other"), cfg,
                          tokenizer=lopa_fast.load_tokenizer(root / "Dream-v0-Instruct-7B"),
-                         verifier_tokenizer=lopa_fast.load_tokenizer(tmp_path / "other"))  # fmt: skip
+                         verifier_tokenizer=lopa_fast.load_tokenizer(tmp_path / "other"))

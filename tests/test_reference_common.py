@@ -43,7 +43,7 @@ class StubModel:
             kind=kind, vocab_size=vocab, max_position_embeddings=max_pos,
             num_layers=1, num_kv_heads=1, head_dim=2, eos_token_ids=[eos],
             **dataclasses.asdict(FAMILIES[kind]),  # the family's properties (lopa_fast.models.config.Family)
-        )  # fmt: skip
+        )
         self.logits_shift = shift
         self.attention = "full"
         self.mask_token_id, self.eos_token_id = mask, eos

@@ -53,7 +53,7 @@ def test_d2f_state_machine_hand_worked():
     assert s["cache_length"] == 6 and s["cached_blocks"] == 1  # prompt + block 1; block 2 never cached
     assert [r["cached"] for r in out.trace] == [2, 0, 0, 4]
     assert [r["accepted"] for r in out.trace] == [[[1, 3], [2, 4]], [[3, 5], [5, 1]], [[0, 2], [4, 0], [7, 6]],
-                                                  [[6, 3]]]  # fmt: skip
+                                                  [[6, 3]]]
 
 
 def test_d2f_eos_stops_growth():
@@ -81,7 +81,7 @@ def test_d2f_block_causal_passes_block_ids():
 
 def _fill_cfg(strategy, **kw):
     base = dict(mask_token_id=7, eos_token_id=6, skip_threshold=0.9, sampling_strategy=strategy, temperature=0.0,
-                top_p=None, top_k=None, suppress_mask_token=False)  # fmt: skip
+                top_p=None, top_k=None, suppress_mask_token=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -132,6 +132,6 @@ def test_round_cap_warns_or_raises_and_mask_suppression_finishes():
     assert out.stats["hit_round_cap"] and out.stats["forwards"] == 5 and out.stats["masks_left"] == 4
     with pytest.raises(lopa_fast.RoundCapError):
         lopa_fast.generate(model, [0, 1], "d2f", max_new_tokens=4, block_size=4, max_rounds=3, on_round_cap="error",
-                           **KW)  # fmt: skip
+                           **KW)
     out = lopa_fast.generate(model, [0, 1], "d2f", max_new_tokens=4, block_size=4, suppress_mask_token=True, **KW)
     assert not out.stats["hit_round_cap"] and 7 not in out.generated_ids

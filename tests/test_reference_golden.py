@@ -22,7 +22,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "lopa_upstream.json")
 DATA = json.load(open(GOLDEN))
 KNOBS = ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_threshold", "skip_threshold",
          "sampling_strategy", "branching_factor", "branch_topp", "selection_conf_alpha", "use_full_attention",
-         "eos_token_id")  # fmt: skip
+         "eos_token_id")
 
 
 @pytest.fixture(scope="module")

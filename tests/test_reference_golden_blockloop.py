@@ -27,7 +27,7 @@ def models():
 
 def test_golden_grid_covers_every_mode():
     seen = {(c["model"], c["strategy"], c["kw"].get("cache", c["kw"].get("alg", c["kw"].get("remasking"))))
-            for c in DATA["cases"]}  # fmt: skip
+            for c in DATA["cases"]}
     wanted = [("llada", "vanilla", "low_confidence"), ("llada", "vanilla", "random"), ("llada", "threshold", None),
               ("llada", "threshold", "prefix"), ("llada", "threshold", "dual"), ("dream", "threshold", "prefix"),
               ("dream", "threshold", "dual"), ("dream", "vanilla", "origin"), ("dream", "vanilla", "entropy")]
@@ -43,6 +43,6 @@ def test_reference_matches_upstream(models, i):
         torch.manual_seed(case["torch_seed"])  # upstream draws from the global generator
         kw["sampler"] = "upstream"  # in upstream's order (the default keyed sampler draws by key)
     out = lopa_fast.generate(models[case["model"]], case["prompt"], case["strategy"], "reference",
-                             max_new_tokens=case["max_new_tokens"], **kw)  # fmt: skip
+                             max_new_tokens=case["max_new_tokens"], **kw)
     assert out.generated_ids == case["generated_ids"]
     assert out.stats["forwards"] == case["forwards"]

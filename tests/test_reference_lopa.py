@@ -37,7 +37,7 @@ def test_lopa_round_scores_winner_and_spawn():
 
     model = StubModel(rule)
     out = lopa_fast.generate(model, [0, 1], "lopa", max_new_tokens=4, block_size=4, branching_factor=2,
-                             return_trace=True, **KW)  # fmt: skip
+                             return_trace=True, **KW)
     assert out.generated_ids == [2, 3, 4, 5]
     assert [c.tokens[0].tolist() for c in model.calls[1:]] == [[2, 7, 4, 7], [2, 3, 7, 7], [2, 7, 7, 7]]
     s = out.stats
@@ -71,7 +71,7 @@ def test_lopa_winner_tie_goes_to_lookahead_and_spawn_tie_to_earlier_position():
     model = StubModel(rule2)
     with pytest.warns(RuntimeWarning, match="round cap"):
             lopa_fast.generate(model, [0, 1], "lopa", max_new_tokens=4, block_size=4, branching_factor=2, max_rounds=2,
-                           **KW)  # fmt: skip
+                           **KW)
     assert [c.tokens[0].tolist() for c in model.calls[1:4]] == [[2, 1, 7, 7], [2, 7, 1, 7], [2, 7, 7, 7]]
 
 
@@ -96,7 +96,7 @@ def test_lopa_commits_only_the_winners_span():
     # the cache grows by exactly the to-cache span once per round, never by k+1 spans
     model = StubModel(lambda c: (c.pos % 6, 0.95 if c.pos < 4 else 0.4))
     out = lopa_fast.generate(model, [0, 1], "lopa", max_new_tokens=4, block_size=2, branching_factor=2,
-                             return_trace=True, **KW)  # fmt: skip
+                             return_trace=True, **KW)
     assert out.stats["cache_length"] == 2 + sum(r["cached"] for r in out.trace[1:])
     assert out.stats["cache_length"] == 2 + 2 * out.stats["cached_blocks"]
     assert all(c.cache_len == c.start for c in model.calls)
@@ -111,7 +111,7 @@ def models():
         "gqa": random_model(tiny_hf_config("dream", vocab_size=64), seed=1, sharpen=6.0),
         "mha": random_model(tiny_hf_config("dream", vocab_size=48, num_heads=2, num_kv_heads=2), seed=3,
                             sharpen=8.0, zero_mask_row=False),
-    }  # fmt: skip
+    }
 
 
 def check_invariants(out, P, block_size, max_new, mask_id):
@@ -146,7 +146,7 @@ def test_lopa_properties_and_coverage(models):
                 m, prompt, "lopa", "reference", max_new_tokens=24, block_size=8, branching_factor=bf, sampling_strategy=strat,
                 use_full_attention=full, block_add_threshold=0.25, decoded_token_threshold=0.9, skip_threshold=0.8,
                 eos_token_id=5, return_trace=True,
-            )  # fmt: skip
+            )
             check_invariants(out, len(prompt), 8, 24, m.mask_token_id)
             s = out.stats
             cov["runs"] += 1
@@ -164,7 +164,7 @@ def test_lopa_branching_factor_1_is_d2f(models):
     m = models["gqa"]
     for full, strat in itertools.product([True, False], ["default", "neg_entropy"]):
         kw = dict(max_new_tokens=24, block_size=8, sampling_strategy=strat, use_full_attention=full,
-                  block_add_threshold=0.25, skip_threshold=0.8, eos_token_id=5)  # fmt: skip
+                  block_add_threshold=0.25, skip_threshold=0.8, eos_token_id=5)
         a = lopa_fast.generate(m, [4, 8, 15, 16], "d2f", "reference", **kw)
         b = lopa_fast.generate(m, [4, 8, 15, 16], "lopa", "reference", branching_factor=1, **kw)
         assert a.generated_ids == b.generated_ids and a.stats["forwards"] == b.stats["forwards"]

@@ -89,7 +89,7 @@ def test_round_cap_in_threshold_loop():
     model = StubModel(lambda c: (MASK, 0.99), shift=False)
     with pytest.warns(RuntimeWarning, match="round cap"):
         out = lopa_fast.generate(model, [0, 1], "threshold", max_new_tokens=4, block_size=4, threshold=0.9,
-                                 max_rounds=6)  # fmt: skip
+                                 max_rounds=6)
     assert out.stats["hit_round_cap"] and out.stats["forwards"] == 6
 
 

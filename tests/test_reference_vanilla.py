@@ -48,7 +48,7 @@ def test_llada_eos_flags():
     out = lopa_fast.generate(StubModel(rule, shift=False), [0, 1], "vanilla", max_new_tokens=4, steps=4)
     assert out.generated_ids[:2] == [EOS, EOS]
     out = lopa_fast.generate(StubModel(rule, shift=False), [0, 1], "vanilla", max_new_tokens=4, steps=4,
-                             logits_eos_inf=True)  # fmt: skip
+                             logits_eos_inf=True)
     assert EOS not in out.generated_ids
     # confidence_eos_eot_inf: EOS positions are chosen last (their confidence is -inf), still emitted
     model = StubModel(rule, shift=False)
@@ -94,5 +94,5 @@ def test_llada_tiny_model_semi_ar():
     assert len(out.generated_ids) == 16 and m.mask_token_id not in out.generated_ids
     assert out.stats["forwards"] == 8 and out.stats["tpf"] == 2.0
     t = lopa_fast.generate(m, [3, 4, 5], "vanilla", max_new_tokens=16, steps=8, block_length=8, temperature=0.7,
-                           seed=0)  # fmt: skip
+                           seed=0)
     assert len(t.generated_ids) == 16 and torch.is_tensor(torch.tensor(t.generated_ids))

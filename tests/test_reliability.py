@@ -218,7 +218,7 @@ def test_lora_errors(tmp_path):
     with pytest.raises(ConfigError, match="lora_alpha='16'"):
         lopa_fast.load_model(d, lora=_adapter(tmp_path, model, {"lora_alpha": "16"}))
     nomatch = {"base_model.model.model.nothing.lora_A.weight": torch.zeros(2, 4),
-               "base_model.model.model.nothing.lora_B.weight": torch.zeros(4, 2)}  # fmt: skip
+               "base_model.model.model.nothing.lora_B.weight": torch.zeros(4, 2)}
     with pytest.raises(CheckpointError, match="targets module"):
         lopa_fast.load_model(d, lora=_adapter(tmp_path, model, tensors=nomatch))
 
@@ -280,11 +280,11 @@ def test_sampling_never_reaches_multinomial_with_nan(strategy):
         model.final_norm_weight().fill_(float("nan"))
     with pytest.raises(NonFiniteLogitsError):
         lopa_fast.generate(model, [3, 4, 5], strategy, max_new_tokens=8, block_size=4, temperature=0.7, seed=1,
-                           **STRATEGY_KW[strategy])  # fmt: skip
+                           **STRATEGY_KW[strategy])
     # finite logits that a tiny temperature overflows are caught too
     with pytest.raises(NonFiniteLogitsError, match="temperature"):
         lopa_fast.generate(_tiny_model(), [3, 4, 5], strategy, max_new_tokens=8, block_size=4, temperature=1e-44,
-                           seed=1, **STRATEGY_KW[strategy])  # fmt: skip
+                           seed=1, **STRATEGY_KW[strategy])
 
 
 def test_guard_changes_no_token_on_finite_models():
@@ -301,7 +301,7 @@ def test_fast_and_reference_raise_the_same_type_for_nan(compile):
     for backend in ("reference", "fast"):
         with pytest.raises(NonFiniteLogitsError) as ei:
             lopa_fast.generate(model, [3, 4, 5], "lopa", backend, max_new_tokens=8, block_size=4, branching_factor=2,
-                               **({"compile": compile} if backend == "fast" else {}))  # fmt: skip
+                               **({"compile": compile} if backend == "fast" else {}))
         assert ei.value.strategy == "lopa" and ei.value.position >= 3, (backend, ei.value)
 
 

@@ -22,7 +22,7 @@ def _state(args: dict) -> dict:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     return dict(args=args, model=model.state_dict(), opt=opt.state_dict(), step=7, ema=0.5, first_loss=1.0,
-                dev_acc=None, seconds=1.5, torch_rng=torch.get_rng_state())  # fmt: skip
+                dev_acc=None, seconds=1.5, torch_rng=torch.get_rng_state())
 
 
 def test_a_real_state_loads(tmp_path):

@@ -16,7 +16,7 @@ from bench import roundcount as rc
 from lopa_fast.testing import random_model, tiny_hf_config
 
 KN = dict(block_size=8, max_new_tokens=16, block_add_threshold=1.0, skip_threshold=0.9,
-          sampling_strategy="neg_entropy")  # fmt: skip
+          sampling_strategy="neg_entropy")
 
 
 def _counted(fn):
@@ -51,7 +51,7 @@ def test_gather_counts_rows_not_table_and_syncs():
 
 def _model(layers=1):
     return random_model(tiny_hf_config("dream", vocab_size=64, num_layers=layers, hidden_size=32,
-                                       intermediate_size=48), seed=2)  # fmt: skip
+                                       intermediate_size=48), seed=2)
 
 
 def _run(model, backend, k, rounds=3):

@@ -69,7 +69,7 @@ def _same(a: SelectRound, b: SelectRound) -> list[str]:
             bad.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
         elif x.is_floating_point():
             if not torch.equal(x.view(torch.int64), y.view(torch.int64)) and not torch.equal(
-                    torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)):  # fmt: skip
+                    torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)):
                 bad.append(name)
         elif not torch.equal(x, y):
             bad.append(name)

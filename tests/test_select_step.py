@@ -23,7 +23,7 @@ MAX_CALLS = 8  # steps kept per case
 
 def _same(a: SelectStep, b: SelectStep) -> list[str]:
     return [name for name, x, y in zip(SelectStep._fields, a, b) if x.dtype != y.dtype or x.shape != y.shape
-            or not torch.equal(x, y)]  # fmt: skip
+            or not torch.equal(x, y)]
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +90,14 @@ def _random_step(rng: random.Random, rule: str, conf_dtype: torch.dtype):
     conf = torch.tensor([rng.choice(vals) if rng.random() < 0.5 else rng.random() for _ in range(n)],
                         dtype=conf_dtype)
     ent = torch.tensor([rng.choice([0.0, 0.3, 0.3, 1.5, float("nan")]) if rng.random() < 0.5 else rng.random() * 3
-                        for _ in range(n)], dtype=torch.float64)  # fmt: skip
+                        for _ in range(n)], dtype=torch.float64)
     finite = torch.tensor([rng.random() < 0.9 for _ in range(n)])
     knob = {"threshold": rng.choice([0.5, 0.9, float(conf[0]) if n else 0.5, rng.random()]),
             "entropy_threshold": rng.choice([0.3, 1.5, rng.random()]), "factor": rng.choice([1.0, 2.5, 0.1, 5.0]),
-            "first": 0.0}[rule]  # fmt: skip
+            "first": 0.0}[rule]
     args = (x, pos, valid, torch.tensor([rng.randint(0, 9) for _ in range(n)]), conf, ent, finite,
             torch.tensor(rng.randint(0, 3)), torch.tensor(rng.randint(0, 3)), torch.tensor(rng.randint(0, L)),
-            torch.tensor(knob, dtype=torch.float64))  # fmt: skip
+            torch.tensor(knob, dtype=torch.float64))
     return args, dict(rule=rule, mask_id=mask_id, B=rng.choice([0, 1, 4, 8]))
 
 

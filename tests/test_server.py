@@ -58,7 +58,7 @@ def server(tmp_path_factory, request):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "lopa_fast", "serve", "--port", str(port)], stdout=fh,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     request.getfixturevalue("embedded")  # load the in-process model while the server starts (overlap, ~10 s)
     deadline = time.monotonic() + START_DEADLINE_S
@@ -108,7 +108,7 @@ def _solo(embedded, ids, **knobs):
     s = lopa_fast.stream(model, ids, tokenizer=tok, stop=stop, **knobs)
     assert "".join(s) == s.text == text
     return text, {"forwards": out.stats["forwards"], "tpf": out.stats["tpf"], "prompt_tokens": len(ids),
-                  "completion_tokens": len(answer_ids(out.generated_ids, model.eos_token_id))}  # fmt: skip
+                  "completion_tokens": len(answer_ids(out.generated_ids, model.eos_token_id))}
 
 
 def _usage(u) -> dict:
@@ -178,7 +178,7 @@ def test_concurrent_requests_equal_solo(client, embedded):
     other = "Sam has 12 apples . He eats 3 apples . How many apples does Sam have now ? Answer :"  # an unknown word
     cases = [(PROMPT + " Answer :", {}), (other, {}), (PROMPT + " Answer :", dict(strategy="d2f")),
              (other, dict(branching_factor=2)), (PROMPT + " Answer :", dict(temperature=0.8, seed=3)),
-             (other, dict(strategy="threshold", block_length=8, threshold=0.9))]  # fmt: skip
+             (other, dict(strategy="threshold", block_length=8, threshold=0.9))]
 
     def call(case):
         prompt, knobs = case
@@ -198,7 +198,7 @@ def test_concurrent_requests_share_batched_rounds(client, server, embedded):
     """Concurrent requests with the same decoding knobs run in one batch (one forward per round for all of them:
     /health's max_batch), and each still equals its solo generate."""
     prompts = [PROMPT + " Answer :", "Sam has 12 apples . He buys 3 bags with 4 apples in each . How many apples "
-               "does Sam have now ? Answer :"] * 2  # fmt: skip
+               "does Sam have now ? Answer :"] * 2
     prompts[2] = prompts[2].replace("12", "9")
     prompts[3] = prompts[3].replace("Tom", "Ann")
 
@@ -252,7 +252,7 @@ def test_bad_chat_requests_and_the_server_still_answers(server, client):
     for messages, extra in [([], {}), ([{"role": "user", "content": " "}], {}),
                             ([{"role": "robot", "content": "x"}], {}),
                             ([{"role": "user", "content": PROMPT}], {"prompt": "x"}),
-                            ([{"role": "user", "content": PROMPT}], {"tools": [{"type": "function"}]})]:  # fmt: skip
+                            ([{"role": "user", "content": PROMPT}], {"tools": [{"type": "function"}]})]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL_ID, messages=messages, extra_body=extra)
         assert e.value.param == (next(iter(extra)) if extra else "messages")
@@ -266,7 +266,7 @@ def test_bad_chat_requests_and_the_server_still_answers(server, client):
     failed = _get(server + "/health")["failed"]
     with pytest.raises(openai.BadRequestError) as e:  # a request that fails while decoding: its own round cap
         client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :",
-                                  extra_body={"max_rounds": 1, "on_round_cap": "error"})  # fmt: skip
+                                  extra_body={"max_rounds": 1, "on_round_cap": "error"})
     assert e.value.param == "max_rounds" and _get(server + "/health")["failed"] == failed + 1
     r = client.completions.create(model=MODEL_ID, prompt=PROMPT + " Answer :")
     assert r.choices[0].text.endswith("#### 26")
@@ -275,7 +275,7 @@ def test_bad_chat_requests_and_the_server_still_answers(server, client):
 def test_disconnect_cancels_the_request(server, client):
     before = _get(server + "/health")
     s = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=SLOW["max_tokens"], stream=True,
-                                  extra_body={k: v for k, v in SLOW.items() if k != "max_tokens"})  # fmt: skip
+                                  extra_body={k: v for k, v in SLOW.items() if k != "max_tokens"})
     s.close()  # gone before the first piece
     deadline = time.monotonic() + 60
     while (h := _get(server + "/health"))["cancelled"] == before["cancelled"]:
@@ -335,7 +335,7 @@ def test_readme_serving_block_runs_verbatim(server, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--stop", "1,2"], ["--return-trace"],
-                                  ["--model", "/no/such/dir"], ["--branching-factor", "0"]])  # fmt: skip
+                                  ["--model", "/no/such/dir"], ["--branching-factor", "0"]])
 def test_serve_cli_user_errors(argv):
     """serve's bad flags are user errors (one line, exit 2 from the command line), found before any load or bind."""
     from lopa_fast import cli
@@ -409,10 +409,10 @@ def test_worker_refuses_past_its_queue_cap(embedded):
 
 FIELDS = ["prompt", "model", "max_tokens", "stop", "stream", "n", "logprobs", "seed", "temperature", "top_p",
           "strategy", "backend", "branching_factor", "block_size", "skip_threshold", "steps", "max_rounds",
-          "on_round_cap", "eos_token_id", "mask_token_id", "stream_options", "messages", "zzz"]  # fmt: skip
+          "on_round_cap", "eos_token_id", "mask_token_id", "stream_options", "messages", "zzz"]
 WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                   st.text(max_size=6), st.lists(st.integers(-3, 70), max_size=3),
-                  st.sampled_from(["lopa", "d2f", "fast", "reference", "<|mask|>", "Answer :", MODEL_ID]))  # fmt: skip
+                  st.sampled_from(["lopa", "d2f", "fast", "reference", "<|mask|>", "Answer :", MODEL_ID]))
 
 
 @settings(deadline=None, derandomize=True, max_examples=40, database=None, suppress_health_check=list(HealthCheck))
@@ -422,7 +422,7 @@ def test_random_bodies_never_crash_the_server(server, fields):
     500, and the server keeps answering."""
     body = {"prompt": PROMPT + " Answer :", "max_tokens": 8, **fields}
     req = urllib.request.Request(server + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             status, raw = r.status, r.read()

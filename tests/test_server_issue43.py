@@ -168,7 +168,7 @@ def _trickle(srv, n: int, key: str | None, stop: threading.Event):
     for _ in range(n):
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
-                  f"Content-Length: 100000\r\n\r\n".encode())  # fmt: skip
+                  f"Content-Length: 100000\r\n\r\n".encode())
         socks.append(s)
 
     def run():
@@ -189,7 +189,7 @@ def _trickle(srv, n: int, key: str | None, stop: threading.Event):
 
 @pytest.mark.parametrize("n,with_key", [(70, True), (70, False),
                                         pytest.param(255, True, marks=pytest.mark.slow),
-                                        pytest.param(255, False, marks=pytest.mark.slow)])  # fmt: skip
+                                        pytest.param(255, False, marks=pytest.mark.slow)])
 def test_trickled_bodies_free_their_slots(embedded, n, with_key):
     """Before: every trickled connection kept its slot after its 408 (or its 401, which never read the body):
     /health and completions 503 for as long as the trickle went on (80 s in the issue's probe). The slot is freed
@@ -216,7 +216,7 @@ def test_trickled_bodies_free_their_slots(embedded, n, with_key):
         status, body = _call(srv.url + "/health")
         assert status == 200, body
         status, body = _call(srv.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8},
-                             headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+                             headers={"Authorization": f"Bearer {KEY}"})
         assert status == 200, body
     finally:
         stop.set()
@@ -276,7 +276,7 @@ def test_a_slow_but_steady_body_is_read(embedded):
         body = json_.dumps({"prompt": PROMPT, "max_tokens": 4, "user": "x" * 12_000}).encode()
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())  # fmt: skip
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
         for i in range(0, len(body), 400):  # 400 bytes every 0.1 s: ~4 KB/s
             s.sendall(body[i: i + 400])
             time.sleep(0.1)
@@ -296,7 +296,7 @@ def _stream_events(url: str, body: dict) -> list[str]:
     import urllib.request
 
     req = urllib.request.Request(url, data=json_.dumps(dict(body, stream=True)).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json"})
     out = []
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -350,7 +350,7 @@ def test_requests_outliving_the_drain_deadline_get_a_503_or_an_error_event_and_d
         streams[i] = _stream_events(url, body)
 
     threads = [threading.Thread(target=run_plain, args=(i,)) for i in range(n)] + \
-        [threading.Thread(target=run_stream, args=(i,)) for i in range(n)]  # fmt: skip
+        [threading.Thread(target=run_stream, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     try:
@@ -486,7 +486,7 @@ def test_the_memory_estimate_at_a_131k_vocabulary_is_an_upper_bound_within_3x(k,
     import sys
 
     r = subprocess.run([sys.executable, "-c", VOCAB_PEAK, "131072", str(k), str(n)], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     real, est, branches = json_.loads(r.stdout.strip().splitlines()[-1])
     assert branches == k + 1  # every lookahead branch alive at once: the LM head's worst case ran

@@ -69,7 +69,7 @@ def _call(url, body=None, *, raw: bytes | None = None, headers=None, method=None
     """(status, parsed JSON or text) of one request."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
-                                 method=method)  # fmt: skip
+                                 method=method)
     try:
         with urllib.request.urlopen(req, timeout=HANG_S) as r:
             status, text = r.status, r.read().decode()
@@ -125,7 +125,7 @@ def test_memory_cap_refuses_before_any_allocation(embedded):
     assert 0 < ok.memory < 64 << 20
     with pytest.raises(RequestError) as e:  # --max-model-len
         parse({"prompt": PROMPT, "max_tokens": 64}, "completions", model, tok, DEFAULTS,
-              Limits(max_model_len=48).bind(model))  # fmt: skip
+              Limits(max_model_len=48).bind(model))
     assert e.value.param == "max_tokens" and "--max-model-len=48" in e.value.message
 
 
@@ -173,7 +173,7 @@ def test_request_bytes_bounds_the_real_peak():
 
     knobs = dict(DEFAULTS)
     r = subprocess.run([sys.executable, "-c", PEAK, json.dumps(knobs), PROMPT], capture_output=True, text=True,
-                       timeout=300, preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                       timeout=300, preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     for k, real, est in json.loads(r.stdout.strip().splitlines()[-1]):
         assert real > 0, (k, real)
@@ -189,7 +189,7 @@ def test_body_over_the_cap_is_413_before_parsing(served):
     # without a Content-Length (chunked): counted as it arrives
     with socket.create_connection(("127.0.0.1", served.port), timeout=HANG_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+                  b"Transfer-Encoding: chunked\r\n\r\n")
         for i in range(0, len(big), 16384):
             part = big[i : i + 16384]
             try:
@@ -231,7 +231,7 @@ def test_parsing_runs_off_the_event_loop(served, monkeypatch):
 def test_a_half_sent_body_times_out_with_408(served):
     with socket.create_connection(("127.0.0.1", served.port), timeout=HANG_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
         head = s.recv(4096)  # the server gives up after read_timeout_s = 2
     assert head.startswith(b"HTTP/1.1 408"), head[:200]
 
@@ -263,7 +263,7 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("raw,param", BAD_BODIES, ids=["digits", "nesting", "n-true", "stream-str", "stop-vocab",
-                                                      "stop-empty", "stop-type", "cache", "apd", "compile"])  # fmt: skip
+                                                      "stop-empty", "stop-type", "cache", "apd", "compile"])
 def test_bad_bodies_are_4xx_naming_the_field(embedded, raw, param):
     model, tok = embedded
     worker = Worker(model, tok, batch=False, concurrency=1)
@@ -311,7 +311,7 @@ def test_a_non_loopback_host_needs_a_key_or_an_explicit_waiver():
         check_auth("0.0.0.0", None, False)
     env = {k: v for k, v in os.environ.items() if k != "LOPA_FAST_API_KEY"}
     r = subprocess.run([sys.executable, "-m", "lopa_fast", "serve", "--host", "0.0.0.0", "--port", "0"],
-                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr and "LOPA_FAST_API_KEY" in r.stderr, r.stderr[-2000:]
 
 
@@ -330,7 +330,7 @@ def test_metrics_in_prometheus_text_format(served):
     assert re.search(r'^lopa_fast_requests_total\{endpoint="completions",status="400"\} [1-9]', text, re.M)
     assert int(re.search(r"^lopa_fast_forwards_total (\d+)", text, re.M).group(1)) > 0
     buckets = [int(v) for v in re.findall(r'^lopa_fast_request_seconds_bucket\{endpoint="completions",le="[^"]+"\} '
-                                          r"(\d+)", text, re.M)]  # fmt: skip
+                                          r"(\d+)", text, re.M)]
     count = int(re.search(r'^lopa_fast_request_seconds_count\{endpoint="completions"\} (\d+)', text, re.M).group(1))
     assert buckets == sorted(buckets) and buckets[-1] == count >= 2
     for line in text.splitlines():  # every sample line: name{labels} value

@@ -28,7 +28,7 @@ from lopa_fast.server.limits import Limits
 from lopa_fast.server.worker import Worker
 
 PROMPTS = [PROMPT, "Ann has 9 apples . She eats 2 . How many apples ? Answer :",
-           "Bob has 3 boxes with 5 cars in each . How many cars ? Answer :"]  # fmt: skip
+           "Bob has 3 boxes with 5 cars in each . How many cars ? Answer :"]
 GOOD = [
     {},
     {"branching_factor": 8},
@@ -119,7 +119,7 @@ def _run_load(embedded, clients: int, per_client: int) -> dict:
         figures = {"clients": clients, "requests": len(results), "good": sum(r[0] == "good" for r in results),
                    "wall_s": round(wall, 2), "health_calls": len(lat),
                    "health_p50_s": round(statistics.median(lat), 4), "health_max_s": round(lat[-1], 4),
-                   "rss_growth_mib": round(rss_growth / 2**20, 1), "max_batch": worker.engine.max_live}  # fmt: skip
+                   "rss_growth_mib": round(rss_growth / 2**20, 1), "max_batch": worker.engine.max_live}
         print("\nload figures:", json.dumps(figures))
         assert rss_growth < 512 << 20, figures
         return figures

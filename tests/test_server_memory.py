@@ -66,7 +66,7 @@ def _engine_run(engine, prompts, cfg, hook=None) -> list:
     """Every prompt through `engine` on its own caller thread, lined up before the engine's first step."""
     results = [None] * len(prompts)
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(prompts[i], cfg, hook, spec=spec_of(cfg))))
-               for i in range(len(prompts))]  # fmt: skip
+               for i in range(len(prompts))]
     for t in threads:
         t.start()
     while True:
@@ -185,10 +185,10 @@ def test_the_server_reports_held_bytes_and_frees_them(embedded, captured):  # no
     srv = _Server(create_app(worker, model_id="m", defaults={**DEFAULTS, "compile": True}), worker.limits)
     try:
         bodies = [{"prompt": PROMPT, "strategy": "vanilla", "steps": 4, "max_tokens": 8 * (1 + i % 2)}
-                  for i in range(4)]  # fmt: skip
+                  for i in range(4)]
         out = [None] * len(bodies)
         ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, _call(srv.url + "/v1/completions", bodies[i])))
-              for i in range(len(bodies))]  # fmt: skip
+              for i in range(len(bodies))]
         for t in ts:
             t.start()
         for t in ts:
@@ -214,7 +214,7 @@ def test_apd_estimate_counts_the_verifier():
     apd = apd_models()
     d, q = apd["d64"], apd["q64"]
     knobs = dict(strategy="apd", apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, eos_token_id=62,
-                 max_new_tokens=20)  # fmt: skip
+                 max_new_tokens=20)
     cfg = lopa_fast.GenerateConfig(backend="fast", **knobs).bind(d)
     prompt = torch.tensor([5, 9, 2])
     total = prompt.numel() + cfg.max_new_tokens
@@ -281,7 +281,7 @@ def capped_compiled_server(waves: int, tokens: int) -> dict:
 
 
 @pytest.mark.parametrize("waves,tokens", [(3, 8), pytest.param(24, 64, marks=pytest.mark.slow)],
-                         ids=["short", "full"])  # fmt: skip
+                         ids=["short", "full"])
 def test_a_compiling_server_frees_its_lanes_under_a_cap(waves, tokens):
     """End to end, in a capped subprocess: after pairs of compiled requests of new shapes the idle lanes are all
     counted as held, and a request that needs the whole budget frees every one (before: a workspace per shape

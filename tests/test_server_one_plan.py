@@ -80,5 +80,5 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
     assert text == answer_text(out, text_decoder(tok), model.eos_token_id, ["\n\n"])
     # a batched request's pieces are emitted by the engine thread that runs its rounds
     assert threads_of_pieces <= {"lopa_fast.batch_engine", "lopa_fast.server.worker.0"} and threads_of_pieces, \
-        threads_of_pieces  # fmt: skip
+        threads_of_pieces
     assert "lopa_fast.stream" not in threads_of_pieces

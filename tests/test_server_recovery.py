@@ -33,7 +33,7 @@ def _subprocess(script: str, timeout: float = 240) -> dict:
     """Run `script` in a fresh interpreter (tests/ on its path); it prints one JSON line last: returned."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                       timeout=timeout, env=env)  # fmt: skip
+                       timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -100,7 +100,7 @@ print(json.dumps({"burst": out, "after": after, "health_status": hstatus, "healt
 
 
 @pytest.mark.parametrize("burst,after", [(8, 4), pytest.param(16, 48, marks=pytest.mark.slow)],
-                         ids=["short", "full"])  # fmt: skip
+                         ids=["short", "full"])
 def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving(burst, after):
     """Finding 1. Before: every request of the failed batch a 500, and the batch's activations kept by the
     exception's frames (in the job threads' locals), so every later request failed for memory too while /health
@@ -121,7 +121,7 @@ def test_an_out_of_memory_batch_is_freed_and_the_server_keeps_serving(burst, aft
 # -- finding 2: metric labels from a closed set -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("paths,length", [(40, 4000), pytest.param(300, 8000, marks=pytest.mark.slow)],
-                         ids=["short", "full"])  # fmt: skip
+                         ids=["short", "full"])
 def test_metric_labels_are_a_closed_set(embedded, paths, length):
     """Finding 2. Before: every 401 was counted under its raw request path as a label (300 random 8,000-character
     paths: /metrics 24 KB -> 43.5 MB; the full form sends those)."""
@@ -164,7 +164,7 @@ def _wait(cond, what: str) -> None:
 
 
 @pytest.mark.parametrize("key,clients", [(None, 1), (KEY, 1), pytest.param(None, 16, marks=pytest.mark.slow)],
-                         ids=["open", "api-key", "storm-full"])  # fmt: skip
+                         ids=["open", "api-key", "storm-full"])
 def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, key, clients):
     """Finding 3. Before: FastAPI's @app.middleware("http") (installed even without a key) kept
     request.is_disconnected() from ever reporting, so 16 abandoned requests ran to completion (the full form:
@@ -179,13 +179,13 @@ def test_a_non_streaming_client_that_leaves_is_cancelled(embedded, monkeypatch, 
         socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=HANG_S) for _ in range(clients)]
         for s in socks:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         _wait(lambda: worker.counts["running"] == clients, "the requests never started")
         for s in socks:
             s.close()
         # the clients are gone: the requests stop at a round boundary (polled every 0.25 s), long before their end
         _wait(lambda: worker.counts["cancelled"] == clients and worker.counts["running"] == 0,
-              "the requests were not cancelled")  # fmt: skip
+              "the requests were not cancelled")
         assert worker.counts["served"] == 0, worker.counts
     finally:
         srv.close()
@@ -254,13 +254,13 @@ def test_shutdown_cancels_what_outlives_the_drain_deadline(embedded, monkeypatch
     srv = _Server.__new__(_Server)
     srv.port = _free_port()
     srv.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=srv.port, limits=worker.limits,
-                                               log_level="critical", drain_timeout_s=1.0))  # fmt: skip
+                                               log_level="critical", drain_timeout_s=1.0))
     srv.thread = threading.Thread(target=srv.server.run, daemon=True)
     srv.thread.start()
     _wait(lambda: srv.server.started, "the server did not start")
     body = {"prompt": PROMPT, "strategy": "d2f", "branching_factor": 1, "max_tokens": 96}
     client = threading.Thread(target=lambda: _try_call(f"http://127.0.0.1:{srv.port}/v1/completions", body),
-                              daemon=True)  # fmt: skip
+                              daemon=True)
     client.start()
     _wait(lambda: worker.counts["running"] == 1, "the request never started")
     srv.server.should_exit = True
@@ -296,7 +296,7 @@ def test_shutdown_has_a_deadline(drain_s, signals):
     running request is cancelled at its next round. The request here would run ~50 s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(SHUTDOWN_SCRIPT), str(drain_s), str(signals)],
-                       capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+                       capture_output=True, text=True, timeout=240, env=env)
     t1 = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
     # uvicorn re-raises the signal once it has shut down: the process ends by SIGTERM (143 from a shell)
     assert r.returncode in (0, -signal.SIGTERM), r.stderr[-4000:]
@@ -333,7 +333,7 @@ def test_nan_weights_fail_the_self_check_and_health_says_so(embedded):
 
 
 @pytest.mark.parametrize("content", [b"", b'{"version": "1.0", "model": {"type": "Word', b"\x00\xff garbage"],
-                         ids=["empty", "truncated", "garbage"])  # fmt: skip
+                         ids=["empty", "truncated", "garbage"])
 def test_a_bad_tokenizer_file_exits_2_naming_it(tmp_path, content, capsys):
     """Before: a raw traceback from the tokenizers library, exit 1 (weights and config: exit 2 with a message)."""
     import shutil
@@ -345,7 +345,7 @@ def test_a_bad_tokenizer_file_exits_2_naming_it(tmp_path, content, capsys):
     shutil.copytree(model_dir(), d)
     (d / "tokenizer.json").write_bytes(content)
     assert cli.main(["generate", "--model", str(d), "--prompt", "1 + 2 =", "--max-new-tokens", "4"],
-                    exit_on_error=True) == 2  # fmt: skip
+                    exit_on_error=True) == 2
     err = capsys.readouterr().err
     assert str(d / "tokenizer.json") in err and "Traceback" not in err, err
 
@@ -402,7 +402,7 @@ def served_plain(embedded):
 # -- finding 6: idle half-sent heads cannot exhaust the connection slots ----------------------------------------------
 
 @pytest.mark.parametrize("max_pending,heads", [(1, 80), pytest.param(64, 300, marks=pytest.mark.slow)],
-                         ids=["short", "full"])  # fmt: skip
+                         ids=["short", "full"])
 def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded, max_pending, heads):
     """Before: once the connection limit was full of half-sent heads, every request, /health included, was a 503
     until the head deadline (--read-timeout, 30 s here). Now the oldest idle connections make room. Full form: the
@@ -416,7 +416,7 @@ def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded, max_pendi
     worker = Worker(model, tok, batch=False, concurrency=1, max_pending=max_pending)
     cfg = uvicorn_config(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS), host="127.0.0.1",
                          port=_free_port(), limits=worker.limits, log_level="critical",
-                         max_pending=max_pending)  # fmt: skip
+                         max_pending=max_pending)
     assert cfg.limit_concurrency == limit and worker.limits.read_timeout_s == 30
     srv = _Server.__new__(_Server)
     srv.port, srv.server = cfg.port, uvicorn.Server(cfg)
@@ -445,7 +445,7 @@ def test_half_sent_heads_cannot_exhaust_the_connection_slots(embedded, max_pendi
 # -- finding 4: a corrupt Inductor artifact (a killed build's 0-byte *.so) ----------------------------------------------
 
 @pytest.mark.parametrize("knobs", [dict(DEFAULTS), dict(strategy="threshold", threshold=0.9, max_new_tokens=32)],
-                         ids=["lopa-round", "threshold-step"])  # fmt: skip
+                         ids=["lopa-round", "threshold-step"])
 def test_a_corrupt_inductor_artifact_is_removed_and_the_step_runs_eagerly(embedded, monkeypatch, tmp_path, knobs):
     """Before: every later compile=True failed with "file too short" (the package neither recompiled nor fell
     back). Inductor's load of the cut-short artifact is stood in for (a real one takes 25-100 s per graph on CPU):

@@ -38,7 +38,7 @@ def url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = uvicorn_config(create_app(worker, model_id=MODEL_ID, defaults=DEFAULTS), host="127.0.0.1", port=port,
-                         limits=Limits(), log_level="warning")  # fmt: skip
+                         limits=Limits(), log_level="warning")
     server = uvicorn.Server(cfg)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -67,7 +67,7 @@ def test_stop_step_strategies(model, strategy, extra):
     i = min(j for j in range(6, len(ids) - 1) if first_stop(ids, [ids[j : j + 2]]) == j)
     prefixes = []
     out = lopa_fast.generate(model, prompt, strategy, "reference", stop=[ids[i : i + 2]], **kw,
-                             on_round=lambda prefix, info: prefixes.append(prefix))  # fmt: skip
+                             on_round=lambda prefix, info: prefixes.append(prefix))
     assert out.generated_ids == ids[:i]
     assert out.stats["finish_reason"] == "stop" and out.stats["stop_sequence_at"] == i and out.stats["stopped"]
     assert first_stop(prefixes[-1], [ids[i : i + 2]]) == i  # the last step completed the stop ...

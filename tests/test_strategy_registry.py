@@ -40,7 +40,7 @@ def _left_to_right(model, prompt, cfg, on_round=None, *, rows_only: bool):
         x[i] = int(row.float().argmax())
         if on_round is not None:
             on_round(x[P : i + 1].tolist(), {"round": stats["forwards"], "forwards": stats["forwards"],
-                                             "canvas": x[P:].tolist(), "mask_token_id": mask})  # fmt: skip
+                                             "canvas": x[P:].tolist(), "mask_token_id": mask})
         if cfg.eos_token_id is not None and int(x[i]) == cfg.eos_token_id:
             x[i + 1 :] = cfg.eos_token_id  # Dream pads after EOS
             break
@@ -261,7 +261,7 @@ def test_registered_strategy_is_served(ltr):
             want = lopa_fast.generate(model, ids, "ltr", max_new_tokens=8)
             assert r.json()["usage"]["forwards"] == want.stats["forwards"]
             r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "strategy": "apd",
-                                                   "apd_mixture_weight": 0.7})  # fmt: skip
+                                                   "apd_mixture_weight": 0.7})
             assert r.status_code == 400 and r.json()["error"]["param"] == "apd_mixture_weight", r.text
     finally:
         worker.close()
@@ -310,7 +310,7 @@ def _dynamic_imports(name: str, path: pathlib.Path, mods: dict) -> set[str]:
     "lopa_fast.<package>." an edge to every module of that package (the lazy loaders' tables and patterns)."""
     tree = ast.parse(path.read_text(), str(path))
     calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
-             for n in ast.walk(tree) if isinstance(n, ast.Call)}  # fmt: skip
+             for n in ast.walk(tree) if isinstance(n, ast.Call)}
     if not calls & {"import_module", "__import__"}:
         return set()
     found = set()
@@ -394,7 +394,7 @@ class _OneStatement:
 
 def _is_oracle(m: str) -> bool:
     return m.startswith("lopa_fast.reference.") or (m.startswith("lopa_fast.strategies.")
-                                                    and m.rpartition(".")[2].startswith("reference"))  # fmt: skip
+                                                    and m.rpartition(".")[2].startswith("reference"))
 
 
 def _is_spec(m: str) -> bool:
@@ -417,7 +417,7 @@ def test_the_reference_decoders_import_nothing_of_the_fast_path():
     refs = sorted(m for m in mods if _is_oracle(m))
     assert {"lopa_fast.strategies.apd.reference", "lopa_fast.strategies.lopa.reference_lopa",
             "lopa_fast.strategies.lopa.reference_d2f", "lopa_fast.strategies.threshold.reference",
-            "lopa_fast.strategies.vanilla.reference", "lopa_fast.reference.ops"} <= set(refs)  # fmt: skip
+            "lopa_fast.strategies.vanilla.reference", "lopa_fast.reference.ops"} <= set(refs)
 
     def edges(m: str) -> set[str]:
         parents = {m.rsplit(".", i)[0] for i in range(1, m.count("."))} - {"lopa_fast"}
@@ -450,7 +450,7 @@ def test_importing_the_oracle_loads_nothing_of_the_fast_path():
             "bad = [m for m in sys.modules if m.startswith(('lopa_fast.decode', 'lopa_fast.ops', 'lopa_fast.kernels'))"
             " or (m.startswith('lopa_fast.strategies.') and m.rpartition('.')[2] in"
             " ('driver', 'step', 'round', 'round_stats', 'distributed'))]\n"
-            "print(sorted(bad)); assert not bad\n")  # fmt: skip
+            "print(sorted(bad)); assert not bad\n")
     import subprocess
     import sys
 

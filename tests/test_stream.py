@@ -53,7 +53,7 @@ def test_hook_prefixes_match_across_backends(embedded):
     for backend in ("reference", "fast"):
         log = []
         lopa_fast.generate(model, ids, "lopa", backend, block_size=8, max_new_tokens=32,
-                           on_round=lambda p, i: log.append((p, i["round"], i["canvas"])))  # fmt: skip
+                           on_round=lambda p, i: log.append((p, i["round"], i["canvas"])))
         logs[backend] = log
     assert logs["reference"] == logs["fast"] and len(logs["fast"][0][2]) == 32
 
@@ -64,7 +64,7 @@ def test_stream_blocks_are_whole(embedded):
     model, tok = embedded
     shown_lengths = []
     s = lopa_fast.stream(model, PROMPT + " Answer :", tokenizer=tok, strategy="lopa", block_size=8, max_new_tokens=32,
-                         on_round=lambda p, i: shown_lengths.append(len(p) // 8 * 8))  # fmt: skip
+                         on_round=lambda p, i: shown_lengths.append(len(p) // 8 * 8))
     pieces = list(s)
     assert all(n % 8 == 0 for n in shown_lengths) and len(pieces) >= 2
     assert "".join(pieces) == s.text
@@ -112,7 +112,7 @@ def test_stream_close_stops_decoding(embedded):
     model, tok = embedded
     seen = []
     s = lopa_fast.stream(model, PROMPT + " Answer :", tokenizer=tok, strategy="d2f", block_size=4, max_new_tokens=32,
-                         on_round=lambda p, i: seen.append(i["round"]))  # fmt: skip
+                         on_round=lambda p, i: seen.append(i["round"]))
     next(iter(s))
     s.close()
     assert s.result is None and len(seen) < 8  # closed after the first piece: decoding did not run to the end
@@ -130,7 +130,7 @@ def test_hook_errors_propagate_and_fast_without_hook_support():
         extra = dict(threshold=0.5) if strategy == "threshold" else {}
         with pytest.raises(KeyError, match="stop here"):
             lopa_fast.generate(model, [1, 2, 3], strategy, "reference", max_new_tokens=8, block_size=4, on_round=boom,
-                               **extra)  # fmt: skip
+                               **extra)
     with pytest.raises(TypeError, match="on_round"):
         lopa_fast.generate(model, [1, 2, 3], "d2f", max_new_tokens=8, block_size=4, on_round=3)
 
@@ -152,7 +152,7 @@ def test_step_view_lines():
 
 def _cli(*argv):
     return subprocess.run([sys.executable, "-m", "lopa_fast", "generate", *argv], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          timeout=300)
 
 
 def test_cli_stream_and_show_steps():

@@ -35,7 +35,7 @@ def pair():
 
 def _apd_flags():
     return ["--strategy", "apd", "--apd-mixture-weight", "0.7", "--kv-window", "2", "--max-lookahead", "13",
-            "--max-new-tokens", "16"]  # fmt: skip
+            "--max-new-tokens", "16"]
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def test_cli_generate_runs_apd_with_a_verifier(pair, capsys):
     ([*_apd_flags(), "--verifier", "/no/such/dir"], "--verifier /no/such/dir: not a directory"),
     (["--strategy", "apd", "--verifier", AR], "verifier= given but apd_mixture_weight=None"),
     ([*_apd_flags(), "--verifier", str(model_dir())], "cannot verify"),  # a Dream model: not a causal verifier
-])  # fmt: skip
+])
 def test_cli_verifier_errors_are_one_line_exit_2(capsys, argv, needle):
     assert cli.main(["generate", "--prompt", PROMPT, *argv], exit_on_error=True) == 2
     err = capsys.readouterr().err
@@ -75,7 +75,7 @@ def test_cli_eval_takes_a_verifier(tmp_path, capsys):
     shutil.copytree(AR, ar)
     md = tmp_path / "e.md"
     assert cli.main(["eval", "--task", "arith", "--n", "1", "--strategies", "apd-r0.7", "--verifier", str(ar),
-                     "--out", str(md), "--no-progress", "-q"]) == 0  # fmt: skip
+                     "--out", str(md), "--no-progress", "-q"]) == 0
     row = next(ln for ln in md.read_text().splitlines() if ln.startswith("| apd-r0.7"))
     assert "unavailable" not in row and "%" in row, row
     with pytest.raises(cli.CLIError, match="--verifier /nope: not a directory"):
@@ -102,7 +102,7 @@ def servers(pair):
     for verifier in (ar, None):
         worker = Worker(model, tok, limits=Limits(max_body_bytes=64 << 10, read_timeout_s=5.0), verifier=verifier)
         out.append((_Server(create_app(worker, model_id="d2f-arith", defaults={"max_new_tokens": 16}),
-                            worker.limits), worker))  # fmt: skip
+                            worker.limits), worker))
     yield out[0][0], out[1][0]
     for srv, worker in out:
         srv.close()

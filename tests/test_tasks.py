@@ -137,7 +137,7 @@ def test_eval_apd_rows_run_with_the_shipped_verifier(tmp_path):
     problems = tasks.generate("test", 3, seed=0)
     ref = E.run_row(*E.load_default()[:2], problems, "apd-r0.7", "reference", False, verifier=E.load_verifier())
     keys = ("accuracy", "tpf", "dllm_forwards_per_answer", "verifier_forwards_per_answer", "mean_accepted",
-            "full_window_share")  # fmt: skip
+            "full_window_share")
     assert ref["backend"] == "reference" and all(ref[k] == by["apd-r0.7"][k] for k in keys)
     # a verifier that does not fit the drafter is reported before the row runs
     miss = E.run_row(*E.load_default()[:2], [], "apd-r0.6", verifier=None)

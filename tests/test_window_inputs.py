@@ -21,7 +21,7 @@ N_CASES = 16
 
 def _same(a: WindowInputs, b: WindowInputs) -> list[str]:
     return [f for f, x, y in zip(WindowInputs._fields, a, b) if x.dtype != y.dtype or x.shape != y.shape
-            or not torch.equal(x, y)]  # fmt: skip
+            or not torch.equal(x, y)]
 
 
 @pytest.fixture(scope="module")

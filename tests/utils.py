@@ -152,10 +152,10 @@ def step_models() -> dict:
     return {
         "dream": random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6),
         "dream_mask": random_model(tiny_hf_config("dream", vocab_size=128, num_kv_heads=4), seed=1, sharpen=4,
-                                   zero_mask_row=False),  # fmt: skip
+                                   zero_mask_row=False),
         "llada": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=3, sharpen=6),
         "llada_mask": random_model(tiny_hf_config("llada", vocab_size=64, num_kv_heads=4), seed=4, sharpen=3,
-                                   zero_mask_row=False),  # fmt: skip
+                                   zero_mask_row=False),
     }
 
 
@@ -224,7 +224,7 @@ def run_step(parts, model, st: dict, T: dict, geo, kind: str, sizes: tuple):
     if kind == "dual":
         return post(st, T, ctx, model.forward_dual([a])[0], None, None)
     out = model.forward_static(a["tokens"], a["start"], a["cache_k"], a["cache_v"], a["prefix_len"], a["win_lens"],
-                               None, "full", a["rows"], attn_backend=geo.attn_backend)  # fmt: skip
+                               None, "full", a["rows"], attn_backend=geo.attn_backend)
     return post(st, T, ctx, *out)
 
 

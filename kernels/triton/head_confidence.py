@@ -157,7 +157,7 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
         HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, num_warps=4,
     )
     _hc_merge_kernel[(R,)](pm1, pi1, pm2, ps, pfin, tok, p_max, margin, lse, finite.view(torch.int8), S,
-                           BLOCK_S=BLOCK_S, num_warps=1)  # fmt: skip
+                           BLOCK_S=BLOCK_S, num_warps=1)
     if entropy:
         pent = torch.empty(R, S, dtype=torch.float32, device=dev)
         _hc_entropy_kernel[grid](

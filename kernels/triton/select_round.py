@@ -49,7 +49,7 @@ def _select_round_kernel(
     mask_id: tl.constexpr, eos_id: tl.constexpr, n_look: tl.constexpr,
     SHIFT: tl.constexpr, BLEND: tl.constexpr, SCORE: tl.constexpr,
     BNB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, BL: tl.constexpr,
-):  # fmt: skip
+):
     G: tl.constexpr = G1 - 1
     Lb: tl.constexpr = L1 - 1
     sl = tl.arange(0, BNB)  # slots
@@ -179,7 +179,7 @@ def _select_round_kernel(
         tl.store(o_x + b * L1 + qq, xW, mask=q_ok)
     tl.debug_barrier()
     tl.store(o_x + sl[:, None] * L1 + wpos[None, :], tl.broadcast_to(tokW[None, :], (BNB, BN)),
-             mask=s_ok[:, None] & accW[None, :])  # fmt: skip
+             mask=s_ok[:, None] & accW[None, :])
     tl.debug_barrier()
 
     # ---- the winner's completed blocks (upstream's base_completed_blocks), from row 0 before the spawn
@@ -345,5 +345,5 @@ def select_round(args, outs, *, bs: int, mask_id: int, eos_id: int, n_look: int,
         SHIFT=bool(shift), BLEND=bool(blend), SCORE=bool(score_all),
         BNB=_p2(NB), BN=_p2(Nb), BG=_p2(G1), BL=_p2(L1), num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # the blend's a * c + (1 - a) * f stays two roundings, as the reference's
-    )  # fmt: skip
+    )
     return outs

@@ -25,7 +25,7 @@ THRESHOLD, ENTROPY, FACTOR, FIRST = tl.constexpr(0), tl.constexpr(1), tl.constex
 def _select_step_kernel(x, pos, valid, x0, conf, ent, finite, multi, noop, s, knob,
                         o_x, o_fm, o_multi, o_noop, o_head,
                         L, n, RULE: tl.constexpr, mask_id: tl.constexpr, B: tl.constexpr, BB: tl.constexpr,
-                        BN: tl.constexpr, BLK: tl.constexpr):  # fmt: skip
+                        BN: tl.constexpr, BLK: tl.constexpr):
     r = tl.arange(0, BN)
     r_ok = r < n
     BIG: tl.constexpr = 1 << 30
@@ -138,5 +138,5 @@ def select_step(args, outs, *, rule_index: int, mask_id: int, B: int) -> list[to
         *[v(t) for t in args], *outs, args[0].numel(), n, RULE=rule_index, mask_id=mask_id, B=B, BB=_p2(B), BN=_p2(n),
         BLK=min(BLOCK_L, _p2(args[0].numel())), num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # the factor rule's 1 - (1 / (b + 2)) * f stays two roundings, as the reference's
-    )  # fmt: skip
+    )
     return outs

@@ -20,7 +20,7 @@ NUM_WARPS = 4
 def _window_inputs_kernel(x, need_all, alive, window_lens, running, lens, layout_slot, counts, start, total_len,
                           pos_block, o_pos, o_valid, o_tokens, o_block, o_wl, o_need, o_rows, o_counts,
                           NB: tl.constexpr, L1: tl.constexpr, Nb: tl.constexpr, Rb: tl.constexpr,
-                          BLOCKS: tl.constexpr, BNB: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+                          BLOCKS: tl.constexpr, BNB: tl.constexpr, BN: tl.constexpr):
     c = tl.arange(0, BN)
     c_ok = c < Nb
     p = tl.load(start) + c
@@ -75,5 +75,5 @@ def window_inputs(args, outs, *, Nb: int, Rb: int, blocks: bool) -> list[torch.T
         return t.view(torch.uint8) if t.dtype == torch.bool else t
 
     _window_inputs_kernel[(1,)](*[v(t) for t in args], *[v(t) for t in outs], NB=NB, L1=L1, Nb=Nb, Rb=Rb,
-                                BLOCKS=bool(blocks), BNB=_p2(NB), BN=_p2(Nb), num_warps=NUM_WARPS)  # fmt: skip
+                                BLOCKS=bool(blocks), BNB=_p2(NB), BN=_p2(Nb), num_warps=NUM_WARPS)
     return outs

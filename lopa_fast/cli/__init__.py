@@ -8,7 +8,7 @@
     python -m lopa_fast generate --prompt "..." --stream --stop-text '\\n\\n'   # text as it becomes final
     python -m lopa_fast generate --prompt "..." --show-steps   # the live denoising view, round by round
     python -m lopa_fast serve [--model DIR] [--lora DIR] [--host H] [--port P]  # OpenAI-compatible (docs/serve.md)
-    python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,strategy=lopa --tasks gsm8k  # lm-eval's args
+    python -m lopa_fast lm-eval --model lopa_fast --model_args pretrained=DIR,strategy=lopa --tasks gsm8k  # its args
 
 `generate` takes every knob of `lopa_fast.generate` as a flag of the same name (dashes for underscores), typed
 from GenerateConfig's fields. From the command line (`main()` with no argv) every user error (unknown flag or

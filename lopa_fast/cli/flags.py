@@ -1,6 +1,6 @@
 """The decoding knobs as flags: one per GenerateConfig field (typed from the field, with its help and the default
-it runs with), the eval rows as `--preset`s, other libraries' names (lopa_fast.request.aliases), and the knobs of one call
-read back from the parsed flags."""
+it runs with), the eval rows as `--preset`s, other libraries' names (lopa_fast.request.aliases), and the knobs of one
+call read back from the parsed flags."""
 from __future__ import annotations
 
 import argparse
@@ -115,9 +115,9 @@ VERIFIER_HELP = ("APD's verifier: a causal AR qwen2 model directory whose vocabu
 
 
 def add_other_library_flags(parser: argparse.ArgumentParser, length: bool = True) -> None:
-    """Hugging Face / vLLM names as flags (lopa_fast.request.aliases): --max-length N (prompt + new tokens; generate only),
-    --do-sample / --no-do-sample (sampling: needs --temperature > 0; greedy: temperature 0), --n 1; the refused names
-    (--typical-p, --num-beams, ...) are parsed, hidden from --help, and refused naming the lopa_fast way."""
+    """Hugging Face / vLLM names as flags (lopa_fast.request.aliases): --max-length N (prompt + new tokens; generate
+    only), --do-sample / --no-do-sample (sampling: needs --temperature > 0; greedy: temperature 0), --n 1; the refused
+    names (--typical-p, --num-beams, ...) are parsed, hidden from --help, and refused naming the lopa_fast way."""
     from lopa_fast.request import aliases
 
     grp = parser.add_argument_group("names from Hugging Face / vLLM (docs/decoding.md, 'Knobs from other libraries')")
@@ -166,8 +166,8 @@ def add_knob_flags(parser: argparse.ArgumentParser, hidden=()) -> list[str]:
 
 def other_library_flags(args) -> dict:
     """The flags of other libraries' names: --max-length, --do-sample / --no-do-sample (translated by
-    lopa_fast.request.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the lopa_fast
-    way."""
+    lopa_fast.request.aliases), --n 1 (accepted); the refused ones (--typical-p, --num-beams, ...) raise naming the
+    lopa_fast way."""
     from lopa_fast.request import aliases
 
     out = {}

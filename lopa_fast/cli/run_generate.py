@@ -46,7 +46,7 @@ def load_verifier(args, model):
         return None
     if not os.path.isdir(path):
         raise CLIError(f"--verifier {path}: not a directory (an HF-format causal qwen2 model directory, e.g. "
-                       "lopa_fast/assets/ar-arith)")  # fmt: skip
+                       "lopa_fast/assets/ar-arith)")
     try:
         return lopa_fast.load_model(path, dtype=next(model.parameters()).dtype, device=model.device)
     except OSError as e:
@@ -74,7 +74,8 @@ def generate(args) -> int:
         from lopa_fast.distributed import init_from_env
 
         if args.stream or args.show_steps:
-            raise CLIError("--distributed prints the result once decoded; --stream / --show-steps are not supported with it")
+            raise CLIError("--distributed prints the result once decoded; --stream / --show-steps are not supported "
+                           "with it")
         args.device = init_from_env(args.device)  # NCCL -> cuda:LOCAL_RANK, gloo -> cpu
     try:
         return generate_one(args, text, knobs)
@@ -164,7 +165,7 @@ def stream_text(args, model, tok, ids_t, knobs, text_stops, verifier=None):
     knobs = dict(knobs)
     stop = [*(knobs.pop("stop", None) or []), *text_stops] or None
     s = user_errors(lopa_fast.stream, model, ids_t, tokenizer=tok, stop=stop, verifier=verifier,
-                     on_round=view, **knobs)  # fmt: skip
+                     on_round=view, **knobs)
     with s:
         for piece in s:
             if args.stream:

@@ -51,7 +51,7 @@ def serve(args) -> int:
         raise CLIError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from e
     if "max_length" in knobs:
         raise CLIError("serve: --max-length is prompt + new tokens, which a server default cannot know; pass "
-                       "--max-new-tokens (a request's max_tokens)")  # fmt: skip
+                       "--max-new-tokens (a request's max_tokens)")
     from lopa_fast import api, strategies
 
     def check_defaults(defaults):  # a default that needs the verifier, without one: before any load

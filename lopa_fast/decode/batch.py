@@ -8,12 +8,12 @@ tables and finish line (the driver, lopa_fast.decode.driver's protocol: `FastDec
 is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
 admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
 live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
-bookkeeping (the torch round, lopa_fast/strategies/lopa/round.py). Attention: on the torch backend (CPU) per request over
-its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
+bookkeeping (the torch round, lopa_fast/strategies/lopa/round.py). Attention: on the torch backend (CPU) per request
+over its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
 those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
 every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
-tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path).
-A finished request leaves the batch (its rows are not computed again).
+tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path). A finished
+request leaves the batch (its rows are not computed again).
 
 Multi-forward rounds (APD: the drafter's window, then the verifier over the drafts; a driver's `forwards(w)`) and
 in-place forwards (threshold's dual step) run as described at `Scheduler._forwards`.
@@ -62,24 +62,24 @@ class Scheduler:
     """Requests of one model and one decoding config, batched per round (see the module docstring).
 
     model: DecoderLM; cfg: a bound GenerateConfig (one strategy, one set of knobs for every request); spec: its
-    strategy's spec (the plan's; it gives the per-request driver and the rows of one request); verifier: the second model of a strategy that
-    takes one (its spec's `takes_verifier`: APD), the same object for every request of the scheduler, so a round's
-    verifier forwards are one; max_rows: the most branch slots (rows of the
-    forward's batch, k + 1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots;
-    None: no cap); slot_len: the most cache rows of one pool slot (a request needs its buffer length + 1:
-    `engine.buffer_len`; None: no cap). A request that can never fit (more rows than max_rows, a longer cache than
-    slot_len) is refused by `submit` with a KnobError; one that fits waits in the queue until rows and a slot free.
-    `pool`: the KV pool (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
+    strategy's spec (the plan's; it gives the per-request driver and the rows of one request); verifier: the second
+    model of a strategy that takes one (its spec's `takes_verifier`: APD), the same object for every request of the
+    scheduler, so a round's verifier forwards are one; max_rows: the most branch slots (rows of the forward's batch, k +
+    1 per LoPA request) live at once (None: no cap); max_slots: the most requests live at once (KV pool slots; None: no
+    cap); slot_len: the most cache rows of one pool slot (a request needs its buffer length + 1: `engine.buffer_len`;
+    None: no cap). A request that can never fit (more rows than max_rows, a longer cache than slot_len) is refused by
+    `submit` with a KnobError; one that fits waits in the queue until rows and a slot free. `pool`: the KV pool
+    (lopa_fast.decode.kv_pool) holding every live request's committed prefix."""
 
     def __init__(self, model, cfg, max_rows: int | None = None, max_slots: int | None = None,
-                 slot_len: int | None = None, verifier=None, *, spec):  # fmt: skip
+                 slot_len: int | None = None, verifier=None, *, spec):
         for knob, v in (("max_rows", max_rows), ("max_slots", max_slots), ("slot_len", slot_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise KnobError(f"{knob}={v!r}; allowed: None or an int >= 1", knob=knob, value=v)
         self.model, self.cfg, self.spec = model, cfg, spec
         if self.spec.driver is None:
             raise KnobError(f"Scheduler: strategy={cfg.strategy!r} has no batch driver (its requests run one at a "
-                            "time)", knob="strategy", value=cfg.strategy)  # fmt: skip
+                            "time)", knob="strategy", value=cfg.strategy)
         self._driver = self.spec.load("driver")
         # the driver's extra models (the strategy's verifier), passed to every request's driver
         self._extra = {"verifier": verifier} if self.spec.takes_verifier else {}
@@ -107,11 +107,11 @@ class Scheduler:
         need, cache_rows = self.rows_per_request, self.spec.cache_rows(prompt.numel(), cfg)
         if self.max_rows is not None and need > self.max_rows:
             raise KnobError(f"max_rows={self.max_rows} is smaller than one request's {need} branch slots",
-                            knob="max_rows", value=self.max_rows)  # fmt: skip
+                            knob="max_rows", value=self.max_rows)
         if self.slot_len is not None and cache_rows > self.slot_len:
             raise KnobError(f"slot_len={self.slot_len} is smaller than this request's {cache_rows} cache rows (prompt "
                             f"{prompt.numel()} + max_new_tokens {cfg.max_new_tokens}, rounded up to a multiple of "
-                            f"{LENGTH_QUANTUM}, + 1)", knob="slot_len", value=self.slot_len)  # fmt: skip
+                            f"{LENGTH_QUANTUM}, + 1)", knob="slot_len", value=self.slot_len)
         self._rows[self._next_id] = cache_rows
         rid = self._next_id
         self._next_id += 1
@@ -128,7 +128,7 @@ class Scheduler:
             if n_live + len(take) > 0 and (
                 (self.max_rows is not None and used + need > self.max_rows)
                 or (self.max_slots is not None and n_live + len(take) >= self.max_slots)
-            ):  # fmt: skip
+            ):
                 break  # first come, first served: wait for rows / a slot to free
             take.append(item)
             used += need
@@ -140,7 +140,7 @@ class Scheduler:
         # reserve: lopa_fast.memory.request_bytes' cache term); past that it grows to the exact need
         need = sum(quantized_length(r) for r in [*(self._rows[rid] for rid in self.live), *(t[5] for t in take)])
         grown = self.pool.ensure(max(t[5] for t in take), len(self.pool.used) + len(take), self.slot_len,
-                                 self.max_slots, max_bytes=need * self.pool.row_bytes)  # fmt: skip
+                                 self.max_slots, max_bytes=need * self.pool.row_bytes)
         if grown:  # the live requests' caches move to the new pool (their rows copied): re-point their views
             for rid, dec in self.live.items():
                 dec.use_cache(*self.pool.views(self.slot_of[rid], self._rows[rid]))
@@ -306,7 +306,7 @@ class Scheduler:
 
 
 def run_batch(model, prompts: list, cfgs: list, max_rows: int | None = None, on_round=None,
-              verifier=None, *, spec) -> list[GenerateOutput]:  # fmt: skip
+              verifier=None, *, spec) -> list[GenerateOutput]:
     """Decode `prompts` (LongTensors [P_i] on model.device, with their bound configs `cfgs`, one strategy that
     `batchable`) together; outputs in the prompts' order. on_round: None or one hook per prompt (a list);
     verifier: the strategy's second model, if it takes one (`Scheduler`)."""
@@ -355,7 +355,7 @@ class BatchEngine:
 
     def __init__(self, model, max_rows: int | None = None, start: bool = True, max_slots: int | None = None,
                  slot_len: int | None = None, on_held=None, step_timeout_s: float | None = None,
-                 share_bytes=None):  # fmt: skip
+                 share_bytes=None):
         self.model, self.max_rows, self.max_slots, self.slot_len = model, max_rows, max_slots, slot_len
         # the watchdog: a step running longer fails the requests waiting on the engine (`stalled`, `generate`)
         self.step_timeout_s = step_timeout_s
@@ -465,12 +465,12 @@ class BatchEngine:
                 sched = self._schedulers.get(key)
                 if sched is None:
                     sched = self._schedulers[key] = Scheduler(self.model, cfg, self.max_rows, self.max_slots,
-                                                              self.slot_len, verifier, spec=spec)  # fmt: skip
+                                                              self.slot_len, verifier, spec=spec)
                 try:
                     rid = sched.submit(prompt, on_round, cfg)
                     self._waiting[(key, rid)] = box
                     self._shares[(key, rid)] = self._share_bytes(self.model, prompt.numel() + cfg.max_new_tokens,
-                                                                     cfg, verifier)  # fmt: skip
+                                                                     cfg, verifier)
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
                     box["error"] = e
                     box["event"].set()
@@ -515,7 +515,7 @@ class BatchEngine:
         """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""
         cr = rounds_of(self.model)
         lanes = 0 if cr is None else (len(cr.fns), sum(len(w["lanes"]) for k, w in cr.workspaces.items()
-                                                        if k[:1] == ("batch",)))  # fmt: skip
+                                                        if k[:1] == ("batch",)))
         now = (sum(s.pool.nbytes() for s in self._schedulers.values()), lanes)
         changed, self._sizes = now != self._sizes, now
         return changed

@@ -171,7 +171,7 @@ class CompiledRounds:
             # a compile at INFO; a capture (one eager round) at DEBUG unless it took LONG_S or more
             level = logging.INFO if not captured or seconds >= LONG_S else logging.DEBUG
             log.log(level, "%s %s in %.1f s", "captured" if captured else "compiled", what or "the step " + label,
-                    seconds)  # fmt: skip
+                    seconds)
         return out
 
     def build(self, label: str, views, step: Callable, capture: tuple | None = None,
@@ -192,7 +192,7 @@ class CompiledRounds:
             if not views[0].fallback:
                 raise
             warnings.warn(f"compile (auto): capturing {what} failed ({type(e).__name__}: {e}); it runs eagerly "
-                          "(pass compile=True to make it an error)", RuntimeWarning, stacklevel=4)  # fmt: skip
+                          "(pass compile=True to make it an error)", RuntimeWarning, stacklevel=4)
             return step
         self.count(1, views)
 
@@ -210,7 +210,7 @@ class CompiledRounds:
         compiled_buckets entry; label: its compile_seconds name)."""
         views, what = [self.view()], "the round part " + label
         return self.get_or_build(key, bucket, label, views, lambda: self.build(label, views, make(), what=what),
-                                 lambda fn: fn(*args), captured=False, what=what)  # fmt: skip
+                                 lambda fn: fn(*args), captured=False, what=what)
 
     @staticmethod
     def capture(warmup, body):
@@ -337,12 +337,12 @@ def compile_guarded(fn, what: str):
             if _corrupt_artifact(e):
                 removed = purge_corrupt_artifacts()
                 cause = (f"the Inductor cache holds a corrupt artifact ({first}); removed {len(removed)} cut-short "
-                         f"file(s) {removed[:3]}")  # fmt: skip
+                         f"file(s) {removed[:3]}")
             else:
                 cause = f"compiling {what} failed ({type(e).__name__}: {first})"
             clean = fresh_inductor_cache()
             warnings.warn(f"compile: {cause}; {what} runs eagerly in this process, later compiles rebuild in a clean "
-                          f"cache {clean}", RuntimeWarning, stacklevel=2)  # fmt: skip
+                          f"cache {clean}", RuntimeWarning, stacklevel=2)
             state["fn"] = fn
             return fn(*args, **kwargs)
 

@@ -91,7 +91,7 @@ def run(steps: list[BatchStep], model) -> list[tuple[dict, dict]]:
 
     return cr.get_or_build(("batch", Bb, first.key), (*first.bucket, f"x{Bb}"), label, views,
                            lambda: _build(cr, first, model, Bb, label, views, captured), call,
-                           captured=captured)  # fmt: skip
+                           captured=captured)
 
 
 class _Entry:
@@ -150,7 +150,7 @@ def _lanes(cr, first: BatchStep, Bb: int) -> tuple[list, list]:
 
     def make() -> dict:
         lanes = [({k: v.clone() for k, v in first.state.items()}, {k: v.clone() for k, v in first.tables.items()})
-                 for _ in range(Bb)]  # fmt: skip
+                 for _ in range(Bb)]
         return {"lanes": lanes, "owners": [None] * Bb}
 
     ws = cr.workspace(("batch", first.workspace), fits, make)
@@ -165,7 +165,7 @@ def _batched_step(model, first: BatchStep):
     stages = (*first.mids, first.post)
     if len(stages) != len(fwds):
         raise ValueError(f"BatchStep {first.label}: {len(fwds)} forwards need {len(fwds) - 1} mids, got "
-                         f"{len(first.mids)}")  # fmt: skip
+                         f"{len(first.mids)}")
     pre = first.pre
 
     def batched_step(states: list, tables: list) -> list:
@@ -202,7 +202,7 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views, captured: bo
         # warm-up on scratch copies (kernels compile / autotune; it returns (state, outputs) as a step does, for
         # the tests' emulated capture), then the capture over the lanes
         capture = (lambda: (None, body([{k: v.clone() for k, v in S.items()} for S in states], tables, write=False)),
-                   lambda: body(states, tables))  # fmt: skip
+                   lambda: body(states, tables))
     fn = cr.build(label, views, body, capture)
     entry = _Entry(lanes, None, captured, owners, first.workspace)
     # the lanes read at each call: `free_workspaces` may replace a compiled entry's (same shapes: the same compiled
@@ -219,7 +219,7 @@ def _call(entry: _Entry, steps: list[BatchStep]) -> list[tuple[dict, dict]]:
         S, TS = lanes[j]
         if S.keys() != s.state.keys():
             raise RuntimeError(f"batched step: request state fields {sorted(s.state)} differ from its workspace's "
-                               f"{sorted(S)} (one workspace key must mean one state layout)")  # fmt: skip
+                               f"{sorted(S)} (one workspace key must mean one state layout)")
         names = list(S)
         torch._foreach_copy_([S[k] for k in names], [s.state[k] for k in names])
         if owners[j] is not s.tables:  # request constants: loaded when the lane last held another request

@@ -3,10 +3,10 @@ slot of the same two tensors, so one pooled attention call per layer can read ev
 
 Layout: k, v [num_layers, S, Lp, Hkv, D] (one layer's pool `k[i]` is the contiguous [S, Lp, Hkv, D] that
 `ops.branch_attention(..., cache_index=...)` takes). A request with buffer length Lb (its round's static cache is
-[num_layers, Lb + 1, Hkv, D], row Lb its trash row: lopa_fast.strategies.lopa.round) gets slot s at admission and decodes on
-the views `k[:, s, :Lb + 1]` / `v[:, s, :Lb + 1]`: each layer's part of a view is contiguous and has the strides of a
-request's own cache, so the per-request torch attention (CPU) sums exactly as the solo round does, and its commits
-(index_copy_ / narrow().copy_, in place) land in the pool. A finished request's slot goes back to the free list.
+[num_layers, Lb + 1, Hkv, D], row Lb its trash row: lopa_fast.strategies.lopa.round) gets slot s at admission and
+decodes on the views `k[:, s, :Lb + 1]` / `v[:, s, :Lb + 1]`: each layer's part of a view is contiguous and has the
+strides of a request's own cache, so the per-request torch attention (CPU) sums exactly as the solo round does, and its
+commits (index_copy_ / narrow().copy_, in place) land in the pool. A finished request's slot goes back to the free list.
 
 The pool grows on demand (more slots, longer slots) up to its caps: a new pool, the old one copied into its
 corner, the live requests re-pointed at their slots of it (`ensure` returns True; the caller re-points). The
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from lopa_fast.decode.shapes import quantized_length  # slot lengths grow in LENGTH_QUANTUM steps (request buffers are multiples)
+# slot lengths grow in LENGTH_QUANTUM steps (request buffers are multiples of it)
+from lopa_fast.decode.shapes import quantized_length
 
 
 class KVPool:
@@ -56,7 +57,7 @@ class KVPool:
         return 2 * self.layers * self.hkv * self.d * torch.empty((), dtype=self.dtype).element_size()
 
     def ensure(self, rows: int, slots: int, max_len: int | None = None, max_slots: int | None = None,
-               max_bytes: int | None = None) -> bool:  # fmt: skip
+               max_bytes: int | None = None) -> bool:
         """Make room for a slot of `rows` positions with `slots` slots in use at once (grow if needed: each dimension
         at least doubles, lengths in steps of 64, never past max_len / max_slots, which the caller's caps keep >= the
         request; and, when the doubled pool would exceed `max_bytes`, only to the exact need: `slots` slots of
@@ -88,7 +89,7 @@ class KVPool:
         zeroed (the request starts from a zero cache, as a solo one does)."""
         if not self.free or rows > self.slot_len:
             raise RuntimeError(f"KVPool.acquire: no slot of {rows} rows (free {len(self.free)}, slot_len "
-                               f"{self.slot_len}); call ensure() first")  # fmt: skip
+                               f"{self.slot_len}); call ensure() first")
         s = self.free.pop(0)
         self.used.add(s)
         self.k[:, s, :rows].zero_()
@@ -117,5 +118,5 @@ def request_cache(model, rows: int, cache=None) -> tuple[torch.Tensor, torch.Ten
         return tuple(torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(2))
     if any(tuple(t.shape) != shape or t.dtype != model.dtype for t in cache):
         raise ValueError(f"request cache: views must be {shape} {model.dtype}, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")  # fmt: skip
+                         f"{[(tuple(t.shape), t.dtype) for t in cache]}")
     return tuple(cache)

@@ -12,9 +12,10 @@ Without `pretrained=` the embedded d2f-arith model runs.
 
 - `generate_until` runs each request through `lopa_fast.generate` (batch 1; lm-eval's batch_size is accepted and
   ignored): the context tokenised (as is, or without added specials when lm-eval applied the chat template,
-  which already holds them), `until` as text stops (lopa_fast.request.text.split_stops: tokenised into generate's `stop=`,
-  the one stop mechanism, and matched on the text), `max_gen_toks` as max_new_tokens, `do_sample` / `temperature`
-  / `top_p` / `top_k` as the sampling knobs; every other model_arg is a generate knob (GenerateConfig's names).
+  which already holds them), `until` as text stops (lopa_fast.request.text.split_stops: tokenised into generate's
+  `stop=`, the one stop mechanism, and matched on the text), `max_gen_toks` as max_new_tokens, `do_sample` /
+  `temperature` / `top_p` / `top_k` as the sampling knobs; every other model_arg is a generate knob (GenerateConfig's
+  names).
 - `loglikelihood` (multiple-choice tasks, lambada, ...): the masked-diffusion ELBO of the continuation, a Monte
   Carlo estimate over `mc_num` noisy copies (`mc_loglikelihood`, as LLaDA's and Dream's own lm-eval code do);
   `is_greedy` by LLaDA's greedy check (`greedy_matches`). `loglikelihood_rolling` (perplexity tasks) sums the ELBO

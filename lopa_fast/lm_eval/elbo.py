@@ -70,7 +70,7 @@ def elbo_terms(logp: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 
 
 def mc_loglikelihood(model, prompt, target, *, mc_num: int = MC_NUM, batch_size: int = MC_BATCH,
-                     generator: torch.Generator) -> float:  # fmt: skip
+                     generator: torch.Generator) -> float:
     """The Monte Carlo ELBO estimate of log p(target | prompt): the mean of `elbo_terms` over mc_num noisy copies,
     batch_size per forward (mc_num must be a multiple of batch_size). prompt: ids [P]; target: ids [L]. An empty
     target has log-likelihood 0.
@@ -86,7 +86,7 @@ def mc_loglikelihood(model, prompt, target, *, mc_num: int = MC_NUM, batch_size:
     if length == 0:
         return 0.0
     terms = [elbo_terms(masked_logprobs(model, prompt, target, m), m)
-             for m in (draw_masks(length, batch_size, generator) for _ in range(mc_num // batch_size))]  # fmt: skip
+             for m in (draw_masks(length, batch_size, generator) for _ in range(mc_num // batch_size))]
     return float(torch.cat(terms).mean())
 
 

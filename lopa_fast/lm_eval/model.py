@@ -15,7 +15,7 @@ from lopa_fast.lm_eval.elbo import MC_BATCH, MC_NUM, greedy_matches, mc_loglikel
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")  # the gen_kwargs mapped to knobs
 MODEL_ARGS = ("pretrained", "lora", "verifier", "dtype", "device", "max_gen_toks", "mc_num", "mc_batch_size", "seed",
-              "check_greedy")  # fmt: skip  # the others are generate knobs
+              "check_greedy")  # # the others are generate knobs
 DTYPES = ("float32", "bfloat16", "float16")
 SEED = 1234  # the seed LLaDA's eval script sets
 
@@ -59,7 +59,7 @@ def _device_arg(device) -> str:
         raise _arg_error("device", device, "cpu, cuda, cuda:N, mps (a torch device string)") from None
     if dev.startswith("cuda") and not torch.cuda.is_available():
         warnings.warn(f"lopa_fast: device={dev!r} but CUDA is not available; running on the CPU", RuntimeWarning,
-                      stacklevel=3)  # fmt: skip
+                      stacklevel=3)
         dev = "cpu"
     return dev
 
@@ -72,11 +72,11 @@ def _mc_args(mc_num, mc_batch_size) -> tuple[int, int]:
         b = min(MC_BATCH, n)
     else:
         b = _int_arg("mc_batch_size", mc_batch_size, 1, f"an int >= 1 that divides mc_num (default min({MC_BATCH}, "
-                     "mc_num))")  # fmt: skip
+                     "mc_num))")
     if n % b:
         divisors = [d for d in range(1, min(n, 256) + 1) if n % d == 0]
         raise _arg_error("mc_num", n, f"a multiple of mc_batch_size={b} (or an mc_batch_size that divides {n}: "
-                         f"{', '.join(map(str, divisors))})")  # fmt: skip
+                         f"{', '.join(map(str, divisors))})")
     return n, b
 
 
@@ -99,7 +99,7 @@ class LopaFastLM(TemplateLM):
 
     def __init__(self, pretrained=None, lora=None, dtype=None, device=None, max_gen_toks=256, mc_num=MC_NUM,
                  mc_batch_size=None, seed=SEED, check_greedy=True, batch_size=None, max_batch_size=None,
-                 verifier=None, **knobs):  # fmt: skip
+                 verifier=None, **knobs):
         super().__init__()
         import lopa_fast
         from lopa_fast.assets import model_dir
@@ -114,7 +114,7 @@ class LopaFastLM(TemplateLM):
             named = [f"{u} (did you mean {g[0]}?)" if (g := difflib.get_close_matches(u, [*MODEL_ARGS, *fields], 1,
                                                                                       0.75)) else u for u in unknown]
             raise TypeError(f"lopa_fast model_args: unknown {', '.join(named)}; allowed: {', '.join(MODEL_ARGS)} and "
-                            "the GenerateConfig knobs (inspect.signature(lopa_fast.generate))")  # fmt: skip
+                            "the GenerateConfig knobs (inspect.signature(lopa_fast.generate))")
         from lopa_fast import api
 
         self.knobs = dict(knobs)
@@ -180,7 +180,7 @@ class LopaFastLM(TemplateLM):
             from lopa_fast.errors import KnobError
 
             raise KnobError(f"--apply_chat_template: the tokenizer of {self.path} has no chat template",
-                            knob="apply_chat_template", value=True)  # fmt: skip
+                            knob="apply_chat_template", value=True)
         self.chat_applied = True  # the templated text holds the special tokens: encode it without adding more
         if add_generation_prompt:  # a context ending with the template's own "Answer :" gets it once
             from lopa_fast.request.text import without_generation_prompt
@@ -195,7 +195,7 @@ class LopaFastLM(TemplateLM):
             raise NotImplementedError(
                 f"lopa_fast: {what} needs a masked-diffusion model (a mask token to fill); {self.path} is "
                 f"model_type={mc.model_type!r} (is_diffusion={mc.is_diffusion}, attention={self.model.attention!r}), "
-                f"mask_token_id={self.model.mask_token_id!r}. Supported on it: generate_until")  # fmt: skip
+                f"mask_token_id={self.model.mask_token_id!r}. Supported on it: generate_until")
 
     def _fit(self, context: list[int], continuation: list[int]) -> list[int]:
         """The context cut on the left so context + continuation fit `max_length` (with a warning); at least one
@@ -206,12 +206,12 @@ class LopaFastLM(TemplateLM):
 
             raise KnobError(f"lopa_fast loglikelihood: a continuation of {len(continuation)} tokens does not fit "
                             f"max_position_embeddings={self.max_length} with at least one context token",
-                            knob="continuation", value=len(continuation))  # fmt: skip
+                            knob="continuation", value=len(continuation))
         context = list(context) or [self.prefix_token_id]
         if len(context) > room:
             warnings.warn(f"lopa_fast loglikelihood: context of {len(context)} tokens + continuation of "
                           f"{len(continuation)} exceed {self.max_length}; the context is cut on the left",
-                          RuntimeWarning, stacklevel=3)  # fmt: skip
+                          RuntimeWarning, stacklevel=3)
             context = context[-room:]
         return context
 
@@ -221,7 +221,7 @@ class LopaFastLM(TemplateLM):
         gen = torch.Generator().manual_seed(request_seed(self.seed, context, continuation))
         with threads.scoped(self.model):  # the thread policy of generate (lopa_fast.request.threads)
             ll = mc_loglikelihood(self.model, context, continuation, mc_num=self.mc_num,
-                                  batch_size=self.mc_batch_size, generator=gen)  # fmt: skip
+                                  batch_size=self.mc_batch_size, generator=gen)
             is_greedy = greedy and self.check_greedy and greedy_matches(self.model, context, continuation)
         return ll, bool(is_greedy)
 
@@ -261,7 +261,7 @@ class LopaFastLM(TemplateLM):
             (text,) = req.args
             self._warn_unknown(self._unknown(text), "text")
             windows = get_rolling_token_windows(self.tok_encode(text, add_special_tokens=False), self.prefix_token_id,
-                                                max_seq_len=self.max_length - 1, context_len=1)  # fmt: skip
+                                                max_seq_len=self.max_length - 1, context_len=1)
             total = sum(self._score(*make_disjoint_window(w), greedy=False)[0] for w in windows)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
@@ -275,7 +275,7 @@ class LopaFastLM(TemplateLM):
     def _warn_unknown(self, missing: list[str], where: str) -> None:
         if missing:  # reported, never silently mapped
             warnings.warn(f"lopa_fast: {len(missing)} word(s) of the {where} unknown to the tokenizer: "
-                          + ", ".join(repr(w) for w in missing[:20]), UserWarning, stacklevel=3)  # fmt: skip
+                          + ", ".join(repr(w) for w in missing[:20]), UserWarning, stacklevel=3)
 
     # ---- generate_until requests -------------------------------------------------------------------------------
     def request_knobs(self, gen_kwargs: dict) -> tuple[dict, list]:
@@ -294,7 +294,7 @@ class LopaFastLM(TemplateLM):
                 knobs[k] = g.pop(k)
         if g:
             warnings.warn(f"lopa_fast: gen_kwargs {sorted(g)} ignored (mapped: until, max_gen_toks, "
-                          f"{', '.join(SAMPLING_KWARGS)})", RuntimeWarning, stacklevel=2)  # fmt: skip
+                          f"{', '.join(SAMPLING_KWARGS)})", RuntimeWarning, stacklevel=2)
         if isinstance(until, str):
             until = [until]
         return knobs, [u for u in (until or []) if u]
@@ -324,7 +324,7 @@ class LopaFastLM(TemplateLM):
                 "prompt_tokens": len(ids), "generated_tokens": st["generated_tokens"], "forwards": st["forwards"],
                 "tpf": st["tpf"], "finish_reason": st["finish_reason"], "strategy": st["strategy"],
                 "backend": st["backend"],
-            })  # fmt: skip
+            })
             out_texts.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out_texts
@@ -334,7 +334,7 @@ class LopaFastLM(TemplateLM):
         estimator's settings too: an ELBO estimate depends on them) and the totals."""
         args = {"path": self.path, **({"verifier": self.verifier_path} if self.verifier_path else {}), **self.knobs,
                 "mc_num": self.mc_num, "mc_batch_size": self.mc_batch_size, "seed": self.seed,
-                "check_greedy": self.check_greedy}  # fmt: skip
+                "check_greedy": self.check_greedy}
         return {"model_args": args, "total": self.totals()}
 
     def get_model_info(self) -> dict:
@@ -356,4 +356,4 @@ class LopaFastLM(TemplateLM):
         tokens = sum(r["generated_tokens"] for r in self.records)
         forwards = sum(r["forwards"] for r in self.records)
         return {"requests": len(self.records), "generated_tokens": tokens, "forwards": forwards,
-                "tpf": tokens / forwards if forwards else 0.0}  # fmt: skip
+                "tpf": tokens / forwards if forwards else 0.0}

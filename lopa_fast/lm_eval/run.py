@@ -24,7 +24,7 @@ def _results_dir(tracker) -> Path:
 def evaluate(model, tasks, *, output_path: str | None = None, log_samples: bool = False, model_args=None,
              hf_hub_log_args: dict | None = None, wandb_args: dict | None = None,
              wandb_config_args: dict | None = None, trackio_args: dict | None = None, show_config: bool = False,
-             **simple_evaluate_kwargs) -> dict | None:  # fmt: skip
+             **simple_evaluate_kwargs) -> dict | None:
     """`lm_eval.simple_evaluate(model, tasks=tasks, ...)` on a model instance (a `LopaFastLM`, or any lm-eval model
     or model name), lm-eval's result dict saved where asked by lm-eval's own `EvaluationTracker` (output_path: a
     directory or a .json path; with log_samples the per-task samples next to it), the lopa_fast totals added under
@@ -48,7 +48,7 @@ def evaluate(model, tasks, *, output_path: str | None = None, log_samples: bool 
         model_args = {"pretrained": lm.path, **(model_args or {})}
         lm.records.clear()  # the stats are this run's
     results = simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=log_samples,
-                              evaluation_tracker=tracker, **simple_evaluate_kwargs)  # fmt: skip
+                              evaluation_tracker=tracker, **simple_evaluate_kwargs)
     if results is None:
         return None
     samples = results.pop("samples", None) if log_samples else None
@@ -66,14 +66,14 @@ def evaluate(model, tasks, *, output_path: str | None = None, log_samples: bool 
         tracker.recreate_metadata_card()
     name = "lopa_fast" if lm is not None else results["config"]["model"]
     print(f"{name} ({model_args}), limit: {simple_evaluate_kwargs.get('limit')}, "
-          f"num_fewshot: {simple_evaluate_kwargs.get('num_fewshot')}")  # fmt: skip
+          f"num_fewshot: {simple_evaluate_kwargs.get('num_fewshot')}")
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
     if summary is not None:
         t = summary["total"]
         print(f"lopa_fast: {t['requests']} generate_until requests, {t['generated_tokens']} tokens, "
-              f"{t['forwards']} forwards, TPF {t['tpf']:.2f}")  # fmt: skip
+              f"{t['forwards']} forwards, TPF {t['tpf']:.2f}")
         if output_path:
             path = _results_dir(tracker) / f"lopa_fast_stats_{tracker.date_id}.json"
             path.write_text(json.dumps(dict(summary, requests=lm.records), indent=2))
@@ -143,7 +143,7 @@ def _run(args) -> int:
                  "device": cfg.device if named else None}
         with logs.step(log, "loading the model", "loaded the model", long=False):
             model = one_line("lm-eval --model_args", LopaFastLM.create_from_arg_obj, cfg.model_args,
-                             {k: v for k, v in flags.items() if k not in cfg.model_args})  # fmt: skip
+                             {k: v for k, v in flags.items() if k not in cfg.model_args})
     else:  # another lm-eval model: lm-eval builds it
         model = cfg.model
     seed = cfg.seed or [None] * 4
@@ -163,7 +163,7 @@ def _run(args) -> int:
              fewshot_as_multiturn=cfg.fewshot_as_multiturn, gen_kwargs=cfg.gen_kwargs,
              task_manager=tasks, predict_only=cfg.predict_only, random_seed=seed[0],
              numpy_random_seed=seed[1], torch_random_seed=seed[2], fewshot_random_seed=seed[3],
-             confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata)  # fmt: skip
+             confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata)
     return 0
 
 

@@ -12,4 +12,4 @@ from lopa_fast.models.transformer import DecoderLM
 __all__ = [
     "CheckpointError", "DecoderLM", "KVCache", "LLaDAModel", "ModelConfig", "Qwen2Model", "build_model",
     "load_model", "load_tokenizer", "merge_lora", "parse_config", "read_config", "save_checkpoint",
-]  # fmt: skip
+]

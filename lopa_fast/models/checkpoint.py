@@ -35,14 +35,14 @@ def read_json(path: Path) -> dict:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, exactly as the checkpoint must hold them (computed from the config: no model
     skeleton is built, so a config with a million layers costs nothing before it is refused)."""
-    H, V, I, D = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    H, V, I, D = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741 (I: MLP width)
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
     out: dict[str, tuple[int, ...]] = {}
     if cfg.kind == "llada":
         pre = "model.transformer."
         out[pre + "wte.weight"] = (V, H)
         names = {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "attn_out": (H, q), "ff_proj": (I, H),
-                 "up_proj": (I, H), "ff_out": (H, I), "attn_norm": (H,), "ff_norm": (H,)}  # fmt: skip
+                 "up_proj": (I, H), "ff_out": (H, I), "attn_norm": (H,), "ff_norm": (H,)}
         bias = cfg.qkv_bias
         layer = pre + "blocks.{}."
         tail = {pre + "ln_f.weight": (H,)}
@@ -51,7 +51,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["model.embed_tokens.weight"] = (V, H)
         names = {"input_layernorm": (H,), "self_attn.q_proj": (q, H), "self_attn.k_proj": (kv, H),
                  "self_attn.v_proj": (kv, H), "self_attn.o_proj": (H, q), "post_attention_layernorm": (H,),
-                 "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}  # fmt: skip
+                 "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
         bias = True
         layer = "model.layers.{}."
         tail = {"model.norm.weight": (H,)}
@@ -98,7 +98,7 @@ def _map_shards(files: dict[str, Path], read, what: str, bar: str | None = None)
                 for name in names:
                     if name not in present:
                         raise CheckpointError(f"{f}: the index maps tensor {name!r} to this shard, but it is not there",
-                                              path=f, key=name)  # fmt: skip
+                                              path=f, key=name)
                     out[name] = read(sf, name)
         except CheckpointError:
             raise
@@ -154,7 +154,7 @@ def weight_files(path: Path, allow_pickle: bool) -> tuple[str, dict[str, Path]]:
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or not fname or "\x00" in fname:
                 raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}; expected a shard file name",
-                                      path=index, key=name)  # fmt: skip
+                                      path=index, key=name)
             parts = Path(fname).parts
             if Path(fname).is_absolute() or os.path.isabs(fname) or ".." in parts or "\\" in fname:
                 raise CheckpointError(
@@ -237,7 +237,8 @@ def check_tensors(tensors: dict, shapes: dict, source: str) -> None:
         else:
             actual, floating = tuple(t.shape), t.is_floating_point()
         if actual != shape:
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {actual}, expected {shape}", path=source, key=name)
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {actual}, expected {shape}", path=source,
+                                  key=name)
         if not floating:
             dt = t[1] if isinstance(t, tuple) else t.dtype
             raise CheckpointError(f"{source}: tensor {name!r} has dtype {dt}, expected a float", path=source, key=name)

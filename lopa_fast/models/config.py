@@ -46,7 +46,7 @@ FAMILIES = {
     "llada": Family(attention="full", logits_shift=False, is_diffusion=True, causal_verifier=False,
                     stats_in_float64=True, refresh_commits_first=False, vanilla_commit="block_topk",
                     eot_token_id=126348),
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -159,7 +159,8 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
     gen = generation_cfg or {}
     model_type = cfg.get("model_type")
     if model_type is None:
-        raise ConfigError(f"{source}: no 'model_type'; supported: {SUPPORTED_MODEL_TYPES}", file=source, key="model_type")
+        raise ConfigError(f"{source}: no 'model_type'; supported: {SUPPORTED_MODEL_TYPES}", file=source,
+                          key="model_type")
     if not isinstance(model_type, str):
         _fail(source, "model_type", model_type, f"a string, one of {SUPPORTED_MODEL_TYPES}")
     key = str(model_type).lower()
@@ -201,7 +202,8 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
         if block != "llama":
             raise ConfigError(f"{source}: block_type={block!r} is not supported (only 'llama')", file=source)
         if cfg.get("include_bias", False):
-            raise ConfigError(f"{source}: include_bias=true is not supported (LLaDA checkpoints have no biases)", file=source)
+            raise ConfigError(f"{source}: include_bias=true is not supported (LLaDA checkpoints have no biases)",
+                              file=source)
         vocab = _int(cfg, "embedding_size", source) if cfg.get("embedding_size") else _int(cfg, "vocab_size", source)
         mc = ModelConfig(
             kind="llada",
@@ -220,7 +222,8 @@ def parse_config(cfg: dict, generation_cfg: dict | None = None, source: str = "c
             qkv_bias=_flag(cfg, "include_qkv_bias", source, False),
         )
     else:
-        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}", file=source)
+        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}",
+                          file=source)
 
     llada = mc.kind == "llada"  # kv heads divide heads (heads divide hidden: _derived_head_dim)
     if mc.num_heads % mc.num_kv_heads:

@@ -23,7 +23,7 @@ class _Norm(nn.Module):
 class _Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size  # noqa: E741 (I: MLP width)
         bias = cfg.qkv_bias
         self.q_proj = nn.Linear(H, cfg.num_heads * D, bias=bias)
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=bias)
@@ -77,4 +77,4 @@ class LLaDAModel(DecoderLM):
         return LayerWeights(
             b.attn_norm.weight, b.q_proj, b.k_proj, b.v_proj, b.attn_out,
             b.ff_norm.weight, b.ff_proj, b.up_proj, b.ff_out,
-        )  # fmt: skip
+        )

@@ -105,7 +105,7 @@ def total_memory(device="cpu") -> tuple[int, int]:
     total, avail = int(vm.total), int(vm.available)
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):  # fmt: skip
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
             raw = Path(limit_file).read_text().strip()
         except OSError:
@@ -148,12 +148,13 @@ def check_memory(needed: int, device, what: str) -> None:
     if needed > total:
         raise MemoryBudgetError(
             f"{what} needs about {needed / gib:.2f} GiB, more than the {torch.device(device).type} memory of this "
-            f"machine ({total / gib:.2f} GiB, cgroup limits included)", needed_bytes=needed, total_bytes=total, what=what)
+            f"machine ({total / gib:.2f} GiB, cgroup limits included)", needed_bytes=needed, total_bytes=total,
+            what=what)
     if needed > avail:
         import warnings
 
         warnings.warn(f"{what} needs about {needed / gib:.2f} GiB, more than is free now ({avail / gib:.2f} GiB)",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
+                      RuntimeWarning, stacklevel=3)
 
 
 def check_device(device) -> None:
@@ -207,7 +208,8 @@ def load_model(
     emb_name, head_name = head_names(cfg)
     untie = cfg.tie_word_embeddings and head_name in headers
     if untie:  # a separate head next to a tied embedding: loaded (untied) unless it is an exact copy
-        pair = tensors if tensors is not None else read_tensors(path, kind, {n: files[n] for n in (emb_name, head_name)})
+        wanted = {n: files[n] for n in (emb_name, head_name)}
+        pair = tensors if tensors is not None else read_tensors(path, kind, wanted)
         if tuple(pair[head_name].shape) == tuple(pair[emb_name].shape) and torch.equal(pair[head_name], pair[emb_name]):
             untie = False
             headers = {k: v for k, v in headers.items() if k != head_name}
@@ -310,7 +312,7 @@ def load_tokenizer(path: str | os.PathLike):
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"load_tokenizer: {path / 'tokenizer.json'} is not a tokenizer file the tokenizers "
                               f"library can read ({first}); a truncated or garbled copy?",
-                              path=path / "tokenizer.json") from e  # fmt: skip
+                              path=path / "tokenizer.json") from e
     template = tcfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()

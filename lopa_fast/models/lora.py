@@ -73,7 +73,8 @@ def read_lora(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, tuple[tor
         raise CheckpointError(f"{cfg_file}: use_dora=true is not supported")
     if not weights.is_file():
         if (adapter_dir / "adapter_model.bin").is_file():
-            raise CheckpointError(f"lora: {adapter_dir} has only adapter_model.bin (pickle); lopa_fast reads safetensors")
+            raise CheckpointError(f"lora: {adapter_dir} has only adapter_model.bin (pickle); lopa_fast reads "
+                                  "safetensors")
         raise CheckpointError(f"lora: {weights} is missing")
     _check_lora_numbers(acfg, cfg_file)
     from safetensors.torch import load_file
@@ -81,14 +82,17 @@ def read_lora(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, tuple[tor
     try:
         state = load_file(str(weights))
     except Exception as e:
-        raise CheckpointError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})", path=weights) from e
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e})",
+                              path=weights) from e
     if not state:
-        raise CheckpointError(f"lora: {weights} holds no tensors (an empty adapter would load as a no-op)", path=weights)
+        raise CheckpointError(f"lora: {weights} holds no tensors (an empty adapter would load as a no-op)",
+                              path=weights)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
         m = _LORA_KEY.match(key)
         if m is None:
-            raise CheckpointError(f"{weights}: unexpected tensor {key!r} (expected base_model.model.<module>.lora_A/B.weight)")
+            raise CheckpointError(f"{weights}: unexpected tensor {key!r} (expected "
+                                  "base_model.model.<module>.lora_A/B.weight)")
         pairs.setdefault(m["module"], {})[m["ab"]] = t
     out = {}
     for module, ab in pairs.items():

@@ -26,7 +26,7 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, cfg.intermediate_size  # noqa: E741 (I: MLP width)
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
@@ -79,4 +79,4 @@ class Qwen2Model(DecoderLM):
         return LayerWeights(
             m.input_layernorm.weight, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
             m.post_attention_layernorm.weight, f.gate_proj, f.up_proj, f.down_proj,
-        )  # fmt: skip
+        )

@@ -71,7 +71,7 @@ class FusedForwards:
             if b == "torch":
                 return branch_attention_torch(q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok)
             return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
-                                        check=False, backend=b)  # fmt: skip
+                                        check=False, backend=b)
 
         h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
         h = h.reshape(B * n, -1).index_select(0, rows)
@@ -107,7 +107,7 @@ class FusedForwards:
                 q, k = (t.contiguous() for t in rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2))
             else:
                 q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
-                                check=False, backend=lb)  # fmt: skip
+                                check=False, backend=lb)
             v = qkv[:, :, Hq + Hkv :]
             ks.append(k)
             vs.append(v)
@@ -154,7 +154,7 @@ class FusedForwards:
             p = parts[0]  # packing: a solo request's eager round was ~8 % slower through the packed path on CPU)
             return [self.forward_static(p["tokens"], p["start"], p["cache_k"], p["cache_v"], p["prefix_len"],
                                         p["win_lens"], p["bids"], mode, p["rows"], attn_backend=attn_backend,
-                                        output=p.get("output", "logits"))]  # fmt: skip
+                                        output=p.get("output", "logits"))]
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
@@ -166,7 +166,7 @@ class FusedForwards:
         for NBr, Nbr in shapes:
             offs.append(o)
             o += NBr * Nbr
-        T = o  # packed rows: request r's rows [offs[r], offs[r] + NB_r * Nb_r), slot-major as its flat rows
+        # o packed rows: request r's rows [offs[r], offs[r] + NB_r * Nb_r), slot-major as its flat rows
         tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
         # RoPE tables per request at its own positions and window length (the solo call's values), per row
         cos_rows, sin_rows = [], []
@@ -180,11 +180,11 @@ class FusedForwards:
             attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
         else:
             masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
-                     for p, (NBr, Nbr) in zip(parts, shapes)]  # fmt: skip
+                     for p, (NBr, Nbr) in zip(parts, shapes)]
             # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
             # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
             prefix_ok = [prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev)
-                         if b == "torch" and torch.is_tensor(p["prefix_len"]) else None for p in parts]  # fmt: skip
+                         if b == "torch" and torch.is_tensor(p["prefix_len"]) else None for p in parts]
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
@@ -194,10 +194,10 @@ class FusedForwards:
                     kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
                     if b == "torch":
                         a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                   vis, ok)  # fmt: skip
+                                                   vis, ok)
                     else:
                         a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                 p["win_lens"], p["bids"], mode, check=False, backend=b)  # fmt: skip
+                                                 p["win_lens"], p["bids"], mode, check=False, backend=b)
                     outs.append(a.reshape(NBr * Nbr, Hq, D))
                 return torch.cat(outs)[None]
 
@@ -258,7 +258,7 @@ def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, po
     bids = None
     if mode == "block_causal":
         bids = torch.cat([torch.nn.functional.pad(p["bids"].long(), (0, nmax - Nbr), value=_PAD_BLOCK)
-                          for p, (_, Nbr) in zip(parts, shapes)])  # fmt: skip
+                          for p, (_, Nbr) in zip(parts, shapes)])
 
     def pad(t):  # [1, T, H, D] -> [B, nmax, H, D]
         if dest is None:
@@ -267,7 +267,7 @@ def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, po
 
     def attend(i, q, k, v):
         o = ops.branch_attention(pad(q), k_pool[i], v_pool[i], cache_len, pad(k), pad(v), win_lens, bids, mode,
-                                 check=False, backend=b, cache_index=cache_index)  # fmt: skip
+                                 check=False, backend=b, cache_index=cache_index)
         o = o.reshape(B * nmax, Hq, D)
         return (o if dest is None else o.index_select(0, dest))[None]
 

@@ -261,7 +261,8 @@ class DecoderLM(FusedForwards, nn.Module):
         if cache is None and start != 0:
             raise ValueError(f"forward_window: start={start} without a cache; positions start at 0")
         if cache is not None and start > cache_len:
-            raise ValueError(f"forward_window: start={start} is past the cache end {cache_len} (positions are contiguous)")
+            raise ValueError(f"forward_window: start={start} is past the cache end {cache_len} (positions are "
+                             "contiguous)")
         if inplace and (B != 1 or start + n > cache_len or mask != "full"):
             raise ValueError(
                 f"forward_window: in-place mode (start={start} < cache.length={cache_len}) needs B=1, "
@@ -349,7 +350,7 @@ class DecoderLM(FusedForwards, nn.Module):
         tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
         static = [torch.is_tensor(p["start"]) for p in parts]
         pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
-               for p, n, st in zip(parts, ns, static)]  # fmt: skip
+               for p, n, st in zip(parts, ns, static)]
         ropes = [self.rope_tables(q) for q in pos]
         rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
         no_window = torch.zeros(1, dtype=torch.long, device=dev)
@@ -367,7 +368,7 @@ class DecoderLM(FusedForwards, nn.Module):
                     cv[s : s + n] = v[0, sl]
                 outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window,
                                                  None, "full", check=not st,
-                                                 backend=p.get("attn_backend")))  # fmt: skip
+                                                 backend=p.get("attn_backend")))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
         h = self._layers(tokens, None, attend, rope=rope)[0]

@@ -85,7 +85,7 @@ def _check_pool(q, k_cache, v_cache, cache_len, cache_index, Hkv):
         )
     S, Lmax = k_cache.shape[:2]
     if (not isinstance(cache_len, torch.Tensor) or tuple(cache_len.shape) != (S,) or cache_len.dtype not in _INTS
-            or cache_len.device != q.device):  # fmt: skip
+            or cache_len.device != q.device):
         got = repr(cache_len)
         if isinstance(cache_len, torch.Tensor):
             got = f"{tuple(cache_len.shape)} {cache_len.dtype} on {cache_len.device}"
@@ -231,11 +231,11 @@ def branch_attention_torch(
         s_prefix = torch.einsum("bnhgd,lhd->bhgnl", qf, kp) * scale
     else:
         s_prefix = (qf.permute(2, 0, 3, 1, 4).reshape(Hkv, B * G * n, D) @ kp.permute(1, 2, 0)).view(
-            Hkv, B, G, n, Lp).permute(1, 0, 2, 3, 4) * scale  # fmt: skip
+            Hkv, B, G, n, Lp).permute(1, 0, 2, 3, 4) * scale
     if prefix_ok is not None:
         s_prefix = s_prefix.masked_fill(~prefix_ok, float("-inf"))
     s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D) @ kw.permute(0, 2, 3, 1).reshape(B * Hkv, D, n)
-             ).view(B, Hkv, G, n, n) * scale  # fmt: skip
+             ).view(B, Hkv, G, n, n) * scale
     s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
     s = torch.cat([s_prefix, s_win], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
@@ -244,9 +244,9 @@ def branch_attention_torch(
         o_prefix = torch.einsum("bhgnl,lhd->bnhgd", p[..., :Lp], vp)
     else:
         o_prefix = (p[..., :Lp].permute(1, 0, 2, 3, 4).reshape(Hkv, B * G * n, Lp) @ vp.permute(1, 0, 2)).view(
-            Hkv, B, G, n, D).permute(1, 3, 0, 2, 4)  # fmt: skip
+            Hkv, B, G, n, D).permute(1, 3, 0, 2, 4)
     o_win = (p[..., Lp:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
-        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
     return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)
 
 
@@ -270,12 +270,12 @@ def _pooled_torch(q, k_pool, v_pool, k_win, v_win, vis, prefix_ok, scale, cache_
     else:
         s_prefix = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
                     @ kp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D).transpose(1, 2)
-                    ).view(B, Hkv, G, n, Lmax) * scale  # fmt: skip
+                    ).view(B, Hkv, G, n, Lmax) * scale
     s_prefix = s_prefix.masked_fill(~prefix_ok[:, None, None, None, :], float("-inf"))
     # window keys as a transposed row-major operand, as the single call's B = 1 view is (a B > 1 reshape of the
     # single path copies them into the other layout, which MKL sums in another order: measured, not bitwise)
     s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
-             @ kw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D).transpose(1, 2)).view(B, Hkv, G, n, n) * scale  # fmt: skip
+             @ kw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D).transpose(1, 2)).view(B, Hkv, G, n, n) * scale
     s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
     s = torch.cat([s_prefix, s_win], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
@@ -284,7 +284,7 @@ def _pooled_torch(q, k_pool, v_pool, k_win, v_win, vis, prefix_ok, scale, cache_
         o_prefix = torch.einsum("bhgnl,blhd->bnhgd", p[..., :Lmax], vp)
     else:
         o_prefix = (p[..., :Lmax].reshape(B * Hkv, G * n, Lmax) @ vp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D)
-                    ).view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+                    ).view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
     o_win = (p[..., Lmax:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
-        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)  # fmt: skip
+        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
     return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)

@@ -37,7 +37,7 @@ def _expected(NB: int, Lb1: int, G1: int, Nb: int, bs: int, S: int) -> dict:
         prompt_len=((), L), gen_pos=(((G1 - 1) * bs,), L), block_start=((G1,), L), block_end=((G1,), L),
         pos_block=((Lb1,), L), in_block=((Lb1, G1), B), lowest_k=((Lb1,), L), grow_table=((bs + 1,), B),
         activate_table=((bs + 1,), B), skip_threshold=((), F64), alpha=((), F64),
-    )  # fmt: skip
+    )
 
 
 def _check(args: tuple, bs: int, mask_id: int, eos_id: int, n_look: int) -> None:
@@ -71,7 +71,7 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
     if check:
         _check(args, bs, mask_id, eos_id, n_look)
     kw = dict(bs=bs, mask_id=mask_id, eos_id=eos_id, n_look=n_look, shift=bool(shift), blend=bool(blend),
-              score_all=bool(score_all))  # fmt: skip
+              score_all=bool(score_all))
     b = _backend.resolve("select_round", backend, args[3].device)
     if b == "torch":
         return ref.select_round(*args, **kw)
@@ -93,7 +93,7 @@ def _run_cpp(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_loo
     out = _outputs(args, split)
     x = args[3]
     dims = [x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0], bs, mask_id, eos_id, n_look, int(shift),
-            int(blend), int(score_all)]  # fmt: skip
+            int(blend), int(score_all)]
     return _backend.run_cpp("select_round_cpu", args, out, dims)
 
 
@@ -110,7 +110,7 @@ def _(args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
 
 # ------------------------------------------------------------------------------ plan_round (round 1's plan)
 _PLAN_NAMES = ("x", "n_blocks", "block_state", "complete", "eos", "alive", "prompt_len", "gen_pos", "block_start",
-               "block_end", "grow_table", "activate_table")  # fmt: skip
+               "block_end", "grow_table", "activate_table")
 
 
 def plan_round(*args: torch.Tensor, bs: int, mask_id: int, shift: bool, check: bool = True,

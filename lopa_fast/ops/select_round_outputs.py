@@ -18,7 +18,7 @@ def _shapes_of(NB: int, Lb1: int, G1: int, Nb: int) -> list[tuple[tuple, torch.d
             ((NB, Lb1), L), ((NB,), B), ((NB,), B), ((NB,), F64), ((NB,), L), ((G1,), L), ((8,), L),
             ((NB,), L), ((NB, G1), B), ((NB, G1), B), ((NB, G1), B), ((NB,), B), ((NB,), B), ((NB, Lb1), B),
             ((NB, Lb1), B), ((NB,), L), ((NB,), L), ((G1,), B), ((), L), ((), L), ((), L), ((), L),
-            ((7,), L)]  # fmt: skip
+            ((7,), L)]
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,7 +29,7 @@ def _check(args: tuple, rule: str, mask_id: int, B: int) -> None:
     n = named["pos"].numel()
     L, B_, F64 = torch.long, torch.bool, torch.float64
     want = dict(x=((x.numel(),), L), pos=((n,), L), valid=((n,), B_), x0=((n,), L), ent=((n,), F64),
-                finite=((n,), B_), multi=((), L), noop=((), L), s=((), L), knob=((), F64))  # fmt: skip
+                finite=((n,), B_), multi=((), L), noop=((), L), s=((), L), knob=((), F64))
     for name, (shape, dtype) in want.items():
         t = named[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
@@ -54,9 +54,9 @@ def select_step(*args: torch.Tensor, rule: str, mask_id: int, B: int, check: boo
         return ref.select_step(*args, rule=rule, mask_id=mask_id, B=B)
     if b == "triton":  # one launch into fresh outputs (no value-dependent shape: capturable)
         outs = [torch.empty_like(args[0]), *(torch.empty_like(args[7]) for _ in range(3)),
-                args[0].new_empty(4)]  # fmt: skip
+                args[0].new_empty(4)]
         return SelectStep(*_backend.kernel("select_step", "triton")(list(args), outs, rule_index=STEP_RULES.index(
-            rule), mask_id=mask_id, B=B))  # fmt: skip
+            rule), mask_id=mask_id, B=B))
     if torch.compiler.is_compiling():
         return SelectStep(*torch.ops.lopa_fast.cpp_select_step(list(args), rule, mask_id, B))
     return SelectStep(*_run_cpp(list(args), rule, mask_id, B))

@@ -14,7 +14,7 @@ from lopa_fast.reference import ops as ref
 from lopa_fast.reference.ops import ROUND_COUNTERS, WindowInputs
 
 _NAMES = ("x", "need_all", "alive", "window_lens", "running", "lens", "layout_slot", "counts", "start", "total_len",
-          "pos_block")  # fmt: skip
+          "pos_block")
 
 
 def _check(args: tuple, Nb: int, Rb: int) -> None:
@@ -29,7 +29,7 @@ def _check(args: tuple, Nb: int, Rb: int) -> None:
     L, B = torch.long, torch.bool
     want = dict(x=((NB, Lb1), L), need_all=((NB, Lb1), B), alive=((NB,), B), window_lens=((NB,), L),
                 running=((NB,), B), lens=((NB,), L), layout_slot=((), L), counts=((len(ROUND_COUNTERS),), L),
-                start=((), L), total_len=((), L), pos_block=((Lb1,), L))  # fmt: skip
+                start=((), L), total_len=((), L), pos_block=((Lb1,), L))
     for name, t in zip(_NAMES, args):
         shape, dtype = want[name]
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device:
@@ -66,7 +66,7 @@ def window_inputs(*args: torch.Tensor, Nb: int, Rb: int, blocks: bool, check: bo
     if b == "triton":
         outs = _outputs(args[0], Nb, Rb, blocks, split=False)
         return WindowInputs(*_backend.kernel("window_inputs", "triton")(list(args), outs, Nb=Nb, Rb=Rb,
-                                                                        blocks=blocks))  # fmt: skip
+                                                                        blocks=blocks))
     return WindowInputs(*_run_cpp(list(args), Nb, Rb, blocks, split=True))
 
 

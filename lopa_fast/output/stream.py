@@ -37,7 +37,7 @@ from lopa_fast.request.text import (
     encode_prompt,
     held_back,
     split_stops,
-    text_decoder,  # fmt: skip
+    text_decoder,
 )
 
 
@@ -57,7 +57,7 @@ class TextStream:
     """
 
     def __init__(self, model, ids, cfg: GenerateConfig, decode, text_stops: list[str], verifier=None, on_round=None,
-                 engine=None, streamer=None, *, planned=None, unit: int | None = None):  # fmt: skip
+                 engine=None, streamer=None, *, planned=None, unit: int | None = None):
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         if planned is None:
@@ -102,7 +102,7 @@ class TextStream:
         """A stream of a plan resolved and checked by the caller (lopa_fast.request.plan.Plan; the server's parse
         builds it once). unit: the requested config's length unit (the pieces' unit)."""
         return cls(planned.model, None, None, decode, text_stops, on_round=on_round, engine=engine, planned=planned,
-                   unit=unit)  # fmt: skip
+                   unit=unit)
 
     def run(self, emit) -> None:
         """Decode in the calling thread, without a thread of its own: every new piece goes to `emit(piece)` from
@@ -133,7 +133,7 @@ class TextStream:
             return self.text[len(shown) :]
         # the tokenizer's decoding was not prefix-stable: the pieces already shown cannot be taken back
         warnings.warn(f"stream: the text shown ({shown!r}) is not a prefix of the final text ({self.text!r}); the "
-                      "tokenizer's decoding changed earlier characters", RuntimeWarning, stacklevel=3)  # fmt: skip
+                      "tokenizer's decoding changed earlier characters", RuntimeWarning, stacklevel=3)
         return ""
 
     # ---- the worker ------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class TextStream:
 
 
 def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
-           verifier=None, on_round=None, engine=None, **knobs) -> TextStream:  # fmt: skip
+           verifier=None, on_round=None, engine=None, **knobs) -> TextStream:
     """Stream the generated text of one prompt (module docstring). Returns a TextStream (iterate it for str pieces;
     then `.text` and `.result` hold generate's text and output).
 
@@ -228,7 +228,7 @@ def stream(model, prompt, tokenizer=None, *, chat: bool = False, stop=None,
     bad = sorted(set(knobs) - names)
     if bad:
         raise aliases.unknown_knobs_error("stream", bad, names)
-    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (lopa_fast.request.model_defaults)
+    knobs = with_model_knobs(model, knobs)  # the model's own knobs where none is given (request.model_defaults)
     api.check_streamer(streamer)
     return TextStream(model, ids, GenerateConfig(**knobs, stop=seqs), text_decoder(tokenizer), texts,
-                      verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)  # fmt: skip
+                      verifier=verifier, on_round=on_round, engine=engine, streamer=streamer)

@@ -14,7 +14,7 @@ def check_streamer(streamer) -> None:
     """streamer= is None or has transformers' TextStreamer protocol (put(ids), end()), else a TypeError."""
     if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
         raise TypeError(f"streamer: {type(streamer).__name__}; expected an object with put(ids) and end() "
-                        "(transformers' TextStreamer protocol)")  # fmt: skip
+                        "(transformers' TextStreamer protocol)")
 
 
 def streamer_hook(streamer, ids: torch.Tensor, cfg: GenerateConfig, requested: int, on_round=None):

@@ -64,4 +64,5 @@ def check_finite(rows: torch.Tensor, positions, cfg, round_: int, strategy: str 
     bad = row[~torch.isfinite(row)]
     value = float(bad[0]) if bad.numel() else f"{float(row.abs().max())} / temperature {cfg.temperature}"
     pos = positions + r if isinstance(positions, int) else int(positions[r])
-    raise NonFiniteLogitsError(strategy=strategy or getattr(cfg, "strategy", "?"), round=round_, position=pos, value=value)
+    raise NonFiniteLogitsError(strategy=strategy or getattr(cfg, "strategy", "?"), round=round_, position=pos,
+                               value=value)

@@ -108,7 +108,7 @@ def _pooled_branch_attention(q, k_pool, v_pool, cache_len, k_win, v_win, win_len
             cache_len.index_select(0, slot).reshape(()), k_win[row], v_win[row],
             None if win_lens is None else win_lens[row], None if block_ids is None else block_ids[row],
             mode, scale, return_lse=True,
-        )  # fmt: skip
+        )
         outs.append(o)
         lses.append(lse)
     B, n, Hq, D = q.shape
@@ -167,7 +167,8 @@ def head_confidence(
     inside the log needs p, so it cannot be folded into pass 1 exactly: the head is computed twice).
     Returns HeadConfidence(token int64 [R], p_max, margin, neg_entropy (None if not entropy), lse fp32 [R],
     finite bool [R]); a row with finite False has meaningless statistics (the round raises on it).
-    Equal to `confidence` of the unfused logits up to the order of the softmax's sums (tests/test_head_confidence.py)."""
+    Equal to `confidence` of the unfused logits up to the order of the softmax's sums
+    (tests/test_head_confidence.py)."""
     cd = _compute_dtype(hidden)
     R, V = hidden.shape[0], weight.shape[0]
     C = max(1, int(chunk or HEAD_CHUNK))
@@ -282,7 +283,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 ACTIVE, TO_CACHE, IN_CACHE = 0, 1, 2  # block states (shared by every slot of a request)
 # the round's counters, in the order of the `counts` [8] long tensor of the round state
 ROUND_COUNTERS = ("thresh", "fallback", "eos_fills", "multi", "look_wins", "growth_split", "winner_grew",
-                  "max_branches")  # fmt: skip
+                  "max_branches")
 
 
 class RoundPlan(NamedTuple):
@@ -313,13 +314,13 @@ class RoundPlan(NamedTuple):
 # what `select_round` returns: the round's decision, the next state, then the next round's plan (RoundPlan's fields)
 SelectRound = NamedTuple("SelectRound", [(f, torch.Tensor) for f in (
     "winner", "score", "last_row", "accepted", "tokens", "x", "eos", "alive", "creation_conf", "look_pos",
-    "block_state", "counts", *RoundPlan._fields)])  # fmt: skip
+    "block_state", "counts", *RoundPlan._fields)])
 SelectRound.__doc__ = """What `select_round` returns: the round's decision (winner 0-d long; score [NB] float64,
-    the branch scores (zeros when not scored: one slot without a trace); last_row 0-d long, the statistics-table row of the winner's
-    raw row u - 1 (Dream's next last_logit; 0 without the shift); accepted [Nb] bool and tokens [Nb] long, the
-    winner's fills and its chosen token per window column), the next state (x [NB, Lb + 1], eos / alive [NB] bool,
-    creation_conf [NB] float64, look_pos [NB] long, block_state [G + 1] long, counts [8] long) and the next
-    round's plan (the `RoundPlan` fields)."""
+    the branch scores (zeros when not scored: one slot without a trace); last_row 0-d long, the statistics-table row of
+    the winner's raw row u - 1 (Dream's next last_logit; 0 without the shift); accepted [Nb] bool and tokens [Nb] long,
+    the winner's fills and its chosen token per window column), the next state (x [NB, Lb + 1], eos / alive [NB] bool,
+    creation_conf [NB] float64, look_pos [NB] long, block_state [G + 1] long, counts [8] long) and the next round's plan
+    (the `RoundPlan` fields)."""
 
 
 def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -394,7 +395,7 @@ def select_round(
     prompt_len, gen_pos, block_start, block_end, pos_block, in_block, lowest_k, grow_table, activate_table,
     skip_threshold, alpha,
     *, bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool, score_all: bool,
-) -> SelectRound:  # fmt: skip
+) -> SelectRound:
     """One D2F / LoPA round's selection and bookkeeping after its token statistics, as ONE op: the branch scores
     and the winner, the D2F fill on the winner, the lookahead spawn, the block-state transitions, the counters and
     the plan of the next round (`plan_round`). No host read; every shape is fixed by the request and the bucket.
@@ -499,7 +500,9 @@ def select_round(
     base_done = actWb & (mcW == 0)  # upstream's base_completed_blocks
 
     # ---- spawn: lookaheads at the winner's top-n_look remaining masks (ranked by c, stable)
-    x_new = xW.repeat(NB, 1)  # repeat, not expand().clone(): fresh strides, so eager and compiled rounds hand over identically strided state (a stride-0 dim would recompile)
+    # repeat, not expand().clone(): fresh strides, so eager and compiled rounds hand over identically strided state
+    # (a stride-0 dim would recompile)
+    x_new = xW.repeat(NB, 1)
     eos_new = eosW.reshape(1).repeat(NB)
     cconf_new = torch.ones(NB, dtype=torch.float64, device=dev)
     new_look = torch.full((NB,), -1, dtype=torch.long, device=dev)
@@ -538,9 +541,9 @@ def select_round(
     nblk = _at(n_blocks, W).reshape(1).repeat(NB)
     complete_new = complete.index_select(0, W1).repeat(NB, 1)
     pl = plan_round(x_new, nblk, stt, complete_new, eos_new, alive_new, prompt_len, gen_pos, block_start, block_end,
-                    grow_table, activate_table, bs=bs, mask_id=mask_id, shift=shift)  # fmt: skip
+                    grow_table, activate_table, bs=bs, mask_id=mask_id, shift=shift)
     return SelectRound(W, score, last_row, accW, tokW, x_new, eos_new, alive_new, cconf_new, new_look, stt, counts,
-                       *pl)  # fmt: skip
+                       *pl)
 
 
 # ------------------------------------------------------------------------------------- select_step
@@ -674,7 +677,7 @@ def window_inputs(x: torch.Tensor, need_all: torch.Tensor, alive: torch.Tensor, 
     if NB > 1:
         split = (running & (lens != lens.index_select(0, layout_slot.reshape(1)))).any().long()
         counts = torch.cat([counts[:5], counts[5:6] + split, counts[6:7],
-                            torch.maximum(counts[7:], running.sum().reshape(1))])  # fmt: skip
+                            torch.maximum(counts[7:], running.sum().reshape(1))])
     tokens = x.index_select(1, wpos)
     win_block = pos_block.index_select(0, wpos) if blocks else pos_block.new_empty(0)
     win_lens = torch.where(alive, window_lens, Nb)

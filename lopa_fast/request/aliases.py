@@ -104,7 +104,7 @@ def check_attention_mask(mask, prompt_lens: list[int] | None) -> None:
         t = torch.as_tensor(mask)
     except (TypeError, ValueError, RuntimeError):
         raise KnobError(f"attention_mask: {type(mask).__name__}; expected a tensor or list of 0 / 1 (all ones)",
-                        knob="attention_mask", value=type(mask).__name__) from None  # fmt: skip
+                        knob="attention_mask", value=type(mask).__name__) from None
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 1:
@@ -112,12 +112,12 @@ def check_attention_mask(mask, prompt_lens: list[int] | None) -> None:
                         "prompts pass a list of prompts, unpadded)", knob="attention_mask", value=tuple(t.shape))
     if prompt_lens is not None and len(prompt_lens) == 1 and t.numel() != prompt_lens[0]:
         raise KnobError(f"attention_mask has {t.numel()} entries for a prompt of {prompt_lens[0]} tokens",
-                        knob="attention_mask", value=t.numel())  # fmt: skip
+                        knob="attention_mask", value=t.numel())
     zeros = (t != 1).nonzero().flatten().tolist()
     if zeros:
         raise KnobError(f"attention_mask has {len(zeros)} zero(s) (padding; first at position {zeros[0]}): lopa_fast "
                         "decodes unpadded prompts; pass the prompt without its padding (a list of prompts of any "
-                        "lengths for several)", knob="attention_mask", value=zeros[0])  # fmt: skip
+                        "lengths for several)", knob="attention_mask", value=zeros[0])
 
 
 def unpad(input_ids, mask) -> list:
@@ -132,14 +132,14 @@ def unpad(input_ids, mask) -> list:
         ids, m = torch.as_tensor(input_ids), torch.as_tensor(mask)
     except (TypeError, ValueError, RuntimeError):
         raise KnobError(f"attention_mask: {type(mask).__name__}; expected a tensor or list of 0 / 1 shaped like "
-                        "input_ids", knob="attention_mask", value=type(mask).__name__) from None  # fmt: skip
+                        "input_ids", knob="attention_mask", value=type(mask).__name__) from None
     if ids.dim() == 1:
         ids = ids[None]
     if m.dim() == 1:
         m = m[None]
     if m.shape != ids.shape:
         raise KnobError(f"attention_mask has shape {tuple(m.shape)}, input_ids {tuple(ids.shape)}; allowed: the same "
-                        "[B, P] shape", knob="attention_mask", value=tuple(m.shape))  # fmt: skip
+                        "[B, P] shape", knob="attention_mask", value=tuple(m.shape))
     if not bool(((m == 0) | (m == 1)).all()):
         raise KnobError("attention_mask holds values other than 0 and 1", knob="attention_mask", value="not 0/1")
     prompts = []
@@ -166,19 +166,19 @@ def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
         n = out.pop("n")
         if n != 1 or isinstance(n, bool):
             raise KnobError(f"n={n!r}: one output per prompt (n=1); pass a list of prompts (or seeds) for several",
-                            knob="n", value=n)  # fmt: skip
+                            knob="n", value=n)
     if "attention_mask" in out:
         check_attention_mask(out.pop("attention_mask"), prompt_lens)
     if "pad_token_id" in out:
         pad = out.pop("pad_token_id")
         if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
             raise KnobError(f"pad_token_id={pad!r}; expected an int id >= 0 (accepted, unused: outputs are not "
-                            "padded)", knob="pad_token_id", value=pad)  # fmt: skip
+                            "padded)", knob="pad_token_id", value=pad)
     if "use_cache" in out:
         use = out.pop("use_cache")
         if not isinstance(use, bool):
             raise KnobError(f"use_cache={use!r}; expected True or False (accepted, no effect: each strategy keeps "
-                            "the KV cache it defines; threshold: cache=)", knob="use_cache", value=use)  # fmt: skip
+                            "the KV cache it defines; threshold: cache=)", knob="use_cache", value=use)
     if "gen_length" in out:
         _one_of(out, "gen_length", "max_new_tokens")
         out["max_new_tokens"] = out.pop("gen_length")
@@ -189,7 +189,7 @@ def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
             raise KnobError(f"max_length={n!r}; expected an int (prompt + new tokens)", knob="max_length", value=n)
         if prompt_lens is None or len(prompt_lens) != 1:
             raise KnobError("max_length= (prompt + new tokens) needs one prompt; for a list of prompts pass "
-                            "max_new_tokens=", knob="max_length", value=n)  # fmt: skip
+                            "max_new_tokens=", knob="max_length", value=n)
         if n <= prompt_lens[0]:
             raise KnobError(f"max_length={n} leaves no new token after the prompt's {prompt_lens[0]}; pass "
                             f"max_length > {prompt_lens[0]} or max_new_tokens=", knob="max_length", value=n)
@@ -202,16 +202,16 @@ def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
         if not sample:
             if t not in (None, 0, 0.0):
                 raise KnobError(f"do_sample=False with temperature={t!r}: greedy decoding is temperature=0; drop one",
-                                knob="do_sample", value=False)  # fmt: skip
+                                knob="do_sample", value=False)
             out["temperature"] = 0.0
         elif t is None or t == 0:
             raise KnobError("do_sample=True needs temperature > 0 (lopa_fast's default temperature is 0, greedy; "
-                            "HF's is 1.0): pass temperature=", knob="do_sample", value=True)  # fmt: skip
+                            "HF's is 1.0): pass temperature=", knob="do_sample", value=True)
     eos = out.get("eos_token_id")
     if isinstance(eos, (list, tuple)):
         if not eos or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
             raise KnobError(f"eos_token_id={eos!r}; expected an int id or a non-empty list of int ids",
-                            knob="eos_token_id", value=eos)  # fmt: skip
+                            knob="eos_token_id", value=eos)
         out["eos_token_id"] = eos[0]
         extra = [[t] for t in dict.fromkeys(eos[1:]) if t != eos[0]]
         if extra:
@@ -222,4 +222,4 @@ def translate(knobs: dict, prompt_lens: list[int] | None) -> dict:
 def _one_of(knobs: dict, alias: str, knob: str) -> None:
     if knobs.get(knob) is not None:
         raise KnobError(f"{alias}={knobs[alias]!r} and {knob}={knobs[knob]!r} both given; pass one",
-                        knob=alias, value=knobs[alias])  # fmt: skip
+                        knob=alias, value=knobs[alias])

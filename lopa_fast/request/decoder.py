@@ -1,6 +1,7 @@
 """Which decoder runs a request (its `backend`): the strategy's fast decoder or its reference (the oracle), as the
-spec names them (lopa_fast.strategies), for a validated, bound config. `backend="auto"` falls back to the reference, with a
-RuntimeWarning naming the knob, where the fast decoder does not cover the request; `backend="fast"` raises there."""
+spec names them (lopa_fast.strategies), for a validated, bound config. `backend="auto"` falls back to the reference,
+with a RuntimeWarning naming the knob, where the fast decoder does not cover the request; `backend="fast"` raises
+there."""
 from __future__ import annotations
 
 import inspect
@@ -39,7 +40,7 @@ def resolve_backend(cfg: GenerateConfig, hook: bool = False, model=None, spec=No
         if cfg.backend == "fast":
             raise ValueError(f"backend='fast' ({cfg.strategy}) {why}. Use backend='reference' (or 'auto')")
         warnings.warn(f"backend='auto': {cfg.strategy} runs on the reference backend ({why})", RuntimeWarning,
-                      stacklevel=stacklevel)  # fmt: skip
+                      stacklevel=stacklevel)
         return spec.load("reference"), "reference", f"reference ({why})"
     return fn, ran, fallback
 
@@ -62,5 +63,5 @@ def _choose(cfg: GenerateConfig, spec, stacklevel: int):
     if backend == "fast":
         raise ValueError(f"backend='fast' ({strategy}) {why}. Use backend='reference' (or 'auto', which falls back)")
     warnings.warn(f"backend='auto': {strategy} runs on the reference backend ({why})", RuntimeWarning,
-                  stacklevel=stacklevel)  # fmt: skip
+                  stacklevel=stacklevel)
     return spec.load("reference"), "reference", f"reference ({why})"

@@ -53,7 +53,8 @@ def check_stop(stop) -> None:
         if not q or len(q) > MAX_STOP_LENGTH or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in q
         ):
-            raise ValueError(f"stop sequence {list(q)!r}; allowed: 1..{MAX_STOP_LENGTH} token ids (ints >= 0) ({example})")
+            raise ValueError(f"stop sequence {list(q)!r}; allowed: 1..{MAX_STOP_LENGTH} token ids (ints >= 0) "
+                             f"({example})")
 
 
 def check_number(name, value, *, allow_none=False, integer=False, limit=INT_KNOB_LIMIT):
@@ -66,7 +67,7 @@ def check_number(name, value, *, allow_none=False, integer=False, limit=INT_KNOB
         raise KnobError(f"{name}={value!r}; expected a finite number", knob=name, value=value)
     if isinstance(value, int) and abs(value) >= limit:
         raise KnobError(f"{name}={value!r} is out of range; allowed: |{name}| < 2**{limit.bit_length() - 1}",
-                        knob=name, value=value)  # fmt: skip
+                        knob=name, value=value)
 
 
 def check_prob(name, value, *, allow_none=False):

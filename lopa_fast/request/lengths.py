@@ -47,16 +47,16 @@ def plan_length(cfg, model, prompt_len: int, spec) -> tuple:
         if cfg.strict_length and n % unit:
             raise KnobError(
                 f"max_new_tokens=None: the default {n} ({source}) is not a multiple of the block {unit} and "
-                "strict_length=True; pass max_new_tokens=", knob="max_new_tokens", value=n)  # fmt: skip
+                "strict_length=True; pass max_new_tokens=", knob="max_new_tokens", value=n)
         fit = (room // unit) * unit
         if fit < 1:
             raise KnobError(
                 f"max_new_tokens: the prompt ({prompt_len} tokens) leaves {max(room, 0)} of the model's "
                 f"max_position_embeddings={limit} positions, less than one block of {unit}; shorten the prompt",
-                knob="max_new_tokens", value=None)  # fmt: skip
+                knob="max_new_tokens", value=None)
         if n > fit:
             info["clipped"] = (f"max_new_tokens {n} ({source}) clipped to {fit}: prompt {prompt_len} + {n} "
-                               f"exceeds max_position_embeddings={limit}")  # fmt: skip
+                               f"exceeds max_position_embeddings={limit}")
             n = fit
         info["source"] = source
     else:
@@ -66,12 +66,12 @@ def plan_length(cfg, model, prompt_len: int, spec) -> tuple:
         if prompt_len + n > limit:
             raise KnobError(
                 f"prompt length {prompt_len} + max_new_tokens {n} = {prompt_len + n} exceeds the model's "
-                f"max_position_embeddings={limit}", knob="max_new_tokens", value=n)  # fmt: skip
+                f"max_position_embeddings={limit}", knob="max_new_tokens", value=n)
         if prompt_len + d > limit:
             raise KnobError(
                 f"max_new_tokens={n} is decoded in whole blocks of {unit} ({d} positions), and prompt length "
                 f"{prompt_len} + {d} exceeds the model's max_position_embeddings={limit}; pass max_new_tokens <= "
-                f"{max(room // unit * unit, 0)} or a smaller block", knob="max_new_tokens", value=n)  # fmt: skip
+                f"{max(room // unit * unit, 0)} or a smaller block", knob="max_new_tokens", value=n)
     info["requested"] = n
     info["decoded"] = cfg.decode_length(n, spec)
     return cfg.replace(max_new_tokens=info["decoded"]), info

@@ -5,8 +5,9 @@ the model's block 8 and 32 tokens answer 26).
 
 For the embedded models (lopa_fast/assets) the knobs are the eval row of the requested strategy on the model's task
 (lopa_fast.tasks.eval_rows: block 8, the task's max_new_tokens, the strategy's paper settings); other models have no
-row here (their generation_config.json supplies max_new_tokens, lopa_fast.request.lengths.default_max_new_tokens). A knob the
-caller gives always wins, and defaults tied to it are dropped (`merge`). Light: no torch (the CLI's parser reads it).
+row here (their generation_config.json supplies max_new_tokens, lopa_fast.request.lengths.default_max_new_tokens). A
+knob the caller gives always wins, and defaults tied to it are dropped (`merge`). Light: no torch (the CLI's parser
+reads it).
 """
 from __future__ import annotations
 

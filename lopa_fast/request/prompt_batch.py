@@ -32,7 +32,7 @@ def run(plans) -> list[GenerateOutput]:
     model = plans[0].model
     with torch.inference_mode(), threads.scoped(model):
         outs = run_batch(model, [p.ids for p in plans], [p.cfg for p in plans], on_round=[p.on_round for p in plans],
-                         verifier=plans[0].verifier, spec=plans[0].spec)  # fmt: skip
+                         verifier=plans[0].verifier, spec=plans[0].spec)
     results = []
     for out, p in zip(outs, plans):
         out.stats.setdefault("strategy", p.cfg.strategy)

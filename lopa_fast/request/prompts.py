@@ -23,7 +23,7 @@ def prepare_prompt(model, input_ids) -> torch.Tensor:
         if big is not None:  # torch.tensor would overflow without naming the id
             vocab = model.config.vocab_size
             raise KnobError(f"input_ids contains token id {input_ids[big]} (at position {big}); allowed: ids in "
-                            f"[0, vocab_size={vocab})", knob="input_ids", value=input_ids[big])  # fmt: skip
+                            f"[0, vocab_size={vocab})", knob="input_ids", value=input_ids[big])
         ids = torch.tensor(list(input_ids), dtype=torch.long, device=device)
     elif isinstance(input_ids, torch.Tensor):
         if input_ids.dtype not in (torch.int64, torch.int32):

@@ -60,7 +60,7 @@ def check_unicode(text: str, where: str = "prompt") -> None:
     except UnicodeEncodeError as e:
         raise KnobError(f"{where}: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}; allowed: "
                         "valid Unicode text (a surrogate only as half of an escaped pair)", knob="prompt",
-                        value=text[e.start])  # fmt: skip
+                        value=text[e.start])
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> list[int]:
@@ -74,7 +74,7 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, *, warn=None) -> lis
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise KnobError("chat=True: the model's tokenizer has no chat template (tokenizer_config.json "
-                            "'chat_template' or chat_template.jinja)", knob="chat", value=True)  # fmt: skip
+                            "'chat_template' or chat_template.jinja)", knob="chat", value=True)
         return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
 
@@ -85,7 +85,7 @@ UNKNOWN_NOTE = "word(s) unknown to the tokenizer"  # unknown_note's mark: that n
 def unknown_note(tokenizer, words: list[str]) -> str:
     """The warning about `words` the tokenizer does not know (`unknown_words`), naming them."""
     return (f"{len(words)} {UNKNOWN_NOTE} (encoded as {tokenizer.unk_token!r}): "
-            + ", ".join(repr(w) for w in words))  # fmt: skip
+            + ", ".join(repr(w) for w in words))
 
 
 def generation_prompt(tokenizer) -> str:

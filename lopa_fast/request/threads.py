@@ -7,9 +7,10 @@ re-measures it beside a 60M-parameter model, where more threads pay).
 
 Policy (`LOPA_FAST_THREADS`, read per call): "auto" (the default): a CPU call on a model with fewer than
 SMALL_MODEL_PARAMS parameters outside its embeddings runs with ONE thread, for the duration of the call only (the
-calling thread's previous count is restored when it returns); larger models and GPU calls keep torch's setting. "keep": never change it. An int N >= 1: every CPU call
-runs with N threads (scoped the same way). The CLI's --threads and the server set the process's count themselves.
-The scope is the calling thread's: torch's CPU thread count is per thread (`scoped`).
+calling thread's previous count is restored when it returns); larger models and GPU calls keep torch's setting. "keep":
+never change it. An int N >= 1: every CPU call runs with N threads (scoped the same way). The CLI's --threads and the
+server set the process's count themselves. The scope is the calling thread's: torch's CPU thread count is per thread
+(`scoped`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def policy() -> str | int:
         n = 0
     if n < 1:
         raise KnobError(f"{ENV}={os.environ.get(ENV)!r}; allowed: 'auto', 'keep' or an int >= 1", knob=ENV,
-                        value=os.environ.get(ENV))  # fmt: skip
+                        value=os.environ.get(ENV))
     return n
 
 

@@ -21,7 +21,7 @@ def check_verifier_taken(cfg: GenerateConfig, verifier, spec=None) -> None:
     spec = spec if spec is not None else strategies.get(cfg.strategy)
     if verifier is not None and not spec.takes_verifier:
         raise ValueError(f"verifier= applies to {_takers()} (the AR model that verifies drafts); "
-                         f"strategy={cfg.strategy!r}")  # fmt: skip
+                         f"strategy={cfg.strategy!r}")
 
 
 def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=") -> None:
@@ -31,14 +31,14 @@ def check_verifier_given(cfg: GenerateConfig, given: bool, how: str = "verifier=
     spec = strategies.get(cfg.strategy)
     if given and not spec.takes_verifier:
         raise KnobError(f"a verifier ({how}) applies to {_takers()} (the AR model that verifies drafts); "
-                        f"strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)  # fmt: skip
+                        f"strategy={cfg.strategy!r}", knob="verifier", value=cfg.strategy)
     if not given and spec.uses_verifier(cfg):
         name = spec.verifier_knob
         raise KnobError(f"{name}={getattr(cfg, name)!r} needs a verifier: pass {how} (a causal AR qwen2 model whose "
                         "vocabulary is a prefix of the drafter's, e.g. the embedded lopa_fast/assets/ar-arith for "
                         f"d2f-arith), or leave {name} unset for the verifier-free baseline of "
                         f"strategy={cfg.strategy!r}",
-                        knob=name, value=getattr(cfg, name))  # fmt: skip
+                        knob=name, value=getattr(cfg, name))
 
 
 def check_verifier_fits(model, verifier, tokenizer=None, verifier_tokenizer=None) -> None:

@@ -3,8 +3,8 @@
     python -m lopa_fast serve [--model DIR] [--lora DIR] [--host 127.0.0.1] [--port 8000] [knob flags]
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events), GET /health,
-    GET /v1/models, GET /metrics (Prometheus text); an access log line per request (`--no-access-log`). docs/serve.md has the fields, the defaults, the caps
-    (`limits`), the API key and the errors.
+    GET /v1/models, GET /metrics (Prometheus text); an access log line per request (`--no-access-log`). docs/serve.md
+    has the fields, the defaults, the caps (`limits`), the API key and the errors.
 
 Modules, one job each: `protocol` (request body -> validated knobs and prompt ids; errors naming the field),
 `worker` (the execution seam: `Worker.submit(job) -> Handle`), `app` (the routes, server-sent events, error
@@ -60,7 +60,7 @@ def check_auth(host: str, api_key: str | None, allow_no_key: bool) -> None:
     """Refuse (ValueError) to listen beyond loopback without an API key, unless explicitly waived."""
     if api_key is None and not allow_no_key and not is_loopback(host):
         raise ValueError(f"--host {host} listens beyond this machine without an API key: pass --api-key KEY (or set "
-                         f"{API_KEY_ENV}), or --no-api-key to serve anyone who can reach the port")  # fmt: skip
+                         f"{API_KEY_ENV}), or --no-api-key to serve anyone who can reach the port")
 
 
 def _header_timeout_protocol(seconds: float):
@@ -93,7 +93,7 @@ def _header_timeout_protocol(seconds: float):
             cap = self.limit_concurrency
             if cap is not None and len(self.connections) >= cap:
                 idle = sorted((c for c in self.connections if c is not self and c._idle()),
-                              key=lambda c: getattr(c, "_opened", 0.0))  # fmt: skip
+                              key=lambda c: getattr(c, "_opened", 0.0))
                 for c in idle[: len(self.connections) - cap + 1]:
                     c.transport.close()
                     self.connections.discard(c)  # now, not at its connection_lost: this one's request counts them
@@ -119,7 +119,7 @@ DRAIN_TIMEOUT_S = 30.0  # serve's default deadline for in-flight requests after 
 
 
 def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str = "info", max_pending: int = 64,
-                   drain_timeout_s: float = DRAIN_TIMEOUT_S):  # fmt: skip
+                   drain_timeout_s: float = DRAIN_TIMEOUT_S):
     """The uvicorn.Config `serve` runs: the h11 protocol with a request-head deadline (limits.read_timeout_s), idle
     keep-alive connections closed after 5 s, at most max(64, 4 * max_pending) connections at once (more: 503), and
     `drain_timeout_s` for in-flight requests at shutdown (then they are cancelled). uvicorn's own access lines are
@@ -129,7 +129,7 @@ def uvicorn_config(app, *, host: str, port: int, limits: Limits, log_level: str 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=False,
                           http=_header_timeout_protocol(limits.read_timeout_s),
                           limit_concurrency=max(64, 4 * max_pending),
-                          timeout_graceful_shutdown=drain_timeout_s)  # fmt: skip
+                          timeout_graceful_shutdown=drain_timeout_s)
 
 
 def _server_class(on_exit=None):
@@ -152,7 +152,7 @@ def _server_class(on_exit=None):
 def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", limits: Limits | None = None, api_key: str | None = None,
           warm_up: bool = True, verifier=None, access_log: bool = True, log_prompts: bool = False,
-          drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:  # fmt: skip
+          drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Serve `model` until interrupted. defaults: the server's knobs (validated by the caller); requests
     override them field by field; limits: the caps (lopa_fast.server.limits); api_key: required of every
     client (Authorization: Bearer) when set. warm_up: the self-check (finite weights, one short request) before
@@ -161,8 +161,6 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
     set apd_mixture_weight. access_log: one INFO line per request on the "lopa_fast.server.access" logger.
     Shutdown (SIGTERM / SIGINT): no new connections, in-flight requests get `drain_timeout_s` seconds, then they
     are cancelled (a second signal ends the wait at once); the job threads stop at their next round."""
-    import uvicorn
-
     from lopa_fast.server.app import create_app
     from lopa_fast.server.worker import Worker
 
@@ -173,7 +171,7 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
         from lopa_fast import logs
 
         with logs.step(logging.getLogger("lopa_fast.server"), "warming up (the self-check: one short decode)",
-                       "warmed up", long=False):  # fmt: skip
+                       "warmed up", long=False):
             worker.warm_up(defaults)
     app = create_app(worker, model_id=model_id, defaults=defaults, api_key=api_key, access_log=access_log,
                      log_prompts=log_prompts)

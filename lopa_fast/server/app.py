@@ -69,7 +69,7 @@ class _ApiKey:
         response = JSONResponse(RequestError("a valid API key is required (Authorization: Bearer <key>)", None, 401,
                                              "authentication_error", "invalid_api_key").body(),
                                 status_code=401, headers={"WWW-Authenticate": "Bearer",
-                                                          "Connection": "close"})  # fmt: skip
+                                                          "Connection": "close"})
         # close: the 401 never reads the body, so a client trickling one would otherwise hold the slot (issue 43)
         await response(scope, receive, send)
 
@@ -92,7 +92,7 @@ class _AccessLog:
             logged[0] = True
             client = scope.get("client")
             access.info('%s "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-", scope.get("method"),
-                        scope.get("path"), status, 1000 * (time.perf_counter() - t0))  # fmt: skip
+                        scope.get("path"), status, 1000 * (time.perf_counter() - t0))
 
         async def send_logged(message):
             if message["type"] == "http.response.start":
@@ -123,7 +123,7 @@ def usage(done: Finished, eos_token_id) -> dict:
     completion = len(answer_ids(done.result.generated_ids, eos_token_id))
     return {"prompt_tokens": len(done.prompt_ids), "completion_tokens": completion,
             "total_tokens": len(done.prompt_ids) + completion, "forwards": int(st.get("forwards", 0)),
-            "tpf": float(st.get("tpf", 0.0))}  # fmt: skip
+            "tpf": float(st.get("tpf", 0.0))}
 
 
 class Drain:
@@ -151,11 +151,11 @@ class Drain:
 def _shutting_down() -> RequestError:
     return RequestError("the server is shutting down: the request was cancelled at its drain deadline "
                         "(--drain-timeout); retry on another instance", None, 503, "server_error",
-                        "shutting_down")  # fmt: skip
+                        "shutting_down")
 
 
 def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | None = None,
-               access_log: bool = True, log_prompts: bool = False) -> FastAPI:  # fmt: skip
+               access_log: bool = True, log_prompts: bool = False) -> FastAPI:
     """The app serving `worker`'s model as `model_id`; `defaults`: the server's knobs (requests override them);
     `api_key`: when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). The caps
     (body size, read timeout, branching factor, memory, ...) are `worker.limits` (lopa_fast.server.limits).
@@ -186,7 +186,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return JSONResponse(RequestError(f"{what} ({_request.method} {_request.url.path})", None, exc.status_code,
                                          kind, code).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))  # fmt: skip
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_middleware(_ApiKey, api_key=api_key, metrics=metrics)
 
@@ -200,7 +200,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         that failed too)."""
         eng = getattr(worker, "engine", None)  # the batch engine's facts: batched rounds, the largest batch seen
         batch = {} if eng is None else {"batched_rounds": eng.rounds, "max_batch": eng.max_live,
-                                        "oom_retried_forwards": eng.oom_splits}  # fmt: skip
+                                        "oom_retried_forwards": eng.oom_splits}
         facts = worker.health
         body = {"status": facts.pop("status"), "model": model_id, **facts, **batch}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
@@ -212,14 +212,14 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "lopa_fast"}]}  # fmt: skip
+                                            "owned_by": "lopa_fast"}]}
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str):
         """OpenAI's retrieve-model route: the served model's object, or a 404 error object naming it."""
         if model != model_id:
             return _error(RequestError(f"model {model!r} is not served; this server serves {model_id!r}", "model",
-                                       404, code="model_not_found"))  # fmt: skip
+                                       404, code="model_not_found"))
         return {"id": model_id, "object": "model", "created": created, "owned_by": "lopa_fast"}
 
     @app.get("/version")
@@ -257,7 +257,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         unknown = sorted(set(body) - {"prompt", "messages", "add_special_tokens", "model"})
         if unknown:
             raise RequestError(f"{unknown[0]}: not a field of /tokenize (prompt or messages, add_special_tokens)",
-                               unknown[0])  # fmt: skip
+                               unknown[0])
         tok = worker.tokenizer
         if ("prompt" in body) == ("messages" in body):
             raise RequestError("/tokenize takes one of prompt (text) or messages (a chat)", "prompt")
@@ -301,7 +301,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         if declared is not None and declared.isdigit() and int(declared) > cap:
             await _discard(request, 0)
             raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {cap} "
-                               "(--max-body-bytes)", None, 413)  # fmt: skip
+                               "(--max-body-bytes)", None, 413)
         chunks, size, over = [], 0, False
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -335,7 +335,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             if over is True:
                 await _discard(request, size)
             raise RequestError(f"the request body is over {cap} bytes, this server's cap (--max-body-bytes)",
-                               None, 413)  # fmt: skip
+                               None, 413)
         return b"".join(chunks)
 
     async def _discard(request: Request, seen: int) -> None:
@@ -365,9 +365,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             raise RequestError(f"the request body is not valid JSON ({e})") from e
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
             raise RequestError(f"model {body['model']!r} is not served; this server serves {model_id!r}",
-                               "model", 404, code="model_not_found")  # fmt: skip
+                               "model", 404, code="model_not_found")
         req = parse(body, endpoint, worker.model, worker.tokenizer, app.state.defaults, limits,
-                    verifier=getattr(worker, "verifier", None))  # fmt: skip
+                    verifier=getattr(worker, "verifier", None))
         for note in req.warnings:  # a note quoting prompt text (unknown words) only with log_prompts (opt-in, as
             # vLLM's --enable-log-requests: prompts in logs are the operator's choice; issue 43, finding 7)
             if log_prompts or UNKNOWN_NOTE not in note:
@@ -375,8 +375,9 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             else:
                 log.info("a prompt holds %s (not logged: serve --log-prompts)", UNKNOWN_NOTE)
         try:  # stream's own checks, by type as in parse (they passed there; a newer check may not)
-            handle = checked(None, worker.submit, Job(req.prompt_ids, req.knobs, req.stop, req.memory, req.plan, req.text_stops, req.unit), loop,
-                             endpoint=endpoint)  # fmt: skip
+            job = Job(req.prompt_ids, req.knobs, req.stop, req.memory, req.plan, req.text_stops, req.unit)
+            handle = checked(None, worker.submit, job, loop,
+                             endpoint=endpoint)
         except Busy as e:
             raise RequestError(f"the server is busy: {e}; retry later", None, 503, "server_error") from e
         return req, handle
@@ -410,11 +411,11 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
             return StreamingResponse(_sse(handle, endpoint, head, request.is_disconnected, notes, req.include_usage,
                                           t0),  # time to first token and queue time observed there
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         done, first = None, None
         try:
             async for kind, value in handle.events(disconnected=request.is_disconnected,
-                                                   shutdown=lambda: drain.expired):  # fmt: skip
+                                                   shutdown=lambda: drain.expired):
                 if kind == "shutdown":
                     metrics.request(endpoint, 503, time.perf_counter() - t0)
                     return _error(_shutting_down())
@@ -456,7 +457,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         async def answer(handle):
             first = None
             async for kind, value in handle.events(disconnected=request.is_disconnected,
-                                                   shutdown=lambda: drain.expired):  # fmt: skip
+                                                   shutdown=lambda: drain.expired):
                 if kind == "shutdown":
                     return _shutting_down()
                 if kind == "piece" and first is None:
@@ -477,7 +478,7 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
         for a in answers:
             if a is None or isinstance(a, RequestError):
                 err = a if a is not None else RequestError("cancelled: the client disconnected", None, 499,
-                                                           "cancelled")  # fmt: skip
+                                                           "cancelled")
                 metrics.request(endpoint, err.status, time.perf_counter() - t0)
                 return _error(err)
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -495,14 +496,14 @@ def create_app(worker: Worker, *, model_id: str, defaults: dict, api_key: str | 
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion, "forwards": forwards,
                           "tpf": generated / forwards if forwards else 0.0},
-                "stats": [o["stats"] for o in objs]}  # fmt: skip
+                "stats": [o["stats"] for o in objs]}
 
     def _completion(endpoint: str, head: dict, done: Finished, eos) -> dict:
         st = done.result.stats
         reason = FINISH_REASONS.get(st.get("finish_reason"), "length")
         if endpoint == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                      "finish_reason": reason}  # fmt: skip
+                      "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
@@ -576,5 +577,5 @@ def _run_error(exc: BaseException) -> RequestError:
     if is_out_of_memory(exc):  # the batch it ran in was freed; the server goes on (503 + Retry-After)
         return RequestError(f"out of memory while decoding ({type(exc).__name__}: {str(exc).splitlines()[0]}); the "
                             "request's batch was freed: retry later, or lower max_tokens / branching_factor", None,
-                            503, "server_error", "out_of_memory")  # fmt: skip
+                            503, "server_error", "out_of_memory")
     return RequestError(f"{type(exc).__name__}: {exc}", None, 500, "server_error")

@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from lopa_fast import memory, strategies
+
 # a body's first seconds are free of the rate rule (a client's first packets, a slow start); then it must keep up
 BODY_GRACE_S = 2.0
 
-from lopa_fast import memory, strategies
 
 
 @dataclasses.dataclass
@@ -73,7 +74,7 @@ class Limits:
             self, max_model_len=min(self.max_model_len or limit, limit),
             max_request_memory=self.max_request_memory or total // 4,
             memory_budget=max(self.memory_budget or total // 2, self.max_request_memory or total // 4),
-        )  # fmt: skip
+        )
 
     def check(self, model, cfg, prompt_len: int, verifier=None) -> int:
         """Refuse (ValueError subclasses carrying the field: `LimitError`) a bound config over a cap; return the
@@ -82,23 +83,23 @@ class Limits:
         k = cfg.branching_factor  # checked by the strategies that read it (lopa); others leave any value unread
         if isinstance(k, int) and k > self.max_branching_factor:
             raise LimitError(f"branching_factor={k} is over this server's cap --max-branching-factor="
-                             f"{self.max_branching_factor}", "branching_factor")  # fmt: skip
+                             f"{self.max_branching_factor}", "branching_factor")
         total = prompt_len + cfg.max_new_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             field = "max_tokens" if prompt_len < self.max_model_len else "prompt"
             raise LimitError(f"prompt ({prompt_len} tokens) + max_tokens ({cfg.max_new_tokens}) = {total} is over "
-                             f"this server's cap --max-model-len={self.max_model_len}", field)  # fmt: skip
+                             f"this server's cap --max-model-len={self.max_model_len}", field)
         rows = strategies.get(cfg.strategy).rows(cfg)
         if rows > self.max_batch_rows:
             raise LimitError(f"strategy={cfg.strategy!r} with these knobs decodes {rows} rows per forward, over this "
-                             f"server's cap --max-batch-rows={self.max_batch_rows}", "branching_factor")  # fmt: skip
+                             f"server's cap --max-batch-rows={self.max_batch_rows}", "branching_factor")
         need = memory.request_bytes(model, total, cfg, prompt_len, verifier)
         if self.max_request_memory is not None and need > self.max_request_memory:
             field = "branching_factor" if rows > 1 else "max_tokens"
             raise LimitError(f"this request needs about {need / 2**20:.0f} MiB (lopa_fast.memory.request_bytes: "
                              f"{rows} rows x {total} positions), over this server's per-request cap of "
                              f"{self.max_request_memory / 2**20:.0f} MiB (--max-request-memory); lower {field}",
-                             field)  # fmt: skip
+                             field)
         return need
 
 

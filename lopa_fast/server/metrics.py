@@ -30,7 +30,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # clients grow /metrics and memory without bound: issue 36, 300 random 8,000-character paths made it 43.5 MB)
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
           "/metrics": "metrics", "/health": "health", "/tokenize": "tokenize", "/detokenize": "detokenize",
-          "/version": "version"}  # fmt: skip
+          "/version": "version"}
 ENDPOINTS = frozenset(ROUTES.values()) | {"other"}
 
 
@@ -63,7 +63,7 @@ class _WorkerCollector:
             total = sum(sizes.values())
             yield HistogramMetricFamily("lopa_fast_batch_size", "Requests per batched round.",
                                         buckets=[*cum, ("+Inf", total)],
-                                        sum_value=sum(s * n for s, n in sizes.items()))  # fmt: skip
+                                        sum_value=sum(s * n for s, n in sizes.items()))
         mem = getattr(worker, "memory", None)
         if mem is not None and mem.budget is not None:
             yield GaugeMetricFamily("lopa_fast_memory_reserved_bytes", "Memory estimates of the running requests.",
@@ -71,7 +71,7 @@ class _WorkerCollector:
             yield GaugeMetricFamily("lopa_fast_memory_budget_bytes", "The budget running requests' estimates share.",
                                     mem.budget)
             yield GaugeMetricFamily("lopa_fast_memory_held_bytes", "KV pools and compiled-batch lanes beyond the "
-                                    "running requests' estimates.", mem.held)  # fmt: skip
+                                    "running requests' estimates.", mem.held)
 
 
 class Metrics:

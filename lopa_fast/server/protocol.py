@@ -40,18 +40,18 @@ from lopa_fast.keyed import needs_draws
 from lopa_fast.errors import KnobError, LopaError, MemoryBudgetError
 from lopa_fast.server.limits import LimitError, Limits
 from lopa_fast.server.served import NOT_SERVED, OPERATOR_ONLY  # noqa: F401  (re-exported)
-from lopa_fast.request.text import (chat_ids, check_text_prompt, check_unicode, encode_prompt, max_token_chars, split_stops,
-                            unknown_note, unknown_words)
+from lopa_fast.request.text import (chat_ids, check_text_prompt, check_unicode, encode_prompt, max_token_chars,
+                                    split_stops, unknown_note, unknown_words)
 
 KNOBS = tuple(f.name for f in dataclasses.fields(GenerateConfig))
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 COMMON_FIELDS = ("model", "stream", "stream_options", "n", "stop", "user", "logprobs", "logit_bias",
-                 "presence_penalty", "frequency_penalty", *MAX_TOKENS_FIELDS)  # fmt: skip
+                 "presence_penalty", "frequency_penalty", *MAX_TOKENS_FIELDS)
 ENDPOINT_FIELDS = {
     "completions": ("prompt", "echo", "suffix", "best_of"),
     "chat": ("messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
              "function_call", "response_format"),
-}  # fmt: skip
+}
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -59,7 +59,7 @@ class RequestError(Exception):
     """A refused request: HTTP `status`, the OpenAI error `type`, the offending field `param` (or None)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):  # fmt: skip
+                 type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -112,7 +112,7 @@ def fan_out(body, endpoint: str, defaults: dict) -> tuple[list[dict], int] | Non
     n = body.get("n")
     prompts = body.get("prompt") if endpoint == "completions" else None
     several = (isinstance(prompts, list) and len(prompts) > 1
-               and all(isinstance(p, (str, list)) for p in prompts))  # fmt: skip
+               and all(isinstance(p, (str, list)) for p in prompts))
     if not several and (n is None or n == 1):
         return None
     if n is None:
@@ -122,11 +122,11 @@ def fan_out(body, endpoint: str, defaults: dict) -> tuple[list[dict], int] | Non
     temperature = body.get("temperature", defaults.get("temperature", 0.0))
     if n > 1 and not (isinstance(temperature, (int, float)) and temperature > 0):
         raise RequestError(f"n={n} at temperature {temperature!r} gives {n} identical choices; n > 1 samples, with "
-                           "temperature > 0 (choice j seeded seed + j)", "n")  # fmt: skip
+                           "temperature > 0 (choice j seeded seed + j)", "n")
     count = (len(prompts) if several else 1) * n
     if count > MAX_CHOICES:
         raise RequestError(f"{count} choices in one request (prompts x n); this server takes at most {MAX_CHOICES}",
-                           "n" if n > 1 else "prompt")  # fmt: skip
+                           "n" if n > 1 else "prompt")
     if body.get("stream"):
         raise RequestError("stream: true streams one choice; send one request per prompt and sample", "stream")
     seed = body.get("seed")
@@ -149,7 +149,7 @@ def _refuse_unsupported(body: dict, endpoint: str) -> None:
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise RequestError(f"n={n!r}: one choice here; n > 1 samples at temperature > 0 (choice j seeded seed + j)",
-                           "n")  # fmt: skip
+                           "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise RequestError(f"best_of={best_of!r}: only best_of=1 is served", "best_of")
@@ -219,7 +219,7 @@ def _knobs_of(body: dict, endpoint: str) -> tuple[dict, list]:
             continue
         if name == "max_length":
             raise RequestError(f"max_length={value!r}: pass max_tokens (the new tokens; max_length is HF's prompt + "
-                               "new tokens)", name)  # fmt: skip
+                               "new tokens)", name)
         if name in aliases.NAMES:
             knobs[name] = value
             continue
@@ -232,7 +232,7 @@ def _knobs_of(body: dict, endpoint: str) -> tuple[dict, list]:
         other = "chat" if endpoint == "completions" else "completions"
         hint = f" (a field of the {other} endpoint)" if name in ENDPOINT_FIELDS[other] else ""
         raise RequestError(f"unknown field {name!r}{hint}; the body takes OpenAI fields and the knobs of "
-                           "lopa_fast.generate (docs/serve.md)", name)  # fmt: skip
+                           "lopa_fast.generate (docs/serve.md)", name)
     given = [f for f in MAX_TOKENS_FIELDS if body.get(f) is not None]
     if len(given) > 1:
         raise RequestError(f"{' and '.join(given)} both given; pass one", given[1])
@@ -312,7 +312,7 @@ def _check_stop_caps(stop) -> None:
             size += len(item.encode("utf-8"))
     if size > MAX_STOP_BYTES:
         raise RequestError(f"stop: {size} bytes of text stops; allowed: at most {MAX_STOP_BYTES} UTF-8 bytes in all",
-                           "stop")  # fmt: skip
+                           "stop")
 
 
 def _plan(cfg, model, prompt_len):
@@ -331,7 +331,7 @@ def _check_text_length(chars: int, max_len: int, tokenizer, field: str) -> None:
     if chars > cap:
         raise RequestError(f"{field}: {chars} characters; at most {cap} fit the {max_len} positions of this server "
                            f"(--max-model-len) at {max_token_chars(tokenizer)} characters per token (the tokenizer's "
-                           "longest); refused before tokenising", field)  # fmt: skip
+                           "longest); refused before tokenising", field)
 
 
 def _chat_ids(tokenizer, messages, warn, max_len: int) -> list[int]:
@@ -345,7 +345,7 @@ def _chat_ids(tokenizer, messages, warn, max_len: int) -> list[int]:
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
+                       for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are served", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -384,7 +384,7 @@ def _completion_ids(tokenizer, prompt, warn, max_len: int) -> list[int]:
 
 
 def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits | None = None,
-          verifier=None) -> Parsed:  # fmt: skip
+          verifier=None) -> Parsed:
     """Check an OpenAI request body (endpoint "completions" or "chat") and build what the worker runs.
 
     defaults: the server's knobs (validated at start-up); the body's knobs replace them; limits: the server's caps
@@ -399,17 +399,17 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
     knobs, extra_stops = _knobs_of(body, endpoint)
     merged = {**defaults, **knobs}
     if knobs.get("strategy", defaults.get("strategy")) != defaults.get("strategy"):  # another strategy than the
-        # server's: the model's own knobs for it under the body's (lopa_fast.request.model_defaults; issue 42, finding 2)
+        # server's: the model's own knobs for it under the body's (request.model_defaults; issue 42, finding 2)
         from lopa_fast.request.model_defaults import merge, model_knobs
 
         own = model_knobs(getattr(model, "name_or_path", None), knobs["strategy"])
         merged = merge({**defaults, **own}, knobs) if own else merged
     # stage 1: the knobs on their own (GenerateConfig.validate, no model)
     cfg = checked(None, lambda: GenerateConfig(**merged).validate(), knobs=knobs, defaults=defaults,
-                  endpoint=endpoint)  # fmt: skip
+                  endpoint=endpoint)
     spec = strategies.get(cfg.strategy)
     checked(None, api.check_verifier_given, cfg, verifier is not None and spec.takes_verifier,
-            "serve --verifier DIR (this server was started without one)", endpoint=endpoint)  # fmt: skip
+            "serve --verifier DIR (this server was started without one)", endpoint=endpoint)
     notes: list[str] = list(cfg.sampling_notes())  # set but without effect (top_p at temperature 0, ...)
     # stage 2: the prompt
     field = "messages" if endpoint == "chat" else "prompt"
@@ -421,7 +421,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         ids = checked(field, _completion_ids, tokenizer, body.get("prompt"), notes.append, max_len, endpoint=endpoint)
     if len(ids) >= limit:
         raise RequestError(f"{field}: too long ({len(ids)} tokens); the model has max_position_embeddings={limit} "
-                           "positions for the prompt and the answer together", field)  # fmt: skip
+                           "positions for the prompt and the answer together", field)
     # stage 3: the stops
     stop = body.get("stop")
     seqs, text_stops = None, []
@@ -435,8 +435,8 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
             vocab = model.config.vocab_size
             big = next((q for q in seqs if max(q) >= vocab), None)
             if big is not None:
-                raise RequestError(f"stop sequence {big!r} holds id {max(big)}; allowed: ids in [0, vocab_size={vocab})",
-                                   "stop")  # fmt: skip
+                raise RequestError(f"stop sequence {big!r} holds id {max(big)}; allowed: ids in "
+                                   f"[0, vocab_size={vocab})", "stop")
     # stage 4: what generate checks with the model and the prompt, before any forward
     ids_t = checked(field, api.prepare_prompt, model, ids, endpoint=endpoint)
     with warnings.catch_warnings():
@@ -445,7 +445,7 @@ def parse(body, endpoint: str, model, tokenizer, defaults: dict, limits: Limits 
         length_field = "max_tokens" if merged.get("max_new_tokens") is not None else field
         planned, length = checked(length_field, _plan, cfg, model, ids_t.numel(), endpoint=endpoint)
         bound = checked(None, planned.resolve, model, knobs=knobs, defaults=defaults, model=model,
-                        endpoint=endpoint)  # fmt: skip
+                        endpoint=endpoint)
         if merged.get("seed") is None and needs_draws(bound):  # e.g. vanilla's `origin` reveal at temperature 0:
             # unseeded, two identical calls differed with no word (issue 43, finding 7); now seeded here and said
             merged["seed"] = random.randrange(2**31)

@@ -4,7 +4,8 @@ Each submitted request runs through `lopa_fast.stream` (which runs `lopa_fast.ge
 stats) on one of `concurrency` job threads. Requests the batch engine covers (a strategy with a batch driver on the
 fast backend, eager: `lopa_fast.decode.batch.BatchEngine.covers`) share ONE forward per round with every other
 running request (continuous batching at round boundaries); each still gets exactly the result it would get alone.
-Other requests run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and `Handle.cancel()`.
+Other requests run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and
+`Handle.cancel()`.
 
 Cancellation (a client that disconnects, or a server shutting down): a request still waiting in the queue is
 dropped before it starts; a running one is stopped at its next round boundary (stream's per-round hook raises in
@@ -156,7 +157,7 @@ class Worker:
     live requests, the memory budget every running request's estimate is reserved against)."""
 
     def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
-                 batch: bool = True, concurrency: int | None = None, limits=None, verifier=None):  # fmt: skip
+                 batch: bool = True, concurrency: int | None = None, limits=None, verifier=None):
         from lopa_fast.decode.batch import BatchEngine
         from lopa_fast.decode.shapes import quantized_length
         from lopa_fast.server.limits import Limits, MemoryBudget
@@ -176,7 +177,7 @@ class Worker:
         self.engine = BatchEngine(model, max_rows=limits.max_batch_rows, max_slots=limits.max_num_seqs,
                                   slot_len=quantized_length(limits.max_model_len) + 1,
                                   on_held=self.memory.hold, share_bytes=resident_bytes,
-                                  step_timeout_s=limits.step_timeout_s) if batch else None  # fmt: skip
+                                  step_timeout_s=limits.step_timeout_s) if batch else None
         if self.engine is not None:  # a request that would wait for memory first frees the engine's idle lanes
             self.memory.reclaim = self.engine.reclaim
         self.counts = {"pending": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0, "out_of_memory": 0}
@@ -187,7 +188,7 @@ class Worker:
         self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
         self._closed = False  # close() was called
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
-                         for i in range(concurrency if batch else 1)]  # fmt: skip
+                         for i in range(concurrency if batch else 1)]
         for t in self._threads:
             t.start()
 
@@ -201,11 +202,11 @@ class Worker:
         handle = Handle(loop or asyncio.get_running_loop())
         if job.plan is not None:  # validated once, by the caller: run as it is
             text = TextStream.of_plan(job.plan, text_decoder(self.tokenizer), job.text_stops, job.unit,
-                                      on_round=handle.check, engine=self.engine)  # fmt: skip
+                                      on_round=handle.check, engine=self.engine)
         else:
             text = lopa_fast.stream(self.model, job.prompt_ids, tokenizer=self.tokenizer, stop=job.stop,
                                     on_round=handle.check, engine=self.engine, verifier=self._verifier_for(job.knobs),
-                                    **job.knobs)  # fmt: skip
+                                    **job.knobs)
         if self.engine is not None and self.engine.stalled() is not None:  # the watchdog: nothing would be served
             raise Busy("the batch engine's current step is past its deadline (--step-timeout); the server is unhealthy")
         with self._lock:
@@ -253,7 +254,7 @@ class Worker:
                 with warnings.catch_warnings(), torch.inference_mode():
                     warnings.simplefilter("ignore")
                     lopa_fast.generate(self.model, [bos if bos is not None else 1], **knobs,
-                                       verifier=self._verifier_for(knobs))  # fmt: skip
+                                       verifier=self._verifier_for(knobs))
             except Exception as e:  # noqa: BLE001 - the verdict, not a crash
                 reason = f"a one-token request failed: {type(e).__name__}: {e}"
                 drop_frames(e)
@@ -319,7 +320,8 @@ class Worker:
         from lopa_fast.decode.batch import BatchEngine
 
         cfg = text._cfg
-        return self.engine is not None and cfg.backend != "reference" and BatchEngine.covers(cfg, strategies.get(cfg.strategy))
+        covered = BatchEngine.covers(cfg, strategies.get(cfg.strategy))
+        return self.engine is not None and cfg.backend != "reference" and covered
 
     def _count(self, **delta) -> None:
         with self._lock:

@@ -15,4 +15,5 @@ from lopa_fast.strategies.threshold import spec as _threshold  # noqa: E402,F401
 from lopa_fast.strategies.lopa import spec as _lopa  # noqa: E402,F401  (d2f, then lopa)
 from lopa_fast.strategies.apd import spec as _apd  # noqa: E402,F401
 
-__all__ = ["SOLO", "Strategy", "check_distributed", "check_values", "compose_config", "decode_length", "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]
+__all__ = ["SOLO", "Strategy", "check_distributed", "check_values", "compose_config", "decode_length",
+           "fast_not_covered", "find", "get", "names", "owners", "register", "specific_knobs", "unregister"]

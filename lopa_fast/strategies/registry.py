@@ -140,7 +140,8 @@ def register(spec: Strategy, *, replace: bool = False) -> Strategy:
     if _COMPOSED is not None and set(new) - _COMPOSED:
         raise TypeError(f"register({spec.name!r}): knob_class {spec.knob_class.__name__} adds knobs "
                         f"{sorted(set(new) - _COMPOSED)} after GenerateConfig was built; register the strategy before "
-                        "lopa_fast.config is imported (a built-in folder: its line in lopa_fast/strategies/__init__.py)")
+                        "lopa_fast.config is imported (a built-in folder: its line in "
+                        "lopa_fast/strategies/__init__.py)")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -165,7 +166,7 @@ def get(name) -> Strategy:
     spec = _REGISTRY.get(name) if isinstance(name, str) else None
     if spec is None:
         raise KnobError(f"strategy={name!r}; allowed: {', '.join(repr(n) for n in _REGISTRY)}", knob="strategy",
-                        value=name)  # fmt: skip
+                        value=name)
     return spec
 
 
@@ -203,10 +204,11 @@ def fast_not_covered(cfg, spec: Strategy | None = None) -> str | None:
     if getattr(cfg, "sampler", "keyed") == "upstream" and needs_draws(cfg):
         if (spec if spec is not None else get(cfg.strategy)).default_sampler == "upstream":
             fast = (f"for {cfg.strategy}'s fast path pass sampler='keyed' ({cfg.strategy}'s default at T > 0 is "
-                    "upstream's order, for exactness with upstream)")  # fmt: skip
+                    "upstream's order, for exactness with upstream)")
         else:
             fast = "the fast backend draws with sampler='keyed' (the default)"
-        return f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; {fast}"
+        return (f"sampler='upstream' (upstream's draw order from one generator) runs on the per-step reference only; "
+                f"{fast}")
     return None
 
 
@@ -240,10 +242,10 @@ def check_distributed(cfg, spec: Strategy) -> None:
     if not spec.distributed:
         covered = ", ".join(repr(n) for n in names() if get(n).distributed)
         raise KnobError(f"distributed=True covers strategy {covered}; got strategy={cfg.strategy!r}",
-                        knob="strategy", value=cfg.strategy)  # fmt: skip
+                        knob="strategy", value=cfg.strategy)
     if cfg.backend == "reference":
         raise KnobError("distributed=True runs the fast decoder; pass backend='fast' (or 'auto')",
-                        knob="backend", value=cfg.backend)  # fmt: skip
+                        knob="backend", value=cfg.backend)
     if cfg.temperature > 0 and cfg.sampler == "upstream":
         raise KnobError(
             f"distributed=True at temperature={cfg.temperature!r} draws with sampler='keyed' (noise keyed by seed, "

@@ -1,12 +1,13 @@
 """What the vanilla and threshold drivers share: one request whose steps are ONE step function of
-lopa_fast.strategies.steps' state, driven by the one loop (lopa_fast.decode.batch; the protocol: lopa_fast.decode.driver).
+lopa_fast.strategies.steps' state, driven by the one loop (lopa_fast.decode.batch; the protocol:
+lopa_fast.decode.driver).
 
 `StepDriver` holds the canvas and step state (`steps.init`), the request's compiled steps (compile=True), the
 eager step in stages around the scheduler's shared forward (`prepare` / `forward_args` / `finish`), the compiled
 step as a batch step (`batch_step` / `take`), the step's one host read (its head), the numerics guard's refusal,
 the trace's accepted tokens, the progress hook and stop check, and the result. A strategy's driver adds its step
-plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None, head=None)`), `next_bucket` and `_plan` (its bucket
--> (kind, sizes, w)).
+plan: `name`, `parts` (its step module's `parts(geo, kind, sizes, s=None, head=None)`), `next_bucket` and `_plan` (its
+bucket -> (kind, sizes, w)).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class StepDriver:
             return None
         kind, sizes, _ = self._planned(*bucket)
         return steps.batch_step(self.compiled, self.cview, self.model, self.st, self.T, self.geo, kind, sizes,
-                                self.parts, head=self._head())  # fmt: skip
+                                self.parts, head=self._head())
 
     def _head(self):
         """The LM-head weight [V, H] the fused head reads (geo.fused_head), else None."""
@@ -118,12 +119,12 @@ class StepDriver:
         stats["model_calls"] += 1
         if self._b >= 0:
             steps.refuse(steps.row_logits(self._info, self._b), self._w["lo"] + self._b, stats["forwards"], self.name,
-                         self.cfg.temperature)  # fmt: skip
+                         self.cfg.temperature)
         if self.trace is not None:
             x, P = self.x, self.P
             pos = ((self._before == self.mask_id) & (x != self.mask_id)).nonzero(as_tuple=True)[0]
             self.trace.append({"round": stats["forwards"], "accepted": [[int(q) - P, int(x[q])] for q in pos],
-                               **trace_facts})  # fmt: skip
+                               **trace_facts})
         self.stopped = after_step(self.x[self.P :], self.cfg, stats, self.on_round)
 
     def result(self, **counters) -> GenerateOutput:

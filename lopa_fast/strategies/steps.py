@@ -126,7 +126,7 @@ def geometry(model, cfg, L: int) -> StepGeometry:
         blocked=tuple(blocked), alg=cfg.alg if dream_vanilla else None,
         race=dream_vanilla and bool(cfg.alg_temp), n_steps=int(cfg.steps) if dream_vanilla else 0,
         fused_head=step_fused_head(model, cfg, dream_vanilla, rule),
-    )  # fmt: skip
+    )
 
 
 def step_fused_head(model, cfg, dream_vanilla: bool, rule: str | None) -> bool:
@@ -160,9 +160,9 @@ def init(model, x: torch.Tensor, P: int, geo: StepGeometry, seed: int, ts: torch
     model.fused_layers()
     st = {"x": x.clone(), "fwd": z(), "i": z(), "fm": z(P), "s": z(P), "e": z(P + geo.B),
           "transferred": z(), "multi": z(), "noop": z(), "head": torch.zeros(len(HEAD), dtype=torch.long, device=dev),
-          "ck": cache[0], "cv": cache[1]}  # fmt: skip
+          "ck": cache[0], "cv": cache[1]}
     T = {"P": z(P), "seed": z(keyed._s64(int(seed) % (1 << 64))),
-         "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}  # fmt: skip
+         "ts": ts if ts is not None else torch.zeros(1, dtype=torch.float32, device=dev)}
     T.update({name: knob((knobs or {}).get(name), dev) for name in KNOBS})
     return st, T
 
@@ -175,7 +175,7 @@ def args(st: dict, tokens: torch.Tensor, start, prefix_len, win_lens, rows, geo:
     """A `forward_requests` part over the request's cache: tokens [Bt, n] at start.., prefix_len cached rows; with
     geo.fused_head its rows come back final-normed ([R, H]: `head_stats` applies the head)."""
     return dict(tokens=tokens, start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=prefix_len,
-                win_lens=win_lens, bids=None, rows=rows, output="hidden" if geo.fused_head else "logits")  # fmt: skip
+                win_lens=win_lens, bids=None, rows=rows, output="hidden" if geo.fused_head else "logits")
 
 
 def full_args(st: dict, tokens: torch.Tensor, rows: torch.Tensor, geo: StepGeometry) -> dict:
@@ -299,7 +299,7 @@ def _label(kind: str, sizes: tuple) -> str:
 
 
 def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, parts,
-               head=None):  # fmt: skip
+               head=None):
     """The step of `kind` on bucket `sizes` as a compiled batch's BatchStep (one graph per (StepGeometry, kind,
     sizes) and batch size; lopa_fast.decode.compiled_batch). parts: the strategy's `parts(geo, kind, sizes, head=)`
     -> (pre, post); head: the LM-head weight with geo.fused_head. A "dual" step's forward is DualForward (the
@@ -307,4 +307,4 @@ def batch_step(compiled, view, model, st: dict, T: dict, geo: StepGeometry, kind
     pre, post = parts(geo, kind, sizes, head=head)
     fwds = ((DualForward(model), "full", geo.attn_backend),) if kind == "dual" else None
     return BatchStep(compiled, ("steps", geo, kind, sizes), (kind, *sizes), _label(kind, sizes), ("steps", geo),
-                     pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)  # fmt: skip
+                     pre, post, "full", geo.attn_backend, st, T, view, forwards=fwds)

@@ -22,9 +22,10 @@ continuations until a few pivot tokens (the plan, the phrasing of a step, the op
 - a fixed final line `#### <answer>`; the score is exact match of that answer only (`arith.extract_answer`).
 
 A solution is 64-96 tokens including the final EOS (digits are single tokens; the 64-128 range the issue asks for
-and the 96 of `GEN_LEN` are tested over every rendering slot's extremes for every numeric tuple). A rendering is fixed by a `Choice` (plan, one index per slot);
-`renderings(problem)` enumerates all distinct renderings of one problem and `rendering_distribution` gives
-each sampled rendering with its probability (the generator samples the plan and every slot uniformly).
+and the 96 of `GEN_LEN` are tested over every rendering slot's extremes for every numeric tuple). A rendering is fixed
+by a `Choice` (plan, one index per slot); `renderings(problem)` enumerates all distinct renderings of one problem and
+`rendering_distribution` gives each sampled rendering with its probability (the generator samples the plan and every
+slot uniformly).
 
 Splits are those of `arith` (`arith.split_of`, a keyed hash of (a, b, c, d)): disjoint on the numeric
 parameters, so a held-out problem is held out under every template, name, item and rendering, and a model
@@ -52,7 +53,8 @@ MIN_SOLUTION_TOKENS = 64  # incl. the final EOS (tested for every tuple over eve
 MAX_SOLUTION_TOKENS = 128
 GEN_LEN = 96  # max_new_tokens of the task's models and eval: the longest solution is 96 tokens incl. EOS (tested)
 
-# ---- phrasings. Fields: a b c d the parameters, m = b*c, s = a+m, t = a-d, r the answer; x y the operands of the step (both orders for * and +).
+# ---- phrasings. Fields: a b c d the parameters, m = b*c, s = a+m, t = a-d, r the answer; x y the operands of the
+# step (both orders for * and +).
 _OPEN = (
     "Let us work it out one step at a time , in order .",
     "We count them all , one step at a time .",
@@ -315,7 +317,9 @@ def statistics(n_problems: int = 20, seed: int = 0) -> dict:
     all_bounds = [length_bounds(*tp) for sp in SPLITS for tp in arith._tuples_cached(sp, VARIANT)]
     all_counts = [_count(*tp) for sp in SPLITS for tp in arith._tuples_cached(sp, VARIANT)]
     per_pos = [sum(e[i] for e in ents) / len(ents) for i in range(MAX_SOLUTION_TOKENS)]
-    return dict(choices=n_choices(), distinct=counts, distinct_all_tuples=(min(all_counts), sum(all_counts) / len(all_counts)), length_hist=dict(sorted(lens.items())),
+    return dict(choices=n_choices(), distinct=counts,
+                distinct_all_tuples=(min(all_counts), sum(all_counts) / len(all_counts)),
+                length_hist=dict(sorted(lens.items())),
                 mean_len=sum(mean_len) / len(mean_len), min_len=min(b[0] for b in all_bounds),
                 max_len=max(b[1] for b in all_bounds), per_position_entropy=per_pos)
 

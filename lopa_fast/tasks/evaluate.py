@@ -86,7 +86,8 @@ def _decode(model, ids, knobs: dict, backend: str, gen_len: int, compile: bool, 
         return None, str(exc)
 
 
-def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN, verifier_name: str = VERIFIER_MODEL) -> str | None:
+def _apd_pair_problem(model, verifier, knobs, gen_len: int = GEN_LEN,
+                      verifier_name: str = VERIFIER_MODEL) -> str | None:
     """Why `verifier` cannot verify this drafter with an APD row's knobs (None: the pair fits), checked once
     before the row runs (e.g. `eval --model` on a drafter whose vocabulary ar-arith's is not a prefix of)."""
     from lopa_fast.config import GenerateConfig
@@ -156,7 +157,7 @@ def run_row(model, tok, problems, row: str, backend: str = "auto", progress: boo
             "verifier_forwards_per_answer": verifier_fw / n if n else 0.0,
             "steps": steps, "mean_accepted": accepted / steps if steps else 0.0,
             "full_window_share": full_steps / steps if steps else 0.0,
-        })  # fmt: skip
+        })
     return res
 
 

@@ -94,7 +94,8 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
             model.eval()
             acc = greedy_accuracy(model, dev, tok, a["gen_len"])
             model.train()
-            emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) t {time.time() - t0:7.1f}s")
+            emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) "
+                 f"t {time.time() - t0:7.1f}s")
             run.save(model, cfg, out, "lopa_fast.train.ar", a, tok_mod.save_tokenizer)
         if when:
             checkpoint(step + 1)

@@ -49,7 +49,7 @@ def certainty_curve(model, problems, tok, gen_len: int, threshold: float = 0.9, 
     n = max(1, len(problems))
     share = [None if m == 0 else float(c / m) for c, m in zip(conf, masked)]
     return {"share": share, "confident": (conf / n).tolist(), "masked": (masked / n).tolist(),
-            "accuracy": correct / n}  # fmt: skip
+            "accuracy": correct / n}
 
 
 def table(curves: dict, every: int = 8) -> str:

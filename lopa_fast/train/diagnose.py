@@ -31,7 +31,7 @@ def token_categories(solution: str) -> list[str]:
             continue
         prev, nxt = (words[j - 1] if j else ""), (words[j + 1] if j + 1 < len(words) else "")
         cat = ("eq_left" if nxt in _OPS else "eq_right" if prev in _OPS else "eq_result" if prev == "="
-               else "final" if prev == "####" else "phrase_digit")  # fmt: skip
+               else "final" if prev == "####" else "phrase_digit")
         out += [cat] * len(w)  # every digit is its own token
     return out + ["eos"]
 
@@ -84,7 +84,7 @@ def fill_order_accuracy(model, problems, tok, orders=ORDERS) -> dict[str, float]
     for order in orders:
         tail = order == "entropy_true_tail"
         gen = greedy_fill(model, batch, G, alg="entropy" if tail else order, given=(region == tasks.EOS_ID) if tail
-                          else None)  # fmt: skip
+                          else None)
         texts = tok.decode_batch(gen.tolist(), skip_special_tokens=True)
         out[order] = sum(tasks.extract_answer(t) == p.answer for t, p in zip(texts, problems)) / len(problems)
     return out

@@ -123,9 +123,9 @@ def soft_targets(problems, noisy: torch.Tensor, masked: torch.Tensor, prompt_len
     of the region conditions every masked one).
 
     noisy [B, n] ids with MASK_ID where masked; masked bool [B, n]; lens [B] the rows' window ends (positions
-    from lens on are outside the sequence, as in the "full_pipe" view: neither visible nor targets). Returns (targets [M, vocab_size] float32 in
-    `masked.nonzero()` order, valid bool [M]: False for rows whose visible tokens agree with no rendering, which
-    cannot happen for a clean batch's own masks but does for states a model wrote)."""
+    from lens on are outside the sequence, as in the "full_pipe" view: neither visible nor targets). Returns (targets
+    [M, vocab_size] float32 in `masked.nonzero()` order, valid bool [M]: False for rows whose visible tokens agree with
+    no rendering, which cannot happen for a clean batch's own masks but does for states a model wrote)."""
     rows_t, rows_v = [], []
     for i, p in enumerate(problems):
         P = int(prompt_lens[i])

@@ -79,7 +79,7 @@ class Adapter:
 
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask=None, past_key_values=None, cache_position=None, position_ids=None,
-                 **kw):  # fmt: skip
+                 **kw):
         if attention_mask is not None and attention_mask != "full":
             raise AssertionError(f"unexpected attention_mask {attention_mask!r}")
         m = self.m
@@ -116,13 +116,13 @@ def run_upstream(up, dllm, verifier, case):
         mask_token_id=dllm.mask_token_id, temperature=case["temperature"], top_p=case["top_p"], top_k=case["top_k"],
         tokens_per_step=case["tokens_per_step"], kv_window=case["kv_window"], max_lookahead=case["max_lookahead"],
         apd_mixture_weight=case["apd_mixture_weight"], eos_token_id=case["eos_token_id"],
-    )  # fmt: skip
+    )
     d = Adapter(dllm, causal=False)
     v = Adapter(verifier, causal=True) if verifier is not None else None
     if case["temperature"] > 0:
         torch.manual_seed(case["seed"])
     out = up.DreamGenerationMixin.apd_sample(d, torch.tensor([case["prompt"]]), None, gcfg,
-                                             lambda *a: None, lambda *a: None, v)  # fmt: skip
+                                             lambda *a: None, lambda *a: None, v)
     prof = out.profile
     return {
         "sequence": out.sequences[0, P:].tolist(),
@@ -137,7 +137,7 @@ def cases():
     # (R, W, M, K): upstream presets (0.7, 16, 100) and (0.6, 32, 200) scaled to 24-32 new tokens, plus corners
     rwm = [(0.5, None, None, None), (0.7, 4, 8, None), (0.6, 8, 16, None), (0.9, 0, 4, None), (0.3, 2, None, None),
            (0.5, None, 1, None), (0.7, 1, 12, None), (0.9, 16, None, None), (0.1, 3, 6, None),
-           (None, None, None, 1), (None, 4, 8, 3), (None, 0, 2, 2)]  # fmt: skip
+           (None, None, None, 1), (None, 4, 8, 3), (None, 0, 2, 2)]
     grid, i = [], 0
     for dllm, ver in (("d64", "q64"), ("d66", "q64b")):
         for R, W, M, K in rwm:
@@ -146,16 +146,16 @@ def cases():
                 grid.append(dict(dllm=dllm, verifier=ver if R is not None else None, apd_mixture_weight=R, kv_window=W,
                                  max_lookahead=M, tokens_per_step=K, prompt=prompts[i % 3],
                                  max_new_tokens=[24, 32][i % 2], eos=eos, temperature=0.0, top_p=None, top_k=None,
-                                 seed=None))  # fmt: skip
+                                 seed=None))
     # T > 0 (quirk Q1: logits / T and noise^T), top-p / top-k, EOS inside the prompt (stops after one step)
     more = [("d64", "q64", 0.7, 4, 8, None, 0.5, 0.95, None, 3, "mid"), ("d66", "q64b", 0.5, None, None, None, 0.3,
             None, 10, 4, "none"), ("d64", None, None, 2, 6, 2, 0.8, 0.9, None, 5, "mid"),
             ("d66", "q64b", 0.9, 8, 16, None, 1.0, None, None, 6, "none"), ("d64", "q64", 0.6, 8, 16, None, 0.0, None,
-            None, None, "prompt")]  # fmt: skip
+            None, None, "prompt")]
     for j, (dllm, ver, R, W, M, K, T, tp, tk, seed, eos) in enumerate(more):
         grid.append(dict(dllm=dllm, verifier=ver, apd_mixture_weight=R, kv_window=W, max_lookahead=M,
                          tokens_per_step=K, prompt=prompts[j % 3], max_new_tokens=24, eos=eos, temperature=T, top_p=tp,
-                         top_k=tk, seed=seed))  # fmt: skip
+                         top_k=tk, seed=seed))
     return grid
 
 
@@ -165,7 +165,7 @@ def resolve_eos(up, models, case):
     if case["eos"] == "prompt":
         return case["prompt"][0]
     probe = run_upstream(up[case["dllm"]], models[case["dllm"]], models.get(case["verifier"]),
-                         {**case, "eos_token_id": -1})  # fmt: skip
+                         {**case, "eos_token_id": -1})
     if case["eos"] == "mid":
         return probe["sequence"][9]
     used = set(probe["sequence"]) | set(case["prompt"]) | {models[case["dllm"]].mask_token_id}
@@ -186,7 +186,7 @@ def main():
         "source": "danielmisrael/apd dream/generation_utils.py DreamGenerationMixin.apd_sample (a555561), CPU fp32",
         "command": "python tests/golden/make_apd_golden.py <apd checkout>",
         "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "zero_head_rows_from": MODELS[name][2],
-                          "fingerprint": weights_fingerprint(models[name])} for name in MODELS},  # fmt: skip
+                          "fingerprint": weights_fingerprint(models[name])} for name in MODELS},
         "cases": [],
     }
     for case in cases():
@@ -195,7 +195,7 @@ def main():
             res = run_upstream(mods[case["dllm"]], models[case["dllm"]], models.get(case["verifier"]), case)
         out["cases"].append({**case, **res})
         print(case["dllm"], case["apd_mixture_weight"], case["kv_window"], case["max_lookahead"], case["eos"],
-              res["acceptance_counts"], flush=True)  # fmt: skip
+              res["acceptance_counts"], flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=0)
     print(f"wrote {len(out['cases'])} cases to {args.out}")

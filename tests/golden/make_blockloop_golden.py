@@ -120,7 +120,7 @@ class DreamAdapter:
         self.m, self.device, self.calls = m, torch.device("cpu"), 0
 
     def __call__(self, x, attention_mask=None, tok_idx=None, past_key_values=None, use_cache=False, dual_cache=False,
-                 replace_position=None):  # fmt: skip
+                 replace_position=None):
         self.calls += 1
         rep = None
         if dual_cache and past_key_values is not None:
@@ -151,7 +151,7 @@ def import_fastdllm_llada(checkout):
 
 def gen_config(**kw):
     base = dict(output_history=False, return_dict_in_generate=False, temperature=0.0, top_p=None, top_k=None,
-                alg_temp=None, eps=1e-3)  # fmt: skip
+                alg_temp=None, eps=1e-3)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -168,7 +168,7 @@ def main():
     fast_llada = import_fastdllm_llada(args.fastdllm)
     fast_dream = load(os.path.join(args.fastdllm, "dream", "model", "generation_utils_block.py"), "fast_dream_block")
     dream_gen = load(os.path.join(args.lopa, "scale_dream_d2f", "model_cache", "dream", "generation_utils.py"),
-                     "dream_generation_utils")  # fmt: skip
+                     "dream_generation_utils")
     models = {name: model_from_spec(*MODELS[name]) for name in MODELS}
     cases = []
     prompts = [[3, 9, 4, 1], [7], [11, 4, 30, 8, 1, 1, 12, 40, 2]]
@@ -183,7 +183,7 @@ def main():
         [(16, 16, 16, "low_confidence", 0.0, None), (8, 16, 4, "low_confidence", 0.0, None),
          (16, 16, 8, "random", 0.0, 7), (8, 16, 8, "low_confidence", 1.5, None),
          (12, 24, 8, "low_confidence", 0.0, None)]
-    ):  # fmt: skip
+    ):
         a = LLaDAAdapter(m)
         prompt = prompts[j % 3]
         if seed is not None:
@@ -192,24 +192,24 @@ def main():
             ones = torch.ones(1, len(prompt), dtype=torch.long)  # upstream's CFG path needs a mask
             x = llada_gen.generate(a, torch.tensor([prompt]), attention_mask=ones, steps=steps, gen_length=gen_len,
                                    block_length=bl, temperature=0.0, cfg_scale=cfg_scale, remasking=remasking,
-                                   mask_id=m.mask_token_id)  # fmt: skip
+                                   mask_id=m.mask_token_id)
         kw = dict(steps=steps, block_length=bl, remasking=remasking, cfg_scale=cfg_scale)
         case = dict(model="llada", strategy="vanilla", prompt=prompt, max_new_tokens=gen_len, kw=kw, torch_seed=seed)
         record(case, x[0, len(prompt):].tolist(), a.calls)
 
     # ---- LLaDA threshold (Fast-dLLM 24cc59e) ----
     fns = {None: fast_llada.generate, "prefix": fast_llada.generate_with_prefix_cache,
-           "dual": fast_llada.generate_with_dual_cache}  # fmt: skip
+           "dual": fast_llada.generate_with_dual_cache}
     for j, (cache, tau, gen_len, bl) in enumerate(
         [(None, 0.9, 16, 8), (None, 0.6, 24, 8), ("prefix", 0.9, 16, 8), ("prefix", 0.6, 24, 4),
          ("dual", 0.9, 16, 8), ("dual", 0.5, 24, 8)]
-    ):  # fmt: skip
+    ):
         a = LLaDAAdapter(m)
         prompt = prompts[j % 3]
         with torch.no_grad():
             x, nfe = fns[cache](a, torch.tensor([prompt]), steps=gen_len // bl, gen_length=gen_len, block_length=bl,
                                 temperature=0.0, remasking="low_confidence", mask_id=m.mask_token_id,
-                                threshold=tau)  # fmt: skip
+                                threshold=tau)
         assert nfe == a.calls, (nfe, a.calls)
         kw = dict(threshold=tau, block_length=bl, cache=cache, count_noop_forward=cache is not None)
         case = dict(model="llada", strategy="threshold", prompt=prompt, max_new_tokens=gen_len, kw=kw)
@@ -220,16 +220,16 @@ def main():
     for j, (alg, steps, gen_len, alg_temp, seed) in enumerate(
         [("maskgit_plus", 16, 16, None, None), ("topk_margin", 8, 16, None, None), ("entropy", 16, 16, None, None),
          ("origin", 8, 16, None, 11), ("entropy", 8, 16, 0.5, 12), ("maskgit_plus", 24, 24, None, None)]
-    ):  # fmt: skip
+    ):
         a = DreamAdapter(m)
         prompt = prompts[j % 3]
         if seed is not None:
             torch.manual_seed(seed)
         gc = gen_config(max_length=len(prompt) + gen_len, mask_token_id=m.mask_token_id, steps=steps, alg=alg,
-                        alg_temp=alg_temp)  # fmt: skip
+                        alg_temp=alg_temp)
         with torch.no_grad():
             x = dream_gen.DreamGenerationMixin._sample(a, torch.tensor([prompt]), None, gc, lambda i, x, l: x,
-                                                      lambda i, x, l: l)  # fmt: skip
+                                                      lambda i, x, l: l)
         kw = dict(steps=steps, alg=alg)
         if alg_temp is not None:
             kw["alg_temp"] = alg_temp
@@ -238,14 +238,14 @@ def main():
 
     # ---- Dream threshold (Fast-dLLM Dream block sampler: prefix / dual cache) ----
     for j, (dual, tau, gen_len, bl) in enumerate([(False, 0.9, 16, 8), (False, 0.6, 24, 8), (True, 0.9, 16, 8),
-                                                  (True, 0.5, 24, 4)]):  # fmt: skip
+                                                  (True, 0.5, 24, 4)]):
         a = DreamAdapter(m)
         prompt = prompts[j % 3]
         gc = gen_config(max_length=len(prompt) + gen_len, mask_token_id=m.mask_token_id, steps=gen_len // bl,
-                        alg="confidence_threshold")  # fmt: skip
+                        alg="confidence_threshold")
         with torch.no_grad():
             x = fast_dream.DreamGenerationMixin._sample(a, torch.tensor([prompt]), None, gc, threshold=tau,
-                                                       block_length=bl, dual_cache=dual)  # fmt: skip
+                                                       block_length=bl, dual_cache=dual)
         kw = dict(threshold=tau, block_length=bl, cache="dual" if dual else "prefix", count_noop_forward=True)
         case = dict(model="dream", strategy="threshold", prompt=prompt, max_new_tokens=gen_len, kw=kw)
         record(case, x[0, len(prompt):].tolist(), a.calls)
@@ -255,7 +255,7 @@ def main():
         "dream/model/generation_utils_block.py; LoPA 433177a Dream generation_utils.py; CPU fp32, T=0",
         "command": "python tests/golden/make_blockloop_golden.py --llada <LLaDA> --fastdllm <Fast-dLLM> --lopa <LoPA>",
         "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": weights_fingerprint(models[name])}
-                   for name in MODELS},  # fmt: skip
+                   for name in MODELS},
         "cases": cases,
     }
     with open(args.out, "w") as f:

@@ -43,7 +43,7 @@ MODELS = {
     "gqa64": (dict(kind="dream", vocab_size=64), dict(seed=1, sharpen=6.0)),
     "mha48": (dict(kind="dream", vocab_size=48, num_heads=2, num_kv_heads=2), dict(seed=3, sharpen=8.0,
                                                                                    zero_mask_row=False)),
-}  # fmt: skip
+}
 
 
 class LegacyCache:
@@ -155,10 +155,10 @@ def run_case(up, model, case):
         use_uncertainty_logic=case["strategy"] == "lopa", base_branch_competition=True,
         branch_verification_mode=True, verification_force_base_winner=False,
         shared_past_key_values=None, shared_last_logits=None, debug_print=False,
-    )  # fmt: skip
+    )
     for k in ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_threshold", "skip_threshold",
               "sampling_strategy", "branching_factor", "branch_topp", "selection_conf_alpha",
-              "use_full_attention"):  # fmt: skip
+              "use_full_attention"):
         attrs[k] = case[k]
     lm.__dict__.update(attrs)
     prompt = torch.tensor([case["prompt"]])
@@ -177,13 +177,13 @@ def run_d2f_orig(mod, model, case):
     lm = object.__new__(mod.DreamLoRA)
     adapter = DenseAdapter(model)
     tok = SimpleNamespace(eos_token_id=case["eos_token_id"], eos_token="<never>",
-                          decode=lambda ids, **k: ",".join(str(int(t)) for t in ids))  # fmt: skip
+                          decode=lambda ids, **k: ",".join(str(int(t)) for t in ids))
     attrs = dict(
         model=adapter, _device=torch.device("cpu"), mask_token_id=model.mask_token_id, tokenizer=tok,
         target_dtype=torch.float32, max_length=len(case["prompt"]) + case["max_new_tokens"] + 8, temperature=0.0,
         top_p=None, top_k=None,
         sampling_strategy={"margin": "margin_confidence"}.get(case["sampling_strategy"], case["sampling_strategy"]),
-    )  # fmt: skip
+    )
     for k in ("max_new_tokens", "block_size", "block_add_threshold", "decoded_token_threshold", "skip_threshold"):
         attrs[k] = case[k]
     lm.__dict__.update(attrs)
@@ -212,7 +212,7 @@ def d2f_orig_cases():
             prompt=prompts[i % 3], max_new_tokens=24 if i % 2 else 32, block_size=8 if i % 2 else 4,
             block_add_threshold=[0.1, 0.25, 0.5][i % 3], decoded_token_threshold=[0.95, 0.9, 0.7][i % 3],
             skip_threshold=[0.9, 0.8][i % 2], eos_token_id=5 if i % 4 else 62 if name == "gqa64" else 46,
-        ))  # fmt: skip
+        ))
     return grid
 
 
@@ -232,16 +232,16 @@ def cases():
                         decoded_token_threshold=[0.95, 0.9, 0.7][i % 3], skip_threshold=[0.9, 0.8, 0.7][(i // 3) % 3],
                         branch_topp=[1.0, 0.5][i % 2], selection_conf_alpha=[0.0, 0.0, 0.3][i % 3],
                         eos_token_id=5 if i % 4 else 62 if name == "gqa64" else 46,
-                    ))  # fmt: skip
+                    ))
     # top-p / top-k filters also apply at T=0 (they renormalise p_max)
     for j, (strategy, bf, top_p, top_k) in enumerate([("d2f", 1, 0.9, None), ("lopa", 2, None, 5),
-                                                      ("lopa", 4, 0.8, 10), ("lopa", 2, 0.95, None)]):  # fmt: skip
+                                                      ("lopa", 4, 0.8, 10), ("lopa", 2, 0.95, None)]):
         grid.append(dict(
             model="gqa64", strategy=strategy, branching_factor=bf, sampling_strategy=["default", "neg_entropy"][j % 2],
             use_full_attention=j < 2, prompt=prompts[j], max_new_tokens=24, block_size=8, block_add_threshold=0.25,
             decoded_token_threshold=0.9, skip_threshold=0.8, branch_topp=1.0, selection_conf_alpha=0.0,
             eos_token_id=5, top_p=top_p, top_k=top_k,
-        ))  # fmt: skip
+        ))
     return grid
 
 
@@ -258,7 +258,7 @@ def main():
         "source": "zhijie-group/LoPA scale_dream_d2f/scale_dream_d2f.py (433177a), run on CPU fp32, T=0",
         "command": "python tests/golden/make_lopa_golden.py <LoPA checkout> --d2f <D2F checkout>",
         "models": {name: {"hf": MODELS[name][0], "random": MODELS[name][1], "fingerprint": weights_fingerprint(models[name])}
-                   for name in MODELS},  # fmt: skip
+                   for name in MODELS},
         "cases": [],
     }
     for case in cases():
@@ -266,7 +266,7 @@ def main():
             res = run_case(up, models[case["model"]], case)
         out["cases"].append({**case, **res})
         print(case["model"], case["strategy"], case["branching_factor"], case["sampling_strategy"],
-              case["use_full_attention"], res["upstream_steps"], len(res["generated_ids"]), flush=True)  # fmt: skip
+              case["use_full_attention"], res["upstream_steps"], len(res["generated_ids"]), flush=True)
     if args.d2f:
         d2f = import_d2f_orig(args.d2f)
         out["source"] += "; zhijie-group/Discrete-Diffusion-Forcing D2F-eval/eval_dream.py (771f745)"

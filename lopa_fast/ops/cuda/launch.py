@@ -131,7 +131,7 @@ def run_branch_attention(launch: Launch, num_sms, q, k_cache, v_cache, cache_len
             ("q", q.stride(0)), ("q", q.stride(1)), ("q", q.stride(2)),
             ("q", k_cache.stride(-3)), ("q", k_cache.stride(-2)),
             ("q", k_win.stride(0)), ("q", k_win.stride(1)), ("q", k_win.stride(2)),
-            P(ci), ("q", k_cache.stride(0) if ci is not None else 0)]  # fmt: skip
+            P(ci), ("q", k_cache.stride(0) if ci is not None else 0)]
     part = "pooled_partial" if ci is not None else "partial"  # pooled: its own entry (registers: see the .cu)
     launch(f"branch_attention_{part}_{tname}_d{D}", (grid_x, Hkv, S + 1), (attention_threads(q.dtype), 1, 1),
            attention_smem_bytes(q.dtype, D), args)
@@ -173,7 +173,7 @@ def run_confidence(launch: Launch, logits, suppress_token, eps, num_sms=None):
     if S == 1:
         launch(f"confidence_{tname}", (N, 1, 1), block, 0,
                [P(logits), ("q", logits.stride(0)), ("i", N), ("i", V), ("i", sup), ("f", float(eps)), ("i", vec),
-                P(token), *[P(s) for s in stats]])  # fmt: skip
+                P(token), *[P(s) for s in stats]])
         return (token, *stats)
     p_max, margin, neg_entropy, lse = stats
     ws_state = torch.empty((N, S, VOCAB_WS_WORDS), dtype=torch.float32, device=dev)
@@ -219,7 +219,7 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
     grid = (math.ceil(R / HC_ROWS), S, 1)
     block = (HC_THREADS, 1, 1)
     head = [P(hidden), ("q", hidden.stride(0)), P(weight), ("q", weight.stride(0)), ("i", R), ("i", V), ("i", H),
-            ("i", chunk), ("i", sup)]  # fmt: skip
+            ("i", chunk), ("i", sup)]
     launch(f"head_confidence_stats_{tname}", grid, block, 0, [*head, P(ws_state)])
     rows_grid = (math.ceil(R / HC_THREADS), 1, 1)
     launch("head_confidence_merge", rows_grid, block, 0,
@@ -239,7 +239,7 @@ def select_round_ws_bytes(NB: int, Lb1: int, G1: int, Nb: int) -> int:
     r8 = lambda n: (n + 7) // 8 * 8  # noqa: E731
     regions = [8 * NB * Nb, 8 * NB * Nb, 8 * Lb1, 8 * Lb1, 8 * NB * G1, 8 * NB, 8 * NB,  # int64 / double
                4 * NB * Nb, 4 * Nb, 4 * Nb, 4 * Nb, 4 * Nb,  # rows, cW, pW, keyl (float), order (int32)
-               NB * Nb, Nb, Nb, Nb, Nb, G1, NB * G1]  # fmt: skip  # bool flags
+               NB * Nb, Nb, Nb, Nb, Nb, G1, NB * G1]  # # bool flags
     return sum(r8(n) for n in regions)
 
 
@@ -262,4 +262,4 @@ def run_select_round(launch: Launch, args: list, outs: list, bs: int, mask_id: i
     flags = int(shift) | int(blend) << 1 | int(score_all) << 2
     launch("select_round_kernel", (1, 1, 1), (SR_THREADS, 1, 1), 0,
            [("t", table), _ptr(ws), ("q", NB), ("q", Lb1), ("q", G1), ("q", Nb), ("q", bs), ("q", mask_id),
-            ("q", eos_id), ("q", n_look), ("i", flags)])  # fmt: skip
+            ("q", eos_id), ("q", n_look), ("i", flags)])

@@ -64,11 +64,11 @@ class FastApd:
             attn_backend=_backend.resolve("branch_attention", None, dev),
             sampling=cfg.temperature > 0, single_temperature=bool(cfg.single_temperature),
             coupled_gumbel=bool(cfg.coupled_gumbel),
-        )  # fmt: skip
+        )
         seed = keyed.resolve_seed(cfg.seed) if keyed.needs_draws(cfg) else 0  # as the reference's KeyedNoise
         self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
                        "stops": stop_table(cfg.stop, dev, min_rows=1), "seed": torch.tensor(seed, device=dev),
-                       **{name: knob(v, dev) for name, v in apd_knobs(cfg).items()}}  # fmt: skip
+                       **{name: knob(v, dev) for name, v in apd_knobs(cfg).items()}}
         x = torch.full((Lb + 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         x[:P] = prompt
         self.st = {"x": x, "step": torch.zeros((), dtype=torch.long, device=dev)}  # step: dLLM forwards (keys)
@@ -123,7 +123,7 @@ class FastApd:
         key = ("apd", id(verifier), geo, Nb, Db)  # as alone: the verifier is bound into the callable
         return BatchStep(self.compiled, key, (Nb, Db), f"apd_{Nb}x{Db}", ("apd", id(verifier), geo), pre, post,
                          "full", geo.attn_backend, self.st, self.tables, self.cview, forwards=self.forwards(None),
-                         mids=(mid,) if geo.verify else ())  # fmt: skip
+                         mids=(mid,) if geo.verify else ())
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result for this request (its state, {"x0"}); then `read_head`."""
@@ -164,7 +164,7 @@ class FastApd:
         """The reference's errors, in its order, for the step just run (before any of its tokens is returned)."""
         if head["nonfinite_drafter"] >= 0:
             raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_drafter"],
-                                       value="NaN/inf (drafter)")  # fmt: skip
+                                       value="NaN/inf (drafter)")
         if head["outside_vocab"]:
             raise RuntimeError(
                 f"apd: the drafter drafted a token id outside the verifier's vocabulary [0, {self.geo.V_ar}) "
@@ -172,7 +172,7 @@ class FastApd:
             )
         if head["nonfinite_verifier"] >= 0:
             raise NonFiniteLogitsError(strategy="apd", round=step, position=head["nonfinite_verifier"],
-                                       value="NaN/inf (verifier)")  # fmt: skip
+                                       value="NaN/inf (verifier)")
 
     # ---- the request as a driver (lopa_fast.decode.driver): lopa_fast.decode.batch's one loop steps it
     def begin(self, on_round=None) -> None:
@@ -186,7 +186,7 @@ class FastApd:
         self.left, self.right = next_window(self.curr, 0, self.L, self.geo, self.first)
         self.eos_detected = self.mask_pending = False
         self.st.update(curr=torch.tensor(self.curr, device=self.dev), left=torch.tensor(self.left, device=self.dev),
-                       right=torch.tensor(self.right, device=self.dev))  # fmt: skip
+                       right=torch.tensor(self.right, device=self.dev))
         self.clock = Clock(self.dev).__enter__()
 
     def next_bucket(self) -> tuple[bool, int, int, int] | None:
@@ -222,7 +222,7 @@ class FastApd:
                 "round": stats["forwards"], "window_start": left - P, "window_len": right - left, "draft": x0,
                 "num_accept": accepted,
                 "accepted": [[curr + q - P, x0[q]] for q in range(min(accepted, L - curr))],
-            })  # fmt: skip
+            })
         self.counts.append(accepted)
         if self.on_round is not None:
             report_round(self.on_round, self.st["x"][P:L], geo.mask_id, cfg.max_new_tokens, stats["forwards"])
@@ -257,4 +257,4 @@ def _part(f: dict, cache_k, cache_v) -> dict:
     """A forward's `forward_requests` part from its inputs f (step.py's draft_inputs / verify_inputs) over the
     model's cache (cache_k / cache_v: the drafter's or the verifier's)."""
     return dict(tokens=f["tokens"], start=f["start"], cache_k=cache_k, cache_v=cache_v, prefix_len=f["prefix_len"],
-                win_lens=f["win_lens"], bids=None, rows=f["rows"])  # fmt: skip
+                win_lens=f["win_lens"], bids=None, rows=f["rows"])

@@ -168,7 +168,7 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
                     l_ar = out[curr - 1 : -1]
                 else:
                     out = verifier.forward_window(x0[None], cache=vcache, start=curr, mask="causal",
-                                                  commit=right - curr)[0]  # fmt: skip
+                                                  commit=right - curr)[0]
                     l_ar = torch.cat([prev_logits[None], out[:-1]], dim=0)
                 stats["verifier_forwards"] += 1
                 check_finite(torch.cat([l_ar, out[-1:]]) if cfg.exact_prev_logits else l_ar, curr, _RAW,
@@ -190,7 +190,7 @@ def generate(model, prompt: torch.Tensor, cfg, verifier=None, on_round=None) -> 
                     "round": stats["forwards"], "window_start": left - P, "window_len": right - left,
                     "draft": x0.tolist(), "num_accept": num_accept,
                     "accepted": [[curr + i - P, int(x0[i])] for i in range(n_written)],
-                })  # fmt: skip
+                })
             curr += num_accept
             counts.append(num_accept)
             no_mask = not bool((x == mask_id).any())

@@ -99,7 +99,8 @@ def validate(cfg) -> None:
     if cfg.apd_mixture_weight is None:
         for name in ("coupled_gumbel", "exact_prev_logits"):
             if getattr(cfg, name):
-                raise ValueError(f"{name}=True applies to APD with a verifier; apd_mixture_weight=None (leftright) has none")
+                raise ValueError(f"{name}=True applies to APD with a verifier; apd_mixture_weight=None (leftright) "
+                                 "has none")
     k = cfg.tokens_per_step or 1
     if cfg.max_lookahead is not None and k > cfg.max_lookahead:
         raise ValueError(
@@ -137,4 +138,4 @@ SPEC = register(Strategy(
     validate=validate, resolve=resolve, driver="lopa_fast.strategies.apd.driver:FastApd", cache_rows=cache_rows,
     compile=True, compile_batches=True, default_sampler="upstream", check_models=check_models,
     verifier_knob="apd_mixture_weight", eval_rows=eval_rows,
-))  # fmt: skip
+))

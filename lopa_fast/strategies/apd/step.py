@@ -51,7 +51,7 @@ from lopa_fast.sampling import top_k_filter, top_p_filter
 
 
 HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonfinite_drafter",
-               "nonfinite_verifier", "mask_committed", "outside_vocab")  # fmt: skip
+               "nonfinite_verifier", "mask_committed", "outside_vocab")
 
 
 @dataclass(frozen=True)
@@ -112,17 +112,17 @@ def draft_inputs(st: dict, geo: ApdGeometry, Nb: int, Db: int, first: bool, pref
     wcol = torch.where(left + i < right, left + i, geo.Lb)  # [Nb] window columns (padding -> the trash column)
     tokens = x.index_select(0, wcol)[None]
     d_prefix = (0 if geo.W is None or first else prefix[0]) if prefix is not None else (
-        left if geo.W is not None else torch.zeros((), dtype=torch.long, device=dev))  # fmt: skip
+        left if geo.W is not None else torch.zeros((), dtype=torch.long, device=dev))
     raw_row = (curr - left + j - 1).clamp(min=0)  # Dream's shift; a mask at window row 0 keeps its own row
     # every gather index is in range by construction, whatever the state (a captured graph's warm-up runs on
     # the workspace's last state, possibly a finished request's: an out-of-range index would be a device assert)
     raw_row = torch.where(dvalid, raw_row, 0).clamp(max=Nb - 1)
     return dict(tokens=tokens, start=left, prefix_len=d_prefix, win_lens=(right - left).reshape(1), rows=raw_row,
-                j=j, n_d=n_d, dvalid=dvalid, wcol=wcol)  # fmt: skip
+                j=j, n_d=n_d, dvalid=dvalid, wcol=wcol)
 
 
 def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_win: torch.Tensor,
-            v_win: torch.Tensor) -> None:  # fmt: skip
+            v_win: torch.Tensor) -> None:
     """After the drafter's forward (logits l_d [Db, V_D], window K/V [layers, 1, Nb, Hkv, D]): the window's K/V into
     the drafter's cache, the non-finite guard and the draft x0 [Db] (the reference's draft_tokens: filters, then
     argmax, or the keyed draw at T > 0). Adds l_d, nf_d, x0, noise to `a`."""
@@ -177,14 +177,14 @@ def verify_inputs(st: dict, geo: ApdGeometry, a: dict, first: bool, prefix: tupl
         vrows = torch.where(er <= n_d, curr - 1 + er, 0).clamp(0, Nb - 1)  # AR predictions for curr .. right
         a["vdst"] = wcol
         return dict(tokens=vt, start=zero, prefix_len=0 if prefix is not None else zero, win_lens=right.reshape(1),
-                    rows=vrows)  # fmt: skip
+                    rows=vrows)
     a["vdst"] = torch.where(dvalid, curr + j, Lb)
     return dict(tokens=vtok[None], start=curr, prefix_len=prefix[1] if prefix is not None else curr,
-                win_lens=n_d.reshape(1), rows=j)  # fmt: skip
+                win_lens=n_d.reshape(1), rows=j)
 
 
 def verified(st: dict, T: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor, vk_win: torch.Tensor,
-             vv_win: torch.Tensor) -> None:  # fmt: skip
+             vv_win: torch.Tensor) -> None:
     """After the verifier's forward (logits l_v [Db + 1 (first) or Db, V_ar], window K/V): its K/V into the
     verifier's cache, the acceptance rule (target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR), quirk Q2; the
     longest agreeing prefix, at least 1) and prev_logits (Q3 unless exact_prev). Adds accepted, nf_v to `a`."""
@@ -235,5 +235,5 @@ def commit(st: dict, T: dict, geo: ApdGeometry, a: dict) -> tuple[dict, dict]:
     left = (curr - geo.W - accepted + 1).clamp(min=0) if geo.W is not None else zero
     st.update(x=x, curr=curr, left=left, right=right)
     st["head"] = torch.stack([accepted, curr, left, right, eos, done, stop, a["nf_d"], nf_v, mask_committed,
-                              outside]).long()  # fmt: skip
+                              outside]).long()
     return st, {"x0": x0}

@@ -69,7 +69,7 @@ def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, pref
     logits, k_win, v_win = model.forward_static(
         w["tokens"].index_select(0, slots), st["start"], st["cache_k"], st["cache_v"], prefix_len,
         w["win_lens"].index_select(0, slots), bids, geo.mode, rows, attn_backend=geo.attn_backend,
-    )  # fmt: skip
+    )
     flat = slots.index_select(0, rows // Nb) * Nb + rows % Nb
     return logits, k_win, v_win, flat, need.sum()
 
@@ -193,7 +193,7 @@ class DistributedDecoder(FastDecoder):
     lopa_fast.distributed.Comm; cache: its KV pool slot views (FastDecoder's)."""
 
     def __init__(self, model, prompt, cfg, branching_factor: int, name: str, comm, branch_stats: bool = False,
-                 cache=None):  # fmt: skip
+                 cache=None):
         super().__init__(model, prompt, cfg, branching_factor, name, cache=cache, branch_stats=branch_stats)
         self.comm = comm
         self._exchange = _Exchange(self)
@@ -243,11 +243,12 @@ class DistributedDecoder(FastDecoder):
         v_win, first slot))."""
         comm, geo, cfg, model = self.comm, self.geo, self.cfg, self.model
         key = ("dist-share", comm.world, *round_key(geo, cfg, Nb, Rb))
-        make = lambda: lambda st, T, rank, holder: compiled_share(model, st, T, geo, cfg, Nb, Rb, comm.world, rank,
-                                                                 holder)  # noqa: E731 fmt: skip
+        def make():  # the rank's share as a step function of (state, tables, rank, holder flag)
+            return lambda st, T, rank, holder: compiled_share(model, st, T, geo, cfg, Nb, Rb, comm.world, rank, holder)
+
         holder = self._holder_flag[int(comm.rank == self.holder)]
         self.st, (w, msg, logits, k_win, v_win) = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:share", make, self.st,
-                                                                     self.tables, self._rank_t, holder)  # fmt: skip
+                                                                     self.tables, self._rank_t, holder)
         self.max_share = -(-geo.NB // comm.world)
         return w, msg, logits, (k_win, v_win, slot_share(nA, comm.world, comm.rank)[0])
 
@@ -298,9 +299,9 @@ class DistributedDecoder(FastDecoder):
         if compiled:
             key = ("dist-after", comm.world, Rmax, *round_key(geo, self.cfg, Nb, Rb))
             make = lambda: lambda st, T, w, parts, rank: after_exchange(  # noqa: E731
-                st, T, geo, w, parts, Nb, Rmax, rank)  # fmt: skip
+                st, T, geo, w, parts, Nb, Rmax, rank)
             self.st, self.info, vals = self.compiled.call(key, (Nb, Rb), f"{Nb}x{Rb}:after", make, self.st, T, w, parts,
-                                                          self._rank_t)  # fmt: skip
+                                                          self._rank_t)
         else:
             self.st, self.info, vals = after_exchange(self.st, T, geo, w, parts, Nb, Rmax, self._rank_t)
         vals = vals.tolist()  # the round's one host read: the next head, the winner, the error flag, a row index
@@ -317,7 +318,7 @@ class DistributedDecoder(FastDecoder):
                     self.st["last_logit"] = logits[vals[11]].clone()
                 else:  # the dtype the owner's row has (a compiled share sees one input dtype on every rank)
                     self.st["last_logit"] = self.st["last_logit"].to(logits.dtype if logits is not None else
-                                                                      self.st["last_logit"].dtype)  # fmt: skip
+                                                                      self.st["last_logit"].dtype)
                 self.holder = owner
 
     def _commit(self, W: int, nA: int, u: int, kv, rnd_no: int) -> None:
@@ -354,7 +355,7 @@ class DistributedDecoder(FastDecoder):
         if err is not None and (not isinstance(err, Exception) or err is self._hook_error):
             raise err  # this rank's own KeyboardInterrupt / hook error: the caller sees its own exception
         raise DistributedError(f"distributed decoding: rank {bad} of {self.comm.world} failed in round {rnd_no}: "
-                               f"{msgs[bad]}", rank=bad, round=rnd_no) from err  # fmt: skip
+                               f"{msgs[bad]}", rank=bad, round=rnd_no) from err
 
     def result(self):
         """FastDecoder's result plus stats["distributed"]; raises the progress hook's error of the last round (no
@@ -370,7 +371,7 @@ class DistributedDecoder(FastDecoder):
         out.stats["distributed"] = {
             "world_size": c.world, "rank": c.rank, "backend": c.backend, "collectives": dict(c.calls),
             "bytes": dict(c.bytes), "bytes_per_round": total / rounds, "kv_broadcast_rounds": self.kv_rounds,
-        }  # fmt: skip
+        }
         return out
 
 
@@ -384,7 +385,7 @@ def driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, bra
     want = "cuda" if comm.backend == "nccl" else "cpu"
     if dev.type != want:
         raise KnobError(f"distributed=True with the {comm.backend} backend needs the model on {want}; it is on {dev}",
-                        knob="distributed", value=True)  # fmt: skip
+                        knob="distributed", value=True)
     dec = DistributedDecoder(model, prompt, cfg, branching_factor, name, comm, branch_stats, cache=cache)
     # the request fingerprint and the keyed sampler's seed (seed=None draws one per process: rank 0's is used)
     fp = torch.tensor([request_fingerprint(model, prompt, cfg), int(dec.tables["seed"])], dtype=torch.long, device=dev)
@@ -393,6 +394,6 @@ def driver(model, prompt, cfg, branching_factor: int, name: str, cache=None, bra
     if len(set(prints)) > 1:
         raise DistributedError(f"distributed decoding: the ranks were given different requests (config / prompt / "
                                f"model geometry, dtype or weights: fingerprints {prints}); every rank must call "
-                               "generate with the same arguments and the same model")  # fmt: skip
+                               "generate with the same arguments and the same model")
     dec.tables["seed"] = seen[0, 1].clone()
     return dec

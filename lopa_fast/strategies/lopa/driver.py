@@ -72,7 +72,7 @@ def round_key(geo: Geometry, cfg, Nb: int, Rb: int) -> tuple:
     the confidence, top_k (a shape), the mask suppression, and whether T > 0 / a top-p filter applies. Their float
     values are runtime inputs (the tables, lopa_fast.strategies.lopa.round.round_knobs), not keys."""
     stats_knobs = (cfg.sampling_strategy, cfg.top_p is not None and cfg.top_p < 1, cfg.top_k,
-                   cfg.suppress_mask_token, cfg.temperature > 0)  # fmt: skip
+                   cfg.suppress_mask_token, cfg.temperature > 0)
     return (geo, stats_knobs, Nb, Rb)
 
 
@@ -99,7 +99,7 @@ class FastDecoder:
         use_kernel = (
             dev.type == "cuda" and os.environ.get("LOPA_FAST_DECODE_OPS", "1") != "0"
             and cfg.top_p is None and cfg.top_k is None
-        )  # fmt: skip
+        )
         self.P = P
         Lb = buffer_len(P, cfg)
         self.geo = Geometry(
@@ -109,7 +109,7 @@ class FastDecoder:
             attn_backend=_backend.resolve("branch_attention", None, dev), use_conf_kernel=use_kernel,
             fused_head=fused_head_wanted(cfg, dev),
             trace=bool(cfg.return_trace), stop_lens=tuple(len(q) for q in cfg.stop or ()),
-        )  # fmt: skip
+        )
         model.fused_layers()  # the merged-weight view, built or checked once per request (outside any graph)
         self.tables = rnd.init_tables(P, bs, G, Lb, cfg, dev)
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
@@ -147,7 +147,7 @@ class FastDecoder:
             return rnd.finish_round(st, T, geo, cfg, w, logits, k_win, v_win, head=head)
 
         return BatchStep(self.compiled, round_key(geo, cfg, Nb, Rb), (Nb, Rb), f"round_{Nb}x{Rb}", geo, pre,
-                         post, geo.mode, geo.attn_backend, self.st, self.tables, self.cview)  # fmt: skip
+                         post, geo.mode, geo.attn_backend, self.st, self.tables, self.cview)
 
     def take(self, st: dict, info: dict) -> None:
         """The batched step's result for this request (its state, its trace facts); then `read_head`."""
@@ -172,7 +172,7 @@ class FastDecoder:
         """The round after its forward (this request's logits [Rb, V] (hidden rows [Rb, H] with geo.fused_head)
         and window K/V [layers, NB, Nb, Hkv, D])."""
         self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
-                                              head=self._head())  # fmt: skip
+                                              head=self._head())
 
     def _trace_entry(self, head: rnd.Head, round_: int) -> dict:
         info, P = self.info, self.P
@@ -188,7 +188,7 @@ class FastDecoder:
             "branches": [{"score": float(info["score"][b]), "lookahead": look[b], "window_len": wl}
                          for b, wl in enumerate(self._wl[:nA])],
             "winner": W, "accepted": sorted(acc),
-        }  # fmt: skip
+        }
 
     def _refuse_nonfinite(self, flat_row: int, round_: int) -> None:
         """Raise NonFiniteLogitsError for window row `flat_row` (slot * Nb + column) of round `round_`."""
@@ -278,7 +278,7 @@ class FastDecoder:
         stats.update(
             accepted_by_threshold=c["thresh"], fallback_fills=c["fallback"], eos_fills=c["eos_fills"],
             multi_token_rounds=c["multi"], eos_detected=bool(st["eos"][out_slot]),
-        )  # fmt: skip
+        )
         if self.branch_stats:  # LoPA's branch statistics (lookahead wins, growth, ...)
             max_branches = c["max_branches"] if geo.NB > 1 else int(stats["forwards"] > 0)
             stats.update(lookahead_wins=c["look_wins"], branch_growth=c["growth_split"],

@@ -26,7 +26,7 @@ def new_block(start: int, size: int, *, prompt: bool = False) -> dict:
     if prompt:
         return {"start": 0, "end": size, "total": size, "mask_count": 0, "state": "to_cache", "is_complete": True}
     return {"start": start, "end": start + size, "total": size, "mask_count": size, "state": "active",
-            "is_complete": False}  # fmt: skip
+            "is_complete": False}
 
 
 def copy_blocks(blocks: list[dict]) -> list[dict]:

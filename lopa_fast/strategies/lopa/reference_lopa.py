@@ -55,7 +55,7 @@ class Branch:
 
     def copy(self) -> "Branch":
         return Branch(self.x.clone(), copy_blocks(self.blocks), self.is_base, self.rank, self.creation_conf,
-                      self.eos_detected, self.lookahead)  # fmt: skip
+                      self.eos_detected, self.lookahead)
 
 
 def shared_prefix_end(branches: list[Branch], P: int) -> int:
@@ -150,7 +150,7 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
     stats = {
         "forwards": 0, "model_calls": 0, "multi_token_rounds": 0, "lookahead_wins": 0, "branch_growth": 0,
         "winner_grew": 0, "max_branches": 0, "upstream_model_calls": 0, **fill_stats(),
-    }  # fmt: skip
+    }
     # upstream forwards the anchor twice in a round that follows a spawn with no lookahead when
     # branching_factor > 1 (it appends the winner itself and its anchor copy); tokens are unaffected, we
     # forward it once and only count upstream's number in stats["upstream_model_calls"]
@@ -226,7 +226,8 @@ def generate(model, prompt: torch.Tensor, cfg, on_round=None) -> GenerateOutput:
             completed = retire_blocks(w.x, w.blocks, acts, mask_id)
 
             # spawn: lookaheads (ranked) then the new anchor, which sorts last
-            new = spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"]) if cfg.branching_factor > 1 else []
+            new = (spawn_lookaheads(w, wlogits, start, spe, acts, fills, cfg, gen, stats["forwards"])
+                   if cfg.branching_factor > 1 else [])
             upstream_duplicate = cfg.branching_factor > 1 and not new
             anchor = w.copy()
             anchor.is_base, anchor.rank, anchor.creation_conf, anchor.lookahead = True, len(new), 1.0, None

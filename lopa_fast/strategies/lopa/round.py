@@ -143,7 +143,7 @@ def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: i
         look_pos=torch.full((NB,), -1, dtype=torch.long, device=dev),
         last_logit=torch.ones(cfg.vocab_size, dtype=model.dtype, device=dev),
         cache_k=cache_k, cache_v=cache_v, cache_len=zero(),
-    )  # fmt: skip
+    )
     st["nonfinite"] = torch.full((), -1, dtype=torch.long, device=dev)
     st["round"] = zero()  # rounds run (the keyed sampler's step; 1 during the first round)
     st["counts"] = torch.zeros(len(ROUND_COUNTERS), dtype=torch.long, device=dev)
@@ -156,7 +156,7 @@ def plan(st: dict, T: dict, geo) -> None:
     n_blocks / complete and the plan tensors + `head` into st (no host read)."""
     pl = ops.plan_round(st["x"], st["n_blocks"], st["block_state"], st["complete"], st["eos"], st["alive"],
                         T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["grow_table"],
-                        T["activate_table"], bs=geo.bs, mask_id=geo.mask_id, shift=geo.shift, check=False)  # fmt: skip
+                        T["activate_table"], bs=geo.bs, mask_id=geo.mask_id, shift=geo.shift, check=False)
     st.update(pl._asdict())
     _finish_head(st, T, geo)
 
@@ -180,7 +180,7 @@ def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
     rows (output="hidden": `finish_round` applies the fused `ops.head_confidence`), else the logits."""
     return dict(tokens=w["tokens"], start=start, cache_k=st["cache_k"], cache_v=st["cache_v"], prefix_len=prefix_len,
                 win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
-                output="hidden" if geo.fused_head else "logits")  # fmt: skip
+                output="hidden" if geo.fused_head else "logits")
 
 
 def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:
@@ -212,7 +212,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
             new_last = fused.last_raw(last_row)
             st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
-                                           st["last_logit"].to(new_last.dtype))  # fmt: skip
+                                           st["last_logit"].to(new_last.dtype))
         else:  # table row r > 0 is raw row r - 1; row 0 the stale last_logit itself
             raw = logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
             new_last = torch.where(last_row > 0, raw, table[0][0])
@@ -228,11 +228,11 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
     blocks = geo.mode == "block_causal"
     r = ops.window_inputs(st["x"], st["need"], st["alive"], st["window_lens"], st["running"], st["lens"],
                           st["layout_slot"], st["counts"], st["start"], T["total_len"], T["pos_block"], Nb=Nb, Rb=Rb,
-                          blocks=blocks, check=False)  # fmt: skip
+                          blocks=blocks, check=False)
     st["counts"] = r.counts
     bids = r.win_block[None, :].expand(geo.NB, Nb) if blocks else None
     return dict(win_pos=r.win_pos, win_valid=r.win_valid, tokens=r.tokens, block_ids=bids, win_lens=r.win_lens,
-                need=r.need, need_flat=r.need.reshape(-1), rows=r.rows)  # fmt: skip
+                need=r.need, need_flat=r.need.reshape(-1), rows=r.rows)
 
 
 def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -250,10 +250,10 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[to
         T["grow_table"], T["activate_table"], T["skip_threshold"], T["alpha"],
         bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
         shift=geo.shift, blend=geo.blend, score_all=geo.trace, check=False,
-    )  # fmt: skip
+    )
     # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
     info = dict(score=r.score, winner=r.winner, accepted=r.accepted, tokens=r.tokens, win_pos=w["win_pos"],
-                look_pos=st["look_pos"].clone())  # fmt: skip
+                look_pos=st["look_pos"].clone())
     st.update({k: getattr(r, k) for k in _STATE_OUT})
     _finish_head(st, T, geo)
     return r.winner, r.last_row, info
@@ -261,7 +261,7 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[to
 
 # the op's outputs that are round state (the rest are the round's decision)
 _STATE_OUT = tuple(f for f in ref_ops.SelectRound._fields if f not in ("winner", "score", "last_row", "accepted",
-                                                                         "tokens"))  # fmt: skip
+                                                                         "tokens"))
 
 
 def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None:

@@ -83,7 +83,7 @@ def _softmax_stats(logits: torch.Tensor, T: dict, cfg, keys) -> TokenStats:
     t = T["temperature"] if cfg.temperature > 0 else 0.0
     return TokenStats(*softmax_token_stats(logits, temperature=t, top_p=top_p, top_k=cfg.top_k,
                                            sampling_strategy=cfg.sampling_strategy, suppress_token=suppress,
-                                           keys=keys if cfg.temperature > 0 else None))  # fmt: skip
+                                           keys=keys if cfg.temperature > 0 else None))
 
 
 def row_keys(st: dict, T: dict, rows: torch.Tensor, s, Nb: int, shift: bool, cfg) -> torch.Tensor | None:

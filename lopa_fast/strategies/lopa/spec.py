@@ -80,8 +80,9 @@ D2F_SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
     reference="lopa_fast.strategies.lopa.reference_d2f:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
-    cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True, distributed=True, eval_rows=eval_rows,
-))  # fmt: skip
+    cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True,
+    distributed=True, eval_rows=eval_rows,
+))
 
 
 # ---- lopa: the same round with k lookahead branches ----------------------------------------------------------
@@ -116,6 +117,7 @@ LOPA_SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
     reference="lopa_fast.strategies.lopa.reference_lopa:generate", fast=SOLO,
     validate=check_strict_length, check_values=check_lopa_values, length_unit=block_size, rows=lopa_rows,
-    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True, distributed=True,
+    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True,
+    compile_batches=True, distributed=True,
     eval_rows=lopa_eval_rows,
-))  # fmt: skip
+))

@@ -89,9 +89,9 @@ class ThresholdDriver(StepDriver):
         s, e = self.block()
         L, fm = self.L, self.fm
         sizes = {"full": (self.size(max(e - fm, 1)),), "refresh": (self.size(max(e - fm, 1)),), "refresh_first": (1,),
-                 "prefix": (self.size(L - s),), "dual": ()}[kind]  # fmt: skip
+                 "prefix": (self.size(L - s),), "dual": ()}[kind]
         lo, wstart = {"full": (fm, -self.P), "refresh": (fm, -self.P), "refresh_first": (s, 0)}.get(
-            kind, (s, s - self.P))  # fmt: skip
+            kind, (s, s - self.P))
         return kind, sizes, dict(kind=kind, s=s, lo=lo, wstart=wstart)
 
     def forwards(self, w: dict):

@@ -82,8 +82,8 @@ def step_stats(model, logits: torch.Tensor, cfg, gen, step: int = 0, lo: int = 0
     keyed by (step, position))."""
     draw = draw_kw(gen, cfg, TOKEN, step, 0, lo + torch.arange(logits.shape[0], device=logits.device))
     return threshold_stats(logits, stats_in_float64=model.config.stats_in_float64, temperature=cfg.temperature,
-                           top_p=cfg.top_p, top_k=cfg.top_k, suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None,
-                           **draw)  # fmt: skip
+                           top_p=cfg.top_p, top_k=cfg.top_k,
+                           suppress_token=cfg.mask_token_id if cfg.suppress_mask_token else None, **draw)
 
 
 def align(model, raw: torch.Tensor) -> torch.Tensor:

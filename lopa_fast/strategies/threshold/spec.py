@@ -29,7 +29,7 @@ def validate(cfg) -> None:
     given = [k for k in RULES if getattr(cfg, k) is not None]
     if len(given) > 1:
         raise ValueError(f"threshold strategy: {' and '.join(f'{k}={getattr(cfg, k)!r}' for k in given)} given; "
-                         "allowed: exactly one of threshold=, factor=, entropy_threshold=")  # fmt: skip
+                         "allowed: exactly one of threshold=, factor=, entropy_threshold=")
     blocks.check_blocks(cfg)  # none given: resolve sets Fast-dLLM's default rule, threshold=DEFAULT_THRESHOLD
 
 
@@ -38,7 +38,7 @@ def resolve(cfg, model):
     if all(getattr(cfg, k) is None for k in RULES):
         cfg = cfg.replace(threshold=DEFAULT_THRESHOLD)
     out = cfg.replace(block_length=bl, steps=cfg.steps if cfg.steps is not None else cfg.max_new_tokens // bl,
-                      count_noop_forward=bool(cfg.count_noop_forward))  # fmt: skip
+                      count_noop_forward=bool(cfg.count_noop_forward))
     blocks.check_blocks(out)
     return out
 
@@ -64,4 +64,4 @@ SPEC = register(Strategy(
     knobs=KNOBS, knob_class=ThresholdKnobs, validate=validate, resolve=resolve, length_unit=length_unit,
     driver="lopa_fast.strategies.threshold.driver:ThresholdDriver", cache_rows=cache_rows,
     compile=True, compile_batches=True, eval_rows=eval_rows,
-))  # fmt: skip
+))

@@ -24,7 +24,7 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None, head
     window written with slices), or None (compiled: st["s"], a device value). head: the LM-head weight [V, H] with
     geo.fused_head (the forward then returns final-normed rows), else None."""
     return ((lambda st, T: pre(st, T, geo, kind, sizes, s)),
-            (lambda st, T, ctx, *out: post(st, T, geo, kind, ctx, *out, head=head)))  # fmt: skip
+            (lambda st, T, ctx, *out: post(st, T, geo, kind, ctx, *out, head=head)))
 
 
 def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None) -> tuple[dict, dict]:
@@ -42,7 +42,7 @@ def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | 
         pos, valid, raw = steps.rows(sd, sd + geo.B, geo.B, L, geo.shift, win_start=sd)
     if kind == "dual":
         a = dict(tokens=x.index_select(0, pos)[None], start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=L,
-                 rows=raw, attn_backend=geo.attn_backend)  # fmt: skip
+                 rows=raw, attn_backend=geo.attn_backend)
     elif kind == "prefix":
         cols = (sd + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
         a = steps.args(st, x.index_select(0, cols)[None], start, start, (L - sd).reshape(1), raw, geo)
@@ -52,7 +52,7 @@ def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | 
 
 
 def post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k=None, v=None,
-         head=None) -> tuple[dict, dict]:  # fmt: skip
+         head=None) -> tuple[dict, dict]:
     """A step after its forward (raw logits [R, V]; with geo.fused_head the final-normed rows [R, H] and head the
     LM-head weight; a refresh's K/V [layers, 1, L, Hkv, D] become the cache): the statistics, then
     `ops.select_step` (one op: the candidates, the guard's row, the rule, the commit, the counters, the head)."""
@@ -72,9 +72,9 @@ def post(st: dict, T: dict, geo: StepGeometry, kind: str, ctx: dict, logits, k=N
         x0, conf, ent = threshold_stats(logits, stats_in_float64=geo.stats_in_float64, temperature=temperature,
                                         top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
                                         suppress_token=geo.mask_id if geo.suppress_mask else None,
-                                        keys=keys)  # fmt: skip
+                                        keys=keys)
     rule = "first" if kind == "refresh_first" else geo.rule  # Dream refresh: the block's first token, unconditionally
     r = ops.select_step(st["x"], pos, valid, x0, conf, ent, finite, st["multi"], st["noop"], st["s"], T[geo.rule],
-                        rule=rule, mask_id=geo.mask_id, B=geo.B, check=False)  # fmt: skip
+                        rule=rule, mask_id=geo.mask_id, B=geo.B, check=False)
     st.update(x=r.x, fm=r.fm, multi=r.multi, noop=r.noop, head=r.head, fwd=fwd)
     return st, ({"logits": logits} if head is None else {"logits": logits, "head": head})

@@ -110,7 +110,7 @@ def _dream(model, prompt, cfg, gen, stats, trace, on_round=None):
     steps = cfg.steps
     timesteps = torch.linspace(1, cfg.eps, steps + 1, device=x.device)  # float32, as upstream
     kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-              suppress_token=mask_id if cfg.suppress_mask_token else None)  # fmt: skip
+              suppress_token=mask_id if cfg.suppress_mask_token else None)
     for i in range(steps):
         before = x.clone() if trace is not None else None
         mask_index = x == mask_id

@@ -50,7 +50,7 @@ def steps_for(cfg) -> int:
     if cfg.steps is None or cfg.steps <= cfg.max_new_tokens:
         return cfg.steps if cfg.steps is not None else cfg.max_new_tokens
     msg = (f"steps={cfg.steps} exceeds max_new_tokens={cfg.max_new_tokens} (at least one position per step); "
-           "the extra steps would only repeat forwards")  # fmt: skip
+           "the extra steps would only repeat forwards")
     if cfg.on_round_cap == "error":
         raise KnobError(msg + "; pass steps <= max_new_tokens", knob="steps", value=cfg.steps)
     warnings.warn(msg + f"; capped at steps={cfg.max_new_tokens}", RuntimeWarning, stacklevel=5)
@@ -64,21 +64,21 @@ def resolve(cfg, model):
         bad = [k for k in ("alg", "alg_temp", "eps") if getattr(cfg, k) is not None]
         if bad:
             raise ValueError(f"{bad[0]}={getattr(cfg, bad[0])!r} is a Dream vanilla knob, but the model is LLaDA; "
-                             f"LLaDA vanilla knobs: {', '.join(LLADA_KNOBS)}")  # fmt: skip
+                             f"LLaDA vanilla knobs: {', '.join(LLADA_KNOBS)}")
         if cfg.top_p is not None or cfg.top_k is not None:
             raise ValueError(f"top_p={cfg.top_p!r} / top_k={cfg.top_k!r}: LLaDA vanilla sampling is Gumbel-max on raw "
-                             "logits (no top-p/top-k); leave them None")  # fmt: skip
+                             "logits (no top-p/top-k); leave them None")
         out = cfg.replace(
             block_length=cfg.block_length if cfg.block_length is not None else cfg.max_new_tokens,
             steps=steps_for(cfg), remasking=cfg.remasking or "low_confidence",
             cfg_scale=cfg.cfg_scale if cfg.cfg_scale is not None else 0.0,
             logits_eos_inf=bool(cfg.logits_eos_inf), confidence_eos_eot_inf=bool(cfg.confidence_eos_eot_inf),
-        )  # fmt: skip
+        )
     else:
         bad = [k for k in LLADA_KNOBS if k != "steps" and getattr(cfg, k) is not None]
         if bad:
             raise ValueError(f"{bad[0]}={getattr(cfg, bad[0])!r} is a LLaDA vanilla knob, but the model is "
-                             f"Dream-family; Dream vanilla knobs: {', '.join(DREAM_KNOBS)}")  # fmt: skip
+                             f"Dream-family; Dream vanilla knobs: {', '.join(DREAM_KNOBS)}")
         out = cfg.replace(steps=steps_for(cfg), alg=cfg.alg or "origin", eps=cfg.eps if cfg.eps is not None else 1e-3)
     blocks.check_blocks(out)  # the resolved block_length and steps
     return out
@@ -104,4 +104,4 @@ SPEC = register(Strategy(
     knobs=tuple(dict.fromkeys(LLADA_KNOBS + DREAM_KNOBS)), knob_class=VanillaKnobs, validate=validate, resolve=resolve,
     length_unit=length_unit, rows=rows, driver="lopa_fast.strategies.vanilla.driver:VanillaDriver", compile=True,
     compile_batches=True, eval_rows=eval_rows,
-))  # fmt: skip
+))

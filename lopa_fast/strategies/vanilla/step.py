@@ -1,6 +1,6 @@
 """The vanilla step (LLaDA's `generate`, Dream's `diffusion_generate`): ONE function of the step state
-(lopa_fast.strategies.steps), run eagerly at exact sizes by the driver (lopa_fast.strategies.vanilla.driver) and compiled /
-captured at bucket sizes.
+(lopa_fast.strategies.steps), run eagerly at exact sizes by the driver (lopa_fast.strategies.vanilla.driver) and
+compiled / captured at bucket sizes.
 
 "block_topk" (LLaDA): the cache-free forward (cfg_scale > 0: the conditional and the prompt-masked unconditional
 rows in one forward of 2) on rows [fm, e), `llada_choice`, and the top-k commit of the schedule's count k over the
@@ -26,9 +26,9 @@ def parts(geo: StepGeometry, kind: str, sizes: tuple, s: int | None = None, head
     (st, {"logits"}). s: unused (vanilla's forwards are cache-free; threshold_step.parts' signature)."""
     if kind == "block_topk":
         return (lambda st, T: llada_pre(st, T, geo, sizes)), (lambda st, T, c, *o: llada_post(st, T, geo, sizes, c,
-                                                                                               *o))  # fmt: skip
+                                                                                               *o))
     return ((lambda st, T: dream_pre(st, T, geo, sizes)),
-            (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o, head=head)))  # fmt: skip
+            (lambda st, T, c, *o: dream_post(st, T, geo, sizes, c, *o, head=head)))
 
 
 def llada_choice(logits: torch.Tensor, geo: StepGeometry, temperature, token_keys, remask_keys) -> tuple:
@@ -96,7 +96,7 @@ def dream_pre(st: dict, T: dict, geo: StepGeometry, sizes: tuple) -> tuple[dict,
 
 
 def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, logits, k_win=None, v_win=None,
-               head=None):  # fmt: skip
+               head=None):
     """Vanilla Dream's step after its forward (raw logits [Rb, V]; with geo.fused_head the final-normed rows [Rb, H]
     and head the LM-head weight): its alg's reveal or top-n commit."""
     Rb, n = sizes
@@ -113,7 +113,7 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
         bad = steps.first_bad_row(logits, cand, temperature)
         keys = steps.keys(T, keyed.TOKEN, fwd, pos) if geo.sampling else None
         kw = dict(temperature=temperature, top_p=T["top_p"] if geo.nucleus else None, top_k=geo.top_k,
-                  suppress_token=mask_id if geo.suppress_mask else None)  # fmt: skip
+                  suppress_token=mask_id if geo.suppress_mask else None)
 
     def stats(strategy: str = "default"):
         """(conf [Rb], x0 [Rb], p [Rb]) of the rows: `token_stats`' fields, or the fused head's."""
@@ -146,7 +146,7 @@ def dream_post(st: dict, T: dict, geo: StepGeometry, sizes: tuple, ctx: dict, lo
                 x = x.index_copy(0, sel, x0_full.index_select(0, sel))
             else:  # n of L without replacement, p ~ softmax(conf / alg_temp), keyed
                 race = keyed.top_n_race(torch.softmax(divided(full_conf, T["alg_temp"]), -1), n,
-                                        steps.keys(T, keyed.ORDER, fwd, torch.arange(L, device=dev)))  # fmt: skip
+                                        steps.keys(T, keyed.ORDER, fwd, torch.arange(L, device=dev)))
                 x = torch.where(race, x0_full, x)
         st["transferred"] = st["transferred"] + n
     st["fwd"] = fwd
