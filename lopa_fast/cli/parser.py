@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=int, default=100, help="held-out problems per strategy (default 100)")
     e.add_argument("--strategies", default="all",
                    help=f"comma-separated rows: {', '.join(EVAL_ROWS)}; aliases lopa (= k2,k4,k8), apd (the three "
-                        "apd rows), all (default); --task arith-var adds threshold-h0.45 (the teacher under the student's rule), "
-                        "dparallel-h0.45, dparallel-lopa-k4 (alias dparallel: these three)")
+                        "apd rows), all (default); --task arith-var adds threshold-h0.45 (the teacher under the "
+                        "student's rule), dparallel-h0.45, dparallel-lopa-k4 (alias dparallel: these three)")
     e.add_argument("--out", default=None, metavar="DIR",
                    help=f"directory of the table and its PNG, named {out_name('BACKEND', 'N')} (+ _block<b>, "
                         f"_<task> when not the defaults); default ./{OUT_DIR}/ under the current directory; a path "
