@@ -93,7 +93,6 @@ def branch_attention(
     return o
 
 
-
 def _pooled_branch_attention(q, k_pool, v_pool, cache_len, k_win, v_win, win_lens, block_ids, mode, scale, return_lse,
                              cache_index):
     """The pooled form, literally as defined: one single-request call per branch row b on its slot

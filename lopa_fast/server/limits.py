@@ -33,7 +33,6 @@ from lopa_fast import memory, strategies
 BODY_GRACE_S = 2.0
 
 
-
 @dataclasses.dataclass
 class Limits:
     max_branching_factor: int = 16

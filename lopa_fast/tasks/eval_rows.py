@@ -1,33 +1,6 @@
 """The eval's rows and tasks: which strategies and knobs `python -m lopa_fast eval` runs (and `generate --preset`
-names), on which task and models, and where the table goes. Light (no torch): the CLI's parser reads it.
-
-Rows (decoding knobs, from the strategy specs: `Strategy.eval_rows` in lopa_fast/strategies/<folder>/spec.py, plus the
-student's rows below; temperature 0 everywhere, max_new_tokens = GEN_LEN = 32, block size 8 by default, i.e. the
-spec's GSM8K settings with the block scaled from 32 to this task's answers of at most 27 tokens + EOS;
-`block_size` (any divisor of 32, e.g. the spec's 32) applies to every row's block knobs):
-
-  vanilla     Dream vanilla, steps = max_new_tokens (one token per forward), alg="entropy" (Dream's
-              own evaluation setting; the default alg "origin" reveals positions at random)
-  threshold   Fast-dLLM parallel decoding: threshold 0.9 (Fast-dLLM's default), block_length 8, no cache
-  d2f         D2F pipelined blocks: tau_add 0.1, tau_act 0.95, tau_conf 0.9, neg_entropy (the spec's
-              GSM8K row), full attention (LoPA's default)
-  lopa-kK     LoPA with branching_factor K in {2, 4, 8} and the same D2F thresholds, branch_topp 1,
-              alpha 0 (the spec defaults); k = 1 is d2f
-  apd-rR      APD (strategy="apd"): the embedded model drafts, the shipped causal `ar-arith` verifies
-              (`verifier=`); (R, W, M) = (0.6, 4, 25) and (0.7, 2, 13): upstream's Pareto presets
-              (0.6, 32, 200) and (0.7, 16, 100) with kv_window W and max_lookahead M scaled by 32/256 (this
-              task's 32 new tokens against upstream's 256, rounded half up), plus R = 0.9 at (2, 13); block
-              knobs do not apply. `--backend fast` / `auto` run them on the fast APD step (temperature 0)
-
-Tasks (`task=`, the CLI's `--task`; default `arith`): `arith` (max_new_tokens 32, model d2f-arith, APD verifier
-ar-arith) and `arith-var` (issue 12: variable worked solutions of 64-96 tokens incl. EOS, max_new_tokens 96 = 12
-blocks of 8, model d2f-arith-var, verifier ar-arith-var, and the dParallel student dparallel-arith-var with rows
-`dparallel-h0.45` (the entropy-threshold rule, tau_H 0.45 nats: dParallel's Dream GSM8K setting, block_length
-= the block size) and `dparallel-lopa-k4` (LoPA k=4 with the D2F knobs above), beside `threshold-h0.45`: the
-teacher under the student's rule), and `left-to-right` (one token per forward in order: threshold decoding in
-blocks of one token; alias `one-per-forward` = vanilla + left-to-right). Vanilla takes max_new_tokens
-steps; the APD presets scale by max_new_tokens / 256. A model a row needs that is not shipped makes the row
-unavailable (with the reason), never approximated.
+names), on which task and models, and where the table goes. Light (no torch): the CLI's parser reads it. What each
+row and task is: docs/tasks.md "Eval rows".
 """
 from __future__ import annotations
 

@@ -75,7 +75,6 @@ class Head(NamedTuple):
     stop: int  # a stop sequence lies in the anchor's finalised prefix (the tokens before its first mask)
 
 
-
 def round_knobs(cfg) -> dict[str, float]:
     """The round's float knobs (runtime inputs in the tables, `init_tables`: a compiled / captured round serves
     every value; only whether T > 0 / top-p filters / scores blend keys a graph): the temperature, top_p (1.0: no

@@ -35,7 +35,6 @@ from lopa_fast.sampling import gumbel_argmax
 from lopa_fast.strategies.vanilla.spec import DREAM_CONFIDENCE, transfer_schedule
 
 
-
 def _forward_full(model, x: torch.Tensor) -> torch.Tensor:
     return model.forward_window(x if x.dim() == 2 else x[None], mask="full")
 
