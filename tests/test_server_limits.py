@@ -6,7 +6,6 @@ The server runs in process (uvicorn in a thread, loopback, a free port) on the e
 measurement runs in a subprocess with an address-space cap."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -16,9 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +26,7 @@ from lopa_fast.server import check_auth, create_app
 from lopa_fast.server.limits import Limits
 from lopa_fast.server.worker import Worker
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+from tests.utils import http_call
 
 PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . How many pens ? Answer :"
 DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)
@@ -67,18 +64,7 @@ class _Server:
 
 def _call(url, body=None, *, raw: bytes | None = None, headers=None, method=None):
     """(status, parsed JSON or text) of one request."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
-                                 method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=HANG_S) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
+    return http_call(url, body, raw=raw, headers=headers, method=method, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")

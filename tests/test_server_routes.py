@@ -3,13 +3,10 @@
 server on the embedded model, called over HTTP."""
 from __future__ import annotations
 
-import json
 import re
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -19,6 +16,7 @@ from lopa_fast.server import create_app
 from lopa_fast.server.limits import Limits
 from lopa_fast.server.worker import Worker
 from lopa_fast.tasks.evaluate import GEN_LEN, ROWS
+from tests.utils import http_call
 
 PROMPT = "Tom has 7 pens . He buys 4 bags with 6 pens in each . How many pens ? Answer :"
 DEFAULTS = dict(ROWS["lopa-k4"], max_new_tokens=GEN_LEN, temperature=0.0)
@@ -53,17 +51,7 @@ def url():
 
 
 def _call(url, body=None, method=None):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=HANG_S) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
+    return http_call(url, body, method=method, timeout=HANG_S)
 
 
 def test_models_by_id(url):

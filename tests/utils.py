@@ -257,3 +257,23 @@ def run_ranks(target, arg_lists, join_timeout: float):
         procs[r].join()
     assert not hung, f"ranks {hung} still running after {join_timeout} s (a hang)"
     return procs
+
+
+def http_call(url, body=None, *, raw: bytes | None = None, headers=None, method=None, timeout: float = 60):
+    """(status, parsed JSON or text) of one HTTP request to a test server (a JSON body, or raw bytes)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
