@@ -17,6 +17,7 @@ from lopa_fast import ops
 from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
 from tests.utils import cuda_kernels  # noqa: F401 - a fixture (the gpu capture test)
+from tests.utils import differing_fields
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
 BACKENDS = ["cpp", "triton", "cuda"]
@@ -61,19 +62,7 @@ def recorded():
     return calls
 
 
-def _same(a: SelectRound, b: SelectRound) -> list[str]:
-    """Names of the fields that differ (bitwise; NaN equals NaN)."""
-    bad = []
-    for name, x, y in zip(SelectRound._fields, a, b):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            bad.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
-        elif x.is_floating_point():
-            if not torch.equal(x.view(torch.int64), y.view(torch.int64)) and not torch.equal(
-                    torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)):
-                bad.append(name)
-        elif not torch.equal(x, y):
-            bad.append(name)
-    return bad
+_same = differing_fields  # the fields that differ bitwise (tests/utils.py)
 
 
 def _run(args, kw, backend) -> SelectRound:

@@ -14,16 +14,15 @@ import torch
 import lopa_fast
 from lopa_fast import ops
 from lopa_fast.ops import _backend
-from lopa_fast.reference.ops import STEP_RULES, SelectStep
+from lopa_fast.reference.ops import STEP_RULES
 from tests import test_fast_steps as fs
+from tests.utils import differing_fields
 
 N_CASES = 24  # threshold cases recorded
 MAX_CALLS = 8  # steps kept per case
 
 
-def _same(a: SelectStep, b: SelectStep) -> list[str]:
-    return [name for name, x, y in zip(SelectStep._fields, a, b) if x.dtype != y.dtype or x.shape != y.shape
-            or not torch.equal(x, y)]
+_same = differing_fields  # the fields that differ bitwise (tests/utils.py)
 
 
 @pytest.fixture(scope="module")

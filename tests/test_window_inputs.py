@@ -13,15 +13,13 @@ import torch
 import lopa_fast
 from lopa_fast import ops
 from lopa_fast.ops import _backend
-from lopa_fast.reference.ops import WindowInputs
 from tests import test_fast_parity as parity
+from tests.utils import differing_fields
 
 N_CASES = 16
 
 
-def _same(a: WindowInputs, b: WindowInputs) -> list[str]:
-    return [f for f, x, y in zip(WindowInputs._fields, a, b) if x.dtype != y.dtype or x.shape != y.shape
-            or not torch.equal(x, y)]
+_same = differing_fields  # the fields that differ bitwise (tests/utils.py)
 
 
 @pytest.fixture(scope="module")

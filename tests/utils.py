@@ -277,3 +277,18 @@ def http_call(url, body=None, *, raw: bytes | None = None, headers=None, method=
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def differing_fields(a, b) -> list[str]:
+    """The fields of two NamedTuples of tensors (an op's outputs: SelectRound, SelectStep, WindowInputs, ...) that
+    differ bitwise: dtype, shape or value (a float NaN equals NaN)."""
+    bad = []
+    for name, x, y in zip(type(a)._fields, a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            bad.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+        elif x.is_floating_point():
+            if not torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)):
+                bad.append(name)
+        elif not torch.equal(x, y):
+            bad.append(name)
+    return bad
