@@ -76,12 +76,14 @@ def attention_mode(cfg) -> tuple:
     return (bool(cfg.use_full_attention),)
 
 
+# what d2f and lopa share: the round's knobs, blocks, cache, batching key and capabilities
+ROUND = dict(fast=SOLO, validate=check_strict_length, length_unit=block_size, cache_rows=cache_rows,
+             share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True, distributed=True)
+
 D2F_SPEC = register(Strategy(
     name="d2f", summary="D2F pipelined block decoding (one branch per round)",
-    reference="lopa_fast.strategies.lopa.reference_d2f:generate", fast=SOLO,
-    validate=check_strict_length, check_values=check_values, length_unit=block_size, driver=driver,
-    cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True, compile_batches=True,
-    distributed=True, eval_rows=eval_rows,
+    reference="lopa_fast.strategies.lopa.reference_d2f:generate", check_values=check_values, driver=driver,
+    eval_rows=eval_rows, **ROUND,
 ))
 
 
@@ -115,9 +117,6 @@ def lopa_driver(model, prompt, cfg, cache=None):
 
 LOPA_SPEC = register(Strategy(
     name="lopa", summary="LoPA: anchor + k lookahead branches verified in one forward per round",
-    reference="lopa_fast.strategies.lopa.reference_lopa:generate", fast=SOLO,
-    validate=check_strict_length, check_values=check_lopa_values, length_unit=block_size, rows=lopa_rows,
-    driver=lopa_driver, cache_rows=cache_rows, share_key=attention_mode, knob_class=LopaKnobs, compile=True,
-    compile_batches=True, distributed=True,
-    eval_rows=lopa_eval_rows,
+    reference="lopa_fast.strategies.lopa.reference_lopa:generate", check_values=check_lopa_values, rows=lopa_rows,
+    driver=lopa_driver, eval_rows=lopa_eval_rows, **ROUND,
 ))
