@@ -15,6 +15,15 @@ from lopa_fast.ops import _backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# a subprocess's code prefix: every process it starts is recorded in `seen` (a compiler run would show up there)
+SPY = ("import subprocess\n"
+       "seen = []\n"
+       "real = subprocess.Popen.__init__\n"
+       "def spy(self, args, *a, **k):\n"
+       "    seen.append(args)\n"
+       "    return real(self, args, *a, **k)\n"
+       "subprocess.Popen.__init__ = spy\n")
+
 
 def test_the_extension_is_built_and_loaded_from_the_package():
     """A missing extension here means the install step failed to build it: fail, do not fall back silently."""
@@ -43,12 +52,7 @@ def test_no_compiler_is_run_by_a_process():
     """Importing the package and running a LoPA round (the C++ op) starts no compiler: the extension is loaded."""
     code = ("import subprocess, torch, lopa_fast\n"
             "from lopa_fast.testing import random_model, tiny_hf_config\n"
-            "seen = []\n"
-            "real = subprocess.Popen.__init__\n"
-            "def spy(self, args, *a, **k):\n"
-            "    seen.append(args)\n"
-            "    return real(self, args, *a, **k)\n"
-            "subprocess.Popen.__init__ = spy\n"
+            + SPY +
             "m = random_model(tiny_hf_config('dream', vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)\n"
             "lopa_fast.generate(m, torch.tensor([5, 9, 2]), 'lopa', backend='fast', branching_factor=2,\n"
             "                   max_new_tokens=8, block_size=4)\n"
@@ -84,12 +88,7 @@ def test_the_cuda_emulation_is_built_at_install_and_loaded_not_compiled(tmp_path
     """setup.py builds the CUDA host emulation's libraries (lopa_fast/_emu/) with the package: a process loads them
     from there (an empty kernel cache, no compiler run) and they run the kernel."""
     code = ("import subprocess, torch\n"
-            "seen = []\n"
-            "real = subprocess.Popen.__init__\n"
-            "def spy(self, args, *a, **k):\n"
-            "    seen.append(args)\n"
-            "    return real(self, args, *a, **k)\n"
-            "subprocess.Popen.__init__ = spy\n"
+            + SPY +
             "from lopa_fast.ops.cuda.emulation import emulator\n"
             "from lopa_fast.ops.cuda.constants import OPS\n"
             "emu = emulator(OPS)\n"
