@@ -242,23 +242,37 @@ def generate_with_config(model, input_ids, cfg: GenerateConfig, verifier=None, o
     return run_plan(p, engine)
 
 
+def on_engine(p: plan.Plan, engine) -> bool:
+    """Whether `engine` (a BatchEngine, the server's) covers the resolved request `p`: it then decodes there, in the
+    running batch."""
+    return engine is not None and p.backend == "fast" and engine.covers(p.cfg, p.spec)
+
+
+def finish_output(p: plan.Plan, out: GenerateOutput, batched: bool = False) -> GenerateOutput:
+    """A decoded request's output as generate returns it: its stats (strategy, backend, fallback, batched: it
+    decoded on the engine) and cut to the requested length (lopa_fast.output.finish.cut_to_length)."""
+    if batched:
+        out.stats["batched"] = True
+    out.stats.setdefault("strategy", p.cfg.strategy)
+    out.stats["backend"] = p.backend
+    if p.fallback is not None:
+        out.stats["fallback"] = p.fallback
+    return cut_to_length(out, p.length, p.cfg)
+
+
 def run_plan(p: plan.Plan, engine=None) -> GenerateOutput:
     """Run one resolved request (lopa_fast.request.plan.Plan) and cut its output: on `engine` (a BatchEngine, the
     server's) when it covers the request, else the plan's implementation; the streamer driven when the plan has one."""
     on_round, finish = p.on_round, None
     if p.streamer is not None:
         on_round, finish = streamer_hook(p.streamer, p.ids, p.cfg, p.length["requested"], on_round)
+    batched = on_engine(p, engine)
     with torch.inference_mode(), threads.scoped(p.model):  # small CPU models: one thread for the call (threads.py)
-        if engine is not None and p.backend == "fast" and engine.covers(p.cfg, p.spec):
+        if batched:
             out = engine.generate(p.ids, p.cfg, on_round, p.verifier, spec=p.spec)
-            out.stats["batched"] = True
         else:
             out = p.fn(p.model, p.ids, p.cfg, **p.extra(on_round))
-    out.stats.setdefault("strategy", p.cfg.strategy)
-    out.stats["backend"] = p.backend
-    if p.fallback is not None:
-        out.stats["fallback"] = p.fallback
-    out = cut_to_length(out, p.length, p.cfg)
+    out = finish_output(p, out, batched)
     if finish is not None:
         finish(out)
     return out

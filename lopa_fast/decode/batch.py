@@ -32,6 +32,7 @@ Each request stays token- and forward-exact with its solo eager run (tests/test_
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -335,12 +336,21 @@ def run_solo(model, prompt, cfg, verifier=None, on_round=None, *, spec) -> Gener
     return sched.done[rid]
 
 
+def _tell(on_done, out, error) -> None:
+    """A request's end to its caller (`BatchEngine.submit`'s on_done, on the engine thread); what the callback raises
+    is logged, never the engine thread's end (it serves every other request)."""
+    try:
+        on_done(out, error)
+    except Exception:  # noqa: BLE001 - the caller's bug, not the batch's
+        logging.getLogger(__name__).exception("BatchEngine: a request's on_done raised")
+
+
 class BatchEngine:
-    """Continuous batching for callers on many threads (the server): `generate(prompt, cfg, on_round)` blocks
-    its caller while one engine thread runs every submitted request in the running batch, admitted at the next
-    round boundary (`Scheduler`; one scheduler per (strategy, rows per request, attention mode, verifier), stepped
-    in turn). Each caller gets exactly its solo result, or its own exception (e.g. its hook raised: a cancelled
-    stream); the other requests go on.
+    """Continuous batching for callers on many threads (the server): `submit(prompt, cfg, on_round, on_done=)`
+    hands a request over and returns (`generate` blocks its caller until the end) while one engine thread runs every
+    submitted request in the running batch, admitted at the next round boundary (`Scheduler`; one scheduler per
+    (strategy, rows per request, attention mode, verifier), stepped in turn). Each caller gets exactly its solo
+    result, or its own exception (e.g. its hook raised: a cancelled stream); the other requests go on.
 
     model: DecoderLM; max_rows / max_slots / slot_len: each scheduler's caps (`Scheduler`; None: no cap); start:
     False keeps the thread from stepping until `start()` (tests use it to line requests up).
@@ -371,9 +381,9 @@ class BatchEngine:
         # outside the engine, e.g. the server's self-check, keeps its own)
         self._reclaim = False  # reclaim() asked: free the idle lanes at the next turn of the engine thread
         self._cv = threading.Condition()
-        self._incoming: list = []  # (prompt, cfg, spec, on_round, verifier, box)
+        self._incoming: list = []  # (prompt, cfg, spec, on_round, verifier, on_done)
         self._schedulers: dict = {}
-        self._waiting: dict = {}  # (scheduler key, request id) -> box
+        self._waiting: dict = {}  # (scheduler key, request id) -> its on_done
         self.max_live = 0  # the most requests seen in one batched round
         self.batch_sizes: dict[int, int] = {}  # requests in one batched round -> rounds of that size (/metrics)
         self.rounds = 0
@@ -421,23 +431,34 @@ class BatchEngine:
         with `compile_batches`)."""
         return batchable(cfg, spec)
 
-    def generate(self, prompt, cfg, on_round=None, verifier=None, *, spec) -> GenerateOutput:
-        """Decode one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg, spec)`; spec: its
-        strategy's; verifier: the strategy's second model, checked by the caller) in the running batch; blocks until
-        it finishes. Raises the request's own exception."""
-        box = {"event": threading.Event()}
+    def submit(self, prompt, cfg, on_round=None, verifier=None, *, spec, on_done) -> None:
+        """Hand one prompt (LongTensor [P] on the model's device; cfg bound, `covers(cfg, spec)`; spec: its
+        strategy's; verifier: the strategy's second model, checked by the caller) to the running batch and return at
+        once. `on_done(out, error)` runs on the engine thread when the request ends: its GenerateOutput and None, or
+        None and its own exception (a refusal: it can never fit the caps; its hook raised; NaN logits). It must not
+        block: every other request waits for it. Raises RuntimeError when the engine is closed."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("BatchEngine: closed")
-            self._incoming.append((prompt, cfg, spec, on_round, verifier, box))
+            self._incoming.append((prompt, cfg, spec, on_round, verifier, on_done))
             self._cv.notify_all()
+
+    def generate(self, prompt, cfg, on_round=None, verifier=None, *, spec) -> GenerateOutput:
+        """`submit`, then block until the request finishes; returns its output or raises its own exception."""
+        box, ended = {}, threading.Event()
+
+        def on_done(out, error):
+            box.update(out=out, error=error)
+            ended.set()
+
+        self.submit(prompt, cfg, on_round, verifier, spec=spec, on_done=on_done)
         # the watchdog (step_timeout_s): a caller does not wait on a step that hangs; its request fails with
         # StepTimeoutError (it is dropped at its next round if the step ever returns: its hook sees the cancel)
-        while not box["event"].wait(None if self.step_timeout_s is None else min(1.0, self.step_timeout_s / 4)):
+        while not ended.wait(None if self.step_timeout_s is None else min(1.0, self.step_timeout_s / 4)):
             took = self.stalled()
             if took is not None:
                 raise StepTimeoutError(took, self.step_timeout_s)
-        if "error" in box:
+        if box["error"] is not None:
             raise box["error"]
         return box["out"]
 
@@ -457,7 +478,7 @@ class BatchEngine:
                 reclaim, self._reclaim = self._reclaim, False
             if reclaim:
                 self._account(free=True)
-            for prompt, cfg, spec, on_round, verifier, box in incoming:
+            for prompt, cfg, spec, on_round, verifier, on_done in incoming:
                 # one verifier object per scheduler (its round's verifier forward is one); the scheduler holds it,
                 # so its id is not reused while the key lives; the rest of the key is the strategy's (`share_key`:
                 # what its requests' forwards must agree on, e.g. D2F / LoPA's attention mode)
@@ -468,12 +489,11 @@ class BatchEngine:
                                                               self.slot_len, verifier, spec=spec)
                 try:
                     rid = sched.submit(prompt, on_round, cfg)
-                    self._waiting[(key, rid)] = box
+                    self._waiting[(key, rid)] = on_done
                     self._shares[(key, rid)] = self._share_bytes(self.model, prompt.numel() + cfg.max_new_tokens,
                                                                      cfg, verifier)
                 except Exception as e:  # noqa: BLE001 - refused (it can never fit the caps): only its caller hears
-                    box["error"] = e
-                    box["event"].set()
+                    _tell(on_done, None, e)
             for key, sched in list(self._schedulers.items()):
                 if not (sched.queue or sched.live):
                     # idle: dropped with its KV pool (a client cycling k or modes would otherwise grow memory
@@ -495,21 +515,21 @@ class BatchEngine:
                     self.batch_sizes[sched.last_batch] = self.batch_sizes.get(sched.last_batch, 0) + 1
                 self._workspaces.update(sched.workspace_of.values())
                 self.rounds += 1
-                boxes = []
+                ends = []
                 for rid in ended:
-                    box = self._waiting.pop((key, rid))
+                    on_done = self._waiting.pop((key, rid))
                     self._shares.pop((key, rid), None)
-                    if rid in sched.failed:  # its frames' tensors (the batch's activations) go now, not with box
-                        box["error"] = drop_frames(sched.failed.pop(rid))
+                    if rid in sched.failed:  # its frames' tensors (the batch's activations) go now, not with its caller
+                        ends.append((on_done, None, drop_frames(sched.failed.pop(rid))))
                     else:
-                        box["out"] = sched.done.pop(rid)
-                    boxes.append(box)
+                        ends.append((on_done, sched.done.pop(rid), None))
                 if not (sched.queue or sched.live):
                     del self._schedulers[key]  # its last request ended: the pool goes with it (see above)
                 if ended or self._held_changed():  # before the callers hear: the budget sees the freed memory first
                     self._account()
-                for box in boxes:
-                    box["event"].set()
+                for end in ends:
+                    _tell(*end)
+                del ends
 
     def _held_changed(self) -> bool:
         """Whether the pools or the lanes changed size since the last `_account` (a growth, a new workspace)."""

@@ -109,6 +109,34 @@ class TextStream:
         the thread that runs the round (a batched request's: the engine's; `emit` must be thread-safe), the rest of
         the final text once decoding ends; then `.text` / `.result` are set. The per-round hook (`on_round`) runs
         there too, before the round's piece; an exception it raises ends decoding and propagates from here."""
+        hook, shown = self._emitting(emit)
+        self._finish(api.run_plan(dataclasses.replace(self._plan, on_round=hook), self._engine), shown[0], emit)
+
+    @property
+    def on_engine(self) -> bool:
+        """Whether the engine given covers this request (`submit` hands it over; lopa_fast.api.on_engine)."""
+        return api.on_engine(self._plan, self._engine)
+
+    def submit(self, emit, on_end) -> None:
+        """`run` without blocking, for a request `on_engine`: the plan goes to the engine in ONE hand-off
+        (BatchEngine.submit) and this returns at once. The engine thread calls `emit(piece)` as `run` does, and when
+        the request ends sets `.text` / `.result`, emits the rest and calls `on_end(None)`, or `on_end(error)`: the
+        request's own exception (the per-round hook's included). Both must be thread-safe and must not block."""
+        hook, shown = self._emitting(emit)
+        p = self._plan
+
+        def done(out, error):
+            if error is None:
+                try:
+                    self._finish(api.finish_output(p, out, batched=True), shown[0], emit)
+                except Exception as e:  # noqa: BLE001 - e.g. the tokenizer's decoding: this request's error
+                    error = e
+            on_end(error)
+
+        self._engine.submit(p.ids, p.cfg, hook, p.verifier, spec=p.spec, on_done=done)
+
+    def _emitting(self, emit) -> tuple:
+        """(the per-round hook that emits each new piece, [the text shown so far])."""
         shown = [""]
 
         def hook(prefix, info):
@@ -119,11 +147,15 @@ class TextStream:
                 emit(text[len(shown[0]) :])
                 shown[0] = text
 
-        self.result = api.run_plan(dataclasses.replace(self._plan, on_round=hook), self._engine)
-        self.text = answer_text(self.result, self._decode, self._eos, self._text_stops)
+        return hook, shown
+
+    def _finish(self, out, shown: str, emit) -> None:
+        """Decoding ended with `out`: `.result`, `.text`, and the text not shown yet to `emit`."""
+        self.result = out
+        self.text = answer_text(out, self._decode, self._eos, self._text_stops)
         self._closed.set()
         self._iter.close()
-        rest = self._rest(shown[0])
+        rest = self._rest(shown)
         if rest:
             emit(rest)
 

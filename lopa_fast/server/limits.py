@@ -112,7 +112,8 @@ class LimitError(ValueError):
 
 class MemoryBudget:
     """The running requests' estimates against `budget` bytes: `reserve(n, cancelled)` blocks until `n` fits
-    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `release(n)`. `held`:
+    (checking `cancelled()` every 0.25 s; returns False when it was cancelled meanwhile), `try_reserve(n)` does
+    not wait (False: it does not fit now), `release(n)`. `held`:
     bytes the batch engine holds beyond the running requests' estimates (its KV pools and compiled-batch lanes past
     the shares the estimates reserve, idle lanes kept for their graphs: `BatchEngine(on_held=budget.hold)`),
     counted as used until it frees them; `reclaim()` (the engine's) is asked whenever a request would wait, so idle
@@ -131,17 +132,30 @@ class MemoryBudget:
     def reserve(self, n: int, cancelled=lambda: False) -> bool:
         if self.budget is None:
             return True
-        n = min(n, self.budget)  # a request checked against max_request_memory <= budget always fits alone
         with self._cv:
-            # a request that fits alone never waits for running ones when none runs; what the engine holds (idle
-            # lanes) it frees when asked (`reclaim`), and hold() wakes this wait
-            while self.used + self.held + n > self.budget and (self.used or self.held):
+            while not self._take(n):
                 if cancelled():
                     return False
-                if self.held and self.reclaim is not None:
-                    self.reclaim()
                 self._cv.wait(0.25)
-            self.used += n
+        return True
+
+    def try_reserve(self, n: int) -> bool:
+        """`reserve` without waiting: False (nothing reserved) when `n` does not fit now."""
+        if self.budget is None:
+            return True
+        with self._cv:
+            return self._take(n)
+
+    def _take(self, n: int) -> bool:
+        """Reserve `n` if it fits now (under the lock). A request checked against max_request_memory <= budget always
+        fits alone: it never waits for running ones when none runs; what the engine holds (idle lanes) it frees when
+        asked (`reclaim`), and hold() wakes a waiting reserve."""
+        n = min(n, self.budget)
+        if self.used + self.held + n > self.budget and (self.used or self.held):
+            if self.held and self.reclaim is not None:
+                self.reclaim()
+            return False
+        self.used += n
         return True
 
     def release(self, n: int) -> None:

@@ -1,21 +1,22 @@
-"""The server's request-execution seam: `Worker.submit(job)` -> `Handle`.
+"""The server's request-execution seam: `Worker.submit(job) -> Handle`.
 
-Each submitted request runs through `lopa_fast.stream` (which runs `lopa_fast.generate` and ends with its text and
-stats) on one of `concurrency` job threads. Requests the batch engine covers (a strategy with a batch driver on the
-fast backend, eager: `lopa_fast.decode.batch.BatchEngine.covers`) share ONE forward per round with every other
-running request (continuous batching at round boundaries); each still gets exactly the result it would get alone.
-Other requests run one at a time (a lock), as before. The HTTP side sees only `submit`, `Handle.events()` and
+A request the batch engine covers (a strategy with a batch driver on the fast backend: `TextStream.on_engine`,
+lopa_fast.api.on_engine) is handed to the engine ONCE, by `submit` (or, while its memory estimate does not fit the
+budget, by a task on the event loop that waits for room): the engine thread runs its rounds in the running batch
+with every other request (continuous batching at round boundaries; each still gets exactly the result it would get
+alone) and hands its pieces and its end straight to the event loop (`Handle.emit`); no thread of the worker relays
+them. Other requests (the reference backend, strategies without a driver, `batch=False`) run one at a time on a job
+thread through `TextStream.run`, as before. The HTTP side sees only `submit`, `Handle.events()` and
 `Handle.cancel()`.
 
-Cancellation (a client that disconnects, or a server shutting down): a request still waiting in the queue is
-dropped before it starts; a running one is stopped at its next round boundary (stream's per-round hook raises in
-the worker, and the decoding thread ends at the next round), so the worker moves on to the next request within one
-round's time. Its partial result is discarded.
+Cancellation (a client that disconnects, or a server shutting down): a request still waiting (the job queue, or for
+memory) is dropped before it starts; a running one is stopped at its next round boundary (the per-round hook raises
+`Cancelled` on the thread that runs its rounds), so the others go on within one round's time. Its partial result is
+discarded.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import queue
 import threading
@@ -95,6 +96,10 @@ class Handle:
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.rounds = 0  # rounds the per-round hook has seen (a cancelled request's progress when it stopped)
+        # the watchdog of a request on the batch engine (no thread of ours waits on it): polled by `events` while no
+        # event arrives; it ends the request when the engine's step is past its deadline (Worker._watchdog)
+        self.watch = None
+        self.ended = False  # its end was counted and emitted (Worker._end: once, whichever thread gets there first)
         # time.monotonic() at submit and when the worker took it up: the queue time /metrics reports
         self.submitted, self.started = time.monotonic(), None
 
@@ -138,6 +143,8 @@ class Handle:
             try:
                 kind, value = await asyncio.wait_for(self._events.get(), poll_s)
             except asyncio.TimeoutError:
+                if self.watch is not None:
+                    self.watch()  # a stalled step: the end event is queued now
                 if disconnected is not None and await disconnected():
                     self.cancel()
                     yield "cancelled", None
@@ -152,9 +159,10 @@ class Worker:
     """Runs submitted requests (module docstring); `counts` for /health (plus `batch` facts of the engine).
 
     batch: share forwards between concurrent requests through a BatchEngine (False: one request at a time, as
-    a plain sequential server); concurrency: the job threads (the most requests decoding at once; default
-    limits.max_num_seqs); limits: the server's caps (lopa_fast.server.limits.Limits: the batch engine's rows and
-    live requests, the memory budget every running request's estimate is reserved against)."""
+    a plain sequential server); concurrency: the job threads for the requests the engine does not cover (they run
+    one at a time: default 1; the engine caps its live requests at limits.max_num_seqs); limits: the server's caps
+    (lopa_fast.server.limits.Limits: the batch engine's rows and live requests, the memory budget every running
+    request's estimate is reserved against)."""
 
     def __init__(self, model, tokenizer, *, max_pending: int = MAX_PENDING,
                  batch: bool = True, concurrency: int | None = None, limits=None, verifier=None):
@@ -165,11 +173,11 @@ class Worker:
         self.model, self.tokenizer = model, tokenizer
         self.verifier = verifier  # APD's, for the requests that use one (Strategy.uses_verifier)
         self.limits = limits = (limits or Limits()).bind(model)
-        concurrency = concurrency or limits.max_num_seqs
+        concurrency = concurrency or 1
         self.max_pending = max_pending
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._solo = threading.Lock()  # requests outside the batch engine run one at a time
+        self._solo = threading.Lock()  # requests outside the batch engine run one at a time (whatever `concurrency`)
         self.memory = MemoryBudget(limits.memory_budget)
         # each scheduler's KV pool: at most --max-num-seqs slots of --max-model-len positions (the slot of the
         # longest request the limits admit); what the pools and lanes hold beyond the running requests' estimates
@@ -184,7 +192,7 @@ class Worker:
         self._health = {"status": "ok", "self_check": "not run"}
         self._defaults: dict = {}
         self._recovering = threading.Lock()
-        self._running: set = set()  # the handles of the requests decoding now (close cancels them)
+        self._running: set = set()  # the handles close cancels: decoding now, or waiting for memory on the loop
         self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
         self._closed = False  # close() was called
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
@@ -195,7 +203,9 @@ class Worker:
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Validate `job` and queue it; returns its Handle. Bad input raises here, typed as lopa_fast.stream
         raises it (KnobError, ValueError, TypeError, ...), before anything is queued or run; a full queue raises
-        Busy. Call from the event loop's thread (or pass `loop`)."""
+        Busy. Call from the event loop's thread (or pass `loop`). A request the engine covers is handed to it from
+        here when its memory estimate fits now (else by a task on `loop` once it does); the others go to the job
+        thread."""
         from lopa_fast.output.stream import TextStream
         from lopa_fast.request.text import text_decoder
 
@@ -213,8 +223,88 @@ class Worker:
             if self.counts["pending"] >= self.max_pending:
                 raise Busy(f"{self.counts['pending']} requests are queued or running (the cap is {self.max_pending})")
             self.counts["pending"] += 1
-        self._queue.put((handle, text, job.memory))
+        if not text.on_engine:
+            self._queue.put((handle, text, job.memory))
+        elif self.memory.try_reserve(job.memory):
+            self._hand_off(handle, text, job.memory)
+        else:  # it waits for memory on the event loop, not on a thread
+            with self._lock:
+                self._running.add(handle)
+            asyncio.run_coroutine_threadsafe(self._await_memory(handle, text, job.memory), handle._loop)
         return handle
+
+    async def _await_memory(self, handle: Handle, text, memory: int) -> None:
+        """Hand `text` to the engine once its memory estimate fits the budget (a request on the engine), or drop it
+        when it is cancelled first."""
+        while not self.memory.try_reserve(memory):
+            if handle.cancelled:
+                with self._lock:
+                    self._running.discard(handle)
+                self._count(pending=-1, cancelled=1)  # dropped before it started
+                handle.emit("cancelled")
+                return
+            await asyncio.sleep(0.05)
+        self._hand_off(handle, text, memory)
+
+    def _hand_off(self, handle: Handle, text, memory: int) -> None:
+        """The one hand-off of a request on the engine (its memory reserved): the engine thread emits its pieces and
+        its end to the event loop; `Handle.events` runs its watchdog."""
+        self._start(handle)
+        handle.watch = self._watchdog(handle, text, memory)
+        try:
+            text.submit(lambda piece: handle.emit("piece", piece),
+                        lambda error: self._ended(handle, text, memory, error))
+        except Exception as e:  # noqa: BLE001 - e.g. the engine is closed: this request fails, nothing else
+            self._ended(handle, text, memory, e)
+
+    def _ended(self, handle: Handle, text, memory: int, error: BaseException | None) -> None:
+        """`_end` of a request on the engine (its thread, or the watchdog's on the event loop): the self-check it may
+        ask for (a decode) runs on a thread of its own, beside the engine's, which serves every other request."""
+        if self._end(handle, text, memory, error):
+            threading.Thread(target=self._recover, name="lopa_fast.server.recover", daemon=True).start()
+
+    def _watchdog(self, handle: Handle, text, memory: int):
+        """A request on the engine fails with StepTimeoutError once the engine's step is past its deadline (no
+        thread of ours waits on it: `Handle.events` polls this); the engine drops it at its next round, if the step
+        ever returns (its end, then, is not counted again)."""
+        from lopa_fast.errors import StepTimeoutError
+
+        def watch() -> None:
+            took = self.engine.stalled()
+            if took is not None:
+                self._ended(handle, text, memory, StepTimeoutError(took, self.engine.step_timeout_s))
+
+        return watch
+
+    def _start(self, handle: Handle) -> None:
+        self._count(running=1)
+        handle.started = time.monotonic()
+        with self._lock:
+            self._running.add(handle)
+
+    def _end(self, handle: Handle, text, memory: int, error: BaseException | None) -> bool:
+        """A running request ended (error None: served): its memory released, the counts, then its end event; once
+        per request (the engine's end after the watchdog's is ignored).
+        Returns whether the server should check itself now (`_recover`: after an out-of-memory failure, or a request
+        served after a failed probe)."""
+        with self._lock:
+            if handle.ended:
+                return False
+            handle.ended = True
+            self._running.discard(handle)
+        oom = False
+        if error is None:
+            end, outcome = ("done", Finished(text.text, text.result, text.prompt_ids)), "served"
+        elif isinstance(error, Cancelled):
+            end, outcome = ("cancelled", None), "cancelled"
+        else:  # the request fails, the worker keeps serving
+            oom = is_out_of_memory(error)
+            handle.cancel()  # e.g. a step timeout: if its step ever returns, the engine drops it at its next round
+            end, outcome = ("error", drop_frames(error)), "failed"  # its frames' tensors are freed now
+        self.memory.release(memory)
+        self._count(running=-1, pending=-1, out_of_memory=int(oom), **{outcome: 1})  # before the end event
+        handle.emit(*end)
+        return oom or (outcome == "served" and self._probe_failed)  # after a failed probe: check once more
 
     def _verifier_for(self, knobs: dict):
         """The server's verifier for a request whose knobs use one (apd with apd_mixture_weight), else None."""
@@ -314,21 +404,13 @@ class Worker:
         if self.engine is not None and not any(t.is_alive() for t in self._threads):
             self.engine.close()
 
-    def _batched(self, text) -> bool:
-        """Whether the request will decode in the batch engine (else it takes the one-at-a-time lock)."""
-        from lopa_fast import strategies
-        from lopa_fast.decode.batch import BatchEngine
-
-        cfg = text._cfg
-        covered = BatchEngine.covers(cfg, strategies.get(cfg.strategy))
-        return self.engine is not None and cfg.backend != "reference" and covered
-
     def _count(self, **delta) -> None:
         with self._lock:
             for k, v in delta.items():
                 self.counts[k] += v
 
     def _serve(self) -> None:
+        """A job thread: the requests the engine does not cover, one at a time (`_solo`)."""
         while True:
             item = self._queue.get()
             if item is None:
@@ -340,36 +422,17 @@ class Worker:
                 self._count(pending=-1, cancelled=1)  # dropped before it started
                 handle.emit("cancelled")
                 continue
-            self._count(running=1)
-            handle.started = time.monotonic()
-            with self._lock:
-                self._running.add(handle)
-            solo = contextlib.nullcontext() if self._batched(text) else self._solo
-            oom = False
+            self._start(handle)
+            error = None
             try:
-                # the pieces go to the event loop from the thread that runs the rounds (a batched request's: the
-                # engine's), not relayed through this one (which holds the request's memory reservation and waits)
-                with solo, text:
+                with self._solo, text:  # the pieces go to the event loop from this thread, the one running the rounds
                     text.run(lambda piece: handle.emit("piece", piece))
-                end, outcome = ("done", Finished(text.text, text.result, text.prompt_ids)), "served"
-            except Cancelled:
-                end, outcome = ("cancelled", None), "cancelled"
-            except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
-                oom = is_out_of_memory(e)
-                handle.cancel()  # e.g. a step timeout: if its step ever returns, the engine drops it at its next round
-                end, outcome = ("error", drop_frames(e)), "failed"  # its frames' tensors are freed now
-            finally:
-                self.memory.release(memory)
-                with self._lock:
-                    self._running.discard(handle)
-            self._count(running=-1, pending=-1, out_of_memory=int(oom), **{outcome: 1})  # before the end event
-            handle.emit(*end)
-            # this thread holds nothing of a finished request while it waits for the next (a stream, its caches)
-            del item, handle, text, end
-            if oom:
+            except Exception as e:  # noqa: BLE001 - the request fails (or was cancelled), the worker keeps serving
+                error = e
+            if self._end(handle, text, memory, error):
                 self._recover()
-            elif outcome == "served" and self._probe_failed:
-                self._recover()  # a request decoded again after a failed probe: check once more
+            # this thread holds nothing of a finished request while it waits for the next (a stream, its caches)
+            del item, handle, text, error
 
     def _drain(self) -> None:
         stops = 0  # the other job threads' stop markers go back for them
