@@ -1,7 +1,8 @@
 """The server resolves a request once (issue 44): protocol.parse checks it and builds its Plan
 (lopa_fast.request.plan.Plan: the bound config with its stops and seed), the worker runs that plan as it is (no
-second validation, no second plan), and a batched request's pieces reach the event loop from the engine thread that
-runs its rounds (no stream thread relaying them). Answers equal generate's."""
+second validation, no second plan), and hands a batched request to the engine ONCE: its pieces and its end reach the
+event loop from the engine thread that runs its rounds (no job thread queues it or waits on it, no stream thread
+relays it). Answers equal generate's."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
 
     model, tok = embedded
     counts = {"validate": 0, "make": 0}
-    threads_of_pieces = set()
+    threads_of = {"piece": set(), "end": set()}  # the threads that hand the request's events to the event loop
     real_validate, real_make = GenerateConfig.validate, plan_mod.make
 
     def validate(self, *a, **kw):
@@ -51,11 +52,13 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
     emit = worker_mod.Handle.emit
 
     def traced_emit(self, kind, value=None):
-        if kind == "piece":
-            threads_of_pieces.add(threading.current_thread().name)
+        threads_of["piece" if kind == "piece" else "end"].add(threading.current_thread().name)
         return emit(self, kind, value)
 
     monkeypatch.setattr(worker_mod.Handle, "emit", traced_emit)
+    queued = []  # what reaches the job threads' queue (requests the engine does not cover)
+    put = worker._queue.put
+    monkeypatch.setattr(worker._queue, "put", lambda item, *a, **k: (queued.append(item), put(item, *a, **k)))
     try:
         with TestClient(create_app(worker, model_id="d2f-arith", defaults=DEFAULTS)) as c:
             monkeypatch.setattr(GenerateConfig, "validate", validate)
@@ -78,7 +81,7 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
     ids = encode_prompt(tok, PROMPT)
     out = lopa_fast.generate(model, ids, **{**DEFAULTS, "max_new_tokens": 16}, stop=[[7, 7]])
     assert text == answer_text(out, text_decoder(tok), model.eos_token_id, ["\n\n"])
-    # a batched request's pieces are emitted by the engine thread that runs its rounds
-    assert threads_of_pieces <= {"lopa_fast.batch_engine", "lopa_fast.server.worker.0"} and threads_of_pieces, \
-        threads_of_pieces
-    assert "lopa_fast.stream" not in threads_of_pieces
+    # one hand-off: the batched request's pieces and its end are emitted by the engine thread that runs its rounds;
+    # it never reached a job thread (before: a job thread waited on the engine and emitted the end)
+    assert threads_of == {"piece": {"lopa_fast.batch_engine"}, "end": {"lopa_fast.batch_engine"}}, threads_of
+    assert [item for item in queued if item is not None] == []  # None: close()'s stop markers
