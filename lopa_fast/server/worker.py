@@ -17,6 +17,7 @@ discarded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import queue
 import threading
@@ -192,7 +193,10 @@ class Worker:
         self._health = {"status": "ok", "self_check": "not run"}
         self._defaults: dict = {}
         self._recovering = threading.Lock()
-        self._running: set = set()  # the handles close cancels: decoding now, or waiting for memory on the loop
+        self._running: set = set()  # the handles close cancels: decoding now, or waiting for a seat on the loop
+        self._waiting: collections.deque = collections.deque()  # (handle, stream, memory) of requests on the engine
+        #                                                         waiting for a seat (`_pump` hands them off)
+        self._pumping = False  # a `_pump` task runs
         self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
         self._closed = False  # close() was called
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
@@ -225,31 +229,56 @@ class Worker:
             self.counts["pending"] += 1
         if not text.on_engine:
             self._queue.put((handle, text, job.memory))
-        elif self.memory.try_reserve(job.memory):
-            self._hand_off(handle, text, job.memory)
-        else:  # it waits for memory on the event loop, not on a thread
-            with self._lock:
+            return handle
+        with self._lock:  # first come, first served: it waits behind any request already waiting for a seat
+            waits = bool(self._waiting) or not self._take_seat(job.memory)
+            if waits:
+                self._waiting.append((handle, text, job.memory))
                 self._running.add(handle)
-            asyncio.run_coroutine_threadsafe(self._await_memory(handle, text, job.memory), handle._loop)
+                pump, self._pumping = not self._pumping, True
+        if not waits:
+            self._hand_off(handle, text, job.memory)
+        elif pump:  # the waiting requests are handed off by one task on the event loop, not by a thread
+            asyncio.run_coroutine_threadsafe(self._pump(), handle._loop)
         return handle
 
-    async def _await_memory(self, handle: Handle, text, memory: int) -> None:
-        """Hand `text` to the engine once its memory estimate fits the budget (a request on the engine), or drop it
-        when it is cancelled first."""
-        while not self.memory.try_reserve(memory):
-            if handle.cancelled:
-                with self._lock:
-                    self._running.discard(handle)
+    def _take_seat(self, memory: int) -> bool:
+        """(Under `_lock`.) Count a request on the engine as running when a seat is free (at most
+        limits.max_num_seqs decode at once) and its memory estimate fits the budget now."""
+        if self.counts["running"] >= self.limits.max_num_seqs or not self.memory.try_reserve(memory):
+            return False
+        self.counts["running"] += 1
+        return True
+
+    async def _pump(self) -> None:
+        """Hand the waiting requests on the engine off in order, each once a seat and its memory are free; drop a
+        cancelled one before it starts. Ends when none waits (the next one to wait starts it again)."""
+        while True:
+            ready, dropped = [], []
+            with self._lock:
+                for item in [w for w in self._waiting if w[0].cancelled]:
+                    self._waiting.remove(item)
+                    self._running.discard(item[0])
+                    dropped.append(item[0])
+                while self._waiting and self._take_seat(self._waiting[0][2]):
+                    ready.append(self._waiting.popleft())
+                idle = not self._waiting
+                if idle:
+                    self._pumping = False
+            for handle in dropped:
                 self._count(pending=-1, cancelled=1)  # dropped before it started
                 handle.emit("cancelled")
+            for item in ready:
+                self._hand_off(*item)
+            del ready, dropped
+            if idle:
                 return
-            await asyncio.sleep(0.05)
-        self._hand_off(handle, text, memory)
+            await asyncio.sleep(0.05)  # a seat or memory frees when a request ends (on the engine's thread)
 
     def _hand_off(self, handle: Handle, text, memory: int) -> None:
-        """The one hand-off of a request on the engine (its memory reserved): the engine thread emits its pieces and
-        its end to the event loop; `Handle.events` runs its watchdog."""
-        self._start(handle)
+        """The one hand-off of a request on the engine (its seat taken, its memory reserved): the engine thread emits
+        its pieces and its end to the event loop; `Handle.events` runs its watchdog."""
+        self._start(handle, counted=True)
         handle.watch = self._watchdog(handle, text, memory)
         try:
             text.submit(lambda piece: handle.emit("piece", piece),
@@ -276,8 +305,10 @@ class Worker:
 
         return watch
 
-    def _start(self, handle: Handle) -> None:
-        self._count(running=1)
+    def _start(self, handle: Handle, counted: bool = False) -> None:
+        """A request starts decoding (counted: its seat was counted as running already, `_take_seat`)."""
+        if not counted:
+            self._count(running=1)
         handle.started = time.monotonic()
         with self._lock:
             self._running.add(handle)
