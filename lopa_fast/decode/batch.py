@@ -418,12 +418,14 @@ class BatchEngine:
             self._reclaim = True
             self._cv.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Take no more requests; the engine thread ends once the submitted ones have (waits at most `timeout`
+        seconds for it; None: until it ends)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         self._go.set()
-        self._thread.join()
+        self._thread.join(timeout)
 
     @staticmethod
     def covers(cfg, spec) -> bool:

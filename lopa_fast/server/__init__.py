@@ -160,7 +160,7 @@ def serve(model, tokenizer, *, model_id: str, defaults: dict, host: str = "127.0
     verifier: the server's one APD verifier (checked against the model by the caller), used by the requests that
     set apd_mixture_weight. access_log: one INFO line per request on the "lopa_fast.server.access" logger.
     Shutdown (SIGTERM / SIGINT): no new connections, in-flight requests get `drain_timeout_s` seconds, then they
-    are cancelled (a second signal ends the wait at once); the job threads stop at their next round."""
+    are cancelled (a second signal ends the wait at once); running requests stop at their next round."""
     from lopa_fast.server.app import create_app
     from lopa_fast.server.worker import Worker
 

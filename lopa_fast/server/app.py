@@ -1,10 +1,11 @@
 """The FastAPI app: OpenAI-compatible completions and chat (plain JSON or server-sent events), /health, /v1/models.
 
 Every request body is checked by `protocol.parse` (bad input: HTTP 400 with an OpenAI error object naming the
-field; the routes read the body themselves, so FastAPI's 422 never arises), then run by the `Worker` (one request
-at a time today). A streamed response sends one chunk per piece of text as blocks become final (`lopa_fast.stream`),
-a last chunk with finish_reason and usage, then `data: [DONE]`. A client that disconnects is cancelled (worker.py).
-No exception escapes a handler: an unexpected one is a 500 with an error object, and the server keeps serving.
+field; the routes read the body themselves, so FastAPI's 422 never arises), then run by the `Worker` (a request
+the batch engine covers is handed to it once; worker.py). A streamed response sends one chunk per piece of text as
+blocks become final (`lopa_fast.stream`), a last chunk with finish_reason and usage, then `data: [DONE]`. A client
+that disconnects is cancelled (worker.py). No exception escapes a handler: an unexpected one is a 500 with an error
+object, and the server keeps serving.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ request passes before anything is allocated for it.
 
     max_branching_factor  the largest `branching_factor` (LoPA's k: k + 1 rows per forward; default 16)
     max_model_len         prompt + max_tokens, in tokens (default: the model's max_position_embeddings)
-    max_num_seqs          requests decoding at once (job threads, the batch engine's live requests; default 16)
+    max_num_seqs          requests decoding at once (the batch engine's seats and live requests; default 16)
     max_batch_rows        branch rows of one batched forward (default 64, at least max_branching_factor + 1): a
                           heavy request shares the forward with lighter ones instead of filling it
     max_body_bytes        the request body (default 1 MiB; more: 413 before the body is parsed)

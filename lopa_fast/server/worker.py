@@ -419,7 +419,7 @@ class Worker:
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker: queued requests are cancelled, running ones too (they stop at their next round: by
         now nobody reads them, the server drained or its drain deadline passed). Waits at most `timeout` seconds
-        for the job threads (None: until they end)."""
+        for the job threads and the engine's (None: until they end)."""
         import time
 
         with self._lock:
@@ -433,7 +433,8 @@ class Worker:
         for t in self._threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.engine is not None and not any(t.is_alive() for t in self._threads):
-            self.engine.close()
+            # its requests were cancelled above: they leave at their next round, and its thread ends
+            self.engine.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _count(self, **delta) -> None:
         with self._lock:
