@@ -203,15 +203,20 @@ VANILLA_STATS = ("forwards", "transferred", "masks_left", "finish_reason")
 def test_batched_vanilla_equals_solo(model, llada, family, kw):
     """Vanilla's cache-free steps of several requests in one forward per step (the VanillaDriver through the
     scheduler): each request's tokens, forwards, stats and trace equal its solo run's and the reference's."""
-    m = llada if family == "llada" else model
-    ps = prompts((5, 11, 8), seed=21)
-    solo = [lopa_fast.generate(m, p, "vanilla", "fast", return_trace=True, **kw) for p in ps]
-    outs = lopa_fast.generate(m, ps, "vanilla", "fast", return_trace=True, **kw)
+    _batched_equals_solo_and_reference(llada if family == "llada" else model, "vanilla", kw, 21, VANILLA_STATS, 1)
+
+
+def _batched_equals_solo_and_reference(m, strategy: str, kw: dict, seed: int, stats: tuple, ref_stats: int):
+    """Three prompts decoded together: each one's tokens, `stats` and trace equal its solo run's, and its tokens and
+    first `ref_stats` stats the reference's."""
+    ps = prompts((5, 11, 8), seed=seed)
+    solo = [lopa_fast.generate(m, p, strategy, "fast", return_trace=True, **kw) for p in ps]
+    outs = lopa_fast.generate(m, ps, strategy, "fast", return_trace=True, **kw)
     for o, s, p in zip(outs, solo, ps):
         assert o.stats["batched"] == 3
-        same(o, s, VANILLA_STATS)
+        same(o, s, stats)
         assert o.trace == s.trace
-        same(o, lopa_fast.generate(m, p, "vanilla", "reference", **kw), VANILLA_STATS[:1])
+        same(o, lopa_fast.generate(m, p, strategy, "reference", **kw), stats[:ref_stats])
 
 
 def test_batched_vanilla_stop_and_hooks(model):
@@ -246,15 +251,7 @@ def test_batched_threshold_equals_solo(model, llada, family, kw):
     """Threshold's steps of several requests in one forward per step (ThresholdDriver through the scheduler; the
     prefix cache in the pool's slots): tokens, forwards, counters and trace equal the solo and reference runs."""
     m = llada if family == "llada" else model
-    ps = prompts((5, 11, 8), seed=23)
-    kw = dict(kw, max_new_tokens=16)
-    solo = [lopa_fast.generate(m, p, "threshold", "fast", return_trace=True, **kw) for p in ps]
-    outs = lopa_fast.generate(m, ps, "threshold", "fast", return_trace=True, **kw)
-    for o, s, p in zip(outs, solo, ps):
-        assert o.stats["batched"] == 3
-        same(o, s, THRESHOLD_STATS)
-        assert o.trace == s.trace
-        same(o, lopa_fast.generate(m, p, "threshold", "reference", **kw), THRESHOLD_STATS[:2])
+    _batched_equals_solo_and_reference(m, "threshold", dict(kw, max_new_tokens=16), 23, THRESHOLD_STATS, 2)
 
 
 def test_dual_cache_steps_share_one_forward(llada):
