@@ -75,6 +75,7 @@ class TextStream:
         self.prompt_ids = self._plan.ids.tolist()
         self.text: str | None = None
         self.result = None
+        self._cut = (-1, "")  # (finalised length, its stable text) of the last round (`_stable_text`)
         self._iter = self._pieces()
 
     def __iter__(self):
@@ -186,13 +187,16 @@ class TextStream:
 
     def _stable_text(self, prefix: list[int]) -> str:
         """The text of a finalised prefix that no later round can change, cut as the module docstring says."""
-        ids = prefix[: min(len(prefix) // self._unit * self._unit, self._length)]
-        ids = answer_ids(ids, self._eos)
+        n = min(len(prefix) // self._unit * self._unit, self._length)
+        if n == self._cut[0]:  # no new whole block: the same ids, the same text (not decoded again every round, on
+            return self._cut[1]  # the engine's thread that steps every request)
+        ids = answer_ids(prefix[:n], self._eos)
         if self._cfg.stop:
             at = first_stop(ids, self._cfg.stop)
             ids = ids if at is None else ids[:at]
         text, hit = cut_at_text_stop(self._decode(ids), self._text_stops)
-        return text if hit is not None else held_back(text, self._text_stops)
+        self._cut = (n, text if hit is not None else held_back(text, self._text_stops))
+        return self._cut[1]
 
     def _pieces(self):
         events = self._events
