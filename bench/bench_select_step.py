@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 import lopa_fast  # noqa: E402
 from lopa_fast import ops  # noqa: E402
 from tests import test_fast_steps as fs  # noqa: E402
+from tests.utils import record_calls  # noqa: E402
 
 RUNS_ON_CPU = True  # bench/conftest.py: not skipped without CUDA
 pytestmark = pytest.mark.bench
@@ -38,22 +39,13 @@ def _cases():
 
 
 def _record(models, cases, max_calls: int = 8) -> list:
-    calls, real = [], ops.select_step
-
-    def spy(*args, **kw):
-        if len(calls) < max_calls * len(cases):
-            calls.append((tuple(a.clone() for a in args), {k: kw[k] for k in ("rule", "mask_id", "B")}))
-        return real(*args, **kw)
-
-    lopa_fast.ops.select_step = spy
-    try:
+    def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for c in cases:
                 lopa_fast.generate(models[c["model"]], c["prompt"], "threshold", "fast", **c["kw"])
-    finally:
-        lopa_fast.ops.select_step = real
-    return calls
+
+    return record_calls("select_step", run, lambda calls: len(calls) < max_calls * len(cases))
 
 
 @pytest.fixture(scope="module")

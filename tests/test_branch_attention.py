@@ -11,6 +11,7 @@ from lopa_fast.reference import attention_modes
 from lopa_fast.reference import ops as ref
 from lopa_fast.ops import cuda
 from lopa_fast.ops.cuda import launch
+from lopa_fast.decode.compiled import CompiledRounds
 from lopa_fast.ops.cuda.emulation import EmuLauncher
 from tests.utils import (  # noqa: F401 - cuda_emu, cuda_kernels: fixtures
     DEVICE,
@@ -162,18 +163,11 @@ def test_branch_attention_device_cache_len_cuda_graph(backend):
     def call():
         return ops.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal", backend=backend, check=False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up (kernel compile) off the capture stream
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    replay, out = CompiledRounds.capture(call, call)  # warm-up (kernel compile) on a side stream, then the graph
     d = lambda t: t.double()  # noqa: E731
     for new_len in (1000, 17, 0, 1024, 512):
         cl.fill_(new_len)
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         o_ref = ref.branch_attention(d(q), d(kc), d(vc), new_len, d(kw), d(vw), wl, bid, "block_causal")
         o_pt = attention_in_dtype(q, kc, vc, new_len, kw, vw, wl, bid, "block_causal")
@@ -736,17 +730,10 @@ def test_pooled_bitwise_the_single_call_per_row_gpu(backend):
             assert_2x_rule(f"{backend} row {b}", out[b : b + 1], o_ref, o_pt)
 
     check(call())
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    replay, out = CompiledRounds.capture(call, call)  # the engine's capture: warm-up on a side stream, then the graph
     for lens, slots in [([1024, 0, 517, 33], [2, 0, 2, 1, 0, 3]), ([5, 1000, 0, 64], [3, 3, 1, 1, 0, 2])]:
         cl.copy_(torch.tensor(lens))
         idx.copy_(torch.tensor(slots))
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         check(out.clone())

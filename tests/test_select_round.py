@@ -17,7 +17,7 @@ from lopa_fast import ops
 from lopa_fast.reference.ops import SelectRound
 from tests import test_fast_parity as parity
 from tests.utils import cuda_kernels  # noqa: F401 - a fixture (the gpu capture test)
-from tests.utils import differing_fields
+from tests.utils import differing_fields, record_calls
 
 # the CPU backends compared with the reference (triton: the interpreter; cuda: the host emulation, where they exist)
 BACKENDS = ["cpp", "triton", "cuda"]
@@ -27,27 +27,17 @@ N_CUDA_GRID = 12  # parity-grid cases on the emulated CUDA kernel in the default
 
 
 def _record(cases) -> list[tuple[tuple, dict]]:
-    calls = []
-    real = ops.select_round
-
-    def spy(*args, **kw):
-        if len(calls) < len(cases) * MAX_CALLS and spy.n < MAX_CALLS:
-            calls.append((tuple(a.clone() for a in args), {k: v for k, v in kw.items() if k not in ("check",
-                                                                                                   "backend")}))
-            spy.n += 1
-        return real(*args, **kw)
-
+    """The first MAX_CALLS rounds' select_round calls of each case."""
     models = parity.build_models()
     eos_ids = {id(m): parity.frequent_token(m) for m in models.values()}
-    lopa_fast.ops.select_round = spy
-    try:
+    in_case = []  # the calls of the case running now
+
+    def run():
         for case in cases:
-            spy.n = 0
-            case = dict(case, return_trace=random.Random(case["prompt_seed"]).random() < 0.3)
-            parity.run_case(models, eos_ids, case)
-    finally:
-        lopa_fast.ops.select_round = real
-    return calls
+            in_case.clear()
+            parity.run_case(models, eos_ids, dict(case, return_trace=random.Random(case["prompt_seed"]).random() < 0.3))
+
+    return record_calls("select_round", run, lambda calls: in_case.append(1) or len(in_case) <= MAX_CALLS)
 
 
 @pytest.fixture(scope="module")

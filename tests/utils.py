@@ -292,3 +292,23 @@ def differing_fields(a, b) -> list[str]:
         elif not torch.equal(x, y):
             bad.append(name)
     return bad
+
+
+def record_calls(op: str, run, keep=lambda calls: True, drop=("check", "backend")) -> list[tuple[tuple, dict]]:
+    """The calls `run()` makes to lopa_fast.ops.<op>, each (its tensor arguments cloned, its keywords but `drop`),
+    those `keep(calls so far)` admits; the op itself runs as usual. The benches and parity tests replay them."""
+    from lopa_fast import ops
+
+    calls, real = [], getattr(ops, op)
+
+    def spy(*args, **kw):
+        if keep(calls):
+            calls.append((tuple(a.clone() for a in args), {k: v for k, v in kw.items() if k not in drop}))
+        return real(*args, **kw)
+
+    setattr(ops, op, spy)
+    try:
+        run()
+    finally:
+        setattr(ops, op, real)
+    return calls

@@ -100,6 +100,17 @@ LOPA_INLINE void logits_tile(const T* __restrict__ hid, long long ldh, const T* 
   for (int r = 0; r < kRows; ++r) out[r] = to_float(From<T>::cvt(acc[r]));
 }
 
+struct Tile {
+  int row0, split, S, tid, begin, end;
+};
+
+// this block's rows [row0, row0 + kRows), its vocabulary split of S and the split's columns [begin, end)
+LOPA_INLINE Tile tile(int V, int chunk) {
+  const int split = blockIdx.y, begin = split * chunk;
+  const int end = begin + chunk < V ? begin + chunk : V;
+  return {(int)blockIdx.x * kRows, split, (int)gridDim.y, (int)threadIdx.x, begin, end};
+}
+
 template <typename T>
 LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R, int V,
                        int H, int chunk, int suppress, float* __restrict__ ws_state) {
@@ -107,9 +118,7 @@ LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __rest
   __shared__ float wt[kThreads][kK + 1];
   __shared__ State red[kThreads];
   __shared__ State row_state[kRows];
-  const int row0 = blockIdx.x * kRows, split = blockIdx.y, S = gridDim.y;
-  const int tid = threadIdx.x;
-  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  const auto [row0, split, S, tid, begin, end] = tile(V, chunk);
   State st[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) st[r] = identity();
@@ -158,9 +167,7 @@ LOPA_INLINE void entropy(const T* __restrict__ hid, long long ldh, const T* __re
   __shared__ float wt[kThreads][kK + 1];
   __shared__ float red[kThreads];
   __shared__ float row_acc[kRows];
-  const int row0 = blockIdx.x * kRows, split = blockIdx.y, S = gridDim.y;
-  const int tid = threadIdx.x;
-  const int begin = split * chunk, end = begin + chunk < V ? begin + chunk : V;
+  const auto [row0, split, S, tid, begin, end] = tile(V, chunk);
   float l[kRows], acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {

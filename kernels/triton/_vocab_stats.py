@@ -63,6 +63,13 @@ def merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S: tl.constexp
 
 
 @triton.jit
+def split_partials(ptr, row, S, other, BLOCK_S: tl.constexpr):
+    """One row's S per-split partials of an [N, S] buffer as a [BLOCK_S] vector (`other` past S)."""
+    os_ = tl.arange(0, BLOCK_S)
+    return tl.load(ptr + row * S + os_, mask=os_ < S, other=other)
+
+
+@triton.jit
 def store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr):
     """token (int64), p_max, margin = p_top1 - p_top2 and lse of one row from its final state."""
     p_max = tl.exp(m1 - lse)

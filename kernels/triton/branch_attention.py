@@ -33,6 +33,19 @@ _CAUSAL = tl.constexpr(MODE_CODES["causal"])
 
 
 @triton.jit
+def _load_q(q_ptr, b, i, h, s_qb, s_qn, s_qh, rmask, D: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """The [BLOCK_M, BLOCK_D] query tile of rows (b, i, head h) (zeros where masked; fp32 when UPCAST), with the
+    head-dim offsets and their mask."""
+    od = tl.arange(0, BLOCK_D)
+    dmask = od < D
+    q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + h.to(tl.int64) * s_qh
+    q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, od, dmask
+
+
+@triton.jit
 def _load_kv(k_base, v_base, offs_n, s_k, s_v, od, kv_mask, UPCAST: tl.constexpr):
     """One [BLOCK_N, BLOCK_D] tile of K and V (rows offs_n, zeros where masked); fp32 when UPCAST."""
     k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_k + od[None, :], mask=kv_mask, other=0.0)
@@ -91,12 +104,7 @@ def _prefix_kernel(
     bi = rows // G
     b = bi // n
     i = bi % n
-    od = tl.arange(0, BLOCK_D)
-    dmask = od < D
-    q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + (kvh * G + g).to(tl.int64) * s_qh
-    q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q, od, dmask = _load_q(q_ptr, b, i, kvh * G + g, s_qb, s_qn, s_qh, rmask, D, BLOCK_D, UPCAST)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -135,12 +143,7 @@ def _window_kernel(
     g = rows % G
     i = rows // G
     rmask = i < n
-    od = tl.arange(0, BLOCK_D)
-    dmask = od < D
-    q_off = b.to(tl.int64) * s_qb + i.to(tl.int64) * s_qn + (kvh * G + g).to(tl.int64) * s_qh
-    q = tl.load(q_ptr + q_off[:, None] + od[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q, od, dmask = _load_q(q_ptr, b, i, kvh * G + g, s_qb, s_qn, s_qh, rmask, D, BLOCK_D, UPCAST)
     if HAS_WL:
         wl = tl.minimum(tl.load(wl_ptr + b).to(tl.int32), n)  # never read past the window, whatever the caller
     else:

@@ -107,8 +107,7 @@ def _conf_finalize_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     m1, i1, m2, lse = vs.merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
-    os_ = tl.arange(0, BLOCK_S)
-    ent = tl.sum(tl.load(pent_ptr + row * S + os_, mask=os_ < S, other=0.0), axis=0)  # fixed order
+    ent = tl.sum(vs.split_partials(pent_ptr, row, S, 0.0, BLOCK_S), axis=0)  # fixed order
     vs.store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr)
     tl.store(negent_ptr + row, ent)
 

@@ -37,19 +37,21 @@ def _logits_tile(h_ptr, w_ptr, rows, rmask, cols, cmask, H, stride_h, stride_w,
 
 
 @triton.jit
+def _tile(R, V, split, BLOCK_R: tl.constexpr):
+    """This program's rows (int64, and which are < R), its split sp of S, and the split's columns [lo, hi)."""
+    sp = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    lo = sp * split
+    return rows.to(tl.int64), rows < R, sp, tl.num_programs(1), lo, tl.minimum(lo + split, V)
+
+
+@triton.jit
 def _hc_stats_kernel(
     h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress,
     pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pfin_ptr,
     HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    rt = tl.program_id(0)
-    sp = tl.program_id(1)
-    S = tl.num_programs(1)
-    rows = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    lo = sp * split
-    hi = tl.minimum(lo + split, V)
+    rows64, rmask, sp, S, lo, hi = _tile(R, V, split, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     m1 = tl.full((BLOCK_R,), float("-inf"), tl.float32)  # the online state of _vocab_stats, per row
     m2 = tl.full((BLOCK_R,), float("-inf"), tl.float32)
@@ -80,8 +82,7 @@ def _hc_merge_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     m1, i1, m2, lse = vs.merge_splits(pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, row, S, BLOCK_S)
-    os_ = tl.arange(0, BLOCK_S)
-    pfin = tl.load(pfin_ptr + row * S + os_, mask=os_ < S, other=1)
+    pfin = vs.split_partials(pfin_ptr, row, S, 1, BLOCK_S)
     vs.store_stats(row, m1, i1, m2, lse, tok_ptr, pmax_ptr, margin_ptr, lse_ptr)
     tl.store(fin_ptr + row, (tl.min(pfin, axis=0) == 1).to(tl.int8))
 
@@ -91,15 +92,8 @@ def _hc_entropy_kernel(
     h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress, eps, lse_ptr, pent_ptr,
     HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    rt = tl.program_id(0)
-    sp = tl.program_id(1)
-    S = tl.num_programs(1)
-    rows = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
+    rows64, rmask, sp, S, lo, hi = _tile(R, V, split, BLOCK_R)
     lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
-    lo = sp * split
-    hi = tl.minimum(lo + split, V)
     offs_v = tl.arange(0, BLOCK_V)
     ent = tl.zeros((BLOCK_R,), tl.float32)
     for v0 in range(lo, hi, BLOCK_V):

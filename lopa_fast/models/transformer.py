@@ -92,32 +92,13 @@ class DecoderLM(FusedForwards, nn.Module):
     config: ModelConfig
     rope_in_fp32: bool = False
 
-    # ---- family properties ----------------------------------------------------------------------
-    @property
-    def attention(self) -> str:
-        """"full" (Dream, DiffuCoder, LLaDA) or "causal" (Qwen2.5 AR)."""
-        return self.config.attention
-
-    @property
-    def logits_shift(self) -> bool:
-        """True when the raw logit at position j predicts token j+1."""
-        return self.config.logits_shift
-
-    @property
-    def mask_token_id(self):
-        return self.config.mask_token_id
-
-    @property
-    def eos_token_id(self):
-        return self.config.eos_token_id
-
-    @property
-    def pad_token_id(self):
-        return self.config.pad_token_id
-
-    @property
-    def bos_token_id(self):
-        return self.config.bos_token_id
+    # ---- family properties: the config's, read off the model by the decoders ------------------------
+    attention = property(lambda self: self.config.attention)  # "full" (Dream, DiffuCoder, LLaDA), "causal" (Qwen AR)
+    logits_shift = property(lambda self: self.config.logits_shift)  # True: the raw logit at j predicts token j + 1
+    mask_token_id = property(lambda self: self.config.mask_token_id)
+    eos_token_id = property(lambda self: self.config.eos_token_id)
+    pad_token_id = property(lambda self: self.config.pad_token_id)
+    bos_token_id = property(lambda self: self.config.bos_token_id)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -185,6 +185,20 @@ def check_last_dim_contiguous(op: str, **tensors) -> None:
             raise ValueError(f"{op}: {name} needs a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
+def check_vocab_args(op: str, what: str, V: int, suppress_token, eps) -> None:
+    """The statistics ops' shared arguments (confidence, head_confidence): V >= 2 columns (`what`: the tensor that
+    has them), suppress_token an int in [0, V) or None, eps a float >= 0."""
+    if V < 2:
+        raise ValueError(f"{op}: {what} has V={V}; the top-2 margin needs V >= 2")
+    if suppress_token is not None:
+        if isinstance(suppress_token, bool) or not isinstance(suppress_token, int):
+            raise TypeError(f"{op}: suppress_token={suppress_token!r} must be an int or None")
+        if not 0 <= suppress_token < V:
+            raise ValueError(f"{op}: suppress_token={suppress_token} not in [0, V={V})")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
+        raise ValueError(f"{op}: eps={eps!r} must be a float >= 0")
+
+
 def check_tensors(op: str, ref_name: str, ref: torch.Tensor, specs) -> None:
     """Each (name, tensor | None, allowed dtypes) of `specs`: dtype in allowed and on `ref`'s device."""
     for name, t, allowed in specs:

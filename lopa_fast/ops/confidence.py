@@ -18,27 +18,12 @@ def _check(logits, suppress_token, eps):
         raise ValueError(f"confidence: logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
     if logits.dtype not in _FLOATS:
         raise TypeError(f"confidence: logits.dtype={logits.dtype}; allowed: {_FLOATS}")
-    V = logits.shape[1]
-    if V < 2:
-        raise ValueError(f"confidence: logits has V={V} columns; the top-2 margin needs V >= 2")
-    if suppress_token is not None:
-        if isinstance(suppress_token, bool) or not isinstance(suppress_token, int):
-            raise TypeError(f"confidence: suppress_token={suppress_token!r} must be an int or None")
-        if not 0 <= suppress_token < V:
-            raise ValueError(f"confidence: suppress_token={suppress_token} not in [0, V={V})")
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"confidence: eps={eps!r} must be a float >= 0")
+    _backend.check_vocab_args("confidence", "logits", logits.shape[1], suppress_token, eps)
     _backend.check_last_dim_contiguous("confidence", logits=logits)
 
 
-def confidence(
-    logits: torch.Tensor,
-    suppress_token: int | None = None,
-    eps: float = 1e-10,
-    *,
-    check: bool = True,
-    backend: str | None = None,
-) -> Confidence:
+def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10, *, check: bool = True,
+               backend: str | None = None) -> Confidence:
     """Per row of logits [N, V]: softmax in fp32 of the upcast logits, then
     Confidence(token int64 [N] (argmax, ties -> lowest index), p_max fp32 [N], margin fp32 [N] (p_top1 - p_top2),
     neg_entropy fp32 [N] (sum_v p_v * log(p_v + eps)), lse fp32 [N]).

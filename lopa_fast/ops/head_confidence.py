@@ -30,16 +30,7 @@ def _check(hidden, weight, suppress_token, eps, entropy, chunk):
         raise ValueError(f"{op}: weight is on {weight.device}, hidden on {hidden.device}")
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"{op}: hidden [R, H={hidden.shape[1]}] and weight [V, H={weight.shape[1]}] disagree on H")
-    V = weight.shape[0]
-    if V < 2:
-        raise ValueError(f"{op}: weight has V={V} rows; the top-2 margin needs V >= 2")
-    if suppress_token is not None:
-        if isinstance(suppress_token, bool) or not isinstance(suppress_token, int):
-            raise TypeError(f"{op}: suppress_token={suppress_token!r} must be an int or None")
-        if not 0 <= suppress_token < V:
-            raise ValueError(f"{op}: suppress_token={suppress_token} not in [0, V={V})")
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
-        raise ValueError(f"{op}: eps={eps!r} must be a float >= 0")
+    _backend.check_vocab_args(op, "weight", weight.shape[0], suppress_token, eps)
     if not isinstance(entropy, bool):
         raise TypeError(f"{op}: entropy={entropy!r} must be True or False")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -47,17 +38,9 @@ def _check(hidden, weight, suppress_token, eps, entropy, chunk):
     _backend.check_last_dim_contiguous(op, hidden=hidden, weight=weight)
 
 
-def head_confidence(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    suppress_token: int | None = None,
-    eps: float = 1e-10,
-    entropy: bool = True,
-    *,
-    chunk: int | None = None,
-    check: bool = True,
-    backend: str | None = None,
-) -> HeadConfidence:
+def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10,
+                    entropy: bool = True, *, chunk: int | None = None, check: bool = True,
+                    backend: str | None = None) -> HeadConfidence:
     """The LM head and the confidence statistics fused: for hidden [R, H] (final-normed rows) and the head
     weight [V, H] (same dtype), the statistics of `ops.confidence(F.linear(hidden, weight), suppress_token, eps)`
     computed over vocabulary chunks, the [R, V] logits never materialised.

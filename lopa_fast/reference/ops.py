@@ -146,14 +146,8 @@ def confidence(logits: torch.Tensor, suppress_token: int | None = None, eps: flo
 HEAD_CHUNK = 8192
 
 
-def head_confidence(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    suppress_token: int | None = None,
-    eps: float = 1e-10,
-    entropy: bool = True,
-    chunk: int | None = None,
-) -> HeadConfidence:
+def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10,
+                    entropy: bool = True, chunk: int | None = None) -> HeadConfidence:
     """`confidence(F.linear(hidden, weight), suppress_token, eps)` and the rows' finiteness, computed over
     vocabulary chunks of `chunk` columns (default HEAD_CHUNK) without materialising the [R, V] logits.
 
@@ -386,15 +380,11 @@ def plan_round(x, n_blocks, block_state, complete, eos, alive, prompt_len, gen_p
     return RoundPlan(nblk, complete, exists, active, rem, done, ismask, need, lens, wl, tc, spe, lay, s, u, head)
 
 
-def select_round(
-    conf, token, p,
-    x, n_blocks, block_state, complete, eos, alive, creation_conf, look_pos, counts,
-    exists, active, running, is_mask, lens, to_cache, shared_end, layout_slot, commit_len,
-    win_pos, win_valid, need_flat,
-    prompt_len, gen_pos, block_start, block_end, pos_block, in_block, lowest_k, grow_table, activate_table,
-    skip_threshold, alpha,
-    *, bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool, score_all: bool,
-) -> SelectRound:
+def select_round(conf, token, p, x, n_blocks, block_state, complete, eos, alive, creation_conf, look_pos, counts,
+                 exists, active, running, is_mask, lens, to_cache, shared_end, layout_slot, commit_len, win_pos,
+                 win_valid, need_flat, prompt_len, gen_pos, block_start, block_end, pos_block, in_block, lowest_k,
+                 grow_table, activate_table, skip_threshold, alpha, *, bs: int, mask_id: int, eos_id: int, n_look: int,
+                 shift: bool, blend: bool, score_all: bool) -> SelectRound:
     """One D2F / LoPA round's selection and bookkeeping after its token statistics, as ONE op: the branch scores
     and the winner, the D2F fill on the winner, the lookahead spawn, the block-state transitions, the counters and
     the plan of the next round (`plan_round`). No host read; every shape is fixed by the request and the bucket.

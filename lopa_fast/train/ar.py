@@ -14,7 +14,6 @@ from OUT/resume.pt, written every `ckpt_every` steps and at every eval).
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -72,39 +71,22 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
     out, state, rl, tok_mod, tok = prepare(out, a, log, resume)
     emit = rl.emit
     dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0)
-    cfg, model, opt, n_params, (start, ema, first, acc, spent) = build(hf_config, tok, a, state, out, emit, "ar")
-    t0 = time.time() - spent
+    cfg, model, opt, n_params, (start, *trace, spent) = build(hf_config, tok, a, state, out, emit, "ar")
 
-    def checkpoint(next_step: int) -> None:
-        run.checkpoint(out, a, model, opt, next_step, ema, first, acc, t0)
+    def evaluate(step: int) -> float:
+        acc = greedy_accuracy(model, dev, tok, a["gen_len"])
+        emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) t {steps.seconds():7.1f}s")
+        return acc
 
-    last_step = run.last_step(a)
-    for step in range(start, last_step):
+    def save() -> None:
+        run.save(model, cfg, out, "lopa_fast.train.ar", a, tok_mod.save_tokenizer)
+
+    steps = run.Steps(a, out, model, opt, emit, spent, *trace, evaluate, save)
+    for step in range(start, steps.last_step):
         problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step)
-        batch = make_batch(problems, tok, a["gen_len"])
-        lr = run.lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
-        v = run.optimizer_step(model, opt, loss_on(model, batch), lr)
-        first = v if first is None else first
-        ema = v if ema is None else 0.98 * ema + 0.02 * v
-        last = step == last_step - 1
-        if step % 50 == 0 or last:
-            emit(f"step {step:5d} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        when = run.due(a, step, last)
-        if when == "eval":
-            model.eval()
-            acc = greedy_accuracy(model, dev, tok, a["gen_len"])
-            model.train()
-            emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, greedy AR) "
-                 f"t {time.time() - t0:7.1f}s")
-            run.save(model, cfg, out, "lopa_fast.train.ar", a, tok_mod.save_tokenizer)
-        if when:
-            checkpoint(step + 1)
-    return rl.finish(run.summary(n_params, last_step, t0, ema, first, acc))
-
-
-def main(argv=None) -> None:
-    run.main("lopa_fast.train.ar", __doc__, DEFAULTS, train, argv)
+        steps.update(step, loss_on(model, make_batch(problems, tok, a["gen_len"])))
+    return rl.finish(steps.summary(n_params))
 
 
 if __name__ == "__main__":
-    main()
+    run.main("lopa_fast.train.ar", __doc__, DEFAULTS, train)

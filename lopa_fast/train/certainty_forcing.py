@@ -301,9 +301,5 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, teacher_model
     return rl.finish(summary)
 
 
-def main(argv=None) -> None:
-    run.main("lopa_fast.train.certainty_forcing", __doc__, DEFAULTS, train, argv)
-
-
 if __name__ == "__main__":
-    main()
+    run.main("lopa_fast.train.certainty_forcing", __doc__, DEFAULTS, train)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -280,9 +279,7 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
     emit = rl.emit
     # the dev problems (and a check of the task/variant pair) before any work
     dev = tasks.generate_task(a["task"], "dev", a["eval_n"], seed=0, variant=a["variant"])
-    cfg, model, opt, n_params, (start, ema, first_loss, dev_acc, spent) = build(hf_config, tok, a, state, out, emit,
-                                                                                "d2f")
-    t0 = time.time() - spent
+    cfg, model, opt, n_params, (start, *trace, spent) = build(hf_config, tok, a, state, out, emit, "d2f")
 
     # "full_policy": (problems, their visiting orders, epoch), rebuilt every policy_every steps from the weights at the
     # epoch's first policy step. A resumed run takes the pool's orders from the checkpoint (the problems are seeded by
@@ -292,12 +289,20 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
         epoch = int(state["policy_epoch"])
         pool = (policy_problems(a, epoch * a["policy_every"]), state["policy_orders"], epoch)
 
-    def checkpoint(next_step: int) -> None:
-        extra = None if pool is None else {"policy_orders": pool[1], "policy_epoch": pool[2]}
-        run.checkpoint(out, a, model, opt, next_step, ema, first_loss, dev_acc, t0, extra)
+    def evaluate(step: int) -> float:
+        acc, texts = accuracy(model, dev, tok, a["gen_len"])
+        emit(f"eval step {step + 1:5d} dev_exact_match {acc:.4f} (n={len(dev)}, one token per forward) "
+             f"t {steps.seconds():7.1f}s sample: {tasks.join_digits(texts[0])!r}")
+        return acc
 
-    last_step = run.last_step(a)
-    for step in range(start, last_step):
+    def save() -> None:
+        run.save(model, cfg, out, "lopa_fast.train.d2f", a, tok_mod.save_tokenizer)
+
+    def extra() -> dict | None:  # the checkpoint's policy pool
+        return None if pool is None else {"policy_orders": pool[1], "policy_epoch": pool[2]}
+
+    steps = run.Steps(a, out, model, opt, emit, spent, *trace, evaluate, save, extra)
+    for step in range(start, steps.last_step):
         mode = SCHEDULES[a["schedule"]][step % len(SCHEDULES[a["schedule"]])]
         g = torch.Generator().manual_seed(a["seed"] * 1_000_003 + step)
         order = None
@@ -314,31 +319,11 @@ def train(out: str | os.PathLike, log=print, resume: bool = False, **overrides) 
             problems = tasks.generate_task(a["task"], "train", a["batch"], seed=a["seed"] * 1_000_003 + step,
                                            variant=a["variant"])
         batch = make_batch(problems, tok, a["gen_len"])
-        lr = run.lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
         loss = loss_on(model, batch, mode, a["block_size"], a["gen_len"], g, order,
                        problems if a["soft_targets"] else None)
-        v = run.optimizer_step(model, opt, loss, lr)
-        first_loss = v if first_loss is None else first_loss
-        ema = v if ema is None else 0.98 * ema + 0.02 * v
-        last = step == last_step - 1
-        if step % 50 == 0 or last:
-            emit(f"step {step:5d} mode {mode:12s} loss {v:.4f} ema {ema:.4f} lr {lr:.2e} t {time.time() - t0:7.1f}s")
-        when = run.due(a, step, last)
-        if when == "eval":
-            model.eval()
-            dev_acc, texts = accuracy(model, dev, tok, a["gen_len"])
-            model.train()
-            emit(f"eval step {step + 1:5d} dev_exact_match {dev_acc:.4f} (n={len(dev)}, one token per forward) "
-                 f"t {time.time() - t0:7.1f}s sample: {tasks.join_digits(texts[0])!r}")
-            run.save(model, cfg, out, "lopa_fast.train.d2f", a, tok_mod.save_tokenizer)
-        if when:
-            checkpoint(step + 1)
-    return rl.finish(run.summary(n_params, last_step, t0, ema, first_loss, dev_acc))
-
-
-def main(argv=None) -> None:
-    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train, argv)
+        steps.update(step, loss, f"mode {mode:12s} ")
+    return rl.finish(steps.summary(n_params))
 
 
 if __name__ == "__main__":
-    main()
+    run.main("lopa_fast.train.d2f", __doc__, DEFAULTS, train)

@@ -43,6 +43,45 @@ def due(a: dict, step: int, last: bool) -> str | None:
     return "checkpoint" if a["ckpt_every"] and (step + 1) % a["ckpt_every"] == 0 else None
 
 
+class Steps:
+    """The loss recipes' (d2f, ar) bookkeeping around their own batches and loss. `update(step, loss)`: the lr
+    schedule, the optimiser step, the loss trace (the run's first loss, its EMA at 0.98, a log line every 50 steps
+    and at the last), then what `due` says follows the step: `evaluate(step) -> dev accuracy` (the model in eval
+    mode) and `save()`, and the resumable checkpoint (`extra()`: the recipe's own entries)."""
+
+    def __init__(self, a: dict, out: Path, model, opt, emit, spent: float, ema, first, acc, evaluate, save,
+                 extra=lambda: None):
+        self.a, self.out, self.model, self.opt, self.emit = a, out, model, opt, emit
+        self.t0, self.ema, self.first, self.acc = time.time() - spent, ema, first, acc
+        self.evaluate, self.save, self.extra = evaluate, save, extra
+        self.last_step = last_step(a)
+
+    def update(self, step: int, loss: torch.Tensor, what: str = "") -> None:
+        a = self.a
+        lr = lr_at(step, a["steps"], a["lr"], a["warmup"], a["min_lr_frac"])
+        v = optimizer_step(self.model, self.opt, loss, lr)
+        self.ema = v if self.ema is None else 0.98 * self.ema + 0.02 * v
+        self.first = v if self.first is None else self.first
+        last = step == self.last_step - 1
+        if step % 50 == 0 or last:
+            self.emit(f"step {step:5d} {what}loss {v:.4f} ema {self.ema:.4f} lr {lr:.2e} t {self.seconds():7.1f}s")
+        when = due(a, step, last)
+        if when == "eval":
+            self.model.eval()
+            self.acc = self.evaluate(step)
+            self.model.train()
+            self.save()
+        if when:
+            checkpoint(self.out, a, self.model, self.opt, step + 1, self.ema, self.first, self.acc, self.t0,
+                       self.extra())
+
+    def seconds(self) -> float:
+        return time.time() - self.t0
+
+    def summary(self, n_params: int) -> dict:
+        return summary(n_params, self.last_step, self.t0, self.ema, self.first, self.acc)
+
+
 class RunLog:
     """`emit(msg)` prints through `log` and appends the line to out/training_log.txt."""
 
