@@ -181,3 +181,12 @@ def threshold_stats(
         conf, x0, _ = token_stats(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
                                   keys=keys)
     return x0, conf, ent
+
+
+def head_confidence_outputs(R: int, device) -> HeadConfidence:
+    """A head_confidence kernel's fresh outputs (the Triton and CUDA launchers'): token int64 [R]; p_max, margin,
+    lse fp32 [R]; neg_entropy fp32 zeros [R] (the entropy pass, when asked, fills it); finite bool [R]."""
+    f32 = [torch.empty(R, dtype=torch.float32, device=device) for _ in range(3)]
+    return HeadConfidence(torch.empty(R, dtype=torch.int64, device=device), f32[0], f32[1],
+                          torch.zeros(R, dtype=torch.float32, device=device), f32[2],
+                          torch.empty(R, dtype=torch.bool, device=device))

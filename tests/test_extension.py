@@ -48,6 +48,14 @@ def test_the_environment_backend_applies_to_the_ops_that_have_it(monkeypatch):
     assert _backend.resolve("select_round", None, cpu) == "torch"
 
 
+def run_python(code: str, timeout: float = 300, **env) -> str:
+    """`python -c code` from the repository root (env: extra variables); asserts it exits 0, returns its stdout."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                       env=dict(os.environ, **env))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 def test_no_compiler_is_run_by_a_process():
     """Importing the package and running a LoPA round (the C++ op) starts no compiler: the extension is loaded."""
     code = ("import subprocess, torch, lopa_fast\n"
@@ -57,9 +65,8 @@ def test_no_compiler_is_run_by_a_process():
             "lopa_fast.generate(m, torch.tensor([5, 9, 2]), 'lopa', backend='fast', branching_factor=2,\n"
             "                   max_new_tokens=8, block_size=4)\n"
             "print('SPAWNED', seen)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
+    out = run_python(code)
+    assert out.strip().endswith("SPAWNED []"), out[-500:]
 
 
 def test_root_kernels_folder_never_shadows_hugging_faces_kernels():
@@ -70,18 +77,14 @@ def test_root_kernels_folder_never_shadows_hugging_faces_kernels():
             "spec = importlib.util.find_spec('kernels')\n"
             "import lopa_fast.kernels.triton.rms_norm as t, lopa_fast.kernels as k\n"
             "print(spec.origin if spec else None, t.__file__, k.CUDA_DIR)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    origin, triton_file, cuda_dir = r.stdout.split()
+    origin, triton_file, cuda_dir = run_python(code, timeout=120).split()
     assert not (ROOT / "kernels" / "__init__.py").exists()
     if origin != "None":  # Hugging Face's kernels is installed (transformers >= 5.25 pulls it): it must win
         assert Path(origin).resolve().parent != ROOT / "kernels", origin
     assert Path(triton_file).resolve().parent == ROOT / "kernels" / "triton"
     assert (Path(cuda_dir) / "branch_attention.cu").is_file()
     if origin != "None":
-        r = subprocess.run([sys.executable, "-c", "import transformers.integrations.hub_kernels as h; print('ok')"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+        assert run_python("import transformers.integrations.hub_kernels as h; print('ok')").strip() == "ok"
 
 
 def test_the_cuda_emulation_is_built_at_install_and_loaded_not_compiled(tmp_path):
@@ -96,15 +99,13 @@ def test_the_cuda_emulation_is_built_at_install_and_loaded_not_compiled(tmp_path
             "assert conf[0].tolist() == [1], conf\n"
             "print('LIBS', *sorted(L._lib._name for L in emu._l.values()))\n"
             "print('SPAWNED', seen)\n")
-    env = dict(os.environ, LOPA_FAST_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    libs = r.stdout.split("LIBS", 1)[1].split("\n", 1)[0].split()
+    out = run_python(code, LOPA_FAST_CACHE_DIR=str(tmp_path))
+    libs = out.split("LIBS", 1)[1].split("\n", 1)[0].split()
     from lopa_fast.ops.cuda import emu_build  # noqa: PLC0415
 
     want = sorted(str(emu_build.installed_path(op)) for op in emu_build.OPS)
     assert libs == want, f"not the install's libraries (rebuild: pip install -e .): {libs}"
-    assert r.stdout.strip().endswith("SPAWNED []"), r.stdout[-500:]
+    assert out.strip().endswith("SPAWNED []"), out[-500:]
     assert not any(tmp_path.rglob("*.so")), "compiled into the cache"
 
 

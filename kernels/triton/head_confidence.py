@@ -19,12 +19,16 @@ import triton.language as tl
 
 from lopa_fast.kernels.triton import _vocab_stats as vs
 from lopa_fast.kernels.triton._common import is_interpreter
+from lopa_fast.sampling import head_confidence_outputs
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, rmask, cols, cmask, H, stride_h, stride_w,
+def _logits_tile(h_ptr, w_ptr, rows, rmask, cols32, hi, H, stride_h, stride_w,
                  BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Logits [BLOCK_R, BLOCK_V] of rows x cols in fp32, each rounded to the storage dtype first."""
+    """(logits [BLOCK_R, BLOCK_V] of rows x columns cols32 in fp32, each rounded to the storage dtype first; the
+    columns' mask cols32 < hi)."""
+    cmask = cols32 < hi
+    cols = cols32.to(tl.int64)
     acc = tl.zeros((BLOCK_R, BLOCK_V), dtype=tl.float32)
     offs_h = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
@@ -33,7 +37,7 @@ def _logits_tile(h_ptr, w_ptr, rows, rmask, cols, cmask, H, stride_h, stride_w,
         a = tl.load(h_ptr + rows[:, None] * stride_h + hh[None, :], mask=rmask[:, None] & hm[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_w + hh[:, None], mask=cmask[None, :] & hm[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision="ieee")  # fp32 inputs: IEEE, not TF32 (parity with F.linear)
-    return acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    return acc.to(h_ptr.dtype.element_ty).to(tl.float32), cmask
 
 
 @triton.jit
@@ -60,9 +64,7 @@ def _hc_stats_kernel(
     bad = tl.zeros((BLOCK_R,), tl.int32)
     for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + offs_v
-        cmask = cols < hi
-        x = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols.to(tl.int64), cmask, H, stride_h, stride_w,
-                         BLOCK_R, BLOCK_V, BLOCK_H)
+        x, cmask = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols, hi, H, stride_h, stride_w, BLOCK_R, BLOCK_V, BLOCK_H)
         nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # on the raw logits, before the suppression
         bad += tl.sum(tl.where(nonfinite & cmask[None, :], 1, 0), axis=1)
         x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
@@ -98,9 +100,7 @@ def _hc_entropy_kernel(
     ent = tl.zeros((BLOCK_R,), tl.float32)
     for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + offs_v
-        cmask = cols < hi
-        x = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols.to(tl.int64), cmask, H, stride_h, stride_w,
-                         BLOCK_R, BLOCK_V, BLOCK_H)
+        x, cmask = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols, hi, H, stride_h, stride_w, BLOCK_R, BLOCK_V, BLOCK_H)
         x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
         ent += vs.entropy_tile(x, lse, cmask[None, :], eps, 1)
     tl.store(pent_ptr + rows64 * S + sp, ent, mask=rmask)
@@ -133,12 +133,9 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     dev = hidden.device
-    tok = torch.empty(R, dtype=torch.int64, device=dev)
-    p_max, margin, lse = (torch.empty(R, dtype=torch.float32, device=dev) for _ in range(3))
-    neg_entropy = torch.zeros(R, dtype=torch.float32, device=dev)
-    finite = torch.empty(R, dtype=torch.bool, device=dev)
+    tok, p_max, margin, neg_entropy, lse, finite = out = head_confidence_outputs(R, dev)
     if R == 0:
-        return tok, p_max, margin, neg_entropy, lse, finite
+        return tuple(out)
     BR, BV, BH = tiles or tiles_for(R, V, H)
     S, split, BLOCK_S = vs.split_layout(V, BV, num_splits_for(R, V, BR, BV) if num_splits is None else num_splits)
     pm1, pm2, ps = (torch.empty(R, S, dtype=torch.float32, device=dev) for _ in range(3))

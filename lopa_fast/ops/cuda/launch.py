@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from lopa_fast.reference.attention_modes import MODE_CODES
+from lopa_fast.sampling import head_confidence_outputs
 from lopa_fast.ops.cuda.constants import (
     ATTN_KEYS,
     ATTN_ROWS,
@@ -206,12 +207,9 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     dev = hidden.device
-    token = torch.empty(R, dtype=torch.int64, device=dev)
-    p_max, margin, lse = (torch.empty(R, dtype=torch.float32, device=dev) for _ in range(3))
-    neg_entropy = torch.zeros(R, dtype=torch.float32, device=dev)
-    finite = torch.empty(R, dtype=torch.bool, device=dev)
+    token, p_max, margin, neg_entropy, lse, finite = out = head_confidence_outputs(R, dev)
     if R == 0:
-        return token, p_max, margin, neg_entropy, lse, finite
+        return tuple(out)
     P = _ptr
     sup = -1 if suppress_token is None else int(suppress_token)
     S, chunk = head_confidence_splits(R, V, num_sms)
