@@ -2,33 +2,8 @@
 forward of a round). A solo request is a batch of one (`run_solo`, the `fast` entry of every strategy with a
 driver), a list of prompts `run_batch`, the server's requests `BatchEngine`'s; no driver has a loop of its own.
 
-A strategy runs here when its spec (lopa_fast.strategies) gives a `driver`: each request keeps its own round state,
-tables and finish line (the driver, lopa_fast.decode.driver's protocol: `FastDecoder` for d2f / lopa,
-`VanillaDriver`, `ThresholdDriver`, `FastApd`, `DistributedDecoder`, stepped by this loop); its static prefix cache
-is a slot of the scheduler's KV pool (lopa_fast.decode.kv_pool: handed out at
-admission, freed when the request finishes or fails). Per round the batch runs one `model.forward_requests` over all
-live requests' windows (each layer's projections, norms and MLP once for all rows), then each request's own
-bookkeeping (the torch round, lopa_fast/strategies/lopa/round.py). Attention: on the torch backend (CPU) per request
-over its own keys and window in the shapes of a solo round, so every request's tokens, forwards and stats are bitwise
-those of running it alone (tests/test_batch.py); on triton / cuda (GPU) ONE pooled call per layer over the pool for
-every request (equal to the per-request path within float tolerance, tokens equal on the tested cases:
-tests/test_kv_pool.py; a forward of one request gets its own slot views, not the pool: the per-request path). A finished
-request leaves the batch (its rows are not computed again).
-
-Multi-forward rounds (APD: the drafter's window, then the verifier over the drafts; a driver's `forwards(w)`) and
-in-place forwards (threshold's dual step) run as described at `Scheduler._forwards`.
-
-`Scheduler` adds continuous batching at round granularity: `submit()` queues a request (or refuses one that can
-never fit the caps), and at every round boundary the queue is admitted into the running batch while the rows (sum
-of branch slots) stay within `max_rows` and the live requests within `max_slots`; admission never changes a
-running request's tokens (each request's computation is independent of its neighbours).
-
-Compiled / captured rounds (compile=True, or compile=None on CUDA) batch too, for strategies whose spec says
-`compile_batches`: each round the scheduler asks every live driver for its step as a `BatchStep` (`batch_step`;
-None: an eager step, e.g. a prefill), groups the compiled ones by their step key and runs each group as ONE
-compiled / captured batched step (lopa_fast.decode.compiled_batch); the eager ones share their forwards as above.
-Each request stays token- and forward-exact with its solo eager run (tests/test_compiled_batch.py).
-`BatchEngine` serves callers on many threads (the server) from one engine thread running the schedulers.
+How a round runs here (the drivers, the KV pool, attention per request or pooled, multi-forward rounds, continuous
+batching, compiled groups): docs/internals.md.
 """
 from __future__ import annotations
 

@@ -2,36 +2,8 @@
 captured callable (one shared forward + every request's bookkeeping), one graph per (step key, batch-size bucket),
 the way nano-vllm captures its decode step once per batch size.
 
-A driver that can (its spec's `compile_batches`) describes its coming step as a `BatchStep`: the step's key (every
-Python constant its code bakes in: geometry, bucket, statistics knobs), its workspace key (the shapes of its state:
-requests with equal workspace keys have states of equal shapes), and the step split around its forward:
-
-    pre(st, T)  -> (part, ctx)       part: this request's `model.forward_requests` part (tokens, start, cache_k,
-                                     cache_v, prefix_len, win_lens, bids, rows; positions and prefix lengths may
-                                     be 0-d device tensors), ctx: what post needs
-    post(st, T, ctx, logits, k_win, v_win) -> (st, info)
-
-plus the request's own state `st` and tables `T` (dicts of tensors of static shapes) and its `RequestView`. The
-step of one request alone is exactly pre -> `model.forward_static` -> post, so batching only changes which rows
-share the projections (the per-request attention path of `forward_requests`: each request over its own keys).
-A step of several dependent forwards (APD: the drafter's, then the verifier's over the drafts) names them in
-`forwards` ((model, mask, attention backend) each: anything with a `forward_requests`, e.g. threshold's in-place dual
-forward `steps.DualForward`) with a stage between two of them in `mids`; every forward runs once for the group.
-
-`run(steps)` (all of one key) pads the group to Bb = the next power of two with inert lanes and runs the key's
-batched callable over a *workspace* of Bb lanes (per workspace key, at least Bb lanes; clones of a request's state
-and tables, reused by every later group of the same shapes): each request's state is copied into its lane
-(`torch._foreach_copy_`: one fused copy on CUDA; tables only when the lane last held another request's), the
-callable runs, and the lane's new state is copied back into the request's own tensors (its cache: the KV pool slot
-view, updated in place). Lanes past the group's size keep whatever state they last held: every step is in range
-whatever the state (as a CUDA capture's warm-up already requires), and their results are never read, so they
-never touch a real request. On CUDA (or `emulate_graphs`) the callable is captured as one CUDA graph over the
-lanes; on CPU it is `torch.compile(fullgraph=True, dynamic=False)` of the same function on the same lane tensors
-(so its guards see the same inputs every call): `CompiledRounds.build`, the one compile / capture site. The graphs
-and workspaces live in the model's `CompiledRounds` LRUs (bounded by MAX_BUCKETS), reached through its public
-interface (`get_or_build`, `build`, `workspace`, `captures`). Every compiled decoding step runs here: a solo
-compile=True request is the group of one (Bb = 1), its state copied into its lane and back each round
-(bench/results/one_loop.md). This module, like compiled.py, knows no strategy.
+A driver describes its step as a `BatchStep` (key, workspace key, `pre` / `post` around the forward); `run(steps)`
+runs a group over a workspace of lanes: docs/internals.md. This module, like compiled.py, knows no strategy.
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
 """`GenerateOutput`: what every strategy and backend returns.
 
-Stats keys (docs/architecture.md section 5, docs/decoding.md "Stats"; every backend fills at least the first block):
-
-    forwards          rounds with a verification forward (the paper's TPF denominator; a LoPA round with
-                      k+1 branches is ONE forward). Parity checks compare this number.
-    model_calls       model forward calls actually issued (reference LoPA: one per branch per round;
-                      vanilla with cfg_scale > 0: one batched call per step).
-    generated_tokens  len(generated_ids): every generated position, EOS and post-EOS filler included
-                      (what upstream Dream/LoPA scripts count).
-    tokens_until_eos  generated positions up to and including the first EOS (all of them if no EOS).
-    tpf               generated_tokens / forwards (0.0 when forwards == 0).
-    tpf_until_eos     tokens_until_eos / forwards.
-    upstream_steps    forwards + 1 for d2f / lopa (upstream's `steps_taken` counts the terminating check);
-                      forwards for vanilla / threshold (their loops count forwards).
-    seconds           wall time of the decoding loop (host clock, after a device synchronize).
-    tokens_per_second generated_tokens / seconds.
-    hit_round_cap     True when the loop stopped at the round cap (`max_rounds`) before finishing.
-    masks_left        mask tokens left in generated_ids (non-zero only when the cap was hit).
-    strategy, backend the names that ran.
-
-Strategy-specific keys (e.g. `lookahead_wins`, `accepted_by_threshold`, `fallback_fills`) are documented
-in docs/decoding.md; tests use them as coverage counters.
+Its stats keys (forwards: the TPF denominator; model_calls, generated_tokens, tokens_until_eos, tpf, tpf_until_eos,
+upstream_steps, seconds, tokens_per_second, hit_round_cap, masks_left, strategy, backend, and each strategy's own
+counters) are defined once, in docs/decoding.md "Stats"; tests use the strategy-specific ones as coverage counters.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""The server's request-execution seam: `Worker.submit(job) -> Handle`.
+"""The server's request-execution seam: `Worker.submit(job) -> Handle`; the HTTP side sees only `submit`,
+`Handle.events()` and `Handle.cancel()`.
 
-A request the batch engine covers (a strategy with a batch driver on the fast backend: `TextStream.on_engine`,
-lopa_fast.api.on_engine) is handed to the engine ONCE, by `submit` (or, while its memory estimate does not fit the
-budget, by a task on the event loop that waits for room): the engine thread runs its rounds in the running batch
-with every other request (continuous batching at round boundaries; each still gets exactly the result it would get
-alone) and hands its pieces and its end straight to the event loop (`Handle.emit`); no thread of the worker relays
-them. Other requests (the reference backend, strategies without a driver, `batch=False`) run one at a time on a job
-thread through `TextStream.run`, as before. The HTTP side sees only `submit`, `Handle.events()` and
-`Handle.cancel()`.
-
-Cancellation (a client that disconnects, or a server shutting down): a request still waiting (the job queue, or for
-memory) is dropped before it starts; a running one is stopped at its next round boundary (the per-round hook raises
-`Cancelled` on the thread that runs its rounds), so the others go on within one round's time. Its partial result is
-discarded.
+A request the batch engine covers is handed to it once, by `submit` (or, while no seat or memory is free, by one
+`_pump` task on the event loop); the engine thread emits its pieces and its end straight to the event loop. Other
+requests (the reference backend, strategies without a driver, `batch=False`) run one at a time on a job thread.
+The flow, cancellation and the watchdog: docs/serve.md "Execution and cancellation".
 """
 from __future__ import annotations
 

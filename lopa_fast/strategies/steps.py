@@ -1,43 +1,7 @@
 """The shared machinery of the fast vanilla and threshold steps: their state, their forwards, the numerics guard
 and the one host read per step, and how a step runs (eager, compiled / captured, in a compiled batch).
 
-The block loop of vanilla / threshold decoding is host-driven by nature (block boundaries, step counts and
-caches are Python constants of the request), so the drivers (lopa_fast.strategies.{vanilla,threshold}.driver)
-keep the loop in Python and move the *step* to the device. Each strategy has ONE step function
-(lopa_fast.strategies.{vanilla,threshold}.step: `parts`): candidates, token statistics, the commit rule and
-the counters are tensor ops on a state of device tensors, and each step ends in a small `head` the host reads
-ONCE. Every per-step value is a 0-d device tensor of the state and every shape is a size the driver passes, so
-the same function runs eagerly at the step's exact sizes and, under compile=True, compiled (CPU: torch.compile
-fullgraph) or captured (CUDA graph) at bucket sizes (`batch_step`, through the one loop), as the D2F / LoPA round does:
-
-  kind             forward (model.forward_static unless noted)                            sizes
-  "full"           x [L] (cfg_scale > 0: [2, L]) with no cache; LM head on Rb rows from   (Rb,)
-                   the first mask fm (rows past the block end e are padding)
-  "refresh"        the same forward, its K/V of all L positions become the cache (a      (Rb,)
-                   "prefix" step reads only the rows < s); LLaDA threshold
-  "refresh_first"  the refresh with the one row predicting the block start s (Dream)   (1,)
-  "prefix"         window x[s : s + Nb] over the cached prefix [0, s); columns past L  (Nb,)
-                   are padding (masked keys, unread rows)
-  "dual"           window x[s : s + B] whose K/V overwrite cache rows [s, s + B) in      ()
-                   place, attending to the whole cache (model.forward_dual)
-  "block_topk"     vanilla LLaDA: "full" + the top-k commit, k = the schedule's count   (Rb, k)
-  "timestep"       vanilla Dream: "full" over rows [min(fm, L - 1), L) + its commit,    (Rb, n)
-                   n = the step's transfer count
-
-Eager, the sizes are exact (Rb = the candidates' rows, Nb = L - s) and the window start is also given as a host
-int (`s=`), so a prefix step slices exactly the cached rows [0, s) (the reference's sums); compiled, Rb and Nb
-are `shapes.pow2_bucket`s (powers of two >= 16) and the prefix is the static buffer with rows >= s masked.
-k and n stay sizes (host ints) because the commit is `torch.topk` over the full-length confidence row, as in
-the reference: its choice among exactly tied confidences (common: saturated probabilities of 1.0, LLaDA's
-blocked EOS at -1) is the implementation's, so only the same call on the same vector is exact. LLaDA's schedule
-has at most two counts; Dream's counts vary with the step (a bucket each; a CUDA capture costs one eager step).
-
-Every index is in range whatever the state (positions clamped to L - 1, writes of padding to the trash slot):
-a CUDA capture's warm-up runs on the workspace's last state, possibly a finished request's.
-Padding: rows of positions outside [lo, hi) are `valid = False`: never candidates, never committed (their
-writes go to a trash slot L of an [L + 1] scratch row), never read by the numerics guard. The host reads
-the step's `head` [4] = (first non-finite read row or -1, block full, first mask, masks left) ONCE per step;
-the logits are returned (graph-owned under CUDA graphs) only for the error message.
+How a step runs (the step kinds and their sizes, eager vs compiled shapes, padding, the head): docs/internals.md.
 
 State (`init`, per request; the CUDA workspace of CompiledRounds per StepGeometry):
   x [L] long; fwd (forwards so far: the keyed sampler's step), i (Dream's step index), fm, s, e 0-d long;

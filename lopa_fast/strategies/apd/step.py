@@ -1,35 +1,6 @@
 """The fast APD step as stages of device tensors (no host read): draft, verify and accept, both KV caches static.
 
-Semantics are exactly those of the APD reference (docs/semantics.md "APD"; upstream `apd_sample`); these functions
-only change *how* a step is computed. Per step (curr = the first undecided position, n_d = right - curr drafted
-positions):
-
-    drafter   one full-attention forward of x[left:right] over its static cache rows [0, left): the cache is
-              never cropped or copied; "crop to left" is just the prefix length the next forward reads, and the
-              window's K/V are written in place at rows [left, right) (the next step reads [0, left'), left' =
-              curr - W + 1 <= curr, so every row it reads was written by an earlier step). W = None: no cache.
-              The LM head runs on the n_d rows that predict the window's masks only (Dream's shift: row m-1
-              predicts position m; a mask at window row 0 keeps its own row, as upstream).
-    draft     x0 = argmax of those rows (mask id suppressed / top-p / top-k filtered as the reference does)
-    verifier  first step: a causal forward of x[:right] with x0 written in; later steps: a causal forward of x0
-              at positions [curr, right) over its static cache rows [0, curr). Rollback to the accepted length
-              is again just the next step's prefix length (no copy); the K/V of every drafted position is
-              written in place and the rejected ones are overwritten by the next step.
-    accept    target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR) (quirk Q2), the longest agreeing prefix,
-              at least 1; prev_logits kept on the device (quirk Q3 unless exact_prev_logits)
-    leftright apd_mixture_weight = None: no verifier, tokens_per_step accepted per step
-    end       curr >= L, the EOS id anywhere in x (the prompt too, as upstream), a stop sequence in the committed
-              prefix, or the round cap (max_rounds -> hit_round_cap, finish_reason "round_cap")
-
-Every step ends in the 11-int `head` (HEAD_FIELDS) the host reads once: the accepted count, the new curr and the
-next window [left, right) (the shapes of the next step), the end flags and the error flags (non-finite logits
-of either model, a drafted mask id committed, a drafted id outside the verifier's vocabulary), which the host
-turns into the reference's errors before returning anything.
-
-Shapes: eager steps use the exact window (Nb = right - left columns, Db = n_d draft rows) and pass the prefix
-lengths as host ints, so attention slices exactly the reference's keys; a compiled step (compile=True) rounds
-(Nb, Db) up to buckets and masks the padding (window keys past n are masked, padded draft rows never agree,
-their K/V and tokens go to a trash row / column Lb).
+Semantics are the APD reference's (docs/semantics.md "APD"); the stages, the head and the shapes: docs/internals.md.
 
 Layout (request constants: P prompt length, L = P + max_new_tokens, the buffer length Lb >= L (L rounded up to
 LENGTH_QUANTUM)):

@@ -1,19 +1,7 @@
 """One D2F / LoPA round as a function of fixed-shape device tensors (no host read, no value-dependent shape).
 
-The fast decoder (lopa_fast.strategies.lopa.driver) keeps a request's round state in a dict of tensors whose shapes
-are fixed for the request (`init_state`), and runs each round on a *bucket* (Nb window columns >= n, Rb LM-head
-rows >= R) in stages around its forward: `window_inputs`, the forward over all branch slots (its prefix length the
-window start as a host int eagerly, so attention slices exactly the reference's keys; the device `cache_len` when
-compiled / captured, rows past it masked: equal up to float summation order), then `finish_round`: token
-statistics, branch scores and the winner (`select_winner`), the winner's K/V commit (`commit_span`), the fill
-rule, the lookahead spawn and the block-state transitions (`apply_winner`), and then the plan of the NEXT round
-(grow, activation, termination, window start, the span it commits to the cache, window width n, LM-head rows R),
-ending in the 9-int `head` the driver reads once per round (as a `Head`) to pick the next bucket and to stop. The
-stages are separate so that a batch shares the forward and lopa_fast.strategies.lopa.distributed runs it on a
-share of the slots. Every per-round scalar (the window start, the commit length, the prefix length, the winner,
-the alive count) stays a device tensor, so the same round can run eagerly, under `torch.compile(fullgraph=True)`
-or be captured once as a CUDA graph and replayed. The token statistics live in
-lopa_fast/strategies/lopa/round_stats.py.
+The round's stages (window_inputs, the forward, finish_round: statistics, winner, commit, fill, spawn, the next
+round's plan and its `head`): docs/internals.md. The token statistics live in lopa_fast/strategies/lopa/round_stats.py.
 
 Layout (request constants: P prompt length, bs block size, G generated blocks, L = P + G * bs, the
 buffer length Lb >= L (L rounded up, so prompts of nearby lengths share compiled rounds: P and L are
