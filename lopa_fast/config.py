@@ -16,12 +16,8 @@ from lopa_fast import strategies
 from lopa_fast.errors import KnobError, RoundCapError  # noqa: F401  (RoundCapError re-exported here)
 from lopa_fast.request import lengths
 from lopa_fast.request.knobs import INT_KNOB_LIMIT, MAX_STOP_SEQUENCES, knob, knob_choices  # noqa: F401  (public here)
-from lopa_fast.request.knobs import check_bool as _bool
-from lopa_fast.request.knobs import check_choice as _choice
-from lopa_fast.request.knobs import check_number as _num
-from lopa_fast.request.knobs import check_positive_int as _positive_int
-from lopa_fast.request.knobs import check_prob as _prob
-from lopa_fast.request.knobs import check_stop
+from lopa_fast.request.knobs import (check_bool as _bool, check_choice as _choice, check_number as _num,
+                                    check_positive_int as _positive_int, check_prob as _prob, check_stop)
 from lopa_fast.request.model_checks import model_ids
 
 BACKENDS = ("reference", "fast", "auto")
