@@ -85,3 +85,44 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
     # it never reached a job thread (before: a job thread waited on the engine and emitted the end)
     assert threads_of == {"piece": {"lopa_fast.batch_engine"}, "end": {"lopa_fast.batch_engine"}}, threads_of
     assert [item for item in queued if item is not None] == []  # None: close()'s stop markers
+
+
+def test_requests_waiting_for_a_seat_go_in_order_when_one_ends(embedded):
+    """--max-num-seqs 1: of three concurrent requests on the engine, one decodes and two wait on the event loop
+    (`_pump`); each takes the seat when the one before it ends: `_end` wakes the pump (the engine thread sets its
+    event), first come first served, and each answer equals generate's."""
+    import asyncio
+
+    from lopa_fast.server.limits import Limits
+    from lopa_fast.server.worker import Job, Worker
+
+    model, tok = embedded
+    worker = Worker(model, tok, limits=Limits(max_num_seqs=1))
+    ids = encode_prompt(tok, PROMPT, chat=False)
+    wakes = []
+
+    async def run():
+        handles = [worker.submit(Job(ids, dict(DEFAULTS, max_new_tokens=8 * (1 + i)))) for i in range(3)]
+        assert worker.counts["running"] == 1 and len(worker._waiting) == 2
+        while worker._wake is None:  # the pump task starts on this loop
+            await asyncio.sleep(0)
+        wake = worker._wake[1]
+        real_set = wake.set
+        wake.set = lambda: (wakes.append(1), real_set())[1]
+        ends = []
+        for h in handles:
+            async for kind, value in h.events():
+                if kind != "piece":
+                    ends.append((kind, value))
+        return handles, ends
+
+    try:
+        handles, ends = asyncio.run(run())
+    finally:
+        worker.close()
+    assert [k for k, _ in ends] == ["done"] * 3
+    assert handles[0].started < handles[1].started < handles[2].started  # first come, first served
+    assert len(wakes) >= 2  # the two waiting requests were handed off on a wake-up, not on a poll
+    for i, (_, fin) in enumerate(ends):
+        want = lopa_fast.generate(model, ids, **dict(DEFAULTS, max_new_tokens=8 * (1 + i)))
+        assert list(fin.result.generated_ids) == list(want.generated_ids)

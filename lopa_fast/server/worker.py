@@ -189,6 +189,7 @@ class Worker:
         self._waiting: collections.deque = collections.deque()  # (handle, stream, memory) of requests on the engine
         #                                                         waiting for a seat (`_pump` hands them off)
         self._pumping = False  # a `_pump` task runs
+        self._wake = None  # (its loop, its asyncio.Event): set by `_end`, a seat or memory may be free now
         self._probe_failed = False  # the self-check after an out-of-memory failure failed (it runs again)
         self._closed = False  # close() was called
         self._threads = [threading.Thread(target=self._serve, name=f"lopa_fast.server.worker.{i}", daemon=True)
@@ -245,7 +246,10 @@ class Worker:
     async def _pump(self) -> None:
         """Hand the waiting requests on the engine off in order, each once a seat and its memory are free; drop a
         cancelled one before it starts. Ends when none waits (the next one to wait starts it again)."""
+        wake = asyncio.Event()
+        self._wake = (asyncio.get_running_loop(), wake)
         while True:
+            wake.clear()
             ready, dropped = [], []
             with self._lock:
                 for item in [w for w in self._waiting if w[0].cancelled]:
@@ -265,7 +269,10 @@ class Worker:
             del ready, dropped
             if idle:
                 return
-            await asyncio.sleep(0.05)  # a seat or memory frees when a request ends (on the engine's thread)
+            try:  # woken when a request ends (`_end`, on the engine's thread); a cancel is seen within 50 ms
+                await asyncio.wait_for(wake.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
 
     def _hand_off(self, handle: Handle, text, memory: int) -> None:
         """The one hand-off of a request on the engine (its seat taken, its memory reserved): the engine thread emits
@@ -326,6 +333,11 @@ class Worker:
             end, outcome = ("error", drop_frames(error)), "failed"  # its frames' tensors are freed now
         self.memory.release(memory)
         self._count(running=-1, pending=-1, out_of_memory=int(oom), **{outcome: 1})  # before the end event
+        if self._wake is not None and self._waiting:  # a waiting request may take the seat and memory now
+            try:
+                self._wake[0].call_soon_threadsafe(self._wake[1].set)
+            except RuntimeError:  # its loop closed
+                pass
         handle.emit(*end)
         return oom or (outcome == "served" and self._probe_failed)  # after a failed probe: check once more
 
