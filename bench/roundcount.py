@@ -7,7 +7,7 @@
   between two switches goes to the stage that was current. Stages (`STAGES`):
     embed      from the model call's entry to the first layer norm (embedding, RoPE tables, masks)
     attn_proj  pre-norm, q/k/v GEMM, RoPE, o-projection (per layer)
-    attn_core  the attention contraction itself (`branch_attention_torch` / `ops.branch_attention` / SDPA)
+    attn_core  the attention contraction itself (`branch_attention_sdpa` / `ops.branch_attention`)
     mlp        pre-norm, gate/up GEMM, SwiGLU, down (per layer)
     lm_head    final norm, the LM-head row selection and GEMM
     stats      token statistics over the logits rows (softmax / confidence / top-1) and the non-finite guard
@@ -378,7 +378,7 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "add_rms_norm", _norm_wrapper(rounds)))  # the fused layer's residual norms
-        es.enter_context(_patched(sf, "branch_attention_torch", _stage_wrapper(rounds, "attn_core")))
+        es.enter_context(_patched(sf, "branch_attention_sdpa", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(ops, "branch_attention", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))
         # the fast round: statistics; the round scope and the head read

@@ -533,48 +533,57 @@ POOL_SHAPES = [(4, 13, 6, 2, 24, 70), (3, 1, 4, 4, 16, 33), (3, 5, 4, 2, 16, 1),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", POOL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_pooled_torch_backend_is_bitwise_the_single_call_per_row(shape, dtype, mode):
-    """branch_attention_torch (the forward's torch attention) pooled == itself per row on the row's slot, and
-    the public op (the reference) pooled == the reference per row; fp32 (the fast path's dtype): the two agree
-    bitwise with each other too."""
-    from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
-
+    """The public op's torch backend (the reference) pooled == the reference per row on the row's slot."""
     inputs = pool_inputs(*shape, dtype, seed=sum(shape), device="cpu")
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
-    B, n, Lmax = q.shape[0], q.shape[1], kp.shape[1]
-    vis = attention_modes.window_key_mask(n, wl, bid, mode, B, "cpu")
-    prefix_ok = prefix_visibility(cl, Lmax, "cpu", idx)
-    assert prefix_ok.shape == (B, Lmax) and torch.equal(prefix_ok.sum(1), cl[idx])
-    o = branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_ok, cache_index=idx)
     o_ref, lse_ref = ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, mode, return_lse=True, backend="torch",
                                           cache_index=idx)
-    for b in range(B):
+    for b in range(q.shape[0]):
         qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
-        visb = attention_modes.window_key_mask(n, wlb, bidb, mode, 1, "cpu")
-        one = branch_attention_torch(qb, kb, vb, clb, kwb, vwb, visb, prefix_visibility(clb, Lmax, "cpu"))
-        assert torch.equal(o[b : b + 1], one), f"torch backend row {b}"
         one_ref, one_lse = ref.branch_attention(qb, kb, vb, clb, kwb, vwb, wlb, bidb, mode, return_lse=True)
         assert torch.equal(o_ref[b : b + 1], one_ref) and torch.equal(lse_ref[b : b + 1], one_lse), f"ref row {b}"
-    if dtype == torch.float32:
-        assert torch.equal(o, o_ref)
-    # and it is the right attention: each row over its slot's first cache_len rows (int path, fp64)
+
+
+# (B, n, Hq, Hkv, D, L): GQA with ragged windows; MHA with one window position; an empty prefix; Dream-7B heads
+SDPA_SHAPES = [(4, 13, 6, 2, 24, 70), (3, 1, 4, 4, 16, 33), (3, 5, 4, 2, 16, 0), (3, 16, 28, 4, 128, 300)]
+
+
+@pytest.mark.parametrize("mode", ["full", "block_causal", "causal"])
+@pytest.mark.parametrize("device_len", [False, True], ids=["int_len", "device_len"])
+@pytest.mark.parametrize("shape", SDPA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_sdpa_attention_is_the_reference_within_rounding(shape, device_len, mode):
+    """branch_attention_sdpa (the fast path's CPU attention: one SDPA over [prefix ; window] keys) equals the
+    reference op within float rounding (fp32 vs the fp64 reference: the 2x rule) on every row's valid queries, for
+    a host-int prefix length (the rows sliced) and a device one (the static buffer, rows past it masked: they hold
+    garbage); the rows of a batch are bitwise the same rows alone (so batched requests equal solo ones)."""
+    from lopa_fast.ops.branch_attention import branch_attention_sdpa, prefix_visibility, sdpa_mask
+
+    q, kc, vc, L, kw, vw, wl, bid = make_attention_inputs(shape, torch.float32, seed=sum(shape), device="cpu")
+    B, n = q.shape[:2]
+    kc[L:], vc[L:] = 1e4, -1e4  # never read
+    cache_len = torch.tensor(L) if device_len else L
+    ok = prefix_visibility(cache_len, kc.shape[0], "cpu")
+    rows_of_prefix = kc.shape[0] if device_len else L
+    vis = attention_modes.window_key_mask(n, wl, bid, mode, B, "cpu")
+    o = branch_attention_sdpa(q, kc, vc, cache_len, kw, vw, sdpa_mask(vis, ok, rows_of_prefix))
     d = lambda t: t.double()  # noqa: E731
+    want = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode)
+    o_pt = attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode)
     for b in range(B):
-        qb, kb, vb, clb, kwb, vwb, wlb, bidb = single_row(inputs, b)
-        want = ref.branch_attention(d(qb), d(kb), d(vb), int(clb), d(kwb), d(vwb), wlb, bidb, mode)
-        torch.testing.assert_close(d(o[b : b + 1]), want, atol=1e-5, rtol=1e-5)
+        valid = slice(0, int(wl[b]))
+        assert_2x_rule(f"row {b}", o[b, valid], want[b, valid], o_pt[b, valid])
+        one = branch_attention_sdpa(q[b : b + 1], kc, vc, cache_len, kw[b : b + 1], vw[b : b + 1],
+                                    sdpa_mask(vis[b : b + 1], ok, rows_of_prefix))
+        assert torch.equal(o[b : b + 1], one), f"batch row {b} vs alone"
 
 
 def test_pooled_rows_never_see_other_slots_or_rows_past_their_length():
     """Rewriting every other slot and the rows past a slot's length leaves that slot's rows bitwise unchanged
-    (torch backend and reference); a row whose slot is empty sees its window only."""
-    from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
-
+    (the torch backend: the reference); a row whose slot is empty sees its window only."""
     inputs = pool_inputs(4, 6, 4, 2, 16, 40, torch.float32, seed=3, device="cpu")
     q, kp, vp, cl, kw, vw, wl, bid, idx = inputs
-    vis = attention_modes.window_key_mask(6, wl, bid, "block_causal", 4, "cpu")
     run = lambda kp, vp: (  # noqa: E731
-        branch_attention_torch(q, kp, vp, cl, kw, vw, vis, prefix_visibility(cl, 40, "cpu", idx), cache_index=idx),
-        ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", cache_index=idx, backend="torch"))
+        ops.branch_attention(q, kp, vp, cl, kw, vw, wl, bid, "block_causal", cache_index=idx, backend="torch"),)
     before = run(kp, vp)
     for s in range(3):
         kp2, vp2 = kp.clone(), vp.clone()

@@ -206,4 +206,6 @@ def test_trace_matches_reference():
             assert r[key] == f[key], (key, r, f)
         assert [b["lookahead"] for b in r["branches"]] == [b["lookahead"] for b in f["branches"]]
         assert [b["window_len"] for b in r["branches"]] == [b["window_len"] for b in f["branches"]]
-        assert [b["score"] for b in r["branches"]] == pytest.approx([b["score"] for b in f["branches"]], abs=1e-6)
+        # the fast path's attention is SDPA, the reference's the split formula: scores agree within rounding (~3e-6
+        # measured), not bitwise (docs/fast_decoder.md "Parity"); the winner and every token are exact
+        assert [b["score"] for b in r["branches"]] == pytest.approx([b["score"] for b in f["branches"]], abs=2e-5)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
-from lopa_fast.ops.branch_attention import branch_attention_torch, prefix_visibility
+from lopa_fast.ops.branch_attention import branch_attention_sdpa, prefix_visibility, sdpa_mask
 from lopa_fast.ops.rope import rope_heads, rope_rotation
 
 
@@ -63,13 +63,14 @@ class FusedForwards:
         positions = start + torch.arange(n, device=dev)
         cos, sin = self.rope_tables(positions)
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
-            vis = window_key_mask(n, win_lens, block_ids, mask, B, dev)
             prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
+            keys = sdpa_mask(window_key_mask(n, win_lens, block_ids, mask, B, dev), prefix_ok,
+                             cache_k.shape[1] if prefix_ok is not None else cache_len)
         h = F.embedding(tokens, self.embed_weight())
 
         def attend(i, q, k, v):
             if b == "torch":
-                return branch_attention_torch(q, cache_k[i], cache_v[i], cache_len, k, v, vis, prefix_ok)
+                return branch_attention_sdpa(q, cache_k[i], cache_v[i], cache_len, k, v, keys)
             return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
                                         check=False, backend=b)
 
@@ -179,22 +180,19 @@ class FusedForwards:
         if pool is not None and b != "torch":
             attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
         else:
-            masks = [window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev) if b == "torch" else None
-                     for p, (NBr, Nbr) in zip(parts, shapes)]
             # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
             # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
-            prefix_ok = [prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev)
-                         if b == "torch" and torch.is_tensor(p["prefix_len"]) else None for p in parts]
+            masks = [_request_mask(p, NBr, Nbr, mode, dev) if b == "torch" else None
+                     for p, (NBr, Nbr) in zip(parts, shapes)]
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
-                for p, off, (NBr, Nbr), vis, ok in zip(parts, offs, shapes, masks, prefix_ok):
+                for p, off, (NBr, Nbr), keys in zip(parts, offs, shapes, masks):
                     sl = slice(off, off + NBr * Nbr)
                     qr = q[0, sl].reshape(NBr, Nbr, Hq, D)
                     kr, vr = (t[0, sl].reshape(NBr, Nbr, t.shape[2], D) for t in (k, v))
                     if b == "torch":
-                        a = branch_attention_torch(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
-                                                   vis, ok)
+                        a = branch_attention_sdpa(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr, keys)
                     else:
                         a = ops.branch_attention(qr, p["cache_k"][i], p["cache_v"][i], p["prefix_len"], kr, vr,
                                                  p["win_lens"], p["bids"], mode, check=False, backend=b)
@@ -272,3 +270,10 @@ def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, po
         return (o if dest is None else o.index_select(0, dest))[None]
 
     return attend
+
+
+def _request_mask(p: dict, NB: int, Nb: int, mode: str, dev) -> torch.Tensor:
+    """One request part's sdpa_mask (forward_requests' per-request torch attention)."""
+    ok = prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev) if torch.is_tensor(p["prefix_len"]) else None
+    return sdpa_mask(window_key_mask(Nb, p["win_lens"], p["bids"], mode, NB, dev), ok,
+                     p["cache_k"].shape[1] if ok is not None else p["prefix_len"])

@@ -7,9 +7,9 @@ graph break. cache_len may be a 0-d device tensor (graph-safe: the kernel reads 
 from __future__ import annotations
 
 import importlib
-import math
 
 import torch
+import torch.nn.functional as F
 
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
@@ -180,111 +180,33 @@ def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block
     return torch.empty_like(q), lse
 
 
-def prefix_visibility(cache_len, lmax: int, device, cache_index: torch.Tensor | None = None) -> torch.Tensor | None:
-    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced);
-    pooled form (cache_index [B], cache_len [S]): bool [B, Lmax], row b's slot lengths (no host read)."""
-    if cache_index is not None:
-        return torch.arange(lmax, device=device) < cache_len.index_select(0, cache_index)[:, None]
+def prefix_visibility(cache_len, lmax: int, device) -> torch.Tensor | None:
+    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced)."""
     if isinstance(cache_len, torch.Tensor):
         return torch.arange(lmax, device=device) < cache_len.reshape(())
     return None
 
 
-def branch_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_len,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    vis: torch.Tensor,
-    prefix_ok: torch.Tensor | None,
-    scale: float | None = None,
-    *,
-    cache_index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The torch backend of `branch_attention` for a layer loop: the masks come in precomputed (built once
-    per forward, not per layer: `vis` = attention_modes.window_key_mask(...) [B, n, n], `prefix_ok` =
-    prefix_visibility(...)), and each contraction is the one batched matmul the reference's einsum runs,
-    so the result is bitwise the reference's (tests/test_branch_attention.py) with about a third of its
-    ops. Returns o [B, n, Hq, D] in q.dtype (no lse).
-    Pooled form: cache_index [B], k/v_cache a pool [S, Lmax, Hkv, D], prefix_ok = prefix_visibility(cache_len,
-    Lmax, dev, cache_index) [B, Lmax]; bitwise the single-request call per row (`_pooled_torch`)."""
-    if cache_index is not None:
-        return _pooled_torch(q, k_cache, v_cache, k_win, v_win, vis, prefix_ok, scale, cache_index)
-    B, n, Hq, D = q.shape
-    Hkv = k_win.shape[2]
-    G = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    qf = q.to(cdt).reshape(B, n, Hkv, G, D)
-    if prefix_ok is None:
-        kp, vp = k_cache[:cache_len].to(cdt), v_cache[:cache_len].to(cdt)
-    else:
-        kp, vp = k_cache.to(cdt), v_cache.to(cdt)
-    Lp = kp.shape[0]
-    kw, vw = k_win.to(cdt), v_win.to(cdt)
-    # scores: [Hkv, B*G*n, D] @ [Hkv, D, Lp] (prefix) and [B*Hkv, G*n, D] @ [B*Hkv, D, n] (window)
-    # einsum takes another path for a one-row prefix (measured: not bitwise the bmm); use it there
-    one_row = Lp == 1
-    if one_row:
-        s_prefix = torch.einsum("bnhgd,lhd->bhgnl", qf, kp) * scale
-    else:
-        s_prefix = (qf.permute(2, 0, 3, 1, 4).reshape(Hkv, B * G * n, D) @ kp.permute(1, 2, 0)).view(
-            Hkv, B, G, n, Lp).permute(1, 0, 2, 3, 4) * scale
-    if prefix_ok is not None:
-        s_prefix = s_prefix.masked_fill(~prefix_ok, float("-inf"))
-    s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D) @ kw.permute(0, 2, 3, 1).reshape(B * Hkv, D, n)
-             ).view(B, Hkv, G, n, n) * scale
-    s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
-    s = torch.cat([s_prefix, s_win], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    if one_row:
-        o_prefix = torch.einsum("bhgnl,lhd->bnhgd", p[..., :Lp], vp)
-    else:
-        o_prefix = (p[..., :Lp].permute(1, 0, 2, 3, 4).reshape(Hkv, B * G * n, Lp) @ vp.permute(1, 0, 2)).view(
-            Hkv, B, G, n, D).permute(1, 3, 0, 2, 4)
-    o_win = (p[..., Lp:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
-        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
-    return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)
+def sdpa_mask(vis: torch.Tensor, prefix_ok: torch.Tensor | None, prefix_rows: int) -> torch.Tensor:
+    """branch_attention_sdpa's key mask, built once per forward: bool [B, 1, n, prefix_rows + n] = [the prefix rows'
+    visibility (prefix_ok [Lmax], or all of the `prefix_rows` sliced rows) ; vis [B, n, n]]."""
+    B, n = vis.shape[:2]
+    ok = prefix_ok.expand(B, n, prefix_rows) if prefix_ok is not None else vis.new_ones(B, n, prefix_rows)
+    return torch.cat([ok, vis], dim=-1)[:, None]
 
 
-def _pooled_torch(q, k_pool, v_pool, k_win, v_win, vis, prefix_ok, scale, cache_index):
-    """branch_attention_torch's pooled form: every row's slot gathered ([B, Lmax, Hkv, D], one index_select per
-    tensor) and each (row, kv head) a separate matrix of one batched matmul with the SAME per-matrix shape and
-    operand layout as the single-request masked path at B = 1 ([G*n, D] @ [D, Lmax] with the keys a transposed
-    row-major operand, then [G*n, Lmax] @ [Lmax, D]): row b is bitwise the single call on its slot alone
-    (tests/test_branch_attention.py), and no row's sums see another row's keys."""
+def branch_attention_sdpa(q, k_cache, v_cache, cache_len, k_win, v_win, mask, scale=None) -> torch.Tensor:
+    """The torch backend of `branch_attention` as upstream computes attention: ONE F.scaled_dot_product_attention
+    over the concatenated [prefix ; window] keys (GQA via enable_gqa), `mask` = sdpa_mask(...) [B, 1, n, Lp + n]
+    (Lp = cache_len for an int, else the buffer's Lmax rows). One aten call a layer instead of the split formula's
+    ~20 (prefix and window scores, two masks, a concat, logsumexp, two output GEMMs); equal to it within float
+    rounding, NOT bitwise: another summation order (docs/fast_decoder.md "Parity").
+    Returns o [B, n, Hq, D] in q.dtype."""
     B, n, Hq, D = q.shape
-    Lmax, Hkv = k_pool.shape[1], k_win.shape[2]
-    G = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdt = torch.promote_types(q.dtype, torch.float32)
-    qf = q.to(cdt).reshape(B, n, Hkv, G, D)
-    kp = k_pool.index_select(0, cache_index).to(cdt)  # [B, Lmax, Hkv, D]
-    vp = v_pool.index_select(0, cache_index).to(cdt)
-    kw, vw = k_win.to(cdt), v_win.to(cdt)
-    if Lmax == 1:  # the single path's one-row einsum (not bitwise the bmm there), per row
-        s_prefix = torch.einsum("bnhgd,blhd->bhgnl", qf, kp) * scale
-    else:
-        s_prefix = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
-                    @ kp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D).transpose(1, 2)
-                    ).view(B, Hkv, G, n, Lmax) * scale
-    s_prefix = s_prefix.masked_fill(~prefix_ok[:, None, None, None, :], float("-inf"))
-    # window keys as a transposed row-major operand, as the single call's B = 1 view is (a B > 1 reshape of the
-    # single path copies them into the other layout, which MKL sums in another order: measured, not bitwise)
-    s_win = (qf.permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * n, D)
-             @ kw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D).transpose(1, 2)).view(B, Hkv, G, n, n) * scale
-    s_win = s_win.masked_fill(~vis[:, None, None], float("-inf"))
-    s = torch.cat([s_prefix, s_win], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    if Lmax == 1:
-        o_prefix = torch.einsum("bhgnl,blhd->bnhgd", p[..., :Lmax], vp)
-    else:
-        o_prefix = (p[..., :Lmax].reshape(B * Hkv, G * n, Lmax) @ vp.permute(0, 2, 1, 3).reshape(B * Hkv, Lmax, D)
-                    ).view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
-    o_win = (p[..., Lmax:].reshape(B * Hkv, G * n, n) @ vw.permute(0, 2, 1, 3).reshape(B * Hkv, n, D)).view(
-        B, Hkv, G, n, D).permute(0, 3, 1, 2, 4)
-    return (o_prefix + o_win).reshape(B, n, Hq, D).to(q.dtype)
+    kp, vp = (k_cache, v_cache) if torch.is_tensor(cache_len) else (k_cache[:cache_len], v_cache[:cache_len])
+    k = torch.cat([kp.to(cdt).expand(B, *kp.shape), k_win.to(cdt)], dim=1).transpose(1, 2)  # [B, Hkv, Lp + n, D]
+    v = torch.cat([vp.to(cdt).expand(B, *vp.shape), v_win.to(cdt)], dim=1).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.to(cdt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=k.shape[1] != Hq)
+    return o.transpose(1, 2).to(q.dtype)
