@@ -556,16 +556,14 @@ def test_forward_sdpa_attention_is_the_reference_within_rounding(shape, device_l
     reference op within float rounding (fp32 vs the fp64 reference: the 2x rule) on every row's valid queries, for
     a host-int prefix length (the rows sliced) and a device one (the static buffer, rows past it masked: they hold
     garbage); the rows of a batch are bitwise the same rows alone (so batched requests equal solo ones)."""
-    from lopa_fast.ops.branch_attention import branch_attention_sdpa, prefix_visibility, sdpa_mask
+    from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask
 
     q, kc, vc, L, kw, vw, wl, bid = make_attention_inputs(shape, torch.float32, seed=sum(shape), device="cpu")
     B, n = q.shape[:2]
     kc[L:], vc[L:] = 1e4, -1e4  # never read
     cache_len = torch.tensor(L) if device_len else L
-    ok = prefix_visibility(cache_len, kc.shape[0], "cpu")
-    rows_of_prefix = kc.shape[0] if device_len else L
     vis = attention_modes.window_key_mask(n, wl, bid, mode, B, "cpu")
-    o = branch_attention_sdpa(q, kc, vc, cache_len, kw, vw, sdpa_mask(vis, ok, rows_of_prefix))
+    o = branch_attention_sdpa(q, kc, vc, cache_len, kw, vw, sdpa_mask(vis, cache_len, kc.shape[0]))
     d = lambda t: t.double()  # noqa: E731
     want = ref.branch_attention(d(q), d(kc), d(vc), L, d(kw), d(vw), wl, bid, mode)
     o_pt = attention_in_dtype(q, kc, vc, L, kw, vw, wl, bid, mode)
@@ -573,7 +571,7 @@ def test_forward_sdpa_attention_is_the_reference_within_rounding(shape, device_l
         valid = slice(0, int(wl[b]))
         assert_2x_rule(f"row {b}", o[b, valid], want[b, valid], o_pt[b, valid])
         one = branch_attention_sdpa(q[b : b + 1], kc, vc, cache_len, kw[b : b + 1], vw[b : b + 1],
-                                    sdpa_mask(vis[b : b + 1], ok, rows_of_prefix))
+                                    sdpa_mask(vis[b : b + 1], cache_len, kc.shape[0]))
         assert torch.equal(o[b : b + 1], one), f"batch row {b} vs alone"
 
 

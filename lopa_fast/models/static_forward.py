@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
-from lopa_fast.ops.branch_attention import branch_attention_sdpa, prefix_visibility, sdpa_mask
+from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask
 from lopa_fast.ops.rope import rope_heads, rope_rotation
 
 
@@ -63,9 +63,7 @@ class FusedForwards:
         positions = start + torch.arange(n, device=dev)
         cos, sin = self.rope_tables(positions)
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
-            prefix_ok = prefix_visibility(cache_len, cache_k.shape[1], dev)
-            keys = sdpa_mask(window_key_mask(n, win_lens, block_ids, mask, B, dev), prefix_ok,
-                             cache_k.shape[1] if prefix_ok is not None else cache_len)
+            keys = sdpa_mask(window_key_mask(n, win_lens, block_ids, mask, B, dev), cache_len, cache_k.shape[1])
         h = F.embedding(tokens, self.embed_weight())
 
         def attend(i, q, k, v):
@@ -182,8 +180,8 @@ class FusedForwards:
         else:
             # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
             # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
-            masks = [_request_mask(p, NBr, Nbr, mode, dev) if b == "torch" else None
-                     for p, (NBr, Nbr) in zip(parts, shapes)]
+            masks = [sdpa_mask(window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev), p["prefix_len"],
+                               p["cache_k"].shape[1]) if b == "torch" else None for p, (NBr, Nbr) in zip(parts, shapes)]
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
@@ -270,10 +268,3 @@ def _pooled_attend(parts: list[dict], shapes: list[tuple], mode: str, b: str, po
         return (o if dest is None else o.index_select(0, dest))[None]
 
     return attend
-
-
-def _request_mask(p: dict, NB: int, Nb: int, mode: str, dev) -> torch.Tensor:
-    """One request part's sdpa_mask (forward_requests' per-request torch attention)."""
-    ok = prefix_visibility(p["prefix_len"], p["cache_k"].shape[1], dev) if torch.is_tensor(p["prefix_len"]) else None
-    return sdpa_mask(window_key_mask(Nb, p["win_lens"], p["bids"], mode, NB, dev), ok,
-                     p["cache_k"].shape[1] if ok is not None else p["prefix_len"])

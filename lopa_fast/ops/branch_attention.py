@@ -180,18 +180,15 @@ def _(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, win_lens, block
     return torch.empty_like(q), lse
 
 
-def prefix_visibility(cache_len, lmax: int, device) -> torch.Tensor | None:
-    """bool [Lmax] (row < cache_len) for a device-tensor cache_len, None for an int (the prefix is sliced)."""
-    if isinstance(cache_len, torch.Tensor):
-        return torch.arange(lmax, device=device) < cache_len.reshape(())
-    return None
-
-
-def sdpa_mask(vis: torch.Tensor, prefix_ok: torch.Tensor | None, prefix_rows: int) -> torch.Tensor:
-    """branch_attention_sdpa's key mask, built once per forward: bool [B, 1, n, prefix_rows + n] = [the prefix rows'
-    visibility (prefix_ok [Lmax], or all of the `prefix_rows` sliced rows) ; vis [B, n, n]]."""
+def sdpa_mask(vis: torch.Tensor, cache_len, lmax: int) -> torch.Tensor:
+    """branch_attention_sdpa's key mask, built once per forward: bool [B, 1, n, Lp + n] = [the prefix rows ; the
+    window keys' visibility vis [B, n, n]]. A host-int cache_len: its Lp = cache_len sliced rows, all visible; a
+    device one (0-d): the static buffer's Lp = lmax rows, those >= cache_len hidden (no host read)."""
     B, n = vis.shape[:2]
-    ok = prefix_ok.expand(B, n, prefix_rows) if prefix_ok is not None else vis.new_ones(B, n, prefix_rows)
+    if torch.is_tensor(cache_len):
+        ok = (torch.arange(lmax, device=vis.device) < cache_len.reshape(())).expand(B, n, lmax)
+    else:
+        ok = vis.new_ones(B, n, cache_len)
     return torch.cat([ok, vis], dim=-1)[:, None]
 
 
