@@ -87,7 +87,7 @@ def test_one_validation_one_plan_and_no_relay_thread(embedded, monkeypatch, stre
     assert [item for item in queued if item is not None] == []  # None: close()'s stop markers
 
 
-def test_requests_waiting_for_a_seat_go_in_order_when_one_ends(embedded):
+def test_requests_waiting_for_a_seat_go_in_order_when_one_ends(embedded, monkeypatch):
     """--max-num-seqs 1: of three concurrent requests on the engine, one decodes and two wait on the event loop
     (`_pump`); each takes the seat when the one before it ends: `_end` wakes the pump (the engine thread sets its
     event), first come first served, and each answer equals generate's."""
@@ -101,14 +101,16 @@ def test_requests_waiting_for_a_seat_go_in_order_when_one_ends(embedded):
     ids = encode_prompt(tok, PROMPT, chat=False)
     wakes = []
 
+    class CountedEvent(asyncio.Event):  # the pump's event, counted from its creation (no race with request 1's end)
+        def set(self):
+            wakes.append(1)
+            super().set()
+
+    monkeypatch.setattr(asyncio, "Event", CountedEvent)
+
     async def run():
         handles = [worker.submit(Job(ids, dict(DEFAULTS, max_new_tokens=8 * (1 + i)))) for i in range(3)]
         assert worker.counts["running"] == 1 and len(worker._waiting) == 2
-        while worker._wake is None:  # the pump task starts on this loop
-            await asyncio.sleep(0)
-        wake = worker._wake[1]
-        real_set = wake.set
-        wake.set = lambda: (wakes.append(1), real_set())[1]
         ends = []
         for h in handles:
             async for kind, value in h.events():
