@@ -250,3 +250,22 @@ def test_fused_view_follows_weight_edits_and_replacement(tmp_path):
 
     assert load_file(str(tmp_path / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"].shape == \
         m.layer(0).k.weight.shape
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_rope_window_is_rope_tables_at_those_positions(head_dim):
+    """An eager round's RoPE tables are slices of a table kept on the model (`rope_window`): the formula's values
+    at those positions (within a last-bit difference of torch's vectorised and scalar cos / sin), grown by
+    doubling when a window ends past it, rebuilt on another device."""
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    m = random_model(tiny_hf_config("dream", vocab_size=64, hidden_size=2 * head_dim, num_heads=2, num_kv_heads=1),
+                     seed=0)
+    assert m.config.head_dim == head_dim
+    for start, n in [(0, 1), (0, 16), (5, 17), (250, 12), (700, 33)]:
+        got = m.rope_window(start, n, "cpu")
+        want = m.rope_tables(torch.arange(start, start + n))
+        for g, w in zip(got, want):
+            assert g.shape == (n, head_dim)
+            torch.testing.assert_close(g, w, rtol=0, atol=2.5e-7)
+    assert m._rope_window[0].shape[0] == 1024  # grown past 733 to the next power of two

@@ -38,6 +38,17 @@ def test_reference_twin_is_the_model_formula(dtype):
     assert torch.equal(s, x + r) and torch.equal(normed, transformer.rms_norm(x + r, w, EPS))
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 32), (5, 896), (2, 3, 4096), (4, 13, 100), (3, 7)], ids=str)
+def test_torch_backend_fp32_is_the_model_formula_at_every_width(shape):
+    """The torch backend runs fp32 through F.rms_norm (one call instead of 7 ops): bitwise the model's formula at
+    widths of the tiny models, Qwen2.5-0.5B (896), Dream-7B (4096) and odd ones (vectorised bodies and tails)."""
+    x, r, w = _inputs(shape, torch.float32)
+    for eps in (EPS, 1e-5):
+        assert torch.equal(ops.rms_norm(x, w, eps, backend="torch"), transformer.rms_norm(x, w, eps))
+        normed, s = ops.add_rms_norm(x, r, w, eps, backend="torch")
+        assert torch.equal(normed, transformer.rms_norm(x + r, w, eps))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm_kernel_matches_reference(shape, dtype):

@@ -60,8 +60,10 @@ class FusedForwards:
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
         lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)  # layer ops
         eps = cfg.rms_norm_eps
-        positions = start + torch.arange(n, device=dev)
-        cos, sin = self.rope_tables(positions)
+        if isinstance(start, int):  # an eager round: slices of the model's table
+            cos, sin = self.rope_window(start, n, dev)
+        else:  # a device start (compiled / captured): no host read
+            cos, sin = self.rope_tables(start + torch.arange(n, device=dev))
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
             keys = sdpa_mask(window_key_mask(n, win_lens, block_ids, mask, B, dev), cache_len, cache_k.shape[1])
         h = F.embedding(tokens, self.embed_weight())
@@ -90,7 +92,7 @@ class FusedForwards:
         # re-checked (weights are replaced all together, e.g. by .to()), and nothing under torch.compile
         layers = getattr(self, "_fused", None)
         if not torch.compiler.is_compiling() and (
-            layers is None or layers[0].qkv_w.data_ptr() != self.layer(0).q.weight.data_ptr()
+            layers is None or layers[0].qkv_w.data_ptr() != self._fused_q0[0].weight.data_ptr()
         ):
             layers = self.fused_layers()
         ks, vs = [], []
@@ -112,9 +114,11 @@ class FusedForwards:
             vs.append(v)
             attn = attend(i, q, k, v)
             # o + h is h + o bit for bit (IEEE addition commutes)
-            x, h = ops.add_rms_norm(w.o(attn.reshape(B, n, Hq * D)), h, w.mlp_norm, eps, check=False, backend=lb)
+            # F.linear on the modules' tensors: the nn.Module call costs ~4 us more a projection on CPU
+            o = F.linear(attn.reshape(B, n, Hq * D), w.o.weight, w.o.bias)
+            x, h = ops.add_rms_norm(o, h, w.mlp_norm, eps, check=False, backend=lb)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            down = w.down(ops.silu_mul(gate, up, check=False, backend=lb))
+            down = F.linear(ops.silu_mul(gate, up, check=False, backend=lb), w.down.weight, w.down.bias)
             if i + 1 < len(layers):
                 x, h = ops.add_rms_norm(down, h, layers[i + 1].attn_norm, eps, check=False, backend=lb)
             else:  # the final norm is the caller's, on the LM-head rows only
@@ -170,7 +174,9 @@ class FusedForwards:
         # RoPE tables per request at its own positions and window length (the solo call's values), per row
         cos_rows, sin_rows = [], []
         for p, (NBr, Nbr) in zip(parts, shapes):
-            c, s_ = self.rope_tables(p["start"] + torch.arange(Nbr, device=dev))
+            st0 = p["start"]
+            c, s_ = (self.rope_window(st0, Nbr, dev) if isinstance(st0, int)
+                     else self.rope_tables(st0 + torch.arange(Nbr, device=dev)))
             cos_rows.append(c.repeat(NBr, 1))
             sin_rows.append(s_.repeat(NBr, 1))
         cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]

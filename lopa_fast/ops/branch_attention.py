@@ -201,9 +201,10 @@ def branch_attention_sdpa(q, k_cache, v_cache, cache_len, k_win, v_win, mask, sc
     Returns o [B, n, Hq, D] in q.dtype."""
     B, n, Hq, D = q.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
+    up = (lambda t: t) if q.dtype == cdt else (lambda t: t.to(cdt))  # fp32 / fp64: no cast (7 calls a layer saved)
     kp, vp = (k_cache, v_cache) if torch.is_tensor(cache_len) else (k_cache[:cache_len], v_cache[:cache_len])
-    k = torch.cat([kp.to(cdt).expand(B, *kp.shape), k_win.to(cdt)], dim=1).transpose(1, 2)  # [B, Hkv, Lp + n, D]
-    v = torch.cat([vp.to(cdt).expand(B, *vp.shape), v_win.to(cdt)], dim=1).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.to(cdt).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=k.shape[1] != Hq)
-    return o.transpose(1, 2).to(q.dtype)
+    k = torch.cat([up(kp).expand(B, *kp.shape), up(k_win)], dim=1).transpose(1, 2)  # [B, Hkv, Lp + n, D]
+    v = torch.cat([up(vp).expand(B, *vp.shape), up(v_win)], dim=1).transpose(1, 2)
+    o = F.scaled_dot_product_attention(up(q).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=k.shape[1] != Hq).transpose(1, 2)
+    return o if q.dtype == cdt else o.to(q.dtype)
