@@ -138,6 +138,13 @@ def softmax_stats(x: torch.Tensor, eps: float = NEG_ENTROPY_EPS):
     return token, p_max, prob_margin(probs), prob_neg_entropy(probs, eps)
 
 
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool [...]: every entry along the last dim of x [..., V] (a float tensor) is finite. x * 0 is +-0 for a finite
+    entry and NaN for +-inf / NaN, and a sum of zeros is exactly 0: three plain ops where isfinite(x).all(-1) is a
+    composite (~6 vs ~12 us on a tiny CPU round; the numerics guards' test)."""
+    return (x * 0).sum(-1) == 0
+
+
 def is_on(temperature) -> bool:
     """Whether a temperature samples: a float > 0, or a 0-d tensor (a runtime knob, passed only when T > 0: being
     on is part of the compile key, the value is not)."""

@@ -269,3 +269,25 @@ def test_rope_window_is_rope_tables_at_those_positions(head_dim):
             assert g.shape == (n, head_dim)
             torch.testing.assert_close(g, w, rtol=0, atol=2.5e-7)
     assert m._rope_window[0].shape[0] == 1024  # grown past 733 to the next power of two
+
+
+@pytest.mark.parametrize("kind", ["dream", "llada"])
+def test_dense_forward_is_bitwise_the_masked_one(kind):
+    """dense=True (an eager one-slot round whose window fills its bucket, full attention) skips the torch
+    attention's key mask: the same logits and window K/V bit for bit, over a prefix of 9 committed rows; a
+    block-causal or device-length call keeps its mask (the flag changes nothing there)."""
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    m = random_model(tiny_hf_config(kind, vocab_size=64), seed=5)
+    cfg = m.config
+    g = torch.Generator().manual_seed(1)
+    ck = torch.randn(cfg.num_layers, 20, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    cv = torch.randn(cfg.num_layers, 20, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    ids = torch.randint(0, 60, (1, 8), generator=g)
+    rows = torch.arange(8)
+    for mode, bids, clen in [("full", None, 9), ("block_causal", torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]), 9),
+                             ("full", None, torch.tensor(9))]:
+        args = (ids, 9, ck, cv, clen, torch.full((1,), 8), bids, mode, rows)
+        want = m.forward_static(*args, attn_backend="torch")
+        got = m.forward_static(*args, attn_backend="torch", dense=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), mode

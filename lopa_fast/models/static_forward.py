@@ -36,6 +36,7 @@ class FusedForwards:
         rows: torch.Tensor,
         attn_backend: str | None = None,
         output: str = "logits",
+        dense: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A window forward whose shapes depend only on the bucket, never on a per-round value.
 
@@ -51,6 +52,8 @@ class FusedForwards:
         layer's formulas), and attention masks built once per forward instead of once per layer.
         output: "logits" (the raw logits [R, V]) or "hidden" (the final-normed rows [R, H], for a caller that
         applies the head itself: the fused `ops.head_confidence`, which never materialises [R, V]).
+        dense: the caller knows every row's window spans all n columns (win_lens all n) under mask "full": with a
+        host-int cache_len the torch attention then runs without a key mask (`_torch_keys`).
         Returns (raw logits [R, V] (or the hidden rows), window keys and values [num_layers, B, n, Hkv, D],
         post-RoPE).
         """
@@ -65,7 +68,7 @@ class FusedForwards:
         else:  # a device start (compiled / captured): no host read
             cos, sin = self.rope_tables(start + torch.arange(n, device=dev))
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
-            keys = sdpa_mask(window_key_mask(n, win_lens, block_ids, mask, B, dev), cache_len, cache_k.shape[1])
+            keys = _torch_keys(n, win_lens, block_ids, mask, B, cache_len, cache_k.shape[1], dev, dense)
         h = F.embedding(tokens, self.embed_weight())
 
         def attend(i, q, k, v):
@@ -149,7 +152,8 @@ class FusedForwards:
         None, rows [Rb_r] (flat rows slot * Nb_r + column that get the LM head), and with a pool: slot (int, the
         request's pool slot; its cache_k / cache_v are views of it)). pool: None or (k, v) [num_layers, S, Lp, Hkv,
         D]. Every op outside attention is row-wise, so neighbours never enter a request's sums.
-        A part may carry output="hidden" (default "logits"): its rows come back final-normed [Rb_r, H], without the
+        A part may carry dense=True (`forward_static`'s: no key mask on the torch attention) and output="hidden"
+        (default "logits"): its rows come back final-normed [Rb_r, H], without the
         head (the fused head path of lopa_fast.strategies.lopa.round); the other parts' rows still share ONE head GEMM.
         Returns per request (raw logits [Rb_r, V] (or hidden rows), window keys and values [num_layers, NB_r, Nb_r,
         Hkv, D]). One request without a pool (a solo round, a group of one) is its `forward_static` call."""
@@ -157,7 +161,7 @@ class FusedForwards:
             p = parts[0]  # packing: a solo request's eager round was ~8 % slower through the packed path on CPU)
             return [self.forward_static(p["tokens"], p["start"], p["cache_k"], p["cache_v"], p["prefix_len"],
                                         p["win_lens"], p["bids"], mode, p["rows"], attn_backend=attn_backend,
-                                        output=p.get("output", "logits"))]
+                                        output=p.get("output", "logits"), dense=p.get("dense", False))]
         cfg = self.config
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
@@ -186,8 +190,8 @@ class FusedForwards:
         else:
             # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
             # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
-            masks = [sdpa_mask(window_key_mask(Nbr, p["win_lens"], p["bids"], mode, NBr, dev), p["prefix_len"],
-                               p["cache_k"].shape[1]) if b == "torch" else None for p, (NBr, Nbr) in zip(parts, shapes)]
+            masks = [_torch_keys(Nbr, p["win_lens"], p["bids"], mode, NBr, p["prefix_len"], p["cache_k"].shape[1], dev,
+                                 p.get("dense", False)) if b == "torch" else None for p, (NBr, Nbr) in zip(parts, shapes)]
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
@@ -221,6 +225,16 @@ class FusedForwards:
             kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]
             out.append((head, kv[0], kv[1]))
         return out
+
+
+def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax: int, dev, dense: bool = False):
+    """The torch attention's key mask (`sdpa_mask`), or None when every key is visible: full attention, no window
+    padding (dense, or win_lens None: every row's window is all n columns) and a host-int prefix (its rows sliced
+    exactly). SDPA without a mask is bitwise SDPA with an all-True one (a 0 added to every score: measured) and
+    skips ~11 ops a forward."""
+    if mode == "full" and (dense or win_lens is None) and not torch.is_tensor(cache_len):
+        return None
+    return sdpa_mask(window_key_mask(n, win_lens, block_ids, mode, B, dev), cache_len, lmax)
 
 
 # padding block id of the pooled call's padding queries: they see every valid key of their row (their output is

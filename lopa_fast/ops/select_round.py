@@ -64,10 +64,14 @@ def _check(args: tuple, bs: int, mask_id: int, eos_id: int, n_look: int) -> None
 
 
 def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
-                 score_all: bool, check: bool = True, backend: str | None = None) -> SelectRound:
+                 score_all: bool, check: bool = True, backend: str | None = None,
+                 out: list[torch.Tensor] | None = None) -> SelectRound:
     """The round's decision, next state and next plan (reference.ops.select_round's positional tensor arguments
     and keywords). backend: None (auto: `cpp` on CPU tensors when lopa_fast._C is built, the kernels on CUDA) |
-    "cpp" | "triton" | "cuda" | "torch"."""
+    "cpp" | "triton" | "cuda" | "torch".
+    out: None, or a workspace the eager `cpp` kernel fills instead of allocating (`select_round_outputs.outputs_for`
+    of the call's dims; it must not alias an input: a driver alternates two; the allocations cost ~50 us of a tiny
+    CPU round, more than the kernel); the other backends return fresh tensors."""
     if check:
         _check(args, bs, mask_id, eos_id, n_look)
     kw = dict(bs=bs, mask_id=mask_id, eos_id=eos_id, n_look=n_look, shift=bool(shift), blend=bool(blend),
@@ -76,9 +80,9 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
     if b == "torch":
         return ref.select_round(*args, **kw)
     if b == "cpp":  # eagerly the kernel itself (the custom op's dispatch costs more than the kernel on tiny rounds)
-        out = torch.ops.lopa_fast.cpp_select_round(list(args), **kw) if torch.compiler.is_compiling() else \
-            _run_cpp(list(args), **kw)
-        return SelectRound(*out)
+        if torch.compiler.is_compiling():
+            return SelectRound(*torch.ops.lopa_fast.cpp_select_round(list(args), **kw))
+        return SelectRound(*_run_cpp(list(args), **kw, out=out))
     if b == "triton":  # one launch into fresh outputs (shapes fixed by the bucket: capturable)
         return SelectRound(*_backend.kernel("select_round", "triton")(list(args), _outputs(args, split=False), **kw))
     if b == "cuda":
@@ -88,9 +92,10 @@ def select_round(*args: torch.Tensor, bs: int, mask_id: int, eos_id: int, n_look
 
 # ------------------------------------------------------------------------------ the C++ kernel as a torch custom op
 def _run_cpp(args: list[torch.Tensor], bs: int, mask_id: int, eos_id: int, n_look: int, shift: bool, blend: bool,
-             score_all: bool, split: bool = True) -> list[torch.Tensor]:
-    """The C++ kernel on fresh outputs (lopa_fast._C.select_round_cpu takes the data pointers)."""
-    out = _outputs(args, split)
+             score_all: bool, split: bool = True, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The C++ kernel on fresh outputs, or on `out` (lopa_fast._C.select_round_cpu takes the data pointers)."""
+    if out is None:
+        out = _outputs(args, split)
     x = args[3]
     dims = [x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0], bs, mask_id, eos_id, n_look, int(shift),
             int(blend), int(score_all)]

@@ -40,8 +40,13 @@ def outputs(args, split: bool = True) -> list[torch.Tensor]:
     dtype, split into the fields (3 allocations instead of 28: on a tiny CPU round the allocations cost more than
     the kernel; eager only, since a custom op's outputs may not alias one another)."""
     x = args[3]
-    dims = (x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0])
-    dev = x.device
+    return outputs_for(x.shape[0], x.shape[1], args[5].shape[0], args[21].shape[0], x.device, split)
+
+
+def outputs_for(NB: int, Lb1: int, G1: int, Nb: int, dev, split: bool = True) -> list[torch.Tensor]:
+    """`outputs` by the round's dims (NB slots, Lb1 = Lb + 1 columns, G1 = G + 1 blocks, Nb window columns): e.g. a
+    driver's persistent workspace for the C++ kernel (`select_round(..., out=...)`)."""
+    dims = (NB, Lb1, G1, Nb)
     if not split:
         return [torch.empty(shape, dtype=dt, device=dev) for shape, dt in _shapes_of(*dims)]
     out: list = [None] * len(SelectRound._fields)

@@ -27,7 +27,7 @@ from lopa_fast.decode.fused_head import fused_head_wanted
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob
 from lopa_fast.errors import NonFiniteLogitsError
-from lopa_fast.sampling import NEG_ENTROPY_EPS, is_on
+from lopa_fast.sampling import NEG_ENTROPY_EPS, finite_rows, is_on
 
 HEAD = ("bad", "full", "first_mask", "masks_left")
 # the threshold strategy's rules (GenerateConfig's names), in `reference.ops.select_by_rule`'s order of precedence
@@ -224,9 +224,9 @@ def rows_finite(logits: torch.Tensor, temperature) -> torch.Tensor:
     """bool [n]: each row of logits [n, V] is finite (and, at T > 0: a float, or a 0-d tensor knob,
     `sampling.is_on`, does not overflow when divided by the temperature): the numerics guard's test."""
     x = logits.float()
-    ok = torch.isfinite(x).all(-1)
+    ok = finite_rows(x)
     if is_on(temperature):
-        ok = ok & torch.isfinite(x / temperature).all(-1)
+        ok = ok & finite_rows(x / temperature)
     return ok
 
 

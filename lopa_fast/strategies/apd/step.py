@@ -18,7 +18,7 @@ import torch
 
 from lopa_fast import keyed
 from lopa_fast.decode.shapes import divided, scaled, stop_in_prefix
-from lopa_fast.sampling import top_k_filter, top_p_filter
+from lopa_fast.sampling import finite_rows, top_k_filter, top_p_filter
 
 
 HEAD_FIELDS = ("accepted", "curr", "left", "right", "eos", "done", "stop", "nonfinite_drafter",
@@ -64,7 +64,7 @@ def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool)
 
 def _first_bad(logits: torch.Tensor, read: torch.Tensor, curr: torch.Tensor) -> torch.Tensor:
     """0-d long: the sequence position (curr + row) of the first read row holding NaN / inf, or -1."""
-    bad = read & ~torch.isfinite(logits).all(-1)
+    bad = read & ~finite_rows(logits)
     rows = torch.arange(bad.shape[0], device=bad.device)
     return torch.where(bad.any(), curr + torch.where(bad, rows, bad.shape[0]).min(), -1)
 

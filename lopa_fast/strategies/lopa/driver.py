@@ -25,6 +25,7 @@ from lopa_fast.decode.shapes import pow2_bucket, quantized_length
 from lopa_fast.decode.syncs import round_scope
 from lopa_fast.errors import NonFiniteLogitsError
 from lopa_fast.output import Clock, GenerateOutput, finalize_stats, round_cap_hit
+from lopa_fast.ops.select_round_outputs import outputs_for
 from lopa_fast.output.progress import report_round
 
 # the smallest LM-head row bucket: below this many rows a bucket costs a compile more than the rows cost
@@ -76,6 +77,9 @@ def round_key(geo: Geometry, cfg, Nb: int, Rb: int) -> tuple:
     return (geo, stats_knobs, Nb, Rb)
 
 
+_ACCEPTED, _TOKENS = rnd.ref_ops.SelectRound._fields.index("accepted"), rnd.ref_ops.SelectRound._fields.index("tokens")
+
+
 class FastDecoder:
     """One request of D2F (k = 1) or LoPA (k >= 2) decoding with all branches batched.
 
@@ -115,6 +119,7 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
+        self._outs: dict = {}  # select_round's CPU workspaces by round parity (`_select_out`)
         self.compiled, self.cview = compiled_for(model, cfg, dev)  # its rounds after the prefill: `batch_step`
         self.mode, self.attn_backend = self.geo.mode, self.geo.attn_backend  # the shared forward's (the scheduler's)
 
@@ -158,6 +163,12 @@ class FastDecoder:
         """The coming round's forward inputs on bucket (Nb, Rb) (s: the window start = prefix length, host int)."""
         w = rnd.window_inputs(self.st, self.tables, self.geo, Nb, Rb)
         w["start"] = s
+        head = self.head
+        w["n_real"] = head.rows  # the LM-head rows the round needs (host int: the guard's lean form)
+        w["span"] = (head.start, head.commit_len)  # the commit: (cache_len = the window start, u), host ints
+        # one slot whose window fills the bucket under full attention: every key visible (the torch attention's mask
+        # is skipped)
+        w["dense"] = self.geo.NB == 1 and head.width == Nb and self.geo.mode == "full"
         return w
 
     def forward_args(self, w: dict) -> dict:
@@ -172,7 +183,23 @@ class FastDecoder:
         """The round after its forward (this request's logits [Rb, V] (hidden rows [Rb, H] with geo.fused_head)
         and window K/V [layers, NB, Nb, Hkv, D])."""
         self.st, self.info = rnd.finish_round(self.st, self.tables, self.geo, self.cfg, w, logits, k_win, v_win,
-                                              head=self._head())
+                                              head=self._head(), out=self._select_out(w["win_pos"].shape[0]))
+
+    def _select_out(self, Nb: int) -> list | None:
+        """select_round's workspace for this round on CPU (the C++ kernel fills it; None elsewhere): two, alternating
+        by round, so the outputs never alias the state they are computed from (the previous round's) and a round's
+        decision (info: score, tokens) stays valid until the next round. Sized for the widest window (Lb + 1
+        columns); the two per-column fields (accepted, tokens [Nb]) are their first Nb entries."""
+        if self.dev.type != "cpu" or Nb > self.st["x"].shape[1]:  # (a window never spans more than the buffer)
+            return None
+        base = self._outs.get(self._rounds % 2)
+        if base is None:
+            x = self.st["x"]
+            base = self._outs[self._rounds % 2] = outputs_for(x.shape[0], x.shape[1], self.geo.G + 1, x.shape[1],
+                                                              self.dev)
+        out = list(base)
+        out[_ACCEPTED], out[_TOKENS] = base[_ACCEPTED][:Nb], base[_TOKENS][:Nb]
+        return out
 
     def _trace_entry(self, head: rnd.Head, round_: int) -> dict:
         info, P = self.info, self.P

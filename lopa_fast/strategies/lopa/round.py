@@ -43,6 +43,7 @@ from lopa_fast.strategies.lopa.round_stats import (
 from lopa_fast import ops
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, stop_in_prefix, stop_table
+from lopa_fast.sampling import chunk_rows
 from lopa_fast.reference import ops as ref_ops
 from lopa_fast.reference.ops import ROUND_COUNTERS, TO_CACHE  # noqa: F401 (ROUND_COUNTERS: the driver's)
 
@@ -165,41 +166,55 @@ def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
     cache; start / prefix_len: the window start as a host int eagerly (attention then slices exactly the committed
     rows), st["start"] / st["cache_len"] when compiled. With geo.fused_head the forward returns the final-normed
     rows (output="hidden": `finish_round` applies the fused `ops.head_confidence`), else the logits."""
+    # dense: every row's window spans all Nb columns under full attention (an eager one-slot round: the torch
+    # attention needs no key mask)
     return dict(tokens=w["tokens"], start=start, cache_k=st["cache_k"], cache_v=st["cache_v"], prefix_len=prefix_len,
-                win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"],
+                win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"], dense=w.get("dense", False),
                 output="hidden" if geo.fused_head else "logits")
 
 
-def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None) -> tuple[dict, dict]:
+def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, head=None, out=None) -> tuple[dict, dict]:
     """Everything of the round after its forward (logits [Rb, V] of the rows w["rows"], window K/V [layers, NB,
     Nb, Hkv, D]): token statistics, scores and the winner, the commit, the fill, the spawn and the next plan.
     Bucket padding never changes a value: window columns past a branch's length are masked keys and never masked
     positions, extra LM-head rows are computed and never read. Nothing needs a host read except `st["head"]`.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
-    statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised)."""
+    statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised). out: select_round's
+    workspace for this round (`select_apply`), or None."""
     Nb = w["win_pos"].shape[0]
     st["round"] = st["round"] + 1
+    # the needed rows: a host int when the caller knows it (an eager round: `n_real`), else counted on the device
+    n_real = w["n_real"] if "n_real" in w else w["need_flat"].sum()
     if geo.fused_head:
         fused = fused_head_stats(st, cfg, geo, logits, head)
         stats = fused.table
-        st["nonfinite"] = first_bad(fused.finite, w["rows"], w["need_flat"].sum(), geo.NB * Nb)
+        st["nonfinite"] = first_bad(fused.finite, w["rows"], n_real, geo.NB * Nb)
     else:
         # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-        st["nonfinite"] = first_nonfinite(logits, w["rows"], w["need_flat"].sum(), geo.NB * Nb, temperature(T, cfg))
-        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift): the table is read
-        # as its two row blocks (no [Rb + 1, V] copy of the logits)
+        st["nonfinite"] = first_nonfinite(logits, w["rows"], n_real, geo.NB * Nb, temperature(T, cfg))
+        # stats table row 0 = the stale last_logit (predicts window position 0 under the shift): a table past one
+        # statistics chunk is read as its two row blocks (no [Rb + 1, V] copy of the logits); a smaller one is
+        # concatenated (one statistics pass, and the next last_logit is then one row of it: ~10 ops a round saved)
         table = [st["last_logit"][None, :].to(logits.dtype), logits] if geo.shift else logits
+        if geo.shift and logits.shape[0] < chunk_rows(logits.shape[-1]):
+            table = [torch.cat(table)]
         keys = row_keys(st, T, w["rows"], st["start"], Nb, geo.shift, cfg)
         stats = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     u = st["commit_len"]  # this round's span (select_apply moves st on to the next plan)
-    W, last_row, info = select_apply(st, T, geo, w, stats)
-    W1 = W.reshape(1)
-    commit_span(st, u, k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0])
+    W, last_row, info = select_apply(st, T, geo, w, stats, out)
+    if geo.NB == 1:  # one slot (D2F): the winner is slot 0, its K/V a view (two copies a round saved)
+        commit_span(st, u, k_win[:, 0], v_win[:, 0], w.get("span"))
+    else:
+        W1 = W.reshape(1)
+        commit_span(st, u, k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0], w.get("span"))
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
             new_last = fused.last_raw(last_row)
             st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))
+        elif len(table) == 1:  # the one-block table: its row last_row is the winner's raw row u - 1 (or row 0)
+            new_last = table[0].index_select(0, last_row.reshape(1))[0]
+            st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
         else:  # table row r > 0 is raw row r - 1; row 0 the stale last_logit itself
             raw = logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
             new_last = torch.where(last_row > 0, raw, table[0][0])
@@ -222,7 +237,7 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
                 need=r.need, need_flat=r.need.reshape(-1), rows=r.rows)
 
 
-def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats, out=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The round's selection and bookkeeping after its statistics table (`ops.select_round`, one op: scores and the
     winner, the fill, the spawn, the block transitions, the counters and the next plan; writes st). Returns
     (winner 0-d, last_row 0-d: the table row of the winner's raw row u - 1 under the shift, info: the round's
@@ -236,12 +251,12 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[to
         T["prompt_len"], T["gen_pos"], T["block_start"], T["block_end"], T["pos_block"], T["in_block"], T["lowest_k"],
         T["grow_table"], T["activate_table"], T["skip_threshold"], T["alpha"],
         bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
-        shift=geo.shift, blend=geo.blend, score_all=geo.trace, check=False,
+        shift=geo.shift, blend=geo.blend, score_all=geo.trace, check=False, out=out,
     )
     # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
     info = dict(score=r.score, winner=r.winner, accepted=r.accepted, tokens=r.tokens, win_pos=w["win_pos"],
                 look_pos=st["look_pos"].clone())
-    st.update({k: getattr(r, k) for k in _STATE_OUT})
+    st.update(zip(_STATE_OUT, (r[i] for i in _STATE_IDX)))
     _finish_head(st, T, geo)
     return r.winner, r.last_row, info
 
@@ -249,12 +264,20 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats) -> tuple[to
 # the op's outputs that are round state (the rest are the round's decision)
 _STATE_OUT = tuple(f for f in ref_ops.SelectRound._fields if f not in ("winner", "score", "last_row", "accepted",
                                                                          "tokens"))
+_STATE_IDX = tuple(ref_ops.SelectRound._fields.index(f) for f in _STATE_OUT)
 
 
-def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor) -> None:
+def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor, span: tuple | None = None) -> None:
     """Commit the winner's first u window positions (u: this round's span length, 0-d tensor or int;
     k_span / v_span [layers, c, Hkv, D]: its window K/V from column 0, c >= u; rows past u go to the trash
-    row Lb) and advance cache_len by u."""
+    row Lb) and advance cache_len by u. span: None, or (cache_len, u) as host ints (an eager round knows them from
+    its head): two slice copies instead of the masked index_copy_ (7 ops -> 3)."""
+    if span is not None:
+        at, n = span
+        st["cache_k"][:, at : at + n].copy_(k_span[:, :n])
+        st["cache_v"][:, at : at + n].copy_(v_span[:, :n])
+        st["cache_len"] = st["cache_len"] + n
+        return
     i = torch.arange(k_span.shape[1], device=k_span.device)
     dst = torch.where(i < u, st["cache_len"] + i, st["cache_k"].shape[1] - 1)
     # in place: the cache is the round's largest tensor (a Dream-7B request: ~70 MB), never copied per round
