@@ -9,6 +9,8 @@ built on it), beside transformer.py's plain layer (`forward_window`, `forward_du
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,7 @@ from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask
+from lopa_fast.ops.rms_norm import torch_rms_norm
 from lopa_fast.ops.rope import rope_heads, rope_rotation
 
 
@@ -104,11 +107,14 @@ class FusedForwards:
         rot = rope_rotation(cos, sin, h.dtype, self.rope_in_fp32) if lb == "torch" else None
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
-        x = ops.rms_norm(h, layers[0].attn_norm, eps, check=False, backend=lb)
+        norm, add_norm, silu_mul = _layer_ops(lb, eps)
+        x = norm(h, layers[0].attn_norm)
         for i, w in enumerate(layers):
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
-            if rot is not None:  # contiguous q and k, as the reference's rope returns them (the attention's layouts)
-                q, k = (t.contiguous() for t in rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2))
+            if rot is not None:  # a contiguous q, as the reference's rope returns it (the attention's layout); k is
+                # copied by the attention's concatenation and the stack below anyway
+                q, k = rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2)
+                q = q.contiguous()
             else:
                 q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
                                 check=False, backend=lb)
@@ -119,11 +125,11 @@ class FusedForwards:
             # o + h is h + o bit for bit (IEEE addition commutes)
             # F.linear on the modules' tensors: the nn.Module call costs ~4 us more a projection on CPU
             o = F.linear(attn.reshape(B, n, Hq * D), w.o.weight, w.o.bias)
-            x, h = ops.add_rms_norm(o, h, w.mlp_norm, eps, check=False, backend=lb)
+            x, h = add_norm(o, h, w.mlp_norm)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            down = F.linear(ops.silu_mul(gate, up, check=False, backend=lb), w.down.weight, w.down.bias)
+            down = F.linear(silu_mul(gate, up), w.down.weight, w.down.bias)
             if i + 1 < len(layers):
-                x, h = ops.add_rms_norm(down, h, layers[i + 1].attn_norm, eps, check=False, backend=lb)
+                x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
                 h = h + down
         return h, torch.stack(ks), torch.stack(vs)
@@ -191,7 +197,8 @@ class FusedForwards:
             # a prefix length given as a 0-d device tensor (a compiled / captured batched step) masks the static
             # buffer's rows past it, as forward_static does; a host int slices exactly the committed rows
             masks = [_torch_keys(Nbr, p["win_lens"], p["bids"], mode, NBr, p["prefix_len"], p["cache_k"].shape[1], dev,
-                                 p.get("dense", False)) if b == "torch" else None for p, (NBr, Nbr) in zip(parts, shapes)]
+                                 p.get("dense", False)) if b == "torch" else None
+                     for p, (NBr, Nbr) in zip(parts, shapes)]
 
             def attend(i, q, k, v):  # per request, over its own keys, in the shapes of its solo round
                 outs = []
@@ -225,6 +232,24 @@ class FusedForwards:
             kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]
             out.append((head, kv[0], kv[1]))
         return out
+
+
+def _layer_ops(lb: str, eps: float) -> tuple:
+    """(norm(x, w), add_norm(x, residual, w) -> (normed, sum), silu_mul(gate, up)) of the layer loop on backend lb,
+    chosen once per forward: the public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`) with their
+    backend, or on "torch" their torch backends' formulas called directly (bitwise the same calls: the wrappers'
+    dispatch cost ~2 us a call, ~20 calls a tiny CPU forward)."""
+    if lb == "torch":
+        norm = functools.partial(torch_rms_norm, eps=eps)
+
+        def add_norm(x, residual, weight):
+            s = x + residual
+            return norm(s, weight), s
+
+        return norm, add_norm, lambda gate, up: F.silu(gate) * up
+    return (lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
+            lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),
+            lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
 
 
 def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax: int, dev, dense: bool = False):

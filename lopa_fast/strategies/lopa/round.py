@@ -237,7 +237,8 @@ def window_inputs(st: dict, T: dict, geo, Nb: int, Rb: int) -> dict:
                 need=r.need, need_flat=r.need.reshape(-1), rows=r.rows)
 
 
-def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats, out=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats,
+                 out=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The round's selection and bookkeeping after its statistics table (`ops.select_round`, one op: scores and the
     winner, the fill, the spawn, the block transitions, the counters and the next plan; writes st). Returns
     (winner 0-d, last_row 0-d: the table row of the winner's raw row u - 1 under the shift, info: the round's
