@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "rope.h"
 #include "select_round.h"
 #include "select_step.h"
 #include "window_inputs.h"
@@ -159,10 +160,22 @@ void window_inputs(const std::vector<uintptr_t>& p, const std::vector<int64_t>& 
   lopa_fast::window_inputs_cpu(a);
 }
 
+// ptrs: q, k, cos, sin, q_out, k_out (float32); dims: B, n, Hq, Hkv, D, q's strides (B, n, head), k's, cos / sin's
+// stride over B (0: one [n, D] table)
+void rope(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
+  if (p.size() != 6 || dims.size() != 12) throw std::invalid_argument("rope_cpu: 6 pointers, 12 dims");
+  lopa_fast::RopeArgs a{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9],
+                        dims[10], dims[11], ptr<const float>(p, 0), ptr<const float>(p, 1), ptr<const float>(p, 2),
+                        ptr<const float>(p, 3), ptr<float>(p, 4), ptr<float>(p, 5)};
+  if (a.D % 2) throw std::invalid_argument("rope_cpu: D must be even");
+  py::gil_scoped_release nogil;
+  lopa_fast::rope_cpu(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step, rope";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
   m.def("plan_round_cpu", &plan_round, py::arg("ptrs"), py::arg("dims"),
@@ -171,4 +184,6 @@ PYBIND11_MODULE(_C, m) {
         "window_inputs on CPU tensors: the data pointers of its 11 inputs and 8 outputs (lopa_fast.ops.window_inputs)");
   m.def("select_step_cpu", &select_step, py::arg("ptrs"), py::arg("dims"),
         "select_step on CPU tensors: the data pointers of its 11 inputs and 5 outputs (lopa_fast.ops.select_step)");
+  m.def("rope_cpu", &rope, py::arg("ptrs"), py::arg("dims"),
+        "rope on float32 CPU tensors: q, k, cos, sin, q_out, k_out and their dims / strides (lopa_fast.ops.rope)");
 }

@@ -273,9 +273,9 @@ def test_rope_window_is_rope_tables_at_those_positions(head_dim):
 
 @pytest.mark.parametrize("kind", ["dream", "llada"])
 def test_dense_forward_is_bitwise_the_masked_one(kind):
-    """dense=True (an eager one-slot round whose window fills its bucket, full attention) skips the torch
-    attention's key mask: the same logits and window K/V bit for bit, over a prefix of 9 committed rows; a
-    block-causal or device-length call keeps its mask (the flag changes nothing there)."""
+    """dense=True (an eager one-slot round whose window fills its bucket) skips the torch attention's key mask under
+    full attention: the same logits and window K/V bit for bit, over a prefix of 9 committed rows; a
+    block-causal call's mask is the block rule alone, a device-length call keeps its mask: the same bits."""
     from lopa_fast.testing import random_model, tiny_hf_config
 
     m = random_model(tiny_hf_config(kind, vocab_size=64), seed=5)

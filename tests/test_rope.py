@@ -70,6 +70,37 @@ def test_rope_heads_is_bitwise_the_reference(dtype, fp32, per_row):
 
 
 @pytest.mark.parametrize("fp32", [False, True], ids=["qwen2", "llada"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row_positions"])
+@pytest.mark.parametrize("shape", [(3, 7, 4, 2, 16), (1, 24, 4, 2, 8), (2, 5, 28, 4, 128), (1, 1, 2, 2, 2)], ids=str)
+def test_cpp_kernel_is_bitwise_the_reference(shape, per_row, fp32):
+    """The C++ kernel (float32, the CPU fast forward's rope when lopa_fast._C is built): bitwise ref.rope on q and
+    k read as slices of a merged q/k/v projection (Dream-7B's 28 / 4 heads of 128 included), extreme values too;
+    an empty window; auto picks it on CPU for float32 only (half types keep the torch backend; asked explicitly,
+    they are refused by name)."""
+    from lopa_fast.ops import _backend
+
+    B, n, Hq, Hkv, D = shape
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(B, n, Hq + 2 * Hkv, D, generator=g) * 30
+    qkv[0, 0, 0, :2] = torch.tensor([-0.0, 3.4e38])
+    pos = torch.arange(B * n).reshape(B, n) * 997 if per_row else torch.arange(n) + 4093
+    cos, sin = ref.rope_cos_sin(pos, D, THETA)
+    q, k = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv]
+    want = ref.rope(q, k, cos, sin, fp32)
+    got = ops.rope(q, k, cos, sin, fp32, backend="cpp")
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and a.shape == b.shape and torch.equal(a, b)
+    empty = ops.rope(q[:, :0], k[:, :0], cos[..., :0, :], sin[..., :0, :], fp32, backend="cpp")
+    assert empty[0].shape == (B, 0, Hq, D) and empty[1].shape == (B, 0, Hkv, D)
+    assert _backend.resolve("rope", None, torch.device("cpu")) == "cpp"
+    half = ops.rope(q.bfloat16(), k.bfloat16(), cos, sin, fp32)  # auto: the torch backend
+    torch.testing.assert_close(half[0], ref.rope(q.bfloat16(), k.bfloat16(), cos, sin, fp32)[0], rtol=0, atol=0,
+                               equal_nan=True)  # (3.4e38 is inf in bfloat16)
+    with pytest.raises(TypeError, match="backend='cpp'; allowed: float32"):
+        ops.rope(q.bfloat16(), k.bfloat16(), cos, sin, fp32, backend="cpp")
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["qwen2", "llada"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_kernel_matches_reference(dtype, fp32):
     B, n, Hq, Hkv, D = 2, 5, 3, 1, 12  # 3 / 1 heads and D/2 = 6: ragged tiles

@@ -55,8 +55,9 @@ class FusedForwards:
         layer's formulas), and attention masks built once per forward instead of once per layer.
         output: "logits" (the raw logits [R, V]) or "hidden" (the final-normed rows [R, H], for a caller that
         applies the head itself: the fused `ops.head_confidence`, which never materialises [R, V]).
-        dense: the caller knows every row's window spans all n columns (win_lens all n) under mask "full": with a
-        host-int cache_len the torch attention then runs without a key mask (`_torch_keys`).
+        dense: the caller knows every row's window spans all n columns (win_lens all n): under mask "full" with a
+        host-int cache_len the torch attention then runs without a key mask, under "block_causal" its mask is the
+        block rule alone (`_torch_keys`).
         Returns (raw logits [R, V] (or the hidden rows), window keys and values [num_layers, B, n, Hkv, D],
         post-RoPE).
         """
@@ -104,14 +105,20 @@ class FusedForwards:
         ks, vs = [], []
         # the torch backend rotates q and k together from a table built once per forward (`rope_heads`: 7 ops a layer
         # instead of 14, bitwise the reference's rope)
-        rot = rope_rotation(cos, sin, h.dtype, self.rope_in_fp32) if lb == "torch" else None
+        # on CPU with lopa_fast._C, float32 and eager: the C++ rope (one call a layer, bitwise the same values)
+        rope_cpp = (lb == "torch" and h.dtype == torch.float32 and not torch.compiler.is_compiling()
+                    and ops_backend.resolve("rope", None, h.device) == "cpp")
+        rot = rope_rotation(cos, sin, h.dtype, self.rope_in_fp32) if lb == "torch" and not rope_cpp else None
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
         norm, add_norm, silu_mul = _layer_ops(lb, eps)
         x = norm(h, layers[0].attn_norm)
         for i, w in enumerate(layers):
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
-            if rot is not None:  # a contiguous q, as the reference's rope returns it (the attention's layout); k is
+            if rope_cpp:
+                q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32, check=False,
+                                backend="cpp")
+            elif rot is not None:  # a contiguous q, as the reference's rope returns it (the attention's layout); k is
                 # copied by the attention's concatenation and the stack below anyway
                 q, k = rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2)
                 q = q.contiguous()
@@ -256,9 +263,11 @@ def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax:
     """The torch attention's key mask (`sdpa_mask`), or None when every key is visible: full attention, no window
     padding (dense, or win_lens None: every row's window is all n columns) and a host-int prefix (its rows sliced
     exactly). SDPA without a mask is bitwise SDPA with an all-True one (a 0 added to every score: measured) and
-    skips ~11 ops a forward."""
+    skips ~11 ops a forward. dense under block_causal: the mask is the block rule alone."""
     if mode == "full" and (dense or win_lens is None) and not torch.is_tensor(cache_len):
         return None
+    if dense and mode == "block_causal":  # no padding keys: window_key_mask's block rule alone (1 op instead of ~8)
+        return sdpa_mask(block_ids[:, None, :] <= block_ids[:, :, None], cache_len, lmax)
     return sdpa_mask(window_key_mask(n, win_lens, block_ids, mode, B, dev), cache_len, lmax)
 
 

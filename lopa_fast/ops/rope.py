@@ -76,18 +76,42 @@ def rope(
     e.g. slices of a merged qkv projection) with cos, sin fp32 [n, D] or [B, n, D] from rope_cos_sin.
     fp32=False: Qwen2 (cos/sin cast to the dtype, rotate in the dtype); fp32=True: LLaDA (rotate in fp32,
     cast back). Returns (q_rot, k_rot) in q's dtype.
-    backend: None (auto: triton on CUDA, torch on CPU) | "triton" | "torch" (the reference twin, bitwise
-    the model's formula). The Triton kernel performs the same roundings in the same order (no FMA)."""
+    backend: None (auto: triton on CUDA; on CPU `cpp` for float32 when lopa_fast._C is built, else torch) |
+    "triton" | "cpp" (float32 only) | "torch" (the reference twin, bitwise the model's formula). The Triton and C++
+    kernels perform the same roundings in the same order (no FMA): bitwise too."""
     if check:
         _check(q, k, cos, sin, fp32)
     b = _backend.resolve("rope", backend, q.device)
+    if b == "cpp" and (q.dtype != torch.float32 or cos.dtype != torch.float32):
+        if backend not in (None, "auto"):
+            raise TypeError(f"rope: q.dtype={q.dtype}, cos.dtype={cos.dtype} on backend='cpp'; allowed: float32")
+        b = "torch"  # auto: the C++ kernel is float32 only
     if b == "torch":
         return ref.rope(q, k, cos, sin, fp32)
+    if b == "cpp":
+        return _run_cpp(q, k, cos, sin)
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"rope: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
     if b == "cuda":
         return _backend.kernel("rope", b)(q, k, cos, sin, fp32)
     return torch.ops.lopa_fast.triton_rope(q, k, cos, sin, bool(fp32))
+
+
+def _run_cpp(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ kernel (lopa_fast._C.rope_cpu, float32): q and k read through their strides, written as fresh
+    contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us of kernel)."""
+    B, n, Hq, D = q.shape
+    Hkv = k.shape[2]
+    q_out = torch.empty((B, n, Hq, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((B, n, Hkv, D), dtype=q.dtype, device=q.device)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qs, ks = q.stride(), k.stride()
+    _backend.cpp_module().rope_cpu(
+        [q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr()],
+        [B, n, Hq, Hkv, D, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], n * D if cos.dim() == 3 else 0])
+    return q_out, k_out
 
 
 # ------------------------------------------------------------------------------ the torch backend, per forward

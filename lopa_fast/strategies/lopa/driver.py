@@ -166,9 +166,9 @@ class FastDecoder:
         head = self.head
         w["n_real"] = head.rows  # the LM-head rows the round needs (host int: the guard's lean form)
         w["span"] = (head.start, head.commit_len)  # the commit: (cache_len = the window start, u), host ints
-        # one slot whose window fills the bucket under full attention: every key visible (the torch attention's mask
-        # is skipped)
-        w["dense"] = self.geo.NB == 1 and head.width == Nb and self.geo.mode == "full"
+        # one slot whose window fills the bucket: no padding key (the torch attention's mask is skipped under full
+        # attention, the block rule alone under block-causal)
+        w["dense"] = self.geo.NB == 1 and head.width == Nb
         return w
 
     def forward_args(self, w: dict) -> dict:
