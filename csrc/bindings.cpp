@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "rms_norm.h"
 #include "rope.h"
 #include "select_round.h"
 #include "select_step.h"
@@ -172,10 +173,20 @@ void rope(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims) {
   lopa_fast::rope_cpu(a);
 }
 
+// ptrs: x, residual (0: none), weight, out, sum (0: none) (float32, contiguous); dims: rows, H; eps
+void rms_norm(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims, double eps) {
+  if (p.size() != 5 || dims.size() != 2) throw std::invalid_argument("rms_norm_cpu: 5 pointers, 2 dims");
+  if ((p[1] == 0) != (p[4] == 0)) throw std::invalid_argument("rms_norm_cpu: residual and sum go together");
+  lopa_fast::RmsNormArgs a{dims[0], dims[1], eps, ptr<const float>(p, 0), ptr<const float>(p, 1),
+                           ptr<const float>(p, 2), ptr<float>(p, 3), ptr<float>(p, 4)};
+  py::gil_scoped_release nogil;
+  lopa_fast::rms_norm_cpu(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step, rope";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step, rope, rms_norm";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
   m.def("plan_round_cpu", &plan_round, py::arg("ptrs"), py::arg("dims"),
@@ -186,4 +197,7 @@ PYBIND11_MODULE(_C, m) {
         "select_step on CPU tensors: the data pointers of its 11 inputs and 5 outputs (lopa_fast.ops.select_step)");
   m.def("rope_cpu", &rope, py::arg("ptrs"), py::arg("dims"),
         "rope on float32 CPU tensors: q, k, cos, sin, q_out, k_out and their dims / strides (lopa_fast.ops.rope)");
+  m.def("rms_norm_cpu", &rms_norm, py::arg("ptrs"), py::arg("dims"), py::arg("eps"),
+        "rms_norm / add_rms_norm on float32 CPU tensors: x, residual, weight, out, sum (0: none), rows, H, eps "
+        "(lopa_fast.ops.rms_norm)");
 }

@@ -36,14 +36,14 @@ def test_the_extension_is_built_and_loaded_from_the_package():
 def test_auto_picks_cpp_on_cpu_for_its_ops_only():
     cpu = torch.device("cpu")
     assert _backend.resolve("select_round", None, cpu) == "cpp"
-    assert _backend.resolve("rms_norm", None, cpu) == "torch"  # no C++ kernel: its torch backend
+    assert _backend.resolve("silu_mul", None, cpu) == "torch"  # no C++ kernel: its torch backend
 
 
 def test_the_environment_backend_applies_to_the_ops_that_have_it(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv(_backend.ENV, "cpp")
     assert _backend.resolve("select_round", None, cpu) == "cpp"
-    assert _backend.resolve("rms_norm", None, cpu) == "torch"
+    assert _backend.resolve("silu_mul", None, cpu) == "torch"
     monkeypatch.setenv(_backend.ENV, "torch")
     assert _backend.resolve("select_round", None, cpu) == "torch"
 

@@ -122,3 +122,30 @@ def test_rms_norm_dream_shape_gpu():
         normed, s = ops.add_rms_norm(x, r, w, EPS)
         assert torch.equal(s, x + r)
         _close(normed, ref.rms_norm(x + r, w, EPS))
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 32), (5, 896), (2, 3, 4096), (4, 13, 100), (3, 7)], ids=str)
+def test_cpp_kernel_is_the_formula_within_two_ulp(shape):
+    """The C++ kernel (float32, the CPU fast forward's norms when lopa_fast._C is built): the residual sum bitwise
+    torch's add, the normed rows within 2 ulp of the model's formula (only mean(x^2)'s summation order differs:
+    accumulated in double), on the widths of the tiny models, Qwen2.5-0.5B, Dream-7B and odd ones; strided inputs
+    are copied first; auto picks it for float32 only, half types keep the torch backend and are refused by name."""
+    from lopa_fast.ops import _backend
+
+    x, r, w = (t.cpu() for t in _inputs(shape, torch.float32))  # a CPU kernel, whatever the suite's device
+    for eps in (EPS, 1e-5):
+        want = transformer.rms_norm(x, w, eps)
+        got = ops.rms_norm(x, w, eps, backend="cpp")
+        torch.testing.assert_close(got, want, rtol=2.5e-7, atol=2.5e-7)
+        normed, s = ops.add_rms_norm(x, r, w, eps, backend="cpp")
+        assert torch.equal(s, x + r) and s.is_contiguous() and normed.is_contiguous()
+        torch.testing.assert_close(normed, transformer.rms_norm(x + r, w, eps), rtol=2.5e-7, atol=2.5e-7)
+    if len(shape) == 3:  # a strided view (every other row): copied, the same rows
+        torch.testing.assert_close(ops.rms_norm(x[:, ::2], w, EPS, backend="cpp"),
+                                   transformer.rms_norm(x[:, ::2], w, EPS), rtol=2.5e-7, atol=2.5e-7)
+    cpu = torch.device("cpu")
+    assert _backend.resolve("rms_norm", None, cpu) == "cpp" and _backend.resolve("add_rms_norm", None, cpu) == "cpp"
+    xh, rh, wh = (t.cpu() for t in _inputs(shape, torch.bfloat16))
+    assert torch.equal(ops.rms_norm(xh, wh, EPS), transformer.rms_norm(xh, wh, EPS))  # auto: the torch backend
+    with pytest.raises(TypeError, match="backend='cpp'; allowed: float32"):
+        ops.add_rms_norm(xh, rh, wh, EPS, backend="cpp")

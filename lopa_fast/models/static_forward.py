@@ -18,7 +18,7 @@ from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask
-from lopa_fast.ops.rms_norm import torch_rms_norm
+from lopa_fast.ops.rms_norm import rms_norm_cpp, torch_rms_norm
 from lopa_fast.ops.rope import rope_heads, rope_rotation
 
 
@@ -65,7 +65,7 @@ class FusedForwards:
         B, n = tokens.shape
         dev = tokens.device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)  # layer ops
+        lb = _layer_backend(b, dev)
         eps = cfg.rms_norm_eps
         if isinstance(start, int):  # an eager round: slices of the model's table
             cos, sin = self.rope_window(start, n, dev)
@@ -83,7 +83,7 @@ class FusedForwards:
 
         h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
         h = h.reshape(B * n, -1).index_select(0, rows)
-        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=lb)
+        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=None if lb == "torch" else lb)
         return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
     def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend) -> tuple:
@@ -111,7 +111,7 @@ class FusedForwards:
         rot = rope_rotation(cos, sin, h.dtype, self.rope_in_fp32) if lb == "torch" and not rope_cpp else None
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
-        norm, add_norm, silu_mul = _layer_ops(lb, eps)
+        norm, add_norm, silu_mul = _layer_ops(lb, eps, h.dtype, h.device)
         x = norm(h, layers[0].attn_norm)
         for i, w in enumerate(layers):
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
@@ -179,7 +179,7 @@ class FusedForwards:
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = b if b in ("torch", "triton") else ops_backend.resolve("rms_norm", None, dev)
+        lb = _layer_backend(b, dev)
         eps = cfg.rms_norm_eps
         shapes = [tuple(p["tokens"].shape) for p in parts]  # (NB_r, Nb_r)
         offs, o = [], 0
@@ -224,7 +224,7 @@ class FusedForwards:
         h, K, V = self._fused_stack(h, cos, sin, lb, attend)  # K, V: [layers, 1, T, Hkv, D]
         # the LM-head rows of every request: its flat rows, offset to its packed block
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-        hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=lb)
+        hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=None if lb == "torch" else lb)
         hidden = [p.get("output", "logits") == "hidden" for p in parts]
         rows = hs.split([p["rows"].shape[0] for p in parts])  # per request
         # the logits parts' rows in ONE head GEMM (all of hs when no part asks for hidden rows), the hidden parts'
@@ -241,11 +241,25 @@ class FusedForwards:
         return out
 
 
-def _layer_ops(lb: str, eps: float) -> tuple:
+def _layer_backend(b: str, dev) -> str:
+    """The layer ops' backend beside attention backend b: b itself for torch / triton, else the norms' auto choice
+    ("torch" for the CPU forms: `_layer_ops` picks the C++ norms itself)."""
+    if b in ("torch", "triton"):
+        return b
+    lb = ops_backend.resolve("rms_norm", None, dev)
+    return "torch" if lb == "cpp" else lb
+
+
+def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev) -> tuple:
     """(norm(x, w), add_norm(x, residual, w) -> (normed, sum), silu_mul(gate, up)) of the layer loop on backend lb,
     chosen once per forward: the public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`) with their
-    backend, or on "torch" their torch backends' formulas called directly (bitwise the same calls: the wrappers'
-    dispatch cost ~2 us a call, ~20 calls a tiny CPU forward)."""
+    backend, or on "torch" their CPU forms called directly (the wrappers' dispatch cost ~2 us a call, ~20 calls a
+    tiny CPU forward): float32 and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops:
+    ~17 -> ~5 us; within ~2 ulp of the formula, `rms_norm_cpp`), else the torch formulas (bitwise)."""
+    if lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
+            ops_backend.resolve("rms_norm", None, dev) == "cpp":
+        return (lambda x, w: rms_norm_cpp(x, None, w, eps)[0], lambda x, r, w: rms_norm_cpp(x, r, w, eps),
+                lambda gate, up: F.silu(gate) * up)
     if lb == "torch":
         norm = functools.partial(torch_rms_norm, eps=eps)
 

@@ -53,6 +53,37 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return ref.rms_norm(x, weight, eps)
 
 
+def _cpp_or_torch(op: str, b: str, asked, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The C++ kernel is float32 and eager only: auto moves other dtypes (and a call being compiled: the kernel is
+    not a traceable op) to the torch backend; asked for by name, refused."""
+    if b == "cpp" and asked in (None, "auto") and torch.compiler.is_compiling():
+        return "torch"
+    if b == "cpp" and (x.dtype != torch.float32 or weight.dtype != torch.float32):
+        if asked not in (None, "auto"):
+            raise TypeError(f"{op}: x.dtype={x.dtype}, weight.dtype={weight.dtype} on backend='cpp'; allowed: float32")
+        return "torch"
+    return b
+
+
+def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The C++ kernel (lopa_fast._C.rms_norm_cpu, float32, csrc/rms_norm_cpu.cpp): (rms_norm(x + residual), x +
+    residual) in one pass a row, or (rms_norm(x), None) without a residual; fresh contiguous outputs. Within ~2 ulp
+    of the torch formula (mean(x^2) summed in another order), not bitwise."""
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    H = x.shape[-1]
+    if residual is None:
+        _backend.cpp_module().rms_norm_cpu([x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0],
+                                           [x.numel() // max(H, 1), H], float(eps))
+        return out, None
+    residual = residual if residual.is_contiguous() else residual.contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                        s.data_ptr()], [x.numel() // max(H, 1), H], float(eps))
+    return out, s
+
+
 def _kernel_dtype(op, b, x):
     if x.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"{op}: x.dtype={x.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
@@ -63,13 +94,16 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm of x [..., H] (last dim contiguous) with weight [H] (x.dtype), HF order: in fp32
     x * rsqrt(mean(x^2) + eps), cast to x.dtype, then times weight in x.dtype. Returns [..., H] in x.dtype.
-    backend: None (auto: triton on CUDA, torch on CPU) | "triton" | "torch" (the reference twin, bitwise
-    the model's formula). The Triton kernel differs only in the fp32 sum order of mean(x^2)."""
+    backend: None (auto: triton on CUDA; on CPU `cpp` for float32 when lopa_fast._C is built, else torch) |
+    "triton" | "cpp" (float32) | "torch" (the reference twin, bitwise the model's formula). The Triton and C++
+    kernels differ only in the sum order of mean(x^2)."""
     if check:
         _check("rms_norm", x, weight, eps)
-    b = _backend.resolve("rms_norm", backend, x.device)
+    b = _cpp_or_torch("rms_norm", _backend.resolve("rms_norm", backend, x.device), backend, x, weight)
     if b == "torch":
         return torch_rms_norm(x, weight, eps)
+    if b == "cpp":
+        return rms_norm_cpp(x, None, weight, eps)[0]
     _kernel_dtype("rms_norm", b, x)
     if b == "cuda":
         return _backend.kernel("rms_norm", b)(x, weight, eps)
@@ -89,10 +123,12 @@ def add_rms_norm(
     bitwise the add followed by rms_norm on the torch backend; one read of x and residual on Triton."""
     if check:
         _check("add_rms_norm", x, weight, eps, residual)
-    b = _backend.resolve("add_rms_norm", backend, x.device)
+    b = _cpp_or_torch("add_rms_norm", _backend.resolve("add_rms_norm", backend, x.device), backend, x, weight)
     if b == "torch":
         s = x + residual  # ref.add_rms_norm's add
         return torch_rms_norm(s, weight, eps), s
+    if b == "cpp":
+        return rms_norm_cpp(x, residual, weight, eps)
     _kernel_dtype("add_rms_norm", b, x)
     if b == "cuda":
         return _backend.kernel("add_rms_norm", b)(x, residual, weight, eps)
