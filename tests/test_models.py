@@ -275,7 +275,9 @@ def test_rope_window_is_rope_tables_at_those_positions(head_dim):
 def test_dense_forward_is_bitwise_the_masked_one(kind):
     """dense=True (an eager one-slot round whose window fills its bucket) skips the torch attention's key mask under
     full attention: the same logits and window K/V bit for bit, over a prefix of 9 committed rows; a
-    block-causal call's mask is the block rule alone, a device-length call keeps its mask: the same bits."""
+    block-causal call's mask is the block rule alone, a device-length call keeps its mask: the same bits. With a
+    host-int prefix the window's K/V go into the cache rows after it and attention reads them there (no copy of the
+    prefix): the same bits again, the prefix rows untouched."""
     from lopa_fast.testing import random_model, tiny_hf_config
 
     m = random_model(tiny_hf_config(kind, vocab_size=64), seed=5)
@@ -289,5 +291,10 @@ def test_dense_forward_is_bitwise_the_masked_one(kind):
                              ("full", None, torch.tensor(9))]:
         args = (ids, 9, ck, cv, clen, torch.full((1,), 8), bids, mode, rows)
         want = m.forward_static(*args, attn_backend="torch")
+        before = ck.clone(), cv.clone()
         got = m.forward_static(*args, attn_backend="torch", dense=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), mode
+        # a host-int prefix: the window's K/V were written after it (`in_cache`), the prefix rows untouched
+        assert torch.equal(ck[:, :9], before[0][:, :9]) and torch.equal(cv[:, :9], before[1][:, :9])
+        if isinstance(clen, int):
+            assert torch.equal(ck[:, 9:17], want[1][:, 0]) and torch.equal(cv[:, 9:17], want[2][:, 0])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
-from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask
+from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask, window_in_cache_sdpa
 from lopa_fast.ops.rms_norm import rms_norm_cpp, torch_rms_norm
 from lopa_fast.ops.rope import rope_heads, rope_rotation
 
@@ -45,7 +45,8 @@ class FusedForwards:
 
         tokens [B, n] at positions start + arange(n) (start: 0-d long tensor, or an int); the committed prefix is
         cache_k/v [num_layers, Lc, Hkv, D] rows [0, cache_len) (cache_len: 0-d long tensor, or an int when
-        the caller knows it on the host; the buffers are read, never written here); win_lens [B] valid
+        the caller knows it on the host; rows [0, cache_len) are never written here: only one dense row over a
+        host-int prefix writes its window into rows [cache_len, cache_len + n), `in_cache` below); win_lens [B] valid
         window lengths; block_ids [B, n] for block_causal; rows [R] flat row indices that get the LM head.
         No host read, no input check (callers validate once per request), so the call can be captured as a
         CUDA graph or compiled with fullgraph=True.
@@ -73,24 +74,38 @@ class FusedForwards:
             cos, sin = self.rope_tables(start + torch.arange(n, device=dev))
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
             keys = _torch_keys(n, win_lens, block_ids, mask, B, cache_len, cache_k.shape[1], dev, dense)
+        # one dense row over a host-int prefix (an eager D2F / LoPA k = 1 round): the window's K/V are written into the
+        # cache rows after the prefix, [cache_len, cache_len + n), and attention reads the cache's first cache_len + n
+        # rows (the same keys as the concatenation, bitwise, without copying the prefix every layer); the returned
+        # K/V are views of those rows, so the commit of the first u of them has nothing left to copy. Rows past the
+        # committed ones are never read (the next prefix length slices them off) and are overwritten next round.
+        end = cache_len + n if isinstance(cache_len, int) else None
+        in_cache = b == "torch" and dense and B == 1 and end is not None and end < cache_k.shape[1]
         h = F.embedding(tokens, self.embed_weight())
 
         def attend(i, q, k, v):
+            if in_cache:
+                cache_k[i, cache_len:end].copy_(k[0])
+                cache_v[i, cache_len:end].copy_(v[0])
+                return window_in_cache_sdpa(q, cache_k[i, :end], cache_v[i, :end], keys)
             if b == "torch":
                 return branch_attention_sdpa(q, cache_k[i], cache_v[i], cache_len, k, v, keys)
             return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
                                         check=False, backend=b)
 
-        h, ks, vs = self._fused_stack(h, cos, sin, lb, attend)
+        h, ks, vs = self._fused_stack(h, cos, sin, lb, attend, stack=not in_cache)
+        if in_cache:
+            ks, vs = cache_k[:, cache_len:end].unsqueeze(1), cache_v[:, cache_len:end].unsqueeze(1)
         h = h.reshape(B * n, -1).index_select(0, rows)
         h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=None if lb == "torch" else lb)
         return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
-    def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend) -> tuple:
+    def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend, stack: bool = True) -> tuple:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
         GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
         k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
-        gate/up GEMM, SwiGLU, down. Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE)."""
+        gate/up GEMM, SwiGLU, down. Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None
+        and None with stack=False: the caller's attend kept them)."""
         cfg = self.config
         B, n = h.shape[:2]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -139,7 +154,7 @@ class FusedForwards:
                 x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
                 h = h + down
-        return h, torch.stack(ks), torch.stack(vs)
+        return (h, torch.stack(ks), torch.stack(vs)) if stack else (h, None, None)
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
                          pool: tuple | None = None) -> list[tuple]:

@@ -274,8 +274,10 @@ def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor, span: t
     its head): two slice copies instead of the masked index_copy_ (7 ops -> 3)."""
     if span is not None:
         at, n = span
-        st["cache_k"][:, at : at + n].copy_(k_span[:, :n])
-        st["cache_v"][:, at : at + n].copy_(v_span[:, :n])
+        dst_k, dst_v = st["cache_k"][:, at : at + n], st["cache_v"][:, at : at + n]
+        if k_span.data_ptr() != dst_k.data_ptr():  # (the forward may have written them there already: `in_cache`)
+            dst_k.copy_(k_span[:, :n])
+            dst_v.copy_(v_span[:, :n])
         st["cache_len"] = st["cache_len"] + n
         return
     i = torch.arange(k_span.shape[1], device=k_span.device)
