@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "first_nonfinite.h"
 #include "rms_norm.h"
 #include "rope.h"
 #include "select_round.h"
@@ -183,10 +184,21 @@ void rms_norm(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims,
   lopa_fast::rms_norm_cpu(a);
 }
 
+// ptrs: logits (float32), rows (long), n_real (0-d long, or 0: dims' n_real), temperature (0-d float64, or 0:
+// the float argument), out (0-d long); dims: R, V, row stride, n_real, none, sampling
+void first_nonfinite(const std::vector<uintptr_t>& p, const std::vector<int64_t>& dims, double temperature) {
+  if (p.size() != 5 || dims.size() != 6) throw std::invalid_argument("first_nonfinite_cpu: 5 pointers, 6 dims");
+  lopa_fast::GuardArgs a{dims[0], dims[1], dims[2], dims[3], dims[4], ptr<const float>(p, 0),
+                         ptr<const int64_t>(p, 1), ptr<const int64_t>(p, 2), dims[5] != 0,
+                         static_cast<float>(temperature), ptr<const double>(p, 3), ptr<int64_t>(p, 4)};
+  py::gil_scoped_release nogil;
+  lopa_fast::first_nonfinite_cpu(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step, rope, rms_norm";
+  m.doc() = "lopa_fast's compiled CPU ops (csrc/): select_round, plan_round, window_inputs, select_step, rope, rms_norm, first_nonfinite";
   m.def("select_round_cpu", &select_round, py::arg("ptrs"), py::arg("dims"),
         "select_round on CPU tensors: the data pointers of its 35 inputs and 28 outputs (lopa_fast.ops.select_round)");
   m.def("plan_round_cpu", &plan_round, py::arg("ptrs"), py::arg("dims"),
@@ -200,4 +212,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm_cpu", &rms_norm, py::arg("ptrs"), py::arg("dims"), py::arg("eps"),
         "rms_norm / add_rms_norm on float32 CPU tensors: x, residual, weight, out, sum (0: none), rows, H, eps "
         "(lopa_fast.ops.rms_norm)");
+  m.def("first_nonfinite_cpu", &first_nonfinite, py::arg("ptrs"), py::arg("dims"), py::arg("temperature"),
+        "the D2F / LoPA round's numerics guard on float32 CPU logits (lopa_fast.ops.first_nonfinite)");
 }

@@ -24,7 +24,8 @@ from lopa_fast.kernels.triton._common import is_interpreter as triton_interprete
 
 BACKENDS = ("cuda", "triton", "cpp", "torch")
 # the ops lopa_fast._C implements on CPU tensors (csrc/)
-CPP_OPS = ("select_round", "select_step", "plan_round", "window_inputs", "rope", "rms_norm", "add_rms_norm")
+CPP_OPS = ("select_round", "select_step", "plan_round", "window_inputs", "rope", "rms_norm", "add_rms_norm",
+           "first_nonfinite")
 # an op whose Triton launcher lives in another op's module (kernels/triton/<module>.py)
 TRITON_MODULE = {"add_rms_norm": "rms_norm"}
 # Preference among kernel backends on a CUDA tensor; reorder once both are measured side by side.

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast.reference.attention_modes import window_key_mask
-from lopa_fast.sampling import Confidence, HeadConfidence, softmax_stats
+from lopa_fast.sampling import Confidence, HeadConfidence, chunk_rows, finite_rows, is_on, softmax_stats
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -267,6 +267,33 @@ def rope(
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's elementwise part: silu(gate) * up in the input dtype (gate, up [..., F])."""
     return torch.nn.functional.silu(gate) * up
+
+# ------------------------------------------------------------------------------------- the round's numerics guard
+def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0) -> torch.Tensor:
+    """The D2F / LoPA round's numerics guard (lopa_fast/strategies/lopa/round.py; `ops.first_nonfinite`, whose oracle
+    this is). 0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
+    NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
+    any value > every flat row). In row chunks (`sampling.STATS_CHUNK`): no [Rb, V] temporary."""
+    step = chunk_rows(logits.shape[-1])
+    oks = []
+    for part in (logits,) if logits.shape[0] <= step else logits.split(step):
+        ok = finite_rows(part)
+        if is_on(temperature):
+            ok = ok & finite_rows(part.float() / temperature)
+        oks.append(ok)
+    return first_bad(oks[0] if len(oks) == 1 else torch.cat(oks), rows, n_real, none)
+
+
+def first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
+    """0-d long: rows[r] of the first of the n_real real rows r with ok[r] False, else -1 (`first_nonfinite`).
+    n_real: a 0-d tensor, or a host int (an eager round: when it covers every row, 4 ops instead of 8)."""
+    if isinstance(n_real, int) and n_real >= ok.shape[0]:
+        first = torch.where(ok, none, rows).min()  # rows ascend: the first bad row's flat row, or `none`
+        return torch.where(first < none, first, -1)
+    real = torch.arange(ok.shape[0], device=ok.device) < n_real
+    bad = real & ~ok
+    return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
+
 
 # ------------------------------------------------------------------------------------- the round's selection
 # `select_round`: everything of a D2F / LoPA round after its token statistics (lopa_fast/strategies/lopa/round.py

@@ -34,7 +34,6 @@ from lopa_fast import keyed
 from lopa_fast.strategies.lopa.round_stats import (
     TokenStats,
     first_bad,
-    first_nonfinite,
     fused_head_stats,
     row_keys,
     temperature,
@@ -190,7 +189,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         st["nonfinite"] = first_bad(fused.finite, w["rows"], n_real, geo.NB * Nb)
     else:
         # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
-        st["nonfinite"] = first_nonfinite(logits, w["rows"], n_real, geo.NB * Nb, temperature(T, cfg))
+        st["nonfinite"] = ops.first_nonfinite(logits, w["rows"], n_real, geo.NB * Nb, temperature(T, cfg))
         # stats table row 0 = the stale last_logit (predicts window position 0 under the shift): a table past one
         # statistics chunk is read as its two row blocks (no [Rb + 1, V] copy of the logits); a smaller one is
         # concatenated (one statistics pass, and the next last_logit is then one row of it: ~10 ops a round saved)

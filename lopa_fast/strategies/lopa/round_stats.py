@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lopa_fast import keyed, ops
-from lopa_fast.sampling import NEG_ENTROPY_EPS, chunk_rows, finite_rows, is_on
+from lopa_fast.reference.ops import first_bad, first_nonfinite  # noqa: F401 (the round's guard: its oracle)
+from lopa_fast.sampling import NEG_ENTROPY_EPS, chunk_rows
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
 
@@ -122,28 +123,3 @@ def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tenso
         return F.linear(hidden.index_select(0, (row - 1).clamp(min=0).reshape(1)), head)[0]
 
     return HeadStats(TokenStats(conf, x0, p), hc.finite, last_raw)
-
-
-def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0):
-    """0-d long: the flat window row (rows[r]) of the first of the n_real real logits rows [Rb, V] holding
-    NaN / inf (at T > 0 also: overflowing when divided by T, a float or the tables' 0-d knob), else -1 (none:
-    any value > every flat row). In row chunks (`sampling.STATS_CHUNK`): no [Rb, V] temporary."""
-    step = chunk_rows(logits.shape[-1])
-    oks = []
-    for part in (logits,) if logits.shape[0] <= step else logits.split(step):
-        ok = finite_rows(part)
-        if is_on(temperature):
-            ok = ok & finite_rows(part.float() / temperature)
-        oks.append(ok)
-    return first_bad(oks[0] if len(oks) == 1 else torch.cat(oks), rows, n_real, none)
-
-
-def first_bad(ok: torch.Tensor, rows: torch.Tensor, n_real, none: int) -> torch.Tensor:
-    """0-d long: rows[r] of the first of the n_real real rows r with ok[r] False, else -1 (`first_nonfinite`).
-    n_real: a 0-d tensor, or a host int (an eager round: when it covers every row, 4 ops instead of 8)."""
-    if isinstance(n_real, int) and n_real >= ok.shape[0]:
-        first = torch.where(ok, none, rows).min()  # rows ascend: the first bad row's flat row, or `none`
-        return torch.where(first < none, first, -1)
-    real = torch.arange(ok.shape[0], device=ok.device) < n_real
-    bad = real & ~ok
-    return torch.where(bad.any(), torch.where(bad, rows, none).min(), -1)
