@@ -166,9 +166,10 @@ class FastDecoder:
         head = self.head
         w["n_real"] = head.rows  # the LM-head rows the round needs (host int: the guard's lean form)
         w["span"] = (head.start, head.commit_len)  # the commit: (cache_len = the window start, u), host ints
-        # one slot whose window fills the bucket: no padding key (the torch attention's mask is skipped under full
-        # attention, the block rule alone under block-causal)
-        w["dense"] = self.geo.NB == 1 and head.width == Nb
+        # every slot's window fills the bucket (not ragged: the alive slots' windows are all `width` long, the others
+        # get Nb; width == Nb): no padding key, so the torch attention's mask is skipped under full attention and is
+        # the block rule alone under block-causal
+        w["dense"] = not head.ragged and head.width == Nb
         return w
 
     def forward_args(self, w: dict) -> dict:

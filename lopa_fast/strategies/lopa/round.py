@@ -165,7 +165,7 @@ def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
     cache; start / prefix_len: the window start as a host int eagerly (attention then slices exactly the committed
     rows), st["start"] / st["cache_len"] when compiled. With geo.fused_head the forward returns the final-normed
     rows (output="hidden": `finish_round` applies the fused `ops.head_confidence`), else the logits."""
-    # dense: every row's window spans all Nb columns (an eager one-slot round: the torch attention's mask is lighter)
+    # dense: every row's window spans all Nb columns (an eager round's host fact: the torch attention's mask is lighter)
     return dict(tokens=w["tokens"], start=start, cache_k=st["cache_k"], cache_v=st["cache_v"], prefix_len=prefix_len,
                 win_lens=w["win_lens"], bids=w["block_ids"], rows=w["rows"], dense=w.get("dense", False),
                 output="hidden" if geo.fused_head else "logits")
