@@ -71,14 +71,14 @@ def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     residual) in one pass a row, or (rms_norm(x), None) without a residual; fresh contiguous outputs. Within ~2 ulp
     of the torch formula (mean(x^2) summed in another order), not bitwise."""
     x = x if x.is_contiguous() else x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)  # (x contiguous; empty_like: ~1 us, torch.empty(shape, dtype=, device=): ~3)
     H = x.shape[-1]
     if residual is None:
         _backend.cpp_module().rms_norm_cpu([x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0],
                                            [x.numel() // max(H, 1), H], float(eps))
         return out, None
     residual = residual if residual.is_contiguous() else residual.contiguous()
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(x)
     _backend.cpp_module().rms_norm_cpu([x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                         s.data_ptr()], [x.numel() // max(H, 1), H], float(eps))
     return out, s

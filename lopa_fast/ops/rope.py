@@ -103,8 +103,8 @@ def _run_cpp(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us of kernel)."""
     B, n, Hq, D = q.shape
     Hkv = k.shape[2]
-    q_out = torch.empty((B, n, Hq, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((B, n, Hkv, D), dtype=q.dtype, device=q.device)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (empty_like: ~1 us, empty(shape, ...): ~3)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
     qs, ks = q.stride(), k.stride()
