@@ -194,15 +194,15 @@ def sdpa_mask(vis: torch.Tensor, cache_len, lmax: int) -> torch.Tensor:
 
 def window_in_cache_sdpa(q, k, v, mask, scale=None) -> torch.Tensor:
     """`branch_attention_sdpa` for one row (B = 1) whose window K/V already sit in the cache after the prefix: k, v
-    [cache_len + n, Hkv, D] (the cache's first rows), mask None or [1, 1, n, cache_len + n]. The same SDPA call on
-    the same keys in the same layout as the concatenation's (bitwise), without copying the prefix.
-    Returns o [1, n, Hq, D] in q.dtype."""
+    [1, Hkv, cache_len + n, D] (the cache's first rows as SDPA reads them: `cache[:, None].transpose(1, 2)` views),
+    mask None or [1, 1, n, cache_len + n]. The same SDPA call on the same keys in the same layout as the
+    concatenation's (bitwise), without copying the prefix. Returns o [1, n, Hq, D] in q.dtype."""
     Hq = q.shape[2]
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    up = (lambda t: t) if q.dtype == cdt else (lambda t: t.to(cdt))
-    o = F.scaled_dot_product_attention(up(q).transpose(1, 2), up(k)[None].transpose(1, 2), up(v)[None].transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != Hq).transpose(1, 2)
-    return o if q.dtype == cdt else o.to(q.dtype)
+    if q.dtype != torch.promote_types(q.dtype, torch.float32):  # half types: in float32, as branch_attention_sdpa
+        o = window_in_cache_sdpa(q.float(), k.float(), v.float(), mask, scale)
+        return o.to(q.dtype)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=k.shape[1] != Hq).transpose(1, 2)
 
 
 def branch_attention_sdpa(q, k_cache, v_cache, cache_len, k_win, v_win, mask, scale=None) -> torch.Tensor:
