@@ -209,3 +209,17 @@ def test_trace_matches_reference():
         # the fast path's attention is SDPA, the reference's the split formula: scores agree within rounding (~3e-6
         # measured), not bitwise (docs/fast_decoder.md "Parity"); the winner and every token are exact
         assert [b["score"] for b in r["branches"]] == pytest.approx([b["score"] for b in f["branches"]], abs=2e-5)
+
+
+def test_parity_on_the_torch_layer_ops(monkeypatch):
+    """LOPA_FAST_BACKEND=torch (what an install without lopa_fast._C runs): the fast path's layer ops are the torch
+    formulas (rms_norm / rope / the guard: no C++ call) and its tokens still equal the reference's on a quarter of
+    the CI subset (the C++ norms are within 2 ulp of the formula, so both paths are gated)."""
+    from lopa_fast.ops import _backend
+
+    monkeypatch.setenv("LOPA_FAST_BACKEND", "torch")
+    called = []
+    real = _backend.cpp_module()
+    monkeypatch.setattr(_backend, "cpp_module", lambda: called.append(1) or real)
+    check_cases(ci_subset()[::4])
+    assert not called, "a C++ op ran under LOPA_FAST_BACKEND=torch"
