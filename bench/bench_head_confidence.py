@@ -3,7 +3,7 @@ peak memory above the inputs and time per call, on the CPU (fp32; the torch back
 backend that loads).
 
     unfused       F.linear(hidden, weight) -> [R, V] logits, then ops.confidence and the finite check (the round
-                  without the fused head: round.first_nonfinite + round.token_stats)
+                  without the fused head: ops.first_nonfinite + round.token_stats)
     fused         ops.head_confidence(hidden, weight, mask id, entropy=False): the default / margin strategies
     fused+entropy ops.head_confidence(..., entropy=True): neg_entropy (a second pass over the head)
 

@@ -378,12 +378,13 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "add_rms_norm", _norm_wrapper(rounds)))  # the fused layer's residual norms
+        es.enter_context(_patched(sf, "rms_norm_cpp", _norm_wrapper(rounds)))  # the CPU forward's C++ norms
         es.enter_context(_patched(sf, "branch_attention_sdpa", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(ops, "branch_attention", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))
         # the fast round: statistics; the round scope and the head read
         es.enter_context(_patched(rnd, "token_stats", _stage_wrapper(rounds, "stats")))
-        es.enter_context(_patched(rnd, "first_nonfinite", _stage_wrapper(rounds, "stats")))
+        es.enter_context(_patched(ops, "first_nonfinite", _stage_wrapper(rounds, "stats")))
         es.enter_context(_patched(driver, "round_scope", lambda fn: fast_round_scope))  # begin's plan + read
         es.enter_context(_patched(batch, "round_scope", lambda fn: fast_round_scope))  # the one loop's rounds
         es.enter_context(_patched(driver.FastDecoder, "_read_head", read_head_factory))
@@ -556,6 +557,9 @@ def kernel_bodies_in_torch():
                 es.enter_context(_patched(mod, name, lambda orig, fn=fn: fn))
         es.enter_context(_patched(ops_pkg, "select_round", select_round_one_op))
         es.enter_context(_patched(ops_pkg, "window_inputs", window_inputs_one_op))
+        # the numerics guard has no GPU kernel: a GPU round runs its torch ops (the C++ one would be invisible here)
+        es.enter_context(_patched(ops_pkg, "first_nonfinite",
+                                  lambda orig: lambda *a, backend=None, **kw: orig(*a, backend="torch", **kw)))
         yield
 
 

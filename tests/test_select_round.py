@@ -206,7 +206,7 @@ def _on_cuda_emulation(monkeypatch) -> list[int]:
     emu, n = emulator(("select_round",)), [0]
     public = importlib.import_module("lopa_fast.ops.select_round")  # the module (lopa_fast.ops re-exports the op)
 
-    def via_kernel(*args, check=True, backend=None, **kw):
+    def via_kernel(*args, check=True, backend=None, out=None, **kw):  # (out: a CPU workspace; the kernel allocates)
         if check:
             public._check(args, kw["bs"], kw["mask_id"], kw["eos_id"], kw["n_look"])
         n[0] += 1

@@ -294,9 +294,10 @@ def differing_fields(a, b) -> list[str]:
     return bad
 
 
-def record_calls(op: str, run, keep=lambda calls: True, drop=("check", "backend")) -> list[tuple[tuple, dict]]:
-    """The calls `run()` makes to lopa_fast.ops.<op>, each (its tensor arguments cloned, its keywords but `drop`),
-    those `keep(calls so far)` admits; the op itself runs as usual. The benches and parity tests replay them."""
+def record_calls(op: str, run, keep=lambda calls: True, drop=("check", "backend", "out")) -> list[tuple[tuple, dict]]:
+    """The calls `run()` makes to lopa_fast.ops.<op>, each (its tensor arguments cloned, its keywords but `drop`: the
+    dispatch choices and a caller's output workspace), those `keep(calls so far)` admits; the op itself runs as
+    usual. The benches and parity tests replay them."""
     from lopa_fast import ops
 
     calls, real = [], getattr(ops, op)
