@@ -77,6 +77,23 @@ def named_tensors(op: str, names: tuple, args: tuple) -> dict:
     return dict(zip(names, args))
 
 
+def float32_cpp(op: str, b: str, asked, *tensors: torch.Tensor) -> str:
+    """The backend to run for the float32-only, eager-only C++ layer kernels (rope, rms_norm / add_rms_norm,
+    first_nonfinite), given `resolve`'s choice b for `asked`: auto moves a call being compiled (the kernels take raw
+    pointers: not traceable) or other dtypes to "torch"; asked for by name, other dtypes are refused naming them."""
+    if b != "cpp":
+        return b
+    auto = asked in (None, "auto")
+    if auto and torch.compiler.is_compiling():
+        return "torch"
+    if any(t.dtype != torch.float32 for t in tensors):
+        if not auto:
+            dtypes = ", ".join(str(t.dtype) for t in tensors)
+            raise TypeError(f"{op}: dtypes {dtypes} on backend='cpp'; allowed: float32")
+        return "torch"
+    return b
+
+
 def cpp_module():
     """lopa_fast._C (the C++ CPU ops, built at install), or None when this install has none: logged once per
     process, naming why (setup.py printed the compiler's failure at install)."""

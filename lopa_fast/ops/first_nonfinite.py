@@ -22,12 +22,8 @@ def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int,
     by the kernel, no host read); none: a value above every flat row. No input check (the round's own tensors).
     backend: None (auto: `cpp` for float32 CPU logits when lopa_fast._C is built and not compiling, else torch) |
     "cpp" | "torch"."""
-    b = _backend.resolve("first_nonfinite", backend, logits.device)
-    if b == "cpp" and (logits.dtype != torch.float32 or torch.compiler.is_compiling()):
-        if backend not in (None, "auto"):
-            raise TypeError(f"first_nonfinite: logits.dtype={logits.dtype} on backend='cpp'; allowed: float32, "
-                            "eager")
-        b = "torch"
+    b = _backend.float32_cpp("first_nonfinite", _backend.resolve("first_nonfinite", backend, logits.device), backend,
+                             logits)
     if b != "cpp":
         return ref.first_nonfinite(logits, rows, n_real, none, temperature)
     if logits.dim() != 2 or logits.stride(-1) != 1 or rows.dtype != torch.long or not rows.is_contiguous():

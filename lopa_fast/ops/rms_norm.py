@@ -53,18 +53,6 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return ref.rms_norm(x, weight, eps)
 
 
-def _cpp_or_torch(op: str, b: str, asked, x: torch.Tensor, weight: torch.Tensor) -> str:
-    """The C++ kernel is float32 and eager only: auto moves other dtypes (and a call being compiled: the kernel is
-    not a traceable op) to the torch backend; asked for by name, refused."""
-    if b == "cpp" and asked in (None, "auto") and torch.compiler.is_compiling():
-        return "torch"
-    if b == "cpp" and (x.dtype != torch.float32 or weight.dtype != torch.float32):
-        if asked not in (None, "auto"):
-            raise TypeError(f"{op}: x.dtype={x.dtype}, weight.dtype={weight.dtype} on backend='cpp'; allowed: float32")
-        return "torch"
-    return b
-
-
 def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The C++ kernel (lopa_fast._C.rms_norm_cpu, float32, csrc/rms_norm_cpu.cpp): (rms_norm(x + residual), x +
@@ -72,15 +60,14 @@ def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     of the torch formula (mean(x^2) summed in another order), not bitwise."""
     x = x if x.is_contiguous() else x.contiguous()
     out = torch.empty_like(x)  # (x contiguous; empty_like: ~1 us, torch.empty(shape, dtype=, device=): ~3)
+    s = None
+    if residual is not None:
+        residual = residual if residual.is_contiguous() else residual.contiguous()
+        s = torch.empty_like(x)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731  (0: no residual, no sum)
     H = x.shape[-1]
-    if residual is None:
-        _backend.cpp_module().rms_norm_cpu([x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0],
-                                           [x.numel() // max(H, 1), H], float(eps))
-        return out, None
-    residual = residual if residual.is_contiguous() else residual.contiguous()
-    s = torch.empty_like(x)
-    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                        s.data_ptr()], [x.numel() // max(H, 1), H], float(eps))
+    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), ptr(residual), weight.data_ptr(), out.data_ptr(), ptr(s)],
+                                       [x.numel() // max(H, 1), H], float(eps))
     return out, s
 
 
@@ -99,7 +86,7 @@ def rms_norm(
     kernels differ only in the sum order of mean(x^2)."""
     if check:
         _check("rms_norm", x, weight, eps)
-    b = _cpp_or_torch("rms_norm", _backend.resolve("rms_norm", backend, x.device), backend, x, weight)
+    b = _backend.float32_cpp("rms_norm", _backend.resolve("rms_norm", backend, x.device), backend, x, weight)
     if b == "torch":
         return torch_rms_norm(x, weight, eps)
     if b == "cpp":
@@ -123,7 +110,8 @@ def add_rms_norm(
     bitwise the add followed by rms_norm on the torch backend; one read of x and residual on Triton."""
     if check:
         _check("add_rms_norm", x, weight, eps, residual)
-    b = _cpp_or_torch("add_rms_norm", _backend.resolve("add_rms_norm", backend, x.device), backend, x, weight)
+    b = _backend.float32_cpp("add_rms_norm", _backend.resolve("add_rms_norm", backend, x.device), backend, x,
+                             weight)
     if b == "torch":
         s = x + residual  # ref.add_rms_norm's add
         return torch_rms_norm(s, weight, eps), s

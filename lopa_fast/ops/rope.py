@@ -81,11 +81,7 @@ def rope(
     kernels perform the same roundings in the same order (no FMA): bitwise too."""
     if check:
         _check(q, k, cos, sin, fp32)
-    b = _backend.resolve("rope", backend, q.device)
-    if b == "cpp" and (q.dtype != torch.float32 or cos.dtype != torch.float32):
-        if backend not in (None, "auto"):
-            raise TypeError(f"rope: q.dtype={q.dtype}, cos.dtype={cos.dtype} on backend='cpp'; allowed: float32")
-        b = "torch"  # auto: the C++ kernel is float32 only
+    b = _backend.float32_cpp("rope", _backend.resolve("rope", backend, q.device), backend, q, k, cos, sin)
     if b == "torch":
         return ref.rope(q, k, cos, sin, fp32)
     if b == "cpp":

@@ -202,10 +202,11 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     u = st["commit_len"]  # this round's span (select_apply moves st on to the next plan)
     W, last_row, info = select_apply(st, T, geo, w, stats, out)
     if geo.NB == 1:  # one slot (D2F): the winner is slot 0, its K/V a view (two copies a round saved)
-        commit_span(st, u, k_win[:, 0], v_win[:, 0], w.get("span"))
+        k_span, v_span = k_win[:, 0], v_win[:, 0]
     else:
         W1 = W.reshape(1)
-        commit_span(st, u, k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0], w.get("span"))
+        k_span, v_span = k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0]
+    commit_span(st, u, k_span, v_span, w.get("span"))
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
             new_last = fused.last_raw(last_row)
