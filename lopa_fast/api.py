@@ -63,6 +63,17 @@ def _generate_signature() -> inspect.Signature:
 _SIGNATURE = _generate_signature()
 
 
+def _bound(model, input_ids, args: tuple, knobs: dict) -> dict:
+    """generate's arguments by name, as `_SIGNATURE.bind(...).arguments` gives them (knobs already known names). A call
+    whose extra positionals fill the positional knobs (strategy, backend) no keyword repeats is mapped directly:
+    Signature.bind raises and catches a KeyError for every keyword-only parameter it does not receive (~40 a call,
+    ~150 us of a tiny CPU request); any other call goes through bind, which raises the TypeError Python would."""
+    named = {"model", "input_ids", *_POSITIONAL_KNOBS[: len(args)]}  # what the positionals already name
+    if len(args) <= len(_POSITIONAL_KNOBS) and not named & knobs.keys():
+        return {"model": model, "input_ids": input_ids, **dict(zip(_POSITIONAL_KNOBS, args)), **knobs}
+    return dict(_SIGNATURE.bind(model, input_ids, *args, **knobs).arguments)
+
+
 def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     """Decode `max_new_tokens` positions after the prompt with a diffusion LM.
 
@@ -128,8 +139,7 @@ def generate(model, input_ids, *args, **knobs) -> GenerateOutput:
     unknown = sorted(set(knobs) - set(_SIGNATURE.parameters))
     if unknown:
         raise aliases.unknown_knobs_error("generate", unknown, set(_SIGNATURE.parameters) - {"model", "input_ids"})
-    bound = _SIGNATURE.bind(model, input_ids, *args, **knobs)
-    kw = dict(bound.arguments)
+    kw = _bound(model, input_ids, args, knobs)
     model, input_ids = kw.pop("model"), kw.pop("input_ids")
     extra = {k: v for k in ("verifier", "on_round") if (v := kw.pop(k, None)) is not None}
     kw = with_model_knobs(model, kw)  # the model's own knobs where none is given (lopa_fast.request.model_defaults)

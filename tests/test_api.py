@@ -195,3 +195,20 @@ def test_causal_ar_model_rejected():
     ar = random_model(tiny_hf_config("qwen2"))
     with pytest.raises(ValueError, match="causal AR"):
         lopa_fast.generate(ar, [1, 2], "lopa", max_new_tokens=4, block_size=4, mask_token_id=63)
+
+
+@pytest.mark.parametrize("args, knobs", [
+    ((), {}), (("d2f",), {}), (("d2f", "fast"), {}), (("d2f",), {"backend": "fast", "block_size": 4}),
+    ((), {"strategy": "lopa", "verifier": None}), (("d2f",), {"strategy": "lopa"}), (("a", "b", "c"), {}),
+    ((), {"model": 1}), (("d2f", "fast"), {"backend": "reference"}), ((), {"input_ids": [1]}),
+])
+def test_generate_binds_its_arguments_as_its_signature_does(args, knobs):
+    """generate's direct mapping of (model, input_ids, strategy, backend, **knobs) gives Signature.bind's arguments,
+    and a call bind refuses (a repeated argument, too many positionals) still raises bind's TypeError."""
+    try:
+        want = dict(api._SIGNATURE.bind("model", "ids", *args, **knobs).arguments)
+    except TypeError as e:
+        with pytest.raises(TypeError, match=str(e)):
+            api._bound("model", "ids", args, knobs)
+        return
+    assert api._bound("model", "ids", args, knobs) == want

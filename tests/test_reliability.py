@@ -128,6 +128,32 @@ def test_memory_estimate_refuses_above_total_and_warns_above_free(tmp_path, monk
         lopa_fast.load_model(d)
 
 
+def test_a_small_request_reuses_a_recent_memory_reading_and_a_big_one_reads_afresh(monkeypatch):
+    import psutil
+
+    from lopa_fast.models import loading
+
+    reads = []
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reads.append(1) or real())
+    monkeypatch.setattr(loading, "_last_reading", {})
+    _, avail = loading.total_memory("cpu")
+    reads.clear()
+    small = avail // (4 * loading.READING_REUSE_SHARE)
+    for _ in range(3):
+        loading.check_memory(small, "cpu", "a small request")
+    assert len(reads) == 1  # the first reads, the next two reuse it (well within READING_REUSE_S)
+    loading.check_memory(avail // 2, "cpu", "a big request")  # more than 1 / READING_REUSE_SHARE of the free memory
+    assert len(reads) == 2
+    monkeypatch.setattr(loading, "READING_REUSE_S", 0.0)  # an old reading is never reused
+    loading.check_memory(small, "cpu", "a small request")
+    assert len(reads) == 3
+    monkeypatch.setattr(loading, "READING_REUSE_S", 60.0)
+    monkeypatch.setattr(loading, "total_memory", lambda device="cpu": (1000, 500))  # a new reader: read afresh
+    with pytest.raises(MemoryBudgetError):
+        loading.check_memory(2000, "cpu", "a request")
+
+
 def test_total_memory_reads_the_machine():
     from lopa_fast.models.loading import total_memory
 

@@ -100,6 +100,30 @@ def test_cpp_kernel_is_bitwise_the_reference(shape, per_row, fp32):
         ops.rope(q.bfloat16(), k.bfloat16(), cos, sin, fp32, backend="cpp")
 
 
+def test_cpp_kernel_writes_k_into_the_rows_it_is_given():
+    """rope_cpp's k_out (the in-cache forward writes each layer's k straight into the cache rows after the prefix):
+    the same k as a fresh output, in those rows and nowhere else, returned as given; a k_out of another size or a
+    strided one is refused naming it."""
+    from lopa_fast.ops.rope import rope_cpp
+
+    B, n, Hq, Hkv, D = 1, 6, 4, 2, 8
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, n, Hq + 2 * Hkv, D, generator=g)
+    cos, sin = ref.rope_cos_sin(torch.arange(n) + 11, D, THETA)
+    q, k = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv]
+    want_q, want_k = ref.rope(q, k, cos, sin, False)
+    cache = torch.full((2, 20, Hkv, D), 7.0)
+    rows = cache[1, 5 : 5 + n]
+    got_q, got_k = rope_cpp(q, k, cos, sin, rows)
+    assert got_k is rows and torch.equal(got_q, want_q) and torch.equal(rows, want_k[0])
+    untouched = torch.ones(2, 20, dtype=torch.bool)
+    untouched[1, 5 : 5 + n] = False
+    assert (cache[untouched] == 7.0).all()
+    for bad in (cache[1, 5 : 5 + n - 1], cache[1:, 5 : 5 + n].transpose(1, 2)):
+        with pytest.raises(ValueError, match="k_out"):
+            rope_cpp(q, k, cos, sin, bad)
+
+
 @pytest.mark.parametrize("fp32", [False, True], ids=["qwen2", "llada"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_kernel_matches_reference(dtype, fp32):

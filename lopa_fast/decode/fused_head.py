@@ -8,9 +8,9 @@ backend: tokens equal to the reference on the tiny-model grids, tests/test_head_
 the statistics: docs/fast_decoder.md, the fused head's exactness policy); "0" = never."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from lopa_fast.ops._backend import env_value
 
 FUSED_HEAD_ENV = "LOPA_FAST_FUSED_HEAD"
 
@@ -19,7 +19,7 @@ def fused_head_wanted(cfg, device) -> bool:
     """The environment's choice for a request whose knobs allow the fused head at all: T = 0 (the keyed sampler at
     T > 0 needs whole rows), no top-p / top-k, not distributed (a rank exchanges statistics of its logits rows:
     lopa_fast.distributed). A ValueError naming the variable for a value other than auto / 0 / 1."""
-    value = os.environ.get(FUSED_HEAD_ENV) or "auto"
+    value = env_value(FUSED_HEAD_ENV) or "auto"  # (no KeyError when unset: ops._backend.env_value)
     if value not in ("auto", "0", "1"):
         raise ValueError(f"environment variable {FUSED_HEAD_ENV}={value!r}; allowed: auto, 0, 1 (or unset)")
     if value == "0" or cfg.temperature > 0 or cfg.top_p is not None or cfg.top_k is not None or cfg.distributed:

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -141,9 +142,33 @@ def address_space_room() -> int | None:
     return max(0, int(soft) - int(psutil.Process().memory_info().vms))
 
 
-def check_memory(needed: int, device, what: str) -> None:
-    """Refuse (MemoryBudgetError) when `needed` bytes exceed the device's total memory; warn above what is free."""
+# A reading of the machine's memory costs ~130 us on CPU (psutil's /proc/meminfo parse plus the cgroup files: ~1.5 %
+# of a tiny model's whole request), so a small request may reuse a recent one: younger than READING_REUSE_S and with
+# the request needing at most 1 / READING_REUSE_SHARE of what was free then. For such a request to be judged wrongly,
+# free memory would have to fall by 15/16 within a quarter second; and any check races the allocation that follows it
+# anyway. Bigger requests, and the server's budget, always read afresh.
+READING_REUSE_S = 0.25
+READING_REUSE_SHARE = 16
+_last_reading: dict = {}  # str(device) -> (the total_memory function that read it, time.monotonic(), total, avail)
+
+
+def _memory_for(needed: int, device) -> tuple[int, int]:
+    """total_memory(device), or its last reading when that is recent and `needed` small against it (above)."""
+    key, now = str(device), time.monotonic()
+    last = _last_reading.get(key)
+    # (the function's identity: a reading of a replaced total_memory, e.g. a test's stand-in, is never reused)
+    if last is not None and last[0] is total_memory and now - last[1] < READING_REUSE_S \
+            and needed * READING_REUSE_SHARE <= last[3]:
+        return last[2], last[3]
     total, avail = total_memory(device)
+    _last_reading[key] = (total_memory, now, total, avail)
+    return total, avail
+
+
+def check_memory(needed: int, device, what: str) -> None:
+    """Refuse (MemoryBudgetError) when `needed` bytes exceed the device's total memory; warn above what is free.
+    A small request may be judged on a reading up to READING_REUSE_S old (`_memory_for`)."""
+    total, avail = _memory_for(needed, device)
     gib = 2**30
     if needed > total:
         raise MemoryBudgetError(

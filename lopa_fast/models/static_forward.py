@@ -10,6 +10,7 @@ built on it), beside transformer.py's plain layer (`forward_window`, `forward_du
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask, window_in_cache_sdpa
 from lopa_fast.ops.rms_norm import rms_norm_cpp, torch_rms_norm
-from lopa_fast.ops.rope import rope_heads, rope_rotation
+from lopa_fast.ops.rope import rope_cpp, rope_heads, rope_rotation
 
 
 class FusedForwards:
@@ -66,53 +67,54 @@ class FusedForwards:
         B, n = tokens.shape
         dev = tokens.device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = _layer_backend(b, dev)
-        eps = cfg.rms_norm_eps
+        h = F.embedding(tokens, self.embed_weight())
+        lops = _layer_ops(_layer_backend(b, dev), cfg.rms_norm_eps, h.dtype, dev, self.rope_in_fp32)
         if isinstance(start, int):  # an eager round: slices of the model's table
             cos, sin = self.rope_window(start, n, dev)
         else:  # a device start (compiled / captured): no host read
             cos, sin = self.rope_tables(start + torch.arange(n, device=dev))
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
             keys = _torch_keys(n, win_lens, block_ids, mask, B, cache_len, cache_k.shape[1], dev, dense)
-        # one dense row over a host-int prefix (an eager D2F / LoPA k = 1 round): the window's K/V are written into the
-        # cache rows after the prefix, [cache_len, cache_len + n), and attention reads the cache's first cache_len + n
-        # rows (the same keys as the concatenation, bitwise, without copying the prefix every layer); the returned
-        # K/V are views of those rows, so the commit of the first u of them has nothing left to copy. Rows past the
-        # committed ones are never read (the next prefix length slices them off) and are overwritten next round.
+        # one dense row over a host-int prefix (an eager D2F / LoPA k = 1 round): each layer's window K/V are written
+        # into the cache rows after the prefix, [cache_len, cache_len + n) (the C++ RoPE writes k there directly), and
+        # attention reads the cache's first cache_len + n rows (the same keys as the concatenation, bitwise, without
+        # copying the prefix every layer); the returned K/V are views of those rows, so the commit of the first u of
+        # them has nothing left to copy. Rows past the committed ones are never read (the next prefix length slices
+        # them off) and are overwritten next round.
         end = cache_len + n if isinstance(cache_len, int) else None
         in_cache = b == "torch" and dense and B == 1 and end is not None and end < cache_k.shape[1]
         if in_cache:  # per forward, the views each layer reads (a select a layer instead of ~5 view ops)
-            win_k, win_v = cache_k[:, cache_len:end], cache_v[:, cache_len:end]  # [layers, n, Hkv, D]
+            kv_into = (cache_k[:, cache_len:end], cache_v[:, cache_len:end])  # [layers, n, Hkv, D]
             seen_k, seen_v = (c[:, :end].unsqueeze(1).transpose(2, 3) for c in (cache_k, cache_v))  # [L, 1, Hkv, e, D]
-        h = F.embedding(tokens, self.embed_weight())
 
-        def attend(i, q, k, v):
-            if in_cache:
-                win_k[i].copy_(k[0])
-                win_v[i].copy_(v[0])
+            def attend(i, q, k, v):
                 return window_in_cache_sdpa(q, seen_k[i], seen_v[i], keys)
-            if b == "torch":
-                return branch_attention_sdpa(q, cache_k[i], cache_v[i], cache_len, k, v, keys)
-            return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
-                                        check=False, backend=b)
+        else:
+            kv_into = None
 
-        h, ks, vs = self._fused_stack(h, cos, sin, lb, attend, stack=not in_cache)
+            def attend(i, q, k, v):
+                if b == "torch":
+                    return branch_attention_sdpa(q, cache_k[i], cache_v[i], cache_len, k, v, keys)
+                return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
+                                            check=False, backend=b)
+
+        h, ks, vs = self._fused_stack(h, cos, sin, lops, attend, kv_into)
         if in_cache:
-            ks, vs = win_k.unsqueeze(1), win_v.unsqueeze(1)
-        h = h.reshape(B * n, -1).index_select(0, rows)
-        h = ops.rms_norm(h, self.final_norm_weight(), eps, check=False, backend=None if lb == "torch" else lb)
+            ks, vs = kv_into[0].unsqueeze(1), kv_into[1].unsqueeze(1)
+        h = lops.norm(h.reshape(B * n, -1).index_select(0, rows), self.final_norm_weight())
         return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
-    def _fused_stack(self, h: torch.Tensor, cos, sin, lb: str, attend, stack: bool = True) -> tuple:
+    def _fused_stack(self, h: torch.Tensor, cos, sin, lops: "LayerOps", attend, kv_into: tuple | None = None) -> tuple:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
         GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
         k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
-        gate/up GEMM, SwiGLU, down. Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None
-        and None with stack=False: the caller's attend kept them)."""
+        gate/up GEMM, SwiGLU, down; lops: the layer ops chosen once per forward (`_layer_ops`).
+        kv_into: None, or (k, v) [num_layers, n, Hkv, D] (B = 1): each layer's post-RoPE k and its v are written there
+        (forward_static's in-cache round) instead of being collected.
+        Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None and None with kv_into)."""
         cfg = self.config
         B, n = h.shape[:2]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
         # the view built (or checked) by the caller at the request start; per call, only layer 0's pointer is
         # re-checked (weights are replaced all together, e.g. by .to()), and nothing under torch.compile
         layers = getattr(self, "_fused", None)
@@ -120,44 +122,35 @@ class FusedForwards:
             layers is None or layers[0].qkv_w.data_ptr() != self._fused_q0[0].weight.data_ptr()
         ):
             layers = self.fused_layers()
+        k_into, v_into = kv_into if kv_into is not None else (None, None)
         ks, vs = [], []
-        # the torch backend rotates q and k together from a table built once per forward (`rope_heads`: 7 ops a layer
-        # instead of 14, bitwise the reference's rope)
-        # on CPU with lopa_fast._C, float32 and eager: the C++ rope (one call a layer, bitwise the same values)
-        rope_cpp = (lb == "torch" and h.dtype == torch.float32 and not torch.compiler.is_compiling()
-                    and ops_backend.resolve("rope", None, h.device) == "cpp")
-        rot = rope_rotation(cos, sin, h.dtype, self.rope_in_fp32) if lb == "torch" and not rope_cpp else None
+        table = lops.rope_table(cos, sin)
+        norm, add_norm, silu_mul, rope = lops.norm, lops.add_norm, lops.silu_mul, lops.rope
+        last = len(layers) - 1
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
-        norm, add_norm, silu_mul = _layer_ops(lb, eps, h.dtype, h.device)
         x = norm(h, layers[0].attn_norm)
         for i, w in enumerate(layers):
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
-            if rope_cpp:
-                q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32, check=False,
-                                backend="cpp")
-            elif rot is not None:  # a contiguous q, as the reference's rope returns it (the attention's layout); k is
-                # copied by the attention's concatenation and the stack below anyway
-                q, k = rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2)
-                q = q.contiguous()
-            else:
-                q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], cos, sin, self.rope_in_fp32,
-                                check=False, backend=lb)
+            q, k = rope(qkv, table, Hq, Hkv, None if k_into is None else k_into[i])
             v = qkv[:, :, Hq + Hkv :]
-            ks.append(k)
-            vs.append(v)
+            if v_into is None:
+                ks.append(k)
+                vs.append(v)
+            else:
+                v_into[i].copy_(v[0])
             attn = attend(i, q, k, v)
             # o + h is h + o bit for bit (IEEE addition commutes)
-            # F.linear on the modules' tensors: the nn.Module call costs ~4 us more a projection on CPU
-            o = F.linear(attn.reshape(B, n, Hq * D), w.o.weight, w.o.bias)
+            # F.linear on the layer's tensors: the nn.Module call costs ~4 us more a projection on CPU
+            o = F.linear(attn.reshape(B, n, Hq * D), w.o_w, w.o_b)
             x, h = add_norm(o, h, w.mlp_norm)
             gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            down = F.linear(silu_mul(gate, up), w.down.weight, w.down.bias)
-            if i + 1 < len(layers):
+            down = F.linear(silu_mul(gate, up), w.down_w, w.down_b)
+            if i < last:
                 x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
                 h = h + down
-        return (h, torch.stack(ks), torch.stack(vs)) if stack else (h, None, None)
+        return (h, None, None) if kv_into is not None else (h, torch.stack(ks), torch.stack(vs))
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
                          pool: tuple | None = None) -> list[tuple]:
@@ -197,8 +190,6 @@ class FusedForwards:
         Hq, D = cfg.num_heads, cfg.head_dim
         dev = parts[0]["tokens"].device
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
-        lb = _layer_backend(b, dev)
-        eps = cfg.rms_norm_eps
         shapes = [tuple(p["tokens"].shape) for p in parts]  # (NB_r, Nb_r)
         offs, o = [], 0
         for NBr, Nbr in shapes:
@@ -216,6 +207,7 @@ class FusedForwards:
             sin_rows.append(s_.repeat(NBr, 1))
         cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
         h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
+        lops = _layer_ops(_layer_backend(b, dev), cfg.rms_norm_eps, h.dtype, dev, self.rope_in_fp32)
         if pool is not None and b != "torch":
             attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
         else:
@@ -239,10 +231,10 @@ class FusedForwards:
                     outs.append(a.reshape(NBr * Nbr, Hq, D))
                 return torch.cat(outs)[None]
 
-        h, K, V = self._fused_stack(h, cos, sin, lb, attend)  # K, V: [layers, 1, T, Hkv, D]
+        h, K, V = self._fused_stack(h, cos, sin, lops, attend)  # K, V: [layers, 1, T, Hkv, D]
         # the LM-head rows of every request: its flat rows, offset to its packed block
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-        hs = ops.rms_norm(hs, self.final_norm_weight(), eps, check=False, backend=None if lb == "torch" else lb)
+        hs = lops.norm(hs, self.final_norm_weight())
         hidden = [p.get("output", "logits") == "hidden" for p in parts]
         rows = hs.split([p["rows"].shape[0] for p in parts])  # per request
         # the logits parts' rows in ONE head GEMM (all of hs when no part asks for hidden rows), the hidden parts'
@@ -268,16 +260,34 @@ def _layer_backend(b: str, dev) -> str:
     return "torch" if lb == "cpp" else lb
 
 
-def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev) -> tuple:
-    """(norm(x, w), add_norm(x, residual, w) -> (normed, sum), silu_mul(gate, up)) of the layer loop on backend lb,
-    chosen once per forward: the public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`) with their
-    backend, or on "torch" their CPU forms called directly (the wrappers' dispatch cost ~2 us a call, ~20 calls a
-    tiny CPU forward): float32 and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops:
-    ~17 -> ~5 us; within ~2 ulp of the formula, `rms_norm_cpp`), else the torch formulas (bitwise)."""
+class LayerOps(NamedTuple):
+    """The layer loop's small ops on one backend, chosen once per forward (`_layer_ops`)."""
+
+    norm: Callable  # (x, w) -> rms_norm(x) * w
+    add_norm: Callable  # (x, residual, w) -> (rms_norm(x + residual) * w, x + residual)
+    silu_mul: Callable  # (gate, up) -> silu(gate) * up
+    rope_table: Callable  # (cos, sin) -> the per-forward table `rope` reads
+    # (qkv [B, n, Hq + 2 Hkv, D], table, Hq, Hkv, k_into) -> (q [B, n, Hq, D] contiguous, k [B, n, Hkv, D]); k_into:
+    # None, or the [n, Hkv, D] rows (B = 1) that receive k (then returned as k)
+    rope: Callable
+
+
+def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> LayerOps:
+    """The layer loop's ops on backend lb (fp32: the model rotates in float32, LLaDA), chosen once per forward: the
+    public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`, `ops.rope`) with their backend, or on "torch" their
+    CPU forms called directly (the wrappers' dispatch costs ~2 us a call, ~25 calls a tiny CPU forward): float32
+    and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops: ~17 -> ~5 us; within ~2 ulp
+    of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas (bitwise; the rope as
+    `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer instead of 14)."""
+    silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
+        (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
     if lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
             ops_backend.resolve("rms_norm", None, dev) == "cpp":
-        return (lambda x, w: rms_norm_cpp(x, None, w, eps)[0], lambda x, r, w: rms_norm_cpp(x, r, w, eps),
-                lambda gate, up: F.silu(gate) * up)
+        def rope(qkv, table, Hq, Hkv, k_into):
+            return rope_cpp(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], k_into)
+
+        return LayerOps(lambda x, w: rms_norm_cpp(x, None, w, eps)[0], lambda x, r, w: rms_norm_cpp(x, r, w, eps),
+                        silu_mul, lambda cos, sin: (cos, sin), rope)
     if lb == "torch":
         norm = functools.partial(torch_rms_norm, eps=eps)
 
@@ -285,10 +295,23 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev) -> tuple:
             s = x + residual
             return norm(s, weight), s
 
-        return norm, add_norm, lambda gate, up: F.silu(gate) * up
-    return (lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
-            lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),
-            lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
+        def rope(qkv, rot, Hq, Hkv, k_into):
+            # a contiguous q, as the reference's rope returns it (the attention's layout); k is copied by the
+            # attention's concatenation and the stack (or into k_into) anyway
+            q, k = rope_heads(qkv[:, :, : Hq + Hkv], rot).split([Hq, Hkv], dim=2)
+            if k_into is not None:
+                k = k_into.copy_(k[0])
+            return q.contiguous(), k
+
+        return LayerOps(norm, add_norm, silu_mul, lambda cos, sin: rope_rotation(cos, sin, dtype, fp32), rope)
+
+    def rope(qkv, table, Hq, Hkv, k_into):
+        q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], fp32, check=False, backend=lb)
+        return q, (k if k_into is None else k_into.copy_(k[0]))
+
+    return LayerOps(lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
+                    lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),
+                    silu_mul, lambda cos, sin: (cos, sin), rope)
 
 
 def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax: int, dev, dense: bool = False):

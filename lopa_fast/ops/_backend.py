@@ -156,10 +156,24 @@ def _triton_module_exists(module: str) -> bool:
     return importlib.util.find_spec(f"lopa_fast.kernels.triton.{module}") is not None
 
 
+def env_value(name: str) -> str | None:
+    """os.environ.get(name) without its exception: for an unset name, os.environ.get raises and catches a KeyError
+    inside (_Environ.__getitem__), measured at ~10 us of a tiny CPU round where a plain dict lookup is ~0.1 (an
+    exception's cold path, between torch calls), and the ops read $LOPA_FAST_BACKEND ~5 times a round. CPython's
+    os.environ keeps its entries in the dict `_data` (encoded keys and values), which its own get / set / del go
+    through, so reading it sees every change (monkeypatch.setenv too); anything else is read with .get."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None or not hasattr(env, "encodekey"):
+        return env.get(name)
+    raw = data.get(env.encodekey(name))
+    return None if raw is None else env.decodevalue(raw)
+
+
 def env_backend() -> str:
     """The backend $LOPA_FAST_BACKEND asks for ("auto" when unset or empty); a ValueError naming the variable for
     any other value, so a typo in the environment is not read as an op's argument."""
-    value = os.environ.get(ENV) or "auto"
+    value = env_value(ENV) or "auto"
     if value != "auto" and value not in BACKENDS:
         raise ValueError(f"environment variable {ENV}={value!r}; allowed: auto, {', '.join(BACKENDS)} (or unset)")
     return value

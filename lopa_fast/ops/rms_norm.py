@@ -57,17 +57,21 @@ def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The C++ kernel (lopa_fast._C.rms_norm_cpu, float32, csrc/rms_norm_cpu.cpp): (rms_norm(x + residual), x +
     residual) in one pass a row, or (rms_norm(x), None) without a residual; fresh contiguous outputs. Within ~2 ulp
-    of the torch formula (mean(x^2) summed in another order), not bitwise."""
-    x = x if x.is_contiguous() else x.contiguous()
+    of the torch formula (mean(x^2) summed in another order), not bitwise. (Lean on purpose: a tiny CPU forward
+    makes ~10 of these calls.)"""
+    if not x.is_contiguous():
+        x = x.contiguous()
     out = torch.empty_like(x)  # (x contiguous; empty_like: ~1 us, torch.empty(shape, dtype=, device=): ~3)
-    s = None
-    if residual is not None:
-        residual = residual if residual.is_contiguous() else residual.contiguous()
-        s = torch.empty_like(x)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731  (0: no residual, no sum)
     H = x.shape[-1]
-    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), ptr(residual), weight.data_ptr(), out.data_ptr(), ptr(s)],
-                                       [x.numel() // max(H, 1), H], float(eps))
+    if residual is None:  # (0: no residual, no sum)
+        _backend.cpp_module().rms_norm_cpu([x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0],
+                                           [x.numel() // max(H, 1), H], float(eps))
+        return out, None
+    if not residual.is_contiguous():
+        residual = residual.contiguous()
+    s = torch.empty_like(x)
+    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                        s.data_ptr()], [x.numel() // max(H, 1), H], float(eps))
     return out, s
 
 

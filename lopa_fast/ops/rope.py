@@ -85,7 +85,7 @@ def rope(
     if b == "torch":
         return ref.rope(q, k, cos, sin, fp32)
     if b == "cpp":
-        return _run_cpp(q, k, cos, sin)
+        return rope_cpp(q, k, cos, sin)
     if q.dtype not in _KERNEL_FLOATS:
         raise TypeError(f"rope: q.dtype={q.dtype} on backend={b!r}; allowed: {_KERNEL_FLOATS}")
     if b == "cuda":
@@ -93,14 +93,21 @@ def rope(
     return torch.ops.lopa_fast.triton_rope(q, k, cos, sin, bool(fp32))
 
 
-def _run_cpp(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C++ kernel (lopa_fast._C.rope_cpu, float32): q and k read through their strides, written as fresh
-    contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us of kernel)."""
+def rope_cpp(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ kernel (lopa_fast._C.rope_cpu, float32; also called directly by a layer loop that chose it once, its
+    checks the caller's): q and k read through their strides, written as fresh
+    contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us of kernel).
+    k_out: None, or a contiguous float32 tensor of k's numel that receives the rotated k instead (e.g. the cache rows
+    of an in-cache forward: lopa_fast.models.static_forward; returned as given)."""
     B, n, Hq, D = q.shape
     Hkv = k.shape[2]
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (empty_like: ~1 us, empty(shape, ...): ~3)
-    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if k_out is None:
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    elif not (k_out.is_contiguous() and k_out.numel() == k.numel() and k_out.dtype == k.dtype):
+        raise ValueError(f"rope: k_out must be a contiguous {k.dtype} tensor of {k.numel()} elements, got "
+                         f"{k_out.dtype} {tuple(k_out.shape)}")
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
     qs, ks = q.stride(), k.stride()

@@ -15,7 +15,6 @@ re-validation. Errors name the value and what is allowed; in a batch, a prompt's
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -130,13 +129,19 @@ def _plan(model, input_ids, cfg, spec, verifier, on_round, streamer, label: str 
     return Plan(model, bound, spec, ids, length, fn, ran, fallback, verifier, on_round, streamer)
 
 
-@contextmanager
-def _naming(label: str | None):
+class _naming:  # (lower-case: used as a function, `with _naming(label):`)
     """Errors raised inside name the prompt they are about (`label`, e.g. "prompt 2 of 5"), keeping their type and
-    fields."""
-    try:
-        yield
-    except (ValueError, TypeError) as e:
-        if label is not None:
-            e.args = (f"{label}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
-        raise
+    fields. (A class: a generator-based context manager raises and catches a StopIteration at every exit.)"""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str | None):
+        self.label = label
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if self.label is not None and isinstance(e, (ValueError, TypeError)):
+            e.args = (f"{self.label}: {e.args[0] if e.args else e}",) + tuple(e.args[1:])
+        return False  # the exception (if any) goes on

@@ -14,13 +14,13 @@ server set the process's count themselves. The scope is the calling thread's: to
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
 import torch
 
 from lopa_fast.errors import KnobError
+from lopa_fast.ops._backend import env_value
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ SMALL_MODEL_PARAMS = 20_000_000
 
 def policy() -> str | int:
     """The policy from LOPA_FAST_THREADS: "auto", "keep" or an int >= 1 (KnobError naming the variable else)."""
-    raw = os.environ.get(ENV, "auto").strip().lower()
+    raw = (env_value(ENV) or "auto").strip().lower()  # (no KeyError when unset: ops._backend.env_value)
     if raw in ("auto", "keep", ""):
         return raw or "auto"
     try:
@@ -68,22 +68,30 @@ def threads_for(model) -> int | None:
     return 1 if small else None
 
 
-@contextlib.contextmanager
-def scoped(model):
+class scoped:  # (lower-case: used as a function, `with scoped(model):`)
     """Run the body with `threads_for(model)` threads in the calling thread, then give that thread its previous
     count back; nothing changes when it is None. torch's CPU thread count (OpenMP) is per calling thread once the
     thread has run an op (a new thread starts from the last count set anywhere), so concurrent calls on several
-    threads each scope their own."""
-    n = threads_for(model)
-    if n is None:
-        yield
-        return
-    saved = torch.get_num_threads()
-    if saved != n:
-        log.debug("decoding with %d CPU thread(s) (%s=%s; this thread had %d)", n, ENV, policy(), saved)
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
+    threads each scope their own. (A class: a generator-based context manager raises and catches a StopIteration at
+    every exit.)"""
+
+    __slots__ = ("n", "saved")
+
+    def __init__(self, model):
+        self.n = threads_for(model)
+        self.saved = None
+
+    def __enter__(self) -> None:
+        n = self.n
+        if n is None:
+            return
+        saved = torch.get_num_threads()
         if saved != n:
-            torch.set_num_threads(saved)
+            log.debug("decoding with %d CPU thread(s) (%s=%s; this thread had %d)", n, ENV, policy(), saved)
+            torch.set_num_threads(n)
+            self.saved = saved
+
+    def __exit__(self, *exc) -> bool:
+        if self.saved is not None:
+            torch.set_num_threads(self.saved)
+        return False

@@ -257,7 +257,8 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats,
     # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
     info = dict(score=r.score, winner=r.winner, accepted=r.accepted, tokens=r.tokens, win_pos=w["win_pos"],
                 look_pos=st["look_pos"].clone())
-    st.update(zip(_STATE_OUT, (r[i] for i in _STATE_IDX)))
+    st.update(zip(_STATE_OUT, [r[i] for i in _STATE_IDX]))  # (a list: a generator left unfinished is closed by a
+    # GeneratorExit raised into it, ~5 us of a tiny CPU round)
     _finish_head(st, T, geo)
     return r.winner, r.last_row, info
 
