@@ -279,10 +279,22 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> Laye
     and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops: ~17 -> ~5 us; within ~2 ulp
     of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas (bitwise; the rope as
     `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer instead of 14)."""
+    cpp = lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
+        ops_backend.resolve("rms_norm", None, dev) == "cpp"
+    key = (lb, eps, dtype, dev, fp32, cpp)
+    made = _LAYER_OPS.get(key)
+    if made is None:  # (the same functions every forward: fresh closures cost a tiny CPU forward ~5-10 us)
+        made = _LAYER_OPS[key] = _make_layer_ops(lb, eps, dtype, fp32, cpp)
+    return made
+
+
+_LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, fp32, C++)
+
+
+def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bool) -> LayerOps:
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
-    if lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
-            ops_backend.resolve("rms_norm", None, dev) == "cpp":
+    if cpp:
         def rope(qkv, table, Hq, Hkv, k_into):
             return rope_cpp(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], k_into)
 

@@ -119,7 +119,7 @@ class FastDecoder:
         self.st = rnd.init_state(model, prompt, G, Lb, self.geo.NB, cfg.mask_token_id, cache)
         self.host_reads = 0
         self.max_Nb = 0
-        self._outs: dict = {}  # select_round's CPU workspaces by round parity (`_select_out`)
+        self._outs: dict = {}  # select_round's CPU workspaces by round parity, their lists by (parity, Nb)
         self.compiled, self.cview = compiled_for(model, cfg, dev)  # its rounds after the prefill: `batch_step`
         self.mode, self.attn_backend = self.geo.mode, self.geo.attn_backend  # the shared forward's (the scheduler's)
 
@@ -193,13 +193,16 @@ class FastDecoder:
         columns); the two per-column fields (accepted, tokens [Nb]) are their first Nb entries."""
         if self.dev.type != "cpu" or Nb > self.st["x"].shape[1]:  # (a window never spans more than the buffer)
             return None
-        base = self._outs.get(self._rounds % 2)
-        if base is None:
-            x = self.st["x"]
-            base = self._outs[self._rounds % 2] = outputs_for(x.shape[0], x.shape[1], self.geo.G + 1, x.shape[1],
-                                                              self.dev)
-        out = list(base)
-        out[_ACCEPTED], out[_TOKENS] = base[_ACCEPTED][:Nb], base[_TOKENS][:Nb]
+        parity = self._rounds % 2
+        out = self._outs.get((parity, Nb))  # (the list for this bucket width, built once: two slices a round saved)
+        if out is None:
+            base = self._outs.get(parity)
+            if base is None:
+                x = self.st["x"]
+                base = self._outs[parity] = outputs_for(x.shape[0], x.shape[1], self.geo.G + 1, x.shape[1], self.dev)
+            out = list(base)
+            out[_ACCEPTED], out[_TOKENS] = base[_ACCEPTED][:Nb], base[_TOKENS][:Nb]
+            self._outs[(parity, Nb)] = out
         return out
 
     def _trace_entry(self, head: rnd.Head, round_: int) -> dict:

@@ -26,6 +26,7 @@ nA - 1): upstream's verification order, so "first maximum" is its tie rule for t
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -156,9 +157,20 @@ def _finish_head(st: dict, T: dict, geo) -> None:
         nA = st["head"][1]
         anchor_gen = st["x"].index_select(0, (nA - 1).reshape(1))[0].index_select(0, T["gen_pos"])
         stop = stop_in_prefix(anchor_gen, T["stops"], geo.stop_lens, geo.mask_id).reshape(1).long()
-    else:  # no stop sequences: nothing to look for (8 ops a round saved)
+    elif torch.compiler.is_compiling():  # no stop sequences: nothing to look for (8 ops a round saved)
         stop = torch.zeros(1, dtype=torch.long, device=st["x"].device)
-    st["head"] = torch.cat([st["head"][:7], st["nonfinite"].reshape(1), stop])
+    else:  # (eagerly: one zero per device, never written)
+        stop = _no_stop(st["x"].device)
+    head = st["head"]
+    st["head"] = torch.cat([head if head.shape[0] == 7 else head[:7], st["nonfinite"].reshape(1), stop])
+
+
+@functools.lru_cache(maxsize=None)
+def _no_stop(dev: torch.device) -> torch.Tensor:
+    """The head's stop field [1] of a request without stop sequences on `dev` (0), shared by eager rounds (a normal
+    tensor even when first asked for under inference mode)."""
+    with torch.inference_mode(False):
+        return torch.zeros(1, dtype=torch.long, device=dev)
 
 
 def forward_part(st: dict, geo, w: dict, start, prefix_len) -> dict:
@@ -254,9 +266,10 @@ def select_apply(st: dict, T: dict, geo, w: dict, stats: TokenStats,
         bs=geo.bs, mask_id=geo.mask_id, eos_id=-1 if geo.eos_id is None else geo.eos_id, n_look=geo.n_look,
         shift=geo.shift, blend=geo.blend, score_all=geo.trace, check=False, out=out,
     )
-    # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors)
+    # (look_pos: a copy, since a captured graph writes the new state back into the same workspace tensors; an eager
+    # round's outputs alternate between two workspaces (`out`), so this round's input stays put until the next round)
     info = dict(score=r.score, winner=r.winner, accepted=r.accepted, tokens=r.tokens, win_pos=w["win_pos"],
-                look_pos=st["look_pos"].clone())
+                look_pos=st["look_pos"] if out is not None else st["look_pos"].clone())
     st.update(zip(_STATE_OUT, [r[i] for i in _STATE_IDX]))  # (a list: a generator left unfinished is closed by a
     # GeneratorExit raised into it, ~5 us of a tiny CPU round)
     _finish_head(st, T, geo)
