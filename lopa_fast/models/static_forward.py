@@ -281,6 +281,8 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> Laye
     `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer instead of 14)."""
     cpp = lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
         ops_backend.resolve("rms_norm", None, dev) == "cpp"
+    if torch.compiler.is_compiling():  # (a graph is traced once: no memo, whose insertion dynamo would guard on)
+        return _make_layer_ops(lb, eps, dtype, fp32, cpp)
     key = (lb, eps, dtype, dev, fp32, cpp)
     made = _LAYER_OPS.get(key)
     if made is None:  # (the same functions every forward: fresh closures cost a tiny CPU forward ~5-10 us)

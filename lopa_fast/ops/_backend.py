@@ -164,7 +164,7 @@ def env_value(name: str) -> str | None:
     through, so reading it sees every change (monkeypatch.setenv too); anything else is read with .get."""
     env = os.environ
     data = getattr(env, "_data", None)
-    if data is None or not hasattr(env, "encodekey"):
+    if data is None or not hasattr(env, "encodekey") or torch.compiler.is_compiling():  # (dynamo knows .get)
         return env.get(name)
     raw = data.get(env.encodekey(name))
     return None if raw is None else env.decodevalue(raw)
