@@ -20,7 +20,7 @@ from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask, window_in_cache_sdpa
 from lopa_fast.ops.rms_norm import rms_norm_cpp, torch_rms_norm
-from lopa_fast.ops.rope import rope_cpp, rope_heads, rope_rotation
+from lopa_fast.ops.rope import rope_cpp_heads, rope_heads, rope_rotation
 
 
 class FusedForwards:
@@ -279,18 +279,20 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> Laye
     and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops: ~17 -> ~5 us; within ~2 ulp
     of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas (bitwise; the rope as
     `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer instead of 14)."""
-    cpp = lb == "torch" and dtype == torch.float32 and not torch.compiler.is_compiling() and \
-        ops_backend.resolve("rms_norm", None, dev) == "cpp"
-    if torch.compiler.is_compiling():  # (a graph is traced once: no memo, whose insertion dynamo would guard on)
-        return _make_layer_ops(lb, eps, dtype, fp32, cpp)
-    key = (lb, eps, dtype, dev, fp32, cpp)
+    if torch.compiler.is_compiling():  # the torch formulas (the C++ kernels take raw pointers: not traceable); a
+        return _make_layer_ops(lb, eps, dtype, fp32, False)  # graph is traced once: no memo for dynamo to guard on
+    # memoised by everything the choice depends on: the arguments and $LOPA_FAST_BACKEND (which `resolve` reads; the
+    # rest of its inputs are fixed in a process): the same functions every forward, and no backend resolution (fresh
+    # closures and a resolve cost a tiny CPU forward ~20 us between its torch calls)
+    key = (lb, eps, dtype, dev, fp32, ops_backend.env_value(ops_backend.ENV))
     made = _LAYER_OPS.get(key)
-    if made is None:  # (the same functions every forward: fresh closures cost a tiny CPU forward ~5-10 us)
+    if made is None:
+        cpp = lb == "torch" and dtype == torch.float32 and ops_backend.resolve("rms_norm", None, dev) == "cpp"
         made = _LAYER_OPS[key] = _make_layer_ops(lb, eps, dtype, fp32, cpp)
     return made
 
 
-_LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, fp32, C++)
+_LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, fp32, $LOPA_FAST_BACKEND)
 
 
 def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bool) -> LayerOps:
@@ -298,7 +300,7 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
     if cpp:
         def rope(qkv, table, Hq, Hkv, k_into):
-            return rope_cpp(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], k_into)
+            return rope_cpp_heads(qkv, Hq, Hkv, table[0], table[1], k_into)
 
         return LayerOps(lambda x, w: rms_norm_cpp(x, None, w, eps)[0], lambda x, r, w: rms_norm_cpp(x, r, w, eps),
                         silu_mul, lambda cos, sin: (cos, sin), rope)

@@ -95,24 +95,44 @@ def rope(
 
 def rope_cpp(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C++ kernel (lopa_fast._C.rope_cpu, float32; also called directly by a layer loop that chose it once, its
-    checks the caller's): q and k read through their strides, written as fresh
-    contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us of kernel).
-    k_out: None, or a contiguous float32 tensor of k's numel that receives the rotated k instead (e.g. the cache rows
-    of an in-cache forward: lopa_fast.models.static_forward; returned as given)."""
-    B, n, Hq, D = q.shape
-    Hkv = k.shape[2]
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (empty_like: ~1 us, empty(shape, ...): ~3)
+    """The C++ kernel (lopa_fast._C.rope_cpu, float32; its checks the caller's): q and k read through their strides,
+    written as fresh contiguous [B, n, Hq, D] and [B, n, Hkv, D] (the glue is most of the call on tiny shapes: ~1.5 us
+    of kernel). k_out: None, or a contiguous float32 tensor of k's numel that receives the rotated k instead (e.g.
+    the cache rows of an in-cache forward: lopa_fast.models.static_forward; returned as given)."""
+    return _launch(q, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), k.shape[2], cos, sin, k_out)
+
+
+def rope_cpp_heads(qkv: torch.Tensor, Hq: int, Hkv: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cpp` of q and k = the first Hq and the next Hkv heads of a merged projection qkv [B, n, Hq + 2 Hkv, D]
+    (float32, last dim contiguous), read in place: no slice views (two fewer torch calls a layer in the CPU fast
+    forward's loop)."""
+    if qkv.shape[2] != Hq + 2 * Hkv or qkv.stride(-1) != 1:
+        raise ValueError(f"rope: qkv {tuple(qkv.shape)} (strides {qkv.stride()}) must be [B, n, Hq + 2 Hkv = "
+                         f"{Hq + 2 * Hkv}, D] with a contiguous last dim")
+    st, p = qkv.stride(), qkv.data_ptr()
+    return _launch(qkv, p, st, p + Hq * st[2] * qkv.element_size(), st, Hkv, cos, sin, k_out, Hq)
+
+
+def _launch(q, q_ptr: int, qs: tuple, k_ptr: int, ks: tuple, Hkv: int, cos, sin, k_out,
+            Hq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """lopa_fast._C.rope_cpu on q (or the merged projection it is the first Hq heads of) and k given by pointer and
+    strides; fresh contiguous outputs (k into k_out when given)."""
+    B, n, H, D = q.shape
+    Hq = H if Hq is None else Hq
+    if Hq == H:
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (empty_like: ~1.5 us, empty(shape): ~2)
+    else:
+        q_out = q.new_empty((B, n, Hq, D))
     if k_out is None:
-        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    elif not (k_out.is_contiguous() and k_out.numel() == k.numel() and k_out.dtype == k.dtype):
-        raise ValueError(f"rope: k_out must be a contiguous {k.dtype} tensor of {k.numel()} elements, got "
+        k_out = q.new_empty((B, n, Hkv, D))
+    elif not (k_out.is_contiguous() and k_out.numel() == B * n * Hkv * D and k_out.dtype == q.dtype):
+        raise ValueError(f"rope: k_out must be a contiguous {q.dtype} tensor of {B * n * Hkv * D} elements, got "
                          f"{k_out.dtype} {tuple(k_out.shape)}")
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
-    qs, ks = q.stride(), k.stride()
     _backend.cpp_module().rope_cpu(
-        [q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr()],
+        [q_ptr, k_ptr, cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr()],
         [B, n, Hq, Hkv, D, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], n * D if cos.dim() == 3 else 0])
     return q_out, k_out
 

@@ -92,9 +92,10 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
     # as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0, the same entry
     # as a full generated block, so one table of bs + 1 entries serves every block.
     frac = [(bs - c) / bs for c in range(bs + 1)]
+    scalar = lambda v: torch.scalar_tensor(v, dtype=torch.long, device=dev)  # noqa: E731 (~2 us; torch.tensor(v): ~7)
     return dict(
-        prompt_len=torch.tensor(P, device=dev),
-        total_len=torch.tensor(L, device=dev),
+        prompt_len=scalar(P),
+        total_len=scalar(L),
         gen_pos=torch.arange(P, P + G * bs, device=dev),  # the generated positions, block-major
         block_index=j,
         block_start=longs([0] + [P + (i - 1) * bs for i in range(1, G + 1)]),
@@ -106,7 +107,7 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
         stops=stop_table(cfg.stop, dev),
         grow_table=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
         activate_table=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
-        seed=torch.tensor(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0, device=dev),  # keyed draws
+        seed=scalar(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0),  # keyed draws
         **{name: knob(v, dev) for name, v in round_knobs(cfg).items()},
     )
 
@@ -206,7 +207,9 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         # stats table row 0 = the stale last_logit (predicts window position 0 under the shift): a table past one
         # statistics chunk is read as its two row blocks (no [Rb + 1, V] copy of the logits); a smaller one is
         # concatenated (one statistics pass, and the next last_logit is then one row of it: ~10 ops a round saved)
-        table = [st["last_logit"][None, :].to(logits.dtype), logits] if geo.shift else logits
+        last = st["last_logit"]
+        table = [(last if last.dtype == logits.dtype else last.to(logits.dtype)).unsqueeze(0), logits] if geo.shift \
+            else logits
         if geo.shift and logits.shape[0] < chunk_rows(logits.shape[-1]):
             table = [torch.cat(table)]
         keys = row_keys(st, T, w["rows"], st["start"], Nb, geo.shift, cfg)
@@ -226,7 +229,14 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
                                            st["last_logit"].to(new_last.dtype))
         elif len(table) == 1:  # the one-block table: its row last_row is the winner's raw row u - 1 (or row 0)
             new_last = table[0].index_select(0, last_row.reshape(1))[0]
-            st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
+            span = w.get("span")
+            if span is not None:  # an eager round knows u on the host: no device select (2 ops a round)
+                if span[1] > 0:
+                    st["last_logit"] = new_last
+                elif st["last_logit"].dtype != new_last.dtype:
+                    st["last_logit"] = st["last_logit"].to(new_last.dtype)
+            else:
+                st["last_logit"] = torch.where(u > 0, new_last, st["last_logit"].to(new_last.dtype))
         else:  # table row r > 0 is raw row r - 1; row 0 the stale last_logit itself
             raw = logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
             new_last = torch.where(last_row > 0, raw, table[0][0])
