@@ -378,7 +378,12 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "add_rms_norm", _norm_wrapper(rounds)))  # the fused layer's residual norms
-        es.enter_context(_patched(sf, "rms_norm_cpp", _norm_wrapper(rounds)))  # the CPU forward's C++ norms
+        # the CPU forward's C++ norms: the layer loop's functions come from cpp_norms through the LayerOps memo,
+        # emptied on entry and exit so that the loop takes the counted ones here and the plain ones after
+        norm_factory = _norm_wrapper(rounds)
+        es.enter_context(_patched(sf, "cpp_norms", lambda fn: lambda eps: tuple(norm_factory(f) for f in fn(eps))))
+        sf._LAYER_OPS.clear()
+        es.callback(sf._LAYER_OPS.clear)
         es.enter_context(_patched(sf, "branch_attention_sdpa", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(ops, "branch_attention", _stage_wrapper(rounds, "attn_core")))
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))

@@ -19,7 +19,7 @@ from lopa_fast import ops
 from lopa_fast.reference.attention_modes import window_key_mask
 from lopa_fast.ops import _backend as ops_backend
 from lopa_fast.ops.branch_attention import branch_attention_sdpa, sdpa_mask, window_in_cache_sdpa
-from lopa_fast.ops.rms_norm import rms_norm_cpp, torch_rms_norm
+from lopa_fast.ops.rms_norm import cpp_norms, torch_rms_norm
 from lopa_fast.ops.rope import rope_cpp_heads, rope_heads, rope_rotation
 
 
@@ -302,8 +302,7 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
         def rope(qkv, table, Hq, Hkv, k_into):
             return rope_cpp_heads(qkv, Hq, Hkv, table[0], table[1], k_into)
 
-        return LayerOps(lambda x, w: rms_norm_cpp(x, None, w, eps)[0], lambda x, r, w: rms_norm_cpp(x, r, w, eps),
-                        silu_mul, lambda cos, sin: (cos, sin), rope)
+        return LayerOps(*cpp_norms(eps), silu_mul, lambda cos, sin: (cos, sin), rope)
     if lb == "torch":
         norm = functools.partial(torch_rms_norm, eps=eps)
 

@@ -7,7 +7,9 @@ graph capture trace through the public op without a graph break.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,22 +59,39 @@ def rms_norm_cpp(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The C++ kernel (lopa_fast._C.rms_norm_cpu, float32, csrc/rms_norm_cpu.cpp): (rms_norm(x + residual), x +
     residual) in one pass a row, or (rms_norm(x), None) without a residual; fresh contiguous outputs. Within ~2 ulp
-    of the torch formula (mean(x^2) summed in another order), not bitwise. (Lean on purpose: a tiny CPU forward
-    makes ~10 of these calls.)"""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = torch.empty_like(x)  # (x contiguous; empty_like: ~1 us, torch.empty(shape, dtype=, device=): ~3)
-    H = x.shape[-1]
-    if residual is None:  # (0: no residual, no sum)
-        _backend.cpp_module().rms_norm_cpu([x.data_ptr(), 0, weight.data_ptr(), out.data_ptr(), 0],
-                                           [x.numel() // max(H, 1), H], float(eps))
-        return out, None
-    if not residual.is_contiguous():
-        residual = residual.contiguous()
-    s = torch.empty_like(x)
-    _backend.cpp_module().rms_norm_cpu([x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                        s.data_ptr()], [x.numel() // max(H, 1), H], float(eps))
-    return out, s
+    of the torch formula (mean(x^2) summed in another order), not bitwise."""
+    norm, add_norm = cpp_norms(eps)
+    return (norm(x, weight), None) if residual is None else add_norm(x, residual, weight)
+
+
+@functools.lru_cache(maxsize=64)
+def cpp_norms(eps: float) -> tuple[Callable, Callable]:
+    """(norm(x, w) -> rms_norm(x) * w, add_norm(x, residual, w) -> (rms_norm(x + residual) * w, x + residual)) on the
+    C++ kernel with eps bound: `rms_norm_cpp`'s glue, one Python frame a call (a tiny CPU forward makes ~10: the layer
+    loop takes these, lopa_fast.models.static_forward). float32 tensors on the CPU, weight [H]; fresh outputs."""
+    kernel = _backend.cpp_module().rms_norm_cpu
+    e = float(eps)
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty_like(x)  # (x contiguous; empty_like: ~1 us, torch.empty(shape, dtype=, device=): ~3)
+        H = x.shape[-1]
+        kernel([x.data_ptr(), 0, w.data_ptr(), out.data_ptr(), 0], [x.numel() // max(H, 1), H], e)  # (0: no sum)
+        return out
+
+    def add_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not residual.is_contiguous():
+            residual = residual.contiguous()
+        out, s = torch.empty_like(x), torch.empty_like(x)
+        H = x.shape[-1]
+        kernel([x.data_ptr(), residual.data_ptr(), w.data_ptr(), out.data_ptr(), s.data_ptr()],
+               [x.numel() // max(H, 1), H], e)
+        return out, s
+
+    return norm, add_norm
 
 
 def _kernel_dtype(op, b, x):

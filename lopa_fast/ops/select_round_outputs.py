@@ -63,13 +63,21 @@ _PLAN_FIRST = len(SelectRound._fields) - len(RoundPlan._fields)  # the plan's fi
 def plan_outputs(NB: int, Lb1: int, G1: int) -> list[torch.Tensor]:
     """Fresh output tensors of a plan_round call (the `RoundPlan` fields, in order): one buffer per dtype, split."""
     out: list = [None] * len(RoundPlan._fields)
-    for dtype, _, _, fields in _split_plan(NB, Lb1, G1, 1):
-        mine = [(k - _PLAN_FIRST, shape) for k, shape in fields if k >= _PLAN_FIRST]
-        shapes = _shapes_of(NB, Lb1, G1, 1)
-        sizes = [math.prod(shapes[k + _PLAN_FIRST][0]) for k, _ in mine]
-        if not mine:
-            continue
+    for dtype, sizes, mine in _plan_split(NB, Lb1, G1):
         parts = torch.empty(sum(sizes), dtype=dtype).split_with_sizes(sizes)
         for t, (k, shape) in zip(parts, mine):
             out[k] = t if shape is None else t.view(shape)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_split(NB: int, Lb1: int, G1: int) -> tuple:
+    """`_split_plan` restricted to the plan's fields: per dtype that has one, (dtype, sizes, ((field index in
+    RoundPlan, shape or None), ...)), computed once per geometry."""
+    shapes = _shapes_of(NB, Lb1, G1, 1)
+    plan = []
+    for dtype, _, _, fields in _split_plan(NB, Lb1, G1, 1):
+        mine = tuple((k - _PLAN_FIRST, shape) for k, shape in fields if k >= _PLAN_FIRST)
+        if mine:
+            plan.append((dtype, [math.prod(shapes[k + _PLAN_FIRST][0]) for k, _ in mine], mine))
+    return tuple(plan)

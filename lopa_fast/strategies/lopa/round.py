@@ -83,33 +83,47 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
     """Request constants as tensors: P and L, block geometry, position tables (Lb + 1 entries; positions
     >= L, the trash column included, belong to no block), the lowest-k table and the decoded-fraction
     lookup tables, and the float knobs (`round_knobs`: 0-d float64). Shapes depend on (bs, G, Lb) only.
-    Computed on the host and built one tensor each (a request's setup: ~230 -> ~90 us on a tiny CPU request)."""
+    Computed on the host and built one tensor each; the ones that do not depend on the prompt length are shared by
+    the requests of one geometry and knobs (`_shared_tables`; read-only, as every table). A request's setup: ~230
+    -> ~90 us on a tiny CPU request, then ~60."""
     L = P + G * bs
     longs = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
     pos_block = longs([0 if p < P else min(1 + (p - P) // bs, G + 1) for p in range(Lb + 1)])
-    j = torch.arange(G + 1, device=dev)
+    shared = _shared_tables(bs, G, Lb, float(cfg.branch_topp), float(cfg.block_add_threshold),
+                            float(cfg.decoded_token_threshold), cfg.stop, tuple(round_knobs(cfg).items()), dev)
+    scalar = lambda v: torch.scalar_tensor(v, dtype=torch.long, device=dev)  # noqa: E731 (~2 us; torch.tensor(v): ~7)
+    return dict(
+        shared,
+        prompt_len=scalar(P),
+        total_len=scalar(L),
+        gen_pos=torch.arange(P, P + G * bs, device=dev),  # the generated positions, block-major
+        block_start=longs([0] + [P + (i - 1) * bs for i in range(1, G + 1)]),
+        block_end=longs([P] + [P + i * bs for i in range(1, G + 1)]),
+        pos_block=pos_block,
+        in_block=pos_block[:, None] == shared["block_index"][None, :],  # [Lb + 1, G + 1]: position p lies in block j
+        seed=scalar(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0),  # keyed draws
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_tables(bs: int, G: int, Lb: int, topp: float, add_threshold: float, decoded_threshold: float, stop,
+                   knobs: tuple, dev) -> dict:
+    """`init_tables`' entries that do not depend on the prompt length (normal tensors even when first built under
+    inference mode: they outlive the request)."""
     # decoded-fraction tests as lookup tables over a block's mask count, computed with Python floats exactly
     # as upstream ((total - mc) / total >= tau). The prompt block has mc = 0 -> fraction 1.0, the same entry
     # as a full generated block, so one table of bs + 1 entries serves every block.
     frac = [(bs - c) / bs for c in range(bs + 1)]
-    scalar = lambda v: torch.scalar_tensor(v, dtype=torch.long, device=dev)  # noqa: E731 (~2 us; torch.tensor(v): ~7)
-    return dict(
-        prompt_len=scalar(P),
-        total_len=scalar(L),
-        gen_pos=torch.arange(P, P + G * bs, device=dev),  # the generated positions, block-major
-        block_index=j,
-        block_start=longs([0] + [P + (i - 1) * bs for i in range(1, G + 1)]),
-        block_end=longs([P] + [P + i * bs for i in range(1, G + 1)]),
-        pos=torch.arange(Lb + 1, device=dev),
-        pos_block=pos_block,
-        in_block=pos_block[:, None] == j[None, :],  # [Lb + 1, G + 1]: position p lies in block j
-        lowest_k=longs(lowest_k_table(Lb, cfg.branch_topp)),
-        stops=stop_table(cfg.stop, dev),
-        grow_table=torch.tensor([f >= cfg.block_add_threshold for f in frac], device=dev),
-        activate_table=torch.tensor([f >= cfg.decoded_token_threshold for f in frac], device=dev),
-        seed=scalar(keyed.resolve_seed(cfg.seed) if cfg.temperature > 0 else 0),  # keyed draws
-        **{name: knob(v, dev) for name, v in round_knobs(cfg).items()},
-    )
+    with torch.inference_mode(False):
+        return dict(
+            block_index=torch.arange(G + 1, device=dev),
+            pos=torch.arange(Lb + 1, device=dev),
+            lowest_k=torch.tensor(lowest_k_table(Lb, topp), dtype=torch.long, device=dev),
+            stops=stop_table(stop, dev),
+            grow_table=torch.tensor([f >= add_threshold for f in frac], device=dev),
+            activate_table=torch.tensor([f >= decoded_threshold for f in frac], device=dev),
+            **{name: knob(v, dev) for name, v in knobs},
+        )
 
 
 def init_state(model, prompt: torch.Tensor, G: int, Lb: int, NB: int, mask_id: int, cache=None) -> dict:
@@ -299,10 +313,12 @@ def commit_span(st: dict, u, k_span: torch.Tensor, v_span: torch.Tensor, span: t
     its head): two slice copies instead of the masked index_copy_ (7 ops -> 3)."""
     if span is not None:
         at, n = span
-        dst_k, dst_v = st["cache_k"][:, at : at + n], st["cache_v"][:, at : at + n]
-        if k_span.data_ptr() != dst_k.data_ptr():  # (the forward may have written them there already: `in_cache`)
-            dst_k.copy_(k_span[:, :n])
-            dst_v.copy_(v_span[:, :n])
+        ck = st["cache_k"]
+        # (the forward may have written them there already, `in_cache`: then k_span starts at cache row `at`, read from
+        # the pointers, without two slice views a round)
+        if k_span.data_ptr() != ck.data_ptr() + at * ck.stride(1) * ck.element_size():
+            ck[:, at : at + n].copy_(k_span[:, :n])
+            st["cache_v"][:, at : at + n].copy_(v_span[:, :n])
         st["cache_len"] = st["cache_len"] + n
         return
     i = torch.arange(k_span.shape[1], device=k_span.device)
