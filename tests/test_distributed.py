@@ -239,6 +239,18 @@ def test_parity_with_one_process(world, tmp_path, expected):
         assert d["bytes"]["stats"] > 0
 
 
+def test_parity_with_one_process_on_the_fused_head(tmp_path, monkeypatch):
+    """LOPA_FAST_FUSED_HEAD=1 (what CUDA runs by default): each rank's message carries `ops.head_confidence`'s
+    statistics of its hidden rows (no [rows, V] logits), the winner's owner computes the next last_logit row alone;
+    every rank equals the single-process fused round on the T = 0 grid (world 2)."""
+    monkeypatch.setenv("LOPA_FAST_FUSED_HEAD", "1")  # (the spawned ranks inherit it)
+    models = build_models()
+    want = [summary(run_case(models, c)) for c in grid()]
+    ranks = spawn_group(2, tmp_path, grid())
+    _assert_parity(ranks, grid(), want, 2)
+    assert all(c["dist"]["fused_head"] for res in ranks for c in res["cases"])
+
+
 def _compiled_parity(world: int, tmp_path, cases: list, join_timeout: float = COMPILE_JOIN_TIMEOUT_S) -> list:
     """compile=True on every rank of a group of `world`: equal to the single-process eager fast backend (the
     compiled single-process round is token-exact with it: tests/test_compiled_round.py); the rounds after the

@@ -24,6 +24,7 @@ the tests run gloo on CPU.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.strategies.lopa import round_stats
@@ -59,7 +60,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # directly, compile=True compiles `compiled_share` and `after_exchange` once per bucket (CompiledRounds.call).
 def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, prefix_len):
     """The forward of window slots `slots` [m] on their needed rows (valid [m]: the slots that are this rank's
-    own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V], k_win,
+    own; the others run for their K/V or as padding and contribute no row). Returns (logits [n_rows, V] (with
+    geo.fused_head the final-normed hidden rows [n_rows, H]: `rank_message` applies the fused head), k_win,
     v_win [layers, m, Nb, Hkv, D], flat [n_rows]: the rows' flat window rows slot * Nb + column, the real ones
     first in ascending order, n_real: 0-d, how many are real)."""
     Nb = w["win_pos"].shape[0]
@@ -69,33 +71,45 @@ def share_forward(model, st: dict, geo, w: dict, slots, valid, n_rows: int, pref
     logits, k_win, v_win = model.forward_static(
         w["tokens"].index_select(0, slots), st["start"], st["cache_k"], st["cache_v"], prefix_len,
         w["win_lens"].index_select(0, slots), bids, geo.mode, rows, attn_backend=geo.attn_backend,
+        output="hidden" if geo.fused_head else "logits",
     )
     flat = slots.index_select(0, rows // Nb) * Nb + rows % Nb
     return logits, k_win, v_win, flat, need.sum()
 
 
-def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits, flat, n_real):
+def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits, flat, n_real, head=None):
     """This rank's int32 message [HEADER + 3 * Rmax]: error flag 0, n_real (its needed rows), the first non-finite
     flat row of them (or -1), `holder` (bool or 0-d: it holds the last_logit row), the (conf, p, x0) of its
     last_logit row under the shift (zeros without), then (conf, p, x0) of its logits rows [n, V] (flat window
     rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 =
     last_logit under the shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no
-    slot field), so a rank draws for any slot's row what the single process draws."""
+    slot field), so a rank draws for any slot's row what the single process draws. With geo.fused_head, `logits`
+    are the hidden rows [n, H] and head the LM-head weight [V, H]: the statistics are `fused_head_stats`' (its
+    [n, V] logits never exist), the guard reads its finite flags."""
     dev = st["x"].device
-    table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
     n = logits.shape[0]
     msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
     msg[0] = 0
     msg[1] = n_real
-    t = round_stats.temperature(T, cfg)
-    msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
     msg[3] = holder
-    if table.shape[0] == 0:
-        return msg
-    # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
-    keys = round_stats.row_keys(st, T, flat if n else flat.new_zeros(1), st["start"], Nb, geo.shift, cfg)
-    keys = None if keys is None else keys[: table.shape[0]]
-    conf, x0, p = round_stats.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
+    if geo.fused_head:
+        if n == 0 and not geo.shift:
+            msg[2] = -1
+            return msg
+        # (with no row of its own, only the last_logit row: `fused_head_stats` of the empty hidden rows)
+        fused = round_stats.fused_head_stats(st, cfg, geo, logits, head)
+        msg[2] = round_stats.first_bad(fused.finite, flat, n_real, geo.NB * Nb) if n else -1
+        conf, x0, p = fused.table
+    else:
+        table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
+        t = round_stats.temperature(T, cfg)
+        msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
+        if table.shape[0] == 0:
+            return msg
+        # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
+        keys = round_stats.row_keys(st, T, flat if n else flat.new_zeros(1), st["start"], Nb, geo.shift, cfg)
+        keys = None if keys is None else keys[: table.shape[0]]
+        conf, x0, p = round_stats.token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     k = int(geo.shift)
     if geo.shift:
         msg[4], msg[5], msg[6] = _bits(conf[:1])[0], _bits(p[:1])[0], x0[0].to(torch.int32)
@@ -169,7 +183,8 @@ def compiled_share(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, world: 
     slots = torch.where(hi > lo, j.clamp(max=hi - 1), nA - 1)
     valid = j < hi
     logits, k_win, v_win, flat, n_real = share_forward(model, st, geo, w, slots, valid, n_rows, st["cache_len"])
-    msg = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real)
+    msg = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real,
+                       model.head_weight() if geo.fused_head else None)
     return st, (w, msg, logits, k_win, v_win)
 
 class _Exchange:
@@ -206,6 +221,11 @@ class DistributedDecoder(FastDecoder):
         self.max_share = 0  # the most slots this rank ran in one round (its window K/V)
         self._hook_error: BaseException | None = None  # the progress hook's exception, held until the next gather
 
+    def _head_weight(self):
+        """The LM-head weight the fused head statistics read (None without geo.fused_head; FastDecoder's `_head`, whose
+        name this driver's last read head holds)."""
+        return self.model.head_weight() if self.geo.fused_head else None
+
     def _read_head(self) -> rnd.Head:
         if self._pending is None:
             head = super()._read_head()
@@ -224,9 +244,11 @@ class DistributedDecoder(FastDecoder):
         holder = comm.rank == self.holder
         own = hi > lo
         if not own and not (geo.mode == "block_causal" and u > 0):
-            none = st["last_logit"].new_zeros((0, st["last_logit"].shape[0]))
+            width = self.model.config.hidden_size if geo.fused_head else st["last_logit"].shape[0]
+            none = st["last_logit"].new_zeros((0, width))  # (no row: hidden rows with the fused head, else logits)
             flat = torch.zeros(0, dtype=torch.long, device=dev)
-            return rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, none, flat, 0), None, None
+            return rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, none, flat, 0,
+                                self._head_weight()), None, None
         f_lo, f_hi = (lo, hi) if own else (nA - 1, nA)
         self.max_share = max(self.max_share, f_hi - f_lo)
         slots = torch.arange(f_lo, f_hi, device=dev)
@@ -235,7 +257,7 @@ class DistributedDecoder(FastDecoder):
         logits, k_win, v_win, flat, n_real = share_forward(self.model, st, geo, w, slots, valid, n_rows, s)
         if not own:  # the anchor's window ran for its span K/V only: no row of it is sent
             logits, flat, n_real = logits[:0], flat[:0], 0
-        msg = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real)
+        msg = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real, self._head_weight())
         return msg, logits, (k_win, v_win, f_lo)
 
     def _share_compiled(self, nA: int, Nb: int, Rb: int):
@@ -314,8 +336,9 @@ class DistributedDecoder(FastDecoder):
             if geo.shift:  # the winner's raw row u - 1 is the next last_logit: its owner keeps it (a copy: the
                 # compiled share's outputs are rewritten by its next call)
                 owner = slot_owner(W, nA, comm.world)
-                if comm.rank == owner:
-                    self.st["last_logit"] = logits[vals[11]].clone()
+                if comm.rank == owner:  # (with the fused head: that one row's logits, one GEMV)
+                    row = logits[vals[11]]
+                    self.st["last_logit"] = F.linear(row, self._head_weight()) if geo.fused_head else row.clone()
                 else:  # the dtype the owner's row has (a compiled share sees one input dtype on every rank)
                     self.st["last_logit"] = self.st["last_logit"].to(logits.dtype if logits is not None else
                                                                       self.st["last_logit"].dtype)
@@ -371,6 +394,7 @@ class DistributedDecoder(FastDecoder):
         out.stats["distributed"] = {
             "world_size": c.world, "rank": c.rank, "backend": c.backend, "collectives": dict(c.calls),
             "bytes": dict(c.bytes), "bytes_per_round": total / rounds, "kv_broadcast_rounds": self.kv_rounds,
+            "fused_head": self.geo.fused_head,  # the messages carried the fused head's statistics (no logits rows)
         }
         return out
 
