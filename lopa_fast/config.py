@@ -98,15 +98,17 @@ class _SharedKnobs:
                 if getattr(self, name) is not None and not (name == "top_p" and getattr(self, name) == 1.0)]
 
     def replace(self, **kw) -> "GenerateConfig":
-        """dataclasses.replace(self, **kw) (the same frozen config: no __post_init__ to rerun), by copying the instance
-        dict: dataclasses.replace reads and re-sets all ~48 fields through the frozen __init__ (~25 us, twice a
-        request). A name that is not a field is refused as dataclasses.replace refuses it."""
+        """dataclasses.replace(self, **kw), by copying the instance dict and running __post_init__ (its
+        normalisations: stop lists -> tuples, top_k 0 / -1 -> None) on the result: dataclasses.replace reads and re-sets
+        all ~48 fields through the frozen __init__ (~25 us, twice a request). A name that is not a field is refused as
+        dataclasses.replace refuses it."""
         unknown = kw.keys() - _field_names(type(self))
         if unknown:
             return dataclasses.replace(self, **kw)  # (its TypeError names the argument)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.__dict__.update(kw)
+        new.__post_init__()
         return new
 
     def validate(self, spec=None) -> "GenerateConfig":

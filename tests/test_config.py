@@ -3,6 +3,8 @@ runs once per call."""
 import dataclasses
 import inspect
 
+import pytest
+
 import lopa_fast
 from lopa_fast.config import GenerateConfig
 from lopa_fast.testing import random_model, tiny_hf_config
@@ -61,3 +63,22 @@ def test_a_bad_value_of_another_strategys_knob_is_refused_whatever_the_strategy(
             GenerateConfig(strategy=strategy, branching_factor="x").validate()
         with pytest.raises(ValueError, match="sampling_strategy"):
             GenerateConfig(strategy=strategy, sampling_strategy="nope").validate()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(stop=[[1, 2], [3]]), dict(top_k=0), dict(top_k=-1), dict(max_new_tokens=16, eos_token_id=3),
+    dict(stop=None, seed=7), dict(block_size=8, stop=((4,),)),
+])
+def test_replace_is_dataclasses_replace(changes):
+    """GenerateConfig.replace (the instance dict copied, __post_init__ rerun) equals dataclasses.replace: the same
+    fields, the same normalisations (stop lists -> hashable tuples, top_k 0 / -1 -> None), frozen; a name that is not
+    a field is refused the same way."""
+    import dataclasses
+
+    base = GenerateConfig(strategy="lopa", block_size=4, stop=[[9, 9]])
+    got, want = base.replace(**changes), dataclasses.replace(base, **changes)
+    assert got == want and hash(got) == hash(want) and type(got) is type(want)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.block_size = 2
+    with pytest.raises(TypeError, match="nope"):
+        base.replace(nope=1)

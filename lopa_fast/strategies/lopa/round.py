@@ -89,8 +89,9 @@ def init_tables(P: int, bs: int, G: int, Lb: int, cfg, dev) -> dict:
     L = P + G * bs
     longs = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
     pos_block = longs([0 if p < P else min(1 + (p - P) // bs, G + 1) for p in range(Lb + 1)])
+    stop = tuple(tuple(q) for q in cfg.stop) if cfg.stop else None  # (a hashable key, whatever sequences it came as)
     shared = _shared_tables(bs, G, Lb, float(cfg.branch_topp), float(cfg.block_add_threshold),
-                            float(cfg.decoded_token_threshold), cfg.stop, tuple(round_knobs(cfg).items()), dev)
+                            float(cfg.decoded_token_threshold), stop, tuple(round_knobs(cfg).items()), dev)
     scalar = lambda v: torch.scalar_tensor(v, dtype=torch.long, device=dev)  # noqa: E731 (~2 us; torch.tensor(v): ~7)
     return dict(
         shared,
