@@ -217,7 +217,6 @@ class OpCounter(TorchDispatchMode):
                 r = func.decompose(*args, **kwargs)
             if r is not NotImplemented:
                 return r
-        t_in = time.perf_counter()
         out = func(*args, **kwargs)
         t_done = time.perf_counter()
         r = self.r
