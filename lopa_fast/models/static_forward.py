@@ -296,6 +296,8 @@ _LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, 
 
 
 def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bool) -> LayerOps:
+    """`_layer_ops`' choice, built: the C++ norms and rope (cpp), the torch formulas (lb "torch"), else the public ops
+    on backend lb."""
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
     if cpp:
