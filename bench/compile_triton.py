@@ -181,17 +181,17 @@ def _confidence_variants(out, dtypes):
 def _head_confidence_variants(out, dtypes):
     """The fused head at Dream's vocabulary: a LoPA k=8 round's 64-row tiles (the launcher's GPU tiles)."""
     BR, BV, BH = 64, 128, 64
-    ce = dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH)
+    ce = dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=True)  # the entropy round's
     for dt in dtypes:
         types = {n: "i32" for n in hc._hc_stats_kernel.arg_names}
         types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
-                     pfin_ptr="*i32")
-        out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce, {"stride_h", "stride_w", "H"},
-                    dict(num_warps=4, num_stages=3)))
+                     pfin_ptr="*i32", lg_ptr=f"*{dt}")
+        out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce, {"stride_h", "stride_w", "H", "V"},
+                    dict(num_warps=hc.NUM_WARPS, num_stages=3)))
         types = {n: "i32" for n in hc._hc_entropy_kernel.arg_names}
-        types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", eps="fp32", lse_ptr="*fp32", pent_ptr="*fp32")
-        out.append((f"_hc_entropy_kernel {dt} V=152064", hc._hc_entropy_kernel, types, ce,
-                    {"stride_h", "stride_w", "H"}, dict(num_warps=4, num_stages=3)))
+        types.update(lg_ptr=f"*{dt}", eps="fp32", lse_ptr="*fp32", pent_ptr="*fp32")
+        out.append((f"_hc_entropy_kernel {dt} V=152064", hc._hc_entropy_kernel, types,
+                    dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV), {"V"}, dict(num_warps=hc.NUM_WARPS, num_stages=3)))
     types = {n: "*fp32" for n in hc._hc_merge_kernel.arg_names}
     types.update(pi1_ptr="*i32", pfin_ptr="*i32", tok_ptr="*i64", fin_ptr="*i8", S="i32")
     out.append(("_hc_merge_kernel S<=16", hc._hc_merge_kernel, types, dict(BLOCK_S=16), set(),

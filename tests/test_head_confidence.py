@@ -109,6 +109,28 @@ def test_triton_matches_unfused(dtype, num_splits, suppress):
     check(got, h, w, suppress)
 
 
+def test_triton_entropy_pass_reads_the_logits_back_not_the_weight(monkeypatch):
+    """The entropy pass reads the stats pass's [R, V] logits scratch (storage dtype), not the head weight a second
+    time (at Dream-7B: 49 MB instead of 1.09 GB): the weight zeroed between the passes changes nothing."""
+    from lopa_fast.kernels.triton import head_confidence as hc
+
+    h, w = head_inputs(19, 40, 2500, torch.float16, seed=6)
+    want = w.clone()
+    entropy_kernel = hc._hc_entropy_kernel
+
+    class ZeroWeightFirst:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                w.zero_()  # a recomputing pass would now see logits of 0
+                return entropy_kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(hc, "_hc_entropy_kernel", ZeroWeightFirst())
+    got = ops.HeadConfidence(*hc.head_confidence(h, w, 3, num_splits=3, tiles=(16, 256, 16)))
+    assert not w.any()  # the entropy pass ran
+    check(got, h, want, 3)
+
+
 def test_triton_public_op_entropy_off():
     h, w = head_inputs(5, 24, 700, torch.float32, seed=7)
     got = ops.head_confidence(h, w, entropy=False, backend="triton")
@@ -195,6 +217,27 @@ def test_cuda_emu_matches_unfused(cuda_emu, dt):
     with poisoned_empty():
         got = cuda_emu.head_confidence(h.cpu(), w.cpu(), 3)
     check(got, h.cpu(), w.cpu(), 3)
+
+
+def test_cuda_emu_entropy_pass_reads_the_logits_back_not_the_weight(cuda_emu):
+    """As the Triton test above, through kernels/cuda/head_confidence.cu: the weight zeroed before the entropy
+    launch changes nothing, and the entropy launch is handed no pointer to it."""
+    from lopa_fast.ops.cuda import launch
+
+    h, w = head_inputs(11, 40, 2100, torch.bfloat16, seed=11)
+    want = w.clone()
+    L = cuda_emu._l["head_confidence"]
+    seen = []
+
+    def zero_weight_first(name, grid, block, smem, args):
+        if name.startswith("head_confidence_entropy"):
+            seen.append([v for kind, v in args if kind == "p"])
+            w.zero_()
+        return L(name, grid, block, smem, args)
+
+    out = launch.run_head_confidence(zero_weight_first, h.cpu(), w.cpu(), 3, 1e-10, True, L.num_sms)
+    assert len(seen) == 1 and w.data_ptr() not in seen[0] and not w.any()
+    check(ops.HeadConfidence(*out), h.cpu(), want.cpu(), 3)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")

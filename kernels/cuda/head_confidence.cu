@@ -13,10 +13,13 @@
 // order. SIMT fp32 (no tensor cores yet: this is the parity path; see docs/architecture.md). Four launches, no
 // atomics, a fixed merge order (deterministic):
 //   stats     per (row tile, split): online max / first arg-max / second max / sum exp / non-finite count per
-//             row; the CTA's threads merged by a shared-memory tree (a fixed order) -> ws [R, S, 6]
+//             row; the CTA's threads merged by a shared-memory tree (a fixed order) -> ws [R, S, 6]; with the
+//             entropy, each logit also to an [R, V] scratch in T (exactly the value folded)
 //   merge     per row: the S splits in order -> token, p_max, margin, lse, finite
-//   entropy   (entropy only) the same tiles recomputed (the same logits, bit for bit): sum p log(p + eps) with
-//             the final lse -> ws_ent [R, S]
+//   entropy   (entropy only) the scratch read back in the same tiles (the same logits, bit for bit): sum
+//             p log(p + eps) with the final lse -> ws_ent [R, S]. The eps inside the log needs the final lse, so
+//             the logits are looked at twice; reading R x V x 2 B back is ~1/20 of recomputing them from the
+//             head weight (Dream-7B: 49 MB against 1.09 GB at a LoPA k = 4 round's 160 rows)
 //   finalize  per row: neg_entropy = the splits' sums in order
 #include "vocab_stats.cuh"
 
@@ -113,7 +116,7 @@ LOPA_INLINE Tile tile(int V, int chunk) {
 
 template <typename T>
 LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R, int V,
-                       int H, int chunk, int suppress, float* __restrict__ ws_state) {
+                       int H, int chunk, int suppress, float* __restrict__ ws_state, T* __restrict__ logits) {
   __shared__ float hs[kRows][kK];
   __shared__ float wt[kThreads][kK + 1];
   __shared__ State red[kThreads];
@@ -129,6 +132,7 @@ LOPA_INLINE void stats(const T* __restrict__ hid, long long ldh, const T* __rest
     if (j < end) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
+        if (logits != nullptr && row0 + r < R) logits[(long long)(row0 + r) * V + j] = From<T>::cvt(x[r]);  // exact
         st[r].bad += finite(x[r]) ? 0 : 1;
         push(st[r], j == suppress ? LOPA_NEG_INF : x[r], j);
       }
@@ -160,11 +164,8 @@ LOPA_INLINE void merge_splits(const float* __restrict__ ws_state, int R, int S, 
 }
 
 template <typename T>
-LOPA_INLINE void entropy(const T* __restrict__ hid, long long ldh, const T* __restrict__ w, long long ldw, int R,
-                         int V, int H, int chunk, int suppress, float eps, const float* __restrict__ lse,
-                         float* __restrict__ ws_ent) {
-  __shared__ float hs[kRows][kK];
-  __shared__ float wt[kThreads][kK + 1];
+LOPA_INLINE void entropy(const T* __restrict__ logits, int R, int V, int chunk, int suppress, float eps,
+                         const float* __restrict__ lse, float* __restrict__ ws_ent) {
   __shared__ float red[kThreads];
   __shared__ float row_acc[kRows];
   const auto [row0, split, S, tid, begin, end] = tile(V, chunk);
@@ -174,16 +175,13 @@ LOPA_INLINE void entropy(const T* __restrict__ hid, long long ldh, const T* __re
     l[r] = row0 + r < R ? lse[row0 + r] : 0.f;
     acc[r] = 0.f;
   }
-  for (int c0 = begin; c0 < end; c0 += kThreads) {
-    float x[kRows];
-    logits_tile<T>(hid, ldh, w, ldw, R, H, row0, c0, end, hs, wt, x);
-    const int j = c0 + tid;
-    if (j < end && j != suppress) {
+  for (int j = begin + tid; j < end; j += kThreads) {  // a thread's columns in the stats pass's order
+    if (j == suppress) continue;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float p = expf(x[r] - l[r]);
-        acc[r] += p * logf(p + eps);
-      }
+    for (int r = 0; r < kRows; ++r) {
+      const float x = row0 + r < R ? to_float(logits[(long long)(row0 + r) * V + j]) : 0.f;
+      const float p = expf(x - l[r]);
+      acc[r] += p * logf(p + eps);
     }
   }
   tree_rows(red, row_acc, acc, [](float a, float b) { return a + b; });
@@ -202,13 +200,12 @@ LOPA_INLINE void finalize(const float* __restrict__ ws_ent, int R, int S, float*
 #define LOPA_HC_ENTRY(TNAME, T)                                                                                  \
   extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads) head_confidence_stats_##TNAME(               \
       const T* hid, long long ldh, const T* w, long long ldw, int R, int V, int H, int chunk, int suppress,     \
-      float* ws_state) {                                                                                         \
-    lopa::hc::stats<T>(hid, ldh, w, ldw, R, V, H, chunk, suppress, ws_state);                                   \
+      float* ws_state, T* logits) {                                                                              \
+    lopa::hc::stats<T>(hid, ldh, w, ldw, R, V, H, chunk, suppress, ws_state, logits);                           \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(lopa::hc::kThreads) head_confidence_entropy_##TNAME(             \
-      const T* hid, long long ldh, const T* w, long long ldw, int R, int V, int H, int chunk, int suppress,     \
-      float eps, const float* lse, float* ws_ent) {                                                              \
-    lopa::hc::entropy<T>(hid, ldh, w, ldw, R, V, H, chunk, suppress, eps, lse, ws_ent);                         \
+      const T* logits, int R, int V, int chunk, int suppress, float eps, const float* lse, float* ws_ent) {      \
+    lopa::hc::entropy<T>(logits, R, V, chunk, suppress, eps, lse, ws_ent);                                      \
   }
 
 LOPA_HC_ENTRY(f32, float)

@@ -4,12 +4,17 @@ The [R, V] logits never leave registers. Tiles of BLOCK_R rows x BLOCK_V vocabul
 logits are one `tl.dot` loop over H (fp32 accumulation, rounded to the storage dtype as F.linear returns
 them), then folded into per-row online statistics. The vocabulary is cut into S splits so that a round's
 few row tiles still fill the GPU (grid: row tiles x splits):
-  `_hc_stats_kernel`    per (row tile, split): max, first arg-max, second max (multiset), sum exp, finite
+  `_hc_stats_kernel`    per (row tile, split): max, first arg-max, second max (multiset), sum exp, finite;
+                        with entropy=True it also writes each logit (storage dtype: exactly the value folded) to an
+                        [R, V] scratch
+  `_hc_entropy_kernel`  (entropy=True) per (row tile, split): the scratch tiles read back in the same loop order
+                        (the same logits bit for bit), sum_v p_v * log(p_v + eps) with the final lse
   `_hc_merge_kernel`    per row: the splits merged in index order -> token, p_max, margin, lse, finite
-  `_hc_entropy_kernel`  (entropy=True) per (row tile, split): the same tiles recomputed (same loop order, so
-                        the same logits bit for bit), sum_v p_v * log(p_v + eps) with the final lse
-and the entropy partials are summed per row in split order. Bytes: the weight is read once per row tile and
-pass (twice with the entropy); nothing of size R x V is written. Matches lopa_fast.reference.ops.head_confidence.
+and the entropy partials are summed per row in split order. Bytes: the weight is read ONCE (per row tile); the
+entropy's eps sits inside the log, so it needs the final lse and a second look at every logit: reading back the
+logits (R x V x 2 B in bf16: 49 MB for a LoPA k = 4 round at Dream-7B's 152,064 ids) costs ~1/20 of recomputing
+them from the head weight (545 M parameters, 1.09 GB). Without the entropy nothing of size R x V is written.
+Matches lopa_fast.reference.ops.head_confidence.
 """
 from __future__ import annotations
 
@@ -20,6 +25,11 @@ import triton.language as tl
 from lopa_fast.kernels.triton import _vocab_stats as vs
 from lopa_fast.kernels.triton._common import is_interpreter
 from lopa_fast.sampling import head_confidence_outputs
+
+
+# 8 warps for the [64, 128] tiles: at 4 the stats kernel with the logits store, and the entropy pass, spill on sm_90
+# (255 registers + 524 / 224 B; bench/compile_triton.py fails on spills)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -52,8 +62,9 @@ def _tile(R, V, split, BLOCK_R: tl.constexpr):
 @triton.jit
 def _hc_stats_kernel(
     h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress,
-    pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pfin_ptr,
+    pm1_ptr, pi1_ptr, pm2_ptr, ps_ptr, pfin_ptr, lg_ptr,
     HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
 ):
     rows64, rmask, sp, S, lo, hi = _tile(R, V, split, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
@@ -65,6 +76,9 @@ def _hc_stats_kernel(
     for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + offs_v
         x, cmask = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols, hi, H, stride_h, stride_w, BLOCK_R, BLOCK_V, BLOCK_H)
+        if STORE_LOGITS:  # x is a storage-dtype value: the store is exact
+            tl.store(lg_ptr + rows64[:, None] * V + cols[None, :], x.to(lg_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
         nonfinite = (x != x) | (tl.abs(x) == float("inf"))  # on the raw logits, before the suppression
         bad += tl.sum(tl.where(nonfinite & cmask[None, :], 1, 0), axis=1)
         x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
@@ -91,8 +105,8 @@ def _hc_merge_kernel(
 
 @triton.jit
 def _hc_entropy_kernel(
-    h_ptr, w_ptr, stride_h, stride_w, R, V, H, split, suppress, eps, lse_ptr, pent_ptr,
-    HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    lg_ptr, R, V, split, suppress, eps, lse_ptr, pent_ptr,
+    HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows64, rmask, sp, S, lo, hi = _tile(R, V, split, BLOCK_R)
     lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
@@ -100,7 +114,9 @@ def _hc_entropy_kernel(
     ent = tl.zeros((BLOCK_R,), tl.float32)
     for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + offs_v
-        x, cmask = _logits_tile(h_ptr, w_ptr, rows64, rmask, cols, hi, H, stride_h, stride_w, BLOCK_R, BLOCK_V, BLOCK_H)
+        cmask = cols < hi
+        x = tl.load(lg_ptr + rows64[:, None] * V + cols[None, :].to(tl.int64), mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
         x = vs.suppress_ids(tl.where(cmask[None, :], x, float("-inf")), cols[None, :], suppress, HAS_SUPPRESS)
         ent += vs.entropy_tile(x, lse, cmask[None, :], eps, 1)
     tl.store(pent_ptr + rows64 * S + sp, ent, mask=rmask)
@@ -143,17 +159,19 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     sup = -1 if suppress_token is None else int(suppress_token)
     has_sup = suppress_token is not None
     grid = (triton.cdiv(R, BR), S)
+    # the logits scratch of the entropy pass (storage dtype; a 1-element stand-in without the entropy)
+    logits = torch.empty((R, V) if entropy else (1,), dtype=hidden.dtype, device=dev)
     _hc_stats_kernel[grid](
-        hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, pm1, pi1, pm2, ps, pfin,
-        HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, num_warps=4,
+        hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, pm1, pi1, pm2, ps, pfin, logits,
+        HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=entropy, num_warps=NUM_WARPS,
     )
     _hc_merge_kernel[(R,)](pm1, pi1, pm2, ps, pfin, tok, p_max, margin, lse, finite.view(torch.int8), S,
                            BLOCK_S=BLOCK_S, num_warps=1)
     if entropy:
         pent = torch.empty(R, S, dtype=torch.float32, device=dev)
         _hc_entropy_kernel[grid](
-            hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, float(eps), lse, pent,
-            HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, num_warps=4,
+            logits, R, V, split, sup, float(eps), lse, pent,
+            HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, num_warps=NUM_WARPS,
         )
         neg_entropy = pent.sum(dim=1)  # split order: deterministic
     return tok, p_max, margin, neg_entropy, lse, finite

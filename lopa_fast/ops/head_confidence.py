@@ -50,8 +50,9 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     A logit is the head's value in hidden.dtype (fp32 accumulation rounded to the storage dtype, what F.linear
     returns), upcast to fp32; finite[r] is False when any raw logit of row r is NaN / inf (checked before the
     suppressed id is set to -inf): that row's statistics are meaningless and must not be decoded.
-    entropy=False skips the second pass over the head (the entropy's eps needs the final lse): the round asks
-    for it only under sampling_strategy="neg_entropy".
+    entropy=False skips the second look at every logit (the entropy's eps needs the final lse; the kernels keep
+    the logits of the first pass in an [R, V] storage-dtype scratch for it, the torch backend recomputes its
+    chunks): the round asks for it only under sampling_strategy="neg_entropy".
     chunk: vocabulary columns per step of the torch backend (None: reference.ops.HEAD_CHUNK); the kernels tile
     on their own.
     backend: None (auto: triton on CUDA, torch on CPU) | "cuda" | "triton" | "torch" (see lopa_fast.ops._backend).

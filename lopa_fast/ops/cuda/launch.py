@@ -218,14 +218,16 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
     block = (HC_THREADS, 1, 1)
     head = [P(hidden), ("q", hidden.stride(0)), P(weight), ("q", weight.stride(0)), ("i", R), ("i", V), ("i", H),
             ("i", chunk), ("i", sup)]
-    launch(f"head_confidence_stats_{tname}", grid, block, 0, [*head, P(ws_state)])
+    # the entropy pass reads the logits back from an [R, V] scratch (storage dtype) instead of recomputing them
+    logits = torch.empty((R, V), dtype=hidden.dtype, device=dev) if entropy else None
+    launch(f"head_confidence_stats_{tname}", grid, block, 0, [*head, P(ws_state), P(logits)])
     rows_grid = (math.ceil(R / HC_THREADS), 1, 1)
     launch("head_confidence_merge", rows_grid, block, 0,
            [P(ws_state), ("i", R), ("i", S), P(token), P(p_max), P(margin), P(lse), P(finite)])
     if entropy:
         ws_ent = torch.empty((R, S), dtype=torch.float32, device=dev)
         launch(f"head_confidence_entropy_{tname}", grid, block, 0,
-               [*head, ("f", float(eps)), P(lse), P(ws_ent)])
+               [P(logits), ("i", R), ("i", V), ("i", chunk), ("i", sup), ("f", float(eps)), P(lse), P(ws_ent)])
         launch("head_confidence_finalize", rows_grid, block, 0, [P(ws_ent), ("i", R), ("i", S), P(neg_entropy)])
     return token, p_max, margin, neg_entropy, lse, finite
 
