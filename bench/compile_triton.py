@@ -186,8 +186,8 @@ def _head_confidence_variants(out, dtypes):
         types = {n: "i32" for n in hc._hc_stats_kernel.arg_names}
         types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
                      pfin_ptr="*i32", lg_ptr=f"*{dt}")
-        out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce, {"stride_h", "stride_w", "H", "V"},
-                    dict(num_warps=hc.NUM_WARPS, num_stages=3)))
+        out.append((f"_hc_stats_kernel {dt} V=152064", hc._hc_stats_kernel, types, ce,
+                    {"stride_h", "stride_w", "H", "V"}, dict(num_warps=hc.NUM_WARPS, num_stages=3)))
         types = {n: "i32" for n in hc._hc_entropy_kernel.arg_names}
         types.update(lg_ptr=f"*{dt}", eps="fp32", lse_ptr="*fp32", pent_ptr="*fp32")
         out.append((f"_hc_entropy_kernel {dt} V=152064", hc._hc_entropy_kernel, types,
