@@ -10,13 +10,14 @@ branch_topp 1, alpha 0, full attention, T = 0. Each config runs `--rounds` stead
 
 Paths:
   fast       lopa_fast.generate(..., backend="fast"): all branches in one forward, one host read per round
-  fastgpu    the same round with the GPU's layer kernels (LOPA_FAST_BACKEND=triton): each Triton kernel is ONE
+  fastgpu    the same round with the GPU's layer kernels (LOPA_FAST_BACKEND=triton) and its fused LM head + statistics
+             (LOPA_FAST_FUSED_HEAD=1, CUDA's default at T = 0): each Triton kernel is ONE
              custom op to the counter, so its launches and bytes are the GPU round's (the CUDA-graph capture replays
              exactly these kernels); on a CPU the kernel bodies run as their torch references
              (roundcount.kernel_bodies_in_torch; TRITON_INTERPRET=1, which this script sets, only makes triton
              importable). Its time is not a GPU time; the H200 projection of the fast path is taken from this row.
-             (The round's statistics stay torch ops here: the GPU round's ops.confidence kernel needs CUDA; an upper
-             bound of ~20 launches and a few passes over the logits rows.)
+             (The statistics ride in the fused head: one op, its kernels, FLOPs and [R, V] buffer traffic counted by
+             roundcount._head_confidence_cost.)
   reference  lopa_fast.generate(..., backend="reference"): one forward per branch (the semantics oracle)
   upstream   zhijie-group/LoPA scale_dream_d2f.DreamLoRA's loop, imported from a checkout (`--upstream DIR`;
              fetched beside the repo, never copied into it) through tests/golden/make_lopa_golden.py's harness:
@@ -128,19 +129,9 @@ def run_config(model, path: str, k: int, rounds: int, upstream=None) -> dict:
         backend = "fast" if path == "fastgpu" else path
 
         def run():
-            prev = os.environ.get("LOPA_FAST_BACKEND")
-            if path == "fastgpu":
-                os.environ["LOPA_FAST_BACKEND"] = "triton"
-            try:
-                with warnings.catch_warnings(), (rc.kernel_bodies_in_torch() if path == "fastgpu"
-                                                 else contextlib.nullcontext()):
-                    warnings.simplefilter("ignore", RuntimeWarning)  # the round cap
-                    return lopa_fast.generate(model, prompt, strategy, backend, **kw)
-            finally:
-                if prev is None:
-                    os.environ.pop("LOPA_FAST_BACKEND", None)
-                else:
-                    os.environ["LOPA_FAST_BACKEND"] = prev
+            with warnings.catch_warnings(), (rc.gpu_sequence() if path == "fastgpu" else contextlib.nullcontext()):
+                warnings.simplefilter("ignore", RuntimeWarning)  # the round cap
+                return lopa_fast.generate(model, prompt, strategy, backend, **kw)
 
     t0 = time.perf_counter()
     records = rc.count_rounds(model, run, upstream=up)

@@ -71,6 +71,39 @@ _NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index, aten.take}
 # custom ops that are several GPU kernels (launches per call): Triton branch attention = prefix + window kernels
 _MULTI_LAUNCH = {"triton_branch_attention": 2}
+
+
+def _head_confidence_cost(args, out) -> tuple[int, int, int]:
+    """`lopa_fast::triton_head_confidence(hidden [R, H], weight [V, H], suppress, eps, entropy, keep_logits)` as
+    kernels/triton/head_confidence.py launches it: (launches, FLOPs, bytes beyond its inputs and outputs). Kernels:
+    stats + merge, and with the entropy its pass + the partials' sum; FLOPs: the head GEMM; extra bytes: the [R, V]
+    logits buffer in hidden.dtype, written by the stats pass (counted as an output when kept) and read back by the
+    entropy pass."""
+    hidden, weight, entropy, keep = args[0], args[1], args[4], args[5]
+    R, H = hidden.shape
+    V = weight.shape[0]
+    buf = R * V * hidden.element_size()
+    extra = (buf if entropy and not keep else 0) + (buf if entropy else 0)
+    return 2 + (2 if entropy else 0), 2 * R * V * H, extra
+
+
+def _confidence_cost(args, out) -> tuple[int, int, int]:
+    """`lopa_fast::triton_confidence(logits [N, V], ...)` as kernels/triton/confidence.py launches it on a GPU: one
+    program per row (1 launch) or the split path (partials, entropy, finalize: 3); each reads the row twice (the
+    entropy needs the final lse): one read beyond the input's bytes."""
+    from lopa_fast.kernels.triton import _vocab_stats as vs
+    from lopa_fast.kernels.triton import confidence as conf
+
+    logits = args[0]
+    N, V = logits.shape
+    bv = conf.block_v_for(V)
+    S = vs.split_layout(V, bv, conf.num_splits_for(N, V, bv))[0]
+    return (1 if S == 1 else 3), 0, N * V * logits.element_size()
+
+
+# custom ops whose kernels, FLOPs or traffic their signature does not show: name -> (args, out) -> (launches, FLOPs,
+# extra bytes, classed by the first argument's dtype)
+_CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost}
 # in-place scatters into a big buffer (bytes: the source twice + the index)
 _SCATTERS_INPLACE = {aten.index_copy_, aten.index_put_, aten.scatter_, aten.scatter_add_, aten.masked_scatter_}
 
@@ -228,9 +261,18 @@ class OpCounter(TorchDispatchMode):
         if func.is_view or func in _NO_LAUNCH or packet in _NO_LAUNCH:
             st["ovh"] += time.perf_counter() - t_done
             return out
-        st["launches"] += _MULTI_LAUNCH.get(getattr(packet, "__name__", ""), 1)
-        f = op_flops(func, args, kwargs, out)
+        name = getattr(packet, "__name__", "")
         b32, bo = op_bytes(func, args, kwargs, out)
+        cost = _CUSTOM_COST.get(name)
+        if cost is not None:
+            launches, f, extra = cost(args, out)
+            if args[0].dtype == torch.float32:
+                b32 += extra
+            else:
+                bo += extra
+        else:
+            launches, f = _MULTI_LAUNCH.get(name, 1), op_flops(func, args, kwargs, out)
+        st["launches"] += launches
         st["flops"] += f
         st["bytes_f32"] += b32
         st["bytes_other"] += bo
@@ -388,6 +430,9 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(F, "scaled_dot_product_attention", _stage_wrapper(rounds, "attn_core")))
         # the fast round: statistics; the round scope and the head read
         es.enter_context(_patched(rnd, "token_stats", _stage_wrapper(rounds, "stats")))
+        # the fused head (LOPA_FAST_FUSED_HEAD, a GPU's default at T = 0): the head GEMM with the statistics riding
+        # in it, one op: lm_head
+        es.enter_context(_patched(rnd, "fused_head_stats", _stage_wrapper(rounds, "lm_head")))
         es.enter_context(_patched(ops, "first_nonfinite", _stage_wrapper(rounds, "stats")))
         es.enter_context(_patched(driver, "round_scope", lambda fn: fast_round_scope))  # begin's plan + read
         es.enter_context(_patched(batch, "round_scope", lambda fn: fast_round_scope))  # the one loop's rounds
@@ -520,7 +565,8 @@ def project(scaled: dict) -> dict:
 @contextlib.contextmanager
 def kernel_bodies_in_torch():
     """The fast path's GPU kernel sequence with each Triton kernel's body computed by its torch reference: the
-    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, branch_attention}`) are replaced by
+    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, branch_attention, head_confidence,
+    confidence}`) are replaced by
     `lopa_fast.reference.ops`, so every kernel is still ONE custom op to the counter (`torch.ops.lopa_fast.triton_*`,
     its inputs and outputs as the kernel's) but runs at torch speed instead of the Triton interpreter's (minutes
     at real width); `ops.select_round` and `ops.window_inputs` run as their ONE custom ops
@@ -535,16 +581,24 @@ def kernel_bodies_in_torch():
         return ref.branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens, block_ids, mode, scale,
                                     return_lse, cache_index=cache_index)
 
+    def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True, keep_logits=False):
+        hc = ref.head_confidence(hidden, weight, suppress_token, eps, entropy, None, keep_logits)
+        return hc if entropy else hc._replace(neg_entropy=torch.zeros_like(hc.lse))
+
+    def confidence(logits, suppress_token=None, eps=1e-10, num_splits=None):
+        return tuple(ref.confidence(logits, suppress_token, eps))
+
     swaps = {"rms_norm": {"rms_norm": ref.rms_norm, "add_rms_norm": ref.add_rms_norm},
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
-             "branch_attention": {"branch_attention": attention}}
+             "branch_attention": {"branch_attention": attention},
+             "head_confidence": {"head_confidence": head_confidence}, "confidence": {"confidence": confidence}}
     import lopa_fast.ops as ops_pkg
     from lopa_fast.reference.ops import SelectRound, WindowInputs
 
     def select_round_one_op(orig):
         """The round's selection as the ONE kernel a GPU runs (the custom op, its body the C++ kernel here; the
         eager CPU path calls the kernel directly, which the counter would not see)."""
-        def one(*args, check=True, backend=None, **kw):
+        def one(*args, check=True, backend=None, out=None, **kw):  # (out: the eager C++ workspace; a GPU has none)
             return SelectRound(*torch.ops.lopa_fast.cpp_select_round(list(args), **kw))
         return one
 
@@ -564,6 +618,22 @@ def kernel_bodies_in_torch():
         # the numerics guard has no GPU kernel: a GPU round runs its torch ops (the C++ one would be invisible here)
         es.enter_context(_patched(ops_pkg, "first_nonfinite",
                                   lambda orig: lambda *a, backend=None, **kw: orig(*a, backend="torch", **kw)))
+        yield
+
+
+# what a GPU runs by default: the Triton kernels, and the fused LM head + statistics at T = 0 (LOPA_FAST_FUSED_HEAD's
+# "auto" on CUDA)
+GPU_ENV = {"LOPA_FAST_BACKEND": "triton", "LOPA_FAST_FUSED_HEAD": "1"}
+
+
+@contextlib.contextmanager
+def gpu_sequence():
+    """The fast path's GPU kernel sequence on a CPU: GPU_ENV set and `kernel_bodies_in_torch` (bench_real_shapes'
+    fastgpu path)."""
+    from unittest import mock
+    import os
+
+    with mock.patch.dict(os.environ, GPU_ENV), kernel_bodies_in_torch():
         yield
 
 

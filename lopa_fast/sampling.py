@@ -38,8 +38,10 @@ ENTROPY_EPS = 1e-12  # Fast-dLLM / dParallel's entropy (float64, nats)
 Confidence = namedtuple("Confidence", ["token", "p_max", "margin", "neg_entropy", "lse"])
 # ops.head_confidence: Confidence's fields of the logits rows hidden @ weight.T (never materialised) plus
 # finite [R] bool: every raw logit of the row is finite (the round's numerics guard; a False row's statistics
-# are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass.
-HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite"])
+# are meaningless and must not be decoded). neg_entropy is None when the op was asked for no entropy pass; logits
+# [R, V] (hidden.dtype: the raw head values, before the suppression) when it was asked to keep them, else None.
+HeadConfidence = namedtuple("HeadConfidence", ["token", "p_max", "margin", "neg_entropy", "lse", "finite", "logits"],
+                            defaults=(None,))
 
 
 def chunk_rows(V: int) -> int:

@@ -96,6 +96,41 @@ def test_real_vocabulary_torch():
     assert got.token[2] == 8191 and got.token[0] != DREAM_MASK
 
 
+# ---------------------------------------------------------------------------------------------- keep_logits
+def check_kept(got, h, w, suppress):
+    """The kept logits are the values the statistics folded: the same arg-max under the suppression (ties -> the
+    first id), the same lse, and F.linear's logits to the storage dtype's rounding (another summation order)."""
+    assert got.logits is not None and got.logits.dtype == h.dtype and got.logits.shape == (h.shape[0], w.shape[0])
+    kept = got.logits.float()
+    if suppress is not None:
+        kept[:, suppress] = float("-inf")
+    assert torch.equal(kept.argmax(-1).cpu(), got.token.cpu())
+    torch.testing.assert_close(torch.logsumexp(kept, -1), got.lse, rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if h.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.logits.float(), F.linear(h.float(), w.float()).to(h.dtype).float(), **tol)
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda_emu"])
+def test_keep_logits_on_every_backend(backend, entropy, request):
+    """keep_logits=True returns the raw logits [R, V] (hidden.dtype, before the suppression) the one pass
+    computed, with and without the entropy pass; the statistics are unchanged by it; without it, None."""
+    h, w = head_inputs(11, 40, 2100, torch.float16, seed=12)
+    h, w = h.cpu(), w.cpu()
+    if backend == "cuda_emu":
+        run = request.getfixturevalue("cuda_emu").head_confidence
+    else:
+        def run(*a, **kw):
+            return ops.head_confidence(*a, backend=backend, **kw)
+    got = run(h, w, 3, 1e-10, entropy, keep_logits=True)
+    plain = run(h, w, 3, 1e-10, entropy)
+    assert plain.logits is None
+    check(got, h, w, 3, entropy=entropy)
+    check_kept(got, h, w, 3)
+    for a, b in zip(got[:6], plain[:6]):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------- Triton (interpreter)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=str)
@@ -191,12 +226,13 @@ def test_triton_custom_op_opcheck_and_fullgraph_compile():
     public op (namedtuple rebuilt outside the op) with no graph break."""
     h, w = head_inputs(4, 16, 300, torch.float32, seed=10)
     op = torch.ops.lopa_fast.triton_head_confidence.default
-    torch.library.opcheck(op, (h, w, None, 1e-10, True))
-    torch.library.opcheck(op, (h, w, 5, 1e-6, False))
+    torch.library.opcheck(op, (h, w, None, 1e-10, True, False))
+    torch.library.opcheck(op, (h, w, 5, 1e-6, False, False))
+    torch.library.opcheck(op, (h, w, 5, 1e-6, False, True))
 
     def f(h, w):
-        c = ops.head_confidence(h, w, 5, backend="triton", check=False)
-        return c.token, c.p_max, c.margin, c.neg_entropy, c.lse, c.finite
+        c = ops.head_confidence(h, w, 5, backend="triton", keep_logits=True, check=False)
+        return c.token, c.p_max, c.margin, c.neg_entropy, c.lse, c.finite, c.logits
 
     want = f(h, w)
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(h, w)

@@ -49,6 +49,24 @@ def test_gather_counts_rows_not_table_and_syncs():
     assert v[0] == 3.5 and st["syncs"] == 3
 
 
+@pytest.mark.parametrize("entropy,keep", [(True, False), (True, True), (False, True), (False, False)])
+def test_fused_head_counts_its_kernels_gemm_and_logits_buffer(entropy, keep):
+    """The fused head (ONE custom op, its body the torch reference as in kernel_bodies_in_torch) counts the
+    launcher's kernels (stats + merge, + entropy pass + split sum), the head GEMM's FLOPs and the [R, V] buffer's
+    traffic: written once (an output when kept), read back by the entropy pass; the weight read once."""
+    R, H, V = 6, 16, 300
+    h, w = torch.randn(R, H), torch.randn(V, H)
+    with rc.kernel_bodies_in_torch():
+        st, out = _counted(lambda: torch.ops.lopa_fast.triton_head_confidence(h, w, 5, 1e-10, entropy, keep))
+    assert out[6].shape == ((R, V) if keep else (0, V))
+    assert st["launches"] == (4 if entropy else 2) and st["flops"] == 2 * R * V * H
+    buf = 4 * R * V  # the [R, V] logits buffer (fp32 here)
+    # inputs hidden + weight, 4 fp32 stats out, the buffer: kept (an output) and / or read back by the entropy pass
+    f32 = 4 * (R * H + V * H) + 4 * R * 4 + (buf if keep else 0) + (2 * buf if entropy and not keep else 0) \
+        + (buf if entropy and keep else 0)
+    assert st["bytes_f32"] == f32 and st["bytes_other"] == 8 * R + R  # token int64, finite bool
+
+
 def _model(layers=1):
     return random_model(tiny_hf_config("dream", vocab_size=64, num_layers=layers, hidden_size=32,
                                        intermediate_size=48), seed=2)
@@ -84,6 +102,23 @@ def test_fast_round_one_host_read_one_model_call(k):
     summ = rc.summarize(_run(model, "fast", k))
     slots = k + 1 if k > 1 else 1
     assert summ["mlp"]["flops"] == 2 * (slots * 8) * 3 * 32 * 48
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gpu_sequence_counts_the_fused_head_as_one_op(k):
+    """bench_real_shapes' fastgpu path (`gpu_sequence`: the Triton kernels as one custom op each, the fused head):
+    one model call and one host read per round; the head's GEMM is the fused op's (in lm_head, no [R, V] fp32
+    statistics passes), the stats stage only the stale last_logit row's `confidence` (Dream's shift: 1 row)."""
+    model = _model()
+    with rc.gpu_sequence():
+        rs = rc.steady(_run(model, "fast", k))
+    assert len(rs) == 3
+    H, V = 32, 64
+    for r in rs:
+        assert r["meta"]["calls"] == 1 and sum(r[s]["syncs"] for s in rc.STAGES) == 1
+        rows = r["lm_head"]["flops"] / (2 * H * V)  # the fused op's GEMM, whole rows
+        assert rows == int(rows) and 1 <= rows <= (k + 1 if k > 1 else 1) * 8
+        assert r["stats"]["flops"] == 0 and r["stats"]["launches"] <= 3  # one triton_confidence, no softmax ops
 
 
 def test_reference_calls_the_model_once_per_branch():

@@ -5,8 +5,8 @@ logits are one `tl.dot` loop over H (fp32 accumulation, rounded to the storage d
 them), then folded into per-row online statistics. The vocabulary is cut into S splits so that a round's
 few row tiles still fill the GPU (grid: row tiles x splits):
   `_hc_stats_kernel`    per (row tile, split): max, first arg-max, second max (multiset), sum exp, finite;
-                        with entropy=True it also writes each logit (storage dtype: exactly the value folded) to an
-                        [R, V] scratch
+                        with entropy=True or keep_logits it also writes each logit (storage dtype: exactly the value
+                        folded) to an [R, V] buffer (kept: the round's next last_logit row is one of them)
   `_hc_entropy_kernel`  (entropy=True) per (row tile, split): the scratch tiles read back in the same loop order
                         (the same logits bit for bit), sum_v p_v * log(p_v + eps) with the final lse
   `_hc_merge_kernel`    per row: the splits merged in index order -> token, p_max, margin, lse, finite
@@ -138,10 +138,12 @@ def num_splits_for(R: int, V: int, block_r: int, block_v: int, n_sm: int = 132) 
 
 
 def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None = None,
-                    eps: float = 1e-10, entropy: bool = True, num_splits: int | None = None, tiles=None):
-    """hidden [R, H], weight [V, H] (one dtype, last dims contiguous) -> (token int64 [R], p_max, margin,
-    neg_entropy (zeros when entropy=False), lse fp32 [R], finite bool [R]). num_splits / tiles (BLOCK_R,
-    BLOCK_V, BLOCK_H): None = the launcher's choice (tests force both)."""
+                    eps: float = 1e-10, entropy: bool = True, keep_logits: bool = False, num_splits: int | None = None,
+                    tiles=None):
+    """hidden [R, H], weight [V, H] (one dtype, last dims contiguous) -> HeadConfidence(token int64 [R], p_max,
+    margin, neg_entropy (zeros when entropy=False), lse fp32 [R], finite bool [R], logits: the raw logits [R, V]
+    in hidden.dtype with keep_logits, else None). num_splits / tiles (BLOCK_R, BLOCK_V, BLOCK_H): None = the
+    launcher's choice (tests force both)."""
     R, H = hidden.shape
     V = weight.shape[0]
     if hidden.stride(1) != 1:
@@ -149,9 +151,14 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     dev = hidden.device
-    tok, p_max, margin, neg_entropy, lse, finite = out = head_confidence_outputs(R, dev)
+    out = head_confidence_outputs(R, dev)
+    tok, p_max, margin, neg_entropy, lse, finite, _ = out
+    store = entropy or keep_logits
+    # the logits the stats pass writes (storage dtype): the entropy pass's input and / or the kept logits; a
+    # 1-element stand-in when neither asks
+    logits = torch.empty((R, V) if store else (1,), dtype=hidden.dtype, device=dev)
     if R == 0:
-        return tuple(out)
+        return out._replace(logits=logits if keep_logits else None)
     BR, BV, BH = tiles or tiles_for(R, V, H)
     S, split, BLOCK_S = vs.split_layout(V, BV, num_splits_for(R, V, BR, BV) if num_splits is None else num_splits)
     pm1, pm2, ps = (torch.empty(R, S, dtype=torch.float32, device=dev) for _ in range(3))
@@ -159,11 +166,9 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     sup = -1 if suppress_token is None else int(suppress_token)
     has_sup = suppress_token is not None
     grid = (triton.cdiv(R, BR), S)
-    # the logits scratch of the entropy pass (storage dtype; a 1-element stand-in without the entropy)
-    logits = torch.empty((R, V) if entropy else (1,), dtype=hidden.dtype, device=dev)
     _hc_stats_kernel[grid](
         hidden, weight, hidden.stride(0), weight.stride(0), R, V, H, split, sup, pm1, pi1, pm2, ps, pfin, logits,
-        HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=entropy, num_warps=NUM_WARPS,
+        HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=store, num_warps=NUM_WARPS,
     )
     _hc_merge_kernel[(R,)](pm1, pi1, pm2, ps, pfin, tok, p_max, margin, lse, finite.view(torch.int8), S,
                            BLOCK_S=BLOCK_S, num_warps=1)
@@ -174,4 +179,4 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
             HAS_SUPPRESS=has_sup, BLOCK_R=BR, BLOCK_V=BV, num_warps=NUM_WARPS,
         )
         neg_entropy = pent.sum(dim=1)  # split order: deterministic
-    return tok, p_max, margin, neg_entropy, lse, finite
+    return out._replace(neg_entropy=neg_entropy, logits=logits if keep_logits else None)

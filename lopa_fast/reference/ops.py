@@ -147,7 +147,7 @@ HEAD_CHUNK = 8192
 
 
 def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: int | None = None, eps: float = 1e-10,
-                    entropy: bool = True, chunk: int | None = None) -> HeadConfidence:
+                    entropy: bool = True, chunk: int | None = None, keep_logits: bool = False) -> HeadConfidence:
     """`confidence(F.linear(hidden, weight), suppress_token, eps)` and the rows' finiteness, computed over
     vocabulary chunks of `chunk` columns (default HEAD_CHUNK) without materialising the [R, V] logits.
 
@@ -159,7 +159,8 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     Pass 2 (entropy=True): the same chunks recomputed, sum_v p_v * log(p_v + eps) with the final lse (the eps
     inside the log needs p, so it cannot be folded into pass 1 exactly: the head is computed twice).
     Returns HeadConfidence(token int64 [R], p_max, margin, neg_entropy (None if not entropy), lse fp32 [R],
-    finite bool [R]); a row with finite False has meaningless statistics (the round raises on it).
+    finite bool [R], logits: with keep_logits the raw logits [R, V] in hidden.dtype, pass 1's chunks, else None);
+    a row with finite False has meaningless statistics (the round raises on it).
     Equal to `confidence` of the unfused logits up to the order of the softmax's sums
     (tests/test_head_confidence.py)."""
     cd = _compute_dtype(hidden)
@@ -172,16 +173,20 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     i1 = torch.zeros(R, dtype=torch.long, device=dev)
     s = torch.zeros(R, dtype=cd, device=dev)
     finite = torch.ones(R, dtype=torch.bool, device=dev)
+    kept = torch.empty(R, V, dtype=hidden.dtype, device=dev) if keep_logits else None
 
-    def logits(v0):
-        z = torch.nn.functional.linear(hidden, weight[v0 : v0 + C]).to(cd)
+    def logits(v0, keep=False):
+        raw = torch.nn.functional.linear(hidden, weight[v0 : v0 + C])
+        if keep:
+            kept[:, v0 : v0 + raw.shape[1]] = raw
+        z = raw.to(cd)
         ok = torch.isfinite(z).all(-1)
         if suppress_token is not None and v0 <= suppress_token < v0 + z.shape[1]:
             z[:, suppress_token - v0] = ninf
         return z, ok
 
     for v0 in range(0, V, C):
-        z, ok = logits(v0)
+        z, ok = logits(v0, keep_logits)
         finite &= ok
         if z.shape[1] >= 2:
             top = torch.topk(z, 2, dim=-1)  # the two largest of the chunk (multiset)
@@ -204,7 +209,7 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
         for v0 in range(0, V, C):
             p = torch.exp(logits(v0)[0] - lse[:, None])
             neg_entropy += (p * torch.log(p + eps)).sum(-1)
-    return HeadConfidence(i1, p_max, margin, neg_entropy, lse, finite)
+    return HeadConfidence(i1, p_max, margin, neg_entropy, lse, finite, kept)
 
 # ------------------------------------------------------------------------------------- layer ops
 # The decoder layer's elementwise / row-wise parts. Unlike the ops above these do NOT upcast their

@@ -81,11 +81,11 @@ def confidence(logits, suppress_token=None, eps=1e-10):
     return confidence_op(logits, suppress_token, float(eps))
 
 
-def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True):
-    """lopa_fast.ops.head_confidence on the CUDA kernels; returns the 6 fields of lopa_fast.sampling.HeadConfidence
-    (neg_entropy: zeros without entropy)."""
+def head_confidence(hidden, weight, suppress_token=None, eps=1e-10, entropy=True, keep_logits=False):
+    """lopa_fast.ops.head_confidence on the CUDA kernels; returns the 7 fields of lopa_fast.sampling.HeadConfidence
+    (neg_entropy: zeros without entropy; logits: [0, V] unless kept)."""
     _require("head_confidence", hidden)
-    return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy))
+    return head_confidence_op(hidden, weight, suppress_token, float(eps), bool(entropy), bool(keep_logits))
 
 
 def select_round(*args, bs, mask_id, eos_id, n_look, shift, blend, score_all):

@@ -46,18 +46,21 @@ def _(logits, suppress_token, eps):
 
 
 @torch.library.custom_op("lopa_fast::cuda_head_confidence", mutates_args=(), device_types="cuda")
-def head_confidence_op(hidden: Tensor, weight: Tensor, suppress_token: int | None, eps: float, entropy: bool
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The 6 HeadConfidence fields of hidden [R, H] x weight [V, H] (neg_entropy zeros without entropy)."""
+def head_confidence_op(hidden: Tensor, weight: Tensor, suppress_token: int | None, eps: float, entropy: bool,
+                       keep_logits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The 7 HeadConfidence fields of hidden [R, H] x weight [V, H] (neg_entropy zeros without entropy; logits
+    [0, V] unless kept)."""
     L = launcher("head_confidence", hidden)
-    return run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms)
+    out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms, keep_logits)
+    return (*out[:6], out.logits if keep_logits else hidden.new_empty(0, weight.shape[0]))
 
 
 @head_confidence_op.register_fake
-def _(hidden, weight, suppress_token, eps, entropy):
+def _(hidden, weight, suppress_token, eps, entropy, keep_logits):
     R = hidden.shape[0]
     f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
-    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool))
+    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool),
+            hidden.new_empty(R if keep_logits else 0, weight.shape[0]))
 
 
 @torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")

@@ -20,7 +20,7 @@ from lopa_fast.ops.cuda.cache_dir import cache_dir
 from lopa_fast.ops.cuda import emu_build
 from lopa_fast.ops.cuda.constants import OPS
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
-from lopa_fast.sampling import Confidence, HeadConfidence
+from lopa_fast.sampling import Confidence
 
 # "t": the pointers as one by-value struct { long long p[n]; } (same bytes as an array of n int64)
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float,
@@ -64,10 +64,10 @@ class Emulated:
         L = self._l["confidence"]
         return Confidence(*run_confidence(L, logits, suppress_token, eps, L.num_sms if split else None))
 
-    def head_confidence(self, hidden, weight, suppress_token=None, eps=1e-10, entropy=True):
+    def head_confidence(self, hidden, weight, suppress_token=None, eps=1e-10, entropy=True, keep_logits=False):
         L = self._l["head_confidence"]
-        out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms)
-        return HeadConfidence(*out[:3], out[3] if entropy else None, *out[4:])
+        out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms, keep_logits)
+        return out if entropy else out._replace(neg_entropy=None)
 
     def select_round(self, *args, bs, mask_id, eos_id, n_look, shift, blend, score_all):
         """ops.select_round's arguments (checked) -> the SelectRound fields (a list of fresh tensors)."""

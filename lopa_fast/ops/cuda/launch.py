@@ -198,18 +198,23 @@ def head_confidence_splits(R: int, V: int, num_sms: int) -> tuple[int, int]:
     return math.ceil(V / chunk), chunk
 
 
-def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, entropy, num_sms):
-    """Launch head_confidence on hidden [R, H], weight [V, H] (one dtype); returns (token int64 [R], p_max,
-    margin, neg_entropy (zeros without entropy), lse fp32 [R], finite bool [R])."""
+def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, entropy, num_sms, keep_logits=False):
+    """Launch head_confidence on hidden [R, H], weight [V, H] (one dtype); returns HeadConfidence(token int64 [R],
+    p_max, margin, neg_entropy (zeros without entropy), lse fp32 [R], finite bool [R], logits: the raw logits
+    [R, V] in hidden.dtype with keep_logits, else None)."""
     R, H = hidden.shape
     V = weight.shape[0]
     tname = DTYPE_NAMES[hidden.dtype]
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     dev = hidden.device
-    token, p_max, margin, neg_entropy, lse, finite = out = head_confidence_outputs(R, dev)
+    out = head_confidence_outputs(R, dev)
+    token, p_max, margin, neg_entropy, lse, finite, _ = out
+    # the logits the stats pass writes (storage dtype): the entropy pass reads them back instead of recomputing
+    # them from the weight, and / or the caller keeps them
+    logits = torch.empty((R, V), dtype=hidden.dtype, device=dev) if entropy or keep_logits else None
     if R == 0:
-        return tuple(out)
+        return out._replace(logits=logits if keep_logits else None)
     P = _ptr
     sup = -1 if suppress_token is None else int(suppress_token)
     S, chunk = head_confidence_splits(R, V, num_sms)
@@ -218,8 +223,6 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
     block = (HC_THREADS, 1, 1)
     head = [P(hidden), ("q", hidden.stride(0)), P(weight), ("q", weight.stride(0)), ("i", R), ("i", V), ("i", H),
             ("i", chunk), ("i", sup)]
-    # the entropy pass reads the logits back from an [R, V] scratch (storage dtype) instead of recomputing them
-    logits = torch.empty((R, V), dtype=hidden.dtype, device=dev) if entropy else None
     launch(f"head_confidence_stats_{tname}", grid, block, 0, [*head, P(ws_state), P(logits)])
     rows_grid = (math.ceil(R / HC_THREADS), 1, 1)
     launch("head_confidence_merge", rows_grid, block, 0,
@@ -229,7 +232,7 @@ def run_head_confidence(launch: Launch, hidden, weight, suppress_token, eps, ent
         launch(f"head_confidence_entropy_{tname}", grid, block, 0,
                [P(logits), ("i", R), ("i", V), ("i", chunk), ("i", sup), ("f", float(eps)), P(lse), P(ws_ent)])
         launch("head_confidence_finalize", rows_grid, block, 0, [P(ws_ent), ("i", R), ("i", S), P(neg_entropy)])
-    return token, p_max, margin, neg_entropy, lse, finite
+    return out._replace(logits=logits if keep_logits else None)
 
 
 # ------------------------------------------------------------------------------------- select_round

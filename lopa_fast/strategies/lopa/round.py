@@ -206,7 +206,8 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     Bucket padding never changes a value: window columns past a branch's length are masked keys and never masked
     positions, extra LM-head rows are computed and never read. Nothing needs a host read except `st["head"]`.
     geo.fused_head: `logits` are the final-normed hidden rows [Rb, H] and head the LM-head weight [V, H]: the
-    statistics come from `fused_head_stats` (the [Rb, V] logits are never materialised). out: select_round's
+    statistics come from `fused_head_stats` (no fp32 [Rb, V] logits; under the shift the head keeps its raw
+    logits in the model dtype, the next last_logit being one row of them). out: select_round's
     workspace for this round (`select_apply`), or None."""
     Nb = w["win_pos"].shape[0]
     st["round"] = st["round"] + 1
@@ -238,7 +239,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         k_span, v_span = k_win.index_select(1, W1)[:, 0], v_win.index_select(1, W1)[:, 0]
     commit_span(st, u, k_span, v_span, w.get("span"))
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
-        if geo.fused_head:  # table row r > 0 is raw row r - 1: that ONE row's logits, computed here
+        if geo.fused_head:  # table row r > 0 is raw row r - 1: that row of the logits the head kept
             new_last = fused.last_raw(last_row)
             st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))
