@@ -66,7 +66,11 @@ DREAM7B_KV_PER_TOKEN = 28 * 2 * 4 * 128 * 2
 aten = torch.ops.aten
 _SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
              aten.unique_consecutive}
-_NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset}
+# (_unsafe_view: matmul's reshape of a 3-d input's mm result back to 3-d; no view in its schema, but no kernel and
+# no bytes either: counted as a launch it added 3 phantom graph nodes a layer, 84 at Dream-7B's 28 layers, and
+# twice each GEMM output's bytes)
+_NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
+              aten._unsafe_view}
 # ops that read only the rows their index names (bytes: the output twice + the index), not the whole table
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index, aten.take}
 # custom ops that are several GPU kernels (launches per call): Triton branch attention = prefix + window kernels
@@ -104,6 +108,8 @@ def _confidence_cost(args, out) -> tuple[int, int, int]:
 # custom ops whose kernels, FLOPs or traffic their signature does not show: name -> (args, out) -> (launches, FLOPs,
 # extra bytes, classed by the first argument's dtype)
 _CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost}
+# allocations: memory (the transient peak counts them), no kernel and no bytes (a CUDA graph has no node for them)
+_ALLOC_ONLY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
 # in-place scatters into a big buffer (bytes: the source twice + the index)
 _SCATTERS_INPLACE = {aten.index_copy_, aten.index_put_, aten.scatter_, aten.scatter_add_, aten.masked_scatter_}
 
@@ -264,7 +270,9 @@ class OpCounter(TorchDispatchMode):
         name = getattr(packet, "__name__", "")
         b32, bo = op_bytes(func, args, kwargs, out)
         cost = _CUSTOM_COST.get(name)
-        if cost is not None:
+        if packet in _ALLOC_ONLY:
+            launches, f, b32, bo = 0, 0, 0, 0
+        elif cost is not None:
             launches, f, extra = cost(args, out)
             if args[0].dtype == torch.float32:
                 b32 += extra

@@ -39,6 +39,17 @@ def test_linear_flops_and_bytes():
     assert st_b["flops"] == fc.get_total_flops() == 2 * M * N * K
 
 
+def test_views_and_allocations_are_not_launches():
+    """A 3-d linear is mm + matmul's _unsafe_view back to 3-d (no kernel, no bytes); torch.empty allocates (the
+    transient peak) but launches nothing; each counted once or not at all."""
+    B, n, K, N = 2, 3, 8, 5
+    x, w = torch.randn(B, n, K), torch.randn(N, K)
+    st, _ = _counted(lambda: F.linear(x, w))
+    assert st["launches"] == 1 and st["bytes_f32"] == 4 * (B * n * K + N * K + B * n * N)
+    st, _ = _counted(lambda: torch.empty(1000, 10))
+    assert st["launches"] == 0 and st["bytes_f32"] == 0 and st["peak"] >= 4 * 10_000
+
+
 def test_gather_counts_rows_not_table_and_syncs():
     table = torch.randn(1000, 16)
     idx = torch.tensor([3, 7, 7, 9, 0])
