@@ -1,4 +1,4 @@
-"""Microbenchmarks of the three ops at Dream-7B shapes: Triton vs the torch reference, and attention vs
+"""Microbenchmarks of the ops at Dream-7B shapes: Triton vs the torch reference, and attention vs
 torch SDPA, FlexAttention and flash-attn (import-guarded; not installed on the H200 machine).
 
     python -m pytest bench/bench_ops.py -m bench --benchmark-group-by=param:shape \
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B
+from bench.shapes import ATTENTION, ATTENTION_POOLED, CONFIDENCE, DREAM_7B, REAL_SHAPES
 from lopa_fast import ops
 from lopa_fast.reference import attention_modes
 
@@ -122,3 +122,21 @@ def test_bench_confidence(gpu_timer, benchmark, shape, provider):
     logits = (torch.randn(N, V, device=DEV) * 4).to(DT)
     fn = lambda: ops.confidence(logits, 151666, check=False, backend=provider)  # noqa: E731 - Dream mask id
     gpu_timer(fn, nbytes=N * V * logits.element_size())  # one read of the logits is the floor
+
+
+# gate_up_silu at Dream-7B's MLP (K 3,584, F 18,944): the fused GEMM + SwiGLU beside the unfused pair it replaces
+# (cuBLAS F.linear, then the Triton silu_mul); rows: D2F (33) and LoPA k = 4 (161) rounds' windows
+@pytest.mark.parametrize("provider", ["triton", "unfused"])
+@pytest.mark.parametrize("rows", [33, 161])
+def test_bench_gate_up_silu(gpu_timer, benchmark, rows, provider):
+    K, F = REAL_SHAPES["dream7b"]["hidden_size"], REAL_SHAPES["dream7b"]["intermediate_size"]
+    benchmark.group = f"gate_up_silu M={rows}"
+    x = torch.randn(1, rows, K, device=DEV).to(DT)
+    w = (torch.randn(2 * F, K, device=DEV) / K**0.5).to(DT)
+    if provider == "triton":
+        fn = lambda: ops.gate_up_silu(x, w, check=False, backend="triton")  # noqa: E731
+    else:
+        def fn():
+            gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+            return ops.silu_mul(gate, up, check=False)
+    gpu_timer(fn, nbytes=w.numel() * w.element_size(), flops=2 * rows * 2 * F * K)  # the weight read once: the floor

@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from lopa_fast.reference.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
+from lopa_fast.kernels.triton import gate_up_silu as gus  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 from lopa_fast.kernels.triton import select_step as ss  # noqa: E402
@@ -87,6 +88,7 @@ def variants(quick: bool):
             break
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
+    _gate_up_silu_variants(out, dtypes)
     _select_round_variants(out, quick)
     _select_step_variants(out, quick)
     _window_inputs_variants(out, quick)
@@ -176,6 +178,18 @@ def _confidence_variants(out, dtypes):
     types.update(pi1_ptr="*i32", tok_ptr="*i64", S="i32")
     out.append(("_conf_finalize_kernel S<=16", cf._conf_finalize_kernel, types, dict(BLOCK_S=16), set(),
                 dict(num_warps=1, num_stages=3)))
+
+
+def _gate_up_silu_variants(out, dtypes):
+    """The MLP's gate/up GEMM + SwiGLU at Dream-7B (K = 3,584, F = 18,944): a LoPA round's 64-row tiles."""
+    for dt in dtypes:
+        torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+        BM, BN, BK = 64, 64, (32 if dt == "fp32" else 64)
+        types = {n: "i32" for n in gus._gate_up_silu_kernel.arg_names}
+        types.update(x_ptr=f"*{dt}", w_ptr=f"*{dt}", o_ptr=f"*{dt}")
+        ce = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_PREC="ieee" if torch_dt == torch.float32 else "tf32")
+        out.append((f"_gate_up_silu_kernel {dt} K=3584 F=18944", gus._gate_up_silu_kernel, types, ce,
+                    {"F", "K", "stride_x", "stride_w"}, dict(num_warps=gus.NUM_WARPS, num_stages=3)))
 
 
 def _head_confidence_variants(out, dtypes):

@@ -42,7 +42,7 @@ step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-
 
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs
 # torch/SDPA/Flex
-step triton_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py \
+step triton_tests 45 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_gate_up_silu.py \
   tests/test_triton_compile.py -q
 step triton_bench 40 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"

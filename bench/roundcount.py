@@ -105,9 +105,17 @@ def _confidence_cost(args, out) -> tuple[int, int, int]:
     return (1 if S == 1 else 3), 0, N * V * logits.element_size()
 
 
+def _gate_up_silu_cost(args, out) -> tuple[int, int, int]:
+    """`lopa_fast::triton_gate_up_silu(x [..., K], weight [2F, K])`: one kernel, the gate/up GEMM's FLOPs; its bytes
+    are its inputs and output (the [.., 2F] projection stays on chip)."""
+    x, weight = args[0], args[1]
+    return 1, 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1], 0
+
+
 # custom ops whose kernels, FLOPs or traffic their signature does not show: name -> (args, out) -> (launches, FLOPs,
 # extra bytes, classed by the first argument's dtype)
-_CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost}
+_CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost,
+                "triton_gate_up_silu": _gate_up_silu_cost}
 # allocations: memory (the transient peak counts them), no kernel and no bytes (a CUDA graph has no node for them)
 _ALLOC_ONLY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
 # in-place scatters into a big buffer (bytes: the source twice + the index)
@@ -573,8 +581,8 @@ def project(scaled: dict) -> dict:
 @contextlib.contextmanager
 def kernel_bodies_in_torch():
     """The fast path's GPU kernel sequence with each Triton kernel's body computed by its torch reference: the
-    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, branch_attention, head_confidence,
-    confidence}`) are replaced by
+    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, gate_up_silu, branch_attention,
+    head_confidence, confidence}`) are replaced by
     `lopa_fast.reference.ops`, so every kernel is still ONE custom op to the counter (`torch.ops.lopa_fast.triton_*`,
     its inputs and outputs as the kernel's) but runs at torch speed instead of the Triton interpreter's (minutes
     at real width); `ops.select_round` and `ops.window_inputs` run as their ONE custom ops
@@ -599,7 +607,8 @@ def kernel_bodies_in_torch():
     swaps = {"rms_norm": {"rms_norm": ref.rms_norm, "add_rms_norm": ref.add_rms_norm},
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
              "branch_attention": {"branch_attention": attention},
-             "head_confidence": {"head_confidence": head_confidence}, "confidence": {"confidence": confidence}}
+             "head_confidence": {"head_confidence": head_confidence}, "confidence": {"confidence": confidence},
+             "gate_up_silu": {"gate_up_silu": lambda x, weight, tiles=None: ref.gate_up_silu(x, weight)}}
     import lopa_fast.ops as ops_pkg
     from lopa_fast.reference.ops import SelectRound, WindowInputs
 

@@ -125,7 +125,7 @@ class FusedForwards:
         k_into, v_into = kv_into if kv_into is not None else (None, None)
         ks, vs = [], []
         table = lops.rope_table(cos, sin)
-        norm, add_norm, silu_mul, rope = lops.norm, lops.add_norm, lops.silu_mul, lops.rope
+        norm, add_norm, gate_up_silu, rope = lops.norm, lops.add_norm, lops.gate_up_silu, lops.rope
         last = len(layers) - 1
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
@@ -144,8 +144,7 @@ class FusedForwards:
             # F.linear on the layer's tensors: the nn.Module call costs ~4 us more a projection on CPU
             o = F.linear(attn.reshape(B, n, Hq * D), w.o_w, w.o_b)
             x, h = add_norm(o, h, w.mlp_norm)
-            gate, up = F.linear(x, w.gate_up_w).chunk(2, dim=-1)
-            down = F.linear(silu_mul(gate, up), w.down_w, w.down_b)
+            down = F.linear(gate_up_silu(x, w.gate_up_w), w.down_w, w.down_b)
             if i < last:
                 x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
@@ -265,7 +264,9 @@ class LayerOps(NamedTuple):
 
     norm: Callable  # (x, w) -> rms_norm(x) * w
     add_norm: Callable  # (x, residual, w) -> (rms_norm(x + residual) * w, x + residual)
-    silu_mul: Callable  # (gate, up) -> silu(gate) * up
+    # (x [..., H], gate_up_w [2I, H]) -> silu(gate) * up [..., I]: the gate/up GEMM and its activation (one kernel on
+    # Triton, `ops.gate_up_silu`; F.linear + silu_mul elsewhere)
+    gate_up_silu: Callable
     rope_table: Callable  # (cos, sin) -> the per-forward table `rope` reads
     # (qkv [B, n, Hq + 2 Hkv, D], table, Hq, Hkv, k_into) -> (q [B, n, Hq, D] contiguous, k [B, n, Hkv, D]); k_into:
     # None, or the [n, Hkv, D] rows (B = 1) that receive k (then returned as k)
@@ -274,11 +275,12 @@ class LayerOps(NamedTuple):
 
 def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> LayerOps:
     """The layer loop's ops on backend lb (fp32: the model rotates in float32, LLaDA), chosen once per forward: the
-    public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`, `ops.rope`) with their backend, or on "torch" their
-    CPU forms called directly (the wrappers' dispatch costs ~2 us a call, ~25 calls a tiny CPU forward): float32
-    and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops: ~17 -> ~5 us; within ~2 ulp
-    of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas (bitwise; the rope as
-    `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer instead of 14)."""
+    public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.gate_up_silu` / `ops.silu_mul`, `ops.rope`) with their
+    backend, or on "torch" their CPU forms called directly (the wrappers' dispatch costs ~2 us a call, ~25 calls a
+    tiny CPU forward): float32 and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops:
+    ~17 -> ~5 us; within ~2 ulp of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas
+    (bitwise; the rope as `rope_heads`, q and k rotated together from a table built once per forward: 7 ops a layer
+    instead of 14)."""
     if torch.compiler.is_compiling():  # the torch formulas (the C++ kernels take raw pointers: not traceable); a
         return _make_layer_ops(lb, eps, dtype, fp32, False)  # graph is traced once: no memo for dynamo to guard on
     # memoised by everything the choice depends on: the arguments and $LOPA_FAST_BACKEND (which `resolve` reads; the
@@ -300,11 +302,18 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
     on backend lb."""
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
+    if lb == "triton":  # the activation as the GEMM's epilogue (0.68 GB and 28 kernels less a Dream-7B round)
+        def gate_up_silu(x, w):
+            return ops.gate_up_silu(x, w, check=False, backend=lb)
+    else:
+        def gate_up_silu(x, w):
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            return silu_mul(gate, up)
     if cpp:
         def rope(qkv, table, Hq, Hkv, k_into):
             return rope_cpp_heads(qkv, Hq, Hkv, table[0], table[1], k_into)
 
-        return LayerOps(*cpp_norms(eps), silu_mul, lambda cos, sin: (cos, sin), rope)
+        return LayerOps(*cpp_norms(eps), gate_up_silu, lambda cos, sin: (cos, sin), rope)
     if lb == "torch":
         norm = functools.partial(torch_rms_norm, eps=eps)
 
@@ -320,7 +329,7 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
                 k = k_into.copy_(k[0])
             return q.contiguous(), k
 
-        return LayerOps(norm, add_norm, silu_mul, lambda cos, sin: rope_rotation(cos, sin, dtype, fp32), rope)
+        return LayerOps(norm, add_norm, gate_up_silu, lambda cos, sin: rope_rotation(cos, sin, dtype, fp32), rope)
 
     def rope(qkv, table, Hq, Hkv, k_into):
         q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], fp32, check=False, backend=lb)
@@ -328,7 +337,7 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
 
     return LayerOps(lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
                     lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),
-                    silu_mul, lambda cos, sin: (cos, sin), rope)
+                    gate_up_silu, lambda cos, sin: (cos, sin), rope)
 
 
 def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax: int, dev, dense: bool = False):

@@ -273,6 +273,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's elementwise part: silu(gate) * up in the input dtype (gate, up [..., F])."""
     return torch.nn.functional.silu(gate) * up
 
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate/up projection and activation: x [..., K], the merged weight [2F, K] (gate rows first) ->
+    silu_mul(gate, up) [..., F] of F.linear(x, weight)'s two halves (the model's `down(silu(gate(x)) * up(x))`
+    input, bit for bit)."""
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
 # ------------------------------------------------------------------------------------- the round's numerics guard
 def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0) -> torch.Tensor:
     """The D2F / LoPA round's numerics guard (lopa_fast/strategies/lopa/round.py; `ops.first_nonfinite`, whose oracle
