@@ -129,3 +129,25 @@ def test_graph_workspace_logic_on_cpu(monkeypatch):
     assert outs[0]["compiled_graphs"] >= 1 and outs[0]["forwards"] >= 3
     assert outs[1]["compiled_graphs"] == 0 and outs[2]["compiled_graphs"] == 0  # replays of the same captures
     assert len(cr.workspaces) == 1
+
+
+@pytest.mark.slow  # two real-Inductor graphs, ~2 min each on the 2-core CI machine
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_fused_head(name, monkeypatch):
+    """LOPA_FAST_FUSED_HEAD=1 (what CUDA runs by default): the compiled round traces the fused head, its logits
+    kept for Dream's next last_logit row (`keep_logits`), and decodes what the eager fused round decodes."""
+    from lopa_fast import ops
+
+    monkeypatch.setenv("LOPA_FAST_FUSED_HEAD", "1")
+    seen = []
+    real = ops.head_confidence
+    monkeypatch.setattr(ops, "head_confidence", lambda *a, **k: seen.append(k.get("keep_logits")) or real(*a, **k))
+    model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6)
+    kw = {**COMMON, **CONFIGS[name]}
+    strategy = kw.pop("strategy")
+    g = torch.Generator().manual_seed(5)
+    for p in [torch.randint(0, 60, (PROMPT_LEN,), generator=g) for _ in range(2)]:
+        eager = lopa_fast.generate(model, p, strategy, "fast", **kw)
+        comp = lopa_fast.generate(model, p, strategy, "fast", compile=True, **kw)
+        assert comp.generated_ids == eager.generated_ids and comp.stats["forwards"] == eager.stats["forwards"]
+    assert seen and all(seen)  # the fused head ran (eager and traced), keeping its logits (Dream: the shift)

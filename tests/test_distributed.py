@@ -241,8 +241,8 @@ def test_parity_with_one_process(world, tmp_path, expected):
 
 def test_parity_with_one_process_on_the_fused_head(tmp_path, monkeypatch):
     """LOPA_FAST_FUSED_HEAD=1 (what CUDA runs by default): each rank's message carries `ops.head_confidence`'s
-    statistics of its hidden rows (no [rows, V] logits), the winner's owner computes the next last_logit row alone;
-    every rank equals the single-process fused round on the T = 0 grid (world 2)."""
+    statistics of its hidden rows (no fp32 [rows, V] logits), the winner's owner takes the next last_logit row from
+    the logits its fused head kept; every rank equals the single-process fused round on the T = 0 grid (world 2)."""
     monkeypatch.setenv("LOPA_FAST_FUSED_HEAD", "1")  # (the spawned ranks inherit it)
     models = build_models()
     want = [summary(run_case(models, c)) for c in grid()]
@@ -274,6 +274,17 @@ def test_compiled_parity_with_one_process(tmp_path):
         assert len(got["compiled"]) == 2 and got["graphs"] == 2 * len(got["compiled"]), got
     case = {k: v for k, v in COMPILE_CASE.items()}
     assert summary(run_case(build_models(), case))["rounds"][2][2] == 2  # round 3's winner: slot 2 (rank 1)
+
+
+@pytest.mark.slow
+def test_compiled_parity_on_the_fused_head(tmp_path, monkeypatch):
+    """compile=True with LOPA_FAST_FUSED_HEAD=1 at world 2 on the T = 0 cases of the compiled grid: each rank's
+    compiled share returns the logits its fused head kept (the winner's owner's next last_logit row), equal to the
+    single-process fused round."""
+    monkeypatch.setenv("LOPA_FAST_FUSED_HEAD", "1")
+    cases = [c for c in compile_grid() if c["temperature"] == 0.0]
+    ranks = _compiled_parity(2, tmp_path, cases, COMPILE_GRID_JOIN_TIMEOUT_S)
+    assert all(c["dist"]["fused_head"] for res in ranks for c in res["cases"])
 
 
 @pytest.mark.slow

@@ -24,7 +24,6 @@ the tests run gloo on CPU.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.strategies.lopa import round_stats
@@ -84,28 +83,33 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
     rows `flat` [n], n <= Rmax; n may be 0). The statistics are finish_round's: the same table (row 0 =
     last_logit under the shift) and, at T > 0, the keyed sampler's keys, a function of the positions only (no
     slot field), so a rank draws for any slot's row what the single process draws. With geo.fused_head, `logits`
-    are the hidden rows [n, H] and head the LM-head weight [V, H]: the statistics are `fused_head_stats`' (its
-    [n, V] logits never exist), the guard reads its finite flags."""
+    are the hidden rows [n, H] and head the LM-head weight [V, H]: the statistics are `fused_head_stats`' (no fp32
+    [n, V] logits), the guard reads its finite flags.
+    Returns (msg, rows): rows holds the raw logits rows the winner's owner takes its next last_logit from (Dream's
+    shift): `logits` itself, or with the fused head the logits it kept from its one pass over the head weight
+    (model dtype; no GEMV over the head afterwards)."""
     dev = st["x"].device
     n = logits.shape[0]
     msg = torch.zeros(HEADER + 3 * Rmax, dtype=torch.int32, device=dev)
     msg[0] = 0
     msg[1] = n_real
     msg[3] = holder
+    rows = logits
     if geo.fused_head:
         if n == 0 and not geo.shift:
             msg[2] = -1
-            return msg
+            return msg, rows
         # (with no row of its own, only the last_logit row: `fused_head_stats` of the empty hidden rows)
         fused = round_stats.fused_head_stats(st, cfg, geo, logits, head)
         msg[2] = round_stats.first_bad(fused.finite, flat, n_real, geo.NB * Nb) if n else -1
         conf, x0, p = fused.table
+        rows = fused.logits if geo.shift else logits
     else:
         table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
         t = round_stats.temperature(T, cfg)
         msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
         if table.shape[0] == 0:
-            return msg
+            return msg, rows
         # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)
         keys = round_stats.row_keys(st, T, flat if n else flat.new_zeros(1), st["start"], Nb, geo.shift, cfg)
         keys = None if keys is None else keys[: table.shape[0]]
@@ -116,7 +120,7 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
     msg[HEADER : HEADER + n] = _bits(conf[k:])
     msg[HEADER + Rmax : HEADER + Rmax + n] = _bits(p[k:])
     msg[HEADER + 2 * Rmax : HEADER + 2 * Rmax + n] = x0[k:].to(torch.int32)
-    return msg
+    return msg, rows
 
 
 def gathered_stats(parts: torch.Tensor, geo, Nb: int, Rmax: int):
@@ -183,9 +187,9 @@ def compiled_share(model, st: dict, T: dict, geo, cfg, Nb: int, Rb: int, world: 
     slots = torch.where(hi > lo, j.clamp(max=hi - 1), nA - 1)
     valid = j < hi
     logits, k_win, v_win, flat, n_real = share_forward(model, st, geo, w, slots, valid, n_rows, st["cache_len"])
-    msg = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real,
-                       model.head_weight() if geo.fused_head else None)
-    return st, (w, msg, logits, k_win, v_win)
+    msg, rows = rank_message(st, T, geo, cfg, Nb, n_rows, holder, logits, flat, n_real,
+                             model.head_weight() if geo.fused_head else None)
+    return st, (w, msg, rows, k_win, v_win)
 
 class _Exchange:
     """A distributed round's one "forward" as the one loop sees it (anything with `forward_requests`: the scheduler
@@ -248,7 +252,7 @@ class DistributedDecoder(FastDecoder):
             none = st["last_logit"].new_zeros((0, width))  # (no row: hidden rows with the fused head, else logits)
             flat = torch.zeros(0, dtype=torch.long, device=dev)
             return rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, none, flat, 0,
-                                self._head_weight()), None, None
+                                self._head_weight())[0], None, None
         f_lo, f_hi = (lo, hi) if own else (nA - 1, nA)
         self.max_share = max(self.max_share, f_hi - f_lo)
         slots = torch.arange(f_lo, f_hi, device=dev)
@@ -257,8 +261,9 @@ class DistributedDecoder(FastDecoder):
         logits, k_win, v_win, flat, n_real = share_forward(self.model, st, geo, w, slots, valid, n_rows, s)
         if not own:  # the anchor's window ran for its span K/V only: no row of it is sent
             logits, flat, n_real = logits[:0], flat[:0], 0
-        msg = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real, self._head_weight())
-        return msg, logits, (k_win, v_win, f_lo)
+        msg, rows = rank_message(st, self.tables, geo, self.cfg, Nb, Rmax, holder, logits, flat, n_real,
+                                 self._head_weight())
+        return msg, rows, (k_win, v_win, f_lo)
 
     def _share_compiled(self, nA: int, Nb: int, Rb: int):
         """This rank's part of a compiled round (compiled_share, one graph per bucket): (w, msg, logits, (k_win,
@@ -336,9 +341,8 @@ class DistributedDecoder(FastDecoder):
             if geo.shift:  # the winner's raw row u - 1 is the next last_logit: its owner keeps it (a copy: the
                 # compiled share's outputs are rewritten by its next call)
                 owner = slot_owner(W, nA, comm.world)
-                if comm.rank == owner:  # (with the fused head: that one row's logits, one GEMV)
-                    row = logits[vals[11]]
-                    self.st["last_logit"] = F.linear(row, self._head_weight()) if geo.fused_head else row.clone()
+                if comm.rank == owner:  # (with the fused head: a row of the logits it kept)
+                    self.st["last_logit"] = logits[vals[11]].clone()
                 else:  # the dtype the owner's row has (a compiled share sees one input dtype on every rank)
                     self.st["last_logit"] = self.st["last_logit"].to(logits.dtype if logits is not None else
                                                                       self.st["last_logit"].dtype)

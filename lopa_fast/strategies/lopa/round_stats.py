@@ -36,6 +36,7 @@ class HeadStats(NamedTuple):
     table: TokenStats
     finite: torch.Tensor
     last_raw: Callable[[torch.Tensor], torch.Tensor]
+    logits: torch.Tensor | None  # the raw logits [Rb, V] (model dtype) the head kept under the shift, else None
 
 
 def temperature(T: dict, cfg):
@@ -124,4 +125,4 @@ def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tenso
     def last_raw(row: torch.Tensor) -> torch.Tensor:
         return hc.logits.index_select(0, (row - 1).clamp(min=0).reshape(1))[0]
 
-    return HeadStats(TokenStats(conf, x0, p), hc.finite, last_raw)
+    return HeadStats(TokenStats(conf, x0, p), hc.finite, last_raw, hc.logits)
