@@ -39,10 +39,15 @@ def _same(got, want):
 def test_reference_twin_is_the_model_formula(dtype, fp32):
     D, theta = 16, 1e6
     model = SimpleNamespace(config=SimpleNamespace(head_dim=D, rope_theta=theta), rope_in_fp32=fp32)
+    model.rope_inv_freq = lambda device: transformer.DecoderLM.rope_inv_freq(model, device)
     positions = torch.arange(1000, 1009)
-    cos, sin = transformer.DecoderLM.rope_tables(model, positions)
+    with torch.inference_mode():  # (the first call keeps the inverse frequencies: a normal tensor even here)
+        cos, sin = transformer.DecoderLM.rope_tables(model, positions)
     c2, s2 = ops.rope_cos_sin(positions, D, theta)
     assert torch.equal(cos, c2) and torch.equal(sin, s2)
+    again = transformer.DecoderLM.rope_tables(model, positions)  # from the kept ones: the same values
+    assert torch.equal(again[0], cos) and torch.equal(again[1], sin)
+    assert model.rope_inv_freq("cpu") is model._inv_freq and not model._inv_freq.is_inference()
     q, k = _qk(2, 9, 3, 1, D, dtype)
     got = ops.rope(q, k, cos, sin, fp32, backend="torch")
     assert torch.equal(got[0], transformer.DecoderLM._apply_rope(model, q, cos, sin))

@@ -151,14 +151,25 @@ class DecoderLM(FusedForwards, nn.Module):
         return out
 
     # ---- RoPE -----------------------------------------------------------------------------------
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables cos, sin [n, D] in fp32 for int positions [n] (computed per call: n is a window, D
-        small)."""
+    def rope_inv_freq(self, device) -> torch.Tensor:
+        """RoPE's inverse frequencies [D / 2] fp32 on `device`: 1 / theta ** (arange(0, D, 2) / D), kept on the model
+        after the first call (a normal tensor even under inference mode; not while dynamo traces: a compiled round
+        reads the kept one). Per call it was 6 kernels of every captured GPU round (6 graph nodes)."""
+        kept = self.__dict__.get("_inv_freq")  # (the instance dict: no nn.Module __getattr__)
+        if kept is not None and kept.device == torch.device(device):
+            return kept
         cfg = self.config
         d = cfg.head_dim
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d)
-        )
+        with torch.inference_mode(False):
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        if not torch.compiler.is_compiling():
+            self.__dict__["_inv_freq"] = inv_freq
+        return inv_freq
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables cos, sin [n, D] in fp32 for int positions [n] (computed per call: n is a window, D
+        small; the inverse frequencies kept, `rope_inv_freq`)."""
+        inv_freq = self.rope_inv_freq(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
