@@ -86,10 +86,11 @@ def _run(argv) -> int:
 
         cli_log = logging.getLogger("lopa_fast.cli")
         if not had_torch and "torch" in sys.modules:  # -v said "imported torch in 0.0 s" here (issue 42, finding 8):
-            # the import happened in check_environment, before the log handler (so a bad variable is one line)
-            level = logging.INFO if env_s >= logs.LONG_S else logging.DEBUG
-            cli_log.log(level, "importing torch...")
-            cli_log.log(level, "imported torch in %.1f s", env_s)
+            # the import happened in check_environment, before the log handler (so a bad variable is one line). Said
+            # after the fact, so at DEBUG (-v) however long it took: at INFO a busy machine's >= 2 s import put two
+            # lines before a user error found next (`--model /no/such/dir`), which must be ONE line
+            cli_log.debug("importing torch...")
+            cli_log.debug("imported torch in %.1f s", env_s)
         # torch's import: 1.5 s on a quiet machine, 4-6 s under load (said while it runs when it takes > 2 s)
         with logs.step(cli_log, "importing torch", "imported torch", long=False) if "torch" not in sys.modules \
                 else contextlib.nullcontext():
