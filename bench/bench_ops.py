@@ -125,9 +125,10 @@ def test_bench_confidence(gpu_timer, benchmark, shape, provider):
 
 
 # gate_up_silu at Dream-7B's MLP (K 3,584, F 18,944): the fused GEMM + SwiGLU beside the unfused pair it replaces
-# (cuBLAS F.linear, then the Triton silu_mul); rows: D2F (33) and LoPA k = 4 (161) rounds' windows
+# (cuBLAS F.linear, then the Triton silu_mul); rows: D2F (33), LoPA k = 4 (161) and k = 8 (289: past
+# models/static_forward.GATE_UP_SILU_MAX_ROWS, where the layer loop keeps the pair) rounds' windows
 @pytest.mark.parametrize("provider", ["triton", "unfused"])
-@pytest.mark.parametrize("rows", [33, 161])
+@pytest.mark.parametrize("rows", [33, 161, 289])
 def test_bench_gate_up_silu(gpu_timer, benchmark, rows, provider):
     K, F = REAL_SHAPES["dream7b"]["hidden_size"], REAL_SHAPES["dream7b"]["intermediate_size"]
     benchmark.group = f"gate_up_silu M={rows}"

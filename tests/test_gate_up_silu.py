@@ -86,8 +86,9 @@ def test_custom_op_opcheck_and_compile():
 
 
 def test_layer_loop_takes_it_on_the_triton_layer_ops(monkeypatch):
-    """The layer loop's MLP on the Triton layer backend is ONE gate_up_silu call a layer (no silu_mul), on the
-    torch backend F.linear + silu_mul (the CPU path's bits)."""
+    """The layer loop's MLP on the Triton layer backend is ONE gate_up_silu call a layer (no silu_mul) up to
+    GATE_UP_SILU_MAX_ROWS rows (past them the GEMM is compute-bound: cuBLAS + silu_mul), on the torch backend
+    F.linear + silu_mul (the CPU path's bits)."""
     from lopa_fast.models import static_forward as sf
 
     calls = []
@@ -99,5 +100,8 @@ def test_layer_loop_takes_it_on_the_triton_layer_ops(monkeypatch):
         tch = sf._layer_ops("torch", 1e-6, torch.float32, x.device, False)
         assert torch.equal(tri.gate_up_silu(x, w), ref.gate_up_silu(x, w)) and calls == ["triton"]
         assert torch.equal(tch.gate_up_silu(x, w), ref.gate_up_silu(x, w)) and calls == ["triton"]
+        many = _inputs(sf.GATE_UP_SILU_MAX_ROWS + 1, 8, 4, torch.float32, lead=(1,))[0]  # compute-bound: the pair
+        _close(tri.gate_up_silu(many, w), ref.gate_up_silu(many, w))  # (F.linear + the Triton silu_mul)
+        assert calls == ["triton"]
     finally:
         sf._LAYER_OPS.clear()

@@ -295,6 +295,11 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> Laye
 
 
 _LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, fp32, $LOPA_FAST_BACKEND)
+# Rows up to which the Triton layer ops take the fused gate/up GEMM + SwiGLU (`ops.gate_up_silu`). Its win is bytes, in
+# the weight-bandwidth-bound regime: 2 * rows FLOPs per 2-byte weight element, so past ~184 rows (the H200's ridge,
+# 790 TFLOP/s / 4.3 TB/s) the GEMM is compute-bound, where cuBLAS's tuned tiles are the safer choice until
+# bench/gpu_check.sh measures both (bench_ops' gate_up_silu rows). 256 covers LoPA k <= 7 at block 32 (k = 4: 160 rows).
+GATE_UP_SILU_MAX_ROWS = 256
 
 
 def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bool) -> LayerOps:
@@ -302,13 +307,17 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
     on backend lb."""
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
+    def unfused_gate_up_silu(x, w):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return silu_mul(gate, up)
+
     if lb == "triton":  # the activation as the GEMM's epilogue (0.68 GB and 28 kernels less a Dream-7B round)
         def gate_up_silu(x, w):
+            if x.numel() > GATE_UP_SILU_MAX_ROWS * x.shape[-1]:
+                return unfused_gate_up_silu(x, w)
             return ops.gate_up_silu(x, w, check=False, backend=lb)
     else:
-        def gate_up_silu(x, w):
-            gate, up = F.linear(x, w).chunk(2, dim=-1)
-            return silu_mul(gate, up)
+        gate_up_silu = unfused_gate_up_silu
     if cpp:
         def rope(qkv, table, Hq, Hkv, k_into):
             return rope_cpp_heads(qkv, Hq, Hkv, table[0], table[1], k_into)
