@@ -184,7 +184,7 @@ def _gate_up_silu_variants(out, dtypes):
     """The MLP's gate/up GEMM + SwiGLU at Dream-7B (K = 3,584, F = 18,944): a LoPA round's 64-row tiles."""
     for dt in dtypes:
         torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-        BM, BN, BK = 64, 64, (32 if dt == "fp32" else 64)
+        BM, BN, BK = gus.tiles_for(161, torch_dt)  # the launcher's GPU tiles (no interpreter here)
         types = {n: "i32" for n in gus._gate_up_silu_kernel.arg_names}
         types.update(x_ptr=f"*{dt}", w_ptr=f"*{dt}", o_ptr=f"*{dt}")
         ce = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_PREC="ieee" if torch_dt == torch.float32 else "tf32")
@@ -194,9 +194,10 @@ def _gate_up_silu_variants(out, dtypes):
 
 def _head_confidence_variants(out, dtypes):
     """The fused head at Dream's vocabulary: a LoPA k=8 round's 64-row tiles (the launcher's GPU tiles)."""
-    BR, BV, BH = 64, 128, 64
-    ce = dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=True)  # the entropy round's
     for dt in dtypes:
+        torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+        BR, BV, BH = hc.tiles_for(289, 152064, 3584, torch_dt)  # the launcher's GPU tiles (no interpreter here)
+        ce = dict(HAS_SUPPRESS=True, BLOCK_R=BR, BLOCK_V=BV, BLOCK_H=BH, STORE_LOGITS=True)  # the entropy round's
         types = {n: "i32" for n in hc._hc_stats_kernel.arg_names}
         types.update(h_ptr=f"*{dt}", w_ptr=f"*{dt}", pm1_ptr="*fp32", pi1_ptr="*i32", pm2_ptr="*fp32", ps_ptr="*fp32",
                      pfin_ptr="*i32", lg_ptr=f"*{dt}")

@@ -122,13 +122,14 @@ def _hc_entropy_kernel(
     tl.store(pent_ptr + rows64 * S + sp, ent, mask=rmask)
 
 
-def tiles_for(R: int, V: int, H: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_V, BLOCK_H). GPU: 16-64 rows (a round's R is 32-300) x 128 columns x 64 of H per dot.
+def tiles_for(R: int, V: int, H: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_V, BLOCK_H). GPU: 16-64 rows (a round's R is 32-300) x 128 columns (64 in fp32: its IEEE
+    dot on the FMA units spilled 36 B at 128 on sm_90) x 64 of H per dot.
     Interpreter (CPU tests): wide vocabulary tiles, each step a numpy matmul."""
     block_r = 16 if R <= 16 else (32 if R <= 32 else 64)
     if is_interpreter():
         return block_r, min(1024, triton.next_power_of_2(max(V, 16))), min(256, triton.next_power_of_2(max(H, 16)))
-    return block_r, 128, 64
+    return block_r, (64 if dtype == torch.float32 else 128), 64
 
 
 def num_splits_for(R: int, V: int, block_r: int, block_v: int, n_sm: int = 132) -> int:
@@ -159,7 +160,7 @@ def head_confidence(hidden: torch.Tensor, weight: torch.Tensor, suppress_token: 
     logits = torch.empty((R, V) if store else (1,), dtype=hidden.dtype, device=dev)
     if R == 0:
         return out._replace(logits=logits if keep_logits else None)
-    BR, BV, BH = tiles or tiles_for(R, V, H)
+    BR, BV, BH = tiles or tiles_for(R, V, H, hidden.dtype)
     S, split, BLOCK_S = vs.split_layout(V, BV, num_splits_for(R, V, BR, BV) if num_splits is None else num_splits)
     pm1, pm2, ps = (torch.empty(R, S, dtype=torch.float32, device=dev) for _ in range(3))
     pi1, pfin = (torch.empty(R, S, dtype=torch.int32, device=dev) for _ in range(2))
