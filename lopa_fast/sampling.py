@@ -199,3 +199,17 @@ def head_confidence_outputs(R: int, device) -> HeadConfidence:
     return HeadConfidence(torch.empty(R, dtype=torch.int64, device=device), f32[0], f32[1],
                           torch.zeros(R, dtype=torch.float32, device=device), f32[2],
                           torch.empty(R, dtype=torch.bool, device=device))
+
+
+def head_confidence_op_outputs(out: HeadConfidence, hidden: torch.Tensor, V: int, keep_logits: bool) -> tuple:
+    """The 7 plain tensors a head_confidence custom op returns (the Triton and CUDA ops): a launcher's
+    HeadConfidence with `logits` an empty [0, V] unless kept (an op cannot return None)."""
+    return (*out[:6], out.logits if keep_logits else hidden.new_empty(0, V))
+
+
+def head_confidence_fake(hidden, weight, suppress_token, eps, entropy, keep_logits) -> tuple:
+    """The head_confidence custom ops' fake implementation: `head_confidence_op_outputs`' shapes and dtypes."""
+    R = hidden.shape[0]
+    f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
+    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool),
+            hidden.new_empty(R if keep_logits else 0, weight.shape[0]))

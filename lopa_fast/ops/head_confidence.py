@@ -11,7 +11,7 @@ import torch
 
 from lopa_fast.ops import _backend
 from lopa_fast.reference import ops as ref
-from lopa_fast.sampling import HeadConfidence
+from lopa_fast.sampling import HeadConfidence, head_confidence_fake, head_confidence_op_outputs
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,12 +90,7 @@ def _head_confidence_op(hidden: torch.Tensor, weight: torch.Tensor, suppress_tok
                                                                    torch.Tensor]:
     launch = importlib.import_module("lopa_fast.kernels.triton.head_confidence").head_confidence  # optional
     out = launch(hidden, weight, suppress_token, eps, entropy, keep_logits)
-    return (*out[:6], out.logits if keep_logits else hidden.new_empty(0, weight.shape[0]))
+    return head_confidence_op_outputs(out, hidden, weight.shape[0], keep_logits)
 
 
-@_head_confidence_op.register_fake
-def _(hidden, weight, suppress_token, eps, entropy, keep_logits):
-    R = hidden.shape[0]
-    f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
-    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool),
-            hidden.new_empty(R if keep_logits else 0, weight.shape[0]))
+_head_confidence_op.register_fake(head_confidence_fake)

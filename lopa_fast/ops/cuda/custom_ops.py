@@ -6,6 +6,7 @@ import torch
 
 from lopa_fast.ops.cuda.device import launcher
 from lopa_fast.ops.cuda.launch import run_branch_attention, run_confidence, run_head_confidence, run_select_round
+from lopa_fast.sampling import head_confidence_fake, head_confidence_op_outputs
 
 Tensor = torch.Tensor
 OptTensor = torch.Tensor | None
@@ -52,15 +53,10 @@ def head_confidence_op(hidden: Tensor, weight: Tensor, suppress_token: int | Non
     [0, V] unless kept)."""
     L = launcher("head_confidence", hidden)
     out = run_head_confidence(L, hidden, weight, suppress_token, eps, entropy, L.num_sms, keep_logits)
-    return (*out[:6], out.logits if keep_logits else hidden.new_empty(0, weight.shape[0]))
+    return head_confidence_op_outputs(out, hidden, weight.shape[0], keep_logits)
 
 
-@head_confidence_op.register_fake
-def _(hidden, weight, suppress_token, eps, entropy, keep_logits):
-    R = hidden.shape[0]
-    f = [hidden.new_empty(R, dtype=torch.float32) for _ in range(4)]
-    return (hidden.new_empty(R, dtype=torch.int64), *f, hidden.new_empty(R, dtype=torch.bool),
-            hidden.new_empty(R if keep_logits else 0, weight.shape[0]))
+head_confidence_op.register_fake(head_confidence_fake)
 
 
 @torch.library.custom_op("lopa_fast::cuda_select_round", mutates_args=(), device_types="cuda")
