@@ -220,7 +220,7 @@ def stage_batch(dry: bool) -> dict:
                 "apd": dict(max_new_tokens=32, apd_mixture_weight=0.7, kv_window=16, max_lookahead=16, max_rounds=8,
                             verifier=verifier)}
     for strategy, skw in steps_kw.items():
-        for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 65 s
+        for B in (batches[0], batches[-1]):  # B = 1 and the largest (16 on the GPU): the stage has 60 s
             _, row = _batched_vs_sequential(model, prompts[:B], strategy, skw, dev, strategy)
             rows.append(row)
             print(json.dumps(row), flush=True)
