@@ -307,6 +307,7 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
     on backend lb."""
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
+
     def unfused_gate_up_silu(x, w):
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return silu_mul(gate, up)

@@ -160,10 +160,14 @@ class DecoderLM(FusedForwards, nn.Module):
             return kept
         cfg = self.config
         d = cfg.head_dim
+
+        def formula():
+            return 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+
+        if torch.compiler.is_compiling():  # in the graph, nothing kept
+            return formula()
         with torch.inference_mode(False):
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-        if not torch.compiler.is_compiling():
-            self.__dict__["_inv_freq"] = inv_freq
+            inv_freq = self.__dict__["_inv_freq"] = formula()
         return inv_freq
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
