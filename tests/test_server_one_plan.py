@@ -107,10 +107,21 @@ def test_requests_waiting_for_a_seat_go_in_order_when_one_ends(embedded, monkeyp
             super().set()
 
     monkeypatch.setattr(asyncio, "Event", CountedEvent)
+    # request 1's end waits until all three are submitted: on a busy machine its 8 tokens could otherwise be decoded
+    # between two submits, and request 2 would take the free seat without waiting (seen in a fresh-clone CI run)
+    submitted = threading.Event()
+    end = worker._end
+
+    def gated_end(*a):
+        submitted.wait(60)
+        return end(*a)
+
+    monkeypatch.setattr(worker, "_end", gated_end)
 
     async def run():
         handles = [worker.submit(Job(ids, dict(DEFAULTS, max_new_tokens=8 * (1 + i)))) for i in range(3)]
         assert worker.counts["running"] == 1 and len(worker._waiting) == 2
+        submitted.set()
         ends = []
         for h in handles:
             async for kind, value in h.events():
