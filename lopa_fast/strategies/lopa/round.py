@@ -240,7 +240,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     commit_span(st, u, k_span, v_span, w.get("span"))
     if geo.shift:  # the winner's raw row u-1 is the next last_logit
         if geo.fused_head:  # table row r > 0 is raw row r - 1: that row of the logits the head kept
-            new_last = fused.last_raw(last_row)
+            new_last = fused.logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
             st["last_logit"] = torch.where((u > 0) & (last_row > 0), new_last,
                                            st["last_logit"].to(new_last.dtype))
         elif len(table) == 1:  # the one-block table: its row last_row is the winner's raw row u - 1 (or row 0)

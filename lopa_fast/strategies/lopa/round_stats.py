@@ -9,7 +9,7 @@ eager, compiled and captured rounds (and lopa_fast.distributed's share of a roun
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -30,13 +30,12 @@ class TokenStats(NamedTuple):
 
 class HeadStats(NamedTuple):
     """What the fused LM head gives a round: the statistics table, finite [Rb] bool (each raw row's logits all
-    finite: the numerics guard) and last_raw: table row r (0-d, r >= 1) -> raw logits row r - 1 [V] (Dream's next
-    last_logit: a row of the logits the head kept from its one pass, no second GEMV over the head weight)."""
+    finite: the numerics guard) and logits: the raw logits [Rb, V] (model dtype) the head kept from its one pass
+    under Dream's shift (the next last_logit is one of its rows: no second GEMV over the head weight), else None."""
 
     table: TokenStats
     finite: torch.Tensor
-    last_raw: Callable[[torch.Tensor], torch.Tensor]
-    logits: torch.Tensor | None  # the raw logits [Rb, V] (model dtype) the head kept under the shift, else None
+    logits: torch.Tensor | None
 
 
 def temperature(T: dict, cfg):
@@ -108,7 +107,8 @@ def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tenso
     """The statistics table of a round with the fused head (T = 0, no top-p / top-k: the FastDecoder's rule):
     `ops.head_confidence` over hidden [Rb, H] x head [V, H] (the entropy pass only for sampling_strategy
     "neg_entropy"), preceded under the shift by `ops.confidence` of the stale last_logit row (table row 0).
-    Returns HeadStats: table (TokenStats [table rows]), finite [Rb] (each raw row finite), last_raw."""
+    Returns HeadStats: table (TokenStats [table rows]), finite [Rb] (each raw row finite), logits (kept under the
+    shift)."""
     suppress = cfg.mask_token_id if cfg.suppress_mask_token else None
     entropy = cfg.sampling_strategy == "neg_entropy"
     # under the shift the head keeps its raw logits (hidden.dtype [Rb, V], written by the statistics pass): the
@@ -121,8 +121,4 @@ def fused_head_stats(st: dict, cfg, geo, hidden: torch.Tensor, head: torch.Tenso
         c = ops.confidence(st["last_logit"][None, :], suppress, NEG_ENTROPY_EPS, check=False)
         c_conf = {"default": c.p_max, "margin": c.margin, "neg_entropy": c.neg_entropy}[cfg.sampling_strategy]
         conf, x0, p = torch.cat([c_conf, conf]), torch.cat([c.token, x0]), torch.cat([c.p_max, p])
-
-    def last_raw(row: torch.Tensor) -> torch.Tensor:
-        return hc.logits.index_select(0, (row - 1).clamp(min=0).reshape(1))[0]
-
-    return HeadStats(TokenStats(conf, x0, p), hc.finite, last_raw, hc.logits)
+    return HeadStats(TokenStats(conf, x0, p), hc.finite, hc.logits)
