@@ -124,20 +124,33 @@ def test_bench_confidence(gpu_timer, benchmark, shape, provider):
     gpu_timer(fn, nbytes=N * V * logits.element_size())  # one read of the logits is the floor
 
 
-# gate_up_silu at Dream-7B's MLP (K 3,584, F 18,944): the fused GEMM + SwiGLU beside the unfused pair it replaces
-# (cuBLAS F.linear, then the Triton silu_mul); rows: D2F (33), LoPA k = 4 (161) and k = 8 (289: past
-# models/static_forward.GATE_UP_SILU_MAX_ROWS, where the layer loop keeps the pair) rounds' windows
+# norm_linear at Dream-7B's layer (H 3,584, I 18,944, 28 q / 4 kv heads of 128): the fused add + norm + GEMM +
+# epilogue beside the unfused ops it replaces (the Triton add_rms_norm, cuBLAS F.linear, the Triton silu_mul / rope);
+# rows: D2F (33), LoPA k = 4 (161) and k = 8 (289: past models/static_forward.NORM_LINEAR_MAX_ROWS, where the layer
+# loop keeps the unfused ops) rounds' windows
 @pytest.mark.parametrize("provider", ["triton", "unfused"])
-@pytest.mark.parametrize("rows", [33, 161, 289])
-def test_bench_gate_up_silu(gpu_timer, benchmark, rows, provider):
-    K, F = REAL_SHAPES["dream7b"]["hidden_size"], REAL_SHAPES["dream7b"]["intermediate_size"]
-    benchmark.group = f"gate_up_silu M={rows}"
-    x = torch.randn(1, rows, K, device=DEV).to(DT)
-    w = (torch.randn(2 * F, K, device=DEV) / K**0.5).to(DT)
+@pytest.mark.parametrize("rows,epilogue", [(33, "swiglu"), (161, "swiglu"), (289, "swiglu"), (33, "rope")])
+def test_bench_norm_linear(gpu_timer, benchmark, rows, epilogue, provider):
+    shape = REAL_SHAPES["dream7b"]
+    K, D = shape["hidden_size"], shape["hidden_size"] // shape["num_heads"]
+    Hq, Hkv = shape["num_heads"], shape["num_kv_heads"]
+    N = 2 * shape["intermediate_size"] if epilogue == "swiglu" else (Hq + 2 * Hkv) * D
+    benchmark.group = f"norm_linear {epilogue} M={rows}"
+    x, r = (torch.randn(1, rows, K, device=DEV).to(DT) for _ in range(2))
+    nw = torch.ones(K, device=DEV, dtype=DT)
+    w = (torch.randn(N, K, device=DEV) / K**0.5).to(DT)
+    bias = torch.zeros(N, device=DEV, dtype=DT) if epilogue == "rope" else None
+    cos, sin = ops.rope_cos_sin(torch.arange(1024, 1024 + rows, device=DEV), D, 1e6) if epilogue == "rope" \
+        else (None, None)
     if provider == "triton":
-        fn = lambda: ops.gate_up_silu(x, w, check=False, backend="triton")  # noqa: E731
+        fn = lambda: ops.norm_linear(x, w, epilogue, norm_weight=nw, residual=r, bias=bias, cos=cos, sin=sin,  # noqa: E731
+                                     rot_heads=Hq + Hkv, check=False, backend="triton")
     else:
         def fn():
-            gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
-            return ops.silu_mul(gate, up, check=False)
-    gpu_timer(fn, nbytes=w.numel() * w.element_size(), flops=2 * rows * 2 * F * K)  # the weight read once: the floor
+            h, s = ops.add_rms_norm(x, r, nw, 1e-6, check=False)
+            y = torch.nn.functional.linear(h, w, bias)
+            if epilogue == "swiglu":
+                return ops.silu_mul(*y.chunk(2, dim=-1), check=False), s
+            y = y.view(1, rows, Hq + 2 * Hkv, D)
+            return ops.rope(y[:, :, :Hq], y[:, :, Hq : Hq + Hkv], cos, sin, check=False), s
+    gpu_timer(fn, nbytes=w.numel() * w.element_size(), flops=2 * rows * N * K)  # the weight read once: the floor

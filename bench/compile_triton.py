@@ -32,8 +32,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from lopa_fast.reference.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
-from lopa_fast.kernels.triton import gate_up_silu as gus  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
+from lopa_fast.kernels.triton import norm_linear as nl  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
 from lopa_fast.kernels.triton import select_step as ss  # noqa: E402
 from lopa_fast.kernels.triton import window_inputs as wi  # noqa: E402
@@ -88,7 +88,7 @@ def variants(quick: bool):
             break
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
-    _gate_up_silu_variants(out, dtypes)
+    _norm_linear_variants(out, dtypes)
     _select_round_variants(out, quick)
     _select_step_variants(out, quick)
     _window_inputs_variants(out, quick)
@@ -180,16 +180,27 @@ def _confidence_variants(out, dtypes):
                 dict(num_warps=1, num_stages=3)))
 
 
-def _gate_up_silu_variants(out, dtypes):
-    """The MLP's gate/up GEMM + SwiGLU at Dream-7B (K = 3,584, F = 18,944): a LoPA round's 64-row tiles."""
+def _norm_linear_variants(out, dtypes):
+    """The layer's fused GEMMs at a LoPA round's rows (161: 64-row tiles) with the add + norm prologue: Dream-7B's
+    gate/up + SwiGLU (K = 3,584, F = 18,944) and q/k/v + bias + RoPE (N = 4,608, D = 128); Qwen2.5-0.5B's q/k/v
+    (D = 64: 32-column half-head tiles) in bf16."""
+    shapes = [("swiglu", 3584, 18944, "K=3584 F=18944"), ("rope", 3584, 64, "K=3584 D=128"),
+              ("rope", 896, 32, "K=896 D=64")]
     for dt in dtypes:
         torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-        BM, BN, BK = gus.tiles_for(161, torch_dt)  # the launcher's GPU tiles (no interpreter here)
-        types = {n: "i32" for n in gus._gate_up_silu_kernel.arg_names}
-        types.update(x_ptr=f"*{dt}", w_ptr=f"*{dt}", o_ptr=f"*{dt}")
-        ce = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_PREC="ieee" if torch_dt == torch.float32 else "tf32")
-        out.append((f"_gate_up_silu_kernel {dt} K=3584 F=18944", gus._gate_up_silu_kernel, types, ce,
-                    {"F", "K", "stride_x", "stride_w"}, dict(num_warps=gus.NUM_WARPS, num_stages=3)))
+        for epilogue, K, half, label in shapes:
+            if K == 896 and dt != "bf16":
+                continue
+            BM, BN, BK = nl.tiles_for(161, half, torch_dt)  # the launcher's GPU tiles (no interpreter here)
+            types = {n: "i32" for n in nl._norm_linear_kernel.arg_names}
+            types.update(x_ptr=f"*{dt}", r_ptr=f"*{dt}", s_ptr=f"*{dt}", nw_ptr=f"*{dt}", w_ptr=f"*{dt}",
+                         b_ptr=f"*{dt}", o_ptr=f"*{dt}", cos_ptr="*fp32", sin_ptr="*fp32", eps="fp32")
+            ce = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=epilogue == "rope", EPI=nl.EPILOGUES.index(epilogue),
+                      ROPE_FP32=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                      DOT_PREC="ieee" if torch_dt == torch.float32 else "tf32")
+            out.append((f"_norm_linear_kernel {dt} {epilogue} {label}", nl._norm_linear_kernel, types, ce,
+                        {"K", "stride_x", "stride_r", "stride_w", "out_cols"},
+                        dict(num_warps=nl.NUM_WARPS[epilogue], num_stages=3, enable_fp_fusion=False)))
 
 
 def _head_confidence_variants(out, dtypes):

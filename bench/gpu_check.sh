@@ -9,7 +9,7 @@
 #      vanilla, threshold and APD (a 0.5B-shaped verifier), whose steps batch through their drivers:
 #      bench_round_captured --stage batch; 60 s, 5 s of them given to the Triton parity stage);
 #   3. the `gpu` tests (device cache_len under CUDA-graph capture included) and the kernel microbenchmarks (the
-#      fused gate/up GEMM + SwiGLU beside cuBLAS + silu_mul among them: bench_ops' gate_up_silu rows).
+#      fused add + norm + GEMM + SwiGLU / RoPE beside the unfused ops among them: bench_ops' norm_linear rows).
 # Every stage runs under its own `timeout`, so one hang cannot eat the budget (the caps sum to 435 s + the 45 s
 # install: ~8 minutes on one H200).
 # Full logs and JSON to $OUT, a short table last on stdout. Run from the repo root: bash bench/gpu_check.sh
@@ -44,7 +44,7 @@ step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-
 
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs
 # torch/SDPA/Flex
-step triton_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_gate_up_silu.py \
+step triton_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_norm_linear.py \
   tests/test_triton_compile.py -q
 step triton_bench 40 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"

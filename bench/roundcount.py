@@ -105,9 +105,10 @@ def _confidence_cost(args, out) -> tuple[int, int, int]:
     return (1 if S == 1 else 3), 0, N * V * logits.element_size()
 
 
-def _gate_up_silu_cost(args, out) -> tuple[int, int, int]:
-    """`lopa_fast::triton_gate_up_silu(x [..., K], weight [2F, K])`: one kernel, the gate/up GEMM's FLOPs; its bytes
-    are its inputs and output (the [.., 2F] projection stays on chip)."""
+def _norm_linear_cost(args, out) -> tuple[int, int, int]:
+    """`lopa_fast::triton_norm_linear(x [..., K], weight [N, K], ...)`: one kernel, the GEMM's FLOPs; its bytes are
+    its inputs and outputs (the normed rows and the [.., N] projection stay on chip; the prologue's second read of
+    the rows comes from L2)."""
     x, weight = args[0], args[1]
     return 1, 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1], 0
 
@@ -115,7 +116,7 @@ def _gate_up_silu_cost(args, out) -> tuple[int, int, int]:
 # custom ops whose kernels, FLOPs or traffic their signature does not show: name -> (args, out) -> (launches, FLOPs,
 # extra bytes, classed by the first argument's dtype)
 _CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost,
-                "triton_gate_up_silu": _gate_up_silu_cost}
+                "triton_norm_linear": _norm_linear_cost}
 # allocations: memory (the transient peak counts them), no kernel and no bytes (a CUDA graph has no node for them)
 _ALLOC_ONLY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
 # in-place scatters into a big buffer (bytes: the source twice + the index)
@@ -435,6 +436,7 @@ def instrument(model, rounds: Rounds, upstream=None):
         es.enter_context(_patched(tr, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "rms_norm", _norm_wrapper(rounds)))
         es.enter_context(_patched(ops, "add_rms_norm", _norm_wrapper(rounds)))  # the fused layer's residual norms
+        es.enter_context(_patched(ops, "norm_linear", _norm_wrapper(rounds)))  # the Triton layer's norm-prologue GEMMs
         # the CPU forward's C++ norms: the layer loop's functions come from cpp_norms through the LayerOps memo,
         # emptied on entry and exit so that the loop takes the counted ones here and the plain ones after
         norm_factory = _norm_wrapper(rounds)
@@ -581,7 +583,7 @@ def project(scaled: dict) -> dict:
 @contextlib.contextmanager
 def kernel_bodies_in_torch():
     """The fast path's GPU kernel sequence with each Triton kernel's body computed by its torch reference: the
-    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, gate_up_silu, branch_attention,
+    Triton launchers (`lopa_fast.kernels.triton.{rms_norm, rope, silu_mul, norm_linear, branch_attention,
     head_confidence, confidence}`) are replaced by
     `lopa_fast.reference.ops`, so every kernel is still ONE custom op to the counter (`torch.ops.lopa_fast.triton_*`,
     its inputs and outputs as the kernel's) but runs at torch speed instead of the Triton interpreter's (minutes
@@ -608,7 +610,7 @@ def kernel_bodies_in_torch():
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
              "branch_attention": {"branch_attention": attention},
              "head_confidence": {"head_confidence": head_confidence}, "confidence": {"confidence": confidence},
-             "gate_up_silu": {"gate_up_silu": lambda x, weight, tiles=None: ref.gate_up_silu(x, weight)}}
+             "norm_linear": {"norm_linear": lambda *args, tiles=None: ref.norm_linear(*args)}}
     import lopa_fast.ops as ops_pkg
     from lopa_fast.reference.ops import SelectRound, WindowInputs
 

@@ -119,13 +119,18 @@ def test_fast_round_one_host_read_one_model_call(k):
 def test_gpu_sequence_counts_the_fused_head_as_one_op(k):
     """bench_real_shapes' fastgpu path (`gpu_sequence`: the Triton kernels as one custom op each, the fused head):
     one model call and one host read per round; the head's GEMM is the fused op's (in lm_head, no [R, V] fp32
-    statistics passes), the stats stage only the stale last_logit row's `confidence` (Dream's shift: 1 row)."""
-    model = _model()
+    statistics passes), the stats stage only the stale last_logit row's `confidence` (Dream's shift: 1 row). The
+    layer is 4 kernels and attention (`ops.norm_linear` twice, the o and down GEMMs), its stages told apart by the
+    norm_linear calls."""
+    L = 2
+    model = _model(L)
     with rc.gpu_sequence():
         rs = rc.steady(_run(model, "fast", k))
     assert len(rs) == 3
     H, V = 32, 64
     for r in rs:
+        assert r["attn_proj"]["launches"] == 2 * L and r["attn_core"]["launches"] == 2 * L  # (prefix + window)
+        assert 2 * L <= r["mlp"]["launches"] <= 2 * L + 4  # + the last residual add, the K / V stacks, the rows
         assert r["meta"]["calls"] == 1 and sum(r[s]["syncs"] for s in rc.STAGES) == 1
         rows = r["lm_head"]["flops"] / (2 * H * V)  # the fused op's GEMM, whole rows
         assert rows == int(rows) and 1 <= rows <= (k + 1 if k > 1 else 1) * 8

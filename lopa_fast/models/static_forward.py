@@ -108,7 +108,8 @@ class FusedForwards:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
         GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
         k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
-        gate/up GEMM, SwiGLU, down; lops: the layer ops chosen once per forward (`_layer_ops`).
+        gate/up GEMM, SwiGLU, down; lops: the layer ops chosen once per forward (`_layer_ops`). On the Triton layer ops
+        (up to NORM_LINEAR_MAX_ROWS rows, no kv_into) the same layer in 5 kernels: `_norm_linear_stack`.
         kv_into: None, or (k, v) [num_layers, n, Hkv, D] (B = 1): each layer's post-RoPE k and its v are written there
         (forward_static's in-cache round) instead of being collected.
         Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None and None with kv_into)."""
@@ -122,10 +123,12 @@ class FusedForwards:
             layers is None or layers[0].qkv_w.data_ptr() != self._fused_q0[0].weight.data_ptr()
         ):
             layers = self.fused_layers()
+        table = lops.rope_table(cos, sin)
+        if lops.norm_linear is not None and kv_into is None and B * n <= NORM_LINEAR_MAX_ROWS:
+            return self._norm_linear_stack(h, table, lops, attend, layers)
         k_into, v_into = kv_into if kv_into is not None else (None, None)
         ks, vs = [], []
-        table = lops.rope_table(cos, sin)
-        norm, add_norm, gate_up_silu, rope = lops.norm, lops.add_norm, lops.gate_up_silu, lops.rope
+        norm, add_norm, silu_mul, rope = lops.norm, lops.add_norm, lops.silu_mul, lops.rope
         last = len(layers) - 1
         # the residual adds ride in the next pre-norm (`ops.add_rms_norm`: one kernel instead of two on a GPU, 2 graph
         # nodes a layer; on the torch backend the same add and norm, so the CPU path keeps its bits)
@@ -144,12 +147,38 @@ class FusedForwards:
             # F.linear on the layer's tensors: the nn.Module call costs ~4 us more a projection on CPU
             o = F.linear(attn.reshape(B, n, Hq * D), w.o_w, w.o_b)
             x, h = add_norm(o, h, w.mlp_norm)
-            down = F.linear(gate_up_silu(x, w.gate_up_w), w.down_w, w.down_b)
+            down = F.linear(silu_mul(*F.linear(x, w.gate_up_w).chunk(2, dim=-1)), w.down_w, w.down_b)
             if i < last:
                 x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
                 h = h + down
         return (h, None, None) if kv_into is not None else (h, torch.stack(ks), torch.stack(vs))
+
+    def _norm_linear_stack(self, h: torch.Tensor, table, lops: "LayerOps", attend, layers) -> tuple:
+        """`_fused_stack` on the Triton layer ops at up to NORM_LINEAR_MAX_ROWS rows: 5 kernels and attention a layer
+        (was 8 and attention). The residual add and the pre-norm ride in the q/k/v GEMM's prologue with RoPE as its
+        epilogue, the add and the MLP pre-norm in the gate/up GEMM's prologue with SwiGLU as its epilogue
+        (`ops.norm_linear`); the o and down projections stay cuBLAS. h [B, n, H]; table (cos, sin); returns as
+        `_fused_stack` (q, k, v are column views of the one [B, n, Hq + 2 Hkv, D] projection: the attention reads
+        them by stride, the stacks copy k and v)."""
+        cfg = self.config
+        B, n = h.shape[:2]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nl = lops.norm_linear
+        ks, vs = [], []
+        down = None  # the previous layer's down projection: added to h in this layer's q/k/v prologue
+        for i, w in enumerate(layers):
+            qkv, s = nl(h if down is None else down, w.qkv_w, "rope", w.attn_norm, None if down is None else h,
+                        w.qkv_b, table, Hq + Hkv)
+            h = h if s is None else s
+            qkv = qkv.view(B, n, Hq + 2 * Hkv, D)
+            q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+            ks.append(k)
+            vs.append(v)
+            o = F.linear(attend(i, q, k, v).reshape(B, n, Hq * D), w.o_w, w.o_b)
+            act, h = nl(o, w.gate_up_w, "swiglu", w.mlp_norm, h)
+            down = F.linear(act, w.down_w, w.down_b)
+        return h + down, torch.stack(ks), torch.stack(vs)
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
                          pool: tuple | None = None) -> list[tuple]:
@@ -264,18 +293,19 @@ class LayerOps(NamedTuple):
 
     norm: Callable  # (x, w) -> rms_norm(x) * w
     add_norm: Callable  # (x, residual, w) -> (rms_norm(x + residual) * w, x + residual)
-    # (x [..., H], gate_up_w [2I, H]) -> silu(gate) * up [..., I]: the gate/up GEMM and its activation (one kernel on
-    # Triton, `ops.gate_up_silu`; F.linear + silu_mul elsewhere)
-    gate_up_silu: Callable
+    silu_mul: Callable  # (gate, up) -> silu(gate) * up
     rope_table: Callable  # (cos, sin) -> the per-forward table `rope` reads
     # (qkv [B, n, Hq + 2 Hkv, D], table, Hq, Hkv, k_into) -> (q [B, n, Hq, D] contiguous, k [B, n, Hkv, D]); k_into:
     # None, or the [n, Hkv, D] rows (B = 1) that receive k (then returned as k)
     rope: Callable
+    # Triton only (else None): (x, weight, epilogue, norm_weight, residual, bias=None, table=None, rot_heads=0) ->
+    # `ops.norm_linear`'s (out, s) with the model's eps and RoPE precision (`_norm_linear_stack`)
+    norm_linear: Callable | None = None
 
 
 def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> LayerOps:
     """The layer loop's ops on backend lb (fp32: the model rotates in float32, LLaDA), chosen once per forward: the
-    public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.gate_up_silu` / `ops.silu_mul`, `ops.rope`) with their
+    public ops (`ops.rms_norm`, `ops.add_rms_norm`, `ops.silu_mul`, `ops.norm_linear`, `ops.rope`) with their
     backend, or on "torch" their CPU forms called directly (the wrappers' dispatch costs ~2 us a call, ~25 calls a
     tiny CPU forward): float32 and eager with lopa_fast._C built, the C++ norms (one call each instead of 7-8 ops:
     ~17 -> ~5 us; within ~2 ulp of the formula, `rms_norm_cpp`) and the C++ rope (bitwise), else the torch formulas
@@ -295,35 +325,24 @@ def _layer_ops(lb: str, eps: float, dtype: torch.dtype, dev, fp32: bool) -> Laye
 
 
 _LAYER_OPS: dict = {}  # `_layer_ops`' choices by (backend, eps, dtype, device, fp32, $LOPA_FAST_BACKEND)
-# Rows up to which the Triton layer ops take the fused gate/up GEMM + SwiGLU (`ops.gate_up_silu`). Its win is bytes, in
-# the weight-bandwidth-bound regime: 2 * rows FLOPs per 2-byte weight element, so past ~184 rows (the H200's ridge,
-# 790 TFLOP/s / 4.3 TB/s) the GEMM is compute-bound, where cuBLAS's tuned tiles are the safer choice until
-# bench/gpu_check.sh measures both (bench_ops' gate_up_silu rows). 256 covers LoPA k <= 7 at block 32 (k = 4: 160 rows).
-GATE_UP_SILU_MAX_ROWS = 256
+# Rows up to which the Triton layer ops take `ops.norm_linear` (the q/k/v and gate/up GEMMs with the add + norm as
+# their prologue, RoPE / SwiGLU as their epilogue: `_norm_linear_stack`). Its win is launches and bytes, in the
+# weight-bandwidth-bound regime: 2 * rows FLOPs per 2-byte weight element, so past ~184 rows (the H200's ridge,
+# 790 TFLOP/s / 4.3 TB/s) the GEMMs are compute-bound, where cuBLAS's tuned tiles are the safer choice until
+# bench/gpu_check.sh measures both (bench_ops' norm_linear rows). 256 covers LoPA k <= 7 at block 32 (k = 4: 160 rows).
+NORM_LINEAR_MAX_ROWS = 256
 
 
 def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bool) -> LayerOps:
     """`_layer_ops`' choice, built: the C++ norms and rope (cpp), the torch formulas (lb "torch"), else the public ops
-    on backend lb."""
+    on backend lb (Triton: with `norm_linear`)."""
     silu_mul = (lambda gate, up: F.silu(gate) * up) if lb == "torch" else \
         (lambda g, u: ops.silu_mul(g, u, check=False, backend=lb))
-
-    def unfused_gate_up_silu(x, w):
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return silu_mul(gate, up)
-
-    if lb == "triton":  # the activation as the GEMM's epilogue (0.68 GB and 28 kernels less a Dream-7B round)
-        def gate_up_silu(x, w):
-            if x.numel() > GATE_UP_SILU_MAX_ROWS * x.shape[-1]:
-                return unfused_gate_up_silu(x, w)
-            return ops.gate_up_silu(x, w, check=False, backend=lb)
-    else:
-        gate_up_silu = unfused_gate_up_silu
     if cpp:
         def rope(qkv, table, Hq, Hkv, k_into):
             return rope_cpp_heads(qkv, Hq, Hkv, table[0], table[1], k_into)
 
-        return LayerOps(*cpp_norms(eps), gate_up_silu, lambda cos, sin: (cos, sin), rope)
+        return LayerOps(*cpp_norms(eps), silu_mul, lambda cos, sin: (cos, sin), rope)
     if lb == "torch":
         norm = functools.partial(torch_rms_norm, eps=eps)
 
@@ -339,15 +358,20 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
                 k = k_into.copy_(k[0])
             return q.contiguous(), k
 
-        return LayerOps(norm, add_norm, gate_up_silu, lambda cos, sin: rope_rotation(cos, sin, dtype, fp32), rope)
+        return LayerOps(norm, add_norm, silu_mul, lambda cos, sin: rope_rotation(cos, sin, dtype, fp32), rope)
 
     def rope(qkv, table, Hq, Hkv, k_into):
         q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], fp32, check=False, backend=lb)
         return q, (k if k_into is None else k_into.copy_(k[0]))
 
+    def norm_linear(x, weight, epilogue, norm_weight, residual, bias=None, table=None, rot_heads=0):
+        cos, sin = table if table is not None else (None, None)
+        return ops.norm_linear(x, weight, epilogue, norm_weight=norm_weight, residual=residual, eps=eps, bias=bias,
+                               cos=cos, sin=sin, rot_heads=rot_heads, rope_fp32=fp32, check=False, backend=lb)
+
     return LayerOps(lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
                     lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),
-                    gate_up_silu, lambda cos, sin: (cos, sin), rope)
+                    silu_mul, lambda cos, sin: (cos, sin), rope, norm_linear if lb == "triton" else None)
 
 
 def _torch_keys(n: int, win_lens, block_ids, mode: str, B: int, cache_len, lmax: int, dev, dense: bool = False):

@@ -12,11 +12,11 @@ __all__ = ["branch_attention", "confidence", "head_confidence", "Confidence", "H
 from lopa_fast.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from lopa_fast.ops.rope import rope, rope_cos_sin  # noqa: E402
 from lopa_fast.ops.silu_mul import silu_mul  # noqa: E402
-from lopa_fast.ops.gate_up_silu import gate_up_silu  # noqa: E402
+from lopa_fast.ops.norm_linear import NormLinear, norm_linear  # noqa: E402
 from lopa_fast.ops.select_round import plan_round, select_round  # noqa: E402
 from lopa_fast.ops.select_step import select_step  # noqa: E402
 from lopa_fast.ops.window_inputs import window_inputs  # noqa: E402
 from lopa_fast.ops.first_nonfinite import first_nonfinite  # noqa: E402
 
-__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "gate_up_silu", "select_round",
+__all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "norm_linear", "NormLinear", "select_round",
             "plan_round", "window_inputs", "select_step", "first_nonfinite"]

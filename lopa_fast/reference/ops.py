@@ -274,12 +274,33 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate/up projection and activation: x [..., K], the merged weight [2F, K] (gate rows first) ->
-    silu_mul(gate, up) [..., F] of F.linear(x, weight)'s two halves (the model's `down(silu(gate(x)) * up(x))`
-    input, bit for bit)."""
-    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
-    return silu_mul(gate, up)
+NORM_LINEAR_EPILOGUES = ("swiglu", "rope")
+
+
+def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weight: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, eps: float = 1e-6, bias: torch.Tensor | None = None,
+                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, rot_heads: int = 0,
+                rope_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoder layer's pre-norm GEMM with its neighbours: s = x + residual (when given), h = rms_norm(s,
+    norm_weight) (when given), y = F.linear(h, weight, bias), then the epilogue:
+    "swiglu": weight is the merged gate/up [2F, K] (gate rows first) -> silu_mul(gate, up) [..., F];
+    "rope": weight is the merged q/k/v [H D, K], x [..., n, K], cos / sin fp32 [n, D] or [..., n, D] -> y [..., H D]
+    with its first rot_heads heads of D columns rotated (`rope`'s formula; rope_fp32 as its fp32).
+    Returns (out, s), s None without a residual: bit for bit the model's add, norm, projection and activation /
+    RoPE as separate ops."""
+    s = x + residual if residual is not None else None
+    h = s if s is not None else x
+    if norm_weight is not None:
+        h = rms_norm(h, norm_weight, eps)
+    y = torch.nn.functional.linear(h, weight, bias)
+    if epilogue == "swiglu":
+        gate, up = y.chunk(2, dim=-1)
+        return silu_mul(gate, up), s
+    D = cos.shape[-1]
+    heads = y.view(*y.shape[:-1], -1, D)
+    rot = _rope_one(heads[..., :rot_heads, :], cos.unsqueeze(-2), sin.unsqueeze(-2), rope_fp32)
+    return torch.cat([rot, heads[..., rot_heads:, :]], dim=-2).reshape(y.shape), s
+
 
 # ------------------------------------------------------------------------------------- the round's numerics guard
 def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0) -> torch.Tensor:
