@@ -84,6 +84,10 @@ def variants(quick: bool):
             m = MODE_CODES[mode]
             for has_wl, ret_lse in ((True, True), (False, False)) if mode == "full" else ((True, True),):
                 _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec)
+        for prefix_in in ("device", "pooled") if dt != "fp32" else ():  # the one-launch path (one split; not fp32:
+            # `branch_attention.one_launch`)
+            _window_variant(out, dt, "block_causal", MODE_CODES["block_causal"], True, True, G, D, BM, BN, warps,
+                            prec, prefix_in)
         if quick:
             break
     _confidence_variants(out, dtypes)
@@ -144,14 +148,19 @@ def _select_round_variants(out, quick: bool):
                     dict(num_warps=sr.NUM_WARPS, enable_fp_fusion=False)))
 
 
-def _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec):
+def _window_variant(out, dt, mode, m, has_wl, ret_lse, G, D, BM, BN, warps, prec, prefix_in=None):
+    """prefix_in: None (the split path: the prefix kernel's partials merged), "device" (one launch reading the prefix
+    at a device length: the captured round) or "pooled" (one launch over a pool slot per branch)."""
     types = {n: "i32" for n in ba._window_kernel.arg_names}
     types.update(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", o_ptr=f"*{dt}", lse_ptr="*fp32", po_ptr="*fp32",
-                 plse_ptr="*fp32", wl_ptr="*i64", blk_ptr="*i64", qk_scale="fp32")
+                 plse_ptr="*fp32", wl_ptr="*i64", blk_ptr="*i64", qk_scale="fp32", kc_ptr=f"*{dt}", vc_ptr=f"*{dt}",
+                 ci_ptr="*i64" if prefix_in == "pooled" else "*fp32", cache_len="*i64" if prefix_in else "i32")
     ce = dict(G=G, D=D, BLOCK_D=D, MODE=m, HAS_WL=has_wl, RETURN_LSE=ret_lse, BLOCK_M=BM, BLOCK_N=BN,
-              UPCAST=False, DOT_PREC=prec)
-    aligned = {"s_qb", "s_qn", "s_qh", "s_kb", "s_kn", "s_kh", "s_vb", "s_vn", "s_vh", "s_ob", "s_on", "s_oh"}
-    extra = "" if has_wl else " no-win_lens no-lse"
+              UPCAST=False, DOT_PREC=prec, PREFIX_IN=prefix_in is not None, CL_PTR=prefix_in is not None,
+              POOLED=prefix_in == "pooled")
+    aligned = {"s_qb", "s_qn", "s_qh", "s_kb", "s_kn", "s_kh", "s_vb", "s_vn", "s_vh", "s_ob", "s_on", "s_oh",
+               "s_ks", "s_kl", "s_kh_c", "s_vs", "s_vl", "s_vh_c"}
+    extra = ("" if has_wl else " no-win_lens no-lse") + (f" prefix in ({prefix_in})" if prefix_in else "")
     out.append((f"_window_kernel {dt} {mode}{extra}", ba._window_kernel, types, ce, aligned,
                 dict(num_warps=warps, num_stages=2)))
 

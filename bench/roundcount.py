@@ -73,8 +73,8 @@ _NO_LAUNCH = {aten._local_scalar_dense, aten.sym_size, aten.sym_stride, aten.sym
               aten._unsafe_view}
 # ops that read only the rows their index names (bytes: the output twice + the index), not the whole table
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index, aten.take}
-# custom ops that are several GPU kernels (launches per call): Triton branch attention = prefix + window kernels
-_MULTI_LAUNCH = {"triton_branch_attention": 2}
+# custom ops that are several GPU kernels (launches per call; see also _CUSTOM_COST)
+_MULTI_LAUNCH: dict[str, int] = {}
 
 
 def _head_confidence_cost(args, out) -> tuple[int, int, int]:
@@ -105,6 +105,25 @@ def _confidence_cost(args, out) -> tuple[int, int, int]:
     return (1 if S == 1 else 3), 0, N * V * logits.element_size()
 
 
+def _branch_attention_cost(args, out) -> tuple[int, int, int]:
+    """`lopa_fast::triton_branch_attention(q, k_cache, v_cache, cache_len_t, cache_len, k_win, v_win, ...,
+    cache_index)` as kernels/triton/branch_attention.py plans it for a bf16 GPU (`launch_plan` at the GPU's tiles,
+    whatever dtype the count runs in): the window kernel alone when the prefix fits one split, else the prefix kernel
+    too. FLOPs and bytes: its inputs and outputs (the split partials' traffic is not counted)."""
+    from lopa_fast.kernels.triton import branch_attention as ba
+
+    q, k_cache, cache_len_t, cache_len, k_win = args[0], args[1], args[3], args[4], args[5]
+    cache_index = args[12] if len(args) > 12 else None  # (a trailing default may be left off)
+    B, n, Hq, _ = q.shape
+    Hkv = k_win.shape[2]
+    bm, bn, _ = ba.block_sizes(torch.bfloat16, gpu=True)
+    pooled = cache_index is not None
+    lk = k_cache.shape[-3] if pooled or cache_len_t is not None else int(cache_len)
+    tiles = -(-(n * Hq // Hkv) // bm) if pooled else -(-(B * n * Hq // Hkv) // bm)
+    splits, _ = ba.launch_plan(tiles * Hkv, lk, bn)
+    return (0 if q.numel() == 0 else 1 if splits <= 1 else 2), 0, 0
+
+
 def _norm_linear_cost(args, out) -> tuple[int, int, int]:
     """`lopa_fast::triton_norm_linear(x [..., K], weight [N, K], ...)`: one kernel, the GEMM's FLOPs; its bytes are
     its inputs and outputs (the normed rows and the [.., N] projection stay on chip; the prologue's second read of
@@ -116,7 +135,7 @@ def _norm_linear_cost(args, out) -> tuple[int, int, int]:
 # custom ops whose kernels, FLOPs or traffic their signature does not show: name -> (args, out) -> (launches, FLOPs,
 # extra bytes, classed by the first argument's dtype)
 _CUSTOM_COST = {"triton_head_confidence": _head_confidence_cost, "triton_confidence": _confidence_cost,
-                "triton_norm_linear": _norm_linear_cost}
+                "triton_norm_linear": _norm_linear_cost, "triton_branch_attention": _branch_attention_cost}
 # allocations: memory (the transient peak counts them), no kernel and no bytes (a CUDA graph has no node for them)
 _ALLOC_ONLY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
 # in-place scatters into a big buffer (bytes: the source twice + the index)

@@ -63,6 +63,46 @@ def test_branch_attention_prefix_splits(num_splits):
     assert_2x_rule("o", o, o_ref, ref.branch_attention(q, kc, vc, L, kw, vw, win_lens, block_ids, "block_causal"))
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_one_launch_when_the_prefix_fits_one_split(monkeypatch, pooled):
+    """A prefix of one split (<= 4 key tiles here, or num_splits=1) is read by the window kernel itself: ONE launch
+    (no prefix kernel, no partials), equal to the reference and to the two-launch split path; past 4 key tiles the
+    default plan splits again (two launches). Pooled: the slot's base and length per branch, as the split path.
+    (float32 on a GPU keeps two launches: `one_launch`.)"""
+    from lopa_fast.kernels.triton import branch_attention as tri
+
+    launches = []
+    real = tri._prefix_kernel
+    monkeypatch.setattr(tri, "_prefix_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+    _, bn, _ = tri.block_sizes(torch.float32)
+    for L in (4 * bn, 4 * bn + 1):
+        if pooled:
+            inputs = pool_inputs(3, 5, 4, 2, 16, L, torch.float32, seed=4)
+            q, kc, vc, cl, kw, vw, wl, bid, idx = inputs
+        else:
+            q, kc, vc, cl, kw, vw, wl, bid = make_inputs((2, 5, 4, 2, 16, L), torch.float32, seed=3)
+            idx = None
+        want = ref.branch_attention(q.double(), kc.double(), vc.double(), cl, kw.double(), vw.double(), wl, bid,
+                                    "block_causal", cache_index=idx)
+        outs = {}
+        for splits in (None, 1, 2):
+            launches.clear()
+            with poisoned_empty():
+                outs[splits] = tri.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal", num_splits=splits,
+                                                    cache_index=idx)
+            one = (splits == 1 or (splits is None and L == 4 * bn)) and tri.one_launch(1, q.dtype)  # (GPU fp32: 2)
+            assert len(launches) == (0 if one else 1), (L, splits, launches)
+            torch.testing.assert_close(outs[splits].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1], outs[2], atol=1e-5, rtol=1e-5)
+        if pooled:  # each row is its single call, bitwise, on both paths
+            for splits in (1, 2):
+                for b in range(q.shape[0]):
+                    ob = tri.branch_attention(*single_row(inputs, b), "block_causal", num_splits=splits)
+                    assert torch.equal(tri.branch_attention(q, kc, vc, cl, kw, vw, wl, bid, "block_causal",
+                                                            num_splits=splits, cache_index=idx)[b : b + 1], ob)
+
+
 def test_branch_attention_strided_views_and_no_win_lens():
     """Window K/V as views into a larger scratch buffer (as KVCache.window_kv returns them), win_lens=None."""
     B, n, Hq, Hkv, D, L = 2, 7, 4, 2, 16, 20

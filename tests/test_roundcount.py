@@ -121,7 +121,7 @@ def test_gpu_sequence_counts_the_fused_head_as_one_op(k):
     one model call and one host read per round; the head's GEMM is the fused op's (in lm_head, no [R, V] fp32
     statistics passes), the stats stage only the stale last_logit row's `confidence` (Dream's shift: 1 row). The
     layer is 4 kernels and attention (`ops.norm_linear` twice, the o and down GEMMs), its stages told apart by the
-    norm_linear calls."""
+    norm_linear calls; `_branch_attention_cost` plans the attention as the launcher does."""
     L = 2
     model = _model(L)
     with rc.gpu_sequence():
@@ -129,7 +129,8 @@ def test_gpu_sequence_counts_the_fused_head_as_one_op(k):
     assert len(rs) == 3
     H, V = 32, 64
     for r in rs:
-        assert r["attn_proj"]["launches"] == 2 * L and r["attn_core"]["launches"] == 2 * L  # (prefix + window)
+        # attention: one kernel a layer (the short prefix fits one split: the window kernel reads it)
+        assert r["attn_proj"]["launches"] == 2 * L and r["attn_core"]["launches"] == L
         assert 2 * L <= r["mlp"]["launches"] <= 2 * L + 4  # + the last residual add, the K / V stacks, the rows
         assert r["meta"]["calls"] == 1 and sum(r[s]["syncs"] for s in rc.STAGES) == 1
         rows = r["lm_head"]["flops"] / (2 * H * V)  # the fused op's GEMM, whole rows
@@ -180,3 +181,15 @@ def test_scale_depth_two_point_fit_counts_once_per_forward_ops_once():
     fit = rc.scale_depth(summary(1), 1, 28, deeper=summary(2))
     assert fit["mlp"]["launches"] == 6 * 28 + 4 and fit["select"]["launches"] == 21
     assert rc.scale_depth(summary(1), 1, 28)["mlp"]["launches"] == 10 * 28  # the old scaling's over-count
+
+
+def test_branch_attention_cost_follows_the_launch_plan():
+    """The counter's attention launches are the Triton launcher's plan at the GPU's bf16 tiles: one kernel while the
+    prefix fits one split (<= 4 key tiles, or enough row tiles), two past it; a device length plans for Lmax."""
+    q = torch.zeros(1, 32, 14, 64)
+    kw = torch.zeros(1, 32, 2, 64)
+    cache = torch.zeros(2048, 2, 64)
+    cost = lambda cl_t, cl: rc._branch_attention_cost((q, cache, cache, cl_t, cl, kw, kw), None)[0]  # noqa: E731
+    assert cost(None, 0) == 1 and cost(None, 256) == 1 and cost(None, 257) == 2 and cost(None, 2048) == 2
+    assert cost(torch.tensor(5), 0) == 2  # planned for Lmax = 2048
+    assert rc._branch_attention_cost((q[:, :0], cache, cache, None, 64, kw[:, :0], kw[:, :0]), None)[0] == 0

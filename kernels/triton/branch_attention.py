@@ -1,6 +1,6 @@
 """Triton `branch_attention`: B branch windows over one shared prefix KV cache (Hydragen/cascade style).
 
-Two launches, merged by log-sum-exp:
+Two launches, merged by log-sum-exp (one when the prefix fits one split, below):
   1. `_prefix_kernel`: the prefix part as one dense problem. The queries of all branches and all query
      heads of a GQA group are stacked into R = B * n * G rows per kv head, so each prefix K/V tile is
      read once per (kv head, row tile, split) instead of once per branch and head. The prefix is cut
@@ -12,6 +12,10 @@ Two launches, merged by log-sum-exp:
   2. `_window_kernel`: per (branch, kv head, row tile) the window part under the structural mask
      (full | block_causal | causal, from block_ids / win_lens; padded keys masked), then merges the
      prefix partials by LSE and writes o in q.dtype (+ lse).
+One launch (`launch_plan`: the prefix fits ONE split, i.e. <= 4 key tiles or enough row tiles to fill the GPU
+without splitting): the window kernel walks the prefix itself (PREFIX_IN), then its window, with one running
+softmax: no partials written and read, one graph node less a layer (24 at Qwen2.5-0.5B: ~10 % of a captured round
+of short prompts). A split kernel there would run the same serial key loop per row tile, plus its launch.
 Bytes (prefix 2048, B 16, n 32, bf16, Dream-7B): prefix K/V 4 MB read once per row tile;
 partials 2 * splits * R * D * 4 B. Softmax runs in base 2 (exp2) with scale * log2(e) folded in.
 Matches lopa_fast.reference.ops.branch_attention.
@@ -128,12 +132,14 @@ def _prefix_kernel(
 
 @triton.jit
 def _window_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, wl_ptr, blk_ptr,
-    n, R, num_splits, qk_scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, wl_ptr, blk_ptr, kc_ptr, vc_ptr, ci_ptr, cache_len,
+    n, R, num_splits, qk_scale, Lmax,
     s_qb, s_qn, s_qh, s_kb, s_kn, s_kh, s_vb, s_vn, s_vh, s_ob, s_on, s_oh, s_blk,
+    s_ks, s_kl, s_kh_c, s_vs, s_vl, s_vh_c,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, HAS_WL: tl.constexpr,
     RETURN_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    PREFIX_IN: tl.constexpr, CL_PTR: tl.constexpr, POOLED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -153,6 +159,26 @@ def _window_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if PREFIX_IN:  # the committed prefix first (every key visible to every window row), as the prefix kernel reads it
+        if POOLED:  # this program's rows are branch b's: its slot's cache and length
+            slot = tl.load(ci_ptr + b).to(tl.int64)
+            kc_base = kc_ptr + slot * s_ks + kvh.to(tl.int64) * s_kh_c
+            vc_base = vc_ptr + slot * s_vs + kvh.to(tl.int64) * s_vh_c
+            cl = tl.minimum(tl.maximum(tl.load(cache_len + slot).to(tl.int32), 0), Lmax)
+        else:
+            kc_base = kc_ptr + kvh.to(tl.int64) * s_kh_c
+            vc_base = vc_ptr + kvh.to(tl.int64) * s_vh_c
+            if CL_PTR:
+                cl = tl.minimum(tl.maximum(tl.load(cache_len).to(tl.int32), 0), Lmax)
+            else:
+                cl = cache_len
+        for start in range(0, cl, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            nmask = offs_n < cl
+            k, v = _load_kv(kc_base, vc_base, offs_n, s_kl, s_vl, od, nmask[:, None] & dmask[None, :], UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
     k_base = k_ptr + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh
     v_base = v_ptr + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh
     for start in range(0, wl, BLOCK_N):
@@ -199,14 +225,36 @@ def default_num_splits(rows_tiles: int, cache_len: int, block_n: int, n_sm: int 
     return max(1, min(max_splits, triton.cdiv(2 * n_sm, max(1, rows_tiles))))
 
 
-def block_sizes(dtype: torch.dtype):
+def launch_plan(tiles: int, cache_len: int, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, chunk) of a call: `tiles` row tiles x kv heads of ONE branch group (pooled: one branch), the
+    static prefix length (an int, or Lmax for a device length), num_splits None = `default_num_splits`. 0 splits:
+    no prefix; 1: one launch (the window kernel reads the prefix itself); more: the prefix kernel's chunks of `chunk`
+    keys, merged by the window kernel."""
+    if cache_len <= 0:
+        return 0, 0
+    if num_splits is None:  # pooled: the split of a B = 1 call, so a row's sums do not depend on its neighbours
+        num_splits = default_num_splits(tiles, cache_len, block_n)
+    num_splits = max(1, min(num_splits, triton.cdiv(cache_len, block_n)))
+    chunk = triton.cdiv(triton.cdiv(cache_len, num_splits), block_n) * block_n
+    return triton.cdiv(cache_len, chunk), chunk
+
+
+def block_sizes(dtype: torch.dtype, gpu: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps). D=128 fp16/bf16: 64x64 tiles, 4 warps, 2 stages: 80 KB smem, <= 248
     registers, no spills on sm_90. fp32 runs exact IEEE dots (no TF32) on FMA units: 64x64x4 warps spilled
     77 KB and 32x32x4 warps 2 KB; 32x32 with 8 warps does not spill in either kernel
-    (bench/results/kernel_resources.md)."""
-    if is_interpreter():
+    (bench/results/kernel_resources.md). gpu: the GPU's tiles even under the interpreter (bench/roundcount's plan)."""
+    if is_interpreter() and not gpu:
         return 32, 32, 4
     return (32, 32, 8) if dtype == torch.float32 else (64, 64, 4)
+
+
+def one_launch(num_splits: int, dtype: torch.dtype) -> bool:
+    """Whether the window kernel reads the prefix itself (`launch_plan`'s one split). Not for float32 on a GPU: its
+    IEEE dots on the FMA units spilled in the two-loop window kernel at every tile tried on sm_90 (8-692 B at 16-32 x
+    16-32, 1-2 stages, 4-8 warps), and float32 there is the parity dtype, not the fast one; the interpreter runs it
+    (the CPU tests' path)."""
+    return num_splits == 1 and (dtype != torch.float32 or is_interpreter())
 
 
 def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None, block_ids=None, mode="full",
@@ -248,12 +296,9 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
     tiles_b = triton.cdiv(n * G, BLOCK_M)  # pooled: row tiles per branch (a tile never mixes two slots)
     if pooled:
         m_tiles = tiles_b * B
-    if num_splits is None:  # pooled: the split of a B = 1 call, so a row's sums do not depend on its neighbours
-        num_splits = default_num_splits((tiles_b if pooled else m_tiles) * Hkv, cache_len, BLOCK_N)
-    num_splits = min(num_splits, triton.cdiv(cache_len, BLOCK_N)) if cache_len > 0 else 0
-    if num_splits > 0:
-        chunk = triton.cdiv(triton.cdiv(cache_len, num_splits), BLOCK_N) * BLOCK_N
-        num_splits = triton.cdiv(cache_len, chunk)
+    num_splits, chunk = launch_plan(tiles_b * Hkv if pooled else m_tiles * Hkv, cache_len, BLOCK_N, num_splits)
+    prefix_in = one_launch(num_splits, q.dtype)  # one launch: the window kernel walks the prefix itself
+    if num_splits > 0 and not prefix_in:
         part_o = torch.empty(num_splits, Hkv, R, BLOCK_D, dtype=torch.float32, device=dev)
         part_lse = torch.empty(num_splits, Hkv, R, dtype=torch.float32, device=dev)
         _prefix_kernel[(m_tiles, Hkv, num_splits)](
@@ -270,11 +315,14 @@ def branch_attention(q, k_cache, v_cache, cache_len, k_win, v_win, win_lens=None
     blk = block_ids if block_ids is not None else part_lse
     s_blk = block_ids.stride(0) if block_ids is not None else 0
     _window_kernel[(triton.cdiv(n * G, BLOCK_M), B, Hkv)](
-        q, k_win, v_win, o, lse, part_o, part_lse, wl, blk,
-        n, R, num_splits, qk_scale,
+        q, k_win, v_win, o, lse, part_o, part_lse, wl, blk, k_cache, v_cache, ci_arg if pooled else part_lse, cl_arg,
+        n, R, 0 if prefix_in else num_splits, qk_scale, Lmax,
         q.stride(0), q.stride(1), q.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2), o.stride(0), o.stride(1), o.stride(2), s_blk,
+        k_cache.stride(0) if pooled else 0, k_cache.stride(-3), k_cache.stride(-2),
+        v_cache.stride(0) if pooled else 0, v_cache.stride(-3), v_cache.stride(-2),
         G=G, D=D, BLOCK_D=BLOCK_D, MODE=MODE_CODES[mode], HAS_WL=win_lens is not None, RETURN_LSE=return_lse,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, num_warps=warps, num_stages=2,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=upcast, DOT_PREC=prec, PREFIX_IN=prefix_in,
+        CL_PTR=cl_ptr or pooled, POOLED=pooled, num_warps=warps, num_stages=2,
     )
     return (o, lse) if return_lse else o
