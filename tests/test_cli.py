@@ -367,6 +367,26 @@ def test_more_user_errors_in_process(tmp_path, capsys):
         cli.main(["generate", "--prompt", ""])
 
 
+def test_a_too_long_request_fails_before_the_weights_load(monkeypatch, capsys):
+    """The length checks run on config.json before the weights load (a 7B checkpoint's takes ~10 s, and its progress
+    lines would precede the one-line error): a too-long request never calls load_model; a fitting one loads once."""
+    import lopa_fast
+
+    loads = []
+    real = lopa_fast.load_model
+    monkeypatch.setattr(lopa_fast, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    for argv, needle in (
+        (["--max-new-tokens", "200", "--strategy", "d2f"], "= 202 exceeds the model's max_position_embeddings=128"),
+        (["--max-length", "300"], "= 300 exceeds the model's max_position_embeddings=128"),
+    ):
+        assert cli.main(["generate", "--prompt", "Tom", *argv], exit_on_error=True) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert loads == []
+    assert cli.main(["generate", "--prompt", PROMPT + " Answer :", "--max-new-tokens", "4"]) == 0
+    assert len(loads) == 1
+
+
 def test_unknown_words_are_reported(capsys):
     assert cli.main(["generate", "--prompt", "Zorg has 7 pens . Answer :", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
@@ -519,13 +539,19 @@ def test_cli_log_lines_default_quiet_verbose(monkeypatch, capsys):
 
 
 def test_cli_log_lines_reach_a_real_stderr():
-    """-v in a real process: the load's lines, then the one-line error found after it (no decode: a cheap run)."""
+    """-v in a real process: the load's lines before a decode; a too-long request's one-line error comes before any
+    load (the lengths are checked on config.json), so no load line precedes it."""
     r = _cli("-v", "--prompt", "Tom", "--max-new-tokens", "200", "--strategy", "d2f")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert lines[0] == "lopa_fast.cli: importing torch..." and lines[1].startswith("lopa_fast.cli: imported torch in")
-    assert lines[2].startswith("lopa_fast.models.loading: loading ") and "loaded d2f-arith in" in lines[3]
+    assert not any("loading" in line for line in lines), lines
     assert lines[-1].startswith("python -m lopa_fast: error: prompt length 2 + max_new_tokens 200")
+    r = _cli("-v", "--prompt", "Tom", "--max-new-tokens", "4", "--strategy", "d2f")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 0, r.stderr
+    load = next(i for i, line in enumerate(lines) if line.startswith("lopa_fast.models.loading: loading "))
+    assert "loaded d2f-arith in" in lines[load + 1]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without CUDA")

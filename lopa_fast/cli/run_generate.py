@@ -12,23 +12,18 @@ from lopa_fast.cli.flags import generate_knobs, model_path, preset_assets
 from lopa_fast.request.text import encode_prompt
 
 
-def load_model_args(args):
-    """(model, tokenizer) for --model / --lora / --dtype / --device."""
+def load_model_args(args, tok=None):
+    """(model, tokenizer) for --model / --lora / --dtype / --device (tok: the one `load_tokenizer_args` loaded)."""
     import torch
 
     import lopa_fast
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    embedded = args.model is None
     path = model_path(args)  # --model, the preset's (the student's rows), or the embedded model
-    if not embedded and not os.path.isdir(path):
-        from lopa_fast.models.checkpoint import hub_id_hint
-
-        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)"
-                       + hub_id_hint(path))
+    if tok is None:
+        tok = load_tokenizer_args(args)
     try:
         model = lopa_fast.load_model(path, dtype=args.dtype, device=device, lora=args.lora)  # None: default_dtype
-        tok = lopa_fast.load_tokenizer(path)
     except OSError as e:
         raise CLIError(f"--model {path}: cannot read it ({e.strerror or type(e).__name__})") from e
     except RuntimeError as e:  # e.g. torch: the device does not exist on this machine
@@ -36,6 +31,42 @@ def load_model_args(args):
             raise CLIError(f"--device {device}: {str(e).splitlines()[0]}") from e
         raise
     return model, tok
+
+
+def load_tokenizer_args(args):
+    """The tokenizer of --model (its config.json read and checked first: a missing or broken one is named before
+    anything else), without the weights."""
+    import lopa_fast
+    from lopa_fast.models.checkpoint import read_config
+
+    path = model_path(args)
+    if args.model is not None and not os.path.isdir(path):
+        from lopa_fast.models.checkpoint import hub_id_hint
+
+        raise CLIError(f"--model {path}: not a directory (an HF-format model directory with config.json)"
+                       + hub_id_hint(path))
+    try:
+        read_config(path)  # (CheckpointError / ConfigError: one line, exit 2)
+        return lopa_fast.load_tokenizer(path)
+    except OSError as e:
+        raise CLIError(f"--model {path}: cannot read it ({e.strerror or type(e).__name__})") from e
+
+
+def check_lengths_before_loading(args, cfg, n_prompt: int) -> None:
+    """The request's length checks (`GenerateConfig.plan_length`: prompt + max_new_tokens against the model's
+    max_position_embeddings, whole blocks, generation_config.json's default) on config.json alone, before the weights
+    load: a too-long request costs no load (a 7B checkpoint's is ~10 s) and its error is the only line printed.
+    generate runs them again on the loaded model."""
+    from types import SimpleNamespace
+
+    from lopa_fast.models.checkpoint import read_config
+
+    path = model_path(args)
+    stand_in = SimpleNamespace(config=read_config(path), name_or_path=str(path))  # what plan_length reads
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a clipped default warns once, at generate)
+        user_errors(cfg.plan_length, stand_in, n_prompt)
+
 
 def load_verifier(args, model):
     """--verifier DIR: APD's causal AR verifier, loaded like the drafter (its dtype, its device); None without it."""
@@ -100,18 +131,20 @@ def generate_one(args, text: str, knobs: dict) -> int:
     if max_length is not None and max_length < 2:
         raise CLIError(f"--max-length {max_length}; allowed: an int > the prompt's length (prompt + new tokens)")
     check_verifier_flag(args, knobs)  # before any load
-    model, tok = load_model_args(args)
-    verifier = load_verifier(args, model)
+    tok = load_tokenizer_args(args)  # the tokenizer first: the request is checked before the weights load
     ids = encode_prompt(tok, text, args.chat, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     if max_length is not None:
         from lopa_fast.request import aliases
 
         knobs = user_errors(aliases.translate, {**knobs, "max_length": max_length}, [len(ids)])
-    ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
     seqs, texts = user_errors(split_stops, tok, args.stop_text)  # text stops: tokenised + matched on the text
     if seqs:
         knobs["stop"] = [*(knobs.get("stop") or []), *seqs]
     cfg = user_errors(lambda: GenerateConfig(**knobs).validate())
+    check_lengths_before_loading(args, cfg, len(ids))
+    model, tok = load_model_args(args, tok)
+    verifier = load_verifier(args, model)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=model.device)
     decode = text_decoder(tok)
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.eos_token_id
 
