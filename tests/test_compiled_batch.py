@@ -193,6 +193,59 @@ def test_inert_lanes_never_touch_a_request(models, captured):
     assert len([k for k in cr.workspaces if k[0] == "batch"]) == n_ws + 1  # one workspace of 4 lanes for all three
 
 
+def test_a_request_stays_in_its_lane_between_steps(models, monkeypatch):
+    """A request's state lives in its lane between compiled steps (compiled_batch._call: it is the lane's resident):
+    after its first compiled step nothing is copied in or out around a replay (before: ~2 x 29 state copies a step,
+    its KV cache among them), the lane's writes are its state; when it leaves the batch its state goes home
+    (`release`: its own tensors hold the final state). Tokens equal the eager solo run; then a second request in
+    the same lane evicts nobody it should not (results equal too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lopa_fast.decode import compiled_batch
+
+    model = models["dream"]
+    kw = dict(LOPA, branching_factor=2, use_full_attention=True)
+    p1, p2 = prompts((7, 12), seed=21)
+    solo = [gen(model, p, "lopa", **kw) for p in (p1, p2)]
+    inside = [False]
+
+    def capture(warmup, body):
+        replay, outputs = emulated_capture(warmup, body)
+
+        def counted():
+            inside[0] = True
+            try:
+                replay()
+            finally:
+                inside[0] = False
+
+        return counted, outputs
+
+    monkeypatch.setattr(CompiledRounds, "capture", staticmethod(capture))
+    rounds(model)
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and func.__name__.startswith(("copy_", "_foreach_copy_")):
+                copies.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    steps = []
+    real_call = compiled_batch._call
+    monkeypatch.setattr(compiled_batch, "_call", lambda entry, batch_steps: steps.append(len(copies)) or
+                        real_call(entry, batch_steps))
+    with Copies():
+        out = gen(model, p1, "lopa", compile=True, **kw)
+    same(out, solo[0])
+    assert len(steps) >= 3
+    per_step = [b - a for a, b in zip(steps[1:], steps[2:])]  # the copies between two later steps' calls
+    assert per_step and all(n == 0 for n in per_step), per_step
+    assert not compiled_batch._RESIDENCE  # it left: nothing lives in a lane any more
+    same(gen(model, p2, "lopa", compile=True, **kw), solo[1])  # the same lane, another request
+    assert not compiled_batch._RESIDENCE
+
+
 def test_lru_cap_holds_for_batched_graphs(models, captured):
     """The least recently used batched graphs (and workspaces) leave at the model's cap; evicted keys capture again
     when asked, with the same tokens."""

@@ -67,6 +67,7 @@ class Scheduler:
         self.pool = KVPool(model)
         self.slot_of: dict[int, int] = {}  # live request id -> its pool slot
         self.workspace_of: dict = {}  # live request id -> the workspace key of its last compiled batched step
+        self.state_of: dict = {}  # live request id -> the state dict of its last compiled batched step (lane resident)
         self._rows: dict[int, int] = {}  # request id -> the cache rows of its pool slot (the spec's cache_rows)
         self.rows_per_request = self.spec.rows(cfg)  # branch slots (forward rows) of one request (LoPA: k + 1)
         self.rounds = 0  # batched forwards run
@@ -115,6 +116,8 @@ class Scheduler:
         # the pool's doubling stays within the slots its live and admitted requests need (what their estimates
         # reserve: lopa_fast.memory.request_bytes' cache term); past that it grows to the exact need
         need = sum(quantized_length(r) for r in [*(self._rows[rid] for rid in self.live), *(t[5] for t in take)])
+        for st in self.state_of.values():  # a growth copies the pool's rows: every cache back in its slot first
+            compiled_batch.release(st)
         grown = self.pool.ensure(max(t[5] for t in take), len(self.pool.used) + len(take), self.slot_len,
                                  self.max_slots, max_bytes=need * self.pool.row_bytes)
         if grown:  # the live requests' caches move to the new pool (their rows copied): re-point their views
@@ -168,10 +171,12 @@ class Scheduler:
         for item in plan:
             step = batch_step_of(item[1], item[2])
             if step is None:
+                compiled_batch.release(self.state_of.get(item[0]))  # an eager step reads its pool slot (pooled)
                 eager.append(item)
             else:
                 groups.setdefault(step.key, []).append((item[1], step))
                 self.workspace_of[item[0]] = step.workspace
+                self.state_of[item[0]] = step.state  # (its lane residency ends when it leaves: `_leave`)
         failed_now: set = set()
         with round_scope():
             if eager:
@@ -257,6 +262,7 @@ class Scheduler:
         self.live.pop(rid, None)
         self._rows.pop(rid, None)
         self.workspace_of.pop(rid, None)
+        compiled_batch.release(self.state_of.pop(rid, None))  # its state back in its own tensors (the pool slot's)
         slot = self.slot_of.pop(rid, None)
         if slot is not None:
             self.pool.release(slot)
