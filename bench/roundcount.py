@@ -181,6 +181,12 @@ def op_bytes(func, args, kwargs, out) -> tuple[int, int]:
         srcs = _tensors((args[1:], kwargs))
         f, o = _nbytes(srcs)
         return 2 * f, 2 * o
+    if getattr(packet, "__name__", "") == "triton_commit_round":  # in place: the span's rows, not the caches
+        k_win, last = args[3], args[7]
+        L, NB, Nb, H, D = k_win.shape
+        n = 2 * 2 * L * Nb * H * D * k_win.element_size() + (2 * last.numel() * last.element_size() if last is not None
+                                                              else 0)  # (u <= Nb rows of K and V, read + written)
+        return (n, 0) if k_win.dtype == torch.float32 else (0, n)
     fi, oi = _nbytes(_tensors((args, kwargs)))
     fo, oo = _nbytes(_tensors(out))
     return fi + fo, oi + oo
@@ -636,7 +642,8 @@ def kernel_bodies_in_torch():
              "rope": {"rope": ref.rope}, "silu_mul": {"silu_mul": ref.silu_mul},
              "branch_attention": {"branch_attention": attention},
              "head_confidence": {"head_confidence": head_confidence}, "confidence": {"confidence": confidence},
-             "norm_linear": {"norm_linear": lambda *args, tiles=None: ref.norm_linear(*args)}}
+             "norm_linear": {"norm_linear": lambda *args, tiles=None: ref.norm_linear(*args)},
+             "first_bad": {"first_bad": ref.first_bad}, "commit_round": {"commit_round": ref.commit_round}}
     import lopa_fast.ops as ops_pkg
     from lopa_fast.reference.ops import SelectRound, WindowInputs
 

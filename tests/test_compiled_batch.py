@@ -204,13 +204,17 @@ def test_a_request_stays_in_its_lane_between_steps(models, monkeypatch):
     from lopa_fast.decode import compiled_batch
 
     model = models["dream"]
-    kw = dict(LOPA, branching_factor=2, use_full_attention=True)
+    kw = dict(LOPA, branching_factor=3, use_full_attention=True)  # keys no other test captures (its replays counted)
     p1, p2 = prompts((7, 12), seed=21)
     solo = [gen(model, p, "lopa", **kw) for p in (p1, p2)]
     inside = [False]
 
-    def capture(warmup, body):
-        replay, outputs = emulated_capture(warmup, body)
+    def capture(warmup, body):  # (a capture's warm-up runs the step once: not a lane copy either)
+        inside[0] = True
+        try:
+            replay, outputs = emulated_capture(warmup, body)
+        finally:
+            inside[0] = False
 
         def counted():
             inside[0] = True

@@ -17,6 +17,8 @@ from lopa_fast.ops.select_round import plan_round, select_round  # noqa: E402
 from lopa_fast.ops.select_step import select_step  # noqa: E402
 from lopa_fast.ops.window_inputs import window_inputs  # noqa: E402
 from lopa_fast.ops.first_nonfinite import first_nonfinite  # noqa: E402
+from lopa_fast.ops.first_bad import first_bad  # noqa: E402
+from lopa_fast.ops.commit_round import commit_round  # noqa: E402
 
 __all__ += ["rms_norm", "add_rms_norm", "rope", "rope_cos_sin", "silu_mul", "norm_linear", "NormLinear", "select_round",
-            "plan_round", "window_inputs", "select_step", "first_nonfinite"]
+            "plan_round", "window_inputs", "select_step", "first_nonfinite", "first_bad", "commit_round"]

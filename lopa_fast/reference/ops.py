@@ -302,6 +302,25 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weigh
     return torch.cat([rot, heads[..., rot_heads:, :]], dim=-2).reshape(y.shape), s
 
 
+# ------------------------------------------------------------------------------------- the round's commit
+def commit_round(cache_k: torch.Tensor, cache_v: torch.Tensor, cache_len: torch.Tensor, k_win: torch.Tensor,
+                 v_win: torch.Tensor, winner: torch.Tensor, u: torch.Tensor, last_logit: torch.Tensor | None = None,
+                 logits: torch.Tensor | None = None, last_row: torch.Tensor | None = None) -> None:
+    """A D2F / LoPA round's commit, in place (`ops.commit_round`, whose oracle this is): the winner's first u window
+    rows of K and V (k_win / v_win [layers, NB, Nb, Hkv, D], winner 0-d) into cache_k / cache_v [layers, Lc, Hkv, D]
+    rows cache_len + i (0-d; rows past u go to the trash row Lc - 1); under Dream's shift (last_logit [V] given) the
+    next last_logit: logits [R, V] row last_row - 1 when u > 0 and last_row > 0, else it stays."""
+    W = winner.reshape(1)
+    k_span, v_span = k_win.index_select(1, W)[:, 0], v_win.index_select(1, W)[:, 0]
+    i = torch.arange(k_span.shape[1], device=k_span.device)
+    dst = torch.where(i < u, cache_len + i, cache_k.shape[1] - 1)
+    cache_k.index_copy_(1, dst, k_span)
+    cache_v.index_copy_(1, dst, v_span)
+    if last_logit is not None:
+        new = logits.index_select(0, (last_row - 1).clamp(min=0).reshape(1))[0]
+        last_logit.copy_(torch.where((u > 0) & (last_row > 0), new, last_logit))
+
+
 # ------------------------------------------------------------------------------------- the round's numerics guard
 def first_nonfinite(logits: torch.Tensor, rows: torch.Tensor, n_real, none: int, temperature=0.0) -> torch.Tensor:
     """The D2F / LoPA round's numerics guard (lopa_fast/strategies/lopa/round.py; `ops.first_nonfinite`, whose oracle

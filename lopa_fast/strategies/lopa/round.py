@@ -34,7 +34,6 @@ import torch
 from lopa_fast import keyed
 from lopa_fast.strategies.lopa.round_stats import (
     TokenStats,
-    first_bad,
     fused_head_stats,
     row_keys,
     temperature,
@@ -216,7 +215,7 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
     if geo.fused_head:
         fused = fused_head_stats(st, cfg, geo, logits, head)
         stats = fused.table
-        st["nonfinite"] = first_bad(fused.finite, w["rows"], n_real, geo.NB * Nb)
+        st["nonfinite"] = ops.first_bad(fused.finite, w["rows"], n_real, geo.NB * Nb, check=False)
     else:
         # numerics guard: the first needed raw row holding NaN / inf (before any deliberate -inf), else -1
         st["nonfinite"] = ops.first_nonfinite(logits, w["rows"], n_real, geo.NB * Nb, temperature(T, cfg))
@@ -232,6 +231,14 @@ def finish_round(st: dict, T: dict, geo, cfg, w: dict, logits, k_win, v_win, hea
         stats = token_stats(table, T, cfg, geo.use_conf_kernel, keys)
     u = st["commit_len"]  # this round's span (select_apply moves st on to the next plan)
     W, last_row, info = select_apply(st, T, geo, w, stats, out)
+    if w.get("span") is None and (geo.fused_head or not geo.shift):
+        # a compiled / captured round: the commit as ONE op (`ops.commit_round`: the winner's K/V rows into the cache,
+        # the next last_logit from the logits the fused head kept), where its torch form is ~15 graph nodes
+        last = st["last_logit"] if geo.shift else None
+        ops.commit_round(st["cache_k"], st["cache_v"], st["cache_len"], k_win, v_win, W, u, last,
+                         fused.logits if geo.shift else None, last_row if geo.shift else None, check=False)
+        st["cache_len"] = st["cache_len"] + u
+        return st, info
     if geo.NB == 1:  # one slot (D2F): the winner is slot 0, its K/V a view (two copies a round saved)
         k_span, v_span = k_win[:, 0], v_win[:, 0]
     else:
