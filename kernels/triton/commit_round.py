@@ -10,7 +10,6 @@ lopa_fast.reference.ops.commit_round on every row but the trash row (exact: copi
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
