@@ -31,7 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from lopa_fast.reference.attention_modes import ATTENTION_MODES, MODE_CODES  # noqa: E402
 from lopa_fast.kernels.triton import branch_attention as ba  # noqa: E402
+from lopa_fast.kernels.triton import commit_round as cmr  # noqa: E402
 from lopa_fast.kernels.triton import confidence as cf  # noqa: E402
+from lopa_fast.kernels.triton import first_bad as fb  # noqa: E402
 from lopa_fast.kernels.triton import head_confidence as hc  # noqa: E402
 from lopa_fast.kernels.triton import norm_linear as nl  # noqa: E402
 from lopa_fast.kernels.triton import select_round as sr  # noqa: E402
@@ -93,6 +95,7 @@ def variants(quick: bool):
     _confidence_variants(out, dtypes)
     _head_confidence_variants(out, dtypes)
     _norm_linear_variants(out, dtypes)
+    _round_glue_variants(out, dtypes)
     _select_round_variants(out, quick)
     _select_step_variants(out, quick)
     _window_inputs_variants(out, quick)
@@ -210,6 +213,20 @@ def _norm_linear_variants(out, dtypes):
             out.append((f"_norm_linear_kernel {dt} {epilogue} {label}", nl._norm_linear_kernel, types, ce,
                         {"K", "stride_x", "stride_r", "stride_w", "out_cols"},
                         dict(num_warps=nl.NUM_WARPS[epilogue], num_stages=3, enable_fp_fusion=False)))
+
+
+def _round_glue_variants(out, dtypes):
+    """The round's guard (first_bad: one program over the LM-head rows) and commit (commit_round: Dream-7B's
+    [Hkv x D] = 512-value rows, the last_logit row in 4,096-value chunks)."""
+    types = dict(ok_ptr="*u8", rows_ptr="*i64", n_ptr="*i64", out_ptr="*i64", R="i32", n_int="i32", none="i32")
+    out.append(("_first_bad_kernel", fb._first_bad_kernel, types, dict(N_PTR=True, BLOCK=fb.BLOCK), set(),
+                dict(num_warps=4)))
+    for dt in dtypes:
+        types = {n: "i32" for n in cmr._commit_kernel.arg_names}
+        types.update(ck_ptr=f"*{dt}", cv_ptr=f"*{dt}", kw_ptr=f"*{dt}", vw_ptr=f"*{dt}", cl_ptr="*i64", w_ptr="*i64",
+                     u_ptr="*i64", last_ptr=f"*{dt}", lg_ptr=f"*{dt}", lr_ptr="*i64")
+        ce = dict(HAS_LAST=True, BLOCK_HD=512, BLOCK_V=cmr.BLOCK_V)
+        out.append((f"_commit_kernel {dt} Hkv*D=512", cmr._commit_kernel, types, ce, set(), dict(num_warps=4)))
 
 
 def _head_confidence_variants(out, dtypes):

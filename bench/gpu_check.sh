@@ -45,6 +45,7 @@ step cuda_bench 40 python -m pytest bench/bench_cuda.py -m bench -q --benchmark-
 # --- Triton kernels (kernels/triton): parity on the GPU (bf16 included), then microbenchmarks vs
 # torch/SDPA/Flex
 step triton_tests 50 python -m pytest tests/test_branch_attention.py tests/test_confidence.py tests/test_norm_linear.py \
+  tests/test_first_bad.py tests/test_commit_round.py \
   tests/test_triton_compile.py -q
 step triton_bench 40 python -m pytest bench/bench_ops.py -m bench -q --benchmark-columns=median,iqr,rounds \
   --benchmark-json="$OUT/bench_ops.json"

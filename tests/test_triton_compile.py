@@ -21,5 +21,5 @@ def test_triton_kernels_compile_for_sm90_without_spills():
     assert r.returncode == 0, f"sm_90 compile check failed:\n{r.stdout}\n{r.stderr}"
     for kernel in ("_prefix_kernel", "_window_kernel", "_confidence_kernel", "_conf_partial_kernel",
                    "_conf_entropy_kernel", "_conf_finalize_kernel", "_hc_stats_kernel", "_hc_entropy_kernel",
-                   "_hc_merge_kernel", "_norm_linear_kernel"):
+                   "_hc_merge_kernel", "_norm_linear_kernel", "_first_bad_kernel", "_commit_kernel"):
         assert f"ok   {kernel}" in r.stdout, f"{kernel} was not compiled:\n{r.stdout}"
