@@ -2,12 +2,15 @@
 
 Reads the round stage of bench/bench_round_captured.py ($OUT/round.json: Dream-7B-shaped bf16, k = 1, 2, 4, 8,
 window 32, prefix 1024, eager and CUDA-graph-captured ms per round) and the committed projection
-(bench/results/real_shapes_dream7b.json, the `fastgpu` rows: the fast round's GPU kernel sequence counted at Dream-7B
-width and scaled to 28 layers; bench/bench_real_shapes.py), moves the projection to the measured prefix (the prefix
+(bench/results/real_shapes_dream7b_fit.json: the captured columns against its `fastcap` rows, the captured round
+counted as its CUDA graph replays it, where a k has one, else the `fastgpu` rows; the eager columns against the
+`fastgpu` rows, the eager round's GPU kernel sequence; counted at Dream-7B width, fitted to 28 layers;
+bench/bench_real_shapes.py), moves the projection to the measured prefix (the prefix
 K/V is read once per layer: + (prefix - 64) x 57,344 B at 4.3 TB/s), and prints per k: measured, projected (the
 range of the launch-cost constants), measured / projected, and the launch costs the measurement implies:
 
-  implied us per graph node = (captured ms - roofline ms - graph launch - host read) / launches
+  implied us per graph node = (captured ms - roofline ms - graph launch - host read - eager outside) / graph nodes
+  (eager outside: the launches a fastcap row counts outside the graph, at the middle of EAGER_US)
   implied us per eager op   = (eager ms - roofline ms - host read) / launches
 
 so the first GPU run corrects the model's constants (bench/roundcount.py EAGER_US, GRAPH_NODE_US) instead of a guess.
@@ -24,16 +27,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECTION = REPO / "bench" / "results" / "real_shapes_dream7b.json"
+PROJECTION = REPO / "bench" / "results" / "real_shapes_dream7b_fit.json"
 # the projection model's constants (bench/roundcount.py; kept in sync by tests/test_gpu_check.py)
 H200_MEAS_BW = 4.3e12
 GRAPH_LAUNCH_US = 10.0
 HOST_READ_US = 15.0
+EAGER_US_MID = 7.5  # the middle of roundcount.EAGER_US (5-10 us)
 
 
 def compare(round_res: dict, proj: dict) -> list[dict]:
     """One row per k measured on the GPU that the projection has a `fastgpu` row for."""
     by_k = {r["k"]: r for r in proj["rows"] if r["path"] == "fastgpu"}
+    cap_k = {r["k"]: r for r in proj["rows"] if r["path"] == "fastcap"}  # the captured round as its graph replays
     kv_per_token = proj.get("kv_bytes_per_token", 28 * 2 * 4 * 128 * 2)
     p0 = proj["knobs"]["prompt"]
     rows = []
@@ -54,8 +59,15 @@ def compare(round_res: dict, proj: dict) -> list[dict]:
             row["eager_over_proj"] = row["eager_ms"] / row["proj_eager_ms"][1]
             row["implied_eager_us_per_op"] = 1e3 * (row["eager_ms"] - roof - host) / n
         if row["captured_ms"] is not None:
+            pc = cap_k.get(m["k"], p)["projection"]
+            croof = pc["roofline_ms"] + extra
+            eager_out = pc.get("eager_launches", 0.0)
+            nodes = pc["launches"] - eager_out
+            row.update(proj_captured_ms=[x + extra for x in pc["captured_ms"]], nodes=nodes,
+                       captured_from=cap_k.get(m["k"], p)["path"])
             row["captured_over_proj"] = row["captured_ms"] / row["proj_captured_ms"][1]
-            row["implied_us_per_node"] = 1e3 * (row["captured_ms"] - roof - GRAPH_LAUNCH_US / 1e3 - host) / n
+            row["implied_us_per_node"] = 1e3 * (row["captured_ms"] - croof - GRAPH_LAUNCH_US / 1e3 - host
+                                                - eager_out * EAGER_US_MID / 1e3) / nodes
         rows.append(row)
     return rows
 
@@ -70,7 +82,7 @@ def table(rows: list[dict], device: str, dry: bool) -> str:
         pe, pc = r["proj_eager_ms"], r["proj_captured_ms"]
         lines.append(f"{r['k']:>2} {f(r['eager_ms'])} {pe[0]:>6.2f}-{pe[1]:<6.2f} {f(r['captured_ms'])} "
                      f"{pc[0]:>6.2f}-{pc[1]:<6.2f} {f(r.get('captured_over_proj'), 9)} {r['roofline_ms']:>6.2f} "
-                     f"{r['launches']:>5.0f} {f(r.get('implied_us_per_node'), 7)} "
+                     f"{r.get('nodes', r['launches']):>5.0f} {f(r.get('implied_us_per_node'), 7)} "
                      f"{f(r.get('implied_eager_us_per_op'), 6)}")
     if not rows:
         lines.append("(no k in common between the round stage and the projection)")

@@ -54,8 +54,19 @@ def test_projection_stage_arithmetic(tmp_path, capsys):
     assert abs(r["roofline_ms"] - (3.5 + extra)) < 1e-12
     # 5.0 ms captured = roofline + 10 us launch + 15 us host read + 500 nodes x u  ->  u = 2.95 - 1e3 * extra / 500
     assert abs(r["implied_us_per_node"] - (1e3 * (5.0 - 3.5 - extra - 0.010 - 0.015) / 500)) < 1e-9
-    assert abs(r["captured_over_proj"] - 5.0 / (4.525 + extra)) < 1e-12
+    assert abs(r["captured_over_proj"] - 5.0 / (4.525 + extra)) < 1e-12 and r["captured_from"] == "fastgpu"
     assert "measured vs projected" in capsys.readouterr().out
+    # a fastcap row (the captured round as its graph replays it) takes the captured columns: its nodes are its
+    # launches less those it counted outside the graph (priced at 7.5 us each)
+    proj["rows"].append({"path": "fastcap", "k": 4, "projection": dict(roofline_ms=3.4, launches=204, syncs=1,
+                                                                       eager_launches=4, eager_ms=[0, 0],
+                                                                       captured_ms=[3.7, 3.9])})
+    (tmp_path / "proj.json").write_text(__import__("json").dumps(proj))
+    assert pc.main(["--out", str(tmp_path), "--projection", str(tmp_path / "proj.json")]) == 0
+    r = __import__("json").loads((tmp_path / "projection_check.json").read_text())[0]
+    assert r["captured_from"] == "fastcap" and r["nodes"] == 200 and r["proj_eager_ms"][1] == 8.5 + extra
+    assert abs(r["implied_us_per_node"] - 1e3 * (5.0 - 3.4 - extra - 0.010 - 0.015 - 0.030) / 200) < 1e-9
+    assert abs(r["captured_over_proj"] - 5.0 / (3.9 + extra)) < 1e-12
 
 
 def test_committed_projection_has_every_k():
