@@ -197,18 +197,20 @@ def _norm_linear_variants(out, dtypes):
     gate/up + SwiGLU (K = 3,584, F = 18,944) and q/k/v + bias + RoPE (N = 4,608, D = 128); Qwen2.5-0.5B's q/k/v
     (D = 64: 32-column half-head tiles) in bf16."""
     shapes = [("swiglu", 3584, 18944, "K=3584 F=18944"), ("rope", 3584, 64, "K=3584 D=128"),
-              ("rope", 896, 32, "K=896 D=64")]
+              ("rope", 896, 32, "K=896 D=64"), ("rope", 3584, 64, "K=3584 D=128 positions")]
     for dt in dtypes:
         torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
         for epilogue, K, half, label in shapes:
-            if K == 896 and dt != "bf16":
+            by_pos = label.endswith("positions")  # the captured round's: cos / sin formed in the kernel
+            if (K == 896 or by_pos) and dt != "bf16":
                 continue
             BM, BN, BK = nl.tiles_for(161, half, torch_dt)  # the launcher's GPU tiles (no interpreter here)
             types = {n: "i32" for n in nl._norm_linear_kernel.arg_names}
             types.update(x_ptr=f"*{dt}", r_ptr=f"*{dt}", s_ptr=f"*{dt}", nw_ptr=f"*{dt}", w_ptr=f"*{dt}",
-                         b_ptr=f"*{dt}", o_ptr=f"*{dt}", cos_ptr="*fp32", sin_ptr="*fp32", eps="fp32")
+                         b_ptr=f"*{dt}", o_ptr=f"*{dt}", cos_ptr="*i64" if by_pos else "*fp32", sin_ptr="*fp32",
+                         eps="fp32")
             ce = dict(HAS_NORM=True, HAS_RES=True, HAS_BIAS=epilogue == "rope", EPI=nl.EPILOGUES.index(epilogue),
-                      ROPE_FP32=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                      ROPE_FP32=False, ROPE_POS=by_pos, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                       DOT_PREC="ieee" if torch_dt == torch.float32 else "tf32")
             out.append((f"_norm_linear_kernel {dt} {epilogue} {label}", nl._norm_linear_kernel, types, ce,
                         {"K", "stride_x", "stride_r", "stride_w", "out_cols"},

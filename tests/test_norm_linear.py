@@ -94,6 +94,27 @@ def test_kernel_small_tiles_per_request_tables_and_empty():
     assert empty.out.shape == (2, 0, 96) and empty.residual.shape == (2, 0, 40)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_forms_the_tables_from_positions(dtype):
+    """positions ([n], or [B, n] per request) and inv_freq instead of cos / sin: the reference forms the tables as
+    DecoderLM.rope_tables does (bitwise), the kernel forms them itself (within the dtype tolerance)."""
+    B, n, K, H, D = 2, 9, 40, 4, 16
+    x, r, nw, w, bias, _, _ = _inputs(B, n, K, H * D, dtype, seed=4, D=D)
+    inv_freq = (1.0 / (1e4 ** (torch.arange(0, D, 2).float() / D))).to(DEVICE)
+    for pos in (torch.arange(500, 500 + n, device=DEVICE),
+                torch.stack([torch.arange(3, 3 + n), torch.arange(4000, 4000 + n)]).to(DEVICE)):
+        freqs = pos.float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        tables = ref.norm_linear(x, w, "rope", nw, r, EPS, bias, emb.cos(), emb.sin(), H - 1)
+        want = ref.norm_linear(x, w, "rope", nw, r, EPS, bias, None, None, H - 1, False, pos, inv_freq)
+        assert torch.equal(want[0], tables[0])
+        with poisoned_empty():
+            got = ops.norm_linear(x, w, "rope", norm_weight=nw, residual=r, eps=EPS, bias=bias, positions=pos,
+                                  inv_freq=inv_freq, rot_heads=H - 1, backend="triton")
+        _close(got.out, want[0])
+        assert torch.equal(got.residual, want[1])
+
+
 def test_bad_inputs_raise():
     x, r, nw, w, bias, cos, sin = _inputs(1, 3, 8, 16, torch.float32, D=8)
     cases = [
@@ -113,6 +134,13 @@ def test_bad_inputs_raise():
         (dict(epilogue="rope", cos=cos.double(), sin=sin.double()), TypeError, "float32"),
         (dict(epilogue="rope", cos=cos, sin=sin, weight=w[:12]), ValueError, "whole heads of D = 8"),
         (dict(epilogue="rope", cos=cos, sin=sin, rot_heads=3), ValueError, r"rot_heads=3; allowed: an int in \[0, 2\]"),
+        (dict(epilogue="rope", cos=cos, sin=sin, positions=torch.arange(3), inv_freq=torch.ones(4)), ValueError,
+         "not both"),
+        (dict(epilogue="rope", positions=torch.arange(3), inv_freq=torch.ones(4).double()), ValueError,
+         "inv_freq must be a float32"),
+        (dict(epilogue="rope", positions=torch.arange(4), inv_freq=torch.ones(4)), ValueError,
+         r"positions must be an int \[n\] or \[B, n\] tensor"),
+        (dict(positions=torch.arange(3), inv_freq=torch.ones(4)), ValueError, "belong to epilogue 'rope'"),
     ]
     for change, err, match in cases:
         kw = dict(x=x, weight=w, epilogue="swiglu", norm_weight=nw)
@@ -168,6 +196,16 @@ def test_layer_loop_runs_every_layer_through_it(monkeypatch):
         assert seen.count(("rms_norm", None)) == 1  # the final norm, on the LM-head rows
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        # a device window start (a compiled / captured round): the kernel forms the RoPE tables from the positions
+        monkeypatch.setattr(model, "rope_tables", lambda *a: pytest.fail("rope_tables on the norm_linear path"))
+        got = model.forward_static(tokens, torch.tensor(5), ck, cv, torch.tensor(5), torch.tensor([6, 4]), None,
+                                   "full", torch.arange(12), attn_backend="triton")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        monkeypatch.undo()
+        for name, fn in real.items():
+            monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=fn, **k: seen.append((_n, a[2] if _n == "norm_linear"
+                                                                                        else None)) or _f(*a, **k))
         seen.clear()
         monkeypatch.setattr(sf, "NORM_LINEAR_MAX_ROWS", 11)  # 12 rows: the unfused loop
         fwd("triton")

@@ -50,7 +50,7 @@ def _norm_linear_kernel(
     x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, o_ptr, cos_ptr, sin_ptr,
     M, K, HALF, col_tiles, out_cols, stride_x, stride_r, stride_w, n_tok, scb, sct, rot_heads, eps,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr,
-    ROPE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROPE_FP32: tl.constexpr, ROPE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
@@ -104,13 +104,21 @@ def _norm_linear_kernel(
     yb = acc_b.to(dt).to(tl.float32)
     omask = mmask[:, None] & jmask[None, :]
     if EPI == _ROPE:
-        # row m is token (m // n_tok, m % n_tok) of the [B, n] window; its cos / sin row holds D = 2 HALF values
+        # row m is token (m // n_tok, m % n_tok) of the [B, n] window
         crow = (rm // n_tok).to(tl.int64) * scb + (rm % n_tok).to(tl.int64) * sct
-        c_off = crow[:, None] + j[None, :]
-        c1 = tl.load(cos_ptr + c_off, mask=omask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + c_off + HALF, mask=omask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + c_off, mask=omask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + c_off + HALF, mask=omask, other=0.0).to(tl.float32)
+        if ROPE_POS:  # cos_ptr: its positions, sin_ptr: the inverse frequencies [HALF]; the angle as rope_tables forms
+            pos = tl.load(cos_ptr + crow, mask=mmask, other=0).to(tl.float32)  # it (one fp32 product), both halves
+            ang = pos[:, None] * tl.load(sin_ptr + j, mask=jmask, other=0.0)[None, :]  # alike (emb = cat(f, f))
+            c1 = tl.cos(ang)
+            s1 = tl.sin(ang)
+            c2 = c1
+            s2 = s1
+        else:  # its cos / sin table row holds D = 2 HALF values
+            c_off = crow[:, None] + j[None, :]
+            c1 = tl.load(cos_ptr + c_off, mask=omask, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + c_off + HALF, mask=omask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + c_off, mask=omask, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + c_off + HALF, mask=omask, other=0.0).to(tl.float32)
         if ROPE_FP32:
             o1 = ya * c1 - yb * s1
             o2 = yb * c2 + ya * s2
@@ -144,16 +152,17 @@ def tiles_for(M: int, half: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weight=None, residual=None,
                 eps: float = 1e-6, bias=None, cos=None, sin=None, rot_heads: int = 0, rope_fp32: bool = False,
-                tiles=None):
+                positions=None, inv_freq=None, tiles=None):
     """x [..., K] (residual the same shape; "rope": [..., n, K], cos / sin fp32 [n, D] or [..., n, D] with one
-    stride set), weight [N, K], norm_weight [K], bias [N] (one dtype, last dims contiguous) -> (out, s): out
+    stride set, or instead positions int [n] or [B, n] and inv_freq fp32 [D / 2]), weight [N, K], norm_weight [K], bias [N] (one dtype, last dims contiguous) -> (out, s): out
     contiguous [..., N // 2] ("swiglu") or [..., N] ("rope"), s = x + residual contiguous [..., K] or None.
     tiles (BLOCK_M, BLOCK_N, BLOCK_K): None = the launcher's choice (tests force them)."""
     K = x.shape[-1]
     N = weight.shape[0]
     epi = EPILOGUES.index(epilogue)
     rope = epilogue == "rope"
-    half = cos.shape[-1] // 2 if rope else N // 2
+    by_pos = rope and positions is not None  # the kernel forms cos / sin from positions x inv_freq
+    half = (inv_freq.shape[0] if by_pos else cos.shape[-1] // 2) if rope else N // 2
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -171,7 +180,10 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weigh
     BM, BN, BK = tiles or tiles_for(M, half, x.dtype)
     col_tiles = triton.cdiv(half, BN)
     n_col = col_tiles * (N // (2 * half)) if rope else col_tiles
-    if rope:
+    if by_pos:
+        cos, sin = positions, inv_freq.contiguous()
+        n_tok, scb, sct = x.shape[-2], (positions.stride(0) if positions.dim() == 2 else 0), positions.stride(-1)
+    elif rope:
         if cos.stride() != sin.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
         n_tok, scb, sct = x.shape[-2], (cos.stride(0) if cos.dim() == 3 else 0), cos.stride(-2)
@@ -185,7 +197,7 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weigh
         M, K, half, col_tiles, out_cols, x2.stride(0), r2.stride(0), weight.stride(0), n_tok, scb, sct,
         int(rot_heads), float(eps),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi,
-        ROPE_FP32=bool(rope_fp32), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_PREC=prec,
+        ROPE_FP32=bool(rope_fp32), ROPE_POS=by_pos, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, DOT_PREC=prec,
         num_warps=NUM_WARPS[epilogue], num_stages=3, enable_fp_fusion=False,
     )
     return out, s

@@ -69,10 +69,12 @@ class FusedForwards:
         b = attn_backend or ops_backend.resolve("branch_attention", None, dev)
         h = F.embedding(tokens, self.embed_weight())
         lops = _layer_ops(_layer_backend(b, dev), cfg.rms_norm_eps, h.dtype, dev, self.rope_in_fp32)
+        positions = None
         if isinstance(start, int):  # an eager round: slices of the model's table
             cos, sin = self.rope_window(start, n, dev)
-        else:  # a device start (compiled / captured): no host read
-            cos, sin = self.rope_tables(start + torch.arange(n, device=dev))
+        else:  # a device start (compiled / captured): no host read; the tables when the layer loop needs them
+            cos = sin = None  # (`_fused_stack`: the Triton norm_linear forms them inside its kernel)
+            positions = start + torch.arange(n, device=dev)
         if b == "torch":  # masks once per forward (the torch attention takes them precomputed)
             keys = _torch_keys(n, win_lens, block_ids, mask, B, cache_len, cache_k.shape[1], dev, dense)
         # one dense row over a host-int prefix (an eager D2F / LoPA k = 1 round): each layer's window K/V are written
@@ -98,20 +100,23 @@ class FusedForwards:
                 return ops.branch_attention(q, cache_k[i], cache_v[i], cache_len, k, v, win_lens, block_ids, mask,
                                             check=False, backend=b)
 
-        h, ks, vs = self._fused_stack(h, cos, sin, lops, attend, kv_into)
+        h, ks, vs = self._fused_stack(h, cos, sin, lops, attend, kv_into, positions)
         if in_cache:
             ks, vs = kv_into[0].unsqueeze(1), kv_into[1].unsqueeze(1)
         h = lops.norm(h.reshape(B * n, -1).index_select(0, rows), self.final_norm_weight())
         return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
-    def _fused_stack(self, h: torch.Tensor, cos, sin, lops: "LayerOps", attend, kv_into: tuple | None = None) -> tuple:
+    def _fused_stack(self, h: torch.Tensor, cos, sin, lops: "LayerOps", attend, kv_into: tuple | None = None,
+                     positions: torch.Tensor | None = None) -> tuple:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
         GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
         k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
         gate/up GEMM, SwiGLU, down; lops: the layer ops chosen once per forward (`_layer_ops`). On the Triton layer ops
         (up to NORM_LINEAR_MAX_ROWS rows, no kv_into) the same layer in 5 kernels: `_norm_linear_stack`.
         kv_into: None, or (k, v) [num_layers, n, Hkv, D] (B = 1): each layer's post-RoPE k and its v are written there
-        (forward_static's in-cache round) instead of being collected.
+        (forward_static's in-cache round) instead of being collected. positions (int [n] or [B, n], with cos = sin =
+        None): the window's positions, from which the tables are formed (`rope_tables`), or, on the norm_linear
+        path, formed by its kernel (6 graph nodes a captured round less).
         Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None and None with kv_into)."""
         cfg = self.config
         B, n = h.shape[:2]
@@ -123,9 +128,13 @@ class FusedForwards:
             layers is None or layers[0].qkv_w.data_ptr() != self._fused_q0[0].weight.data_ptr()
         ):
             layers = self.fused_layers()
-        table = lops.rope_table(cos, sin)
         if lops.norm_linear is not None and kv_into is None and B * n <= NORM_LINEAR_MAX_ROWS:
-            return self._norm_linear_stack(h, table, lops, attend, layers)
+            rope = dict(cos=cos, sin=sin) if cos is not None else \
+                dict(positions=positions, inv_freq=self.rope_inv_freq(h.device))
+            return self._norm_linear_stack(h, rope, lops, attend, layers)
+        if cos is None:
+            cos, sin = (t.reshape(*positions.shape, -1) for t in self.rope_tables(positions.reshape(-1)))
+        table = lops.rope_table(cos, sin)
         k_into, v_into = kv_into if kv_into is not None else (None, None)
         ks, vs = [], []
         norm, add_norm, silu_mul, rope = lops.norm, lops.add_norm, lops.silu_mul, lops.rope
@@ -154,13 +163,13 @@ class FusedForwards:
                 h = h + down
         return (h, None, None) if kv_into is not None else (h, torch.stack(ks), torch.stack(vs))
 
-    def _norm_linear_stack(self, h: torch.Tensor, table, lops: "LayerOps", attend, layers) -> tuple:
+    def _norm_linear_stack(self, h: torch.Tensor, rope: dict, lops: "LayerOps", attend, layers) -> tuple:
         """`_fused_stack` on the Triton layer ops at up to NORM_LINEAR_MAX_ROWS rows: 5 kernels and attention a layer
         (was 8 and attention). The residual add and the pre-norm ride in the q/k/v GEMM's prologue with RoPE as its
         epilogue, the add and the MLP pre-norm in the gate/up GEMM's prologue with SwiGLU as its epilogue
-        (`ops.norm_linear`); the o and down projections stay cuBLAS. h [B, n, H]; table (cos, sin); returns as
-        `_fused_stack` (q, k, v are column views of the one [B, n, Hq + 2 Hkv, D] projection: the attention reads
-        them by stride, the stacks copy k and v)."""
+        (`ops.norm_linear`); the o and down projections stay cuBLAS. h [B, n, H]; rope: norm_linear's RoPE arguments
+        (dict(cos=, sin=) tables, or dict(positions=, inv_freq=)); returns as `_fused_stack` (q, k, v are column views
+        of the one [B, n, Hq + 2 Hkv, D] projection: the attention reads them by stride, the stacks copy k and v)."""
         cfg = self.config
         B, n = h.shape[:2]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -169,7 +178,7 @@ class FusedForwards:
         down = None  # the previous layer's down projection: added to h in this layer's q/k/v prologue
         for i, w in enumerate(layers):
             qkv, s = nl(h if down is None else down, w.qkv_w, "rope", w.attn_norm, None if down is None else h,
-                        w.qkv_b, table, Hq + Hkv)
+                        w.qkv_b, rope, Hq + Hkv)
             h = h if s is None else s
             qkv = qkv.view(B, n, Hq + 2 * Hkv, D)
             q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
@@ -225,17 +234,23 @@ class FusedForwards:
             o += NBr * Nbr
         # o packed rows: request r's rows [offs[r], offs[r] + NB_r * Nb_r), slot-major as its flat rows
         tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
-        # RoPE tables per request at its own positions and window length (the solo call's values), per row
-        cos_rows, sin_rows = [], []
-        for p, (NBr, Nbr) in zip(parts, shapes):
-            st0 = p["start"]
-            c, s_ = (self.rope_window(st0, Nbr, dev) if isinstance(st0, int)
-                     else self.rope_tables(st0 + torch.arange(Nbr, device=dev)))
-            cos_rows.append(c.repeat(NBr, 1))
-            sin_rows.append(s_.repeat(NBr, 1))
-        cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
         h = F.embedding(tokens, self.embed_weight())  # [1, T, H]
         lops = _layer_ops(_layer_backend(b, dev), cfg.rms_norm_eps, h.dtype, dev, self.rope_in_fp32)
+        cos = sin = positions = None
+        if lops.norm_linear is not None and all(not isinstance(p["start"], int) for p in parts):
+            # a compiled / captured batched step on the Triton layer ops: every row's position (the kernel forms
+            # its tables: `_fused_stack`)
+            positions = torch.cat([(p["start"] + torch.arange(Nbr, device=dev)).repeat(NBr)
+                                   for p, (NBr, Nbr) in zip(parts, shapes)])[None]  # [1, T]
+        else:  # RoPE tables per request at its own positions and window length (the solo call's values), per row
+            cos_rows, sin_rows = [], []
+            for p, (NBr, Nbr) in zip(parts, shapes):
+                st0 = p["start"]
+                c, s_ = (self.rope_window(st0, Nbr, dev) if isinstance(st0, int)
+                         else self.rope_tables(st0 + torch.arange(Nbr, device=dev)))
+                cos_rows.append(c.repeat(NBr, 1))
+                sin_rows.append(s_.repeat(NBr, 1))
+            cos, sin = torch.cat(cos_rows)[None], torch.cat(sin_rows)[None]  # [1, T, D]
         if pool is not None and b != "torch":
             attend = _pooled_attend(parts, shapes, mode, b, pool, Hq, D, dev)
         else:
@@ -259,7 +274,7 @@ class FusedForwards:
                     outs.append(a.reshape(NBr * Nbr, Hq, D))
                 return torch.cat(outs)[None]
 
-        h, K, V = self._fused_stack(h, cos, sin, lops, attend)  # K, V: [layers, 1, T, Hkv, D]
+        h, K, V = self._fused_stack(h, cos, sin, lops, attend, None, positions)  # K, V: [layers, 1, T, Hkv, D]
         # the LM-head rows of every request: its flat rows, offset to its packed block
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
         hs = lops.norm(hs, self.final_norm_weight())
@@ -298,8 +313,9 @@ class LayerOps(NamedTuple):
     # (qkv [B, n, Hq + 2 Hkv, D], table, Hq, Hkv, k_into) -> (q [B, n, Hq, D] contiguous, k [B, n, Hkv, D]); k_into:
     # None, or the [n, Hkv, D] rows (B = 1) that receive k (then returned as k)
     rope: Callable
-    # Triton only (else None): (x, weight, epilogue, norm_weight, residual, bias=None, table=None, rot_heads=0) ->
-    # `ops.norm_linear`'s (out, s) with the model's eps and RoPE precision (`_norm_linear_stack`)
+    # Triton only (else None): (x, weight, epilogue, norm_weight, residual, bias=None, rope=None, rot_heads=0) ->
+    # `ops.norm_linear`'s (out, s) with the model's eps and RoPE precision (`_norm_linear_stack`); rope: dict(cos=,
+    # sin=) or dict(positions=, inv_freq=)
     norm_linear: Callable | None = None
 
 
@@ -364,10 +380,9 @@ def _make_layer_ops(lb: str, eps: float, dtype: torch.dtype, fp32: bool, cpp: bo
         q, k = ops.rope(qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], table[0], table[1], fp32, check=False, backend=lb)
         return q, (k if k_into is None else k_into.copy_(k[0]))
 
-    def norm_linear(x, weight, epilogue, norm_weight, residual, bias=None, table=None, rot_heads=0):
-        cos, sin = table if table is not None else (None, None)
+    def norm_linear(x, weight, epilogue, norm_weight, residual, bias=None, rope=None, rot_heads=0):
         return ops.norm_linear(x, weight, epilogue, norm_weight=norm_weight, residual=residual, eps=eps, bias=bias,
-                               cos=cos, sin=sin, rot_heads=rot_heads, rope_fp32=fp32, check=False, backend=lb)
+                               rot_heads=rot_heads, rope_fp32=fp32, check=False, backend=lb, **(rope or {}))
 
     return LayerOps(lambda x, w: ops.rms_norm(x, w, eps, check=False, backend=lb),
                     lambda x, r, w: ops.add_rms_norm(x, r, w, eps, check=False, backend=lb),

@@ -280,12 +280,14 @@ NORM_LINEAR_EPILOGUES = ("swiglu", "rope")
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weight: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, eps: float = 1e-6, bias: torch.Tensor | None = None,
                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, rot_heads: int = 0,
-                rope_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rope_fp32: bool = False, positions: torch.Tensor | None = None,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder layer's pre-norm GEMM with its neighbours: s = x + residual (when given), h = rms_norm(s,
     norm_weight) (when given), y = F.linear(h, weight, bias), then the epilogue:
     "swiglu": weight is the merged gate/up [2F, K] (gate rows first) -> silu_mul(gate, up) [..., F];
     "rope": weight is the merged q/k/v [H D, K], x [..., n, K], cos / sin fp32 [n, D] or [..., n, D] -> y [..., H D]
-    with its first rot_heads heads of D columns rotated (`rope`'s formula; rope_fp32 as its fp32).
+    with its first rot_heads heads of D columns rotated (`rope`'s formula; rope_fp32 as its fp32); instead of cos / sin,
+    positions int [n] or [..., n] and inv_freq fp32 [D / 2]: the tables DecoderLM.rope_tables forms from them.
     Returns (out, s), s None without a residual: bit for bit the model's add, norm, projection and activation /
     RoPE as separate ops."""
     s = x + residual if residual is not None else None
@@ -296,6 +298,10 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weigh
     if epilogue == "swiglu":
         gate, up = y.chunk(2, dim=-1)
         return silu_mul(gate, up), s
+    if positions is not None:
+        freqs = positions.float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
     D = cos.shape[-1]
     heads = y.view(*y.shape[:-1], -1, D)
     rot = _rope_one(heads[..., :rot_heads, :], cos.unsqueeze(-2), sin.unsqueeze(-2), rope_fp32)
