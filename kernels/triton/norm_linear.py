@@ -50,8 +50,8 @@ def _norm_linear_kernel(
     x_ptr, r_ptr, s_ptr, nw_ptr, w_ptr, b_ptr, o_ptr, cos_ptr, sin_ptr,
     M, K, HALF, col_tiles, out_cols, stride_x, stride_r, stride_w, n_tok, scb, sct, rot_heads, eps,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr,
-    ROPE_FP32: tl.constexpr, ROPE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    ROPE_FP32: tl.constexpr, ROPE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -154,8 +154,9 @@ def norm_linear(x: torch.Tensor, weight: torch.Tensor, epilogue: str, norm_weigh
                 eps: float = 1e-6, bias=None, cos=None, sin=None, rot_heads: int = 0, rope_fp32: bool = False,
                 positions=None, inv_freq=None, tiles=None):
     """x [..., K] (residual the same shape; "rope": [..., n, K], cos / sin fp32 [n, D] or [..., n, D] with one
-    stride set, or instead positions int [n] or [B, n] and inv_freq fp32 [D / 2]), weight [N, K], norm_weight [K], bias [N] (one dtype, last dims contiguous) -> (out, s): out
-    contiguous [..., N // 2] ("swiglu") or [..., N] ("rope"), s = x + residual contiguous [..., K] or None.
+    stride set, or instead positions int [n] or [B, n] and inv_freq fp32 [D / 2]), weight [N, K], norm_weight [K],
+    bias [N] (one dtype, last dims contiguous) -> (out, s): out contiguous [..., N // 2] ("swiglu") or [..., N]
+    ("rope"), s = x + residual contiguous [..., K] or None.
     tiles (BLOCK_M, BLOCK_N, BLOCK_K): None = the launcher's choice (tests force them)."""
     K = x.shape[-1]
     N = weight.shape[0]
