@@ -74,6 +74,21 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _prefix_keys(q, k_base, v_base, lo, hi, s_kl, s_vl, od, dmask, qk_scale, m_i, l_i, acc,
+                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold prefix keys [lo, hi) (every one visible to every row) into the running (m_i, l_i, acc): the prefix
+    kernel's split, or the whole prefix in the one-launch window kernel."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        k, v = _load_kv(k_base, v_base, offs_n, s_kl, s_vl, od, nmask[:, None] & dmask[None, :], UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefix_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ci_ptr,
     cache_len, Lmax, R, n, chunk, qk_scale, tiles_b,
@@ -114,13 +129,8 @@ def _prefix_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, cl)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        nmask = offs_n < hi
-        k, v = _load_kv(k_base, v_base, offs_n, s_kl, s_vl, od, nmask[:, None] & dmask[None, :], UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
+    m_i, l_i, acc = _prefix_keys(q, k_base, v_base, lo, hi, s_kl, s_vl, od, dmask, qk_scale, m_i, l_i, acc,
+                                 BLOCK_N, UPCAST, DOT_PREC)
     # an empty split (lo >= cache_len) leaves l_i = 0: lse2 = -inf, o = 0 (weight 0 in the merge)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -172,13 +182,8 @@ def _window_kernel(
                 cl = tl.minimum(tl.maximum(tl.load(cache_len).to(tl.int32), 0), Lmax)
             else:
                 cl = cache_len
-        for start in range(0, cl, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            nmask = offs_n < cl
-            k, v = _load_kv(kc_base, vc_base, offs_n, s_kl, s_vl, od, nmask[:, None] & dmask[None, :], UPCAST)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC)
+        m_i, l_i, acc = _prefix_keys(q, kc_base, vc_base, 0, cl, s_kl, s_vl, od, dmask, qk_scale, m_i, l_i, acc,
+                                     BLOCK_N, UPCAST, DOT_PREC)
     k_base = k_ptr + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh
     v_base = v_ptr + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh
     for start in range(0, wl, BLOCK_N):
