@@ -250,6 +250,36 @@ def test_a_request_stays_in_its_lane_between_steps(models, monkeypatch):
     assert not compiled_batch._RESIDENCE
 
 
+def test_a_failed_step_sends_its_requests_home(models, monkeypatch):
+    """A compiled step that raises (here the third replay) ends the run with that error, and the requests it held
+    leave their lanes (Scheduler.run aborts them: no state left resident, the pool slot freed); the next request in
+    the same lane decodes as alone."""
+    from lopa_fast.decode import compiled_batch
+
+    model = models["dream"]
+    kw = dict(LOPA, branching_factor=3, use_full_attention=True)
+    (p1,) = prompts((9,), seed=23)
+    solo = gen(model, p1, "lopa", **kw)
+    monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
+    rounds(model)
+    calls = []
+    real_call = compiled_batch._call
+
+    def failing(entry, batch_steps):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the replay failed")
+        return real_call(entry, batch_steps)
+
+    monkeypatch.setattr(compiled_batch, "_call", failing)
+    with pytest.raises(RuntimeError, match="the replay failed"):
+        gen(model, p1, "lopa", compile=True, **kw)
+    assert len(calls) == 3 and not compiled_batch._RESIDENCE
+    monkeypatch.setattr(compiled_batch, "_call", real_call)
+    same(gen(model, p1, "lopa", compile=True, **kw), solo)
+    assert not compiled_batch._RESIDENCE
+
+
 def test_lru_cap_holds_for_batched_graphs(models, captured):
     """The least recently used batched graphs (and workspaces) leave at the model's cap; evicted keys capture again
     when asked, with the same tokens."""

@@ -1,8 +1,8 @@
-"""The fused LM head in the D2F / LoPA rounds (`ops.head_confidence`, decode/fused_head.fused_head_wanted): on CPU it is
-opt-in ($LOPA_FAST_FUSED_HEAD=1); with it on, the fast decoder stays token- and forward-equal to the reference
-decoders on the tiny-model parity grid (solo, batched, graph-workspace emulation), the numerics guard still
-names the round and position of a non-finite row, and the knobs that need whole rows (T > 0, top-p / top-k,
-distributed) keep the unfused path."""
+"""The fused LM head in the D2F / LoPA rounds, the vanilla / threshold steps and APD (`ops.head_confidence`,
+decode/fused_head.fused_head_wanted): on CPU it is opt-in ($LOPA_FAST_FUSED_HEAD=1); with it on, the fast decoder
+stays token- and forward-equal to the reference decoders on the tiny-model parity grids (solo, batched,
+graph-workspace emulation), the numerics guard still names the round and position of a non-finite row, and the knobs
+that need whole rows (T > 0, top-p / top-k, distributed) keep the unfused path."""
 from __future__ import annotations
 
 import warnings
@@ -169,4 +169,85 @@ def test_the_fused_step_still_names_a_nonfinite_row(fused, strategy, kw):
     with pytest.raises(NonFiniteLogitsError, match=strategy) as ei:
         lopa_fast.generate(model, [3, 4, 5], strategy, "fast", max_new_tokens=8, **kw)
     assert ei.value.round == 1 and ei.value.position >= 3 and ei.value.value != ei.value.value  # NaN
+    assert fused, "the fused head never ran"
+
+
+# ---- the fused head in APD (strategies/apd/step.py: both forwards end in ops.head_confidence at T = 0) --------------
+def _fusable_apd(c) -> bool:
+    return c.get("top_p") is None and c.get("top_k") is None
+
+
+@pytest.fixture(scope="module")
+def apd_models():
+    from tests.utils import apd_models as build
+
+    return build()
+
+
+def test_fused_head_apd_ci_cases(fused, apd_models):
+    """APD (verifier and leftright) with the fused head: the draft is the head's arg-max (the mask suppressed), the
+    mixture reads the raw logits the head kept, the guard its finite flags; token-, step- and counter-equal to the
+    reference on every fusable CI case of tests/test_fast_apd.py, the head run twice a step with a verifier (the
+    drafter's rows, then the verifier's) and once without."""
+    from tests import test_fast_apd as ta
+
+    cases = [c for c in ta.CI_CASES if _fusable_apd(c)]
+    assert any(c["R"] is None for c in cases) and any(c.get("suppress_mask_token") for c in cases)
+    for c in cases:
+        before = len(fused)
+        ref, fast = ta.run_both(apd_models, c)
+        ta.assert_parity(ref, fast, c)
+        steps = fast.stats["forwards"]
+        assert len(fused) - before == steps * (2 if c["R"] is not None else 1), c
+
+
+@pytest.mark.slow
+def test_fused_head_apd_full_grid(fused, apd_models):
+    """Every case of the APD grid (tests/test_fast_apd.slow_grid) with the fused head: equal to the reference but
+    for near-tie flips (the policy above) on at most NEAR_TIE_SHARE of the cases."""
+    from tests import test_fast_apd as ta
+
+    cases = ta.slow_grid()
+    differ = []
+    for c in cases:
+        ref, fast = ta.run_both(apd_models, c)
+        if ref.generated_ids != fast.generated_ids or ref.stats["acceptance_counts"] != fast.stats["acceptance_counts"]:
+            differ.append(c)
+    assert fused, "the fused head never ran"
+    assert len(differ) <= NEAR_TIE_SHARE * len(cases), f"{len(differ)}/{len(cases)} cases differ; first: {differ[0]}"
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), True),
+    (dict(top_k=5), False),  # the draft's filters read whole rows
+    (dict(temperature=0.7, sampler="keyed"), False),  # the keyed draw reads whole rows
+])
+def test_which_apd_steps_take_the_fused_head(fused, apd_models, kw, want):
+    """APD takes the fused head at T = 0 without filters; the knobs that need whole rows keep the logits; the
+    reference's tokens either way."""
+    from tests import test_fast_apd as ta
+
+    c = ta.case(R=0.7, W=2, M=4, P=3, eos="never", n=12, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref, fast = ta.run_both(apd_models, c)
+    ta.assert_parity(ref, fast, c)
+    assert bool(fused) is want
+
+
+def test_fused_apd_still_names_a_nonfinite_row(fused, apd_models):
+    """NaN / inf in the drafter's or the verifier's head under the fused head: refused at the reference's step and
+    position, naming the model (tests/test_fast_apd.py's guard test, with the fused head on)."""
+    from tests import test_fast_apd as ta
+
+    ta.test_nonfinite_logits_are_refused(apd_models)
+    assert fused, "the fused head never ran"
+
+
+def test_fused_apd_captured_step_on_cpu(fused, apd_models, monkeypatch):
+    """The CUDA-graph path of the APD step with the capture emulated on CPU (tests/test_fast_apd.py's workspace test)
+    with the fused head: token-exact, traces included; the fused head ran inside the step."""
+    from tests import test_fast_apd as ta
+
+    ta.test_captured_step_workspace_logic_on_cpu(apd_models, monkeypatch)
     assert fused, "the fused head never ran"

@@ -281,9 +281,18 @@ class Scheduler:
 
     def run(self) -> dict[int, GenerateOutput]:
         """Step until every submitted request has finished; returns {request id: output} (requests that failed
-        are in `self.failed`). Each request's own round cap (max_rounds) bounds its rounds, so the loop ends."""
-        while self.queue or self.live:
-            self.step()
+        are in `self.failed`). Each request's own round cap (max_rounds) bounds its rounds, so the loop ends. An
+        error that ends a whole step (the shared forward's, an interrupt) is raised after `abort` ended every request
+        (none stays resident in a compiled lane: compiled_batch.release)."""
+        try:
+            while self.queue or self.live:
+                self.step()
+        except BaseException as e:  # the shared step failed (or an interrupt): every request ends with it, its lane
+            try:  # residency and pool slot released (`abort`), then the error goes on as it came
+                self.abort(e)
+            except Exception:  # noqa: BLE001 - a failed clean-up must not hide the error that caused it
+                logging.getLogger(__name__).exception("Scheduler.run: ending the requests after an error failed")
+            raise
         return self.done
 
 

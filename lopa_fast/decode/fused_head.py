@@ -1,7 +1,8 @@
 """Whether a request's forwards end in the fused LM head + token statistics (`ops.head_confidence`: the [R, V] logits
 of a round / step are never materialised), for every fast path that can take it: the D2F / LoPA round
-(strategies/lopa, its distributed round included) and the Dream-family vanilla and threshold steps (strategies/steps.py
-says which of their knobs).
+(strategies/lopa, its distributed round included), the Dream-family vanilla and threshold steps (strategies/steps.py
+says which of their knobs) and APD's two forwards (strategies/apd/step.py: the draft's arg-max, the finiteness and
+the kept logits the mixture reads).
 
 $LOPA_FAST_FUSED_HEAD: unset / "auto" = on CUDA only (the fused statistics are ~1e-6 from the reference softmax, like
 `ops.confidence`'s: the CPU path stays bitwise the reference decoders'); "1" = also on CPU (the chunked torch

@@ -17,6 +17,7 @@ from lopa_fast.strategies.apd.step import (
     HEAD_FIELDS, ApdGeometry, apd_knobs, commit, draft_inputs, drafted, next_window, verified, verify_inputs,
 )
 from lopa_fast.decode.compiled import compiled_for
+from lopa_fast.decode.fused_head import fused_head_wanted
 from lopa_fast.decode.compiled_batch import BatchStep
 from lopa_fast.decode.kv_pool import request_cache
 from lopa_fast.decode.shapes import knob, pow2_bucket, quantized_length, stop_table
@@ -63,7 +64,7 @@ class FastApd:
             stop_lens=tuple(len(q) for q in cfg.stop or ()),
             attn_backend=_backend.resolve("branch_attention", None, dev),
             sampling=cfg.temperature > 0, single_temperature=bool(cfg.single_temperature),
-            coupled_gumbel=bool(cfg.coupled_gumbel),
+            coupled_gumbel=bool(cfg.coupled_gumbel), fused_head=fused_head_wanted(cfg, dev),
         )
         seed = keyed.resolve_seed(cfg.seed) if keyed.needs_draws(cfg) else 0  # as the reference's KeyedNoise
         self.tables = {"P": torch.tensor(P, device=dev), "L": torch.tensor(L, device=dev),
@@ -81,6 +82,12 @@ class FastApd:
         self.host_reads = 0
         self.compiled, self.cview = compiled_for(drafter, cfg, dev)  # the steps after the prefill: `batch_step`
         self.attn_backend = self.geo.attn_backend
+
+    def heads(self) -> tuple:
+        """(the drafter's, the verifier's) LM-head weights the fused head reads (geo.fused_head), else (None, None)."""
+        if not self.geo.fused_head:
+            return None, None
+        return self.drafter.head_weight(), self.verifier.head_weight() if self.geo.verify else None
 
     def forwards(self, w: dict) -> tuple:
         """The forwards of the step `w` (`prepare`'s), in order, as (model, attention mask, attention backend): the
@@ -104,20 +111,21 @@ class FastApd:
             self._owned = True  # pool slot's drafter cache)
         geo, verifier = self.geo, self.verifier
         Nb, Db = pow2_bucket(right - left), pow2_bucket(right - curr)
+        d_head, v_head = self.heads()
 
         def pre(st: dict, T: dict):
             a = draft_inputs(st, geo, Nb, Db, False, None)
             return _part(a, st["dk"], st["dv"]), a
 
         def mid(st: dict, T: dict, a: dict, l_d, k_win, v_win):  # between the drafter's and the verifier's forward
-            drafted(st, T, geo, a, l_d, k_win, v_win)
+            drafted(st, T, geo, a, l_d, k_win, v_win, d_head)
             return _part(verify_inputs(st, geo, a, False, None), st["vk"], st["vv"]), a
 
         def post(st: dict, T: dict, a: dict, logits, k_win, v_win):  # after the last forward (leftright: the drafter's)
             if geo.verify:
-                verified(st, T, geo, a, False, logits, k_win, v_win)
+                verified(st, T, geo, a, False, logits, k_win, v_win, v_head)
             else:
-                drafted(st, T, geo, a, logits, k_win, v_win)
+                drafted(st, T, geo, a, logits, k_win, v_win, d_head)
             return commit(st, T, geo, a)
 
         key = ("apd", id(verifier), geo, Nb, Db)  # as alone: the verifier is bound into the callable
@@ -146,13 +154,14 @@ class FastApd:
         """After one of the step's forwards (this request's logits and window K/V): the drafter's -> the draft (and
         the verifier's inputs); the step's last forward -> the acceptance and the commit (step.py's stages)."""
         geo = self.geo
+        d_head, v_head = self.heads()
         if w["phase"] == 0:
-            drafted(self.st, self.tables, geo, w, logits, k_win, v_win)
+            drafted(self.st, self.tables, geo, w, logits, k_win, v_win, d_head)
             if geo.verify:
                 w["verify"], w["phase"] = verify_inputs(self.st, geo, w, w["first"], w["prefix"]), 1
                 return
         else:
-            verified(self.st, self.tables, geo, w, w["first"], logits, k_win, v_win)
+            verified(self.st, self.tables, geo, w, w["first"], logits, k_win, v_win, v_head)
         self.st, self.info = commit(self.st, self.tables, geo, w)
 
     def read_head(self) -> None:
@@ -257,4 +266,4 @@ def _part(f: dict, cache_k, cache_v) -> dict:
     """A forward's `forward_requests` part from its inputs f (step.py's draft_inputs / verify_inputs) over the
     model's cache (cache_k / cache_v: the drafter's or the verifier's)."""
     return dict(tokens=f["tokens"], start=f["start"], cache_k=cache_k, cache_v=cache_v, prefix_len=f["prefix_len"],
-                win_lens=f["win_lens"], bids=None, rows=f["rows"])
+                win_lens=f["win_lens"], bids=None, rows=f["rows"], output=f["output"])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopa_fast import keyed
+from lopa_fast import keyed, ops
 from lopa_fast.decode.shapes import divided, scaled, stop_in_prefix
 from lopa_fast.sampling import finite_rows, top_k_filter, top_p_filter
 
@@ -47,6 +47,7 @@ class ApdGeometry:
     sampling: bool = False  # T > 0: the keyed draft (sampler="keyed"; the seed and T["temperature"] are tables)
     single_temperature: bool = False
     coupled_gumbel: bool = False
+    fused_head: bool = False  # both forwards end in `ops.head_confidence` (T = 0, no filters: `fused_head_wanted`)
 
 
 def apd_knobs(cfg) -> dict[str, float | None]:
@@ -62,9 +63,10 @@ def next_window(curr: int, accepted: int, L: int, geo: ApdGeometry, first: bool)
     return left, right
 
 
-def _first_bad(logits: torch.Tensor, read: torch.Tensor, curr: torch.Tensor) -> torch.Tensor:
-    """0-d long: the sequence position (curr + row) of the first read row holding NaN / inf, or -1."""
-    bad = read & ~finite_rows(logits)
+def _first_bad(finite: torch.Tensor, read: torch.Tensor, curr: torch.Tensor) -> torch.Tensor:
+    """0-d long: the sequence position (curr + row) of the first read row holding NaN / inf (finite [rows] bool:
+    False there), or -1."""
+    bad = read & ~finite
     rows = torch.arange(bad.shape[0], device=bad.device)
     return torch.where(bad.any(), curr + torch.where(bad, rows, bad.shape[0]).min(), -1)
 
@@ -89,19 +91,40 @@ def draft_inputs(st: dict, geo: ApdGeometry, Nb: int, Db: int, first: bool, pref
     # the workspace's last state, possibly a finished request's: an out-of-range index would be a device assert)
     raw_row = torch.where(dvalid, raw_row, 0).clamp(max=Nb - 1)
     return dict(tokens=tokens, start=left, prefix_len=d_prefix, win_lens=(right - left).reshape(1), rows=raw_row,
-                j=j, n_d=n_d, dvalid=dvalid, wcol=wcol)
+                j=j, n_d=n_d, dvalid=dvalid, wcol=wcol, output=_output(geo))
+
+
+def _output(geo: ApdGeometry) -> str:
+    """What a forward of the step returns: the final-normed rows (geo.fused_head: the step applies the head) or the
+    logits."""
+    return "hidden" if geo.fused_head else "logits"
+
+
+def _head(geo: ApdGeometry, out: torch.Tensor, head: torch.Tensor | None, suppress: int | None):
+    """(logits [rows, V], finite [rows] bool, arg-max [rows] or None) of a forward's output: geo.fused_head, the
+    final-normed rows out [rows, H] through `ops.head_confidence` (the raw logits kept, the arg-max taken after
+    `suppress` is set to -inf: one pass over the head, no statistics beyond these); else out is the logits."""
+    if not geo.fused_head:
+        return out, finite_rows(out), None
+    hc = ops.head_confidence(out, head, suppress, entropy=False, keep_logits=True, check=False)
+    return hc.logits, hc.finite, hc.token
 
 
 def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_win: torch.Tensor,
-            v_win: torch.Tensor) -> None:
-    """After the drafter's forward (logits l_d [Db, V_D], window K/V [layers, 1, Nb, Hkv, D]): the window's K/V into
-    the drafter's cache, the non-finite guard and the draft x0 [Db] (the reference's draft_tokens: filters, then
-    argmax, or the keyed draw at T > 0). Adds l_d, nf_d, x0, noise to `a`."""
+            v_win: torch.Tensor, head: torch.Tensor | None = None) -> None:
+    """After the drafter's forward (logits l_d [Db, V_D]; geo.fused_head: its final-normed rows [Db, H] and head the
+    drafter's LM-head weight [V_D, H]; window K/V [layers, 1, Nb, Hkv, D]): the window's K/V into the drafter's
+    cache, the non-finite guard and the draft x0 [Db] (the reference's draft_tokens: filters, then argmax, or the
+    keyed draw at T > 0). Adds l_d (the logits), nf_d, x0, noise to `a`."""
     curr, j, dvalid = st["curr"], a["j"], a["dvalid"]
     if geo.W is not None:  # the window's K/V at rows [left, right): the next step's prefix reads [0, left')
         st["dk"].index_copy_(1, a["wcol"], k_win[:, 0])
         st["dv"].index_copy_(1, a["wcol"], v_win[:, 0])
-    nf_d = _first_bad(l_d, dvalid, curr)
+    l_d, finite, fused_x0 = _head(geo, l_d, head, geo.mask_id if geo.suppress_mask else None)
+    nf_d = _first_bad(finite, dvalid, curr)
+    if fused_x0 is not None:  # T = 0, no filters: the arg-max after the mask's suppression, from the head's pass
+        a.update(l_d=l_d, nf_d=nf_d, x0=fused_x0, noise=None)
+        return
 
     # ---- the draft (the reference's draft_tokens at T = 0: filters, then argmax)
     lg = l_d
@@ -148,26 +171,30 @@ def verify_inputs(st: dict, geo: ApdGeometry, a: dict, first: bool, prefix: tupl
         vrows = torch.where(er <= n_d, curr - 1 + er, 0).clamp(0, Nb - 1)  # AR predictions for curr .. right
         a["vdst"] = wcol
         return dict(tokens=vt, start=zero, prefix_len=0 if prefix is not None else zero, win_lens=right.reshape(1),
-                    rows=vrows)
+                    rows=vrows, output=_output(geo))
     a["vdst"] = torch.where(dvalid, curr + j, Lb)
     return dict(tokens=vtok[None], start=curr, prefix_len=prefix[1] if prefix is not None else curr,
-                win_lens=n_d.reshape(1), rows=j)
+                win_lens=n_d.reshape(1), rows=j, output=_output(geo))
 
 
 def verified(st: dict, T: dict, geo: ApdGeometry, a: dict, first: bool, l_v: torch.Tensor, vk_win: torch.Tensor,
-             vv_win: torch.Tensor) -> None:
-    """After the verifier's forward (logits l_v [Db + 1 (first) or Db, V_ar], window K/V): its K/V into the
-    verifier's cache, the acceptance rule (target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR), quirk Q2; the
-    longest agreeing prefix, at least 1) and prev_logits (Q3 unless exact_prev). Adds accepted, nf_v to `a`."""
+             vv_win: torch.Tensor, head: torch.Tensor | None = None) -> None:
+    """After the verifier's forward (logits l_v [Db + 1 (first) or Db, V_ar]; geo.fused_head: its final-normed rows
+    and head the verifier's LM-head weight [V_ar, H_V]; window K/V): its K/V into the verifier's cache, the
+    acceptance rule (target = argmax(R * l_D[:, :V_ar] + (1 - R) * l_AR), quirk Q2; the longest agreeing prefix, at
+    least 1) and prev_logits (Q3 unless exact_prev). Adds accepted, nf_v to `a`."""
     dev = st["x"].device
     j, n_d, dvalid, x0, l_d, noise = a["j"], a["n_d"], a["dvalid"], a["x0"], a["l_d"], a["noise"]
     Db, Vq, Tmp = j.shape[0], geo.V_ar, T["temperature"]
+    l_v, finite, _ = _head(geo, l_v, head, None)
     ext = l_v if first else torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept
+    if not first:
+        finite = torch.cat([finite_rows(ext[:1]), finite])
     st["vk"].index_copy_(1, a["vdst"], vk_win[:, 0])
     st["vv"].index_copy_(1, a["vdst"], vv_win[:, 0])
     er = torch.arange(Db + 1, device=dev)
     read = (er < n_d) | ((er == n_d) & geo.exact_prev)
-    nf_v = _first_bad(ext, read, st["curr"])
+    nf_v = _first_bad(finite, read, st["curr"])
     l_ar = ext[:Db]
     R = T["R"]  # a runtime knob; written as `R * l_d + (1 - R) * l_ar` with a Python float R computes it
     mix = scaled(l_d[:, :Vq], R) + scaled(l_ar, 1 - R)
