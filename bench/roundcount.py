@@ -42,8 +42,9 @@ LAYER_STAGES = ("attn_proj", "attn_core", "mlp")  # per layer: scaled by real de
 MODEL_STAGES = ("embed", "attn_proj", "attn_core", "mlp", "lm_head")
 FIELDS = ("t", "ovh", "flops", "bytes_f32", "bytes_other", "launches", "syncs", "peak", "roof_meas", "roof_sheet",
           "ops", "eager")  # t: stage wall time; ovh: the counter's own time inside it (t - ovh: the uninstrumented
-# estimate); eager: the launches among `launches` that run outside a captured graph (`captured_sequence`: the lane
-# copies around each replay), priced as eager launches by `project`
+# estimate); eager: the launches among `launches` that run outside a captured graph (`captured_sequence`: a
+# request's move into its lane, once, before its first replay: 7 multi-tensor copies), priced as eager launches by
+# `project`
 
 # ---- H200 constants (each with its source) ------------------------------------------------------------------------
 # datasheet: NVIDIA H200 product brief: HBM3e 4.8 TB/s, dense BF16 tensor core 989 TFLOP/s (1,979 with sparsity)
