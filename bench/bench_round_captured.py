@@ -116,6 +116,8 @@ PARITY_CONFIGS = {
     "lopa_k2_full": dict(strategy="lopa", branching_factor=2, use_full_attention=True, sampling_strategy="neg_entropy"),
     "lopa_k4_block": dict(strategy="lopa", branching_factor=4, use_full_attention=False, sampling_strategy="default"),
     "d2f_block": dict(strategy="d2f", use_full_attention=False, sampling_strategy="margin"),
+    # APD's captured step with its fused head (CUDA's default at T = 0): a tiny causal qwen2 verifier
+    "apd_r07": dict(strategy="apd", apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, max_new_tokens=16),
 }
 PARITY_COMMON = dict(block_size=8, max_new_tokens=16, skip_threshold=0.8, block_add_threshold=0.1,
                      decoded_token_threshold=0.9)
@@ -130,12 +132,14 @@ def stage_parity(dry: bool) -> dict:
     for dtype in dtypes:
         model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2), seed=0, sharpen=6,
                              dtype=dtype).to(dev)
+        verifier = random_model(tiny_hf_config("qwen2", vocab_size=64, num_kv_heads=2), seed=1, sharpen=6,
+                                dtype=dtype).to(dev)
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(0, 60, (9,), generator=g).to(dev) for _ in range(n_prompts)]
         same = total = runs_exact = runs = 0
         per = {}
         for name, kw in configs.items():
-            kw = {**PARITY_COMMON, **kw}
+            kw = dict(kw, verifier=verifier) if kw["strategy"] == "apd" else {**PARITY_COMMON, **kw}
             strategy = kw.pop("strategy")
             for p in prompts:
                 ref = lopa_fast.generate(model, p, strategy, "reference", **kw).generated_ids

@@ -4,10 +4,11 @@
 #      (window 32, prefix 1024) beside the weight-streaming floor (bench/bench_round_captured.py --stage round),
 #      then measured vs projected: those round times next to the CPU-counted H200 projection of the same round
 #      (bench/projection_check.py over bench/results/real_shapes_dream7b.json) and the per-launch costs they imply;
-#   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate);
+#   2. generate(backend="fast", compile=True) vs backend="reference" token parity (tiny fp32: exact; bf16: rate;
+#      LoPA, D2F and APD with its fused head);
 #      then batched generate vs sequential (request-rounds per second, B = 1..16 for d2f / LoPA, B = 1 and 16 for
 #      vanilla, threshold and APD (a 0.5B-shaped verifier), whose steps batch through their drivers:
-#      bench_round_captured --stage batch; 60 s, 5 s of them given to the Triton parity stage);
+#      bench_round_captured --stage batch; 55 s, 5 s of them given to the Triton parity stage);
 #   3. the `gpu` tests (device cache_len under CUDA-graph capture included) and the kernel microbenchmarks (the
 #      fused add + norm + GEMM + SwiGLU / RoPE beside the unfused ops among them: bench_ops' norm_linear rows).
 # Every stage runs under its own `timeout`, so one hang cannot eat the budget (the caps sum to 435 s + the 45 s
@@ -32,8 +33,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the ex
 # --- 1. round latency first (the headline numbers), 2. compile=True token parity
 step round_captured 140 python bench/bench_round_captured.py --stage round --out "$OUT"
 step projection 10 python bench/projection_check.py --out "$OUT"
-step parity_compiled 50 python bench/bench_round_captured.py --stage parity --out "$OUT"
-step batch 60 python bench/bench_round_captured.py --stage batch --out "$OUT"
+step parity_compiled 55 python bench/bench_round_captured.py --stage parity --out "$OUT"
+step batch 55 python bench/bench_round_captured.py --stage batch --out "$OUT"
 
 # --- CUDA kernels (kernels/cuda, lopa_fast/ops/cuda/): parity (the ops' `gpu` tests) + compile checks,
 # then benchmarks
