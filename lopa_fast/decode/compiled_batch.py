@@ -210,8 +210,12 @@ def _build(cr, first: BatchStep, model, Bb: int, label: str, views, captured: bo
                     flat[f"{j}.{k}"] = v
         if captured:  # a D2F round's 27 state fields were 27 graph nodes, now 4 (one multi-tensor copy per dtype)
             _copy(dst, src)
-        else:  # torch.compile: Inductor fuses the copies itself, and its foreach lowering changed APD's tokens (the
-            for d, v in zip(dst, src):  # int64 group, torch 2.13: not understood, so not taken)
+        else:  # torch.compile: per field. A grouped `_foreach_copy_` whose sources are computed from its destinations
+            # at other positions is miscompiled by Inductor (torch 2.13, CPU: the fused kernel reads a destination
+            # while writing it; pytorch/pytorch#198033's class; 8 lines reproduce it with x <- x.flip(0) + 1), and
+            # changed APD's tokens; Inductor fuses the per-field copies itself. (Captured: eager kernels, every
+            # source materialised before the copy, and no source shares storage with another field's destination.)
+            for d, v in zip(dst, src):
                 d.copy_(v)
         return flat
 
