@@ -48,8 +48,29 @@ def models() -> dict:
 
 @pytest.fixture
 def captured(monkeypatch):
-    """The CUDA-graph path on CPU (the capture emulated) for the models the test passes to `rounds`."""
+    """The CUDA-graph path on CPU (the capture emulated) for the models the test passes to `rounds`; every grouped
+    copy it makes (the write-back in the graph, a lane's loads) is checked for aliasing (`_unaliased_copy`)."""
+    from lopa_fast.decode import compiled_batch
+
     monkeypatch.setattr(CompiledRounds, "capture", staticmethod(emulated_capture))
+    calls = []
+    monkeypatch.setattr(compiled_batch, "_copy", _unaliased_copy(compiled_batch._copy, calls))
+    yield
+    assert calls, "no grouped copy was checked"
+
+
+def _unaliased_copy(real, calls: list):
+    """compiled_batch._copy, asserting first that no source shares storage with a destination (its own included):
+    on a GPU one multi-tensor copy kernel moves every pair at once, so a source that is another field's destination
+    would be read while written (the CPU's sequential copies would hide it)."""
+    def copy(dst: list, src: list) -> None:
+        written = {d.untyped_storage().data_ptr(): i for i, d in enumerate(dst) if d.numel()}
+        for j, v in enumerate(src):
+            i = written.get(v.untyped_storage().data_ptr()) if v.numel() else None  # (empty: no storage)
+            assert i is None, f"copy source {j} {tuple(v.shape)} {v.dtype} shares storage with destination {i}"
+        calls.append(len(dst))
+        real(dst, src)
+    return copy
 
 
 def rounds(model) -> CompiledRounds:
