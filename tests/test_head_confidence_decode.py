@@ -92,7 +92,7 @@ def _fusable_step(case) -> bool:
         return False
     if case["strategy"] == "vanilla":
         return not kw.get("alg_temp")
-    return ("threshold" in kw or "factor" in kw) and kw.get("cache") != "dual"
+    return "threshold" in kw or "factor" in kw
 
 
 def _step_cases(full: bool) -> list:
@@ -103,8 +103,8 @@ def _step_cases(full: bool) -> list:
 
 
 def test_fused_head_vanilla_and_threshold_steps(fused):
-    """Dream vanilla (every alg but the alg_temp race) and Dream threshold (threshold / factor rule, no cache or the
-    prefix cache) at T = 0 with the fused head: token-, forward- and counter-equal to the reference on every 4th
+    """Dream vanilla (every alg but the alg_temp race) and Dream threshold (threshold / factor rule, every cache mode:
+    none, prefix, dual) at T = 0 with the fused head: token-, forward- and counter-equal to the reference on every 4th
     fusable case of the step grid (all of them under -m slow)."""
     from tests import test_fast_steps as fs
 
@@ -112,7 +112,7 @@ def test_fused_head_vanilla_and_threshold_steps(fused):
     assert {c["strategy"] for c in cases} == {"vanilla", "threshold"}
     assert {c["kw"].get("alg") for c in cases if c["strategy"] == "vanilla"} >= {"origin", "maskgit_plus",
                                                                                   "topk_margin", "entropy"}
-    assert {c["kw"].get("cache") for c in cases if c["strategy"] == "threshold"} == {None, "prefix"}
+    assert {c["kw"].get("cache") for c in cases if c["strategy"] == "threshold"} == {None, "prefix", "dual"}
     models = fs.step_models()
     for case in cases:
         fs.check(*fs.run_pair(models, case), case)
@@ -135,7 +135,7 @@ def test_fused_head_vanilla_and_threshold_steps_full(fused):
     ("dream", dict(strategy="threshold", factor=1.0, block_length=4, cache="prefix"), True),
     ("dream", dict(strategy="vanilla", steps=8, alg="entropy"), True),
     ("dream", dict(strategy="threshold", entropy_threshold=0.3, block_length=4), False),  # reads float64 entropy
-    ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, cache="dual"), False),  # forward_dual
+    ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, cache="dual"), True),  # forward_dual too
     ("dream", dict(strategy="vanilla", steps=8, alg="maskgit_plus", alg_temp=0.5), False),  # the race's keyed draw
     ("dream", dict(strategy="threshold", threshold=0.9, block_length=4, temperature=0.7), False),  # T > 0
     ("llada", dict(strategy="threshold", threshold=0.9, block_length=4), False),  # LLaDA's float64 statistics

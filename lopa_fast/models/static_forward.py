@@ -1,11 +1,13 @@
 """The fast path's forwards of `DecoderLM` (a mixin: the fused layer stack and the static / batched forwards
-built on it), beside transformer.py's plain layer (`forward_window`, `forward_dual`).
+built on it), beside transformer.py's plain layer (`forward_window`, the reference decoders').
 
 * `forward_static`: one request's window (B branch rows) over a static KV cache; shapes depend only on the bucket
   (capturable / compilable: no host read, no input check).
 * `forward_requests`: several requests' windows packed in one row batch (lopa_fast.decode.batch), each request
   attending over its own cache (or, pooled, over the KV pool in one launch per layer).
-* `_fused_stack`: the fused decoder layers both run (q/k/v and gate/up as one GEMM each over merged weights).
+* `forward_dual`: Fast-dLLM's dual-cache step for one or several requests (each window's K/V written into its
+  cache in place, then attention over the whole cache).
+* `_fused_stack`: the fused decoder layers all three run (q/k/v and gate/up as one GEMM each over merged weights).
 """
 from __future__ import annotations
 
@@ -106,8 +108,74 @@ class FusedForwards:
         h = lops.norm(h.reshape(B * n, -1).index_select(0, rows), self.final_norm_weight())
         return (h if output == "hidden" else F.linear(h, self.head_weight())), ks, vs
 
+    def forward_dual(self, parts: list[dict]) -> list[torch.Tensor]:
+        """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the fused layer stack
+        (`_fused_stack`, as forward_static / forward_requests: merged q/k/v and gate/up GEMMs, the CPU's C++ norms and
+        RoPE, the Triton layer kernels on a GPU).
+
+        parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
+        compiled / captured step: then the rows are written with index_copy_ and nothing is checked on the host),
+        cache_k / cache_v [num_layers, L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V
+        overwrite its rows [start_r, start_r + n_r) in place before the window's queries attend to the whole cache
+        [0, prefix_len_r)), prefix_len (an int), rows [R_r] (the raw rows that get the LM head), attn_backend
+        (optional: the attention backend), output (optional: "logits", the default, or "hidden": the final-normed
+        rows [R_r, H], for the fused head). Every op but attention is row-wise over the packed rows, the RoPE table
+        is computed per request at its own positions, and attention runs per request in the shapes of its solo
+        step, so a request's result is that of running it alone. Returns raw logits [R_r, V] (or hidden rows) per
+        request."""
+        cfg = self.config
+        dev = parts[0]["tokens"].device
+        ns = [p["tokens"].shape[1] for p in parts]
+        offs = [sum(ns[:r]) for r in range(len(ns))]
+        tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
+        static = [torch.is_tensor(p["start"]) for p in parts]
+        pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
+               for p, n, st in zip(parts, ns, static)]
+        b = parts[0].get("attn_backend") or ops_backend.resolve("branch_attention", None, dev)
+        h = F.embedding(tokens, self.embed_weight())
+        lops = _layer_ops(_layer_backend(b, dev), cfg.rms_norm_eps, h.dtype, dev, self.rope_in_fp32)
+        cos = sin = positions = None
+        if lops.norm_linear is not None and all(static):  # the Triton layer forms the tables from the positions
+            positions = torch.cat(pos)
+        else:  # per request at its own positions (an int start: slices of the model's table, as forward_static)
+            ropes = [self.rope_window(p["start"], n, dev) if not st else self.rope_tables(q)
+                     for p, n, st, q in zip(parts, ns, static, pos)]
+            cos, sin = torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes])  # [T, D]
+        no_window = torch.zeros(1, dtype=torch.long, device=dev)
+
+        def attend(i, q, k, v):
+            outs = []
+            for p, off, n, st, dst in zip(parts, offs, ns, static, pos):
+                sl, s = slice(off, off + n), p["start"]
+                ck, cv = p["cache_k"][i], p["cache_v"][i]
+                if st:  # a device start: no host int to slice with
+                    ck.index_copy_(0, dst, k[0, sl])
+                    cv.index_copy_(0, dst, v[0, sl])
+                else:
+                    ck[s : s + n] = k[0, sl]
+                    cv[s : s + n] = v[0, sl]
+                P = p["prefix_len"]
+                if b == "torch" and isinstance(P, int):  # every key valid (the window sits in the cache): one SDPA
+                    # call over the cache's first P rows, no mask (the split formula's ~20 ops a layer: 2x the step)
+                    seen_k, seen_v = (c[None, :P].transpose(1, 2) for c in (ck, cv))  # [1, Hkv, P, D]
+                    outs.append(window_in_cache_sdpa(q[:, sl], seen_k, seen_v, None))
+                else:
+                    outs.append(ops.branch_attention(q[:, sl], ck, cv, P, k[:, sl], v[:, sl], no_window, None, "full",
+                                                     check=False, backend=b))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+        h = self._fused_stack(h, cos, sin, lops, attend, positions=positions, keep_kv=False)[0]
+        h = lops.norm(h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)])),
+                      self.final_norm_weight())
+        rows = h.split([p["rows"].shape[0] for p in parts])
+        want = [r for r, p in zip(rows, parts) if p.get("output", "logits") != "hidden"]
+        if want:  # the logits parts' rows in ONE head GEMM
+            logits = F.linear(h if len(want) == len(rows) else torch.cat(want), self.head_weight())
+            logits = iter(logits.split([r.shape[0] for r in want]))
+        return [r if p.get("output", "logits") == "hidden" else next(logits) for r, p in zip(rows, parts)]
+
     def _fused_stack(self, h: torch.Tensor, cos, sin, lops: "LayerOps", attend, kv_into: tuple | None = None,
-                     positions: torch.Tensor | None = None) -> tuple:
+                     positions: torch.Tensor | None = None, keep_kv: bool = True) -> tuple:
         """Every fused decoder layer over h [B, n, H] (forward_static, forward_requests): the pre-norm, ONE q/k/v
         GEMM over the merged weights, RoPE on q and k (cos / sin [n, D] or [B, n, D]), attend(layer, q [B, n, Hq, D],
         k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (where the callers differ), the o-projection, the MLP pre-norm, ONE
@@ -116,7 +184,8 @@ class FusedForwards:
         kv_into: None, or (k, v) [num_layers, n, Hkv, D] (B = 1): each layer's post-RoPE k and its v are written there
         (forward_static's in-cache round) instead of being collected. positions (int [n] or [B, n], with cos = sin =
         None): the window's positions, from which the tables are formed (`rope_tables`), or, on the norm_linear
-        path, formed by its kernel (6 graph nodes a captured round less).
+        path, formed by its kernel (6 graph nodes a captured round less). keep_kv=False: the caller has the K/V
+        already (forward_dual's attend writes them into the caches): nothing stacked, None and None returned.
         Returns (h [B, n, H], keys, values [num_layers, B, n, Hkv, D], post-RoPE; None and None with kv_into)."""
         cfg = self.config
         B, n = h.shape[:2]
@@ -131,7 +200,7 @@ class FusedForwards:
         if lops.norm_linear is not None and kv_into is None and B * n <= NORM_LINEAR_MAX_ROWS:
             rope = dict(cos=cos, sin=sin) if cos is not None else \
                 dict(positions=positions, inv_freq=self.rope_inv_freq(h.device))
-            return self._norm_linear_stack(h, rope, lops, attend, layers)
+            return self._norm_linear_stack(h, rope, lops, attend, layers, keep_kv)
         if cos is None:
             cos, sin = (t.reshape(*positions.shape, -1) for t in self.rope_tables(positions.reshape(-1)))
         table = lops.rope_table(cos, sin)
@@ -146,11 +215,11 @@ class FusedForwards:
             qkv = F.linear(x, w.qkv_w, w.qkv_b).view(B, n, Hq + 2 * Hkv, D)
             q, k = rope(qkv, table, Hq, Hkv, None if k_into is None else k_into[i])
             v = qkv[:, :, Hq + Hkv :]
-            if v_into is None:
+            if v_into is not None:
+                v_into[i].copy_(v[0])
+            elif keep_kv:
                 ks.append(k)
                 vs.append(v)
-            else:
-                v_into[i].copy_(v[0])
             attn = attend(i, q, k, v)
             # o + h is h + o bit for bit (IEEE addition commutes)
             # F.linear on the layer's tensors: the nn.Module call costs ~4 us more a projection on CPU
@@ -161,9 +230,10 @@ class FusedForwards:
                 x, h = add_norm(down, h, layers[i + 1].attn_norm)
             else:  # the final norm is the caller's, on the LM-head rows only
                 h = h + down
-        return (h, None, None) if kv_into is not None else (h, torch.stack(ks), torch.stack(vs))
+        return (h, torch.stack(ks), torch.stack(vs)) if ks else (h, None, None)
 
-    def _norm_linear_stack(self, h: torch.Tensor, rope: dict, lops: "LayerOps", attend, layers) -> tuple:
+    def _norm_linear_stack(self, h: torch.Tensor, rope: dict, lops: "LayerOps", attend, layers,
+                           keep_kv: bool = True) -> tuple:
         """`_fused_stack` on the Triton layer ops at up to NORM_LINEAR_MAX_ROWS rows: 5 kernels and attention a layer
         (was 8 and attention). The residual add and the pre-norm ride in the q/k/v GEMM's prologue with RoPE as its
         epilogue, the add and the MLP pre-norm in the gate/up GEMM's prologue with SwiGLU as its epilogue
@@ -182,12 +252,13 @@ class FusedForwards:
             h = h if s is None else s
             qkv = qkv.view(B, n, Hq + 2 * Hkv, D)
             q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
-            ks.append(k)
-            vs.append(v)
+            if keep_kv:
+                ks.append(k)
+                vs.append(v)
             o = F.linear(attend(i, q, k, v).reshape(B, n, Hq * D), w.o_w, w.o_b)
             act, h = nl(o, w.gate_up_w, "swiglu", w.mlp_norm, h)
             down = F.linear(act, w.down_w, w.down_b)
-        return h + down, torch.stack(ks), torch.stack(vs)
+        return (h + down, torch.stack(ks), torch.stack(vs)) if ks else (h + down, None, None)
 
     def forward_requests(self, parts: list[dict], mode: str, attn_backend: str | None = None,
                          pool: tuple | None = None) -> list[tuple]:

@@ -8,9 +8,8 @@ merging and saving are plain state-dict operations) and in small numeric convent
 - LLaDA: RoPE applied in fp32 and cast back (`rope_full_precision`); no biases.
 
 Forwards: `model(input_ids)` is the cache-free forward under the family's own attention; `forward_window` is
-the plain layer over a `KVCache` (the reference decoders'); `forward_dual` is Fast-dLLM's dual-cache step (the
-plain layer, a window's K/V written into the cache in place before attending to it); the fast path's fused
-forwards (`forward_static`, `forward_requests`) live in static_forward.py (mixed in).
+the plain layer over a `KVCache` (the reference decoders'); the fast path's fused forwards (`forward_static`,
+`forward_requests`, `forward_dual`: Fast-dLLM's dual-cache step) live in static_forward.py (mixed in).
 """
 from __future__ import annotations
 
@@ -330,7 +329,7 @@ class DecoderLM(FusedForwards, nn.Module):
         """Embedding + every decoder layer for tokens [B, n] at positions [n]; returns h [B, n, H].
 
         attend(layer, q [B, n, Hq, D], k, v [B, n, Hkv, D]) -> o [B, n, Hq, D] (keys post-RoPE) is where the
-        callers differ (forward_window's cache-free / in-place / append modes, forward_dual's packed requests).
+        callers differ (forward_window's cache-free / in-place / append modes).
         rope: (cos, sin) [n, D] given instead of positions (several requests' windows packed in one row, each
         table computed at its own positions)."""
         cfg = self.config
@@ -350,48 +349,3 @@ class DecoderLM(FusedForwards, nn.Module):
             x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
             h = h + w.down(F.silu(w.gate(x)) * w.up(x))
         return h
-
-    def forward_dual(self, parts: list[dict]) -> list[torch.Tensor]:
-        """Fast-dLLM's dual-cache step for one or several requests in ONE packed forward of the plain layer (the
-        in-place mode of `forward_window`, on each request's own static buffer).
-
-        parts[r]: tokens [1, n_r] at positions start_r + arange(n_r) (start_r: an int, or a 0-d long tensor in a
-        compiled / captured step: then the rows are written with index_copy_ and nothing is checked on the host),
-        cache_k / cache_v [num_layers, L_r, Hkv, D] (the request's cache: layer by layer, the window's K/V
-        overwrite its rows [start_r, start_r + n_r) in place before the window's queries attend to the whole cache
-        [0, prefix_len_r)), prefix_len (an int), rows [R_r] (the raw rows that get the LM head), attn_backend
-        (optional: the attention backend). Every op but attention is row-wise over the packed rows, the RoPE table
-        is computed per request at its own positions, and attention runs per request in the shapes of its solo
-        step, so a request's logits are those of running it alone. Returns raw logits [R_r, V] per request."""
-        dev = parts[0]["tokens"].device
-        ns = [p["tokens"].shape[1] for p in parts]
-        offs = [sum(ns[:r]) for r in range(len(ns))]
-        tokens = torch.cat([p["tokens"].reshape(-1) for p in parts])[None]  # [1, T]
-        static = [torch.is_tensor(p["start"]) for p in parts]
-        pos = [p["start"] + torch.arange(n, device=dev) if st else torch.arange(p["start"], p["start"] + n, device=dev)
-               for p, n, st in zip(parts, ns, static)]
-        ropes = [self.rope_tables(q) for q in pos]
-        rope = (torch.cat([c for c, _ in ropes]), torch.cat([s_ for _, s_ in ropes]))
-        no_window = torch.zeros(1, dtype=torch.long, device=dev)
-
-        def attend(i, q, k, v):
-            outs = []
-            for p, off, n, st, dst in zip(parts, offs, ns, static, pos):
-                sl, s = slice(off, off + n), p["start"]
-                ck, cv = p["cache_k"][i], p["cache_v"][i]
-                if st:  # a device start: no host int to slice with
-                    ck.index_copy_(0, dst, k[0, sl])
-                    cv.index_copy_(0, dst, v[0, sl])
-                else:
-                    ck[s : s + n] = k[0, sl]
-                    cv[s : s + n] = v[0, sl]
-                outs.append(ops.branch_attention(q[:, sl], ck, cv, p["prefix_len"], k[:, sl], v[:, sl], no_window,
-                                                 None, "full", check=not st,
-                                                 backend=p.get("attn_backend")))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-        h = self._layers(tokens, None, attend, rope=rope)[0]
-        h = h.index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-        h = rms_norm(h, self.final_norm_weight(), self.config.rms_norm_eps)
-        logits = F.linear(h, self.head_weight())
-        return list(logits.split([p["rows"].shape[0] for p in parts]))

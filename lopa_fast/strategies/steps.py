@@ -98,12 +98,12 @@ def step_fused_head(model, cfg, dream_vanilla: bool, rule: str | None) -> bool:
     no top-p / top-k) where its statistics are what `ops.head_confidence` gives: the Dream family's float32 ones
     (not LLaDA's float64 statistics), Dream vanilla without alg_temp's race (p_max, margin or neg-entropy of each
     row; `origin`: the arg-max), threshold with the threshold or factor rule (p(x0) = p_max; the entropy rule reads
-    the float64 entropy) and without the dual cache (`model.forward_dual` returns logits)."""
+    the float64 entropy), every cache mode (`model.forward_dual` returns the hidden rows too)."""
     if model.config.stats_in_float64 or not fused_head_wanted(cfg, model.device):
         return False
     if dream_vanilla:
         return not cfg.alg_temp
-    return rule in ("threshold", "factor") and cfg.cache != "dual"  # a threshold step (vanilla has no rule)
+    return rule in ("threshold", "factor")  # a threshold step (vanilla has no rule)
 
 
 def step_knobs(cfg) -> dict[str, float | None]:
@@ -169,7 +169,8 @@ def row_logits(info: dict, r: int) -> torch.Tensor:
 class DualForward:
     """`model.forward_dual` as a `forward_requests` for the batch scheduler (lopa_fast.decode.batch groups a round's
     forwards by (this, mask, backend): equal for every request of one model). Returns (logits, None, None) per
-    request: the window's K/V are already in each request's cache."""
+    request (or the hidden rows of a part with output="hidden"): the window's K/V are already in each request's
+    cache."""
 
     model: Any
 

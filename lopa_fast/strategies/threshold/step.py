@@ -42,7 +42,7 @@ def pre(st: dict, T: dict, geo: StepGeometry, kind: str, sizes: tuple, s: int | 
         pos, valid, raw = steps.rows(sd, sd + geo.B, geo.B, L, geo.shift, win_start=sd)
     if kind == "dual":
         a = dict(tokens=x.index_select(0, pos)[None], start=start, cache_k=st["ck"], cache_v=st["cv"], prefix_len=L,
-                 rows=raw, attn_backend=geo.attn_backend)
+                 rows=raw, attn_backend=geo.attn_backend, output="hidden" if geo.fused_head else "logits")
     elif kind == "prefix":
         cols = (sd + torch.arange(sizes[0], device=dev)).clamp(max=L - 1)
         a = steps.args(st, x.index_select(0, cols)[None], start, start, (L - sd).reshape(1), raw, geo)
