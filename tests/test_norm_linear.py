@@ -212,3 +212,40 @@ def test_layer_loop_runs_every_layer_through_it(monkeypatch):
         assert ("norm_linear", "rope") not in seen and ("rope", None) in seen and ("silu_mul", None) in seen
     finally:
         sf._LAYER_OPS.clear()
+
+
+def test_forward_dual_on_the_triton_layer():
+    """Fast-dLLM's dual-cache forward (`forward_dual`: the block's K/V into the cache in place, then attention over
+    the whole cache) on the Triton layer ops, two requests packed, one with a host start and one with a device start
+    (the kernel forms its RoPE tables): its logits, hidden rows and the caches it wrote equal the torch layer's within
+    tolerance (interpreter, fp32)."""
+    from lopa_fast.models import static_forward as sf
+    from lopa_fast.testing import random_model, tiny_hf_config
+
+    model = random_model(tiny_hf_config("dream", vocab_size=64, num_kv_heads=2, num_layers=2), seed=4)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    L = 16
+    caches = [(torch.randn(cfg.num_layers, L, cfg.num_kv_heads, cfg.head_dim, generator=g),
+               torch.randn(cfg.num_layers, L, cfg.num_kv_heads, cfg.head_dim, generator=g)) for _ in range(2)]
+
+    def run(backend, device_start):
+        parts = []
+        for r, (ck, cv) in enumerate(caches):
+            start = 4 + 4 * r
+            parts.append(dict(tokens=torch.randint(0, 60, (1, 4), generator=torch.Generator().manual_seed(r)),
+                              start=torch.tensor(start) if device_start and r == 1 else start,
+                              cache_k=ck.clone(), cache_v=cv.clone(), prefix_len=L, rows=torch.arange(4),
+                              attn_backend=backend, output="hidden" if r == 1 else "logits"))
+        return model.forward_dual(parts), [(p["cache_k"], p["cache_v"]) for p in parts]
+
+    sf._LAYER_OPS.clear()
+    try:
+        want, want_caches = run("torch", False)
+        for device_start in (False, True):
+            got, got_caches = run("triton", device_start)
+            assert got[0].shape == (4, cfg.vocab_size) and got[1].shape == (4, cfg.hidden_size)
+            for a, b in zip(got + [t for c in got_caches for t in c], want + [t for c in want_caches for t in c]):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    finally:
+        sf._LAYER_OPS.clear()
