@@ -47,8 +47,49 @@ def count(model, verifier, prompts, knobs: dict, fused: str) -> tuple[int, int, 
         rounds = rc.Rounds(model.config.num_layers)
         with torch.inference_mode(), rc.OpCounter(rounds):
             outs = [lopa_fast.generate(model, p, **kw) for p in prompts]
-    launches = sum(st["launches"] for rec in rounds.records for name, st in rec.items() if name != "meta")
-    return launches, sum(o.stats["forwards"] for o in outs), [o.generated_ids for o in outs]
+    return _launches(rounds), sum(o.stats["forwards"] for o in outs), [o.generated_ids for o in outs]
+
+
+STAGES = ("draft_inputs", "drafted", "verify_inputs", "verified", "commit")  # strategies/apd/step.py's functions
+
+
+def stage_launches(model, verifier, prompts, knobs: dict) -> tuple[dict, int]:
+    """({stage: launches}, steps) with the fused head: the launches of each of step.py's functions (STAGES; the rest,
+    the two forwards and the driver, under "forwards / driver"), counted by the same counter."""
+    from lopa_fast.strategies.apd import driver, step
+
+    rounds = rc.Rounds(model.config.num_layers)
+    per = dict.fromkeys(("forwards / driver",) + STAGES, 0)
+    where = ["forwards / driver"]
+    real = {name: getattr(step, name) for name in STAGES}
+
+    def timed(name):
+        def run(*a, **k):
+            before, prev = _launches(rounds), where[0]
+            where[0] = name
+            try:
+                return real[name](*a, **k)
+            finally:
+                per[name] += _launches(rounds) - before
+                where[0] = prev
+        return run
+
+    extra = {"verifier": verifier} if knobs["apd_mixture_weight"] is not None else {}
+    kw = dict(backend="fast", max_new_tokens=evaluate.GEN_LEN, temperature=0.0, **knobs, **extra)
+    with rc.gpu_sequence(), mock.patch.dict(os.environ, {"LOPA_FAST_FUSED_HEAD": "1"}), \
+            mock.patch.multiple(driver, **{name: timed(name) for name in STAGES}):
+        lopa_fast.generate(model, prompts[0], **kw)
+        with torch.inference_mode(), rc.OpCounter(rounds):
+            start = _launches(rounds)
+            outs = [lopa_fast.generate(model, p, **kw) for p in prompts]
+            total = _launches(rounds) - start
+    per = {k: v for k, v in per.items() if k != "forwards / driver"}
+    per["forwards / driver"] = total - sum(per.values())
+    return per, sum(o.stats["forwards"] for o in outs)
+
+
+def _launches(rounds) -> float:
+    return sum(st["launches"] for rec in rounds.records for name, st in rec.items() if name != "meta")
 
 
 def main() -> None:
@@ -68,6 +109,13 @@ def main() -> None:
           "T = 0; `bench/roundcount.gpu_sequence` (each Triton kernel one launch). Tokens equal in both columns.\n")
     print(tabulate(rows, headers=["row", "steps", "launches / step (unfused head)", "fused head", "fewer"],
                    tablefmt="github"))
+    print("\nWhere a step's launches are, with the fused head (step.py's functions; the rest: the two forwards and the "
+          "driver):\n")
+    srows = []
+    for name in ("apd-r0.7", "leftright-k1"):
+        per, steps = stage_launches(model, verifier, prompts, ROWS[name])
+        srows.append([name] + [f"{per[k] / steps:.1f}" for k in ("forwards / driver",) + STAGES])
+    print(tabulate(srows, headers=["row", "forwards / driver", *STAGES], tablefmt="github"))
     print("\nCommand: `python bench/apd_step_launches.py > bench/results/apd_launches.md`")
 
 
