@@ -186,9 +186,11 @@ def verified(st: dict, T: dict, geo: ApdGeometry, a: dict, first: bool, l_v: tor
     dev = st["x"].device
     j, n_d, dvalid, x0, l_d, noise = a["j"], a["n_d"], a["dvalid"], a["x0"], a["l_d"], a["noise"]
     Db, Vq, Tmp = j.shape[0], geo.V_ar, T["temperature"]
-    l_v, finite, _ = _head(geo, l_v, head, None)
+    l_v, finite, _ = (_head(geo, l_v, head, None) if geo.fused_head else (l_v, None, None))
     ext = l_v if first else torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept
-    if not first:
+    if finite is None:  # the unfused logits: one pass over every row read
+        finite = finite_rows(ext)
+    elif not first:  # the fused head's flags, and the kept row's
         finite = torch.cat([finite_rows(ext[:1]), finite])
     st["vk"].index_copy_(1, a["vdst"], vk_win[:, 0])
     st["vv"].index_copy_(1, a["vdst"], vv_win[:, 0])
