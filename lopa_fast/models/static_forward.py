@@ -165,14 +165,20 @@ class FusedForwards:
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
         h = self._fused_stack(h, cos, sin, lops, attend, positions=positions, keep_kv=False)[0]
-        h = lops.norm(h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)])),
-                      self.final_norm_weight())
-        rows = h.split([p["rows"].shape[0] for p in parts])
-        want = [r for r, p in zip(rows, parts) if p.get("output", "logits") != "hidden"]
-        if want:  # the logits parts' rows in ONE head GEMM
-            logits = F.linear(h if len(want) == len(rows) else torch.cat(want), self.head_weight())
+        h = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
+        return self._head_rows(lops.norm(h, self.final_norm_weight()), parts)
+
+    def _head_rows(self, hs: torch.Tensor, parts: list[dict]) -> list[torch.Tensor]:
+        """Per part, its final-normed LM-head rows of hs [sum R_r, H] (packed in the parts' order): raw logits
+        [R_r, V], or the rows themselves for a part with output="hidden" (the fused head's); the logits parts' rows
+        go through ONE head GEMM (all of hs when no part asks for hidden rows)."""
+        hidden = [p.get("output", "logits") == "hidden" for p in parts]
+        rows = hs.split([p["rows"].shape[0] for p in parts])
+        want = [r for r, hid in zip(rows, hidden) if not hid]
+        if want:
+            logits = F.linear(hs if len(want) == len(rows) else torch.cat(want), self.head_weight())
             logits = iter(logits.split([r.shape[0] for r in want]))
-        return [r if p.get("output", "logits") == "hidden" else next(logits) for r, p in zip(rows, parts)]
+        return [r if hid else next(logits) for r, hid in zip(rows, hidden)]
 
     def _fused_stack(self, h: torch.Tensor, cos, sin, lops: "LayerOps", attend, kv_into: tuple | None = None,
                      positions: torch.Tensor | None = None, keep_kv: bool = True) -> tuple:
@@ -348,16 +354,7 @@ class FusedForwards:
         h, K, V = self._fused_stack(h, cos, sin, lops, attend, None, positions)  # K, V: [layers, 1, T, Hkv, D]
         # the LM-head rows of every request: its flat rows, offset to its packed block
         hs = h[0].index_select(0, torch.cat([off + p["rows"] for p, off in zip(parts, offs)]))
-        hs = lops.norm(hs, self.final_norm_weight())
-        hidden = [p.get("output", "logits") == "hidden" for p in parts]
-        rows = hs.split([p["rows"].shape[0] for p in parts])  # per request
-        # the logits parts' rows in ONE head GEMM (all of hs when no part asks for hidden rows), the hidden parts'
-        # rows as they are
-        want = [r for r, hid in zip(rows, hidden) if not hid]
-        if want:
-            logits = F.linear(hs if len(want) == len(rows) else torch.cat(want), self.head_weight())
-            logits = iter(logits.split([r.shape[0] for r in want]))
-        heads = [r if hid else next(logits) for r, hid in zip(rows, hidden)]
+        heads = self._head_rows(lops.norm(hs, self.final_norm_weight()), parts)
         out = []
         for head, off, (NBr, Nbr) in zip(heads, offs, shapes):
             kv = [t[:, 0, off : off + NBr * Nbr].reshape(t.shape[0], NBr, Nbr, t.shape[3], D) for t in (K, V)]

@@ -101,11 +101,12 @@ def _output(geo: ApdGeometry) -> str:
 
 
 def _head(geo: ApdGeometry, out: torch.Tensor, head: torch.Tensor | None, suppress: int | None):
-    """(logits [rows, V], finite [rows] bool, arg-max [rows] or None) of a forward's output: geo.fused_head, the
-    final-normed rows out [rows, H] through `ops.head_confidence` (the raw logits kept, the arg-max taken after
-    `suppress` is set to -inf: one pass over the head, no statistics beyond these); else out is the logits."""
+    """(logits [rows, V], finite [rows] bool or None, arg-max [rows] or None) of a forward's output: geo.fused_head,
+    the final-normed rows out [rows, H] through `ops.head_confidence` (the raw logits kept, the arg-max taken after
+    `suppress` is set to -inf: one pass over the head, no statistics beyond these); else out is the logits, returned
+    with None and None (the caller checks finiteness over the rows it reads)."""
     if not geo.fused_head:
-        return out, finite_rows(out), None
+        return out, None, None
     hc = ops.head_confidence(out, head, suppress, entropy=False, keep_logits=True, check=False)
     return hc.logits, hc.finite, hc.token
 
@@ -121,7 +122,7 @@ def drafted(st: dict, T: dict, geo: ApdGeometry, a: dict, l_d: torch.Tensor, k_w
         st["dk"].index_copy_(1, a["wcol"], k_win[:, 0])
         st["dv"].index_copy_(1, a["wcol"], v_win[:, 0])
     l_d, finite, fused_x0 = _head(geo, l_d, head, geo.mask_id if geo.suppress_mask else None)
-    nf_d = _first_bad(finite, dvalid, curr)
+    nf_d = _first_bad(finite_rows(l_d) if finite is None else finite, dvalid, curr)
     if fused_x0 is not None:  # T = 0, no filters: the arg-max after the mask's suppression, from the head's pass
         a.update(l_d=l_d, nf_d=nf_d, x0=fused_x0, noise=None)
         return
@@ -186,7 +187,7 @@ def verified(st: dict, T: dict, geo: ApdGeometry, a: dict, first: bool, l_v: tor
     dev = st["x"].device
     j, n_d, dvalid, x0, l_d, noise = a["j"], a["n_d"], a["dvalid"], a["x0"], a["l_d"], a["noise"]
     Db, Vq, Tmp = j.shape[0], geo.V_ar, T["temperature"]
-    l_v, finite, _ = (_head(geo, l_v, head, None) if geo.fused_head else (l_v, None, None))
+    l_v, finite, _ = _head(geo, l_v, head, None)
     ext = l_v if first else torch.cat([st["prev"][None].to(l_v.dtype), l_v], 0)  # row 0: the prediction kept
     if finite is None:  # the unfused logits: one pass over every row read
         finite = finite_rows(ext)
