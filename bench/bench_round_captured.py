@@ -112,15 +112,19 @@ def stage_round(dry: bool) -> dict:
                 torch=torch.__version__, weight_bytes=weight_bytes(model), rows=rows, summary=summary)
 
 
-PARITY_CONFIGS = {
-    "lopa_k2_full": dict(strategy="lopa", branching_factor=2, use_full_attention=True, sampling_strategy="neg_entropy"),
-    "lopa_k4_block": dict(strategy="lopa", branching_factor=4, use_full_attention=False, sampling_strategy="default"),
-    "d2f_block": dict(strategy="d2f", use_full_attention=False, sampling_strategy="margin"),
-    # APD's captured step with its fused head (CUDA's default at T = 0): a tiny causal qwen2 verifier
-    "apd_r07": dict(strategy="apd", apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, max_new_tokens=16),
-}
 PARITY_COMMON = dict(block_size=8, max_new_tokens=16, skip_threshold=0.8, block_add_threshold=0.1,
-                     decoded_token_threshold=0.9)
+                     decoded_token_threshold=0.9)  # the D2F / LoPA rounds' knobs
+VERIFIER = "verifier"  # a config's verifier=VERIFIER: the stage's tiny causal qwen2 model of the run's dtype
+PARITY_CONFIGS = {
+    "lopa_k2_full": dict(PARITY_COMMON, strategy="lopa", branching_factor=2, use_full_attention=True,
+                         sampling_strategy="neg_entropy"),
+    "lopa_k4_block": dict(PARITY_COMMON, strategy="lopa", branching_factor=4, use_full_attention=False,
+                          sampling_strategy="default"),
+    "d2f_block": dict(PARITY_COMMON, strategy="d2f", use_full_attention=False, sampling_strategy="margin"),
+    # APD's captured step with its fused head (CUDA's default at T = 0)
+    "apd_r07": dict(strategy="apd", apd_mixture_weight=0.7, kv_window=4, max_lookahead=8, max_new_tokens=16,
+                    verifier=VERIFIER),
+}
 
 
 def stage_parity(dry: bool) -> dict:
@@ -139,7 +143,7 @@ def stage_parity(dry: bool) -> dict:
         same = total = runs_exact = runs = 0
         per = {}
         for name, kw in configs.items():
-            kw = dict(kw, verifier=verifier) if kw["strategy"] == "apd" else {**PARITY_COMMON, **kw}
+            kw = dict(kw, verifier=verifier) if kw.get("verifier") == VERIFIER else dict(kw)
             strategy = kw.pop("strategy")
             for p in prompts:
                 ref = lopa_fast.generate(model, p, strategy, "reference", **kw).generated_ids
