@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from lopa_fast import ops
 from lopa_fast.strategies.lopa import round as rnd
 from lopa_fast.strategies.lopa import round_stats
 from lopa_fast.strategies.lopa.driver import FastDecoder, round_key
@@ -101,13 +102,13 @@ def rank_message(st: dict, T: dict, geo, cfg, Nb: int, Rmax: int, holder, logits
             return msg, rows
         # (with no row of its own, only the last_logit row: `fused_head_stats` of the empty hidden rows)
         fused = round_stats.fused_head_stats(st, cfg, geo, logits, head)
-        msg[2] = round_stats.first_bad(fused.finite, flat, n_real, geo.NB * Nb) if n else -1
+        msg[2] = ops.first_bad(fused.finite, flat, n_real, geo.NB * Nb, check=False) if n else -1
         conf, x0, p = fused.table
         rows = fused.logits if geo.shift else logits
     else:
         table = torch.cat([st["last_logit"][None, :].to(logits.dtype), logits], 0) if geo.shift else logits
         t = round_stats.temperature(T, cfg)
-        msg[2] = round_stats.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
+        msg[2] = ops.first_nonfinite(logits, flat, n_real, geo.NB * Nb, t) if n else -1
         if table.shape[0] == 0:
             return msg, rows
         # None at T = 0; with no row of its own a rank still keys its last_logit row (row_keys' row 0)

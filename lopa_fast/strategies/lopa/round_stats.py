@@ -4,8 +4,9 @@ The statistics table has one row per needed LM-head row (in ascending flat windo
 preceded under Dream's shift by the stale last_logit's row (table row 0). Two ways to fill it: from logits rows
 (`token_stats`: the reference decoders' formula, or the fused `ops.confidence` kernel) or from the final-normed
 hidden rows (`fused_head_stats`: `ops.head_confidence`, the [R, V] logits never exist). Plus the keyed sampler's
-keys of the rows (`row_keys`) and the numerics guard (`first_nonfinite`). Pure functions of device tensors:
-eager, compiled and captured rounds (and lopa_fast.distributed's share of a round) run the same code.
+keys of the rows (`row_keys`); the numerics guard is the ops' (`ops.first_nonfinite`, `ops.first_bad`). Pure
+functions of device tensors: eager, compiled and captured rounds (and lopa_fast.distributed's share of a round) run
+the same code.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import NamedTuple
 import torch
 
 from lopa_fast import keyed, ops
-from lopa_fast.reference.ops import first_bad, first_nonfinite  # noqa: F401 (the round's guard: its oracle)
 from lopa_fast.sampling import NEG_ENTROPY_EPS, chunk_rows
 from lopa_fast.sampling import token_stats as softmax_token_stats
 
